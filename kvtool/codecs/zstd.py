@@ -1,0 +1,90 @@
+"""Codec 1, `zstd`: lossless Zstandard over byte planes.
+
+With `shuffle: "byteplane"` (the default) the payload is the Zstandard frame of
+the tensor's bytes regrouped by significance: every element's most significant
+byte first, then the next, down to the least significant (for bf16/fp16: all
+high bytes, then all low bytes). The exponent-carrying high bytes of KV values
+are highly repetitive while the low mantissa bytes are nearly random, so
+separating them lets the entropy coder see the redundancy (bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import zstandard
+
+from ..dtypes import itemsize
+from ..errors import CodecParamsInvalid, DecodeError
+from . import register
+from .base import Codec
+from .raw import tensor_bytes
+
+SHUFFLES = ("byteplane", "none")
+
+
+class ZstdCodec(Codec):
+    name = "zstd"
+    codec_id = 1
+    params_version = 1
+    lossless = True
+
+    def default_params(self) -> dict[str, Any]:
+        return {"version": 1, "level": 3, "shuffle": "byteplane"}
+
+    def validate_params(self, params: Any) -> dict[str, Any]:
+        params = {**self.default_params(), **self._check_version(params)}
+        self._reject_unknown_keys(self.name, params, {"version", "level", "shuffle"})
+        level = params["level"]
+        if not isinstance(level, int) or isinstance(level, bool) or not -7 <= level <= 22:
+            raise CodecParamsInvalid(f"zstd: level must be an integer in [-7, 22], got {level!r}")
+        if params["shuffle"] not in SHUFFLES:
+            raise CodecParamsInvalid(f"zstd: shuffle must be one of {', '.join(SHUFFLES)}, "
+                                     f"got {params['shuffle']!r}")
+        return params
+
+    def encode(self, kv: torch.Tensor, params: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+        data = shuffle_planes(kv) if params["shuffle"] == "byteplane" else tensor_bytes(kv)
+        return zstandard.ZstdCompressor(level=params["level"]).compress(data), params
+
+    def decode(self, payload, shape, dtype, params):
+        expected = math.prod(shape) * itemsize(dtype)
+        try:
+            frame = zstandard.frame_content_size(payload)
+        except zstandard.ZstdError as err:
+            raise DecodeError(f"zstd payload is not a zstd frame ({err})") from None
+        if frame not in (expected, -1):  # -1: size not recorded (other writers)
+            raise DecodeError(f"zstd frame holds {frame} bytes, shape needs {expected}")
+        try:
+            data = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected)
+        except zstandard.ZstdError as err:
+            raise DecodeError(f"zstd payload is corrupt ({err})") from None
+        if len(data) != expected:
+            raise DecodeError(f"zstd payload decoded to {len(data)} bytes, shape needs {expected}")
+        if params["shuffle"] == "byteplane":
+            return unshuffle_planes(data, shape, dtype)
+        return torch.frombuffer(bytearray(data), dtype=dtype).view(shape) if expected else \
+            torch.empty(shape, dtype=dtype)
+
+
+def shuffle_planes(t: torch.Tensor) -> memoryview:
+    """Regroup bytes: plane 0 = most significant byte of every element, and so on."""
+    k = t.element_size()
+    as_bytes = t.contiguous().view(torch.uint8).reshape(-1, k)  # [n, k], k-1 = most significant
+    planes = as_bytes.flip(1).t().contiguous()  # [k, n]
+    return memoryview(planes.reshape(-1).numpy())
+
+
+def unshuffle_planes(data: bytes, shape, dtype: torch.dtype) -> torch.Tensor:
+    k = itemsize(dtype)
+    n = math.prod(shape)
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    planes = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(k, n)  # [k, n]
+    as_bytes = planes.t().flip(1).contiguous()  # [n, k]
+    return as_bytes.view(dtype).view(shape)
+
+
+register(ZstdCodec())

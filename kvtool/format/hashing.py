@@ -1,0 +1,50 @@
+"""Chained prefix hashes and blob checksums (format-spec/container.md, "Hashes").
+
+prefix_hash[-1] = 32 zero bytes
+prefix_hash[i]  = SHA-256(prefix_hash[i-1] || u32le(token_ids[start_i:end_i]))
+
+so chunk i's hash names the whole token prefix [0, end_i): two files that share
+a prefix share the hashes of the chunks inside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+ZERO_HASH = bytes(32)
+
+
+def crc32(data) -> int:
+    """CRC-32 (ISO-HDLC polynomial, as zlib, gzip and PNG use it)."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(token_ids, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in an unsigned 32-bit integer")
+    return arr.astype("<u4").tobytes()
+
+
+def chain_hash(previous: bytes, chunk_token_ids: Sequence[int] | np.ndarray) -> bytes:
+    return hashlib.sha256(previous + tokens_to_bytes(chunk_token_ids)).digest()
+
+
+def prefix_hashes(token_ids: Sequence[int] | np.ndarray, chunk_size: int) -> list[str]:
+    """Hex prefix hash of every chunk of `token_ids` cut at `chunk_size`."""
+    arr = np.asarray(token_ids, dtype=np.int64)
+    out: list[str] = []
+    h = ZERO_HASH
+    for start in range(0, len(arr), chunk_size):
+        h = chain_hash(h, arr[start:start + chunk_size])
+        out.append(h.hex())
+    return out
+
+
+def chunk_ranges(num_tokens: int, chunk_size: int) -> Iterable[tuple[int, int]]:
+    for start in range(0, num_tokens, chunk_size):
+        yield start, min(start + chunk_size, num_tokens)

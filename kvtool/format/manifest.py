@@ -1,0 +1,312 @@
+"""The JSON manifest: typed view, serialisation, and hostile-input validation.
+
+The schema is format-spec/manifest.schema.json; the checks here are that schema
+plus the cross-field rules of format-spec/container.md ("Reader obligations").
+Every rejection raises one of the named errors in kvtool.errors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import codecs
+from ..dtypes import KV_DTYPES, itemsize
+from ..errors import (
+    BlobOutOfBounds,
+    BlobOverlap,
+    DuplicateField,
+    ManifestCorrupt,
+    ManifestInvalid,
+    MissingField,
+    UnsupportedDtype,
+)
+from . import layout
+
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+EXTRA_DTYPES = {**{k: itemsize(v) for k, v in KV_DTYPES.items()}, "bool": 1}
+KNOWN_EXTRAS = {"hidden_states", "roi_mask"}
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    offset: int
+    length: int
+    crc32: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"offset": self.offset, "length": self.length, "crc32": self.crc32}
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    index: int
+    start: int
+    end: int
+    prefix_hash: str
+    codec: str
+    codec_id: int
+    codec_params: dict[str, Any]
+    blob: BlobRef
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def decoded_bytes(self) -> int:
+        return math.prod(self.shape) * EXTRA_DTYPES[self.dtype]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"start": self.start, "end": self.end, "prefix_hash": self.prefix_hash,
+                "codec": self.codec, "codec_id": self.codec_id, "codec_params": self.codec_params,
+                **self.blob.to_json(), "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class ExtraEntry:
+    name: str
+    blob: BlobRef
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.blob.to_json(), "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass
+class Manifest:
+    model: dict[str, Any]
+    kv_dtype: str
+    num_tokens: int
+    chunk_size: int
+    tokens: BlobRef
+    chunks: list[ChunkEntry]
+    extras: dict[str, ExtraEntry] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return self.model["num_layers"]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model["num_kv_heads"]
+
+    @property
+    def head_dim(self) -> int:
+        return self.model["head_dim"]
+
+    @property
+    def hidden_kv(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "kv": {"dtype": self.kv_dtype, "layout": "kv_blob"},
+            "sequence": {"num_tokens": self.num_tokens, "chunk_size": self.chunk_size,
+                         "tokens": self.tokens.to_json()},
+            "chunks": [c.to_json() for c in self.chunks],
+            "extras": {name: e.to_json() for name, e in self.extras.items()},
+            "metadata": self.metadata,
+        }
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_json(), separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False).encode("utf-8")
+
+
+# --- parsing ------------------------------------------------------------------
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateField(f"manifest repeats the key {key!r}")
+        out[key] = value
+    return out
+
+
+def _reject_constant(name: str) -> None:
+    raise ManifestCorrupt(f"manifest holds the non-JSON constant {name}")
+
+
+def load_json(raw: bytes) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ManifestCorrupt("manifest is not valid UTF-8") from None
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except json.JSONDecodeError as err:
+        raise ManifestCorrupt(f"manifest is not valid JSON ({err.msg} at byte {err.pos})") from None
+    except RecursionError:
+        raise ManifestCorrupt("manifest JSON is nested too deeply") from None
+
+
+def _get(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(obj, dict):
+        raise ManifestInvalid(f"manifest: {where} must be an object")
+    if key not in obj:
+        raise MissingField(f"manifest: {where} lacks the required key {key!r}")
+    value = obj[key]
+    if kind is int or kind == (int,):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+    if not ok:
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise ManifestInvalid(f"manifest: {where}.{key} must be of type {names}")
+    return value
+
+
+def _int(obj: Any, key: str, where: str, lo: int, hi: int) -> int:
+    value = _get(obj, key, int, where)
+    if not lo <= value <= hi:
+        raise ManifestInvalid(f"manifest: {where}.{key} = {value} is outside [{lo}, {hi}]")
+    return value
+
+
+def _blob(obj: Any, where: str) -> BlobRef:
+    return BlobRef(offset=_int(obj, "offset", where, 0, 2**63 - 1),
+                   length=_int(obj, "length", where, 0, 2**63 - 1),
+                   crc32=_int(obj, "crc32", where, 0, 0xFFFFFFFF))
+
+
+def _shape(obj: Any, where: str) -> tuple[int, ...]:
+    dims = _get(obj, "shape", list, where)
+    if not dims or len(dims) > 8 or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in dims):
+        raise ManifestInvalid(f"manifest: {where}.shape must be 1-8 non-negative integers")
+    return tuple(dims)
+
+
+def parse_manifest(raw: bytes, *, data_end: int, alignment: int) -> Manifest:
+    """Parse and validate; `data_end` is where blobs must end (the manifest offset)."""
+    doc = load_json(raw)
+    if not isinstance(doc, dict):
+        raise ManifestInvalid("manifest: the top level must be a JSON object")
+
+    model = _get(doc, "model", dict, "manifest")
+    _get(model, "name", str, "model")
+    _get(model, "architecture", str, "model")
+    num_layers = _int(model, "num_layers", "model", 1, layout.MAX_LAYERS)
+    num_kv_heads = _int(model, "num_kv_heads", "model", 1, layout.MAX_KV_HEADS)
+    head_dim = _int(model, "head_dim", "model", 1, layout.MAX_HEAD_DIM)
+    _get(model, "rope", dict, "model")
+    fingerprint = _get(model, "fingerprint", str, "model")
+    if not re.fullmatch(r"sha256:[0-9a-f]{64}", fingerprint):
+        raise ManifestInvalid("manifest: model.fingerprint must be 'sha256:' and 64 hex digits")
+
+    kv = _get(doc, "kv", dict, "manifest")
+    kv_dtype = _get(kv, "dtype", str, "kv")
+    if kv_dtype not in KV_DTYPES:
+        raise UnsupportedDtype(f"manifest: KV dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    if _get(kv, "layout", str, "kv") != "kv_blob":
+        raise ManifestInvalid("manifest: kv.layout must be 'kv_blob'")
+
+    seq = _get(doc, "sequence", dict, "manifest")
+    num_tokens = _int(seq, "num_tokens", "sequence", 1, layout.MAX_TOKENS)
+    chunk_size = _int(seq, "chunk_size", "sequence", 1, layout.MAX_CHUNK_SIZE)
+    tokens = _blob(_get(seq, "tokens", dict, "sequence"), "sequence.tokens")
+    if tokens.length != 4 * num_tokens:
+        raise ManifestInvalid(
+            f"manifest: token blob holds {tokens.length} bytes, expected 4 x {num_tokens}")
+
+    raw_chunks = _get(doc, "chunks", list, "manifest")
+    expected_chunks = -(-num_tokens // chunk_size)
+    if len(raw_chunks) != expected_chunks:
+        raise ManifestInvalid(f"manifest: {len(raw_chunks)} chunks listed, but {num_tokens} tokens "
+                              f"at chunk size {chunk_size} need {expected_chunks}")
+    hidden_kv = num_kv_heads * head_dim
+    chunks = [_chunk(i, c, chunk_size, num_tokens, num_layers, hidden_kv, kv_dtype)
+              for i, c in enumerate(raw_chunks)]
+
+    extras: dict[str, ExtraEntry] = {}
+    for name, entry in _get(doc, "extras", dict, "manifest").items() if "extras" in doc else ():
+        extras[name] = _extra(name, entry, num_tokens)
+
+    metadata = doc.get("metadata", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ManifestInvalid("manifest: metadata must be an object of strings")
+
+    blobs = [("tokens", tokens)] + [(f"chunk {c.index}", c.blob) for c in chunks] + \
+        [(f"extra {e.name}", e.blob) for e in extras.values()]
+    _check_blob_placement(blobs, data_end=data_end, alignment=alignment)
+    return Manifest(model=model, kv_dtype=kv_dtype, num_tokens=num_tokens, chunk_size=chunk_size,
+                    tokens=tokens, chunks=chunks, extras=extras, metadata=metadata)
+
+
+def _chunk(i: int, c: Any, chunk_size: int, num_tokens: int, num_layers: int, hidden_kv: int,
+           kv_dtype: str) -> ChunkEntry:
+    where = f"chunks[{i}]"
+    start = _int(c, "start", where, 0, layout.MAX_TOKENS)
+    end = _int(c, "end", where, 0, layout.MAX_TOKENS)
+    if (start, end) != (i * chunk_size, min((i + 1) * chunk_size, num_tokens)):
+        raise ManifestInvalid(f"manifest: {where} covers [{start}, {end}), expected "
+                              f"[{i * chunk_size}, {min((i + 1) * chunk_size, num_tokens)})")
+    prefix_hash = _get(c, "prefix_hash", str, where)
+    if not _HEX64.match(prefix_hash):
+        raise ManifestInvalid(f"manifest: {where}.prefix_hash must be 64 lower-case hex digits")
+    name = _get(c, "codec", str, where)
+    codec_id = _int(c, "codec_id", where, 0, 2**31 - 1)
+    codec = codecs.get_codec(codec_id)
+    if codec.name != name:
+        raise ManifestInvalid(f"manifest: {where} names codec {name!r} but id {codec_id} is "
+                              f"{codec.name!r}")
+    params = codec.validate_params(_get(c, "codec_params", dict, where))
+    shape = _shape(c, where)
+    if shape != (2, num_layers, end - start, hidden_kv):
+        raise ManifestInvalid(f"manifest: {where}.shape {list(shape)} is not "
+                              f"[2, {num_layers}, {end - start}, {hidden_kv}]")
+    dtype = _get(c, "dtype", str, where)
+    if dtype != kv_dtype:
+        raise ManifestInvalid(f"manifest: {where}.dtype {dtype!r} differs from the file's {kv_dtype!r}")
+    entry = ChunkEntry(index=i, start=start, end=end, prefix_hash=prefix_hash, codec=name,
+                       codec_id=codec_id, codec_params=params, blob=_blob(c, where), shape=shape,
+                       dtype=dtype)
+    limit = min(layout.MAX_CHUNK_DECODED_BYTES,
+                entry.blob.length * layout.MAX_EXPANSION + layout.EXPANSION_SLACK)
+    if entry.decoded_bytes > limit:
+        raise ManifestInvalid(f"manifest: {where} claims {entry.decoded_bytes} decoded bytes from "
+                              f"{entry.blob.length} stored bytes, beyond the format's limit")
+    return entry
+
+
+def _extra(name: str, e: Any, num_tokens: int) -> ExtraEntry:
+    where = f"extras.{name}"
+    if name not in KNOWN_EXTRAS:
+        raise ManifestInvalid(f"manifest: unknown extra {name!r} (known: {', '.join(sorted(KNOWN_EXTRAS))})")
+    shape = _shape(e, where)
+    dtype = _get(e, "dtype", str, where)
+    if dtype not in EXTRA_DTYPES:
+        raise UnsupportedDtype(f"manifest: {where}.dtype {dtype!r} is not supported")
+    if name == "roi_mask" and (shape != (num_tokens,) or dtype != "bool"):
+        raise ManifestInvalid(f"manifest: {where} must be bool of shape [{num_tokens}]")
+    if name == "hidden_states" and (len(shape) != 2 or shape[0] != num_tokens or dtype == "bool"):
+        raise ManifestInvalid(f"manifest: {where} must be a float tensor of shape [{num_tokens}, hidden]")
+    blob = _blob(e, where)
+    if blob.length != math.prod(shape) * EXTRA_DTYPES[dtype]:
+        raise ManifestInvalid(f"manifest: {where} holds {blob.length} bytes, not the "
+                              f"{math.prod(shape) * EXTRA_DTYPES[dtype]} its shape needs")
+    return ExtraEntry(name=name, blob=blob, shape=shape, dtype=dtype)
+
+
+def _check_blob_placement(blobs: list[tuple[str, BlobRef]], *, data_end: int, alignment: int) -> None:
+    for what, b in blobs:
+        if b.offset < layout.HEADER_SIZE or b.offset + b.length > data_end:
+            raise BlobOutOfBounds(f"{what}: bytes [{b.offset}, {b.offset + b.length}) lie outside "
+                                  f"the data region [{layout.HEADER_SIZE}, {data_end})")
+        if b.offset % alignment:
+            raise BlobOverlap(f"{what}: offset {b.offset} is not a multiple of the alignment {alignment}")
+    ordered = sorted(blobs, key=lambda wb: wb[1].offset)
+    for (what_a, a), (what_b, b) in zip(ordered, ordered[1:]):
+        if a.offset + a.length > b.offset:
+            raise BlobOverlap(f"{what_a} and {what_b} overlap at byte {b.offset}")

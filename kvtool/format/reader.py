@@ -1,0 +1,194 @@
+"""Random-access container reader.
+
+Opening reads three ranges — the 64-byte header, the 32-byte trailer, and the
+manifest the trailer points to — and validates them completely before any blob
+is touched. Each chunk is then one more range, so the same logic serves local
+files (mmap, zero-copy) and object storage (range requests).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import codecs
+from ..dtypes import dtype_from_name
+from ..errors import (
+    ChecksumMismatch,
+    DecodeError,
+    InputFileError,
+    KvtoolError,
+    ManifestCorrupt,
+    ShapeMismatch,
+    TruncatedFile,
+    UsageError,
+)
+from . import layout
+from .hashing import crc32
+from .manifest import BlobRef, ChunkEntry, Manifest, parse_manifest
+
+SUPPORTED_VERSIONS = tuple(f"{major}.x" for major in layout.SUPPORTED_MAJOR_VERSIONS)
+
+
+class ContainerReader:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            self._file = open(self.path, "rb")
+        except FileNotFoundError:
+            raise InputFileError(f"{self.path}: no such file") from None
+        except IsADirectoryError:
+            raise InputFileError(f"{self.path}: is a directory, not a kvtool file") from None
+        except OSError as err:
+            raise InputFileError(f"{self.path}: cannot open ({err.strerror})") from None
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        self.file_size = os.fstat(self._file.fileno()).st_size
+        if self.file_size == 0:
+            raise TruncatedFile(f"{self.path}: file is empty")
+        # A private (copy-on-write) mapping: tensors viewing it are writable
+        # without ever writing to the file.
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+        self._view = memoryview(self._map)
+        self.header = layout.Header.unpack(bytes(self._view[: layout.HEADER_SIZE]))
+        self.trailer = layout.Trailer.unpack(bytes(self._view[-layout.TRAILER_SIZE:]), self.file_size)
+        raw = self._view[self.trailer.manifest_offset:
+                         self.trailer.manifest_offset + self.trailer.manifest_length]
+        if crc32(raw) != self.trailer.manifest_crc32:
+            raise ManifestCorrupt("manifest checksum mismatch (the file is corrupt)")
+        self.manifest: Manifest = parse_manifest(bytes(raw), data_end=self.trailer.manifest_offset,
+                                                 alignment=self.header.alignment)
+
+    # --- metadata ---------------------------------------------------------------
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return self.manifest.model
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest.model["fingerprint"]
+
+    @property
+    def chunks(self) -> list[ChunkEntry]:
+        return self.manifest.chunks
+
+    @property
+    def num_tokens(self) -> int:
+        return self.manifest.num_tokens
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.manifest.kv_dtype)
+
+    @property
+    def version(self) -> str:
+        return f"{self.header.major}.{self.header.minor}"
+
+    # --- blobs ------------------------------------------------------------------
+
+    def blob_bytes(self, blob: BlobRef, *, verify: bool = True, what: str = "blob") -> memoryview:
+        data = self._view[blob.offset: blob.offset + blob.length]
+        if verify and crc32(data) != blob.crc32:
+            raise ChecksumMismatch(f"{what}: CRC-32 mismatch (stored bytes are corrupt)")
+        return data
+
+    def blob_ok(self, blob: BlobRef) -> bool:
+        return crc32(self._view[blob.offset: blob.offset + blob.length]) == blob.crc32
+
+    def token_ids(self, *, verify: bool = True) -> np.ndarray:
+        data = self.blob_bytes(self.manifest.tokens, verify=verify, what="token ids")
+        return np.frombuffer(data, dtype="<u4").astype(np.int64)
+
+    def chunk_payload(self, index: int, *, verify: bool = True) -> memoryview:
+        chunk = self._chunk(index)
+        return self.blob_bytes(chunk.blob, verify=verify, what=f"chunk {index}")
+
+    def read_chunk(self, index: int, *, verify: bool = True) -> torch.Tensor:
+        """Decode chunk `index` into a new KV_BLOB tensor `[2, L, T, C]`."""
+        chunk = self._chunk(index)
+        payload = self.chunk_payload(index, verify=verify)
+        codec = codecs.get_codec(chunk.codec_id)
+        dtype = dtype_from_name(chunk.dtype)
+        try:
+            tensor = codec.decode(payload, chunk.shape, dtype, chunk.codec_params)
+        except KvtoolError:
+            raise
+        except (ValueError, RuntimeError, OverflowError, IndexError) as err:
+            raise DecodeError(f"chunk {index}: {chunk.codec} payload does not decode ({err})") from None
+        if tuple(tensor.shape) != chunk.shape or tensor.dtype != dtype:
+            raise ShapeMismatch(f"chunk {index} decoded to {list(tensor.shape)} {tensor.dtype}, "
+                                f"declared {list(chunk.shape)} {chunk.dtype}")
+        return tensor
+
+    def chunk_view(self, index: int, *, verify: bool = True) -> torch.Tensor:
+        """Zero-copy tensor over a raw chunk's mapped bytes (valid until close())."""
+        chunk = self._chunk(index)
+        if chunk.codec != "raw":
+            raise UsageError(f"chunk {index} is {chunk.codec}-encoded; only raw chunks can be viewed")
+        payload = self.chunk_payload(index, verify=verify)
+        return torch.frombuffer(payload, dtype=dtype_from_name(chunk.dtype)).view(chunk.shape)
+
+    def read_extra(self, name: str, *, verify: bool = True) -> torch.Tensor:
+        extra = self.manifest.extras.get(name)
+        if extra is None:
+            raise UsageError(f"{self.path} has no extra named {name!r}")
+        data = self.blob_bytes(extra.blob, verify=verify, what=f"extra {name}")
+        dtype = torch.bool if extra.dtype == "bool" else dtype_from_name(extra.dtype)
+        if not data.nbytes:
+            return torch.empty(extra.shape, dtype=dtype)
+        return torch.frombuffer(bytearray(data), dtype=dtype).view(extra.shape)
+
+    def read_range(self, start: int, end: int, *, verify: bool = True) -> torch.Tensor:
+        """KV_BLOB for tokens [start, end), decoding only the chunks it touches."""
+        if not 0 <= start < end <= self.num_tokens:
+            raise UsageError(f"token range [{start}, {end}) is outside [0, {self.num_tokens})")
+        size = self.manifest.chunk_size
+        parts = []
+        for i in range(start // size, (end - 1) // size + 1):
+            c = self.chunks[i]
+            parts.append(self.read_chunk(i, verify=verify)[:, :, max(start, c.start) - c.start:
+                                                            min(end, c.end) - c.start])
+        return torch.cat(parts, dim=2)
+
+    def _chunk(self, index: int) -> ChunkEntry:
+        if not 0 <= index < len(self.chunks):
+            raise UsageError(f"chunk {index} does not exist (the file has {len(self.chunks)})")
+        return self.chunks[index]
+
+    # --- lifetime ---------------------------------------------------------------
+
+    def close(self) -> None:
+        view = getattr(self, "_view", None)
+        if view is not None:
+            try:
+                view.release()
+            except BufferError:  # a zero-copy tensor still points into the map
+                pass
+        m = getattr(self, "_map", None)
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:
+                pass
+        self._file.close()
+
+    def __enter__(self) -> "ContainerReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_container(path: str | os.PathLike) -> ContainerReader:
+    return ContainerReader(path)

@@ -1,0 +1,228 @@
+"""Streaming, atomic container writer.
+
+Sections go in a fixed order, enforced by a state enum (as gguf-py's writer
+does): header -> chunks (one by one, as a model produces them) -> extras ->
+tokens, manifest, trailer. Bytes go to a temporary file beside the target;
+`finish()` fsyncs it and renames it over the target, so a crash at any point
+leaves either the old file or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import __version__, codecs
+from ..dtypes import dtype_name
+from ..errors import UsageError
+from . import layout
+from .hashing import ZERO_HASH, chain_hash, crc32, tokens_to_bytes
+from .identity import ModelIdentity
+from .manifest import BlobRef, ChunkEntry, ExtraEntry, Manifest
+
+
+class WriterState(enum.Enum):
+    CHUNKS = 1
+    EXTRAS = 2
+    FINISHED = 3
+    ABORTED = 4
+
+
+class ContainerWriter:
+    """Write one token sequence's KV cache, chunk by chunk.
+
+    >>> with ContainerWriter(path, identity, token_ids, kv_dtype=torch.bfloat16) as w:
+    ...     for start, end in w.chunk_ranges():
+    ...         w.write_chunk(kv_blob_for(start, end), codec="zstd")
+    ... # leaving the block calls finish(); an exception aborts instead
+    """
+
+    def __init__(self, path: str | os.PathLike, identity: ModelIdentity | dict[str, Any],
+                 token_ids, *, kv_dtype: torch.dtype = torch.bfloat16, chunk_size: int = 256,
+                 alignment: int = layout.DEFAULT_ALIGNMENT, metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        if isinstance(identity, ModelIdentity):
+            model = {**identity.to_dict(), "fingerprint": identity.fingerprint()}
+        else:  # a manifest's model object, copied from another file (compress)
+            model = dict(identity)
+            if "fingerprint" not in model:
+                raise UsageError("model identity lacks a fingerprint")
+        self.model = model
+        self.tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if not 1 <= len(self.tokens) <= layout.MAX_TOKENS:
+            raise UsageError(f"a KV file holds 1 to {layout.MAX_TOKENS} tokens, got {len(self.tokens)}")
+        if not 1 <= chunk_size <= layout.MAX_CHUNK_SIZE:
+            raise UsageError(f"chunk size must be in [1, {layout.MAX_CHUNK_SIZE}], got {chunk_size}")
+        if not (layout.MIN_ALIGNMENT <= alignment <= layout.MAX_ALIGNMENT) or alignment & (alignment - 1):
+            raise UsageError(f"alignment must be a power of two in [{layout.MIN_ALIGNMENT}, "
+                             f"{layout.MAX_ALIGNMENT}], got {alignment}")
+        self.kv_dtype = kv_dtype
+        self.kv_dtype_name = dtype_name(kv_dtype)
+        self.chunk_size = chunk_size
+        self.alignment = alignment
+        self.metadata = {"created_by": f"kvtool {__version__}",
+                         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                         **(metadata or {})}
+        self.num_tokens = len(self.tokens)
+        self.num_chunks = -(-self.num_tokens // chunk_size)
+        self.hidden_kv = model["num_kv_heads"] * model["head_dim"]
+        self.chunks: list[ChunkEntry] = []
+        self.extras: dict[str, ExtraEntry] = {}
+        self._prev_hash = ZERO_HASH
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        self._tmp_path = Path(tmp)
+        self._file = os.fdopen(fd, "wb")
+        self._file.write(layout.Header(alignment=alignment).pack())
+        self._pos = layout.HEADER_SIZE
+        self.state = WriterState.CHUNKS
+
+    # --- sections, in order ------------------------------------------------
+
+    def chunk_ranges(self) -> list[tuple[int, int]]:
+        return [(s, min(s + self.chunk_size, self.num_tokens))
+                for s in range(0, self.num_tokens, self.chunk_size)]
+
+    def write_chunk(self, kv: torch.Tensor, codec: str = "raw",
+                    params: dict[str, Any] | None = None) -> ChunkEntry:
+        """Encode and append the next chunk, a KV_BLOB `[2, L, T, C]`."""
+        self._expect(WriterState.CHUNKS, "write_chunk")
+        index = len(self.chunks)
+        if index >= self.num_chunks:
+            raise UsageError(f"all {self.num_chunks} chunks are already written")
+        start, end = index * self.chunk_size, min((index + 1) * self.chunk_size, self.num_tokens)
+        shape = (2, self.model["num_layers"], end - start, self.hidden_kv)
+        if tuple(kv.shape) != shape:
+            raise UsageError(f"chunk {index} has shape {list(kv.shape)}, expected {list(shape)}")
+        kv = kv.detach().to(device="cpu", dtype=self.kv_dtype).contiguous()
+        impl = codecs.get_codec(codec)
+        params = impl.validate_params(params if params is not None else impl.default_params())
+        payload, recorded = impl.encode(kv, params)
+        return self.write_encoded_chunk(payload, impl.name, recorded)
+
+    def write_encoded_chunk(self, payload, codec: str, params: dict[str, Any]) -> ChunkEntry:
+        """Append an already-encoded payload (used by `compress` to copy chunks as they are)."""
+        self._expect(WriterState.CHUNKS, "write_encoded_chunk")
+        index = len(self.chunks)
+        if index >= self.num_chunks:
+            raise UsageError(f"all {self.num_chunks} chunks are already written")
+        impl = codecs.get_codec(codec)
+        start, end = index * self.chunk_size, min((index + 1) * self.chunk_size, self.num_tokens)
+        self._prev_hash = chain_hash(self._prev_hash, self.tokens[start:end])
+        entry = ChunkEntry(index=index, start=start, end=end, prefix_hash=self._prev_hash.hex(),
+                           codec=impl.name, codec_id=impl.codec_id, codec_params=params,
+                           blob=self._append_blob(payload),
+                           shape=(2, self.model["num_layers"], end - start, self.hidden_kv),
+                           dtype=self.kv_dtype_name)
+        self.chunks.append(entry)
+        return entry
+
+    def write_extra(self, name: str, tensor: torch.Tensor) -> None:
+        """Append a per-sequence extra: `hidden_states [T, hidden]` or `roi_mask [T]` (bool)."""
+        if self.state is WriterState.CHUNKS:
+            self._require_all_chunks()
+            self.state = WriterState.EXTRAS
+        self._expect(WriterState.EXTRAS, "write_extra")
+        if name in self.extras:
+            raise UsageError(f"extra {name!r} written twice")
+        tensor = tensor.detach().cpu().contiguous()
+        if name == "roi_mask":
+            tensor = tensor.to(torch.bool)
+            dtype = "bool"
+        else:
+            dtype = dtype_name(tensor.dtype)
+        raw = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        self.extras[name] = ExtraEntry(name=name, blob=self._append_blob(raw),
+                                       shape=tuple(tensor.shape), dtype=dtype)
+
+    def finish(self) -> Manifest:
+        """Write tokens, manifest and trailer, fsync, and rename over the target."""
+        if self.state is WriterState.CHUNKS:
+            self._require_all_chunks()
+            self.state = WriterState.EXTRAS
+        self._expect(WriterState.EXTRAS, "finish")
+        tokens = self._append_blob(tokens_to_bytes(self.tokens))
+        manifest = Manifest(model=self.model, kv_dtype=self.kv_dtype_name,
+                            num_tokens=self.num_tokens, chunk_size=self.chunk_size, tokens=tokens,
+                            chunks=self.chunks, extras=self.extras, metadata=self.metadata)
+        # Validate what we are about to write with the reader's own rules.
+        from .manifest import parse_manifest
+
+        raw = manifest.to_bytes()
+        manifest_offset = layout.align_up(self._pos, layout.MANIFEST_ALIGNMENT)
+        parse_manifest(raw, data_end=manifest_offset, alignment=self.alignment)
+        self._pad_to(manifest_offset)
+        self._file.write(raw)
+        self._file.write(layout.Trailer(manifest_offset, len(raw), crc32(raw)).pack())
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp_path, self.path)
+        _fsync_dir(self.path.parent)
+        self.state = WriterState.FINISHED
+        return manifest
+
+    def abort(self) -> None:
+        if self.state in (WriterState.FINISHED, WriterState.ABORTED):
+            return
+        self.state = WriterState.ABORTED
+        try:
+            self._file.close()
+        finally:
+            self._tmp_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "ContainerWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()
+
+    def __del__(self) -> None:  # a writer dropped without finish() leaves no temp file
+        if getattr(self, "state", None) in (WriterState.CHUNKS, WriterState.EXTRAS):
+            self.abort()
+
+    # --- internals ---------------------------------------------------------
+
+    def _expect(self, state: WriterState, what: str) -> None:
+        if self.state is not state:
+            raise UsageError(f"{what}() is not allowed after the writer reached {self.state.name}")
+
+    def _require_all_chunks(self) -> None:
+        if len(self.chunks) != self.num_chunks:
+            raise UsageError(f"only {len(self.chunks)} of {self.num_chunks} chunks were written")
+
+    def _pad_to(self, offset: int) -> None:
+        if offset > self._pos:
+            self._file.write(bytes(offset - self._pos))
+            self._pos = offset
+
+    def _append_blob(self, payload) -> BlobRef:
+        self._pad_to(layout.align_up(self._pos, self.alignment))
+        view = memoryview(payload).cast("B")
+        ref = BlobRef(offset=self._pos, length=view.nbytes, crc32=crc32(view))
+        self._file.write(view)
+        self._pos += view.nbytes
+        return ref
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
