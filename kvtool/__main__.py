@@ -1,0 +1,3 @@
+from kvtool.cli.app import main
+
+main()

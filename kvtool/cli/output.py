@@ -1,0 +1,29 @@
+"""One output object per command: JSON for machines, rich for people."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+
+stdout_console = Console(highlight=False)
+stderr_console = Console(stderr=True, highlight=False)
+
+
+def emit(result: dict[str, Any], json_mode: bool, render: Callable[[Console, dict[str, Any]], None]) -> None:
+    if json_mode:
+        sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")
+        sys.stdout.flush()
+    else:
+        render(stdout_console, result)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
