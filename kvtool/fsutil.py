@@ -13,6 +13,9 @@ def atomic_write(path: str | os.PathLike, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(fd, 0o666 & ~mask)  # mkstemp's 0600 would hide the result from others
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

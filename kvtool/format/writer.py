@@ -79,6 +79,7 @@ class ContainerWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         self._tmp_path = Path(tmp)
+        os.chmod(fd, 0o666 & ~_current_umask())  # mkstemp's 0600 would hide the result from others
         self._file = os.fdopen(fd, "wb")
         self._file.write(layout.Header(alignment=alignment).pack())
         self._pos = layout.HEADER_SIZE
@@ -226,3 +227,9 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

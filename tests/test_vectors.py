@@ -1,0 +1,100 @@
+"""The committed test vectors decode to their committed tensors, byte for byte."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtool.format import ContainerReader
+
+VECTORS_DIR = Path(__file__).resolve().parents[1] / "format-spec" / "vectors"
+_spec = importlib.util.spec_from_file_location("make_vectors", VECTORS_DIR / "make_vectors.py")
+make_vectors = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_vectors)
+
+ALL = sorted(make_vectors.VECTORS)
+BYTE_EXACT_CODECS = {"raw", "cachegen"}  # zstd output may change with the zstd library
+
+
+def _vector(name: str) -> Path:
+    path = VECTORS_DIR / f"{name}.kvc"
+    if name not in make_vectors.available():
+        pytest.skip(f"codec of {name} is not in this build")
+    assert path.exists(), f"{path} missing: run python format-spec/vectors/make_vectors.py"
+    return path
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_vector_decodes_to_committed_tensor(name):
+    path = _vector(name)
+    expected = (VECTORS_DIR / f"{name}.kv.bin").read_bytes()
+    assert make_vectors.decoded_bytes(path) == expected
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_writer_reproduces_vector(name, tmp_path):
+    path = _vector(name)
+    codec = make_vectors.VECTORS[name][0]
+    rebuilt = tmp_path / "v.kvc"
+    make_vectors.build(name, rebuilt)
+    if codec in BYTE_EXACT_CODECS:
+        assert rebuilt.read_bytes() == path.read_bytes()
+    else:
+        assert make_vectors.decoded_bytes(rebuilt) == make_vectors.decoded_bytes(path)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_vector_regions_tile_the_file(name):
+    """Header, blobs, padding, manifest and trailer cover every byte exactly once."""
+    path = _vector(name)
+    pos = 0
+    for offset, length, _ in make_vectors.regions(path):
+        assert offset == pos
+        pos += length
+    assert pos == path.stat().st_size
+
+
+def test_raw_vector_layout_by_hand():
+    """Parse raw_bf16.kvc with struct and slicing only, as a reader in another language would."""
+    import json
+    import struct
+    import zlib
+
+    data = (VECTORS_DIR / "raw_bf16.kvc").read_bytes()
+    assert data[:8] == b"\x89KVC\r\n\x1a\n"
+    major, minor, header_size, alignment, flags = struct.unpack_from("<HHIII", data, 8)
+    assert (major, minor, header_size, alignment, flags) == (1, 0, 64, 64, 0)
+    offset, length, crc, reserved, end_magic = struct.unpack("<QQII8s", data[-32:])
+    assert end_magic == b"\x89KVCEND\n" and reserved == 0
+    assert offset + length + 32 == len(data)
+    manifest_bytes = data[offset:offset + length]
+    assert zlib.crc32(manifest_bytes) == crc
+    manifest = json.loads(manifest_bytes)
+    expected = torch.frombuffer(bytearray((VECTORS_DIR / "raw_bf16.kv.bin").read_bytes()),
+                                dtype=torch.bfloat16).view(2, 2, 5, 8)
+    for chunk in manifest["chunks"]:
+        blob = data[chunk["offset"]:chunk["offset"] + chunk["length"]]
+        assert zlib.crc32(blob) == chunk["crc32"]
+        got = torch.frombuffer(bytearray(blob), dtype=torch.bfloat16).view(chunk["shape"])
+        assert torch.equal(got, expected[:, :, chunk["start"]:chunk["end"]])
+    tok = manifest["sequence"]["tokens"]
+    assert list(struct.unpack_from("<5I", data, tok["offset"])) == make_vectors.TOKENS
+
+
+def test_vectors_validate_against_json_schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    import json
+
+    schema = json.loads((VECTORS_DIR.parent / "manifest.schema.json").read_text())
+    for name in make_vectors.available():
+        with ContainerReader(VECTORS_DIR / f"{name}.kvc") as r:
+            jsonschema.validate(r.manifest.to_json(), schema)
+
+
+def test_vector_extras():
+    with ContainerReader(VECTORS_DIR / "raw_bf16.kvc") as r:
+        for name, tensor in make_vectors.extras().items():
+            assert torch.equal(r.read_extra(name), tensor)
