@@ -1,0 +1,65 @@
+"""Connectors: move KV between an inference engine's buffers and KV_BLOB memory objects.
+
+Our own implementation of LMCache's GPU connector contract:
+
+* `MemoryObj` (`.tensor`, `.metadata.fmt`), `MemoryObjMetadata`, `MemoryFormat`
+  (`UNDEFINED`, `KV_BLOB`, `BINARY`). KV_BLOB is
+  ``[2, num_layers, num_tokens, num_kv_heads * head_dim]``, K then V: the
+  canonical chunk layout of kvtool's file format.
+* `GPUConnectorInterface`: ``from_gpu(memory_obj, start, end, **kwargs)``
+  (engine -> memory object), ``to_gpu(memory_obj, start, end, **kwargs)``
+  (memory object -> engine), ``get_shape(num_tokens)``, plus
+  ``allocate(num_tokens, dtype, device, pin_memory=)``.
+* `NestedTupleConnector(hidden_dim_size, num_layers)`: whole-sequence
+  tuple over layers of (K, V), each ``[T, H, D]``, ``[T, H*D]`` or HF's
+  ``[1, H, T, D]``; kwarg ``kvcaches``.
+* `PagedMemConnector(hidden_dim_size, num_layers, num_kv_heads=None, head_dim=None)`:
+  per layer (K, V) each ``[num_blocks, block_size, H, D]``; kwargs
+  ``kvcaches``, ``slot_mapping``.
+* `PagedMemConnectorV2(hidden_dim_size, num_layers, use_gpu=False,
+  layout="kv_tuple", num_kv_heads=None, head_dim=None, chunk_size=None)`:
+  full per-token slot mapping with -1 for prefix-cached tokens, layouts
+  `PagedLayout` = "flash_attn" | "flashinfer" | "vllm" | "kv_tuple".
+* `ConnectorError`: every documented failure; a `ValueError` and a
+  `kvtool.errors.KvtoolError`.
+* `gather_paged` / `scatter_paged` (in `paged_copy`): the single boundary a
+  device kernel plugs into (`register_device_impl`); `slot_to_block_offset`
+  and `run_offset` are the index arithmetic a C header mirrors.
+"""
+
+from .base import BLOB_DTYPES, ConnectorError, GPUConnectorInterface
+from .memory import MemoryFormat, MemoryObj, MemoryObjMetadata
+from .nested import NestedTupleConnector
+from .paged import PagedMemConnector, PagedMemConnectorV2
+from .paged_copy import (
+    PagedGeometry,
+    PagedLayout,
+    gather_paged,
+    paged_geometry,
+    register_device_impl,
+    run_offset,
+    scatter_paged,
+    slot_to_block_offset,
+    unregister_device_impl,
+)
+
+__all__ = [
+    "BLOB_DTYPES",
+    "ConnectorError",
+    "GPUConnectorInterface",
+    "MemoryFormat",
+    "MemoryObj",
+    "MemoryObjMetadata",
+    "NestedTupleConnector",
+    "PagedGeometry",
+    "PagedLayout",
+    "PagedMemConnector",
+    "PagedMemConnectorV2",
+    "gather_paged",
+    "paged_geometry",
+    "register_device_impl",
+    "run_offset",
+    "scatter_paged",
+    "slot_to_block_offset",
+    "unregister_device_impl",
+]

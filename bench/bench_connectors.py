@@ -1,0 +1,109 @@
+"""CPU throughput of the paged connectors vs a plain contiguous copy of the same bytes.
+
+    python bench/bench_connectors.py [--layers 30 --heads 3 --head-dim 64 --tokens 256 2048 --block-size 16]
+
+For each layout: gather (from_gpu: paged buffers -> KV_BLOB memory object) and
+scatter (to_gpu: memory object -> a fresh paged buffer), through the whole
+connector (checks included), with a shuffled block table over a pool twice the
+needed size. The baseline is `dst.copy_(src)` of one contiguous tensor of the
+same number of bytes; "ratio" = connector GB/s / baseline GB/s. The row
+"copy x2L" copies the same bytes as 2*num_layers contiguous per-layer tensors
+(a connector's loop and cache footprint without the indexing). Ratios, not
+absolute numbers, are what carry over between machines. Each timing is the
+best of repeated runs (robust to other processes on a shared machine); torch
+runs on `--threads` threads (default 1, the steadiest ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from kvtool.connectors import NestedTupleConnector, PagedMemConnectorV2
+
+LAYOUTS = ["flash_attn", "flashinfer", "vllm", "kv_tuple"]
+
+
+def timeit(fn, min_time=0.3, min_reps=5) -> float:
+    fn()  # warm up
+    times = []
+    t_end = time.perf_counter() + min_time
+    while len(times) < min_reps or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def make_layer(layout, NB, BS, H, D, dtype):
+    if layout == "flash_attn":
+        return torch.randn(2, NB, BS, H, D).to(dtype)
+    if layout == "flashinfer":
+        return torch.randn(NB, 2, BS, H, D).to(dtype)
+    if layout == "vllm":
+        return torch.randn(NB, H, BS, 2 * D).to(dtype)
+    return (torch.randn(NB, BS, H, D).to(dtype), torch.randn(NB, BS, H, D).to(dtype))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048])
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    L, H, D, BS = args.layers, args.heads, args.head_dim, args.block_size
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {L} layers, {H} KV heads, "
+        f"head_dim {D}, {args.dtype}, block_size {BS}"
+    )
+    print(f"{'tokens':>6} {'layout':<12} {'MB':>7} {'gather GB/s':>12} {'ratio':>6} {'scatter GB/s':>13} {'ratio':>6}")
+    for T in args.tokens:
+        need = math.ceil(T / BS)
+        NB = 2 * need
+        table = torch.randperm(NB, generator=gen)[:need]
+        t = torch.arange(T)
+        slots = table[t // BS] * BS + t % BS
+        nbytes = 2 * L * T * H * D * torch.empty((), dtype=dtype).element_size()
+        src = torch.randn(2, L, T, H * D).to(dtype)
+        dst = torch.empty_like(src)
+        base = nbytes / timeit(lambda: dst.copy_(src)) / 1e9
+        print(f"{T:>6} {'torch copy':<12} {nbytes / 1e6:>7.2f} {base:>12.2f} {1.0:>6.2f} {base:>13.2f} {1.0:>6.2f}")
+        # the same bytes as 2*L contiguous [T, H*D] copies from separate tensors
+        # (the per-layer loop and cache footprint of a connector, no indexing)
+        parts = [torch.randn(T, H * D).to(dtype) for _ in range(2 * L)]
+        outs = [o for kv in dst.unbind(0) for o in kv.unbind(0)]
+
+        def per_layer():
+            for o, p in zip(outs, parts):
+                o.copy_(p)
+
+        pl = nbytes / timeit(per_layer) / 1e9
+        print(f"{T:>6} {'copy x2L':<12} {nbytes / 1e6:>7.2f} {pl:>12.2f} {pl / base:>6.2f} {pl:>13.2f} {pl / base:>6.2f}")
+        for layout in LAYOUTS:
+            bufs = [make_layer(layout, NB, BS, H, D, dtype) for _ in range(L)]
+            fresh = [make_layer(layout, NB, BS, H, D, dtype) for _ in range(L)]
+            conn = PagedMemConnectorV2(H * D, L, layout=layout)
+            mo = conn.allocate(T, dtype)
+            g = nbytes / timeit(lambda: conn.from_gpu(mo, 0, T, kvcaches=bufs, slot_mapping=slots)) / 1e9
+            s = nbytes / timeit(lambda: conn.to_gpu(mo, 0, T, kvcaches=fresh, slot_mapping=slots)) / 1e9
+            print(f"{T:>6} {layout:<12} {nbytes / 1e6:>7.2f} {g:>12.2f} {g / base:>6.2f} {s:>13.2f} {s / base:>6.2f}")
+        nested = tuple((torch.randn(T, H, D).to(dtype), torch.randn(T, H, D).to(dtype)) for _ in range(L))
+        conn = NestedTupleConnector(H * D, L)
+        mo = conn.allocate(T, dtype)
+        g = nbytes / timeit(lambda: conn.from_gpu(mo, 0, T, kvcaches=nested)) / 1e9
+        s = nbytes / timeit(lambda: conn.to_gpu(mo, 0, T, kvcaches=nested)) / 1e9
+        print(f"{T:>6} {'nested':<12} {nbytes / 1e6:>7.2f} {g:>12.2f} {g / base:>6.2f} {s:>13.2f} {s / base:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()

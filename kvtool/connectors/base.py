@@ -1,0 +1,141 @@
+"""The connector contract (after LMCache's `GPUConnectorInterface`) and shared checks.
+
+A connector moves the KV of tokens `start..end` of a sequence between an
+inference engine's KV buffers and a `MemoryObj` in the KV_BLOB format:
+
+* `from_gpu(memory_obj, start, end, **kwargs)`: engine buffers -> memory object.
+* `to_gpu(memory_obj, start, end, **kwargs)`:   memory object -> engine buffers.
+* `get_shape(num_tokens)`: the KV_BLOB shape for `num_tokens` tokens.
+
+Every documented failure raises `ConnectorError`, a `ValueError` (as the
+contract says) that is also a `KvtoolError`, so the CLI reports it in one line.
+Where LMCache's contract raises AssertionError for a memory object without a
+tensor, we raise `ConnectorError` too.
+"""
+
+from __future__ import annotations
+
+import operator
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from ..errors import KvtoolError
+from .memory import MemoryFormat, MemoryObj
+
+#: dtypes a KV_BLOB memory object may have (the kvtool file format's KV dtypes).
+BLOB_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class ConnectorError(KvtoolError, ValueError):
+    """Bad arguments to a connector: missing kwargs, wrong memory object,
+    bad slot mapping or token range, buffers of the wrong layout."""
+
+    exit_code = 2
+
+
+class GPUConnectorInterface(ABC):
+    """Moves KV between engine buffers and KV_BLOB memory objects.
+
+    `hidden_dim_size` is `num_kv_heads * head_dim`; `num_layers` the number of
+    attention layers the engine buffers hold (and the blob's second dim)."""
+
+    def __init__(self, hidden_dim_size: int, num_layers: int):
+        for name, v in (("hidden_dim_size", hidden_dim_size), ("num_layers", num_layers)):
+            if not _is_int(v) or v < 1:
+                raise ConnectorError(f"{name} must be a positive int, got {v!r}")
+        self.hidden_dim_size = int(hidden_dim_size)
+        self.num_layers = int(num_layers)
+
+    @abstractmethod
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        """Copy the KV of tokens `start..end` from the engine buffers into `memory_obj`."""
+
+    @abstractmethod
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        """Copy `memory_obj` into the engine buffers at tokens `start..end`."""
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        """KV_BLOB shape: `[2, num_layers, num_tokens, hidden_dim_size]`."""
+        if not _is_int(num_tokens) or num_tokens < 0:
+            raise ConnectorError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        return torch.Size([2, self.num_layers, int(num_tokens), self.hidden_dim_size])
+
+    def allocate(
+        self,
+        num_tokens: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        *,
+        pin_memory: bool = False,
+    ) -> MemoryObj:
+        """A new KV_BLOB memory object sized for `num_tokens` tokens."""
+        return MemoryObj.allocate(self.get_shape(num_tokens), dtype, device, pin_memory=pin_memory)
+
+    # ---- checks shared by the concrete connectors --------------------------
+
+    @staticmethod
+    def _check_range(start: Any, end: Any, limit: int | None = None) -> tuple[int, int]:
+        """`0 <= start < end` (and `end <= limit` when known)."""
+        if not _is_int(start) or not _is_int(end):
+            raise ConnectorError(f"start and end must be ints, got {start!r}, {end!r}")
+        start, end = int(start), int(end)
+        if start < 0 or end <= start:
+            raise ConnectorError(f"invalid token range start={start}, end={end} (need 0 <= start < end)")
+        if limit is not None and end > limit:
+            raise ConnectorError(f"token range end={end} is past the {limit} tokens the buffers hold")
+        return start, end
+
+    @staticmethod
+    def _require_kwarg(kwargs: dict[str, Any], name: str) -> Any:
+        value = kwargs.get(name)
+        if value is None:
+            raise ConnectorError(f"'{name}' must be provided in kwargs")
+        return value
+
+    def _check_memory_obj(
+        self, memory_obj: MemoryObj, num_tokens: int, buffer_device: torch.device, *, reading: bool
+    ) -> torch.Tensor:
+        """Validate `memory_obj` for a transfer of `num_tokens` tokens and return its tensor.
+
+        `reading=True` (to_gpu) needs fmt KV_BLOB; `reading=False` (from_gpu)
+        also accepts UNDEFINED and sets KV_BLOB once the checks pass. The
+        tensor must be contiguous, of shape `get_shape(num_tokens)`, of a
+        KV dtype (it may differ from the buffers' dtype: values are converted),
+        and on the CPU or on the buffers' device."""
+        if not isinstance(memory_obj, MemoryObj):
+            raise ConnectorError(f"expected a MemoryObj, got {type(memory_obj).__name__}")
+        fmt = memory_obj.metadata.fmt
+        allowed = (MemoryFormat.KV_BLOB,) if reading else (MemoryFormat.KV_BLOB, MemoryFormat.UNDEFINED)
+        if fmt not in allowed:
+            raise ConnectorError(f"memory object must be in KV_BLOB format, got {fmt.name}")
+        t = memory_obj.tensor
+        if t is None:
+            raise ConnectorError("memory object has no tensor")
+        if not isinstance(t, torch.Tensor):
+            raise ConnectorError(f"memory object tensor is a {type(t).__name__}, not a torch.Tensor")
+        want = self.get_shape(num_tokens)
+        if t.shape != want:
+            raise ConnectorError(f"memory object has shape {tuple(t.shape)}, expected {tuple(want)}")
+        if t.dtype not in BLOB_DTYPES:
+            raise ConnectorError(f"memory object dtype {t.dtype} is not one of bfloat16, float16, float32")
+        if t.device.type != "cpu" and t.device != buffer_device:
+            raise ConnectorError(
+                f"memory object is on {t.device}; it must be on the CPU or on the buffers' device {buffer_device}"
+            )
+        if not t.is_contiguous():
+            raise ConnectorError("memory object tensor must be contiguous")
+        if not reading:
+            memory_obj.metadata.fmt = MemoryFormat.KV_BLOB
+        return t
+
+
+def _is_int(v: Any) -> bool:
+    if isinstance(v, bool):
+        return False
+    try:
+        operator.index(v)
+    except TypeError:
+        return False
+    return True

@@ -1,0 +1,235 @@
+"""Connectors for paged KV buffers (vLLM-style block tables flattened to slots)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .base import ConnectorError, GPUConnectorInterface
+from .memory import MemoryObj
+from .paged_copy import (
+    LayerKV,
+    PagedGeometry,
+    PagedLayout,
+    gather_paged,
+    layer_tensors,
+    paged_geometry,
+    scatter_paged,
+)
+
+
+class _PagedConnector(GPUConnectorInterface):
+    """Shared machinery of the paged connectors (checks, staging, dispatch)."""
+
+    def __init__(
+        self,
+        hidden_dim_size: int,
+        num_layers: int,
+        layout: PagedLayout | str,
+        use_gpu: bool,
+        num_kv_heads: Optional[int],
+        head_dim: Optional[int],
+        chunk_size: Optional[int],
+    ):
+        super().__init__(hidden_dim_size, num_layers)
+        self.layout = PagedLayout.parse(layout)
+        self.use_gpu = bool(use_gpu)
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        if num_kv_heads is not None and head_dim is not None and num_kv_heads * head_dim != hidden_dim_size:
+            raise ConnectorError(
+                f"num_kv_heads*head_dim = {num_kv_heads}*{head_dim} != hidden_dim_size {hidden_dim_size}"
+            )
+        self.chunk_size = chunk_size
+        self._staging: Optional[torch.Tensor] = None  # reused device buffer (use_gpu=True)
+
+    # ---- checks ------------------------------------------------------------
+
+    def _check_kvcaches(self, kwargs: dict[str, Any]) -> tuple[list[LayerKV], PagedGeometry, torch.Tensor]:
+        """Validate `kvcaches`; return it as a list, its geometry and layer 0's first tensor."""
+        kvcaches = self._require_kwarg(kwargs, "kvcaches")
+        if isinstance(kvcaches, torch.Tensor) or not isinstance(kvcaches, Sequence):
+            raise ConnectorError("'kvcaches' must be a list or tuple over layers")
+        kvcaches = list(kvcaches)
+        if len(kvcaches) != self.num_layers:
+            raise ConnectorError(f"'kvcaches' has {len(kvcaches)} layers, expected {self.num_layers}")
+        geo = paged_geometry(kvcaches[0], self.layout)
+        if geo.hidden != self.hidden_dim_size:
+            raise ConnectorError(
+                f"buffers hold {geo.num_kv_heads} heads x {geo.head_dim} = {geo.hidden} channels, "
+                f"expected hidden_dim_size {self.hidden_dim_size}"
+            )
+        if self.num_kv_heads is not None and geo.num_kv_heads != self.num_kv_heads:
+            raise ConnectorError(f"buffers hold {geo.num_kv_heads} KV heads, expected {self.num_kv_heads}")
+        if self.head_dim is not None and geo.head_dim != self.head_dim:
+            raise ConnectorError(f"buffers have head_dim {geo.head_dim}, expected {self.head_dim}")
+        first = layer_tensors(kvcaches[0], self.layout)[0]
+        ref = (first.shape, first.dtype, first.device)
+        for li, layer in enumerate(kvcaches):
+            for t in layer_tensors(layer, self.layout):
+                if (t.shape, t.dtype, t.device) != ref:
+                    raise ConnectorError(
+                        f"layer {li} buffer is {tuple(t.shape)}/{t.dtype}/{t.device}, "
+                        f"layer 0's is {tuple(ref[0])}/{ref[1]}/{ref[2]}"
+                    )
+                if not t.dtype.is_floating_point:
+                    raise ConnectorError(f"KV buffers must be floating point, got {t.dtype}")
+        if self.use_gpu and first.device.type != "cuda":
+            raise ConnectorError(f"use_gpu=True needs CUDA kvcaches, got buffers on {first.device}")
+        return kvcaches, geo, first
+
+    @staticmethod
+    def _check_slots(
+        kwargs: dict[str, Any], start: int, end: int, geo: PagedGeometry, device: torch.device, *, distinct: bool
+    ) -> torch.Tensor:
+        """`slot_mapping[start:end]` as int64 on `device`, after every check."""
+        sm = kwargs.get("slot_mapping")
+        if sm is None:
+            raise ConnectorError("'slot_mapping' must be provided in kwargs")
+        if not isinstance(sm, torch.Tensor):
+            try:
+                sm = torch.as_tensor(sm, dtype=torch.int64)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ConnectorError(f"'slot_mapping' is not a sequence of ints: {e}") from None
+        if sm.dim() != 1:
+            raise ConnectorError(f"'slot_mapping' must be 1-D, got shape {tuple(sm.shape)}")
+        if sm.dtype.is_floating_point or sm.dtype.is_complex or sm.dtype == torch.bool:
+            raise ConnectorError(f"'slot_mapping' must be an integer tensor, got {sm.dtype}")
+        if sm.shape[0] < end:
+            raise ConnectorError(
+                f"'slot_mapping' has {sm.shape[0]} entries, too short for token range {start}..{end}"
+            )
+        s = sm[start:end].to(torch.int64)
+        lo, hi = torch.aminmax(s)
+        lo, hi = int(lo), int(hi)
+        if lo < 0:
+            bad = int(torch.nonzero(s < 0)[0, 0]) + start
+            if int(sm[bad]) == -1:
+                raise ConnectorError(
+                    f"slot_mapping[{bad}] is -1 (a prefix-cached or padding token) inside token range "
+                    f"{start}..{end}; start must be past the cached prefix"
+                )
+            raise ConnectorError(f"slot_mapping[{bad}] = {int(sm[bad])} is negative")
+        if hi >= geo.num_slots:
+            bad = int(torch.nonzero(s >= geo.num_slots)[0, 0]) + start
+            raise ConnectorError(
+                f"slot_mapping[{bad}] = {int(sm[bad])} is out of range for buffers of "
+                f"{geo.num_blocks} blocks x {geo.block_size} = {geo.num_slots} slots"
+            )
+        if distinct and torch.unique(s).numel() != s.numel():
+            raise ConnectorError(f"'slot_mapping' repeats a slot within token range {start}..{end}")
+        return s.to(device)
+
+    # ---- staging -------------------------------------------------------------
+
+    def _device_blob(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        shape = self.get_shape(num_tokens)
+        numel = shape.numel()
+        if not self.use_gpu:
+            return torch.empty(shape, dtype=dtype, device=device)
+        st = self._staging
+        if st is None or st.dtype != dtype or st.device != device or st.numel() < numel:
+            cap = max(numel, self.get_shape(self.chunk_size or 0).numel())
+            st = self._staging = torch.empty(cap, dtype=dtype, device=device)
+        return st[:numel].view(shape)
+
+    # ---- transfers -----------------------------------------------------------
+
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        kvcaches, geo, first = self._check_kvcaches(kwargs)
+        start, end = self._check_range(start, end)
+        slots = self._check_slots(kwargs, start, end, geo, first.device, distinct=False)
+        blob = self._check_memory_obj(memory_obj, end - start, first.device, reading=False)
+        if blob.device == first.device:
+            gather_paged(kvcaches, self.layout, slots, blob)
+        else:  # memory object on the host, buffers on a device: gather there, copy once
+            tmp = self._device_blob(end - start, first.dtype, first.device)
+            gather_paged(kvcaches, self.layout, slots, tmp)
+            blob.copy_(tmp)
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        kvcaches, geo, first = self._check_kvcaches(kwargs)
+        start, end = self._check_range(start, end)
+        slots = self._check_slots(kwargs, start, end, geo, first.device, distinct=True)
+        blob = self._check_memory_obj(memory_obj, end - start, first.device, reading=True)
+        if blob.device != first.device:
+            tmp = self._device_blob(end - start, first.dtype, first.device)
+            tmp.copy_(blob, non_blocking=blob.is_pinned())
+            blob = tmp
+        scatter_paged(blob, kvcaches, self.layout, slots)
+
+
+class PagedMemConnectorV2(_PagedConnector):
+    """Paged engine buffers addressed by a FULL per-token slot mapping.
+
+    Constructor: ``PagedMemConnectorV2(hidden_dim_size, num_layers,
+    use_gpu=False, layout="kv_tuple", num_kv_heads=None, head_dim=None,
+    chunk_size=None)``.
+
+    * `layout`: a `PagedLayout` or its name: "flash_attn", "flashinfer",
+      "vllm" (0.32) or "kv_tuple" (see `kvtool.connectors.paged_copy`).
+    * `use_gpu`: take the device path: the buffers must be CUDA tensors, and
+      a host memory object is staged through a reusable device buffer (sized
+      for at least `chunk_size` tokens). The copy itself goes through
+      `gather_paged` / `scatter_paged`, where a CUDA kernel registers.
+      `use_gpu=False` works on any device (a temporary staging buffer is
+      allocated per call when the memory object is on another device).
+    * `num_kv_heads`, `head_dim`: optional; when given, the buffers are
+      checked against them (otherwise read off the buffers' shape).
+
+    kwargs of `from_gpu` / `to_gpu`:
+
+    * ``kvcaches``: list/tuple over layers of the per-layer buffer(s).
+    * ``slot_mapping``: 1-D ints, one slot per token of the WHOLE sequence
+      (``slot = block * block_size + offset``); may be longer than `end`.
+      Prefix-cached tokens carry -1; `start..end` must not cover any of them.
+
+    Tokens `start..end` are tokens `0..end-start` of the memory object. When
+    the memory object's dtype differs from the buffers', values are converted
+    (to_gpu rounds to the buffer dtype). `from_gpu` sets the memory object's
+    format to KV_BLOB (it must be KV_BLOB or UNDEFINED). `to_gpu` writes only
+    the slots of `start..end` and needs them distinct.
+
+    Raises ConnectorError (a ValueError) when: `kvcaches` or `slot_mapping` is
+    missing; the buffers do not match the layout, `hidden_dim_size`,
+    `num_layers`, or each other; the memory object is not KV_BLOB, has no
+    tensor (LMCache: AssertionError), or has the wrong shape / a non-KV dtype /
+    a device other than CPU or the buffers'; `slot_mapping` is shorter than
+    `end`, holds -1 (or any negative) or an out-of-range slot in `start..end`
+    (or, for to_gpu, a repeated slot); `start..end` is not ``0 <= start < end``;
+    `use_gpu=True` with non-CUDA buffers.
+    """
+
+    def __init__(
+        self,
+        hidden_dim_size: int,
+        num_layers: int,
+        use_gpu: bool = False,
+        layout: PagedLayout | str = PagedLayout.KV_TUPLE,
+        num_kv_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        chunk_size: Optional[int] = None,
+    ):
+        super().__init__(hidden_dim_size, num_layers, layout, use_gpu, num_kv_heads, head_dim, chunk_size)
+
+
+class PagedMemConnector(_PagedConnector):
+    """Paged engine buffers in the V1 layout: per layer a tuple `(K, V)`, each
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Constructor: ``PagedMemConnector(hidden_dim_size, num_layers,
+    num_kv_heads=None, head_dim=None)``. kwargs ``kvcaches`` and
+    ``slot_mapping`` (indexed by token position, like `PagedMemConnectorV2`),
+    same errors and conversions. This is `PagedMemConnectorV2` with the layout
+    fixed to "kv_tuple" and the host path.
+    """
+
+    def __init__(
+        self,
+        hidden_dim_size: int,
+        num_layers: int,
+        num_kv_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+    ):
+        super().__init__(hidden_dim_size, num_layers, PagedLayout.KV_TUPLE, False, num_kv_heads, head_dim, None)

@@ -1,0 +1,550 @@
+"""Connector layer: paged gather/scatter, nested tuples, errors (real tensors, no mocks).
+
+The reference below reads and writes paged buffers with advanced indexing on
+their *logical* dims (block, offset, head), independent of the flat-offset
+arithmetic the connectors use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, HealthCheck
+from hypothesis import strategies as st
+
+from kvtool.connectors import (
+    ConnectorError,
+    GPUConnectorInterface,
+    MemoryFormat,
+    MemoryObj,
+    NestedTupleConnector,
+    PagedLayout,
+    PagedMemConnector,
+    PagedMemConnectorV2,
+    gather_paged,
+    register_device_impl,
+    run_offset,
+    scatter_paged,
+    slot_to_block_offset,
+    unregister_device_impl,
+)
+from kvtool.errors import KvtoolError
+
+LAYOUTS = ["flash_attn", "flashinfer", "vllm", "kv_tuple"]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+
+def make_buffers(layout, L, NB, BS, H, D, dtype, gen, fill="randn"):
+    def r(*shape):
+        if fill == "zeros":
+            return torch.zeros(*shape, dtype=dtype)
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    if layout == "flash_attn":
+        return [r(2, NB, BS, H, D) for _ in range(L)]
+    if layout == "flashinfer":
+        return [r(NB, 2, BS, H, D) for _ in range(L)]
+    if layout == "vllm":
+        return [r(NB, H, BS, 2 * D) for _ in range(L)]
+    return [(r(NB, BS, H, D), r(NB, BS, H, D)) for _ in range(L)]
+
+
+def _logical(layer, layout, kv, D):
+    """A view of one layer's K or V with dims [NB, BS, H, D]."""
+    if layout == "flash_attn":
+        return layer[kv]
+    if layout == "flashinfer":
+        return layer[:, kv]
+    if layout == "vllm":
+        return layer[..., kv * D:(kv + 1) * D].transpose(1, 2)
+    return layer[kv]
+
+
+def head_dim_of(kvcaches, layout):
+    t = kvcaches[0][0] if layout == "kv_tuple" else kvcaches[0]
+    return t.shape[-1] // 2 if layout == "vllm" else t.shape[-1]
+
+
+def ref_read(kvcaches, layout, slots, BS):
+    """[2, L, T, H, D] read slot by slot through advanced indexing."""
+    D = head_dim_of(kvcaches, layout)
+    b, o = slots // BS, slots % BS
+    return torch.stack(
+        [torch.stack([_logical(layer, layout, kv, D)[b, o] for layer in kvcaches]) for kv in (0, 1)]
+    )
+
+
+def ref_write(kvcaches, layout, slots, values, BS):
+    """values [2, L, T, H, D] -> slots (in place)."""
+    D = head_dim_of(kvcaches, layout)
+    b, o = slots // BS, slots % BS
+    for kv in (0, 1):
+        for li, layer in enumerate(kvcaches):
+            _logical(layer, layout, kv, D)[b, o] = values[kv, li].to(_logical(layer, layout, kv, D).dtype)
+
+
+def clone_buffers(kvcaches, layout):
+    if layout == "kv_tuple":
+        return [(k.clone(), v.clone()) for k, v in kvcaches]
+    return [t.clone() for t in kvcaches]
+
+
+def buffers_equal(a, b, layout):
+    if layout == "kv_tuple":
+        return all(torch.equal(x, y) for (ka, va), (kb, vb) in zip(a, b) for x, y in ((ka, kb), (va, vb)))
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def shuffled_slots(T, NB, BS, gen, prefix=0):
+    """Full slot mapping over a random block table; first `prefix` tokens -1."""
+    need = math.ceil(T / BS)
+    assert NB >= need
+    table = torch.randperm(NB, generator=gen)[:need]
+    t = torch.arange(T)
+    slots = table[t // BS] * BS + t % BS
+    slots[:prefix] = -1
+    return slots
+
+
+def num_blocks_for(T, BS):
+    return math.ceil(T / BS) + 3
+
+
+def as_blob(values):  # [2, L, T, H, D] -> [2, L, T, H*D]
+    return values.reshape(*values.shape[:3], -1)
+
+
+def paged_round_trip(layout, dtype, T, BS, start, end, prefix=0, seed=0, L=2, H=2, D=8):
+    gen = torch.Generator().manual_seed(seed)
+    NB = num_blocks_for(T, BS)
+    src = make_buffers(layout, L, NB, BS, H, D, dtype, gen)
+    slots_a = shuffled_slots(T, NB, BS, gen, prefix)
+    conn = PagedMemConnectorV2(H * D, L, layout=layout)
+    mo = conn.allocate(end - start, dtype=dtype)
+    mo.metadata.fmt = MemoryFormat.UNDEFINED
+    conn.from_gpu(mo, start, end, kvcaches=src, slot_mapping=slots_a)
+    assert mo.metadata.fmt is MemoryFormat.KV_BLOB
+    want = as_blob(ref_read(src, layout, slots_a[start:end], BS))
+    assert torch.equal(mo.tensor, want)
+
+    NB2 = NB + 2
+    dst = make_buffers(layout, L, NB2, BS, H, D, dtype, gen)
+    slots_b = shuffled_slots(T, NB2, BS, gen, prefix)
+    expected = clone_buffers(dst, layout)
+    ref_write(expected, layout, slots_b[start:end], mo.tensor.view(2, L, end - start, H, D), BS)
+    conn.to_gpu(mo, start, end, kvcaches=dst, slot_mapping=slots_b)
+    # every written slot reproduced exactly, every other slot untouched
+    assert buffers_equal(dst, expected, layout)
+    assert torch.equal(ref_read(dst, layout, slots_b[start:end], BS), ref_read(src, layout, slots_a[start:end], BS))
+
+
+# ---------------------------------------------------------------------------
+# paged round trips
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,BS", [(1, 16), (7, 3), (100, 16), (257, 128), (700, 17)])
+def test_paged_round_trip_whole(layout, dtype, T, BS):
+    paged_round_trip(layout, dtype, T, BS, 0, T)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_paged_round_trip_chunks(layout):
+    T, BS = 613, 16
+    for start, end in [(0, 256), (256, 512), (512, 613), (5, 6), (300, 301)]:
+        paged_round_trip(layout, torch.bfloat16, T, BS, start, end, seed=start)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    dtype=st.sampled_from(DTYPES),
+    T=st.integers(1, 700),
+    BS=st.sampled_from([1, 2, 3, 5, 16, 17, 128]),
+    data=st.data(),
+)
+def test_paged_round_trip_property(layout, dtype, T, BS, data):
+    prefix = data.draw(st.integers(0, T - 1), label="prefix")
+    start = data.draw(st.integers(prefix, T - 1), label="start")
+    end = data.draw(st.integers(start + 1, T), label="end")
+    paged_round_trip(layout, dtype, T, BS, start, end, prefix=prefix, seed=T * 131 + BS, L=2, H=2, D=4)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefix_cached_slots(layout):
+    T, BS, prefix = 50, 8, 20
+    paged_round_trip(layout, torch.float16, T, BS, prefix, T, prefix=prefix)
+    gen = torch.Generator().manual_seed(1)
+    NB = num_blocks_for(T, BS)
+    bufs = make_buffers(layout, 2, NB, BS, 2, 8, torch.float16, gen)
+    slots = shuffled_slots(T, NB, BS, gen, prefix)
+    conn = PagedMemConnectorV2(16, 2, layout=layout)
+    for start in (0, prefix - 1):
+        mo = conn.allocate(T - start, torch.float16)
+        with pytest.raises(ValueError, match="-1"):
+            conn.from_gpu(mo, start, T, kvcaches=bufs, slot_mapping=slots)
+        with pytest.raises(ValueError, match="-1"):
+            conn.to_gpu(mo, start, T, kvcaches=bufs, slot_mapping=slots)
+
+
+def test_v1_paged_round_trip():
+    gen = torch.Generator().manual_seed(2)
+    T, BS, L, H, D = 300, 16, 3, 2, 8
+    NB = num_blocks_for(T, BS)
+    src = make_buffers("kv_tuple", L, NB, BS, H, D, torch.bfloat16, gen)
+    slots = shuffled_slots(T, NB, BS, gen)
+    conn = PagedMemConnector(H * D, L, num_kv_heads=H, head_dim=D)
+    mo = conn.allocate(T - 40, torch.bfloat16)
+    conn.from_gpu(mo, 40, T, kvcaches=src, slot_mapping=slots)
+    assert torch.equal(mo.tensor, as_blob(ref_read(src, "kv_tuple", slots[40:], BS)))
+    dst = make_buffers("kv_tuple", L, NB, BS, H, D, torch.bfloat16, gen, fill="zeros")
+    slots2 = shuffled_slots(T, NB, BS, gen)
+    conn.to_gpu(mo, 40, T, kvcaches=dst, slot_mapping=slots2)
+    assert torch.equal(ref_read(dst, "kv_tuple", slots2[40:], BS), ref_read(src, "kv_tuple", slots[40:], BS))
+
+
+# ---------------------------------------------------------------------------
+# cross-layout equivalence, strided buffers, dtype conversion
+# ---------------------------------------------------------------------------
+
+
+def test_cross_layout_equivalence():
+    gen = torch.Generator().manual_seed(3)
+    T, BS, L, H, D = 203, 16, 3, 3, 8
+    NB = num_blocks_for(T, BS)
+    logical = torch.randn(2, L, NB * BS, H, D, generator=gen).to(torch.bfloat16)
+    all_slots = torch.arange(NB * BS)
+    slots = shuffled_slots(T, NB, BS, gen)
+    blobs = {}
+    bufs = {}
+    for layout in LAYOUTS:
+        b = make_buffers(layout, L, NB, BS, H, D, torch.bfloat16, gen, fill="zeros")
+        ref_write(b, layout, all_slots, logical, BS)
+        conn = PagedMemConnectorV2(H * D, L, layout=layout)
+        mo = conn.allocate(T, torch.bfloat16)
+        conn.from_gpu(mo, 0, T, kvcaches=b, slot_mapping=slots)
+        blobs[layout], bufs[layout] = mo, b
+    want = as_blob(logical[:, :, slots])
+    for layout in LAYOUTS:
+        assert torch.equal(blobs[layout].tensor, want), layout
+    # written through one layout, read back through another
+    for x in LAYOUTS:
+        for y in LAYOUTS:
+            dst = make_buffers(y, L, NB, BS, H, D, torch.bfloat16, gen, fill="zeros")
+            cx, cy = PagedMemConnectorV2(H * D, L, layout=x), PagedMemConnectorV2(H * D, L, layout=y)
+            cy.to_gpu(blobs[x], 0, T, kvcaches=dst, slot_mapping=slots)
+            back = cx.allocate(T, torch.bfloat16)
+            cy.from_gpu(back, 0, T, kvcaches=dst, slot_mapping=slots)
+            assert torch.equal(back.tensor, want), (x, y)
+
+
+def _strided_cases(L, NB, BS, H, D, gen):
+    """(name, layout, buffers) whose tensors are views with non-standard strides."""
+    def r(*s):
+        return torch.randn(*s, generator=gen)
+
+    big = r(L, 2, NB, BS, H, D)
+    yield "flash_attn view into an all-layer tensor", "flash_attn", [big[i] for i in range(L)]
+    yield "vllm physically [NB, BS, H, 2D]", "vllm", [r(NB, BS, H, 2 * D).permute(0, 2, 1, 3) for _ in range(L)]
+    yield "kv_tuple heads-major", "kv_tuple", [
+        (r(NB, H, BS, D).permute(0, 2, 1, 3), r(NB, H, BS, D).permute(0, 2, 1, 3)) for _ in range(L)
+    ]
+    yield "kv_tuple strided channels", "kv_tuple", [(r(NB, BS, H, 2 * D)[..., ::2], r(NB, BS, H, 2 * D)[..., 1::2]) for _ in range(L)]
+    yield "flashinfer padded heads (unaligned)", "flashinfer", [r(NB, 2, BS, H, D + 4)[..., :D] for _ in range(L)]
+    yield "flash_attn padded heads (aligned)", "flash_attn", [r(2, NB, BS, H, 2 * D)[..., :D] for _ in range(L)]
+
+
+def test_non_contiguous_buffers():
+    gen = torch.Generator().manual_seed(4)
+    T, BS, L, H, D = 77, 8, 2, 3, 8
+    NB = num_blocks_for(T, BS)
+    for name, layout, bufs in _strided_cases(L, NB, BS, H, D, gen):
+        slots = shuffled_slots(T, NB, BS, gen)
+        conn = PagedMemConnectorV2(H * D, L, layout=layout)
+        mo = conn.allocate(T, torch.float32)
+        conn.from_gpu(mo, 0, T, kvcaches=bufs, slot_mapping=slots)
+        assert torch.equal(mo.tensor, as_blob(ref_read(bufs, layout, slots, BS))), name
+        slots2 = shuffled_slots(T, NB, BS, gen)
+        before = clone_buffers(bufs, layout)
+        expected = clone_buffers(bufs, layout)
+        ref_write(expected, layout, slots2, mo.tensor.view(2, L, T, H, D), BS)
+        conn.to_gpu(mo, 0, T, kvcaches=bufs, slot_mapping=slots2)
+        assert buffers_equal(bufs, expected, layout), name
+        assert not buffers_equal(bufs, before, layout), name
+    # the padding of a view is never written
+    base = torch.randn(NB, 2, BS, H, D + 4, generator=gen)
+    pad = base[..., D:].clone()
+    conn = PagedMemConnectorV2(H * D, 1, layout="flashinfer")
+    mo = conn.allocate(T, torch.float32)
+    mo.tensor.fill_(7.0)
+    conn.to_gpu(mo, 0, T, kvcaches=[base[..., :D]], slot_mapping=shuffled_slots(T, NB, BS, gen))
+    assert torch.equal(base[..., D:], pad)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dtype_conversion(layout):
+    gen = torch.Generator().manual_seed(5)
+    T, BS, L, H, D = 40, 16, 2, 2, 8
+    NB = num_blocks_for(T, BS)
+    bufs = make_buffers(layout, L, NB, BS, H, D, torch.bfloat16, gen)
+    slots = shuffled_slots(T, NB, BS, gen)
+    conn = PagedMemConnectorV2(H * D, L, layout=layout)
+    mo = conn.allocate(T, torch.float32)
+    conn.from_gpu(mo, 0, T, kvcaches=bufs, slot_mapping=slots)
+    assert torch.equal(mo.tensor, as_blob(ref_read(bufs, layout, slots, BS)).float())
+    mo.tensor.add_(torch.rand(mo.tensor.shape, generator=gen) * 1e-3)  # not bf16-representable
+    conn.to_gpu(mo, 0, T, kvcaches=bufs, slot_mapping=slots)
+    assert torch.equal(as_blob(ref_read(bufs, layout, slots, BS)), mo.tensor.to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------
+# nested tuple
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["THD", "T(HD)", "HF"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nested_tuple_round_trip(form, dtype):
+    gen = torch.Generator().manual_seed(6)
+    T, L, H, D = 131, 3, 3, 8
+
+    def make(zero=False):
+        shape = {"THD": (T, H, D), "T(HD)": (T, H * D), "HF": (1, H, T, D)}[form]
+        mk = (lambda: torch.zeros(shape, dtype=dtype)) if zero else (lambda: torch.randn(shape, generator=gen).to(dtype))
+        return tuple((mk(), mk()) for _ in range(L))
+
+    def tokens(t):  # -> [T, H*D]
+        return t[0].transpose(0, 1).reshape(T, -1) if form == "HF" else t.reshape(T, -1)
+
+    src = make()
+    conn = NestedTupleConnector(H * D, L)
+    assert conn.get_shape(5) == torch.Size([2, L, 5, H * D])
+    start, end = 17, 100
+    mo = conn.allocate(end - start, dtype=torch.float32)
+    conn.from_gpu(mo, start, end, kvcaches=src)
+    want = torch.stack([torch.stack([tokens(layer[kv])[start:end] for layer in src]) for kv in (0, 1)])
+    assert torch.equal(mo.tensor, want.float())
+    dst = make(zero=True)
+    conn.to_gpu(mo, start, end, kvcaches=dst)
+    for ls, ld in zip(src, dst):
+        for kv in (0, 1):
+            got = tokens(ld[kv])
+            assert torch.equal(got[start:end], tokens(ls[kv])[start:end])
+            assert not got[:start].any() and not got[end:].any()
+
+
+def test_nested_tuple_errors():
+    conn = NestedTupleConnector(16, 2)
+    kv = tuple((torch.zeros(10, 2, 8), torch.zeros(10, 2, 8)) for _ in range(2))
+    mo = conn.allocate(4, torch.float32)
+    with pytest.raises(ValueError, match="kvcaches"):
+        conn.from_gpu(mo, 0, 4)
+    with pytest.raises(ValueError, match="kvcaches"):
+        conn.to_gpu(mo, 0, 4)
+    with pytest.raises(ValueError, match="past"):
+        conn.from_gpu(conn.allocate(4), 8, 12, kvcaches=kv)
+    with pytest.raises(ValueError, match="layers"):
+        conn.from_gpu(mo, 0, 4, kvcaches=kv[:1])
+    with pytest.raises(ValueError, match="channels"):
+        conn.from_gpu(mo, 0, 4, kvcaches=tuple((torch.zeros(10, 3, 8), torch.zeros(10, 3, 8)) for _ in range(2)))
+    with pytest.raises(ValueError, match="KV_BLOB"):
+        conn.to_gpu(MemoryObj.from_tensor(mo.tensor, MemoryFormat.UNDEFINED), 0, 4, kvcaches=kv)
+    with pytest.raises(ValueError, match="no tensor"):
+        conn.to_gpu(MemoryObj(None, mo.metadata), 0, 4, kvcaches=kv)
+    with pytest.raises(ValueError, match="shape"):
+        conn.to_gpu(mo, 0, 5, kvcaches=kv)
+
+
+# ---------------------------------------------------------------------------
+# documented errors of the paged connectors
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_paged_errors(layout):
+    gen = torch.Generator().manual_seed(7)
+    T, BS, L, H, D = 30, 4, 2, 2, 8
+    NB = num_blocks_for(T, BS)
+    bufs = make_buffers(layout, L, NB, BS, H, D, torch.float16, gen)
+    slots = shuffled_slots(T, NB, BS, gen)
+    conn = PagedMemConnectorV2(H * D, L, layout=layout)
+    mo = conn.allocate(10, torch.float16)
+    ok = dict(kvcaches=bufs, slot_mapping=slots)
+
+    for op in (conn.from_gpu, conn.to_gpu):
+        with pytest.raises(ValueError, match="kvcaches"):
+            op(mo, 0, 10, slot_mapping=slots)
+        with pytest.raises(ValueError, match="slot_mapping"):
+            op(mo, 0, 10, kvcaches=bufs)
+        with pytest.raises(ValueError, match="KV_BLOB"):
+            op(MemoryObj.from_tensor(mo.tensor, MemoryFormat.BINARY), 0, 10, **ok)
+        with pytest.raises(ValueError, match="no tensor"):
+            op(MemoryObj(None, mo.metadata), 0, 10, **ok)
+        with pytest.raises(ValueError, match="shape"):
+            op(conn.allocate(11, torch.float16), 0, 10, **ok)
+        with pytest.raises(ValueError, match="shape"):
+            op(MemoryObj.from_tensor(torch.zeros(2, L, 10, H * D + 1, dtype=torch.float16)), 0, 10, **ok)
+        with pytest.raises(ValueError, match="dtype"):
+            op(MemoryObj.from_tensor(torch.zeros(conn.get_shape(10), dtype=torch.float64)), 0, 10, **ok)
+        with pytest.raises(ValueError, match="dtype"):
+            op(MemoryObj.from_tensor(torch.zeros(conn.get_shape(10), dtype=torch.int8)), 0, 10, **ok)
+        with pytest.raises(ValueError, match="device"):
+            op(MemoryObj.from_tensor(torch.empty(conn.get_shape(10), dtype=torch.float16, device="meta")), 0, 10, **ok)
+        with pytest.raises(ValueError, match="contiguous"):
+            op(MemoryObj.from_tensor(torch.zeros(2, L, 10, 2 * H * D, dtype=torch.float16)[..., ::2]), 0, 10, **ok)
+        with pytest.raises(ValueError, match="too short"):
+            op(mo, 20, 30, kvcaches=bufs, slot_mapping=slots[:25])
+        bad = slots.clone()
+        bad[5] = -1
+        with pytest.raises(ValueError, match=r"slot_mapping\[5\] is -1"):
+            op(mo, 0, 10, kvcaches=bufs, slot_mapping=bad)
+        op(mo, 10, 20, kvcaches=bufs, slot_mapping=bad)  # -1 outside the range is fine
+        bad[5] = -3
+        with pytest.raises(ValueError, match="negative"):
+            op(mo, 0, 10, kvcaches=bufs, slot_mapping=bad)
+        bad[5] = NB * BS
+        with pytest.raises(ValueError, match="out of range"):
+            op(mo, 0, 10, kvcaches=bufs, slot_mapping=bad)
+        with pytest.raises(ValueError, match="integer"):
+            op(mo, 0, 10, kvcaches=bufs, slot_mapping=slots.float())
+        with pytest.raises(ValueError, match="1-D"):
+            op(mo, 0, 10, kvcaches=bufs, slot_mapping=slots.view(1, -1))
+        for start, end in [(-1, 9), (5, 5), (6, 5), (0.0, 10), (0, "10"), (True, 10)]:
+            with pytest.raises(ValueError, match="start"):
+                op(mo, start, end, **ok)
+        with pytest.raises(ValueError, match="layers"):
+            op(mo, 0, 10, kvcaches=bufs[:1], slot_mapping=slots)
+        with pytest.raises(ValueError, match="hidden_dim_size"):
+            PagedMemConnectorV2(H * D * 2, L, layout=layout).from_gpu(
+                MemoryObj.from_tensor(torch.zeros(2, L, 10, 2 * H * D, dtype=torch.float16)), 0, 10, **ok
+            )
+        with pytest.raises(ValueError, match="expects|one tensor"):
+            wrong = "vllm" if layout != "vllm" else "flash_attn"
+            PagedMemConnectorV2(H * D, L, layout=wrong).from_gpu(mo, 0, 10, **ok)
+        with pytest.raises(ValueError, match="use_gpu"):
+            PagedMemConnectorV2(H * D, L, layout=layout, use_gpu=True).from_gpu(mo, 0, 10, **ok)
+    dup = slots.clone()
+    dup[3] = dup[4]
+    with pytest.raises(ValueError, match="repeats"):
+        conn.to_gpu(mo, 0, 10, kvcaches=bufs, slot_mapping=dup)
+    conn.from_gpu(mo, 0, 10, kvcaches=bufs, slot_mapping=dup)  # reading a slot twice is fine
+    # python list slot mappings are accepted
+    conn.from_gpu(mo, 0, 10, kvcaches=bufs, slot_mapping=slots.tolist())
+
+
+def test_constructor_and_layer_errors():
+    with pytest.raises(ValueError, match="unknown paged layout"):
+        PagedMemConnectorV2(16, 2, layout="paged")
+    with pytest.raises(ValueError, match="hidden_dim_size"):
+        PagedMemConnectorV2(16, 2, num_kv_heads=3, head_dim=8)
+    with pytest.raises(ValueError, match="num_layers"):
+        NestedTupleConnector(16, 0)
+    with pytest.raises(TypeError):
+        PagedMemConnectorV2(16, 2, layouts="vllm")
+    conn = PagedMemConnectorV2(16, 2, layout="kv_tuple", num_kv_heads=4, head_dim=4)
+    bufs = make_buffers("kv_tuple", 2, 4, 4, 2, 8, torch.float32, None, fill="zeros")
+    with pytest.raises(ValueError, match="KV heads"):
+        conn.from_gpu(conn.allocate(2, torch.float32), 0, 2, kvcaches=bufs, slot_mapping=[0, 1])
+    conn = PagedMemConnectorV2(16, 2, layout="flash_attn")
+    mixed = [torch.zeros(2, 4, 4, 2, 8), torch.zeros(2, 4, 4, 2, 8, dtype=torch.float16)]
+    with pytest.raises(ValueError, match="layer 1"):
+        conn.from_gpu(conn.allocate(2, torch.float32), 0, 2, kvcaches=mixed, slot_mapping=[0, 1])
+    with pytest.raises(ValueError, match="one tensor"):
+        conn.from_gpu(conn.allocate(2, torch.float32), 0, 2, kvcaches=[(mixed[0], mixed[0])] * 2, slot_mapping=[0, 1])
+    with pytest.raises(ValueError, match=r"\(K, V\) pair"):
+        PagedMemConnector(16, 2).from_gpu(conn.allocate(2, torch.float32), 0, 2, kvcaches=mixed, slot_mapping=[0, 1])
+    # a ConnectorError is both a ValueError and a kvtool error (one-line CLI message)
+    assert issubclass(ConnectorError, ValueError) and issubclass(ConnectorError, KvtoolError)
+
+
+def test_get_shape_and_interface():
+    for conn in (NestedTupleConnector(192, 30), PagedMemConnector(192, 30), PagedMemConnectorV2(192, 30, layout="vllm")):
+        assert isinstance(conn, GPUConnectorInterface)
+        assert conn.get_shape(256) == torch.Size([2, 30, 256, 192])
+        assert conn.get_shape(0) == torch.Size([2, 30, 0, 192])
+        with pytest.raises(ValueError):
+            conn.get_shape(-1)
+    with pytest.raises(TypeError):
+        GPUConnectorInterface(16, 2)  # abstract
+
+
+# ---------------------------------------------------------------------------
+# index arithmetic and the kernel boundary
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_run_offset_matches_tensor_addressing(layout):
+    """run_offset (the C-header formula) points at the same element as logical indexing."""
+    gen = torch.Generator().manual_seed(8)
+    NB, BS, H, D = 5, 3, 2, 4
+    bufs = make_buffers(layout, 1, NB, BS, H, D, torch.float32, gen)
+    tensors = bufs[0] if layout == "kv_tuple" else (bufs[0], bufs[0])
+    for slot in range(NB * BS):
+        block, off = slot_to_block_offset(slot, BS)
+        assert block * BS + off == slot
+        for kv in (0, 1):
+            t = tensors[kv]
+            flat = t.reshape(-1)
+            for h in range(H):
+                base = run_offset(PagedLayout(layout), kv, block, off, h, t.stride(), D)
+                want = _logical(bufs[0], layout, kv, D)[block, off, h]
+                assert torch.equal(flat[base:base + D * t.stride()[-1]:t.stride()[-1]], want)
+
+
+def test_device_impl_boundary_is_used():
+    """Connectors go through gather_paged/scatter_paged, which route to a registered impl."""
+    from kvtool.connectors import paged_copy
+
+    calls = []
+
+    def g(kv, layout, slots, out):
+        calls.append("gather")
+        paged_copy._torch_gather(kv, layout, slots, out)
+
+    def s(blob, kv, layout, slots):
+        calls.append("scatter")
+        paged_copy._torch_scatter(blob, kv, layout, slots)
+
+    register_device_impl("cpu", g, s)
+    try:
+        paged_round_trip("vllm", torch.float32, 20, 4, 0, 20)
+    finally:
+        unregister_device_impl("cpu")
+    assert calls == ["gather", "scatter"]
+    # and the functions are usable directly
+    gen = torch.Generator().manual_seed(9)
+    bufs = make_buffers("flashinfer", 2, 4, 4, 2, 4, torch.float16, gen)
+    slots = torch.tensor([3, 9, 0, 15])
+    out = torch.empty(2, 2, 4, 8, dtype=torch.float16)
+    gather_paged(bufs, "flashinfer", slots, out)
+    fresh = make_buffers("flashinfer", 2, 4, 4, 2, 4, torch.float16, gen, fill="zeros")
+    scatter_paged(out, fresh, PagedLayout.FLASHINFER, slots)
+    assert torch.equal(ref_read(fresh, "flashinfer", slots, 4), ref_read(bufs, "flashinfer", slots, 4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_use_gpu_path(layout):
+    gen = torch.Generator().manual_seed(10)
+    T, BS, L, H, D = 300, 16, 2, 2, 8
+    NB = num_blocks_for(T, BS)
+    bufs = make_buffers(layout, L, NB, BS, H, D, torch.bfloat16, gen)
+    slots = shuffled_slots(T, NB, BS, gen, prefix=17)
+    cuda = [tuple(x.cuda() for x in b) if layout == "kv_tuple" else b.cuda() for b in bufs]
+    conn = PagedMemConnectorV2(H * D, L, use_gpu=True, layout=layout, chunk_size=256)
+    mo = conn.allocate(T - 17, torch.bfloat16, pin_memory=True)
+    conn.from_gpu(mo, 17, T, kvcaches=cuda, slot_mapping=slots.cuda())
+    assert torch.equal(mo.tensor, as_blob(ref_read(bufs, layout, slots[17:], BS)))
+    fresh = [tuple(torch.zeros_like(x) for x in b) if layout == "kv_tuple" else torch.zeros_like(b) for b in cuda]
+    conn.to_gpu(mo, 17, T, kvcaches=fresh, slot_mapping=slots)
+    assert torch.equal(ref_read(fresh, layout, slots[17:].cuda(), BS).cpu(), ref_read(bufs, layout, slots[17:], BS))
