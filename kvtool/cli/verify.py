@@ -67,7 +67,7 @@ def verify_file(reader: ContainerReader) -> dict[str, Any]:
             status["prefix_hash"] = "unchecked"
         if not reader.blob_ok(c.blob):
             status.update(checksum="BAD", decode="skipped", finite="skipped")
-            problems.append(f"chunk {c.index}: CRC-32 mismatch (stored bytes are corrupt)")
+            problems.append(f"chunk {c.index}: CRC-32C mismatch (stored bytes are corrupt)")
         else:
             try:
                 kv = reader.read_chunk(c.index, verify=False)
@@ -84,7 +84,7 @@ def verify_file(reader: ContainerReader) -> dict[str, Any]:
             checks[f"extra:{name}"] = "ok"
         else:
             checks[f"extra:{name}"] = "BAD"
-            problems.append(f"extra {name}: CRC-32 mismatch")
+            problems.append(f"extra {name}: CRC-32C mismatch")
     return {"path": str(reader.path), "num_chunks": len(m.chunks), "num_tokens": m.num_tokens,
             "checks": checks, "chunks": chunk_checks, "problems": problems}
 

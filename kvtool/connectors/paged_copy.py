@@ -269,7 +269,11 @@ def _plans_for(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.T
             plan = cache.get(key)
             if plan is None:
                 plan = cache[key] = _plan(t, layout, kv, block, offset, geo)
-            entry.append((t.as_strided((plan.num_rows, plan.run), (plan.run, 1)), plan))
+            if t.is_contiguous():
+                rows = t.view(-1, plan.run)
+            else:
+                rows = t.as_strided((plan.num_rows, plan.run), (plan.run, 1))
+            entry.append((rows, plan))
         result.append(entry)
     return result
 

@@ -1,0 +1,56 @@
+"""kvtool's built-in engine: a small Llama-family runner on a real paged KV cache.
+
+Public API::
+
+    load_model(path: str | Path | None = None, dtype=torch.float32, device="cpu") -> LoadedModel
+        A local HF folder (config.json, *.safetensors, tokenizer.json); None = the
+        embedded default model (SmolLM2-135M-Instruct, converted once from GGUF).
+        LoadedModel: .config (ModelConfig) .weights .tokenizer (.encode/.decode)
+        .identity (kvtool.format.identity.ModelIdentity) .max_position_embeddings
+
+    default_model_path() -> Path
+        The cached HF folder of the default model (converts it on first use).
+
+    PagedKVCache(config, num_blocks, block_size=16, kv_dtype=torch.float32,
+                 device="cpu", shuffle_seed=None)
+    PagedKVCache.for_tokens(config, num_tokens, block_size=16, kv_dtype=..., shuffle_seed=None)
+        .kv_caches: list[Tensor], one per layer, [2, num_blocks, block_size, Hkv, D]
+        (K at index 0, V at 1); .allocator: BlockAllocator; .new_sequence(num_tokens=0)
+
+    Sequence: .block_table (list[int]), .num_tokens, .reserve(n),
+        .slot_mapping(num_tokens, start=0) -> LongTensor of
+        block_table[pos // block_size] * block_size + pos % block_size
+
+    Runner(model, cache)
+        .prefill(seq, tokens, start_pos=0, prefill_chunk=512, logits="all") -> Tensor [n, V]
+            Positions 0..start_pos-1 must already be in the cache.
+        .decode_step(seq, token) -> Tensor [V]
+        .generate(seq, prompt_tokens, max_new_tokens, prefill_chunk=512,
+                  stop_tokens=None, start_pos=0) -> list[int]   (greedy)
+
+Typical capture::
+
+    model = load_model(None)
+    cache = PagedKVCache.for_tokens(model.config, len(ids), kv_dtype=torch.bfloat16, shuffle_seed=0)
+    seq = cache.new_sequence(len(ids))
+    Runner(model, cache).prefill(seq, ids, logits="last")
+    connector.save(cache.kv_caches, seq.slot_mapping(len(ids)))
+"""
+
+from .default_model import default_model_path
+from .loader import SUPPORTED_ARCHITECTURES, LoadedModel, Tokenizer, load_model
+from .model import ModelConfig, Runner
+from .paged import BlockAllocator, PagedKVCache, Sequence
+
+__all__ = [
+    "BlockAllocator",
+    "LoadedModel",
+    "ModelConfig",
+    "PagedKVCache",
+    "Runner",
+    "SUPPORTED_ARCHITECTURES",
+    "Sequence",
+    "Tokenizer",
+    "default_model_path",
+    "load_model",
+]

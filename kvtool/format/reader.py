@@ -100,7 +100,7 @@ class ContainerReader:
     def blob_bytes(self, blob: BlobRef, *, verify: bool = True, what: str = "blob") -> memoryview:
         data = self._view[blob.offset: blob.offset + blob.length]
         if verify and crc32(data) != blob.crc32:
-            raise ChecksumMismatch(f"{what}: CRC-32 mismatch (stored bytes are corrupt)")
+            raise ChecksumMismatch(f"{what}: CRC-32C mismatch (stored bytes are corrupt)")
         return data
 
     def blob_ok(self, blob: BlobRef) -> bool:
