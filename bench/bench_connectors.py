@@ -10,7 +10,8 @@ same number of bytes; "ratio" = connector GB/s / baseline GB/s. The row
 "copy x2L" copies the same bytes as 2*num_layers contiguous per-layer tensors
 (a connector's loop and cache footprint without the indexing). Ratios, not
 absolute numbers, are what carry over between machines. Each timing is the
-best of repeated runs (robust to other processes on a shared machine); torch
+best of `--rounds` runs, all candidates taking turns (robust to other
+processes on a shared machine); torch
 runs on `--threads` threads (default 1, the steadiest ratio).
 """
 
@@ -27,15 +28,18 @@ from kvtool.connectors import NestedTupleConnector, PagedMemConnectorV2
 LAYOUTS = ["flash_attn", "flashinfer", "vllm", "kv_tuple"]
 
 
-def timeit(fn, min_time=0.3, min_reps=5) -> float:
-    fn()  # warm up
-    times = []
-    t_end = time.perf_counter() + min_time
-    while len(times) < min_reps or time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def time_round_robin(fns: dict, rounds: int) -> dict:
+    """Best time of each function, running them in turn `rounds` times, so that
+    load from other processes hits every candidate alike."""
+    for fn in fns.values():
+        fn()  # warm up
+    best = {k: float("inf") for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
 
 
 def make_layer(layout, NB, BS, H, D, dtype):
@@ -56,6 +60,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048])
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -76,10 +81,8 @@ def main() -> None:
         nbytes = 2 * L * T * H * D * torch.empty((), dtype=dtype).element_size()
         src = torch.randn(2, L, T, H * D).to(dtype)
         dst = torch.empty_like(src)
-        base = nbytes / timeit(lambda: dst.copy_(src)) / 1e9
-        print(f"{T:>6} {'torch copy':<12} {nbytes / 1e6:>7.2f} {base:>12.2f} {1.0:>6.2f} {base:>13.2f} {1.0:>6.2f}")
         # the same bytes as 2*L contiguous [T, H*D] copies from separate tensors
-        # (the per-layer loop and cache footprint of a connector, no indexing)
+        # (a connector's per-layer loop and cache footprint, without indexing)
         parts = [torch.randn(T, H * D).to(dtype) for _ in range(2 * L)]
         outs = [o for kv in dst.unbind(0) for o in kv.unbind(0)]
 
@@ -87,23 +90,29 @@ def main() -> None:
             for o, p in zip(outs, parts):
                 o.copy_(p)
 
-        pl = nbytes / timeit(per_layer) / 1e9
-        print(f"{T:>6} {'copy x2L':<12} {nbytes / 1e6:>7.2f} {pl:>12.2f} {pl / base:>6.2f} {pl:>13.2f} {pl / base:>6.2f}")
+        rows = {"torch copy": (lambda: dst.copy_(src),) * 2, "copy x2L": (per_layer,) * 2}
         for layout in LAYOUTS:
             bufs = [make_layer(layout, NB, BS, H, D, dtype) for _ in range(L)]
-            fresh = [make_layer(layout, NB, BS, H, D, dtype) for _ in range(L)]
             conn = PagedMemConnectorV2(H * D, L, layout=layout)
             mo = conn.allocate(T, dtype)
-            g = nbytes / timeit(lambda: conn.from_gpu(mo, 0, T, kvcaches=bufs, slot_mapping=slots)) / 1e9
-            s = nbytes / timeit(lambda: conn.to_gpu(mo, 0, T, kvcaches=fresh, slot_mapping=slots)) / 1e9
-            print(f"{T:>6} {layout:<12} {nbytes / 1e6:>7.2f} {g:>12.2f} {g / base:>6.2f} {s:>13.2f} {s / base:>6.2f}")
+            rows[layout] = (
+                lambda c=conn, m=mo, b=bufs: c.from_gpu(m, 0, T, kvcaches=b, slot_mapping=slots),
+                lambda c=conn, m=mo, b=bufs: c.to_gpu(m, 0, T, kvcaches=b, slot_mapping=slots),
+            )
         nested = tuple((torch.randn(T, H, D).to(dtype), torch.randn(T, H, D).to(dtype)) for _ in range(L))
-        conn = NestedTupleConnector(H * D, L)
-        mo = conn.allocate(T, dtype)
-        g = nbytes / timeit(lambda: conn.from_gpu(mo, 0, T, kvcaches=nested)) / 1e9
-        s = nbytes / timeit(lambda: conn.to_gpu(mo, 0, T, kvcaches=nested)) / 1e9
-        print(f"{T:>6} {'nested':<12} {nbytes / 1e6:>7.2f} {g:>12.2f} {g / base:>6.2f} {s:>13.2f} {s / base:>6.2f}")
-
+        nconn = NestedTupleConnector(H * D, L)
+        nmo = nconn.allocate(T, dtype)
+        rows["nested"] = (
+            lambda: nconn.from_gpu(nmo, 0, T, kvcaches=nested),
+            lambda: nconn.to_gpu(nmo, 0, T, kvcaches=nested),
+        )
+        fns = {(name, i): f[i] for name, f in rows.items() for i in (0, 1) if not (f[0] is f[1] and i)}
+        best = time_round_robin(fns, args.rounds)
+        base = nbytes / best[("torch copy", 0)] / 1e9
+        for name, f in rows.items():
+            g = nbytes / best[(name, 0)] / 1e9
+            s = g if f[0] is f[1] else nbytes / best[(name, 1)] / 1e9
+            print(f"{T:>6} {name:<12} {nbytes / 1e6:>7.2f} {g:>12.2f} {g / base:>6.2f} {s:>13.2f} {s / base:>6.2f}")
 
 if __name__ == "__main__":
     main()
