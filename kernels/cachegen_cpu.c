@@ -1,0 +1,562 @@
+/*
+ * CacheGen CPU coder: quantize + rANS-encode a [2L, T, C] chunk, and decode it,
+ * one layer section per task, layers spread over pthreads. The bytes depend
+ * only on the input (never on the thread count): layer sections are produced
+ * independently and concatenated in layer order. Bitstream:
+ * format-spec/cachegen.md.
+ */
+#include "cachegen_cpu.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cachegen_stream.h"
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "kvtool's CacheGen coder assumes a little-endian host"
+#endif
+
+#define CG_BUCKET_BITS 6
+
+static size_t cg_esize(int dtype) { return dtype == CG_DTYPE_F32 ? 4u : 2u; }
+static int cg_wscale(int dtype) { return dtype == CG_DTYPE_F32 ? 32 : 16; }
+
+static void put_u32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static uint32_t get_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint16_t get_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+static size_t header_size(uint32_t layers) {
+    return CG_HEADER_FIXED + (((size_t)layers + 3u) & ~(size_t)3u) + 4u * (size_t)layers;
+}
+
+/* ------------------------------------------------------------------------ */
+/* bit writer (LSB-first)                                                    */
+typedef struct {
+    uint8_t *p;
+    size_t cap;     /* bytes */
+    uint64_t pos;   /* bits written */
+} bitwriter;
+
+static void bw_put(bitwriter *bw, uint64_t v, int n) {
+    for (int i = 0; i < n; i++) {
+        uint64_t b = bw->pos + (uint64_t)i;
+        if ((v >> i) & 1u) bw->p[b >> 3] |= (uint8_t)(1u << (b & 7));
+    }
+    bw->pos += (uint64_t)n;
+}
+
+static void bw_ones(bitwriter *bw, uint64_t n) {
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t b = bw->pos + i;
+        bw->p[b >> 3] |= (uint8_t)(1u << (b & 7));
+    }
+    bw->pos += n;
+}
+
+static int cmp_u32(const void *a, const void *b) {
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Rice block: base (w bits, lower median), k (5 bits, minimal cost, smallest
+ * on ties), then one code per value. */
+static int rice_block_put(bitwriter *bw, const uint32_t *v, size_t n, int w) {
+    uint32_t *tmp = (uint32_t *)malloc(n * sizeof(uint32_t));
+    if (!tmp) return CG_ERR_NOMEM;
+    memcpy(tmp, v, n * sizeof(uint32_t));
+    qsort(tmp, n, sizeof(uint32_t), cmp_u32);
+    uint32_t base = tmp[(n - 1) / 2];
+    free(tmp);
+    int kmax = w < 31 ? w : 31;
+    int bestk = 0;
+    uint64_t best = UINT64_MAX;
+    for (int k = 0; k <= kmax; k++) {
+        uint64_t c = 0;
+        for (size_t i = 0; i < n; i++) c += cg_rice_cost(v[i], base, k, w);
+        if (c < best) { best = c; bestk = k; }
+    }
+    bw_put(bw, base, w);
+    bw_put(bw, (uint64_t)bestk, CG_W_K);
+    for (size_t i = 0; i < n; i++) {
+        uint64_t z = v[i] >= base ? 2u * (uint64_t)(v[i] - base) : 2u * (uint64_t)(base - v[i]) - 1u;
+        uint64_t q = z >> bestk;
+        if (q < CG_RICE_ESCAPE) {
+            bw_ones(bw, q);
+            bw->pos += 1; /* zero bit */
+            bw_put(bw, z & ((1ull << bestk) - 1u), bestk);
+        } else {
+            bw_ones(bw, CG_RICE_ESCAPE);
+            bw_put(bw, v[i], w);
+        }
+    }
+    return CG_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* encoder                                                                   */
+typedef struct {
+    uint8_t *buf;
+    size_t len;
+    int rc;
+} layer_out;
+
+static int load_row_absmax(const uint8_t *row, int dtype, uint32_t C, uint32_t *maxbits) {
+    uint32_t m = 0;
+    if (dtype == CG_DTYPE_F32) {
+        const uint32_t *r = (const uint32_t *)row;
+        for (uint32_t c = 0; c < C; c++) { uint32_t a = r[c] & 0x7FFFFFFFu; m = a > m ? a : m; }
+        *maxbits = m;
+        return m >= 0x7F800000u;
+    }
+    const uint16_t *r = (const uint16_t *)row;
+    for (uint32_t c = 0; c < C; c++) { uint32_t a = r[c] & 0x7FFFu; m = a > m ? a : m; }
+    *maxbits = m;
+    return dtype == CG_DTYPE_BF16 ? m >= 0x7F80u : m >= 0x7C00u;
+}
+
+static float bits_to_f32(uint32_t b, int dtype) {
+    if (dtype == CG_DTYPE_F32) return cg_f32_from_bits(b);
+    if (dtype == CG_DTYPE_BF16) return cg_bf16_to_f32((uint16_t)b);
+    return cg_f16_to_f32((uint16_t)b);
+}
+
+static void encode_layer(const uint8_t *src, int dtype, uint32_t T, uint32_t C, int M,
+                         int P, int N, layer_out *lo) {
+    const int nsym = 2 * M + 1;
+    const size_t es = cg_esize(dtype);
+    const size_t TC = (size_t)T * C;
+    uint8_t *q = (uint8_t *)malloc(TC);
+    uint32_t *scales = (uint32_t *)malloc((size_t)T * sizeof(uint32_t));
+    uint64_t *S = (uint64_t *)calloc((size_t)C * 2u, sizeof(uint64_t));
+    uint32_t *mq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
+    uint32_t *sq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
+    uint16_t *cum = (uint16_t *)malloc((size_t)C * (size_t)(nsym + 1) * sizeof(uint16_t));
+    uint16_t *words = (uint16_t *)malloc((TC + 1u) * sizeof(uint16_t));
+    size_t sidecap = ((size_t)T * 48u + (size_t)C * 47u + 256u) / 8u + 16u;
+    uint8_t *side = (uint8_t *)calloc(sidecap, 1);
+    float *row = (float *)malloc((size_t)C * sizeof(float));
+    lo->buf = NULL;
+    lo->len = 0;
+    lo->rc = CG_ERR_NOMEM;
+    if (!q || !scales || !S || !mq || !sq || !cum || !words || !side || !row) goto done;
+
+    /* 1. quantize, per-channel sums */
+    for (uint32_t t = 0; t < T; t++) {
+        const uint8_t *r = src + (size_t)t * C * es;
+        uint32_t mb;
+        if (load_row_absmax(r, dtype, C, &mb)) { lo->rc = CG_ERR_NONFINITE; goto done; }
+        scales[t] = mb;
+        float factor = cg_quant_factor(M, bits_to_f32(mb, dtype));
+        if (dtype == CG_DTYPE_F32) {
+            memcpy(row, r, (size_t)C * 4u);
+        } else if (dtype == CG_DTYPE_BF16) {
+            const uint16_t *h = (const uint16_t *)r;
+            for (uint32_t c = 0; c < C; c++) row[c] = cg_bf16_to_f32(h[c]);
+        } else {
+            const uint16_t *h = (const uint16_t *)r;
+            for (uint32_t c = 0; c < C; c++) row[c] = cg_f16_to_f32(h[c]);
+        }
+        uint8_t *qr = q + (size_t)t * C;
+        for (uint32_t c = 0; c < C; c++) {
+            int s = cg_quantize(row[c], factor, M);
+            qr[c] = (uint8_t)s;
+            S[2u * c] += (uint64_t)s;
+            S[2u * c + 1u] += (uint64_t)(s * s);
+        }
+    }
+    /* 2. per-stream parameters and tables */
+    for (uint32_t c = 0; c < C; c++) {
+        mq[c] = cg_estimate_mu(T, S[2u * c], nsym);
+        sq[c] = cg_estimate_sigma(T, S[2u * c], S[2u * c + 1u]);
+        cg_build_cum(nsym, mq[c], sq[c], P, cum + (size_t)c * (nsym + 1));
+    }
+    /* 3. side information */
+    bitwriter bw = {side, sidecap, 0};
+    int rc;
+    if ((rc = rice_block_put(&bw, scales, T, cg_wscale(dtype))) != CG_OK ||
+        (rc = rice_block_put(&bw, mq, C, CG_W_MU)) != CG_OK ||
+        (rc = rice_block_put(&bw, sq, C, CG_W_SIGMA)) != CG_OK) {
+        lo->rc = rc;
+        goto done;
+    }
+    size_t side_bytes = (size_t)((bw.pos + 31u) / 32u) * 4u;
+
+    /* 4. rANS, interleaved lanes, reverse order of decoding */
+    {
+        uint32_t x[CG_LANES_MAX];
+        for (int j = 0; j < N; j++) x[j] = CG_RANS_L;
+        uint16_t *wend = words + TC, *wp = wend;
+        const int stride = nsym + 1;
+        const int sh = 32 - P;
+        int jlast = (int)((C - 1u) % (uint32_t)N);
+        for (int64_t t = (int64_t)T - 1; t >= 0; t--) {
+            const uint8_t *qr = q + (size_t)t * C;
+            int j = jlast;
+            for (int64_t c = (int64_t)C - 1; c >= 0; c--) {
+                const uint16_t *cm = cum + (size_t)c * stride;
+                uint32_t s = qr[c];
+                uint32_t st = cm[s], fr = (uint32_t)cm[s + 1] - st;
+                uint32_t xx = x[j];
+                if ((uint64_t)xx >= ((uint64_t)fr << sh)) { *--wp = (uint16_t)xx; xx >>= 16; }
+                x[j] = cg_enc_put(xx, st, fr, P);
+                j = j == 0 ? N - 1 : j - 1;
+            }
+        }
+        size_t nwords = (size_t)(wend - wp);
+        size_t body = side_bytes + 4u * (size_t)N + 2u * nwords;
+        size_t total = (body + 3u) & ~(size_t)3u;
+        uint8_t *out = (uint8_t *)calloc(total, 1);
+        if (!out) goto done;
+        memcpy(out, side, side_bytes);
+        for (int jj = 0; jj < N; jj++) put_u32(out + side_bytes + 4u * (size_t)jj, x[jj]);
+        memcpy(out + side_bytes + 4u * (size_t)N, wp, 2u * nwords);
+        lo->buf = out;
+        lo->len = total;
+        lo->rc = CG_OK;
+    }
+done:
+    free(q); free(scales); free(S); free(mq); free(sq); free(cum); free(words); free(side); free(row);
+}
+
+/* ------------------------------------------------------------------------ */
+/* decoder                                                                   */
+static int scale_ok(uint32_t b, int dtype) {
+    if (dtype == CG_DTYPE_F32) return (b & 0x80000000u) == 0 && (b & 0x7F800000u) != 0x7F800000u;
+    if (dtype == CG_DTYPE_BF16) return (b & 0x8000u) == 0 && (b & 0x7F80u) != 0x7F80u;
+    return (b & 0x8000u) == 0 && (b & 0x7C00u) != 0x7C00u;
+}
+
+static int rice_block_get(cg_bitreader *br, uint32_t *v, size_t n, int w, uint32_t vmax) {
+    uint32_t base = cg_br_bits(br, w);
+    int k = (int)cg_br_bits(br, CG_W_K);
+    if (br->err || k > w) return 0;
+    for (size_t i = 0; i < n; i++) {
+        v[i] = cg_rice_get(br, base, k, w);
+        if (br->err || v[i] > vmax) return 0;
+    }
+    return 1;
+}
+
+#define FAIL(msg) do { snprintf(err, errlen, "%s", msg); rc = CG_ERR_CORRUPT; goto done; } while (0)
+
+static int decode_layer(const uint8_t *sec, size_t seclen, int dtype, uint32_t T, uint32_t C,
+                        int M, int P, int N, uint8_t *dst, char *err, size_t errlen) {
+    const int nsym = 2 * M + 1;
+    const int stride = nsym + 1;
+    const int bshift = P - CG_BUCKET_BITS;
+    int rc = CG_ERR_NOMEM;
+    uint32_t *scales = (uint32_t *)malloc((size_t)T * sizeof(uint32_t));
+    uint32_t *mq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
+    uint32_t *sq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
+    uint16_t *cum = (uint16_t *)malloc((size_t)C * stride * sizeof(uint16_t));
+    uint8_t *bucket = (uint8_t *)malloc((size_t)C << CG_BUCKET_BITS);
+    snprintf(err, errlen, "out of memory");
+    if (!scales || !mq || !sq || !cum || !bucket) goto done;
+
+    cg_bitreader br = {sec, (uint64_t)seclen * 8u, 0, 0};
+    const int ws = cg_wscale(dtype);
+    if (!rice_block_get(&br, scales, T, ws, ws == 32 ? 0xFFFFFFFFu : 0xFFFFu)) FAIL("scale block is corrupt");
+    for (uint32_t t = 0; t < T; t++)
+        if (!scale_ok(scales[t], dtype)) FAIL("a scale is negative, infinite or NaN");
+    if (!rice_block_get(&br, mq, C, CG_W_MU, 4u * (uint32_t)(nsym - 1))) FAIL("mean block is corrupt");
+    if (!rice_block_get(&br, sq, C, CG_W_SIGMA, CG_NSIGMA - 1)) FAIL("sigma block is corrupt");
+    {
+        uint64_t padded = (br.pos + 31u) & ~(uint64_t)31u;
+        if (padded > br.nbits) FAIL("side information overruns its section");
+        uint32_t pad = cg_br_bits(&br, (int)(padded - br.pos));
+        if (br.err || pad != 0) FAIL("nonzero padding after side information");
+    }
+    size_t side_bytes = (size_t)(br.pos / 8u);
+    if (seclen - side_bytes < 4u * (size_t)N) FAIL("section too short for its rANS states");
+
+    uint32_t x[CG_LANES_MAX];
+    for (int j = 0; j < N; j++) {
+        x[j] = get_u32(sec + side_bytes + 4u * (size_t)j);
+        if (x[j] < CG_RANS_L) FAIL("rANS state below its lower bound");
+    }
+    const uint8_t *w0 = sec + side_bytes + 4u * (size_t)N;
+    const uint8_t *wp = w0, *wend = sec + seclen;
+
+    for (uint32_t c = 0; c < C; c++) {
+        uint16_t *cm = cum + (size_t)c * stride;
+        cg_build_cum(nsym, mq[c], sq[c], P, cm);
+        uint8_t *bk = bucket + ((size_t)c << CG_BUCKET_BITS);
+        int s = 0;
+        for (uint32_t b = 0; b < (1u << CG_BUCKET_BITS); b++) {
+            uint32_t lo = b << bshift;
+            while (cm[s + 1] <= lo) s++;
+            bk[b] = (uint8_t)s;
+        }
+    }
+
+    const uint32_t mask = (1u << P) - 1u;
+    float unit[CG_NSYM_MAX];
+    for (int s = 0; s < nsym; s++) unit[s] = cg_dequant_unit(s, M);
+    const size_t es = cg_esize(dtype);
+    for (uint32_t t = 0; t < T; t++) {
+        const float scale = bits_to_f32(scales[t], dtype);
+        uint16_t v16[CG_NSYM_MAX];
+        uint32_t v32[CG_NSYM_MAX];
+        if (dtype == CG_DTYPE_F32) {
+            for (int s = 0; s < nsym; s++) v32[s] = cg_bits_from_f32(unit[s] * scale);
+        } else if (dtype == CG_DTYPE_BF16) {
+            for (int s = 0; s < nsym; s++) v16[s] = cg_f32_to_bf16(unit[s] * scale);
+        } else {
+            for (int s = 0; s < nsym; s++) v16[s] = cg_f32_to_f16(unit[s] * scale);
+        }
+        const int fast = (size_t)(wend - wp) >= 2u * (size_t)C;
+        uint8_t *orow = dst + (size_t)t * C * es;
+        uint32_t c = 0;
+        while (c < C) {
+            uint32_t g = C - c < (uint32_t)N ? C - c : (uint32_t)N;
+            for (uint32_t j = 0; j < g; j++, c++) {
+                uint32_t xx = x[j];
+                const uint32_t slot = xx & mask;
+                const uint16_t *cm = cum + (size_t)c * stride;
+                uint32_t s = bucket[((size_t)c << CG_BUCKET_BITS) + (slot >> bshift)];
+                while (cm[s + 1] <= slot) s++;
+                const uint32_t st = cm[s];
+                xx = ((uint32_t)cm[s + 1] - st) * (xx >> P) + slot - st;
+                if (xx < CG_RANS_L) {
+                    if (!fast && wend - wp < 2) FAIL("rANS stream ends early");
+                    xx = cg_dec_push_word(xx, get_u16(wp));
+                    wp += 2;
+                }
+                x[j] = xx;
+                if (es == 2) ((uint16_t *)orow)[c] = v16[s];
+                else ((uint32_t *)orow)[c] = v32[s];
+            }
+        }
+    }
+    for (int j = 0; j < N; j++)
+        if (x[j] != CG_RANS_L) FAIL("rANS stream does not end in its initial state");
+    {
+        size_t used = (size_t)(wp - w0);
+        size_t want_pad = (used & 2u) ? 2u : 0u;
+        if ((size_t)(wend - wp) != want_pad) FAIL("rANS stream has trailing bytes");
+        for (size_t i = 0; i < want_pad; i++)
+            if (wp[i] != 0) FAIL("nonzero section padding");
+    }
+    rc = CG_OK;
+done:
+    free(scales); free(mq); free(sq); free(cum); free(bucket);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* threads                                                                    */
+typedef struct {
+    const cg_chunk *ck;
+    const uint8_t *src;      /* encode input / decode payload */
+    uint8_t *dst;            /* decode output */
+    layer_out *outs;         /* encode */
+    const size_t *offs;      /* decode: section offsets */
+    const size_t *lens;      /* decode: section lengths */
+    int P, N;
+    int next;                /* next layer to take (atomic) */
+    int failed;              /* first failure (atomic flag) */
+    int fail_rc;
+    uint32_t fail_layer;
+    char fail_msg[160];
+    pthread_mutex_t mu;
+} job;
+
+static int take(job *jb) { return __atomic_fetch_add(&jb->next, 1, __ATOMIC_RELAXED); }
+
+static void *encode_worker(void *arg) {
+    job *jb = (job *)arg;
+    const cg_chunk *ck = jb->ck;
+    const size_t es = cg_esize(ck->dtype);
+    const size_t lstride = (size_t)ck->tokens * ck->channels * es;
+    for (int l; (l = take(jb)) < (int)ck->layers;) {
+        if (__atomic_load_n(&jb->failed, __ATOMIC_RELAXED)) break;
+        encode_layer(jb->src + (size_t)l * lstride, ck->dtype, ck->tokens, ck->channels,
+                     cg_half_range(ck->bins[l]), jb->P, jb->N, &jb->outs[l]);
+        if (jb->outs[l].rc != CG_OK) __atomic_store_n(&jb->failed, 1, __ATOMIC_RELAXED);
+    }
+    return NULL;
+}
+
+static void *decode_worker(void *arg) {
+    job *jb = (job *)arg;
+    const cg_chunk *ck = jb->ck;
+    const size_t es = cg_esize(ck->dtype);
+    const size_t lstride = (size_t)ck->tokens * ck->channels * es;
+    char msg[128];
+    for (int l; (l = take(jb)) < (int)ck->layers;) {
+        if (__atomic_load_n(&jb->failed, __ATOMIC_RELAXED)) break;
+        int rc = decode_layer(jb->src + jb->offs[l], jb->lens[l], ck->dtype, ck->tokens, ck->channels,
+                              cg_half_range(ck->bins[l]), jb->P, jb->N, jb->dst + (size_t)l * lstride,
+                              msg, sizeof msg);
+        if (rc != CG_OK) {
+            pthread_mutex_lock(&jb->mu);
+            if (!jb->failed || (uint32_t)l < jb->fail_layer) {
+                jb->fail_rc = rc;
+                jb->fail_layer = (uint32_t)l;
+                snprintf(jb->fail_msg, sizeof jb->fail_msg, "layer %d: %s", l, msg);
+            }
+            __atomic_store_n(&jb->failed, 1, __ATOMIC_RELAXED);
+            pthread_mutex_unlock(&jb->mu);
+        }
+    }
+    return NULL;
+}
+
+static void run_threads(job *jb, int threads, void *(*fn)(void *)) {
+    if (threads < 1) threads = 1;
+    if (threads > (int)jb->ck->layers) threads = (int)jb->ck->layers;
+    if (threads > 256) threads = 256;
+    pthread_t tid[256];
+    int started = 0;
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&tid[started], NULL, fn, jb) != 0) break;
+        started++;
+    }
+    fn(jb);
+    for (int i = 0; i < started; i++) pthread_join(tid[i], NULL);
+}
+
+static int check_chunk(const cg_chunk *ck, char *err, size_t errlen) {
+    if (ck->dtype < CG_DTYPE_BF16 || ck->dtype > CG_DTYPE_F32) { snprintf(err, errlen, "bad dtype code"); return 0; }
+    if (ck->layers < 1 || ck->tokens < 1 || ck->channels < 1 || ck->layers > 65535u) {
+        snprintf(err, errlen, "bad chunk shape"); return 0;
+    }
+    if (ck->tokens >= CG_MAX_TOKENS || (uint64_t)ck->tokens * ck->channels > (1ull << 30)) {
+        snprintf(err, errlen, "chunk too large for one CacheGen section (tokens < 2^24, tokens*channels <= 2^30)");
+        return 0;
+    }
+    for (uint32_t l = 0; l < ck->layers; l++)
+        if (ck->bins[l] < CG_BINS_MIN || ck->bins[l] > CG_BINS_MAX) { snprintf(err, errlen, "bins out of range"); return 0; }
+    return 1;
+}
+
+int cg_encode_chunk(const void *kv, const cg_chunk *ck, int threads, uint8_t **out, size_t *out_len,
+                    char *err, size_t errlen) {
+    *out = NULL;
+    *out_len = 0;
+    if (!check_chunk(ck, err, errlen)) return CG_ERR_PARAM;
+    if (ck->prob_bits < CG_PROB_BITS_MIN || ck->prob_bits > CG_PROB_BITS_MAX || ck->lanes < 1 ||
+        ck->lanes > CG_LANES_MAX) {
+        snprintf(err, errlen, "prob_bits or lanes out of range");
+        return CG_ERR_PARAM;
+    }
+    const int N = ck->lanes < (int)ck->channels ? ck->lanes : (int)ck->channels;
+    job jb;
+    memset(&jb, 0, sizeof jb);
+    jb.ck = ck;
+    jb.src = (const uint8_t *)kv;
+    jb.P = ck->prob_bits;
+    jb.N = N;
+    jb.outs = (layer_out *)calloc(ck->layers, sizeof(layer_out));
+    if (!jb.outs) { snprintf(err, errlen, "out of memory"); return CG_ERR_NOMEM; }
+    for (uint32_t l = 0; l < ck->layers; l++) jb.outs[l].rc = -1; /* not run */
+    pthread_mutex_init(&jb.mu, NULL);
+    run_threads(&jb, threads, encode_worker);
+    pthread_mutex_destroy(&jb.mu);
+
+    int rc = CG_OK;
+    size_t total = header_size(ck->layers);
+    for (uint32_t l = 0; l < ck->layers; l++) {
+        if (jb.outs[l].rc == CG_ERR_NONFINITE) { rc = CG_ERR_NONFINITE; break; }
+    }
+    if (rc == CG_OK)
+        for (uint32_t l = 0; l < ck->layers; l++)
+            if (jb.outs[l].rc != CG_OK) { rc = CG_ERR_NOMEM; break; }
+    if (rc == CG_OK) {
+        for (uint32_t l = 0; l < ck->layers; l++) {
+            if (jb.outs[l].len > 0xFFFFFFFFu) { rc = CG_ERR_PARAM; break; }
+            total += jb.outs[l].len;
+        }
+    }
+    uint8_t *buf = rc == CG_OK ? (uint8_t *)calloc(total, 1) : NULL;
+    if (rc == CG_OK && !buf) rc = CG_ERR_NOMEM;
+    if (rc == CG_OK) {
+        buf[0] = CG_MAGIC0;
+        buf[1] = CG_MAGIC1;
+        buf[2] = CG_FORMAT_VERSION;
+        buf[3] = (uint8_t)ck->dtype;
+        buf[4] = (uint8_t)ck->prob_bits;
+        buf[5] = (uint8_t)N;
+        put_u32(buf + 8, ck->layers);
+        put_u32(buf + 12, ck->tokens);
+        put_u32(buf + 16, ck->channels);
+        for (uint32_t l = 0; l < ck->layers; l++) buf[CG_HEADER_FIXED + l] = (uint8_t)cg_half_range(ck->bins[l]);
+        size_t dir = CG_HEADER_FIXED + (((size_t)ck->layers + 3u) & ~(size_t)3u);
+        size_t pos = header_size(ck->layers);
+        for (uint32_t l = 0; l < ck->layers; l++) {
+            put_u32(buf + dir + 4u * l, (uint32_t)jb.outs[l].len);
+            memcpy(buf + pos, jb.outs[l].buf, jb.outs[l].len);
+            pos += jb.outs[l].len;
+        }
+        *out = buf;
+        *out_len = total;
+    }
+    if (rc == CG_ERR_NONFINITE) snprintf(err, errlen, "input holds NaN or infinity");
+    else if (rc == CG_ERR_NOMEM) snprintf(err, errlen, "out of memory");
+    else if (rc == CG_ERR_PARAM) snprintf(err, errlen, "layer section over 4 GiB");
+    for (uint32_t l = 0; l < ck->layers; l++) free(jb.outs[l].buf);
+    free(jb.outs);
+    return rc;
+}
+
+int cg_decode_chunk(const uint8_t *p, size_t len, cg_chunk *ck, void *out, int threads, char *err,
+                    size_t errlen) {
+    if (!check_chunk(ck, err, errlen)) return CG_ERR_PARAM;
+    if (len < CG_HEADER_FIXED) { snprintf(err, errlen, "payload shorter than its header"); return CG_ERR_CORRUPT; }
+    if (p[0] != CG_MAGIC0 || p[1] != CG_MAGIC1) { snprintf(err, errlen, "bad magic"); return CG_ERR_CORRUPT; }
+    if (p[2] != CG_FORMAT_VERSION) { snprintf(err, errlen, "unknown bitstream version %u", p[2]); return CG_ERR_CORRUPT; }
+    if (p[3] != (uint8_t)ck->dtype) { snprintf(err, errlen, "payload dtype differs from the declared dtype"); return CG_ERR_CORRUPT; }
+    int P = p[4], N = p[5];
+    if (P < CG_PROB_BITS_MIN || P > CG_PROB_BITS_MAX) { snprintf(err, errlen, "prob_bits out of range"); return CG_ERR_CORRUPT; }
+    if (N < 1 || N > CG_LANES_MAX || (uint32_t)N > ck->channels) { snprintf(err, errlen, "lane count out of range"); return CG_ERR_CORRUPT; }
+    if (p[6] != 0 || p[7] != 0) { snprintf(err, errlen, "reserved header bytes are nonzero"); return CG_ERR_CORRUPT; }
+    if (get_u32(p + 8) != ck->layers || get_u32(p + 12) != ck->tokens || get_u32(p + 16) != ck->channels) {
+        snprintf(err, errlen, "payload shape differs from the declared shape");
+        return CG_ERR_CORRUPT;
+    }
+    size_t hs = header_size(ck->layers);
+    if (len < hs) { snprintf(err, errlen, "payload shorter than its header"); return CG_ERR_CORRUPT; }
+    for (uint32_t l = 0; l < ck->layers; l++)
+        if (p[CG_HEADER_FIXED + l] != (uint8_t)cg_half_range(ck->bins[l])) {
+            snprintf(err, errlen, "layer %u: payload bins differ from the codec parameters", l);
+            return CG_ERR_CORRUPT;
+        }
+    for (size_t i = CG_HEADER_FIXED + ck->layers; i < CG_HEADER_FIXED + ((ck->layers + 3u) & ~3u); i++)
+        if (p[i] != 0) { snprintf(err, errlen, "nonzero header padding"); return CG_ERR_CORRUPT; }
+    size_t *offs = (size_t *)malloc(2u * ck->layers * sizeof(size_t));
+    if (!offs) { snprintf(err, errlen, "out of memory"); return CG_ERR_NOMEM; }
+    size_t *lens = offs + ck->layers;
+    size_t dir = CG_HEADER_FIXED + (((size_t)ck->layers + 3u) & ~(size_t)3u);
+    uint64_t pos = hs;
+    for (uint32_t l = 0; l < ck->layers; l++) {
+        uint32_t sl = get_u32(p + dir + 4u * l);
+        if (sl < 4u || (sl & 3u)) { free(offs); snprintf(err, errlen, "layer %u: bad section length", l); return CG_ERR_CORRUPT; }
+        offs[l] = (size_t)pos;
+        lens[l] = sl;
+        pos += sl;
+        if (pos > len) { free(offs); snprintf(err, errlen, "layer %u: section runs past the payload", l); return CG_ERR_CORRUPT; }
+    }
+    if (pos != len) { free(offs); snprintf(err, errlen, "payload has trailing bytes"); return CG_ERR_CORRUPT; }
+    ck->prob_bits = P;
+    ck->lanes = N;
+    job jb;
+    memset(&jb, 0, sizeof jb);
+    jb.ck = ck;
+    jb.src = p;
+    jb.dst = (uint8_t *)out;
+    jb.offs = offs;
+    jb.lens = lens;
+    jb.P = P;
+    jb.N = N;
+    pthread_mutex_init(&jb.mu, NULL);
+    run_threads(&jb, threads, decode_worker);
+    pthread_mutex_destroy(&jb.mu);
+    free(offs);
+    if (jb.failed) {
+        snprintf(err, errlen, "%s", jb.fail_msg);
+        return jb.fail_rc;
+    }
+    return CG_OK;
+}

@@ -1,0 +1,64 @@
+"""Loader of the native CacheGen coder (`kvtool._cachegen_native`, built by setup.py).
+
+When the extension is missing (no compiler at install time) the codec falls
+back to the pure-Python reference and says so once, in one line. Set
+KVTOOL_CACHEGEN_NATIVE=0 to force the reference (tests and debugging).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from types import ModuleType
+
+_module: ModuleType | None = None
+_error: str | None = None
+_loaded = False
+_warned = False
+
+
+def _load() -> None:
+    global _module, _error, _loaded
+    if _loaded:
+        return
+    _loaded = True
+    try:
+        from ... import _cachegen_native as m  # type: ignore[attr-defined]
+
+        _module = m
+    except ImportError as exc:  # pragma: no cover - depends on the build
+        _module, _error = None, str(exc)
+
+
+def native_module(warn: bool = True) -> ModuleType | None:
+    """The extension module, or None (forced off, or not built)."""
+    global _warned
+    if os.environ.get("KVTOOL_CACHEGEN_NATIVE", "1").strip() in ("0", "false", "no", "off"):
+        return None
+    _load()
+    if _module is None and warn and not _warned:
+        _warned = True
+        warnings.warn(
+            f"kvtool: native CacheGen coder unavailable ({_error}); using the slow pure-Python reference "
+            "(reinstall kvtool with a C compiler: pip install -e .)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return _module
+
+
+def native_available() -> bool:
+    return native_module(warn=False) is not None
+
+
+def default_threads() -> int:
+    env = os.environ.get("KVTOOL_THREADS")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            pass
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
