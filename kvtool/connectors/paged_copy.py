@@ -11,7 +11,7 @@ BS = block_size):
 =============  ==========================================  =========================
 layout         per-layer buffer                            used by
 =============  ==========================================  =========================
-"flash_attn"   one tensor ``[2, NB, BS, H, D]``            vLLM <= 0.22, LMCache V2
+"flash_attn"   one tensor ``[2, NB, BS, H, D]``            vLLM <= 0.22, kvtool engine
 "flashinfer"   one tensor ``[NB, 2, BS, H, D]``            vLLM ~0.23, FlashInfer
 "vllm"         one tensor ``[NB, H, BS, 2*D]``             vLLM 0.32 (K = first D
                                                            channels, V = last D)
@@ -253,8 +253,9 @@ def _plan(t: torch.Tensor, layout: PagedLayout, kv: int, block, offset, geo: Pag
 
 
 def _plans_for(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor):
-    """[(K view, K plan, V view, V plan) per layer] as `[num_rows, run]` row views;
-    plans are shared by tensors of equal strides (normally all layers)."""
+    """Per layer `[(K rows, K plan), (V rows, V plan)]`, "rows" being a
+    `[num_rows, run]` view of the tensor's storage; plans are computed once per
+    distinct stride pattern (normally once per call)."""
     geo = paged_geometry(kv_caches[0], layout)
     block, offset = slot_to_block_offset(slots.to(torch.int64), geo.block_size)
     cache: dict[tuple, _Plan] = {}
