@@ -18,6 +18,8 @@ ShuffleOpt = Annotated[Optional[bool], typer.Option(
     "--shuffle/--no-shuffle", help="zstd: byte-plane shuffle before compression (default on).")]
 BinsOpt = Annotated[Optional[str], typer.Option(
     "--bins", help="cachegen: per-layer bins, e.g. 'k:0-10=32,10-=16;v:0-2=32,2-=16'.")]
+ModelOpt = Annotated[Optional[Path], typer.Option(
+    "--model", help="Local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct).")]
 ChunksOpt = Annotated[Optional[str], typer.Option(
     "--chunks", help="Chunk indices, e.g. '0-3,7' (default: all).")]
 LayersOpt = Annotated[Optional[str], typer.Option(

@@ -1,0 +1,149 @@
+"""Capture: run a model through a paged KV buffer and stream its KV into a file.
+
+The KV leaves the engine the way it leaves a serving engine: chunk by chunk,
+gathered from the paged buffer by `PagedMemConnectorV2.from_gpu` with the
+sequence's full slot mapping. Prefill runs one chunk ahead of the writer, so a
+chunk is on disk as soon as the model has produced it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .connectors import PagedMemConnectorV2
+from .engine import LoadedModel, PagedKVCache, Runner, load_model
+from .errors import InputFileError, PromptError, UsageError
+from .format import ContainerWriter
+
+
+@dataclass
+class CaptureTimings:
+    prefill_s: float = 0.0
+    connector_s: float = 0.0  # from_gpu: paged buffer -> KV_BLOB
+    writer_s: float = 0.0  # encode + checksum + write + fsync/rename
+
+    @property
+    def overhead_share(self) -> float:
+        return (self.connector_s + self.writer_s) / max(self.prefill_s, 1e-9)
+
+
+def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path | None = None,
+                tokens_file: Path | None = None) -> list[int]:
+    """Token ids from exactly one of: a prompt, a prompt file, or a token-id file."""
+    given = [x is not None for x in (prompt, prompt_file, tokens_file)]
+    if sum(given) != 1:
+        raise UsageError("give exactly one of --prompt, --prompt-file or --tokens")
+    if tokens_file is not None:
+        text = _read_text(tokens_file)
+        try:
+            ids = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.split()]
+        except ValueError:
+            raise InputFileError(f"{tokens_file}: expected a JSON list or whitespace-separated "
+                                 f"integers") from None
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise InputFileError(f"{tokens_file}: expected a list of integer token ids")
+        vocab = model.config.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise PromptError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
+    else:
+        text = prompt if prompt is not None else _read_text(prompt_file)
+        ids = model.tokenizer.encode(text)
+    if not ids:
+        raise PromptError("the prompt is empty")
+    if len(ids) > model.max_position_embeddings:
+        raise PromptError(f"the prompt has {len(ids)} tokens, more than the model's context of "
+                          f"{model.max_position_embeddings}")
+    return ids
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputFileError(f"{path}: no such file") from None
+    except UnicodeDecodeError:
+        raise InputFileError(f"{path}: not UTF-8 text") from None
+    except OSError as err:
+        raise InputFileError(f"{path}: cannot read ({err.strerror})") from None
+
+
+def paged_connector(model: LoadedModel) -> PagedMemConnectorV2:
+    cfg = model.config
+    return PagedMemConnectorV2(cfg.num_kv_heads * cfg.head_dim, cfg.num_layers, layout="flash_attn",
+                               num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+
+
+def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chunk_size: int = 256,
+            codec: str = "raw", params: dict[str, Any] | None = None,
+            kv_dtype: torch.dtype = torch.bfloat16, block_size: int = 16, shuffle_seed: int | None = 0,
+            on_chunk: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Prefill `token_ids` chunk by chunk and write each chunk's KV as soon as it exists."""
+    n = len(token_ids)
+    cache = PagedKVCache.for_tokens(model.config, n, block_size=block_size, kv_dtype=kv_dtype,
+                                    shuffle_seed=shuffle_seed)
+    seq = cache.new_sequence(n)
+    slot_mapping = seq.slot_mapping(n)  # [n], the whole sequence's slots
+    connector = paged_connector(model)
+    runner = Runner(model, cache)
+    timings = CaptureTimings()
+    started = time.perf_counter()
+    with ContainerWriter(output, model.identity, token_ids, kv_dtype=kv_dtype, chunk_size=chunk_size,
+                         metadata={"engine": "kvtool paged runner", "block_size": str(block_size)}) as writer:
+        for index, (start, end) in enumerate(writer.chunk_ranges()):
+            t0 = time.perf_counter()
+            runner.prefill(seq, token_ids[start:end], start_pos=start, prefill_chunk=chunk_size,
+                           logits="none")
+            t1 = time.perf_counter()
+            memory = connector.allocate(end - start, kv_dtype)
+            connector.from_gpu(memory, start, end, kvcaches=cache.kv_caches, slot_mapping=slot_mapping)
+            t2 = time.perf_counter()
+            writer.write_chunk(memory.tensor, codec, params)
+            t3 = time.perf_counter()
+            timings.prefill_s += t1 - t0
+            timings.connector_s += t2 - t1
+            timings.writer_s += t3 - t2
+            if on_chunk is not None:
+                on_chunk(index, end)
+        t_finish = time.perf_counter()
+    timings.writer_s += time.perf_counter() - t_finish
+    out = Path(output)
+    decoded = sum(c.decoded_bytes for c in writer.chunks)
+    stored = sum(c.blob.length for c in writer.chunks)
+    return {"output": str(out), "model": model.name, "fingerprint": model.identity.fingerprint(),
+            "num_tokens": n, "num_chunks": len(writer.chunks), "chunk_size": chunk_size,
+            "codec": codec, "kv_dtype": str(kv_dtype).removeprefix("torch."),
+            "block_size": block_size, "file_bytes": out.stat().st_size, "decoded_bytes": decoded,
+            "stored_bytes": stored, "seconds": time.perf_counter() - started,
+            "prefill_tokens_per_s": n / max(timings.prefill_s, 1e-9),
+            "timings": {**asdict(timings), "overhead_share": timings.overhead_share}}
+
+
+def capture_kv(model_path: str | Path | None, text: str, num_tokens: int,
+               kv_dtype: torch.dtype = torch.bfloat16):
+    """KV_BLOB `[2, L, T, C]` of the first `num_tokens` tokens of `text` (for benches).
+
+    Returns (kv, token_ids, identity). The text is repeated if it is too short.
+    """
+    model = load_model(model_path)
+    ids = model.tokenizer.encode(text)
+    if not ids:
+        raise PromptError("the text is empty")
+    while len(ids) < num_tokens:
+        ids = ids + ids
+    ids = ids[:num_tokens]
+    cache = PagedKVCache.for_tokens(model.config, num_tokens, kv_dtype=kv_dtype, shuffle_seed=0)
+    seq = cache.new_sequence(num_tokens)
+    Runner(model, cache).prefill(seq, ids, logits="none")
+    connector = paged_connector(model)
+    memory = connector.allocate(num_tokens, kv_dtype)
+    connector.from_gpu(memory, 0, num_tokens, kvcaches=cache.kv_caches,
+                                    slot_mapping=seq.slot_mapping(num_tokens))
+    return memory.tensor, ids, model.identity
