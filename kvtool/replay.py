@@ -1,0 +1,199 @@
+"""Replay: load a KV file into a fresh paged buffer and continue from it.
+
+The file's chunks are decoded and written into a newly allocated paged cache,
+with a shuffled (non-contiguous) block assignment, through
+`PagedMemConnectorV2.to_gpu` and the new sequence's slot mapping. The model then
+computes only what the file does not hold. `compare` measures the cached run
+against a full recompute of the same tokens:
+
+- greedy: the recompute's greedy continuation is the reference; the cached run
+  is teacher-forced along it, so "greedy tokens identical up to position i" is
+  the first position whose top-1 differs (identical to running greedy decoding
+  on the cache, up to that point);
+- top-1 agreement, KL(reference || cached) per position, and the change in the
+  negative log-likelihood of the reference tokens;
+- time to first token: load + decode + the uncached remainder vs a full prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .capture import paged_connector
+from .engine import LoadedModel, PagedKVCache, Runner
+from .errors import ModelMismatch, PromptError, UsageError
+from .format import ContainerReader
+from .format.hashing import prefix_hashes
+
+
+@dataclass
+class ReusePlan:
+    tokens: list[int]  # the whole sequence to run (file prefix + anything new)
+    reused: int  # tokens [0, reused) come from the file
+    chunks: int  # how many of the file's chunks are (partly) loaded
+
+
+def check_model(reader: ContainerReader, model: LoadedModel) -> None:
+    if reader.fingerprint != model.identity.fingerprint():
+        raise ModelMismatch(
+            f"{reader.path} was made by {reader.model.get('name')!r} ({reader.fingerprint[:19]}...), "
+            f"not by the loaded model {model.name!r} ({model.identity.fingerprint()[:19]}...)")
+
+
+def plan_reuse(reader: ContainerReader, new_tokens: list[int] | None = None,
+               suffix_tokens: list[int] | None = None) -> ReusePlan:
+    """Which leading tokens of the run can come from the file.
+
+    With `suffix_tokens`, the run is the file's own tokens plus the suffix, and
+    every cached token is reused. With `new_tokens` (a new prompt), the longest
+    run of whole chunks whose prefix hashes match is reused. At least one token
+    is always computed, since its logits start the continuation.
+    """
+    file_tokens = reader.token_ids().tolist()
+    size = reader.manifest.chunk_size
+    if new_tokens is None:
+        tokens = file_tokens + list(suffix_tokens or [])
+        reused = len(file_tokens)
+    else:
+        tokens = list(new_tokens)
+        if not tokens:
+            raise PromptError("the new prompt is empty")
+        reused = 0
+        for chunk, want in zip(reader.chunks, prefix_hashes(tokens, size)):
+            if chunk.end - chunk.start != size or chunk.prefix_hash != want:
+                break
+            reused = chunk.end
+        if reused == (len(reader.chunks) - 1) * size and tokens[:len(file_tokens)] == file_tokens:
+            reused = len(file_tokens)  # the short last chunk matches too
+    reused = min(reused, len(tokens) - 1)
+    return ReusePlan(tokens=tokens, reused=reused, chunks=-(-reused // size))
+
+
+def load_prefix(reader: ContainerReader, model: LoadedModel, cache: PagedKVCache, seq, num_tokens: int,
+                slot_mapping: torch.Tensor) -> float:
+    """Decode the file's chunks covering [0, num_tokens) into the paged cache; returns seconds."""
+    t0 = time.perf_counter()
+    connector = paged_connector(model)
+    for chunk in reader.chunks:
+        if chunk.start >= num_tokens:
+            break
+        end = min(chunk.end, num_tokens)
+        kv = reader.read_chunk(chunk.index)[:, :, : end - chunk.start]  # [2, L, T, C]
+        memory = connector.allocate(end - chunk.start, kv.dtype)
+        memory.tensor.copy_(kv)
+        connector.to_gpu(memory, chunk.start, end, kvcaches=cache.kv_caches, slot_mapping=slot_mapping)
+    seq.num_tokens = num_tokens
+    return time.perf_counter() - t0
+
+
+def _new_cache(model: LoadedModel, total: int, kv_dtype: torch.dtype, block_size: int, seed: int):
+    cache = PagedKVCache.for_tokens(model.config, total, block_size=block_size, kv_dtype=kv_dtype,
+                                    shuffle_seed=seed)
+    seq = cache.new_sequence(total)
+    return cache, seq
+
+
+def replay(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, continue_tokens: int = 32,
+           compare: bool = False, block_size: int = 16) -> dict[str, Any]:
+    check_model(reader, model)
+    tokens = plan.tokens
+    n = len(tokens)
+    total = n + continue_tokens
+    if total > model.max_position_embeddings:
+        raise PromptError(f"{n} tokens plus {continue_tokens} to generate exceed the model's context of "
+                          f"{model.max_position_embeddings}")
+    if continue_tokens < 1:
+        raise UsageError("--continue must be at least 1")
+    kv_dtype = reader.kv_dtype
+    prefill_chunk = reader.manifest.chunk_size
+    result: dict[str, Any] = {"file": str(reader.path), "model": model.name, "num_tokens": n,
+                              "reused_tokens": plan.reused, "computed_tokens": n - plan.reused,
+                              "chunks_loaded": plan.chunks, "codecs": sorted({c.codec for c in reader.chunks}),
+                              "continue": continue_tokens}
+
+    reference = None
+    if compare:  # the full recompute, no cache: the reference
+        cache, seq = _new_cache(model, total, kv_dtype, block_size, seed=2)
+        runner = Runner(model, cache)
+        t0 = time.perf_counter()
+        logits = runner.prefill(seq, tokens, prefill_chunk=prefill_chunk, logits="last")  # [1, V]
+        ttft_recompute = time.perf_counter() - t0
+        ref_logits, greedy = [logits[0]], []
+        for i in range(continue_tokens):
+            greedy.append(int(ref_logits[-1].argmax()))
+            if i + 1 < continue_tokens:
+                ref_logits.append(runner.decode_step(seq, greedy[-1]))
+        reference = (torch.stack(ref_logits), greedy)  # [N, V]
+        result["ttft_recompute_s"] = ttft_recompute
+        del cache
+
+    cache, seq = _new_cache(model, total, kv_dtype, block_size, seed=1)
+    slot_mapping = seq.slot_mapping(total)
+    runner = Runner(model, cache)
+    t0 = time.perf_counter()
+    load_s = load_prefix(reader, model, cache, seq, plan.reused, slot_mapping)
+    first = runner.prefill(seq, tokens[plan.reused:], start_pos=plan.reused, prefill_chunk=prefill_chunk,
+                           logits="last")  # [1, V]
+    ttft_cached = time.perf_counter() - t0
+    result.update(load_s=load_s, ttft_cached_s=ttft_cached)
+    if reference is None:
+        generated = [int(first[0].argmax())]
+        while len(generated) < continue_tokens:
+            generated.append(int(runner.decode_step(seq, generated[-1]).argmax()))
+        result["continuation_tokens"] = generated
+        result["continuation"] = model.tokenizer.decode(generated)
+        return result
+
+    ref_logits, forced = reference
+    rest = runner.prefill(seq, forced[:-1], start_pos=n, prefill_chunk=prefill_chunk, logits="all") \
+        if continue_tokens > 1 else first[:0]
+    cached_logits = torch.cat([first, rest])  # [N, V]
+    result.update(continuation_tokens=forced, continuation=model.tokenizer.decode(forced),
+                  speedup=result["ttft_recompute_s"] / max(ttft_cached, 1e-9),
+                  **compare_logits(ref_logits, cached_logits, forced))
+    return result
+
+
+def compare_logits(ref: torch.Tensor, got: torch.Tensor, forced: list[int]) -> dict[str, Any]:
+    """Agreement of next-token distributions along the forced tokens. ref, got: [N, V]."""
+    ref_logp = F.log_softmax(ref.double(), dim=-1)
+    got_logp = F.log_softmax(got.double(), dim=-1)
+    kl = (ref_logp.exp() * (ref_logp - got_logp)).sum(dim=-1).clamp_min(0)  # [N]
+    target = torch.tensor(forced)
+    top1 = got.argmax(dim=-1) == target  # [N]
+    mismatch = (~top1).nonzero()
+    ref_nll = -ref_logp[torch.arange(len(forced)), target].mean().item()
+    got_nll = -got_logp[torch.arange(len(forced)), target].mean().item()
+    return {"top1_agreement": top1.double().mean().item(),
+            "greedy_identical_tokens": int(mismatch[0, 0]) if len(mismatch) else len(forced),
+            "kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
+            "nll_reference": ref_nll, "nll_cached": got_nll, "delta_nll": got_nll - ref_nll,
+            "max_abs_logit_diff": (ref - got).abs().max().item()}
+
+
+def teacher_forced_eval(model: LoadedModel, kv_source: ContainerReader | None, context: list[int],
+                        continuation: list[int], *, kv_dtype: torch.dtype = torch.bfloat16,
+                        prefill_chunk: int = 256, block_size: int = 16) -> torch.Tensor:
+    """Logits [N, V] predicting `continuation` after `context`.
+
+    With `kv_source`, the context's KV (all but its last token) comes from the file;
+    without, the context is prefilled from scratch (the reference)."""
+    total = len(context) + len(continuation)
+    cache, seq = _new_cache(model, total, kv_dtype, block_size, seed=3)
+    runner = Runner(model, cache)
+    start = 0
+    if kv_source is not None:
+        check_model(kv_source, model)
+        if not np.array_equal(kv_source.token_ids()[: len(context) - 1], np.asarray(context[:-1])):
+            raise UsageError("the file's tokens are not the context's")
+        start = len(context) - 1
+        load_prefix(kv_source, model, cache, seq, start, seq.slot_mapping(total))
+    forced = context[start:] + continuation[:-1]
+    logits = runner.prefill(seq, forced, start_pos=start, prefill_chunk=prefill_chunk, logits="all")
+    return logits[-len(continuation):]
