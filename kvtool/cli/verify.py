@@ -14,7 +14,7 @@ from ..errors import KvtoolError, ModelMismatch
 from ..format import ContainerReader
 from ..format.hashing import prefix_hashes
 from ..format.identity import model_fingerprint
-from .options import InputPath, JsonOpt
+from .options import InputPath, JsonOpt, ModelOpt
 from .output import emit
 
 AgainstOpt = Annotated[Optional[Path], typer.Option(
@@ -22,10 +22,17 @@ AgainstOpt = Annotated[Optional[Path], typer.Option(
 AtolOpt = Annotated[float, typer.Option("--atol", help="Allowed absolute error per value.")]
 RtolOpt = Annotated[float, typer.Option(
     "--rtol", help="Allowed error relative to the layer's largest reference magnitude.")]
+ReplayOpt = Annotated[bool, typer.Option(
+    "--replay", help="Also replay the file into the model and compare with a full recompute.")]
+ReplayTop1Opt = Annotated[float, typer.Option("--min-top1", help="With --replay: minimum top-1 agreement.")]
+ReplayKlOpt = Annotated[Optional[float], typer.Option("--max-kl", help="With --replay: maximum mean KL.")]
+ReplayContinueOpt = Annotated[int, typer.Option("--continue", help="With --replay: teacher-forced tokens.")]
 
 
 def verify_command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 0.0,
-                   rtol: RtolOpt = 0.0, json: JsonOpt = False) -> int:
+                   rtol: RtolOpt = 0.0, replay: ReplayOpt = False, model: ModelOpt = None,
+                   min_top1: ReplayTop1Opt = 0.9, max_kl: ReplayKlOpt = None,
+                   continue_tokens: ReplayContinueOpt = 16, json: JsonOpt = False) -> int:
     """Check structure, checksums, decoding, finiteness and prefix hashes (exit 1 if any fails)."""
     with ContainerReader(path) as reader:
         result = verify_file(reader)
@@ -34,6 +41,12 @@ def verify_command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 
                 result["comparison"] = compare_files(reader, other, atol=atol, rtol=rtol)
             if not result["comparison"]["ok"]:
                 result["problems"].append(f"decoded KV differs from {against} beyond tolerance")
+    if replay and not result["problems"]:
+        from .replay import run_replay
+
+        result["replay"] = run_replay(path, model, continue_tokens=continue_tokens, compare=True,
+                                      min_top1=min_top1, max_kl=max_kl)
+        result["problems"] += [f"replay: {f}" for f in result["replay"]["failures"]]
     result["ok"] = not result["problems"]
     emit(result, json, _render)
     return 0 if result["ok"] else 1
@@ -132,6 +145,10 @@ def _render(console: Console, r: dict[str, Any]) -> None:
             console.print(f"  layer {w['layer']:>3} {w['kind']}: max abs {w['max_abs']:.4g}, "
                           f"max rel {w['max_rel']:.4g}, rmse {w['rmse']:.4g}"
                           + ("" if w["ok"] else "  [red]over tolerance[/red]"))
+    if "replay" in r:
+        from .replay import render as render_replay
+
+        render_replay(console, {**r["replay"], "failures": []})
     for p in r["problems"]:
         console.print(f"[red]FAIL[/red] {p}")
     console.print("[green]OK[/green]" if r["ok"] else f"[red]{len(r['problems'])} problem(s)[/red]")
