@@ -1,0 +1,274 @@
+"""Shared helpers for the container and CLI tests (not a conftest: import what you need).
+
+- `make_identity` / `write_kv_file`: a small synthetic model identity and a KV file
+  written by the real `ContainerWriter`, with the tensors it was built from.
+- `split_file` / `rebuild`: take a valid file apart (header, data region, manifest,
+  trailer) and put it back together with a modified manifest, recomputing the
+  manifest CRC-32 and the trailer, so a hostile-input test hits exactly one check.
+- `ref_prefix_hashes` / `ref_crc32`: independent re-implementations of the
+  documented hash definitions (not kvtool's own code).
+- `time_limit`: fail a test instead of hanging forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import signal
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from kvtool.format import ContainerReader, ContainerWriter, ModelIdentity
+
+# Spelled out here (not imported from kvtool.format.layout) so a change to the
+# layout module cannot silently change what the tests expect.
+MAGIC = b"\x89KVC\r\n\x1a\n"
+END_MAGIC = b"\x89KVCEND\n"
+HEADER_SIZE = 64
+TRAILER_SIZE = 32
+HEADER_FMT = "<8sHHIII40s"
+TRAILER_FMT = "<QQII8s"
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# --- reference definitions ------------------------------------------------------
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1  # reflected Castagnoli polynomial
+        table.append(c)
+    return table
+
+
+_CRC32C_TABLE = _crc32c_table()
+
+
+def ref_crc32(data: bytes) -> int:
+    """The spec's checksum, CRC-32C (Castagnoli), bit by bit from its definition."""
+    crc = 0xFFFFFFFF
+    table = _CRC32C_TABLE
+    for byte in bytes(data):
+        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def ref_prefix_hashes(token_ids, chunk_size: int) -> list[str]:
+    """SHA-256 chained from 32 zero bytes over each chunk's token ids as u32 little-endian."""
+    ids = [int(t) for t in token_ids]
+    out, prev = [], bytes(32)
+    for start in range(0, len(ids), chunk_size):
+        part = ids[start:start + chunk_size]
+        prev = hashlib.sha256(prev + struct.pack(f"<{len(part)}I", *part)).digest()
+        out.append(prev.hex())
+    return out
+
+
+# --- synthetic files -------------------------------------------------------------
+
+
+def make_identity(num_layers: int = 2, num_kv_heads: int = 2, head_dim: int = 8,
+                  name: str = "synthetic-tiny") -> ModelIdentity:
+    return ModelIdentity(
+        name=name, architecture="LlamaForCausalLM", num_layers=num_layers,
+        num_attention_heads=num_kv_heads * 2, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        hidden_size=num_kv_heads * 2 * head_dim, intermediate_size=4 * num_kv_heads * head_dim,
+        vocab_size=1000, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope={"rope_theta": 10000.0, "rope_scaling": None})
+
+
+def make_kv(identity: ModelIdentity, num_tokens: int, dtype: torch.dtype = torch.bfloat16,
+            seed: int = 0) -> torch.Tensor:
+    """A KV_BLOB [2, L, T, H*D] of random values, with a few outliers and special values."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, identity.num_layers, num_tokens, identity.num_kv_heads * identity.head_dim,
+                     generator=g) * 3
+    kv[..., 0] *= 40  # an outlier channel, like real K caches have
+    flat = kv.view(-1)
+    flat[:: 7] = 0.0
+    flat[1:: 11] = -0.0
+    return kv.to(dtype)
+
+
+@dataclass
+class KvFile:
+    path: Path
+    identity: ModelIdentity
+    kv: torch.Tensor  # the full KV_BLOB [2, L, T, C] written (in the file's dtype)
+    token_ids: list[int]
+    chunk_size: int
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def chunk(self, i: int) -> torch.Tensor:
+        return self.kv[:, :, i * self.chunk_size:(i + 1) * self.chunk_size]
+
+
+def write_kv_file(path, *, identity: ModelIdentity | None = None, num_tokens: int = 10,
+                  chunk_size: int = 4, dtype: torch.dtype = torch.bfloat16, codec: str = "raw",
+                  params: dict[str, Any] | None = None, alignment: int = 64,
+                  extras: bool = False, seed: int = 0, token_ids=None,
+                  kv: torch.Tensor | None = None,
+                  codecs_per_chunk: list[tuple[str, dict | None]] | None = None) -> KvFile:
+    identity = identity or make_identity()
+    if kv is None:
+        kv = make_kv(identity, num_tokens, dtype, seed)
+    if token_ids is None:
+        token_ids = [(seed * 7919 + 31 * i + 5) % 50_000 for i in range(num_tokens)]
+    token_ids = [int(t) for t in token_ids]
+    ex: dict[str, torch.Tensor] = {}
+    if extras:
+        g = torch.Generator().manual_seed(seed + 1)
+        ex["hidden_states"] = torch.randn(num_tokens, identity.hidden_size, generator=g).to(dtype)
+        ex["roi_mask"] = torch.rand(num_tokens, generator=g) > 0.5
+    with ContainerWriter(path, identity, token_ids, kv_dtype=dtype, chunk_size=chunk_size,
+                         alignment=alignment) as w:
+        for i, (s, e) in enumerate(w.chunk_ranges()):
+            c, p = codecs_per_chunk[i % len(codecs_per_chunk)] if codecs_per_chunk else (codec, params)
+            w.write_chunk(kv[:, :, s:e], c, p)
+        for name, t in ex.items():
+            w.write_extra(name, t)
+    return KvFile(Path(path), identity, kv, token_ids, chunk_size, ex)
+
+
+def read_everything(path) -> dict[str, Any]:
+    """Open a file and decode everything in it (raises whatever the reader raises)."""
+    with ContainerReader(path) as r:
+        return {"tokens": r.token_ids().tolist(),
+                "chunks": [r.read_chunk(i) for i in range(len(r.chunks))],
+                "extras": {name: r.read_extra(name) for name in r.manifest.extras}}
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN payloads, -0.0 and all)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = a.contiguous(), b.contiguous()
+    if a.dtype == torch.bool:
+        return torch.equal(a, b)
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def same_content(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (a["tokens"] == b["tokens"] and len(a["chunks"]) == len(b["chunks"])
+            and all(same_tensor(x, y) for x, y in zip(a["chunks"], b["chunks"]))
+            and a["extras"].keys() == b["extras"].keys()
+            and all(same_tensor(a["extras"][k], b["extras"][k]) for k in a["extras"]))
+
+
+# --- taking files apart and putting them back together ---------------------------------
+
+
+@dataclass
+class Parts:
+    header: bytes  # 64 bytes
+    data: bytes  # header + blobs + padding, up to the manifest offset
+    manifest_raw: bytes
+    manifest: dict[str, Any]
+    trailer: tuple  # (offset, length, crc, reserved, end_magic)
+
+    @property
+    def manifest_offset(self) -> int:
+        return len(self.data)
+
+
+def split_file(source) -> Parts:
+    blob = Path(source).read_bytes() if isinstance(source, (str, os.PathLike)) else bytes(source)
+    trailer = struct.unpack(TRAILER_FMT, blob[-TRAILER_SIZE:])
+    offset, length = trailer[0], trailer[1]
+    raw = blob[offset:offset + length]
+    return Parts(blob[:HEADER_SIZE], blob[:offset], raw, json.loads(raw), trailer)
+
+
+def rebuild(source, mutate: Callable[[dict], Any] | None = None, *,
+            manifest: dict | None = None, manifest_raw: bytes | None = None,
+            data: bytes | None = None, crc: int | None = None, reserved: int = 0,
+            end_magic: bytes = END_MAGIC, header: bytes | None = None) -> bytes:
+    """Re-assemble `source` (a path or bytes) with a new manifest and a consistent trailer.
+
+    `mutate(doc)` edits a deep copy of the manifest dict in place; or pass the whole
+    `manifest` dict, or `manifest_raw` bytes. `data` replaces the data region (same
+    length or not: the manifest moves, 8-aligned, after it). `header` replaces the
+    first 64 bytes; `crc`, `reserved` and `end_magic` override trailer fields.
+    """
+    parts = split_file(source)
+    body = bytearray(parts.data if data is None else data)
+    if header is not None:
+        body[:HEADER_SIZE] = header
+    if manifest_raw is None:
+        doc = copy.deepcopy(parts.manifest if manifest is None else manifest)
+        if mutate is not None:
+            mutate(doc)
+        manifest_raw = json.dumps(doc, separators=(",", ":")).encode()
+    body += bytes(-len(body) % 8)
+    offset = len(body)
+    trailer = struct.pack(TRAILER_FMT, offset, len(manifest_raw),
+                          ref_crc32(manifest_raw) if crc is None else crc, reserved, end_magic)
+    return bytes(body) + manifest_raw + trailer
+
+
+def patch_blob(source, blob_ref: dict[str, Any], new_payload: bytes, *, fix_crc: bool = True,
+               mutate: Callable[[dict], Any] | None = None) -> bytes:
+    """Overwrite the bytes of one blob in place (length may shrink, never grow past the
+    next blob), update that blob's manifest entry (length, and crc32 if `fix_crc`)."""
+    parts = split_file(source)
+    data = bytearray(parts.data)
+    off = blob_ref["offset"]
+    data[off:off + len(new_payload)] = new_payload
+    assert len(data) == len(parts.data), "patched payload ran past the data region"
+
+    def edit(doc):
+        for entry in _blob_entries(doc):
+            if entry["offset"] == off:
+                entry["length"] = len(new_payload)
+                if fix_crc:
+                    entry["crc32"] = ref_crc32(new_payload)
+        if mutate is not None:
+            mutate(doc)
+    return rebuild(source, edit, data=bytes(data))
+
+
+def _blob_entries(doc: dict) -> list[dict]:
+    return [doc["sequence"]["tokens"], *doc["chunks"], *doc.get("extras", {}).values()]
+
+
+def blob_bytes(source, ref: dict[str, Any]) -> bytes:
+    blob = Path(source).read_bytes() if isinstance(source, (str, os.PathLike)) else bytes(source)
+    return blob[ref["offset"]:ref["offset"] + ref["length"]]
+
+
+def pack_header(*, magic: bytes = MAGIC, major: int = 1, minor: int = 0, header_size: int = 64,
+                alignment: int = 64, flags: int = 0, reserved: bytes = bytes(40)) -> bytes:
+    return struct.pack(HEADER_FMT, magic, major, minor, header_size, alignment, flags, reserved)
+
+
+# --- guard against hangs ----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise TimeoutError if the block runs longer than `seconds` (main thread, POSIX)."""
+    if not hasattr(signal, "setitimer"):  # pragma: no cover
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"took longer than {seconds} s (a hang?)")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
