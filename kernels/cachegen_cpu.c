@@ -18,7 +18,6 @@
 #error "kvtool's CacheGen coder assumes a little-endian host"
 #endif
 
-#define CG_BUCKET_BITS 6
 
 static size_t cg_esize(int dtype) { return dtype == CG_DTYPE_F32 ? 4u : 2u; }
 static int cg_wscale(int dtype) { return dtype == CG_DTYPE_F32 ? 32 : 16; }
@@ -241,19 +240,84 @@ static int rice_block_get(cg_bitreader *br, uint32_t *v, size_t n, int w, uint32
 
 #define FAIL(msg) do { snprintf(err, errlen, "%s", msg); rc = CG_ERR_CORRUPT; goto done; } while (0)
 
+/* Symbol search. Each stream has a cum table padded to S = 2^k entries
+ * (entries past nsym hold 2^P) and a 64-entry bucket table: lut[b] is the
+ * symbol that holds slot b * 2^(P-6). One branchless step resolves a bucket
+ * with one boundary inside; the loop runs only for buckets holding several
+ * boundaries (tails of the distribution, rarely hit). */
+#define CG_LUT_BITS 6
+#define UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+/* Decode one token row of C symbols. FAST: at least 2*C word bytes remain, so
+ * reads need no bounds checks (each symbol reads at most one word). */
+#define DECODE_ROW(FAST, OUT_T, VALS)                                                          \
+    do {                                                                                       \
+        OUT_T *o_ = (OUT_T *)orow;                                                             \
+        uint32_t c_ = 0;                                                                       \
+        while (c_ < C) {                                                                       \
+            uint32_t g_ = C - c_ < (uint32_t)N ? C - c_ : (uint32_t)N;                         \
+            for (uint32_t j_ = 0; j_ < g_; j_++, c_++) {                                       \
+                uint32_t xx = x[j_];                                                           \
+                const uint32_t slot = xx & mask;                                               \
+                const uint16_t *cm = cum + (size_t)c_ * S;                                     \
+                uint32_t s = lut[((size_t)c_ << CG_LUT_BITS) + (slot >> bshift)];              \
+                s += (uint32_t)(cm[s + 1] <= slot);                                            \
+                if (UNLIKELY(cm[s + 1] <= slot)) {                                             \
+                    do s++; while (cm[s + 1] <= slot);                                         \
+                }                                                                              \
+                const uint32_t st = cm[s];                                                     \
+                xx = ((uint32_t)cm[s + 1] - st) * (xx >> P) + slot - st;                       \
+                if (FAST) {                                                                    \
+                    const uint32_t need = (xx >> 16) == 0;                                     \
+                    const uint32_t w = get_u16(wp) & (0u - need);                              \
+                    xx = (xx << (need << 4)) | w;                                              \
+                    wp += need << 1;                                                           \
+                } else if (xx < CG_RANS_L) {                                                   \
+                    if (wend - wp < 2) goto fail;                                              \
+                    xx = cg_dec_push_word(xx, get_u16(wp));                                    \
+                    wp += 2;                                                                   \
+                }                                                                              \
+                x[j_] = xx;                                                                    \
+                o_[c_] = VALS[s];                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    } while (0)
+
+#define DEFINE_DECODE_ROW(NAME, PEXPR)                                                         \
+    static int NAME(const uint16_t *cum, const uint8_t *lut, uint32_t S, uint32_t *x, int N,      \
+                    uint32_t C, int Pin, int fast, size_t es, const uint16_t *v16,                \
+                    const uint32_t *v32, uint8_t *orow, const uint8_t **wpp, const uint8_t *wend) { \
+        const int P = PEXPR;                                                                      \
+        const uint32_t mask = (1u << P) - 1u;                                                     \
+        const int bshift = P - CG_LUT_BITS;                                                       \
+        const uint8_t *wp = *wpp;                                                                 \
+        if (fast && es == 2) DECODE_ROW(1, uint16_t, v16);                                        \
+        else if (fast) DECODE_ROW(1, uint32_t, v32);                                              \
+        else if (es == 2) DECODE_ROW(0, uint16_t, v16);                                           \
+        else DECODE_ROW(0, uint32_t, v32);                                                        \
+        *wpp = wp;                                                                                \
+        return 1;                                                                                 \
+    fail:                                                                                         \
+        *wpp = wp;                                                                                \
+        return 0;                                                                                 \
+    }
+/* the default precision gets constant shifts; any other takes the generic one */
+DEFINE_DECODE_ROW(decode_row_p14, 14)
+DEFINE_DECODE_ROW(decode_row_any, Pin)
+
 static int decode_layer(const uint8_t *sec, size_t seclen, int dtype, uint32_t T, uint32_t C,
                         int M, int P, int N, uint8_t *dst, char *err, size_t errlen) {
     const int nsym = 2 * M + 1;
-    const int stride = nsym + 1;
-    const int bshift = P - CG_BUCKET_BITS;
+    uint32_t S = 2;
+    while (S < (uint32_t)nsym + 1u) S <<= 1;
     int rc = CG_ERR_NOMEM;
     uint32_t *scales = (uint32_t *)malloc((size_t)T * sizeof(uint32_t));
     uint32_t *mq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
     uint32_t *sq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
-    uint16_t *cum = (uint16_t *)malloc((size_t)C * stride * sizeof(uint16_t));
-    uint8_t *bucket = (uint8_t *)malloc((size_t)C << CG_BUCKET_BITS);
+    uint16_t *cum = (uint16_t *)malloc((size_t)C * S * sizeof(uint16_t));
+    uint8_t *lut = (uint8_t *)malloc((size_t)C << CG_LUT_BITS);
     snprintf(err, errlen, "out of memory");
-    if (!scales || !mq || !sq || !cum || !bucket) goto done;
+    if (!scales || !mq || !sq || !cum || !lut) goto done;
 
     cg_bitreader br = {sec, (uint64_t)seclen * 8u, 0, 0};
     const int ws = cg_wscale(dtype);
@@ -280,25 +344,25 @@ static int decode_layer(const uint8_t *sec, size_t seclen, int dtype, uint32_t T
     const uint8_t *wp = w0, *wend = sec + seclen;
 
     for (uint32_t c = 0; c < C; c++) {
-        uint16_t *cm = cum + (size_t)c * stride;
+        uint16_t *cm = cum + (size_t)c * S;
         cg_build_cum(nsym, mq[c], sq[c], P, cm);
-        uint8_t *bk = bucket + ((size_t)c << CG_BUCKET_BITS);
-        int s = 0;
-        for (uint32_t b = 0; b < (1u << CG_BUCKET_BITS); b++) {
-            uint32_t lo = b << bshift;
+        for (uint32_t k = (uint32_t)nsym + 1u; k < S; k++) cm[k] = (uint16_t)(1u << P);
+        uint8_t *lt = lut + ((size_t)c << CG_LUT_BITS);
+        uint32_t s = 0;
+        for (uint32_t b = 0; b < (1u << CG_LUT_BITS); b++) {
+            const uint32_t lo = b << (P - CG_LUT_BITS);
             while (cm[s + 1] <= lo) s++;
-            bk[b] = (uint8_t)s;
+            lt[b] = (uint8_t)s;
         }
     }
 
-    const uint32_t mask = (1u << P) - 1u;
     float unit[CG_NSYM_MAX];
     for (int s = 0; s < nsym; s++) unit[s] = cg_dequant_unit(s, M);
     const size_t es = cg_esize(dtype);
+    uint16_t v16[CG_NSYM_MAX + 1];
+    uint32_t v32[CG_NSYM_MAX + 1];
     for (uint32_t t = 0; t < T; t++) {
         const float scale = bits_to_f32(scales[t], dtype);
-        uint16_t v16[CG_NSYM_MAX];
-        uint32_t v32[CG_NSYM_MAX];
         if (dtype == CG_DTYPE_F32) {
             for (int s = 0; s < nsym; s++) v32[s] = cg_bits_from_f32(unit[s] * scale);
         } else if (dtype == CG_DTYPE_BF16) {
@@ -308,27 +372,9 @@ static int decode_layer(const uint8_t *sec, size_t seclen, int dtype, uint32_t T
         }
         const int fast = (size_t)(wend - wp) >= 2u * (size_t)C;
         uint8_t *orow = dst + (size_t)t * C * es;
-        uint32_t c = 0;
-        while (c < C) {
-            uint32_t g = C - c < (uint32_t)N ? C - c : (uint32_t)N;
-            for (uint32_t j = 0; j < g; j++, c++) {
-                uint32_t xx = x[j];
-                const uint32_t slot = xx & mask;
-                const uint16_t *cm = cum + (size_t)c * stride;
-                uint32_t s = bucket[((size_t)c << CG_BUCKET_BITS) + (slot >> bshift)];
-                while (cm[s + 1] <= slot) s++;
-                const uint32_t st = cm[s];
-                xx = ((uint32_t)cm[s + 1] - st) * (xx >> P) + slot - st;
-                if (xx < CG_RANS_L) {
-                    if (!fast && wend - wp < 2) FAIL("rANS stream ends early");
-                    xx = cg_dec_push_word(xx, get_u16(wp));
-                    wp += 2;
-                }
-                x[j] = xx;
-                if (es == 2) ((uint16_t *)orow)[c] = v16[s];
-                else ((uint32_t *)orow)[c] = v32[s];
-            }
-        }
+        int ok = P == 14 ? decode_row_p14(cum, lut, S, x, N, C, P, fast, es, v16, v32, orow, &wp, wend)
+                         : decode_row_any(cum, lut, S, x, N, C, P, fast, es, v16, v32, orow, &wp, wend);
+        if (!ok) FAIL("rANS stream ends early");
     }
     for (int j = 0; j < N; j++)
         if (x[j] != CG_RANS_L) FAIL("rANS stream does not end in its initial state");
@@ -341,7 +387,7 @@ static int decode_layer(const uint8_t *sec, size_t seclen, int dtype, uint32_t T
     }
     rc = CG_OK;
 done:
-    free(scales); free(mq); free(sq); free(cum); free(bucket);
+    free(scales); free(mq); free(sq); free(cum); free(lut);
     return rc;
 }
 
