@@ -79,6 +79,8 @@ def parse_bins_spec(spec: str) -> list[tuple[str, int, int | None, int]]:
                 raise UsageError(f"bins spec {spec!r}: entry {entry!r} should look like 'START-END=BINS'")
             rng, val = (x.strip() for x in entry.split("=", 1))
             m = _RANGE.match(rng)
+            if not m and ":" in rng:
+                raise UsageError(f"bins spec {spec!r}: {rng!r} looks like a new group; separate groups with ';'")
             if not m:
                 raise UsageError(
                     f"bins spec {spec!r}: layer range {rng!r} should be 'A-B' (A..B-1), 'A-' (A to the end), 'A' or '*'"
