@@ -22,10 +22,10 @@ Public API::
         block_table[pos // block_size] * block_size + pos % block_size
 
     Runner(model, cache)
-        .prefill(seq, tokens, start_pos=0, prefill_chunk=512, logits="all") -> Tensor [n, V]
+        .prefill(seq, tokens, start_pos=0, prefill_chunk=2048, logits="all") -> Tensor [n, V]
             Positions 0..start_pos-1 must already be in the cache.
         .decode_step(seq, token) -> Tensor [V]
-        .generate(seq, prompt_tokens, max_new_tokens, prefill_chunk=512,
+        .generate(seq, prompt_tokens, max_new_tokens, prefill_chunk=2048,
                   stop_tokens=None, start_pos=0) -> list[int]   (greedy)
 
 Typical capture::

@@ -1,0 +1,256 @@
+"""Load a local Hugging Face model folder into kvtool's engine.
+
+Reads `config.json`, `*.safetensors` (single file or sharded with
+`model.safetensors.index.json`) and `tokenizer.json` (with the `tokenizers`
+package). No transformers import, nothing fetched from any hub.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ModelError
+from ..format.identity import ModelIdentity
+from .model import LayerWeights, ModelConfig, Weights, rope_inv_freq
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class Tokenizer:
+    """Thin wrapper over `tokenizers.Tokenizer`: text <-> token ids."""
+
+    def __init__(self, path: Path):
+        try:
+            from tokenizers import Tokenizer as _Tok
+        except ImportError:  # pragma: no cover
+            raise ModelError("reading tokenizer.json needs the 'tokenizers' package: "
+                             "pip install tokenizers") from None
+        try:
+            self._tok = _Tok.from_file(str(path))
+        except Exception as err:
+            raise ModelError(f"cannot read {path}: {err}") from None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) match."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    weights: Weights
+    tokenizer: Tokenizer
+    identity: ModelIdentity
+    dtype: torch.dtype
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def name(self) -> str:
+        return self.identity.name
+
+
+def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """Load a Llama-family HF folder; `None` loads the embedded default model."""
+    if path is None:
+        from .default_model import MODEL_NAME, default_model_path
+
+        path, name = default_model_path(), MODEL_NAME
+    else:
+        path = Path(path).expanduser()
+        name = path.resolve().name if path.exists() else path.name
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelError(f"model folder not found: {path}")
+    hf = _read_json(path / "config.json")
+    config = config_from_hf(hf, path)
+    weights = _load_weights(path, config, hf, dtype, device)
+    tok_path = path / "tokenizer.json"
+    if not tok_path.is_file():
+        raise ModelError(f"{path}: no tokenizer.json (only fast tokenizers are supported)")
+    return LoadedModel(path=path, config=config, weights=weights, tokenizer=Tokenizer(tok_path),
+                       identity=identity_from_config(config, name), dtype=dtype)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ModelError(f"{path.parent}: no {path.name}")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot read {path}: {err}") from None
+
+
+def _rope_from_hf(hf: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from a transformers 4.x (rope_theta/rope_scaling) or 5.x
+    (rope_parameters) config; scaling is None for plain RoPE, else a dict with
+    "rope_type" (never the legacy "type") and its factors, without the theta."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = params["rope_theta"]
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = hf.get("rope_theta", 10000.0)
+        scaling = dict(hf.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.pop("type", None)
+    if scaling.get("rope_type", "default") == "default":
+        scaling = None
+    return float(theta), scaling
+
+
+def config_from_hf(hf: dict, path: Path | str = "") -> ModelConfig:
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(f"{path}: unsupported architecture {arch!r} "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    try:
+        hidden = int(hf["hidden_size"])
+        heads = int(hf["num_attention_heads"])
+        kv_heads = int(hf.get("num_key_value_heads") or heads)
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        theta, scaling = _rope_from_hf(hf)
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ModelError(f"{path}: activation {hf['hidden_act']!r} is not supported")
+        if hf.get("mlp_bias"):
+            raise ModelError(f"{path}: MLP biases are not supported")
+        window = hf.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
+            window = None
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        cfg = ModelConfig(
+            architecture=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window=int(window) if window else None,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise ModelError(f"{path}: bad config.json ({type(err).__name__}: {err})") from None
+    if heads % kv_heads:
+        raise ModelError(f"{path}: {heads} attention heads not divisible by {kv_heads} KV heads")
+    rope_inv_freq(cfg)  # raises ModelError for an unsupported scaling type
+    return cfg
+
+
+def identity_from_config(config: ModelConfig, name: str) -> ModelIdentity:
+    return ModelIdentity(
+        name=name,
+        architecture=config.architecture,
+        num_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        rope={"rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling},
+    )
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{path}: no *.safetensors weights (other formats are not supported)")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        try:
+            tensors.update(load_file(str(path / name)))
+        except (OSError, SafetensorError) as err:
+            raise ModelError(f"cannot read {path / name}: {err}") from None
+    return tensors
+
+
+def _load_weights(path: Path, cfg: ModelConfig, hf: dict, dtype: torch.dtype,
+                  device: torch.device | str) -> Weights:
+    raw = _read_safetensors(path)
+    # Some checkpoints omit the "model." prefix.
+    prefix = "model." if "model.embed_tokens.weight" in raw else ""
+
+    def take(name: str, required: bool = True) -> torch.Tensor | None:
+        t = raw.pop(name, None)
+        if t is None:
+            if required:
+                raise ModelError(f"{path}: weight {name} missing")
+            return None
+        return t.to(device=device, dtype=dtype)
+
+    def cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
+        if all(p is None for p in parts):
+            return None
+        if any(p is None for p in parts):
+            raise ModelError(f"{path}: only some of q/k/v have a bias")
+        return torch.cat(parts, dim=0).contiguous()
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"{prefix}layers.{i}."
+        q, k, v = (take(p + f"self_attn.{x}_proj.weight") for x in "qkv")
+        bq, bk, bv = (take(p + f"self_attn.{x}_proj.bias", False) for x in "qkv")
+        gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
+        layers.append(LayerWeights(
+            attn_norm=take(p + "input_layernorm.weight"),
+            wqkv=cat(q, k, v),  # [(H+2Hkv)*D, E]
+            bqkv=cat(bq, bk, bv),
+            wo=take(p + "self_attn.o_proj.weight"),
+            bo=take(p + "self_attn.o_proj.bias", False),
+            mlp_norm=take(p + "post_attention_layernorm.weight"),
+            w_gate_up=cat(gate, up),  # [2F, E]
+            w_down=take(p + "mlp.down_proj.weight"),
+        ))
+        del q, k, v, gate, up
+    embed = take(prefix + "embed_tokens.weight")
+    norm = take(prefix + "norm.weight")
+    lm_head = take("lm_head.weight", required=False)
+    if lm_head is None or cfg.tie_word_embeddings:
+        lm_head = embed
+    expected = (cfg.vocab_size, cfg.hidden_size)
+    if tuple(embed.shape) != expected:
+        raise ModelError(f"{path}: embed_tokens has shape {tuple(embed.shape)}, "
+                         f"config says {expected}")
+    q_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    if layers and tuple(layers[0].wqkv.shape) != (q_rows, cfg.hidden_size):
+        raise ModelError(f"{path}: attention weights do not match config.json's head counts")
+    return Weights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)

@@ -1,0 +1,320 @@
+"""A small Llama-family decoder that runs on a paged KV cache.
+
+One flat file of small functions (in the spirit of gpt-fast's model.py, our own
+code): RMSNorm, RoPE (default / linear / llama3 scaling), grouped-query
+attention through `scaled_dot_product_attention`, SwiGLU, tied or untied
+embeddings; Llama, Mistral, Qwen2 (q/k/v bias) and SmolLM (= Llama).
+
+The KV cache is changed in exactly one place, `write_kv`. Attention never sees
+the freshly computed K/V directly: it reads every position back from the paged
+buffer through the sequence's slot mapping (`read_kv`), so K/V are rounded to
+the cache's dtype exactly as a real engine would see them.
+
+Shapes use: n = tokens in this chunk, T = tokens in the context so far
+(start_pos + n), H = query heads, Hkv = KV heads, D = head dim, E = hidden size,
+F = FFN size, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import ModelError, PromptError, UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .loader import LoadedModel
+    from .paged import PagedKVCache, Sequence
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None for plain RoPE, else {"rope_type": "linear" | "llama3", ...factors}.
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Tensor  # [E]
+    wqkv: Tensor  # [(H + 2*Hkv) * D, E]  q, k, v projections stacked
+    bqkv: Tensor | None  # [(H + 2*Hkv) * D] (Qwen2, Llama attention_bias)
+    wo: Tensor  # [E, H*D]
+    bo: Tensor | None  # [E]
+    mlp_norm: Tensor  # [E]
+    w_gate_up: Tensor  # [2*F, E]  gate and up projections stacked
+    w_down: Tensor  # [E, F]
+
+
+@dataclass
+class Weights:
+    embed: Tensor  # [V, E]
+    layers: list[LayerWeights]
+    norm: Tensor  # [E]
+    lm_head: Tensor  # [V, E]; the same tensor as `embed` when tied
+
+
+# --- building blocks -----------------------------------------------------------
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if x.dtype == torch.float32:  # one fused kernel; same math as below
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # Half dtypes: normalise in float32, scale in the compute dtype.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Inverse frequencies [D/2] (float32) with the model's theta and scaling."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    scaling = config.rope_scaling
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":  # positions divided by `factor` == frequencies divided by it
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        # Long wavelengths are slowed down by `factor`, short ones kept, and the band
+        # between them interpolated smoothly in 1/wavelength.
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mixed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(between, mixed, out)
+    raise ModelError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sign-folded sin, each [n, 1, D] (broadcast over heads), for `apply_rope`."""
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [n, D/2]
+    cos = angles.cos().repeat(1, 2)  # [n, D]: (cos, cos)
+    sin = angles.sin()
+    sin = torch.cat([-sin, sin], dim=-1)  # [n, D]: (-sin, sin)
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE: pairs are (i, i + D/2). x: [n, h, D] -> [n, h, D].
+
+    out = x * cos + (x2, x1) * (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin)
+    """
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # [n, h, D]: (x2, x1)
+    return torch.addcmul(x * cos, swapped, sin)
+
+
+def write_kv(kv_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+    """THE place the KV cache changes: store K/V of n tokens at their slots.
+
+    kv_cache: [2, num_blocks, block_size, Hkv, D]; slots: [n]; k, v: [n, Hkv, D].
+    Values are rounded to the cache's dtype here.
+    """
+    two, nb, bs, hkv, d = kv_cache.shape
+    flat = kv_cache.view(two, nb * bs, hkv, d)  # [2, slots, Hkv, D]
+    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+
+
+def read_kv(kv_cache: Tensor, slots: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Gather K/V of T tokens from the paged buffer: two [T, Hkv, D] tensors in `dtype`."""
+    two, nb, bs, hkv, d = kv_cache.shape
+    kv = kv_cache.view(two, nb * bs, hkv, d)[:, slots]  # [2, T, Hkv, D]
+    kv = kv.to(dtype)
+    return kv[0], kv[1]
+
+
+def attention_mask(q_pos: Tensor, k_pos: Tensor, sliding_window: int | None,
+                   dtype: torch.dtype) -> Tensor:
+    """Additive [n, T] mask: 0 where query i may attend to key j, -inf elsewhere.
+
+    (An additive float mask is cheaper for CPU SDPA than a boolean one, which it
+    would convert in every layer.)
+    """
+    allowed = k_pos[None, :] <= q_pos[:, None]  # [n, T]
+    if sliding_window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill_(~allowed, float("-inf"))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """q: [n, H, D]; k, v: [T, Hkv, D] -> [n, H*D]."""
+    n, h, d = q.shape
+    q = q.transpose(0, 1)[None]  # [1, H, n, D]  (4-D: CPU SDPA's fused kernel needs a batch dim)
+    k = k.transpose(0, 1)[None]  # [1, Hkv, T, D]
+    v = v.transpose(0, 1)[None]  # [1, Hkv, T, D]
+    # grouped-query attention: each KV head serves H/Hkv query heads (enable_gqa)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                         enable_gqa=k.shape[1] != h)  # [1, H, n, D]
+    return out[0].transpose(0, 1).reshape(n, h * d)  # [n, H*D]
+
+
+def mlp(x: Tensor, w: LayerWeights) -> Tensor:
+    gate_up = F.linear(x, w.w_gate_up)  # [n, 2F]
+    gate, up = gate_up.chunk(2, dim=-1)  # [n, F] each
+    return F.linear(F.silu(gate) * up, w.w_down)  # [n, E]
+
+
+def layer_forward(x: Tensor, w: LayerWeights, config: ModelConfig, cos: Tensor, sin: Tensor,
+                  kv_cache: Tensor, write_slots: Tensor, read_slots: Tensor,
+                  mask: Tensor | None, causal: bool) -> Tensor:
+    n = x.shape[0]
+    h, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    qkv = F.linear(rms_norm(x, w.attn_norm, config.rms_norm_eps), w.wqkv, w.bqkv)  # [n, (H+2Hkv)*D]
+    qk, v = qkv.split([(h + hkv) * d, hkv * d], dim=-1)
+    qk = apply_rope(qk.view(n, h + hkv, d), cos, sin)  # [n, H+Hkv, D]: q and k in one go
+    q, k = qk.split([h, hkv], dim=1)  # [n, H, D], [n, Hkv, D]
+    v = v.view(n, hkv, d)  # [n, Hkv, D]
+    write_kv(kv_cache, write_slots, k, v)
+    k_all, v_all = read_kv(kv_cache, read_slots, x.dtype)  # [T, Hkv, D] each
+    attn = attention(q, k_all, v_all, mask, causal)  # [n, H*D]
+    x = x + F.linear(attn, w.wo, w.bo)  # [n, E]
+    return x + mlp(rms_norm(x, w.mlp_norm, config.rms_norm_eps), w)  # [n, E]
+
+
+LogitsMode = Literal["all", "last", "none"]
+# Chunks bound activation memory. On CPU the first chunk uses SDPA's fast causal
+# path and later ones need an explicit mask, so prompts up to this size run in one.
+DEFAULT_PREFILL_CHUNK = 2048
+
+
+def forward(weights: Weights, config: ModelConfig, inv_freq: Tensor, tokens: Tensor,
+            start_pos: int, kv_caches: list[Tensor], write_slots: Tensor, read_slots: Tensor,
+            logits: LogitsMode = "all") -> Tensor | None:
+    """Run n tokens at positions start_pos..start_pos+n-1 through every layer.
+
+    tokens: [n]; write_slots: [n] (slots of these tokens); read_slots: [T] (slots of
+    positions 0..T-1, T = start_pos + n). Returns float32 logits [n, V] ("all"),
+    [1, V] ("last") or None.
+    """
+    n = tokens.shape[0]
+    dtype = weights.embed.dtype
+    device = weights.embed.device
+    positions = torch.arange(start_pos, start_pos + n, device=device)  # [n]
+    cos, sin = rope_cos_sin(inv_freq, positions, dtype)  # [n, 1, D] each
+    t = start_pos + n
+    window = config.sliding_window if config.sliding_window and config.sliding_window < t else None
+    if n == 1 and window is None:
+        mask, causal = None, False  # one query sees every cached key
+    elif start_pos == 0 and window is None:
+        mask, causal = None, True  # square causal: let SDPA build it
+    else:
+        mask = attention_mask(positions, torch.arange(t, device=device), window, dtype)
+        causal = False
+    x = weights.embed[tokens]  # [n, E]
+    for w, kv_cache in zip(weights.layers, kv_caches):
+        x = layer_forward(x, w, config, cos, sin, kv_cache, write_slots, read_slots, mask, causal)
+    if logits == "none":
+        return None
+    if logits == "last":
+        x = x[-1:]  # [1, E]
+    x = rms_norm(x, weights.norm, config.rms_norm_eps)
+    return F.linear(x, weights.lm_head).float()  # [n or 1, V]
+
+
+# --- runner --------------------------------------------------------------------
+
+
+class Runner:
+    """Prefill and greedy decode of one model on one paged KV cache."""
+
+    def __init__(self, model: "LoadedModel", cache: "PagedKVCache"):
+        cfg = model.config
+        if (cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim) != (
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
+            raise UsageError("the KV cache was built for a different model shape")
+        self.model = model
+        self.config = cfg
+        self.cache = cache
+        self.inv_freq = rope_inv_freq(cfg).to(model.weights.embed.device)
+
+    @torch.inference_mode()
+    def prefill(self, seq: "Sequence", tokens, start_pos: int = 0,
+                prefill_chunk: int = DEFAULT_PREFILL_CHUNK, logits: LogitsMode = "all") -> Tensor | None:
+        """Compute tokens at positions start_pos.. and store their K/V in `seq`'s blocks.
+
+        Positions 0..start_pos-1 must already be in the cache (an earlier prefill, or a
+        connector that wrote them at `seq.slot_mapping(start_pos)`). Runs in chunks of
+        `prefill_chunk` tokens. Returns float32 logits for every computed position
+        ([n, V]), for the last one only ([1, V]) or None, as `logits` says.
+        """
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.inv_freq.device).reshape(-1)
+        n = tokens.shape[0]
+        if n == 0:
+            raise PromptError("nothing to prefill: empty token list")
+        if start_pos < 0:
+            raise UsageError(f"start_pos must be >= 0, got {start_pos}")
+        if prefill_chunk <= 0:
+            raise UsageError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        end = start_pos + n
+        if end > self.config.max_position_embeddings:
+            raise PromptError(f"{end} tokens exceed the model's context of "
+                              f"{self.config.max_position_embeddings}")
+        seq.reserve(end)
+        device = self.inv_freq.device
+        all_slots = seq.slot_mapping(end, device=device)  # [end]
+        outs = []
+        for lo in range(0, n, prefill_chunk):
+            hi = min(lo + prefill_chunk, n)
+            p0, p1 = start_pos + lo, start_pos + hi
+            mode: LogitsMode = logits if logits != "last" else ("last" if hi == n else "none")
+            out = forward(self.model.weights, self.config, self.inv_freq, tokens[lo:hi], p0,
+                          self.cache.kv_caches, all_slots[p0:p1], all_slots[:p1], mode)
+            seq.num_tokens = p1
+            if out is not None:
+                outs.append(out)
+        if logits == "none":
+            return None
+        return outs[0] if len(outs) == 1 else torch.cat(outs)  # [n or 1, V]
+
+    @torch.inference_mode()
+    def decode_step(self, seq: "Sequence", token: int) -> Tensor:
+        """Append one token at position seq.num_tokens; returns its logits [V]."""
+        return self.prefill(seq, [token], start_pos=seq.num_tokens, logits="last")[0]
+
+    @torch.inference_mode()
+    def generate(self, seq: "Sequence", prompt_tokens, max_new_tokens: int,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 stop_tokens: tuple[int, ...] | None = None, start_pos: int = 0) -> list[int]:
+        """Greedy decoding: prefill the prompt (from start_pos) then pick argmax tokens.
+
+        Stops after `max_new_tokens` or at a stop token (default: the model's EOS
+        ids; pass `()` to never stop early). Returns the new tokens, stop included.
+        """
+        stop = set(self.config.eos_token_ids if stop_tokens is None else stop_tokens)
+        logits = self.prefill(seq, prompt_tokens, start_pos=start_pos,
+                              prefill_chunk=prefill_chunk, logits="last")[0]  # [V]
+        new: list[int] = []
+        while len(new) < max_new_tokens:
+            token = int(logits.argmax())
+            new.append(token)
+            if token in stop or len(new) == max_new_tokens:
+                break
+            logits = self.decode_step(seq, token)
+        return new
