@@ -889,6 +889,15 @@ def test_verify_fingerprint_mismatch(tmp_path, raw_file, capsys):
     assert code == 1 and result["checks"]["fingerprint"] == "BAD"
 
 
+def test_verify_corrupt_token_ids_leaves_prefix_hashes_unchecked(tmp_path, raw_file, capsys):
+    base = raw_file.path.read_bytes()
+    ref = split_file(base).manifest["sequence"]["tokens"]
+    code, result = _verify_json(put(tmp_path, _flip(base, ref["offset"] + 2)), capsys)
+    assert code == 1 and result["checks"]["token_ids"] == "BAD"
+    assert [c["prefix_hash"] for c in result["chunks"]] == ["unchecked"] * 3
+    assert [c["checksum"] for c in result["chunks"]] == ["ok"] * 3
+
+
 def test_verify_collects_every_problem(tmp_path, raw_file, capsys):
     base = raw_file.path.read_bytes()
     doc = split_file(base).manifest
