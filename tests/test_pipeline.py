@@ -1,0 +1,225 @@
+"""capture -> compress -> inspect -> verify -> replay on the real default model.
+
+The KV that `capture` writes must equal what Hugging Face transformers computes
+for the same model and tokens, and a replayed raw or zstd file must reproduce a
+full recompute.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kvtool.cli.app import run
+from kvtool.format import ContainerReader, ContainerWriter
+
+pytestmark = pytest.mark.model
+
+PROMPT = (
+    "The KV cache of a transformer holds, for every layer, the keys and values of all tokens seen "
+    "so far. Serving engines page it into fixed-size blocks, reuse it across requests that share a "
+    "prefix, and move it between GPU memory, host memory and disk. "
+) * 3
+
+
+def cli(capsys, *argv) -> tuple[int, dict | str, str]:
+    capsys.readouterr()  # drop what earlier, uncaptured calls printed
+    code = run(list(argv))
+    out, err = capsys.readouterr()
+    if "--json" in argv and out.strip():
+        return code, json.loads(out), err
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory, default_model):
+    """A bf16 raw capture of PROMPT with 64-token chunks (shared by the tests below)."""
+    path = tmp_path_factory.mktemp("cap") / "prompt.kvc"
+    assert run(["capture", "--prompt", PROMPT, "-o", str(path), "--chunk-size", "64",
+                "--block-size", "16", "--json"]) == 0
+    return path
+
+
+def hf_past_key_values(hf_model, ids):
+    with torch.no_grad():
+        out = hf_model(torch.tensor([ids]), use_cache=True)
+    cache = out.past_key_values
+    if hasattr(cache, "layers"):  # transformers >= 4.56: DynamicCache.layers[i].keys
+        return [(layer.keys[0], layer.values[0]) for layer in cache.layers]  # each [H, T, D]
+    return [(k[0], v[0]) for k, v in cache]
+
+
+def as_per_layer(kv_blob, num_kv_heads, head_dim):
+    """KV_BLOB [2, L, T, H*D] -> list over layers of (K, V) each [H, T, D]."""
+    two, layers, tokens, _ = kv_blob.shape
+    per = kv_blob.view(two, layers, tokens, num_kv_heads, head_dim).permute(0, 1, 3, 2, 4)  # [2, L, H, T, D]
+    return [(per[0, i], per[1, i]) for i in range(layers)]
+
+
+def test_capture_fp32_equals_transformers(tmp_path, capsys, default_model, hf_reference_model):
+    path = tmp_path / "fp32.kvc"
+    code, result, _ = cli(capsys, "capture", "--prompt", PROMPT, "-o", str(path), "--dtype", "fp32",
+                          "--chunk-size", "50", "--block-size", "7", "--json")
+    assert code == 0 and result["kv_dtype"] == "float32"
+    with ContainerReader(path) as r:
+        ids = r.token_ids().tolist()
+        ours = as_per_layer(r.read_range(0, r.num_tokens), 3, 64)
+    assert ids == default_model.tokenizer.encode(PROMPT)
+    theirs = hf_past_key_values(hf_reference_model, ids)
+    assert len(ours) == len(theirs) == 30
+    for layer, ((k, v), (hk, hv)) in enumerate(zip(ours, theirs)):
+        torch.testing.assert_close(k, hk, atol=2e-4, rtol=1e-4, msg=f"K of layer {layer}")
+        torch.testing.assert_close(v, hv, atol=2e-4, rtol=1e-4, msg=f"V of layer {layer}")
+
+
+def test_capture_bf16_equals_transformers_rounded(captured, hf_reference_model):
+    with ContainerReader(captured) as r:
+        ids = r.token_ids().tolist()
+        ours = as_per_layer(r.read_range(0, r.num_tokens), 3, 64)
+    theirs = hf_past_key_values(hf_reference_model, ids)
+    # The engine attends over bf16-rounded K/V (as a bf16 serving engine does), so later
+    # layers drift from the fp32 reference by more than one rounding; bound the drift.
+    for layer, ((k, v), (hk, hv)) in enumerate(zip(ours, theirs)):
+        for got, want, name in ((k, hk, "K"), (v, hv, "V")):
+            rel = (got.float() - want).norm() / want.norm()
+            assert rel < 1e-2, f"{name} of layer {layer}: relative error {rel:.2e}"
+
+
+def test_capture_file_verifies_and_inspects(captured, capsys):
+    code, result, _ = cli(capsys, "verify", str(captured), "--json")
+    assert code == 0 and result["ok"]
+    code, info, _ = cli(capsys, "inspect", str(captured), "--json")
+    assert code == 0
+    assert info["model"]["name"] == "SmolLM2-135M-Instruct"
+    assert (info["model"]["num_layers"], info["model"]["num_kv_heads"], info["model"]["head_dim"]) == (30, 3, 64)
+    assert info["chunk_size"] == 64 and info["num_chunks"] == -(-info["num_tokens"] // 64)
+    # 2 x 30 x 3 x 64 values per token, 2 bytes each: 23,040 bytes per token in bf16.
+    assert info["totals"]["decoded_bytes"] == info["num_tokens"] * 23040
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_replay_of_lossless_file_reproduces_recompute(captured, tmp_path, capsys, codec):
+    path = captured
+    if codec != "raw":
+        path = tmp_path / f"{codec}.kvc"
+        assert run(["compress", str(captured), "-o", str(path), "--codec", codec]) == 0
+    code, r, _ = cli(capsys, "replay", str(path), "--compare", "--continue", "12", "--min-top1", "1.0",
+                     "--json")
+    assert code == 0, r
+    assert r["reused_tokens"] == r["num_tokens"] - 1 and r["computed_tokens"] == 1
+    assert r["top1_agreement"] == 1.0 and r["greedy_identical_tokens"] == 12
+    assert r["kl_mean"] < 1e-5 and abs(r["delta_nll"]) < 1e-3  # float noise: the last token is computed alone
+
+
+def test_replay_with_suffix_reuses_every_cached_token(captured, capsys):
+    code, r, _ = cli(capsys, "replay", str(captured), "--suffix", " In short, the cache", "--continue", "4",
+                     "--compare", "--json")
+    assert code == 0
+    assert r["computed_tokens"] == r["num_tokens"] - r["reused_tokens"] > 0
+    with ContainerReader(captured) as reader:
+        assert r["reused_tokens"] == reader.num_tokens
+    assert r["top1_agreement"] == 1.0
+
+
+def test_prefix_reuse_loads_exactly_the_matching_chunks(captured, tmp_path, capsys):
+    with ContainerReader(captured) as reader:
+        ids = reader.token_ids().tolist()
+    # Keep 150 tokens (chunks [0,64) and [64,128) whole, [128,192) cut), then diverge.
+    new = ids[:150] + [42, 43, 44, 45, 46]
+    tokens_file = tmp_path / "new.json"
+    tokens_file.write_text(json.dumps(new))
+    from kvtool.engine import load_model
+
+    text = load_model(None).tokenizer.decode(new)
+    code, r, _ = cli(capsys, "replay", str(captured), "--prompt", text, "--continue", "4", "--compare", "--json")
+    assert code == 0
+    if r["num_tokens"] == len(new):  # the decoded text re-tokenized to the same ids
+        assert r["reused_tokens"] == 128 and r["chunks_loaded"] == 2
+    assert r["reused_tokens"] % 64 == 0 and r["top1_agreement"] == 1.0
+
+
+def test_replay_refuses_a_foreign_model_file(captured, tmp_path, capsys):
+    foreign = tmp_path / "foreign.kvc"
+    with ContainerReader(captured) as r:
+        model = {k: v for k, v in r.model.items() if k != "fingerprint"}
+        model["rope"] = {**model["rope"], "rope_theta": 10000.0}  # another model's config
+        from kvtool.format.identity import model_fingerprint
+
+        model["fingerprint"] = model_fingerprint(model)
+        with ContainerWriter(foreign, model, r.token_ids(), kv_dtype=r.kv_dtype,
+                             chunk_size=r.manifest.chunk_size) as w:
+            for c in r.chunks:
+                w.write_encoded_chunk(r.chunk_payload(c.index), c.codec, c.codec_params)
+    code, out, err = cli(capsys, "replay", str(foreign), "--continue", "2")
+    assert code == 2
+    assert err.startswith("kvtool: error:") and "not by the loaded model" in err and "Traceback" not in err
+
+
+def test_replay_refuses_a_truncated_file(captured, tmp_path, capsys):
+    cut = tmp_path / "cut.kvc"
+    data = captured.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    code, _, err = cli(capsys, "replay", str(cut), "--continue", "2")
+    assert code == 2 and "truncated" in err and err.count("\n") == 1
+
+
+def test_capture_bad_inputs(tmp_path, capsys, default_model):
+    out = str(tmp_path / "x.kvc")
+    code, _, err = cli(capsys, "capture", "--prompt", "", "-o", out)
+    assert code == 2 and "empty" in err
+    code, _, err = cli(capsys, "capture", "--model", str(tmp_path / "nope"), "--prompt", "hi", "-o", out)
+    assert code == 2 and "not found" in err
+    too_long = tmp_path / "long.json"
+    too_long.write_text(json.dumps([1] * (default_model.max_position_embeddings + 1)))
+    code, _, err = cli(capsys, "capture", "--tokens", str(too_long), "-o", out)
+    assert code == 2 and "context" in err
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    code, _, err = cli(capsys, "capture", "--model", str(gpt2), "--prompt", "hi", "-o", out)
+    assert code == 2 and "GPT2LMHeadModel" in err
+    code, _, err = cli(capsys, "capture", "--prompt", "hi", "--prompt-file", str(too_long), "-o", out)
+    assert code == 2 and "exactly one" in err
+    assert not (tmp_path / "x.kvc").exists()
+    for line in err.splitlines():
+        assert "Traceback" not in line
+
+
+def test_capture_with_a_local_model_folder(tmp_path, capsys, default_model):
+    """--model takes any local HF folder: here a copy of the converted default model."""
+    from kvtool.engine import default_model_path
+
+    folder = tmp_path / "my-model"
+    shutil.copytree(default_model_path(), folder)
+    out = tmp_path / "local.kvc"
+    code, r, _ = cli(capsys, "capture", "--model", str(folder), "--prompt", "Hello there, KV cache.",
+                     "-o", str(out), "--codec", "zstd", "--json")
+    assert code == 0 and r["model"] == "my-model"
+    with ContainerReader(out) as reader:
+        assert reader.fingerprint == default_model.identity.fingerprint()  # same config, same fingerprint
+        assert {c.codec for c in reader.chunks} == {"zstd"}
+
+
+def test_round_trip_capture_compress_inspect_verify_replay(captured, tmp_path, capsys):
+    """The CI pipeline: every command on one file, through the lossy codec when it is built."""
+    from kvtool import codecs
+
+    codec = "cachegen" if "cachegen" in codecs.codec_names() else "zstd"
+    small = tmp_path / f"small.{codec}.kvc"
+    code, r, _ = cli(capsys, "compress", str(captured), "-o", str(small), "--codec", codec, "--json")
+    assert code == 0 and r["output_bytes"] < r["input_bytes"]
+    code, info, _ = cli(capsys, "inspect", str(small), "--json")
+    assert code == 0 and {c["codec"] for c in info["chunks"]} == {codec}
+    assert all(c["checksum"] == "ok" for c in info["chunks"])
+    code, v, _ = cli(capsys, "verify", str(small), "--against", str(captured), "--rtol", "0.25", "--json")
+    assert code == 0 and v["ok"], v["problems"]
+    code, rep, _ = cli(capsys, "replay", str(small), "--compare", "--continue", "16", "--min-top1", "0.75",
+                       "--json")
+    assert code == 0, rep
+    back = tmp_path / "back.raw.kvc"
+    assert run(["compress", str(small), "-o", str(back), "--codec", "raw"]) == 0
+    code, v, _ = cli(capsys, "verify", str(back), "--json")
+    assert code == 0
