@@ -576,10 +576,6 @@ def test_compress_in_place(cli, kv_file):
 # --- rich markup in human output (bug) --------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: inspect/verify/dump/compress human renderers interpolate "
-                   "file-controlled strings (model name, architecture, rope, paths) into rich markup: "
-                   "'[/red]' raises rich.errors.MarkupError (a traceback), other brackets are eaten. "
-                   "Escape them with rich.markup.escape")
 def test_human_output_escapes_markup_from_the_file(cli, tmp_path):
     ident = make_identity(name="evil[/red] [bold]name")
     f = write_kv_file(tmp_path / "m.kvc", identity=ident, num_tokens=3)
@@ -587,8 +583,6 @@ def test_human_output_escapes_markup_from_the_file(cli, tmp_path):
     assert r.code == 0 and "evil[/red] [bold]name" in r.out
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a path containing rich markup ('[/x]') makes the human "
-                   "output of inspect/verify raise rich.errors.MarkupError; escape paths too")
 def test_human_output_escapes_markup_in_paths(cli, tmp_path):
     d = tmp_path / "runs["
     d.mkdir()

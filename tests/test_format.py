@@ -282,10 +282,6 @@ def test_no_extras(tmp_path):
             r.read_extra("roi_mask")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: manifest._check_blob_placement sorts blobs by offset "
-                   "only, so a zero-length blob at the same offset as a non-empty blob listed before "
-                   "it counts as an overlap (spec 2.3: zero-length blobs share no byte); the writer "
-                   "cannot even finish a file with a zero-width hidden_states")
 def test_zero_width_extra_round_trips(tmp_path):
     ident = make_identity(num_layers=1, num_kv_heads=1, head_dim=4)
     with ContainerWriter(tmp_path / "e.kvc", ident, [1, 2], alignment=64) as w:
@@ -668,9 +664,6 @@ def test_writer_killed_before_first_file_leaves_no_target(tmp_path):
 # --- writer bugs (see the report) ----------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: ContainerWriter.finish() raising (here: missing chunks "
-                   "when the with-block ends) leaves the temp file on disk while the writer lives; "
-                   "finish() should abort() on failure")
 def test_failed_finish_in_with_leaves_no_temp_file(tmp_path):
     with pytest.raises(UsageError):
         with _writer(tmp_path / "a.kvc") as w:
@@ -678,8 +671,6 @@ def test_failed_finish_in_with_leaves_no_temp_file(tmp_path):
     assert temp_files(tmp_path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: an invalid extra is only caught by finish()'s "
-                   "parse_manifest; the failure leaves the temp file behind while the writer lives")
 def test_invalid_extra_leaves_no_temp_file(tmp_path):
     with pytest.raises(KvtoolError):
         with _writer(tmp_path / "a.kvc") as w:
@@ -695,8 +686,6 @@ def _write_with_tokens(path, tokens):
             w.write_chunk(torch.zeros(2, 2, e - s, 16))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: token ids outside u32 are not checked by "
-                   "ContainerWriter; they surface as a bare ValueError/OverflowError from hashing")
 @pytest.mark.parametrize("bad", [-1, 2**32, 2**64])
 def test_token_ids_outside_u32_are_a_usage_error(tmp_path, bad):
     with pytest.raises(UsageError):

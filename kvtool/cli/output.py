@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 stdout_console = Console(highlight=False)
 stderr_console = Console(stderr=True, highlight=False)
@@ -17,8 +18,18 @@ def emit(result: dict[str, Any], json_mode: bool, render: Callable[[Console, dic
     if json_mode:
         sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")
         sys.stdout.flush()
-    else:
-        render(stdout_console, result)
+    else:  # strings come from files and arguments: never let them act as rich markup
+        render(stdout_console, _escaped(result))
+
+
+def _escaped(value: Any) -> Any:
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, dict):
+        return {k: _escaped(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_escaped(v) for v in value]
+    return value
 
 
 def human_bytes(n: float) -> str:

@@ -138,17 +138,51 @@ def _reject_constant(name: str) -> None:
     raise ManifestCorrupt(f"manifest holds the non-JSON constant {name}")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ManifestCorrupt(f"manifest holds the number {text[:20]}, which is not finite")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > 40:  # no field needs more than 2^64; refuse giant digit strings
+        raise ManifestCorrupt(f"manifest holds an integer of {len(text)} digits")
+    return int(text)
+
+
+def _check_strings(obj: Any, depth: int = 0) -> None:
+    """Reject lone UTF-16 surrogates (valid JSON escapes that no UTF-8 output can hold)."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ManifestCorrupt("manifest holds a string with a lone surrogate escape") from None
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            _check_strings(key, depth + 1)
+            _check_strings(value, depth + 1)
+    elif isinstance(obj, list):
+        for value in obj:
+            _check_strings(value, depth + 1)
+
+
 def load_json(raw: bytes) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ManifestCorrupt("manifest is not valid UTF-8") from None
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant,
+                         parse_float=_finite_float, parse_int=_bounded_int)
     except json.JSONDecodeError as err:
         raise ManifestCorrupt(f"manifest is not valid JSON ({err.msg} at byte {err.pos})") from None
     except RecursionError:
         raise ManifestCorrupt("manifest JSON is nested too deeply") from None
+    except ValueError as err:  # a number Python refuses to convert
+        raise ManifestCorrupt(f"manifest holds an unreadable number ({err})") from None
+    _check_strings(doc)
+    return doc
 
 
 def _get(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -306,7 +340,7 @@ def _check_blob_placement(blobs: list[tuple[str, BlobRef]], *, data_end: int, al
                                   f"the data region [{layout.HEADER_SIZE}, {data_end})")
         if b.offset % alignment:
             raise BlobOverlap(f"{what}: offset {b.offset} is not a multiple of the alignment {alignment}")
-    ordered = sorted(blobs, key=lambda wb: wb[1].offset)
+    ordered = sorted((wb for wb in blobs if wb[1].length), key=lambda wb: wb[1].offset)  # empty blobs hold no byte
     for (what_a, a), (what_b, b) in zip(ordered, ordered[1:]):
         if a.offset + a.length > b.offset:
             raise BlobOverlap(f"{what_a} and {what_b} overlap at byte {b.offset}")

@@ -55,7 +55,12 @@ class ContainerWriter:
             if "fingerprint" not in model:
                 raise UsageError("model identity lacks a fingerprint")
         self.model = model
-        self.tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        try:
+            self.tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        except (OverflowError, ValueError, TypeError):
+            raise UsageError("token ids must be integers in [0, 2^32)") from None
+        if self.tokens.size and (self.tokens.min() < 0 or self.tokens.max() > 0xFFFFFFFF):
+            raise UsageError("token ids must be integers in [0, 2^32)")
         if not 1 <= len(self.tokens) <= layout.MAX_TOKENS:
             raise UsageError(f"a KV file holds 1 to {layout.MAX_TOKENS} tokens, got {len(self.tokens)}")
         if not 1 <= chunk_size <= layout.MAX_CHUNK_SIZE:
@@ -145,6 +150,13 @@ class ContainerWriter:
 
     def finish(self) -> Manifest:
         """Write tokens, manifest and trailer, fsync, and rename over the target."""
+        try:
+            return self._finish()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _finish(self) -> Manifest:
         if self.state is WriterState.CHUNKS:
             self._require_all_chunks()
             self.state = WriterState.EXTRAS
