@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -33,7 +34,9 @@ def command(path: InputPath, model: ModelOpt = None, continue_tokens: ContinueOp
                         prompt=prompt, prompt_file=prompt_file, compare=compare, min_top1=min_top1,
                         max_kl=max_kl)
     emit(result, json, render)
-    return 0 if result.get("ok", True) else 1
+    if result["failures"]:
+        sys.stderr.write(f"kvtool: error: replay below threshold: {'; '.join(result['failures'])}\n")
+    return 0 if result["ok"] else 1
 
 
 def run_replay(path: Path, model_path: Path | None, *, continue_tokens: int = 32, suffix: str | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -49,6 +50,9 @@ def verify_command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 
         result["problems"] += [f"replay: {f}" for f in result["replay"]["failures"]]
     result["ok"] = not result["problems"]
     emit(result, json, _render)
+    if not result["ok"]:
+        more = f" (and {len(result['problems']) - 1} more)" if len(result["problems"]) > 1 else ""
+        sys.stderr.write(f"kvtool: error: verify failed: {result['problems'][0]}{more}\n")
     return 0 if result["ok"] else 1
 
 

@@ -147,6 +147,11 @@ class ContainerReader:
         dtype = torch.bool if extra.dtype == "bool" else dtype_from_name(extra.dtype)
         if not data.nbytes:
             return torch.empty(extra.shape, dtype=dtype)
+        if dtype == torch.bool:  # bytes other than 0 and 1 are not booleans
+            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if bool((raw > 1).any()):
+                raise DecodeError(f"extra {name}: bool bytes must be 0 or 1")
+            return (raw == 1).view(extra.shape)
         return torch.frombuffer(bytearray(data), dtype=dtype).view(extra.shape)
 
     def read_range(self, start: int, end: int, *, verify: bool = True) -> torch.Tensor:
