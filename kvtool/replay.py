@@ -161,12 +161,16 @@ def replay(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, cont
 
 
 def compare_logits(ref: torch.Tensor, got: torch.Tensor, forced: list[int]) -> dict[str, Any]:
-    """Agreement of next-token distributions along the forced tokens. ref, got: [N, V]."""
+    """Agreement of next-token distributions along the forced tokens. ref, got: [N, V].
+
+    `greedy_identical_tokens` is the first position whose top-1 differs; when
+    `forced` is the reference's own greedy continuation (as in `replay`), that is
+    how many greedy tokens the cached run reproduces."""
     ref_logp = F.log_softmax(ref.double(), dim=-1)
     got_logp = F.log_softmax(got.double(), dim=-1)
     kl = (ref_logp.exp() * (ref_logp - got_logp)).sum(dim=-1).clamp_min(0)  # [N]
     target = torch.tensor(forced)
-    top1 = got.argmax(dim=-1) == target  # [N]
+    top1 = got.argmax(dim=-1) == ref.argmax(dim=-1)  # [N]; equals `forced` when it is ref's greedy path
     mismatch = (~top1).nonzero()
     ref_nll = -ref_logp[torch.arange(len(forced)), target].mean().item()
     got_nll = -got_logp[torch.arange(len(forced)), target].mean().item()
@@ -177,23 +181,34 @@ def compare_logits(ref: torch.Tensor, got: torch.Tensor, forced: list[int]) -> d
             "max_abs_logit_diff": (ref - got).abs().max().item()}
 
 
-def teacher_forced_eval(model: LoadedModel, kv_source: ContainerReader | None, context: list[int],
-                        continuation: list[int], *, kv_dtype: torch.dtype = torch.bfloat16,
+def write_kv(model: LoadedModel, cache: PagedKVCache, seq, kv: torch.Tensor, slot_mapping: torch.Tensor,
+             chunk_size: int = 256) -> None:
+    """Write a whole-sequence KV_BLOB [2, L, T, C] into the paged cache, chunk by chunk."""
+    connector = paged_connector(model)
+    num_tokens = kv.shape[2]
+    for start in range(0, num_tokens, chunk_size):
+        end = min(start + chunk_size, num_tokens)
+        memory = connector.allocate(end - start, cache.kv_dtype)
+        memory.tensor.copy_(kv[:, :, start:end])
+        connector.to_gpu(memory, start, end, kvcaches=cache.kv_caches, slot_mapping=slot_mapping)
+    seq.num_tokens = num_tokens
+
+
+def teacher_forced_eval(model: LoadedModel, context: list[int], continuation: list[int], *,
+                        kv: torch.Tensor | None = None, kv_dtype: torch.dtype = torch.bfloat16,
                         prefill_chunk: int = 256, block_size: int = 16) -> torch.Tensor:
     """Logits [N, V] predicting `continuation` after `context`.
 
-    With `kv_source`, the context's KV (all but its last token) comes from the file;
-    without, the context is prefilled from scratch (the reference)."""
+    With `kv` (a KV_BLOB [2, L, T, C] of at least the context's first
+    len(context) - 1 tokens, e.g. decoded from a lossy file), those tokens come
+    from it; without, the whole context is prefilled (the reference)."""
     total = len(context) + len(continuation)
     cache, seq = _new_cache(model, total, kv_dtype, block_size, seed=3)
     runner = Runner(model, cache)
     start = 0
-    if kv_source is not None:
-        check_model(kv_source, model)
-        if not np.array_equal(kv_source.token_ids()[: len(context) - 1], np.asarray(context[:-1])):
-            raise UsageError("the file's tokens are not the context's")
+    if kv is not None:
         start = len(context) - 1
-        load_prefix(kv_source, model, cache, seq, start, seq.slot_mapping(total))
+        write_kv(model, cache, seq, kv[:, :, :start], seq.slot_mapping(total), prefill_chunk)
     forced = context[start:] + continuation[:-1]
     logits = runner.prefill(seq, forced, start_pos=start, prefill_chunk=prefill_chunk, logits="all")
     return logits[-len(continuation):]
