@@ -37,8 +37,7 @@ def command(output: OutputPath, model: ModelOpt = None, prompt: PromptOpt = None
         raise UsageError("--chunk-size and --block-size must be positive")
     loaded = load_model(model)
     ids = read_tokens(loaded, prompt, prompt_file, tokens)
-    params = codec_params(codec, level=level, shuffle=shuffle, bins=bins,
-                          num_layers=loaded.config.num_layers)
+    params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
     num_chunks = -(-len(ids) // chunk_size)
     with Progress(TextColumn("capture"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
                   TimeElapsedColumn(), console=stderr_console, transient=True,

@@ -19,8 +19,7 @@ def compress_command(path: InputPath, output: OutputPath, codec: CodecOpt = "zst
     """Re-encode a KV file with another codec (streaming: one chunk in memory at a time)."""
     with ContainerReader(path) as reader:
         result = compress_file(reader, output, codec,
-                               codec_params(codec, level=level, shuffle=shuffle, bins=bins,
-                                            num_layers=reader.manifest.num_layers),
+                               codec_params(codec, level=level, shuffle=shuffle, bins=bins),
                                progress=not json)
     emit(result, json, _render)
 

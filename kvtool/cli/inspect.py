@@ -9,7 +9,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .. import codecs
 from ..format import ContainerReader
 from .options import InputPath, JsonOpt
 from .output import emit, human_bytes
@@ -37,7 +36,7 @@ def describe(reader: ContainerReader) -> dict[str, Any]:
                "bits_per_value": 8 * c.blob.length / (c.num_tokens * values_per_token),
                "checksum": "ok" if reader.blob_ok(c.blob) else "BAD",
                "prefix_hash": c.prefix_hash, "codec_params": c.codec_params}
-        details = getattr(codecs.get_codec(c.codec_id), "payload_stats", None)
+        details = _payload_stats(c.codec)
         if details is not None and row["checksum"] == "ok":
             row["codec_stats"] = details(reader.chunk_payload(c.index, verify=False), c.shape,
                                          c.codec_params)
@@ -60,6 +59,15 @@ def describe(reader: ContainerReader) -> dict[str, Any]:
                    for name, e in m.extras.items()},
         "metadata": m.metadata,
     }
+
+
+def _payload_stats(codec: str):
+    """A codec's per-payload breakdown of bits/value, where it offers one."""
+    if codec == "cachegen":
+        from ..codecs.cachegen import cachegen_payload_stats
+
+        return cachegen_payload_stats
+    return None
 
 
 def layer_stats(reader: ContainerReader) -> list[dict[str, Any]]:

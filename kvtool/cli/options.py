@@ -27,7 +27,7 @@ LayersOpt = Annotated[Optional[str], typer.Option(
 
 
 def codec_params(codec: str, *, level: int | None = None, shuffle: bool | None = None,
-                 bins: str | None = None, num_layers: int | None = None) -> dict[str, Any]:
+                 bins: str | None = None) -> dict[str, Any]:
     """Turn command-line codec options into codec parameters (validated by the codec)."""
     from .. import codecs
 
@@ -43,9 +43,7 @@ def codec_params(codec: str, *, level: int | None = None, shuffle: bool | None =
     if bins is not None:
         if codec != "cachegen":
             raise UsageError("--bins applies to the cachegen codec only")
-        params = impl.params_from_cli(bins=bins, num_layers=num_layers)  # type: ignore[attr-defined]
-    elif codec == "cachegen" and num_layers is not None and hasattr(impl, "params_from_cli"):
-        params = impl.params_from_cli(bins=None, num_layers=num_layers)  # type: ignore[attr-defined]
+        params["bins"] = bins  # resolved against the model's layer count when a chunk is encoded
     return impl.validate_params(params)
 
 
