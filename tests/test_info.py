@@ -1,0 +1,33 @@
+"""`kvtool info` in both output modes, and the native coder being present where it must be."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from kvtool.cli.app import run
+
+
+def test_info_json_lists_codecs_and_backends(capsys):
+    assert run(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [c["name"] for c in info["codecs"]][:2] == ["raw", "zstd"]
+    assert {c["id"] for c in info["codecs"]} >= {0, 1}
+    assert info["writes_format"] == "1.0" and info["reads_formats"] == ["1.x"]
+    assert "cachegen" in info["backends"] and "cuda" in info["backends"]
+
+
+def test_info_human(capsys):
+    assert run(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "writes format 1.0" in out and "zstd (1, lossless)" in out
+
+
+@pytest.mark.skipif(os.environ.get("CI") != "true", reason="only CI must have the native coder built")
+def test_ci_builds_the_native_cachegen_coder():
+    """A silent fallback to the Python reference would hide a broken C build in CI."""
+    from kvtool.codecs.cachegen import native_available
+
+    assert native_available()
