@@ -147,7 +147,9 @@ static void encode_layer(const uint8_t *src, int dtype, uint32_t T, uint32_t C, 
         uint32_t mb;
         if (load_row_absmax(r, dtype, C, &mb)) { lo->rc = CG_ERR_NONFINITE; goto done; }
         scales[t] = mb;
-        float factor = cg_quant_factor(M, bits_to_f32(mb, dtype));
+        const float maxf = bits_to_f32(mb, dtype);
+        const float factor = cg_quant_factor(M, maxf);
+        const float pre = cg_quant_prescale(maxf);
         if (dtype == CG_DTYPE_F32) {
             memcpy(row, r, (size_t)C * 4u);
         } else if (dtype == CG_DTYPE_BF16) {
@@ -159,7 +161,7 @@ static void encode_layer(const uint8_t *src, int dtype, uint32_t T, uint32_t C, 
         }
         uint8_t *qr = q + (size_t)t * C;
         for (uint32_t c = 0; c < C; c++) {
-            int s = cg_quantize(row[c], factor, M);
+            int s = cg_quantize(row[c], pre, factor, M);
             qr[c] = (uint8_t)s;
             S[2u * c] += (uint64_t)s;
             S[2u * c + 1u] += (uint64_t)(s * s);
@@ -261,12 +263,17 @@ static int rice_block_get(cg_bitreader *br, uint32_t *v, size_t n, int w, uint32
                 const uint32_t slot = xx & mask;                                               \
                 const uint16_t *cm = cum + (size_t)c_ * S;                                     \
                 uint32_t s = lut[((size_t)c_ << CG_LUT_BITS) + (slot >> bshift)];              \
-                s += (uint32_t)(cm[s + 1] <= slot);                                            \
-                if (UNLIKELY(cm[s + 1] <= slot)) {                                             \
+                uint32_t pr = get_u32((const uint8_t *)(cm + s));      /* cum[s] | cum[s+1] << 16 */ \
+                const uint32_t pr1 = get_u32((const uint8_t *)(cm + s + 1));                   \
+                const uint32_t adj = (pr >> 16) <= slot;                                       \
+                s += adj;                                                                      \
+                pr = adj ? pr1 : pr;                                                           \
+                if (UNLIKELY((pr >> 16) <= slot)) {                                            \
                     do s++; while (cm[s + 1] <= slot);                                         \
+                    pr = get_u32((const uint8_t *)(cm + s));                                   \
                 }                                                                              \
-                const uint32_t st = cm[s];                                                     \
-                xx = ((uint32_t)cm[s + 1] - st) * (xx >> P) + slot - st;                       \
+                const uint32_t st = pr & 0xFFFFu;                                              \
+                xx = ((pr >> 16) - st) * (xx >> P) + slot - st;                                \
                 if (FAST) {                                                                    \
                     const uint32_t need = (xx >> 16) == 0;                                     \
                     const uint32_t w = get_u16(wp) & (0u - need);                              \
@@ -314,7 +321,7 @@ static int decode_layer(const uint8_t *sec, size_t seclen, int dtype, uint32_t T
     uint32_t *scales = (uint32_t *)malloc((size_t)T * sizeof(uint32_t));
     uint32_t *mq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
     uint32_t *sq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
-    uint16_t *cum = (uint16_t *)malloc((size_t)C * S * sizeof(uint16_t));
+    uint16_t *cum = (uint16_t *)malloc(((size_t)C * S + 2u) * sizeof(uint16_t)) /* +2: pair loads may touch cum[S+1] of the last row */;
     uint8_t *lut = (uint8_t *)malloc((size_t)C << CG_LUT_BITS);
     snprintf(err, errlen, "out of memory");
     if (!scales || !mq || !sq || !cum || !lut) goto done;
@@ -364,11 +371,11 @@ static int decode_layer(const uint8_t *sec, size_t seclen, int dtype, uint32_t T
     for (uint32_t t = 0; t < T; t++) {
         const float scale = bits_to_f32(scales[t], dtype);
         if (dtype == CG_DTYPE_F32) {
-            for (int s = 0; s < nsym; s++) v32[s] = cg_bits_from_f32(unit[s] * scale);
+            for (int s = 0; s < nsym; s++) v32[s] = cg_bits_from_f32(cg_dequant(unit[s], scale));
         } else if (dtype == CG_DTYPE_BF16) {
-            for (int s = 0; s < nsym; s++) v16[s] = cg_f32_to_bf16(unit[s] * scale);
+            for (int s = 0; s < nsym; s++) v16[s] = cg_f32_to_bf16(cg_dequant(unit[s], scale));
         } else {
-            for (int s = 0; s < nsym; s++) v16[s] = cg_f32_to_f16(unit[s] * scale);
+            for (int s = 0; s < nsym; s++) v16[s] = cg_f32_to_f16(cg_dequant(unit[s], scale));
         }
         const int fast = (size_t)(wend - wp) >= 2u * (size_t)C;
         uint8_t *orow = dst + (size_t)t * C * es;

@@ -17,6 +17,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#if !defined(__CUDACC__) && !defined(__GNUC__)
+#include <math.h>
+#endif
 
 #include "cachegen_tables.h"
 
@@ -46,6 +49,19 @@
 #define CG_W_MU 10                /* bit width of a mean code */
 #define CG_W_SIGMA 5              /* bit width of a sigma code */
 #define CG_W_K 5                  /* bit width of a Rice parameter */
+
+/* ---- fp32 arithmetic, each operation rounded on its own --------------------
+ * The host build uses -ffp-contract=off; nvcc would otherwise fuse a*b+c into
+ * an FMA, so device code spells the rounding out. */
+#ifdef __CUDA_ARCH__
+#define CG_FMUL(a, b) __fmul_rn((a), (b))
+#define CG_FADD(a, b) __fadd_rn((a), (b))
+#define CG_FDIV(a, b) __fdiv_rn((a), (b))
+#else
+#define CG_FMUL(a, b) ((a) * (b))
+#define CG_FADD(a, b) ((a) + (b))
+#define CG_FDIV(a, b) ((a) / (b))
+#endif
 
 /* ---- float conversions (bit-exact, round-to-nearest-even) --------------- */
 CG_FN float cg_f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -101,16 +117,21 @@ CG_FN uint16_t cg_f32_to_f16(float f) {
 /* M = bins/2 - 1; symbols are 0..2M. */
 CG_FN int cg_half_range(int bins) { return bins / 2 - 1; }
 
-/* factor = M / max in fp32; 0 for an all-zero token */
+/* Tokens whose scale is below 2^-100 (M / scale would overflow fp32) are
+ * quantized as if multiplied by 2^64 (exact): x and scale both get this
+ * pre-scale, which is 1 for every other token. */
+CG_FN float cg_quant_prescale(float maxabs) { return maxabs < 7.888609052210118e-31f /* 2^-100 */ ? 1.8446744073709552e19f /* 2^64 */ : 1.0f; }
+
+/* factor = M / (max * prescale) in fp32; 0 for an all-zero token */
 CG_FN float cg_quant_factor(int M, float maxabs) {
-    return maxabs > 0.0f ? (float)M / maxabs : 0.0f;
+    return maxabs > 0.0f ? CG_FDIV((float)M, CG_FMUL(maxabs, cg_quant_prescale(maxabs))) : 0.0f;
 }
 
-/* q = clamp(rne(fp32(fp32(x * factor) + M)), 0, 2M) */
-CG_FN int cg_quantize(float x, float factor, int M) {
-    float y = x * factor;
-    y = y + (float)M;
-#ifdef __CUDACC__
+/* q = clamp(rne(fp32(fp32((x * prescale) * factor) + M)), 0, 2M) */
+CG_FN int cg_quantize(float x, float prescale, float factor, int M) {
+    float y = CG_FMUL(CG_FMUL(x, prescale), factor);
+    y = CG_FADD(y, (float)M);
+#if defined(__CUDACC__) || !defined(__GNUC__)
     float r = rintf(y);
 #else
     float r = __builtin_rintf(y);
@@ -122,7 +143,9 @@ CG_FN int cg_quantize(float x, float factor, int M) {
 }
 
 /* dequantization unit for symbol q: fp32((q - M) / M); value = fp32(unit * scale) */
-CG_FN float cg_dequant_unit(int q, int M) { return (float)(q - M) / (float)M; }
+CG_FN float cg_dequant_unit(int q, int M) { return CG_FDIV((float)(q - M), (float)M); }
+/* value before the cast to the KV dtype */
+CG_FN float cg_dequant(float unit, float scale) { return CG_FMUL(unit, scale); }
 
 /* ---- parametric frequency tables ----------------------------------------- */
 /* Parameter estimation from the stream's symbol count N, sum S1 and sum of
@@ -139,14 +162,14 @@ CG_FN uint32_t cg_estimate_sigma(uint64_t N, uint64_t S1, uint64_t S2) {
     uint64_t var16 = ((V / N2) << 16) + (((V % N2) << 16) / N2);
     uint64_t s2 = var16 + 5461u;     /* + floor(2^16 / 12) */
     uint32_t sq = 0;
-    for (int j = 0; j < CG_NSIGMA - 1; j++) sq += (CG_SIG2_THR[j] <= s2) ? 1u : 0u;
+    for (int j = 0; j < CG_NSIGMA - 1; j++) sq += (CG_TAB(CG_SIG2_THR)[j] <= s2) ? 1u : 0u;
     return sq;
 }
 
 /* cumulative frequencies cum[0..nsym] (cum[0] = 0, cum[nsym] = 2^P, every
  * frequency >= 1) for mean code mq (mean = mq/4) and sigma code sq. */
 CG_FN void cg_build_cum(int nsym, uint32_t mq, uint32_t sq, int prob_bits, uint16_t *cum) {
-    const int32_t inv = (int32_t)CG_INV4S[sq];
+    const int32_t inv = (int32_t)CG_TAB(CG_INV4S)[sq];
     const uint32_t spread = (1u << prob_bits) - (uint32_t)nsym;
     const int32_t zlim = CG_PHI_ZMAX * 65536;
     cum[0] = 0;
@@ -157,7 +180,7 @@ CG_FN void cg_build_cum(int nsym, uint32_t mq, uint32_t sq, int prob_bits, uint1
         if (zf > zlim - 1) zf = zlim - 1;
         uint32_t zi = (uint32_t)(zf + zlim);
         uint32_t idx = zi >> 11, frac = zi & 2047u;
-        uint32_t lo = CG_PHI[idx], hi = CG_PHI[idx + 1];
+        uint32_t lo = CG_TAB(CG_PHI)[idx], hi = CG_TAB(CG_PHI)[idx + 1];
         uint32_t ph = lo + (((hi - lo) * frac) >> 11);
         cum[s] = (uint16_t)((uint32_t)s + ((ph * spread) >> 16));
     }

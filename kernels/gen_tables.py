@@ -27,10 +27,13 @@ SIG2_THR = [round(65536 * (2 ** ((j - 0.5 - 8) / 4)) ** 2) for j in range(1, NSI
 
 
 def _c_array(name: str, ctype: str, vals: list[int], per_line: int = 12) -> str:
+    """A host copy, plus a __constant__ device copy under nvcc; CG_TAB(name) picks the right one."""
     lines = []
     for i in range(0, len(vals), per_line):
         lines.append("    " + ", ".join(str(v) + ("u" if ctype.startswith("uint") else "") for v in vals[i:i + per_line]) + ",")
-    return f"CG_TABLE_ATTR const {ctype} {name}[{len(vals)}] = {{\n" + "\n".join(lines) + "\n};\n"
+    body = "{\n" + "\n".join(lines) + "\n}"
+    return (f"static const {ctype} {name}[{len(vals)}] = {body};\n"
+            f"#ifdef __CUDACC__\nstatic __device__ __constant__ const {ctype} {name}_dev[{len(vals)}] = {body};\n#endif\n")
 
 
 def main() -> None:
@@ -41,10 +44,10 @@ def main() -> None:
         "#ifndef KVTOOL_CACHEGEN_TABLES_H",
         "#define KVTOOL_CACHEGEN_TABLES_H",
         "#include <stdint.h>",
-        "#ifdef __CUDACC__",
-        "#define CG_TABLE_ATTR static __device__ __constant__",
+        "#ifdef __CUDA_ARCH__",
+        "#define CG_TAB(name) name##_dev",
         "#else",
-        "#define CG_TABLE_ATTR static",
+        "#define CG_TAB(name) name",
         "#endif",
         f"#define CG_PHI_STEPS {ZSTEPS}",
         f"#define CG_PHI_ZMAX {ZMAX}",

@@ -154,6 +154,22 @@ def test_quantization_formula_and_zero_tokens():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tiny_scales_are_quantized_like_normal_ones(impl, dtype):
+    # M / scale overflows fp32 below ~2^-121: such tokens are pre-scaled by 2^64 (exact)
+    base = torch.tensor([1.0, -0.5, 0.25, 0.0, -1.0, 0.75], dtype=torch.float32)
+    rows = [base * 2.0**-130, base * 2.0**-101, base * 2.0**-99, base * 2.0**-125, base]
+    kv = torch.stack(rows).view(1, 1, 5, 6).repeat(2, 1, 1, 1).to(dtype)
+    params = cachegen_params("32")
+    payload, rec = cachegen_encode(kv, params, impl=impl)
+    out = cachegen_decode(payload, kv.shape, dtype, rec, impl=impl)
+    assert same_bits(out, cachegen_reference_roundtrip(kv, rec))
+    q, _ = ref.quantize(kv.view(2, 5, 6), [32, 32])
+    assert (q == q[:, 4:5]).all()  # every token's symbols equal those of the unscaled row
+    assert same_bits(out[:, :, :, 0], kv[:, :, :, 0])  # the max element comes back exactly
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_roundtrip_exact_default_bins(impl, dtype):
     kv = kv_like((2, 11, 19, 24), dtype, seed=1)
@@ -239,7 +255,7 @@ def test_header_layout():
 
 
 # --------------------------------------------------------------------------- property tests
-VALUE_KINDS = ["normal", "constant_tokens", "zeros", "sparse", "tiny", "huge", "outliers"]
+VALUE_KINDS = ["normal", "constant_tokens", "zeros", "sparse", "tiny", "subnormal", "huge", "outliers"]
 
 
 def make_values(kind, shape, dtype, seed):
@@ -254,6 +270,8 @@ def make_values(kind, shape, dtype, seed):
         x[..., 0, :] = 0.0
     elif kind == "tiny":  # subnormal range of fp16 / bf16
         x = x * 1e-6
+    elif kind == "subnormal":  # scales below 2^-100: the pre-scaled path
+        x = x * (1e-7 if dtype == torch.float16 else 1e-39)
     elif kind == "huge":
         x = (x * 1e4).clamp(-6e4, 6e4) if dtype == torch.float16 else x * 1e30
     elif kind == "outliers":

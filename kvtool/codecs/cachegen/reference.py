@@ -50,14 +50,17 @@ def quantize(x: torch.Tensor, bins: list[int]) -> tuple[torch.Tensor, torch.Tens
     """x: [2L, T, C] KV tensor. Returns (symbols uint8 [2L, T, C], scales [2L, T] in x's dtype).
 
     scale = max |x| over the channels (exact in the KV dtype);
-    q = clamp(round_half_even(fp32(fp32(x * fp32(M / scale)) + M)), 0, 2M), factor 0 when scale == 0."""
+    q = clamp(round_half_even(fp32(fp32((x * pre) * fp32(M / (scale * pre))) + M)), 0, 2M), with
+    pre = 2^64 when scale < 2^-100 (else 1) and factor 0 when scale == 0."""
     if not bool(torch.isfinite(x).all()):
         raise NonFiniteValues("cachegen: the KV input holds NaN or infinity")
     scales = x.abs().amax(dim=-1)
     M = torch.tensor([half_range(b) for b in bins], dtype=torch.float32).view(-1, 1)
     sf = scales.float()
-    factor = torch.where(sf > 0, M / torch.where(sf > 0, sf, torch.ones_like(sf)), torch.zeros_like(sf))
-    y = x.float() * factor.unsqueeze(-1)
+    # tokens with scale < 2^-100 (M / scale would overflow) are pre-scaled by 2^64, exactly
+    pre = torch.where(sf < 2.0**-100, torch.full_like(sf, 2.0**64), torch.ones_like(sf))
+    factor = torch.where(sf > 0, M / torch.where(sf > 0, sf * pre, torch.ones_like(sf)), torch.zeros_like(sf))
+    y = (x.float() * pre.unsqueeze(-1)) * factor.unsqueeze(-1)
     y = y + M.unsqueeze(-1)
     q = torch.round(y)
     q = torch.minimum(torch.clamp(q, min=0), (2 * M).unsqueeze(-1))
