@@ -255,19 +255,20 @@ static int rice_block_get(cg_bitreader *br, uint32_t *v, size_t n, int w, uint32
 #define DECODE_ROW(FAST, OUT_T, VALS)                                                          \
     do {                                                                                       \
         OUT_T *o_ = (OUT_T *)orow;                                                             \
+        const uint16_t *cm = cum;                                                              \
+        const uint8_t *lt = lut;                                                               \
         uint32_t c_ = 0;                                                                       \
         while (c_ < C) {                                                                       \
-            uint32_t g_ = C - c_ < (uint32_t)N ? C - c_ : (uint32_t)N;                         \
-            for (uint32_t j_ = 0; j_ < g_; j_++, c_++) {                                       \
+            const uint32_t g_ = C - c_ < (uint32_t)N ? C - c_ : (uint32_t)N;                   \
+            for (uint32_t j_ = 0; j_ < g_; j_++) {                                             \
                 uint32_t xx = x[j_];                                                           \
                 const uint32_t slot = xx & mask;                                               \
-                const uint16_t *cm = cum + (size_t)c_ * S;                                     \
-                uint32_t s = lut[((size_t)c_ << CG_LUT_BITS) + (slot >> bshift)];              \
+                uint32_t s = lt[slot >> bshift];                                               \
                 uint32_t pr = get_u32((const uint8_t *)(cm + s));      /* cum[s] | cum[s+1] << 16 */ \
                 const uint32_t pr1 = get_u32((const uint8_t *)(cm + s + 1));                   \
                 const uint32_t adj = (pr >> 16) <= slot;                                       \
                 s += adj;                                                                      \
-                pr = adj ? pr1 : pr;                                                           \
+                pr ^= (pr ^ pr1) & (0u - adj);           /* branch-free select */              \
                 if (UNLIKELY((pr >> 16) <= slot)) {                                            \
                     do s++; while (cm[s + 1] <= slot);                                         \
                     pr = get_u32((const uint8_t *)(cm + s));                                   \
@@ -275,9 +276,9 @@ static int rice_block_get(cg_bitreader *br, uint32_t *v, size_t n, int w, uint32
                 const uint32_t st = pr & 0xFFFFu;                                              \
                 xx = ((pr >> 16) - st) * (xx >> P) + slot - st;                                \
                 if (FAST) {                                                                    \
-                    const uint32_t need = (xx >> 16) == 0;                                     \
-                    const uint32_t w = get_u16(wp) & (0u - need);                              \
-                    xx = (xx << (need << 4)) | w;                                              \
+                    const uint32_t t2 = (xx << 16) | get_u16(wp);                              \
+                    const uint32_t need = xx < CG_RANS_L;                                      \
+                    xx ^= (xx ^ t2) & (0u - need);                                             \
                     wp += need << 1;                                                           \
                 } else if (xx < CG_RANS_L) {                                                   \
                     if (wend - wp < 2) goto fail;                                              \
@@ -285,8 +286,12 @@ static int rice_block_get(cg_bitreader *br, uint32_t *v, size_t n, int w, uint32
                     wp += 2;                                                                   \
                 }                                                                              \
                 x[j_] = xx;                                                                    \
-                o_[c_] = VALS[s];                                                              \
+                o_[j_] = VALS[s];                                                              \
+                cm += S;                                                                       \
+                lt += 1u << CG_LUT_BITS;                                                       \
             }                                                                                  \
+            o_ += g_;                                                                          \
+            c_ += g_;                                                                          \
         }                                                                                      \
     } while (0)
 
