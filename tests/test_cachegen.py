@@ -403,8 +403,27 @@ def test_payload_stats_account_for_every_bit():
     parts = s["bits_per_value_by_part"]
     assert set(parts) == {"header", "scales", "tables", "lane_states", "payload", "padding"}
     assert abs(sum(parts.values()) - s["bits_per_value"]) < 1e-9
+    assert all(s[f"bpv_{k}"] == v for k, v in parts.items())
     assert abs(sum(s["share"].values()) - 1.0) < 1e-9
     assert s["bytes"] == len(payload) and s["values"] == kv.numel()
     assert s["bins"] == resolve_bins(params["bins"], 12) and s["lanes"] == 32 and s["prob_bits"] == 14
     assert s["bits_per_value"] < 4.5 and s["ratio_vs_bf16"] > 3.5
     assert parts["tables"] < 0.3 and parts["scales"] < 0.3
+
+
+def test_missing_native_coder_warns_once_and_falls_back(monkeypatch):
+    from kvtool.codecs.cachegen import native
+
+    monkeypatch.setattr(native, "_loaded", True)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_error", "no module named kvtool._cachegen_native")
+    monkeypatch.setattr(native, "_warned", False)
+    kv = kv_like((2, 1, 3, 4), torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="native CacheGen coder unavailable"):
+        payload, params = cachegen_encode(kv, None)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = cachegen_decode(payload, kv.shape, kv.dtype, params)  # no second warning
+    assert same_bits(out, cachegen_reference_roundtrip(kv, params))

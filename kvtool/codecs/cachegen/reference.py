@@ -504,6 +504,8 @@ def payload_stats(payload: bytes | memoryview, layers: int, tokens: int, channel
         "values": nvals,
         "bytes": len(payload),
         "bits_per_value": total / nvals,
+        # flat copies, for printers that show the scalar entries only
+        **{f"bpv_{k}": v / nvals for k, v in acc.items()},
         "bits_per_value_by_part": {k: v / nvals for k, v in acc.items()},
         "share": {k: v / total for k, v in acc.items()},
         "prob_bits": h.prob_bits,
