@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The one command for a CUDA machine: build kvtool's CUDA kernels, run the GPU
+# tests (tests/test_cuda.py: kernels vs the CPU paths, byte for byte) and the
+# GPU benchmark (bench/bench_cuda.py), and print the results.
+#
+#   scripts/gpu_check.sh                 # everything
+#   SKIP_BENCH=1 scripts/gpu_check.sh    # tests only
+#   SKIP_TESTS=1 scripts/gpu_check.sh    # benchmark only
+#   PYTEST_ARGS="-k paged" BENCH_ARGS="--quick" scripts/gpu_check.sh
+#
+# Logs and the benchmark's JSON go to $OUT (or $KVTOOL_GPU_CHECK_OUT, default
+# /tmp/kvtool-gpu-check). Exit status: non-zero if a test failed or the build failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUTDIR=${OUT:-${KVTOOL_GPU_CHECK_OUT:-/tmp/kvtool-gpu-check}}
+mkdir -p "$OUTDIR"
+status=0
+
+echo "== environment"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
+(command -v nvcc >/dev/null && nvcc --version | tail -1) || echo "nvcc: not on PATH"
+$PY -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
+
+# Wheels for dependencies a bare GPU image may lack (zstandard, crc32c), if shipped alongside.
+if [ -d .gpu_wheels ] && ls .gpu_wheels/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps .gpu_wheels/*.whl >"$OUTDIR/pip.log" 2>&1 || echo "pip install of .gpu_wheels failed (see pip.log)"
+fi
+
+# kvtool's native CPU CacheGen coder for this Python: the CPU side of the byte comparisons.
+if ! $PY -c "import kvtool._cachegen_native" 2>/dev/null; then
+  if $PY setup.py build_ext --inplace >"$OUTDIR/build_ext.log" 2>&1; then
+    echo "native CPU coder: built for this Python"
+  else
+    echo "native CPU coder: build failed (see build_ext.log); CPU bytes come from the Python reference"
+  fi
+fi
+
+echo "== CUDA backend (builds the kernels on first use)"
+t0=$(date +%s)
+$PY -c "import kvtool.cuda as k; print(k.backend_status(build=True))" || status=1
+echo "(build/load took $(( $(date +%s) - t0 )) s)"
+
+if [ -z "${SKIP_TESTS:-}" ]; then
+  echo "== GPU tests: tests/test_cuda.py"
+  # shellcheck disable=SC2086
+  $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_cuda.py ${PYTEST_ARGS:-} >"$OUTDIR/pytest.log" 2>&1
+  rc=$?
+  [ $rc -ne 0 ] && status=1
+  grep -E "^(FAILED|ERROR)|Error|error:|assert" "$OUTDIR/pytest.log" | head -40
+  tail -3 "$OUTDIR/pytest.log"
+fi
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+  echo "== GPU benchmark: bench/bench_cuda.py"
+  # shellcheck disable=SC2086
+  $PY bench/bench_cuda.py --json "$OUTDIR/bench_cuda.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/bench.log" || status=1
+fi
+
+echo "== done (status $status; logs in $OUTDIR)"
+exit $status

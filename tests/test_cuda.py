@@ -1,0 +1,574 @@
+"""CUDA backend: kernels compile for sm_90 (nvcc, no GPU needed), the shared
+host/device headers are right (gcc shims on the CPU), and, on a GPU, the
+kernels equal the CPU paths byte for byte.
+
+GPU tests skip cleanly without CUDA; run them with `scripts/gpu_check.sh`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvtool.connectors import PagedLayout, gather_paged, run_offset, scatter_paged, slot_to_block_offset
+from kvtool.connectors.paged_copy import layer_tensors
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "kernels"
+NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.isfile("/usr/local/cuda/bin/nvcc") else None)
+GCC = shutil.which("gcc") or shutil.which("cc")
+HAS_CUDA = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (GPU tests: scripts/gpu_check.sh)")
+LAYOUTS = list(PagedLayout)
+LAYOUT_CODE = {PagedLayout.FLASH_ATTN: 0, PagedLayout.FLASHINFER: 1, PagedLayout.VLLM: 2, PagedLayout.KV_TUPLE: 3}
+
+
+# ---------------------------------------------------------------------------
+# nvcc: every .cu compiles for sm_90 (CI has nvcc but no GPU)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+def test_every_cu_compiles_for_sm90(tmp_path):
+    cus = sorted(KERNELS.glob("*.cu"))
+    assert cus, "no .cu files in kernels/"
+    procs = []
+    for cu in cus:
+        cmd = [NVCC, "-arch=sm_90", "-std=c++17", "-O3", f"-I{KERNELS}", "-c", str(cu), "-o", str(tmp_path / (cu.stem + ".o"))]
+        procs.append((cu, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    failures = []
+    for cu, p in procs:
+        out, _ = p.communicate(timeout=900)
+        if p.returncode != 0:
+            failures.append(f"{cu.name}:\n{out}")
+    assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------------------
+# CPU: the shared index header, through a gcc-built shim
+# ---------------------------------------------------------------------------
+
+
+def _build_shim(tmp: Path, src: str, name: str) -> ctypes.CDLL:
+    if GCC is None:
+        pytest.skip("no C compiler")
+    so = tmp / f"{name}.so"
+    cmd = [GCC, "-O2", "-std=c99", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off", "-shared", "-fPIC",
+           f"-I{KERNELS}", str(KERNELS / src), "-o", str(so)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return ctypes.CDLL(str(so))
+
+
+@pytest.fixture(scope="module")
+def shim(tmp_path_factory):
+    lib = _build_shim(tmp_path_factory.mktemp("paged_shim"), "paged_index_test_shim.c", "paged_index_shim")
+    i64, u32, u64, i32 = ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int
+    P = ctypes.POINTER
+    lib.shim_run_offset.restype = i64
+    lib.shim_run_offset.argtypes = [i32, i64, i64, i64, i64, P(i64), i64]
+    lib.shim_slot_to_block_offset.restype = None
+    lib.shim_slot_to_block_offset.argtypes = [i64, i64, P(i64), P(i64)]
+    lib.shim_div_mismatches.restype = i64
+    lib.shim_div_mismatches.argtypes = [u32, u32, u32]
+    lib.shim_div.restype = u32
+    lib.shim_div.argtypes = [u32, u32]
+    lib.shim_pick_vec_bytes.restype = u32
+    lib.shim_pick_vec_bytes.argtypes = [u64, i64, u32, i64]
+    lib.shim_max_tokens_per_launch.restype = i64
+    lib.shim_max_tokens_per_launch.argtypes = [i64, i64]
+    lib.shim_map.restype = i64
+    lib.shim_map.argtypes = [i32, P(i64), i64, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, i64]
+    return lib
+
+
+def _strides(st) -> ctypes.Array:
+    return (ctypes.c_int64 * 5)(*st, *([0] * (5 - len(st))))
+
+
+def test_header_run_offset_matches_connector(shim):
+    rng = np.random.default_rng(1)
+    for layout in LAYOUTS:
+        ndim = 5 if layout in (PagedLayout.FLASH_ATTN, PagedLayout.FLASHINFER) else 4
+        for _ in range(400):
+            st = [int(x) for x in rng.integers(1, 1 << 20, size=ndim)]
+            kv, block, off, head, D = (int(rng.integers(0, 2)), int(rng.integers(0, 1 << 16)),
+                                       int(rng.integers(0, 1024)), int(rng.integers(0, 64)), int(rng.integers(1, 512)))
+            want = run_offset(layout, kv, block, off, head, st, D)
+            assert shim.shim_run_offset(LAYOUT_CODE[layout], kv, block, off, head, _strides(st), D) == want
+
+
+def test_header_slot_to_block_offset(shim):
+    b, o = ctypes.c_int64(), ctypes.c_int64()
+    for slot in [0, 1, 15, 16, 17, 12345, (1 << 31) - 1, 1 << 31, (1 << 40) + 7]:
+        for bs in [1, 2, 16, 17, 256, 1000]:
+            shim.shim_slot_to_block_offset(slot, bs, ctypes.byref(b), ctypes.byref(o))
+            assert (b.value, o.value) == slot_to_block_offset(slot, bs)
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 5, 7, 16, 17, 96, 127, 128, 192, 1000, 4095, 65537, 1 << 20, 999_999_937,
+                               (1 << 30) + 1, (1 << 31) - 1, 1 << 31])
+def test_header_magic_division_exact(shim, d):
+    hi = 1 << 31
+    assert shim.shim_div_mismatches(d, 0, 200_000) == 0
+    assert shim.shim_div_mismatches(d, hi - 200_000, hi) == 0
+    rng = np.random.default_rng(d)
+    for n in rng.integers(0, hi, size=2000):
+        assert shim.shim_div(d, int(n)) == int(n) // d
+    for k in range(1, 6):  # around multiples of d
+        for n in (k * d - 1, k * d, k * d + 1):
+            if 0 <= n < hi:
+                assert shim.shim_div(d, n) == n // d
+
+
+def test_header_pick_vec_bytes(shim):
+    f = shim.shim_pick_vec_bytes
+    assert f(0, 128, 2, 1) == 16          # aligned bf16, D=128: 8 channels per access
+    assert f(0, 64, 4, 1) == 16           # fp32
+    assert f(0, 2, 2, 1) == 4             # D=2 bf16: the whole head
+    assert f(8, 128, 2, 1) == 8           # an address only 8-aligned
+    assert f(2, 128, 2, 1) == 2           # 2-aligned: one element
+    assert f(0, 3, 2, 1) == 2             # D=3: one element
+    assert f(0, 6, 2, 1) == 4             # D=6: pairs
+    assert f(0, 128, 2, 7) == 2           # strided channels: one element
+    assert f(0, 128, 8, 1) == 16          # 8-byte elements: pairs
+    assert f(4, 128, 8, 1) == 8           # raw esize never split
+    assert f(0, 128, 1, 1) == 16
+
+
+# -- the whole per-item mapping, emulated, equals the torch reference -------------
+
+
+def make_caches(layout: PagedLayout, L: int, NB: int, BS: int, H: int, D: int, dtype, variant: str,
+                device="cpu", gen: torch.Generator | None = None):
+    """Paged buffers of `layout`: 'contig', 'permuted' (heads-major memory order,
+    non-contiguous), 'strided' (channels not contiguous), 'offset' (a view that
+    starts inside its storage)."""
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    def one():
+        if layout is PagedLayout.FLASH_ATTN:
+            if variant == "permuted":
+                return rnd(2, NB, H, BS, D).permute(0, 1, 3, 2, 4)
+            if variant == "strided":
+                return rnd(2, NB, BS, D, H).transpose(3, 4)
+            if variant == "offset":
+                return rnd(2, NB + 3, BS, H, D)[:, 2:NB + 2]
+            return rnd(2, NB, BS, H, D)
+        if layout is PagedLayout.FLASHINFER:
+            if variant == "permuted":
+                return rnd(NB, 2, H, BS, D).permute(0, 1, 3, 2, 4)
+            if variant == "strided":
+                return rnd(NB, 2, BS, D, H).transpose(3, 4)
+            if variant == "offset":
+                return rnd(NB + 1, 2, BS, H, D)[1:]
+            return rnd(NB, 2, BS, H, D)
+        if layout is PagedLayout.VLLM:
+            if variant == "permuted":
+                return rnd(NB, BS, H, 2 * D).permute(0, 2, 1, 3)
+            if variant == "strided":
+                return rnd(NB, H, 2 * D, BS).transpose(2, 3)
+            if variant == "offset":
+                return rnd(NB + 2, H, BS, 2 * D)[2:]
+            return rnd(NB, H, BS, 2 * D)
+        def kv1():
+            if variant == "permuted":
+                return rnd(NB, H, BS, D).permute(0, 2, 1, 3)
+            if variant == "strided":
+                return rnd(NB, BS, D, H).transpose(2, 3)
+            if variant == "offset":
+                return rnd(NB + 1, BS, H, D)[1:]
+            return rnd(NB, BS, H, D)
+        return (kv1(), kv1())
+
+    return [one() for _ in range(L)]
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.as_strided((span,), (1,))
+
+
+def _emulate(shim, layers, layout, slots: torch.Tensor, blob: torch.Tensor, E: int, direction: str, splits: int = 1):
+    """Run the header's mapping for every item of the launch(es) and move the
+    elements with numpy indexing, as the kernel would."""
+    tensors = [t for layer in layers for t in layer_tensors(layer, layout)]
+    st = tensors[0].stride()
+    s_last = st[-1]
+    _, L, T, HD = blob.shape
+    first = tensors[0]
+    if layout is PagedLayout.VLLM:
+        NB, H, BS, D2 = first.shape
+        D = D2 // 2
+    elif layout is PagedLayout.KV_TUPLE:
+        NB, BS, H, D = first.shape
+    elif layout is PagedLayout.FLASH_ATTN:
+        _, NB, BS, H, D = first.shape
+    else:
+        NB, _, BS, H, D = first.shape
+    slots_np = np.ascontiguousarray(slots.numpy().astype(np.int64))
+    bflat = blob.view(-1)
+    bounds = np.linspace(0, T, splits + 1).astype(int)
+    for t0, t1 in zip(bounds[:-1], bounds[1:]):
+        if t1 <= t0:
+            continue
+        cap = 2 * L * (t1 - t0) * H * D // E
+        ce, be, pi = np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int32)
+        n = shim.shim_map(LAYOUT_CODE[layout], _strides(st), L, H, D, BS, NB, E, T, int(t0), int(t1 - t0),
+                          slots_np.ctypes.data, ce.ctypes.data, be.ctypes.data, pi.ctypes.data, cap)
+        assert n == cap, n
+        for idx, t in enumerate(tensors):
+            m = pi == idx
+            flat = _flat(t)
+            for e in range(E):
+                src_i = torch.from_numpy(ce[m] + e * s_last)
+                dst_i = torch.from_numpy(be[m] + e)
+                if direction == "gather":
+                    bflat[dst_i] = flat[src_i].to(bflat.dtype)
+                else:
+                    flat[src_i] = bflat[dst_i].to(flat.dtype)
+
+
+def _clone_layers(layers):
+    return [_clone_strided(l) if isinstance(l, torch.Tensor) else tuple(_clone_strided(t) for t in l) for l in layers]
+
+
+def _clone_strided(t: torch.Tensor) -> torch.Tensor:
+    """A copy with exactly t's strides (and a storage of its own)."""
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    store = torch.empty(span, dtype=t.dtype, device=t.device)
+    c = store.as_strided(t.shape, t.stride())
+    c.copy_(t)
+    return c
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}[a.element_size()]
+    return torch.equal(a.contiguous().view(ints).cpu(), b.contiguous().view(ints).cpu())
+
+
+def _layers_equal(xs, ys) -> bool:
+    for x, y in zip(xs, ys):
+        for a, b in zip((x,) if isinstance(x, torch.Tensor) else x, (y,) if isinstance(y, torch.Tensor) else y):
+            if not _same_bits(a, b):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+@pytest.mark.parametrize("variant", ["contig", "permuted", "strided", "offset"])
+def test_header_mapping_reproduces_gather_and_scatter(shim, layout, variant):
+    g = torch.Generator().manual_seed(zlib.crc32(f"{layout.value}{variant}".encode()) & 0xFFFF)
+    L, NB, BS, H, D, T = 3, 9, 4, 3, 8, 13
+    layers = make_caches(layout, L, NB, BS, H, D, torch.float32, variant, gen=g)
+    slots = torch.randperm(NB * BS, generator=g)[:T]
+    want = torch.empty(2, L, T, H * D)
+    gather_paged(layers, layout, slots, want)
+    s_last = layer_tensors(layers[0], layout)[0].stride()[-1]
+    for E in ([1, 2, 4, 8] if s_last == 1 else [1]):
+        for splits in (1, 3):
+            got = torch.full((2, L, T, H * D), float("nan"))
+            _emulate(shim, layers, layout, slots, got, E, "gather", splits)
+            assert _same_bits(got, want), (E, splits)
+        # scatter: the emulated writes equal the reference's, and touch nothing else
+        blob = torch.randn(2, L, T, H * D, generator=g)
+        ref_layers, emu_layers = _clone_layers(layers), _clone_layers(layers)
+        scatter_paged(blob, ref_layers, layout, slots)
+        _emulate(shim, emu_layers, layout, slots, blob, E, "scatter", 2)
+        assert _layers_equal(emu_layers, ref_layers), E
+
+
+def test_header_mapping_covers_every_blob_element_once(shim):
+    L, NB, BS, H, D, T = 2, 5, 3, 2, 4, 7
+    for layout in LAYOUTS:
+        layers = make_caches(layout, L, NB, BS, H, D, torch.float32, "contig")
+        tensors = [t for layer in layers for t in layer_tensors(layer, layout)]
+        slots = np.arange(T, dtype=np.int64) * 2
+        for E in (1, 2, 4):
+            cap = 2 * L * T * H * D // E
+            ce, be, pi = np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int32)
+            n = shim.shim_map(LAYOUT_CODE[layout], _strides(tensors[0].stride()), L, H, D, BS, NB, E, T, 0, T,
+                              slots.ctypes.data, ce.ctypes.data, be.ctypes.data, pi.ctypes.data, cap)
+            assert n == cap
+            covered = np.sort((be[:, None] + np.arange(E)[None, :]).reshape(-1))
+            assert np.array_equal(covered, np.arange(2 * L * T * H * D))
+            assert np.all(be[1:] > be[:-1])  # consecutive items: consecutive blob addresses
+
+
+def test_header_launch_split_bound(shim):
+    assert shim.shim_max_tokens_per_launch(32, 128) == ((1 << 31) - 2) // (2 * 32 * 128)
+    assert 2 * 80 * 128 * shim.shim_max_tokens_per_launch(80, 128) < (1 << 31) - 1
+
+
+def test_header_plan_rejects_bad_geometry(shim):
+    slots = np.zeros(4, np.int64)
+    buf = np.empty(1024, np.int64)
+    bufi = np.empty(1024, np.int32)
+    args = (slots.ctypes.data, buf.ctypes.data, buf.ctypes.data, bufi.ctypes.data, 1024)
+    st = _strides([64, 8, 2, 1])
+    assert shim.shim_map(9, st, 1, 1, 2, 4, 1, 1, 4, 0, 4, *args) == -1          # layout
+    assert shim.shim_map(3, st, 1, 1, 2, 4, 1, 1, 4, 2, 4, *args) == -2          # tokens past the blob
+    assert shim.shim_map(3, st, 1, 1, 6, 4, 1, 4, 4, 0, 4, *args) == -3          # E does not divide D
+    assert shim.shim_map(3, st, 1 << 20, 64, 128, 4, 1, 1, 4, 0, 4, *args) == -2  # >= 2^31 items
+
+
+# ---------------------------------------------------------------------------
+# Loader / status on a machine without CUDA
+# ---------------------------------------------------------------------------
+
+
+def test_backend_status_is_one_line():
+    import kvtool.cuda as kc
+
+    s = kc.backend_status()
+    assert isinstance(s, str) and s and "\n" not in s
+    if not HAS_CUDA:
+        assert "CPU" in s
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-CUDA path")
+def test_no_cuda_never_looks_for_nvcc(monkeypatch):
+    import kvtool.cuda as kc
+    from kvtool.cuda import _build
+
+    def boom(*a, **k):
+        raise AssertionError("nvcc must not be looked for without CUDA")
+
+    monkeypatch.setattr(_build, "find_nvcc", boom)
+    monkeypatch.setattr(_build.subprocess, "run", boom)
+    _build.reset_for_tests()
+    assert kc.register() is False
+    assert "CPU" in kc.backend_status(build=True)
+    with pytest.raises(kc.CudaUnavailable):
+        _build.load("paged_copy")
+    _build.reset_for_tests()
+
+
+def test_disabled_by_env(monkeypatch):
+    import kvtool.cuda as kc
+    from kvtool.cuda import _build
+
+    monkeypatch.setenv("KVTOOL_CUDA", "0")
+    _build.reset_for_tests()
+    assert "disabled" in kc.backend_status()
+    with pytest.raises(kc.CudaUnavailable, match="KVTOOL_CUDA=0"):
+        _build.load("paged_copy")
+    _build.reset_for_tests()
+
+
+def test_kernel_sources_are_found():
+    from kvtool.cuda import _build
+
+    assert _build.kernels_dir() == KERNELS
+
+
+# ---------------------------------------------------------------------------
+# GPU: the fused kernel equals the CPU connector, byte for byte
+# ---------------------------------------------------------------------------
+
+GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _to(layers, device):
+    return [l.to(device) if isinstance(l, torch.Tensor) else tuple(t.to(device) for t in l) for l in layers]
+
+
+def _to_strided(layers, device):
+    """Move to `device` keeping each tensor's strides (and storage offset pattern)."""
+    out = []
+    for layer in layers:
+        ts = (layer,) if isinstance(layer, torch.Tensor) else layer
+        moved = []
+        for t in ts:
+            span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+            store = torch.empty(span + 64, dtype=t.dtype, device=device)
+            off = 0 if t.storage_offset() == 0 else 3  # "offset" variants: not 16-byte aligned
+            c = store.as_strided(t.shape, t.stride(), off)
+            c.copy_(t)
+            moved.append(c)
+        out.append(moved[0] if isinstance(layer, torch.Tensor) else tuple(moved))
+    return out
+
+
+def _random_slots(NB, BS, T, gen, distinct=True):
+    if distinct:
+        return torch.randperm(NB * BS, generator=gen)[:T]
+    return torch.randint(0, NB * BS, (T,), generator=gen)
+
+
+@needs_gpu
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("T", [1, 7, 256, 8000])
+def test_gpu_gather_scatter_equal_cpu(layout, dtype, T):
+    from kvtool.cuda import paged
+
+    g = torch.Generator().manual_seed(T * 7 + LAYOUT_CODE[layout])
+    L, BS, H, D = 4, 16, 4, 128
+    NB = (T + BS - 1) // BS + 37
+    cpu = make_caches(layout, L, NB, BS, H, D, dtype, "contig", gen=g)
+    gpu = _to(cpu, "cuda")
+    slots = _random_slots(NB, BS, T, g)
+    want = torch.empty(2, L, T, H * D, dtype=dtype)
+    gather_paged(cpu, layout, slots, want)
+    got = torch.full((2, L, T, H * D), float("nan"), dtype=dtype, device="cuda")
+    paged.gather(gpu, layout, slots.cuda(), got)
+    torch.cuda.synchronize()
+    assert _same_bits(got, want)
+    assert paged.last_vec_bytes() == 16
+    blob = torch.randn(2, L, T, H * D, generator=g).to(dtype)
+    scatter_paged(blob, cpu, layout, slots)
+    paged.scatter(blob.cuda(), gpu, layout, slots.cuda())
+    torch.cuda.synchronize()
+    assert _layers_equal(_to(gpu, "cpu"), cpu)
+
+
+@needs_gpu
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+@pytest.mark.parametrize("variant", ["permuted", "strided", "offset"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_gpu_noncontiguous_buffers(layout, variant, dtype):
+    from kvtool.cuda import paged
+
+    g = torch.Generator().manual_seed(11)
+    L, NB, BS, H, D, T = 3, 40, 16, 2, 64, 300
+    cpu = make_caches(layout, L, NB, BS, H, D, dtype, variant, gen=g)
+    gpu = _to_strided(cpu, "cuda")
+    slots = _random_slots(NB, BS, T, g)
+    want = torch.empty(2, L, T, H * D, dtype=dtype)
+    gather_paged(cpu, layout, slots, want)
+    got = torch.empty(2, L, T, H * D, dtype=dtype, device="cuda")
+    paged.gather(gpu, layout, slots.cuda(), got)
+    assert _same_bits(got, want)
+    blob = torch.randn(2, L, T, H * D, generator=g).to(dtype)
+    scatter_paged(blob, cpu, layout, slots)
+    paged.scatter(blob.cuda(), gpu, layout, slots.cuda())
+    assert _layers_equal(_to(gpu, "cpu"), cpu)
+
+
+@needs_gpu
+@pytest.mark.parametrize("cdt,bdt", [(a, b) for a in GPU_DTYPES for b in GPU_DTYPES if a != b], ids=str)
+@pytest.mark.parametrize("layout", [PagedLayout.FLASH_ATTN, PagedLayout.VLLM, PagedLayout.KV_TUPLE], ids=lambda l: l.value)
+def test_gpu_dtype_conversion_equals_cpu(cdt, bdt, layout):
+    from kvtool.cuda import paged
+
+    g = torch.Generator().manual_seed(5)
+    L, NB, BS, H, D, T = 2, 20, 8, 2, 32, 100
+    cpu = make_caches(layout, L, NB, BS, H, D, cdt, "contig", gen=g)
+    gpu = _to(cpu, "cuda")
+    slots = _random_slots(NB, BS, T, g)
+    want = torch.empty(2, L, T, H * D, dtype=bdt)
+    gather_paged(cpu, layout, slots, want)
+    got = torch.empty(2, L, T, H * D, dtype=bdt, device="cuda")
+    paged.gather(gpu, layout, slots.cuda(), got)
+    assert _same_bits(got, want)
+    blob = (torch.randn(2, L, T, H * D, generator=g) * 3).to(bdt)
+    scatter_paged(blob, cpu, layout, slots)
+    paged.scatter(blob.cuda(), gpu, layout, slots.cuda())
+    assert _layers_equal(_to(gpu, "cpu"), cpu)
+
+
+@needs_gpu
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_gpu_pinned_host_blob(layout):
+    """The blob in pinned host memory: the kernel reads/writes it over the bus."""
+    from kvtool.cuda import paged
+
+    g = torch.Generator().manual_seed(3)
+    L, NB, BS, H, D, T = 3, 30, 16, 4, 64, 333
+    cpu = make_caches(layout, L, NB, BS, H, D, torch.bfloat16, "contig", gen=g)
+    gpu = _to(cpu, "cuda")
+    slots = _random_slots(NB, BS, T, g)
+    want = torch.empty(2, L, T, H * D, dtype=torch.bfloat16)
+    gather_paged(cpu, layout, slots, want)
+    host = torch.empty(2, L, T, H * D, dtype=torch.bfloat16, pin_memory=True)
+    paged.gather(gpu, layout, slots.cuda(), host)
+    torch.cuda.synchronize()
+    assert _same_bits(host, want)
+    blob = torch.randn(2, L, T, H * D, generator=g).to(torch.bfloat16).pin_memory()
+    scatter_paged(blob, cpu, layout, slots)
+    paged.scatter(blob, gpu, layout, slots.cuda())
+    torch.cuda.synchronize()
+    assert _layers_equal(_to(gpu, "cpu"), cpu)
+    with pytest.raises(Exception, match="pinned"):
+        paged.gather(gpu, layout, slots.cuda(), torch.empty(2, L, T, H * D, dtype=torch.bfloat16))
+
+
+@needs_gpu
+def test_gpu_odd_geometry_and_raw_dtypes():
+    """D not a multiple of 8 (narrow accesses), fp64 (raw 8-byte elements), 1 layer, block size 1."""
+    from kvtool.cuda import paged
+
+    g = torch.Generator().manual_seed(9)
+    for (L, NB, BS, H, D, T, dt) in [(1, 50, 1, 3, 6, 40, torch.bfloat16), (2, 17, 5, 1, 3, 60, torch.float16),
+                                     (2, 9, 16, 2, 16, 100, torch.float64), (5, 300, 32, 8, 128, 8000, torch.float32)]:
+        for layout in LAYOUTS:
+            cpu = make_caches(layout, L, NB, BS, H, D, dt, "contig", gen=g)
+            gpu = _to(cpu, "cuda")
+            slots = _random_slots(NB, BS, T, g)
+            want = torch.empty(2, L, T, H * D, dtype=dt)
+            gather_paged(cpu, layout, slots, want)
+            got = torch.empty(2, L, T, H * D, dtype=dt, device="cuda")
+            paged.gather(gpu, layout, slots.cuda(), got)
+            assert _same_bits(got, want), (L, NB, BS, H, D, T, dt, layout)
+
+
+@needs_gpu
+def test_gpu_repeated_slots_gather():
+    from kvtool.cuda import paged
+
+    g = torch.Generator().manual_seed(2)
+    L, NB, BS, H, D, T = 2, 4, 16, 2, 64, 500
+    for layout in LAYOUTS:
+        cpu = make_caches(layout, L, NB, BS, H, D, torch.bfloat16, "contig", gen=g)
+        slots = _random_slots(NB, BS, T, g, distinct=False)
+        want = torch.empty(2, L, T, H * D, dtype=torch.bfloat16)
+        gather_paged(cpu, layout, slots, want)
+        got = torch.empty_like(want, device="cuda")
+        paged.gather(_to(cpu, "cuda"), layout, slots.cuda(), got)
+        assert _same_bits(got, want)
+
+
+@needs_gpu
+def test_gpu_registered_connector_round_trip():
+    """register() routes the connector's CUDA path to the kernel; from_gpu/to_gpu round trip."""
+    import kvtool.cuda as kc
+    from kvtool.connectors import MemoryFormat, PagedMemConnectorV2
+    from kvtool.connectors.paged_copy import _DEVICE_IMPLS
+
+    assert kc.register(lazy=False)
+    assert "cuda" in _DEVICE_IMPLS
+    g = torch.Generator().manual_seed(4)
+    L, NB, BS, H, D, T = 4, 64, 16, 2, 64, 700
+    for layout in LAYOUTS:
+        cpu = make_caches(layout, L, NB, BS, H, D, torch.bfloat16, "contig", gen=g)
+        gpu = _to(cpu, "cuda")
+        full = torch.full((T + 10,), -1, dtype=torch.int64)
+        full[10:] = _random_slots(NB, BS, T, g)
+        conn = PagedMemConnectorV2(H * D, L, use_gpu=True, layout=layout, chunk_size=256)
+        for dev in ("cuda", "cpu"):
+            mo = conn.allocate(T, torch.bfloat16, dev, pin_memory=(dev == "cpu"))
+            conn.from_gpu(mo, 10, T + 10, kvcaches=gpu, slot_mapping=full.cuda())
+            ref = torch.empty(2, L, T, H * D, dtype=torch.bfloat16)
+            gather_paged(cpu, layout, full[10:], ref)
+            torch.cuda.synchronize()
+            assert mo.metadata.fmt == MemoryFormat.KV_BLOB
+            assert _same_bits(mo.tensor, ref)
+            zero = _to([tuple(torch.zeros_like(t) for t in l) if isinstance(l, tuple) else torch.zeros_like(l)
+                        for l in cpu], "cuda")
+            conn.to_gpu(mo, 10, T + 10, kvcaches=zero, slot_mapping=full.cuda())
+            back = torch.empty_like(ref)
+            gather_paged(_to(zero, "cpu"), layout, full[10:], back)
+            assert _same_bits(back, ref)
