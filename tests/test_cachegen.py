@@ -427,3 +427,28 @@ def test_missing_native_coder_warns_once_and_falls_back(monkeypatch):
         warnings.simplefilter("error")
         out = cachegen_decode(payload, kv.shape, kv.dtype, params)  # no second warning
     assert same_bits(out, cachegen_reference_roundtrip(kv, params))
+
+
+@needs_native
+def test_scalar_and_simd_decoders_agree(tmp_path):
+    """The native decoder picks an AVX2 row loop at run time; KVTOOL_CACHEGEN_SIMD=0 forces
+    the scalar one (read once per process, hence the subprocess)."""
+    import os
+    import subprocess
+    import sys
+
+    kv = kv_like((2, 3, 40, 72), torch.bfloat16, seed=11)
+    payload, params = cachegen_encode(kv, cachegen_params("k:0=32,1-=16;v:*=8", lanes=32))
+    here = cachegen_decode(payload, kv.shape, kv.dtype, params, impl="native")
+    (tmp_path / "p.bin").write_bytes(payload)
+    code = (
+        "import sys, torch\n"
+        "from kvtool.codecs.cachegen import cachegen_decode\n"
+        f"p = open({str(tmp_path / 'p.bin')!r}, 'rb').read()\n"
+        f"d = cachegen_decode(p, {tuple(kv.shape)!r}, torch.bfloat16, {params!r}, impl='native')\n"
+        "sys.stdout.buffer.write(d.view(torch.int16).numpy().tobytes())\n"
+    )
+    env = dict(os.environ, KVTOOL_CACHEGEN_SIMD="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True).stdout
+    assert out == bits(here).numpy().tobytes()
+    assert same_bits(here, cachegen_reference_roundtrip(kv, params))
