@@ -83,13 +83,13 @@ def io_table(kv, tokens, ident, tmp: Path, repeat: int) -> list[tuple]:
     chunk = 256
     kvc, sft, pt = tmp / "a.kvc", tmp / "a.safetensors", tmp / "a.pt"
 
-    def write_kvc():
-        with ContainerWriter(kvc, ident, tokens, kv_dtype=kv.dtype, chunk_size=chunk) as w:
-            for s, e in w.chunk_ranges():
-                w.write_chunk(kv[:, :, s:e], "raw")
-
-    # The same tensors each peer would hold: one per chunk.
+    # The same tensors for every peer: one contiguous KV_BLOB per chunk.
     chunks = {f"chunk{i}": kv[:, :, s:s + chunk].contiguous() for i, s in enumerate(range(0, kv.shape[2], chunk))}
+
+    def write_kvc():  # includes fsync of the file and its directory (atomic, durable)
+        with ContainerWriter(kvc, ident, tokens, kv_dtype=kv.dtype, chunk_size=chunk) as w:
+            for blob in chunks.values():
+                w.write_chunk(blob, "raw")
 
     def write_sft():
         save_file(chunks, sft)
@@ -116,7 +116,7 @@ def io_table(kv, tokens, ident, tmp: Path, repeat: int) -> list[tuple]:
 
     rows = []
     for name, write, read, path in [
-        ("kvtool raw, mmap view", write_kvc, lambda: read_kvc(False), kvc),
+        ("kvtool raw, mmap view (write: fsync + rename)", write_kvc, lambda: read_kvc(False), kvc),
         ("kvtool raw, mmap view + CRC-32 check", write_kvc, lambda: read_kvc(True), kvc),
         ("safetensors save_file / load_file", write_sft, read_sft, sft),
         ("torch.save / torch.load", write_pt, read_pt, pt),
