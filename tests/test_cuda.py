@@ -572,3 +572,273 @@ def test_gpu_registered_connector_round_trip():
             back = torch.empty_like(ref)
             gather_paged(_to(zero, "cpu"), layout, full[10:], back)
             assert _same_bits(back, ref)
+
+
+# ---------------------------------------------------------------------------
+# CacheGen: host/device helpers of cachegen_cuda.h on the CPU
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cg_shim(tmp_path_factory):
+    lib = _build_shim(tmp_path_factory.mktemp("cg_shim"), "cachegen_cuda_test_shim.c", "cachegen_cuda_shim")
+    u32, u64, i32, i64 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int, ctypes.c_int64
+    P = ctypes.POINTER
+    lib.shim_rice_code.restype = u64
+    lib.shim_rice_code.argtypes = [u32, u32, i32, i32, P(u32)]
+    lib.shim_rice_cost.restype = u64
+    lib.shim_rice_cost.argtypes = [u32, u32, i32, i32]
+    lib.shim_place_bits.restype = None
+    lib.shim_place_bits.argtypes = [u64, u64, P(u32)]
+    lib.shim_section_len.restype = u64
+    lib.shim_section_len.argtypes = [u64, u32, u32]
+    lib.shim_side_cap_words.restype = u64
+    lib.shim_side_cap_words.argtypes = [u32, u32]
+    lib.shim_encode_layout.restype = None
+    lib.shim_encode_layout.argtypes = [u32, u32, i32, P(u64)]
+    lib.shim_decode_layout.restype = None
+    lib.shim_decode_layout.argtypes = [u32, u32, i32, i32, P(u64)]
+    lib.shim_dec_table_size.restype = u32
+    lib.shim_dec_table_size.argtypes = [i32]
+    lib.shim_dec_table_index.restype = u64
+    lib.shim_dec_table_index.argtypes = [u32, u32, u32]
+    lib.shim_dec_table_bytes.restype = u64
+    lib.shim_dec_table_bytes.argtypes = [u32, i32]
+    lib.shim_resynth_side.restype = i64
+    lib.shim_resynth_side.argtypes = [ctypes.c_char_p, u64, i32, u32, u32, ctypes.c_void_p, u64]
+    return lib
+
+
+def _rice_bits_py(v: int, base: int, k: int, w: int) -> tuple[int, int]:
+    """format-spec/cachegen.md section 4, as an LSB-first integer and its length."""
+    z = 2 * (v - base) if v >= base else 2 * (base - v) - 1
+    q = z >> k
+    if q < 16:
+        return ((1 << q) - 1) | ((z & ((1 << k) - 1)) << (q + 1)), q + 1 + k
+    return 0xFFFF | (v << 16), 16 + w
+
+
+def test_cachegen_helpers_rice_code(cg_shim):
+    rng = np.random.default_rng(7)
+    n = ctypes.c_uint32()
+    for w in (5, 10, 16, 32):
+        for _ in range(3000):
+            v, base = (int(x) for x in rng.integers(0, 1 << w, size=2, dtype=np.uint64))
+            if rng.random() < 0.5:  # near the base, the common case
+                v = int(np.clip(base + int(rng.integers(-40, 41)), 0, (1 << w) - 1))
+            k = int(rng.integers(0, min(w, 31) + 1))
+            code = cg_shim.shim_rice_code(v, base, k, w, ctypes.byref(n))
+            assert (code, n.value) == _rice_bits_py(v, base, k, w)
+            assert n.value == cg_shim.shim_rice_cost(v, base, k, w)
+
+
+def test_cachegen_helpers_place_bits(cg_shim):
+    rng = np.random.default_rng(8)
+    w3 = (ctypes.c_uint32 * 3)()
+    for _ in range(5000):
+        ln = int(rng.integers(1, 49))
+        code = int(rng.integers(0, 1 << ln, dtype=np.uint64))
+        pos = int(rng.integers(0, 1 << 40))
+        cg_shim.shim_place_bits(code, pos, w3)
+        want = code << (pos & 31)
+        assert [w3[0], w3[1], w3[2]] == [want & 0xFFFFFFFF, (want >> 32) & 0xFFFFFFFF, want >> 64]
+
+
+def test_cachegen_helpers_layouts(cg_shim):
+    o = (ctypes.c_uint64 * 9)()
+    for T, C, M in [(1, 1, 1), (256, 192, 15), (255, 1023, 7), (8000, 1024, 127), (3, 5, 1)]:
+        cg_shim.shim_encode_layout(T, C, M, o)
+        offs = list(o)
+        sizes = [T * C, 4 * T, 4 * C, 4 * C, 2 * C * (2 * M + 2), 4 * cg_shim.shim_side_cap_words(T, C),
+                 2 * (T * C + 1), 256]
+        assert all(x % 16 == 0 for x in offs)
+        for i, s in enumerate(sizes):
+            assert offs[i] + s <= offs[i + 1], (T, C, M, i)
+        S = cg_shim.shim_dec_table_size(M)
+        assert S >= 2 * M + 2 and S & (S - 1) == 0 and S // 2 < 2 * M + 2
+        for wt in (0, 1):
+            d = (ctypes.c_uint64 * 5)()
+            cg_shim.shim_decode_layout(T, C, M, wt, d)
+            assert d[1] >= 4 * T and d[2] >= d[1] + 4 * C and d[3] >= d[2] + 4 * C
+            assert d[4] >= d[3] + wt * cg_shim.shim_dec_table_bytes(C, M)
+    # decoder tables: a bijection into the table, 32 consecutive channels x one entry = 64 contiguous bytes
+    for C, M in [(1, 1), (40, 15), (64, 7), (100, 127)]:
+        S = cg_shim.shim_dec_table_size(M)
+        idx = {cg_shim.shim_dec_table_index(c, e, S) for c in range(C) for e in range(S)}
+        assert len(idx) == C * S and max(idx) < cg_shim.shim_dec_table_bytes(C, M) // 2
+        for e in (0, S - 1):
+            col = [cg_shim.shim_dec_table_index(c, e, S) for c in range(32 * (C > 32), min(C, 64))]
+            assert col == list(range(col[0], col[0] + len(col)))
+    # section length: side info to 32 bits, lane states, words, padding to 4 bytes
+    assert cg_shim.shim_section_len(1, 1, 0) == 8
+    assert cg_shim.shim_section_len(32, 3, 1) == 4 + 12 + 4
+    assert cg_shim.shim_section_len(33, 32, 7) == 8 + 128 + 16
+
+
+def _cg_params(bins="default", prob_bits=14, lanes=32):
+    return {"version": 1, "bins": bins, "prob_bits": prob_bits, "lanes": lanes}
+
+
+def _cg_chunk(L, T, C, dtype, seed, kind="normal"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, L, T, C, generator=g)
+    if kind == "outliers":
+        x = x * torch.exp(torch.randn(2, L, 1, C, generator=g) * 2)
+        x[:, :, ::7, 3 % C] *= 100
+    elif kind == "zeros":
+        x[:, :, ::3] = 0
+    elif kind == "tiny" and dtype == torch.float32:
+        x[:, :, 1::2] *= 1e-35  # scales below 2^-100: pre-scaled quantization
+    elif kind == "constant":
+        x = torch.full((2, L, T, C), 0.5)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("shape,params", [
+    ((2, 16, 64), _cg_params()),
+    ((3, 7, 33), _cg_params("k:*=256;v:*=4", 10, 7)),
+    ((1, 1, 1), _cg_params("32", 15, 64)),
+])
+def test_cachegen_helpers_resynthesize_cpu_side_info(cg_shim, dtype, shape, params):
+    from kvtool.codecs.cachegen import cachegen_encode
+    from kvtool.codecs.cachegen import reference as ref
+
+    L, T, C = shape
+    kv = _cg_chunk(L, T, C, dtype, 3, "outliers")
+    payload, p = cachegen_encode(kv, params)
+    hdr = ref.parse_header(payload, 2 * L, T, C, None, None)
+    cap = int(cg_shim.shim_side_cap_words(T, C)) + 8
+    words = np.zeros(cap, np.uint32)
+    for off, ln in zip(hdr.offsets, hdr.lengths):
+        sec = bytes(payload[off:off + ln])
+        bits = cg_shim.shim_resynth_side(sec, ln, ref.DTYPE_CODES[dtype], T, C, words.ctypes.data, cap)
+        assert bits > 0
+        nb = ((bits + 31) // 32) * 4
+        assert words.view(np.uint8)[:nb].tobytes() == sec[:nb]
+
+
+# ---------------------------------------------------------------------------
+# CacheGen on the GPU: bytes equal the CPU coder's; decode is exact both ways
+# ---------------------------------------------------------------------------
+
+CG_CASES = [
+    ((2, 16, 64), _cg_params(), "normal"),
+    ((3, 7, 33), _cg_params("k:*=256;v:*=4", 10, 7), "outliers"),
+    ((1, 1, 1), _cg_params("32", 15, 64), "normal"),
+    ((2, 5, 100), _cg_params("16", 12, 64), "zeros"),            # N = 64: two warp steps per group
+    ((2, 9, 70), _cg_params("k:*=64;v:*=8", 14, 33), "outliers"),  # N = 33, a partial last group
+    ((1, 300, 3), _cg_params("default", 14, 32), "normal"),       # C < lanes: N = 3
+    ((2, 4, 40), _cg_params("default", 11, 1), "tiny"),           # one lane
+    ((2, 8, 16), _cg_params(), "constant"),
+    ((4, 256, 192), _cg_params(), "outliers"),                    # the default model's geometry
+]
+
+
+def _cpu_encode(kv, params):
+    from kvtool.codecs.cachegen import cachegen_encode
+
+    return cachegen_encode(kv.cpu(), params)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("shape,params,kind", CG_CASES)
+def test_gpu_cachegen_bytes_and_decode_equal_cpu(dtype, shape, params, kind):
+    from kvtool.codecs.cachegen import cachegen_decode
+    from kvtool.cuda import cachegen as gcg
+
+    L, T, C = shape
+    kv = _cg_chunk(L, T, C, dtype, hash(shape) & 0xFFFF, kind)
+    cpu_payload, cpu_p = _cpu_encode(kv, params)
+    gpu_payload, gpu_p = gcg.encode(kv.cuda(), params)
+    assert gpu_p == cpu_p
+    assert gpu_payload == cpu_payload
+    want = cachegen_decode(cpu_payload, kv.shape, dtype, cpu_p)
+    modes = ["auto", "global"] + (["smem"] if gcg.library().cgc_decode_tables_in_smem(C, 127) else [])
+    for tables in modes:
+        for variant in range(4):
+            got = gcg.decode(cpu_payload, kv.shape, dtype, cpu_p, tables=tables, variant=variant)
+            assert _same_bits(got, want), (tables, variant)
+
+
+@needs_gpu
+def test_gpu_cachegen_realistic_chunk_and_batch():
+    """A Llama-8B-like chunk (32 layers, 8x128 channels) and a batch of chunks
+    of different lengths in one launch."""
+    from kvtool.codecs.cachegen import cachegen_decode
+    from kvtool.cuda import cachegen as gcg
+
+    params = _cg_params()
+    kvs = [_cg_chunk(32, T, 1024, torch.bfloat16, T, "outliers") for T in (256, 256, 100, 1)]
+    cpu = [_cpu_encode(kv, params) for kv in kvs]
+    gpu, p = gcg.encode_chunks([kv.cuda() for kv in kvs], params)
+    assert p == cpu[0][1]
+    assert [g == c[0] for g, c in zip(gpu, cpu)] == [True] * len(kvs)
+    outs = gcg.decode_chunks([c[0] for c in cpu], [kv.shape for kv in kvs], torch.bfloat16, p)
+    for o, (pl, pp), kv in zip(outs, cpu, kvs):
+        assert _same_bits(o, cachegen_decode(pl, kv.shape, torch.bfloat16, pp))
+    if gcg.library().cgc_decode_tables_in_smem(1024, 15):
+        o2 = gcg.decode(cpu[0][0], kvs[0].shape, torch.bfloat16, p, tables="smem")
+        assert _same_bits(o2, outs[0])
+
+
+@needs_gpu
+def test_gpu_cachegen_cpu_decodes_gpu_payload():
+    from kvtool.codecs.cachegen import cachegen_decode, cachegen_reference_roundtrip
+    from kvtool.cuda import cachegen as gcg
+
+    for dtype in GPU_DTYPES:
+        kv = _cg_chunk(3, 50, 96, dtype, 1, "outliers")
+        payload, p = gcg.encode(kv.cuda(), None)
+        out = cachegen_decode(payload, kv.shape, dtype, p)
+        assert _same_bits(out, cachegen_reference_roundtrip(kv, p))
+        assert _same_bits(gcg.decode(payload, kv.shape, dtype, p).cpu(), out)
+
+
+@needs_gpu
+def test_gpu_cachegen_nonfinite_and_errors():
+    from kvtool.cuda import cachegen as gcg
+    from kvtool.errors import NonFiniteValues, UsageError
+
+    kv = _cg_chunk(2, 8, 16, torch.bfloat16, 2)
+    kv[1, 1, 3, 5] = float("nan")
+    with pytest.raises(NonFiniteValues):
+        gcg.encode(kv.cuda(), None)
+    kv[1, 1, 3, 5] = float("inf")
+    with pytest.raises(NonFiniteValues):
+        gcg.encode(kv.cuda(), None)
+    with pytest.raises(UsageError):
+        gcg.encode(kv, None)  # a CPU tensor
+
+
+@needs_gpu
+def test_gpu_cachegen_corrupt_payloads_like_cpu():
+    """Every byte flip: the GPU decoder rejects what the CPU decoder rejects and
+    decodes the rest to the same values."""
+    from kvtool.codecs.cachegen import cachegen_decode
+    from kvtool.cuda import cachegen as gcg
+    from kvtool.errors import DecodeError
+
+    rng = np.random.default_rng(0)
+    for dtype, shape, params in [(torch.bfloat16, (2, 6, 40), _cg_params(lanes=7)),
+                                 (torch.float32, (1, 5, 70), _cg_params("16", 12, 64))]:
+        kv = _cg_chunk(*shape, dtype, 5, "outliers")
+        payload, p = _cpu_encode(kv, params)
+        positions = sorted(set(rng.integers(0, len(payload), size=150).tolist()) | set(range(0, 64)))
+        for pos in positions:
+            bad = bytearray(payload)
+            bad[pos] ^= 1 << int(rng.integers(0, 8))
+            try:
+                want = cachegen_decode(bytes(bad), kv.shape, dtype, p)
+            except DecodeError:
+                for variant in range(4):
+                    with pytest.raises(DecodeError):
+                        gcg.decode(bytes(bad), kv.shape, dtype, p, variant=variant)
+                continue
+            for variant in range(4):
+                got = gcg.decode(bytes(bad), kv.shape, dtype, p, variant=variant)
+                assert _same_bits(got, want), (pos, variant)
+        for cut in (len(payload) - 4, len(payload) // 2, 30):
+            with pytest.raises(DecodeError):
+                gcg.decode(payload[:cut], kv.shape, dtype, p)

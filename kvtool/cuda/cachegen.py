@@ -1,0 +1,341 @@
+"""CacheGen on the GPU (kernels/cachegen_cuda.cu): encode/decode with the same
+bytes and values as the CPU coder (format-spec/cachegen.md).
+
+The payload header and section directory are written/validated here on the
+host (with the codec's own `reference.parse_header`); the device produces and
+consumes the layer sections. Batched forms (`encode_chunks`, `decode_chunks`)
+put every layer of every chunk into one launch: a warp per layer section, so
+a batch of chunks is what fills a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..codecs.cachegen import CacheGenCodec, canonical_bins_spec, resolve_bins
+from ..codecs.cachegen import reference as ref
+from ..errors import CodecParamsInvalid, DecodeError, NonFiniteValues, UsageError
+from . import _build
+
+SECTION_DTYPE = np.dtype([("src", "<u8"), ("dst", "<u8"), ("scratch", "<u8"), ("src_len", "<u8"), ("T", "<u4"),
+                          ("C", "<u4"), ("M", "<i4"), ("P", "<i4"), ("N", "<i4"), ("dtype", "<i4"), ("r0", "<u4"),
+                          ("r1", "<u4")])
+RESULT_DTYPE = np.dtype([("side_bits", "<u8"), ("nwords", "<u4"), ("err", "<i4"), ("out_offset", "<u8"),
+                         ("out_len", "<u8")])
+assert SECTION_DTYPE.itemsize == 64 and RESULT_DTYPE.itemsize == 32
+MAX_SECTIONS = 65535  # per encode launch (grid.y)
+# decoder variant (cachegen_cuda.h): 1 = transposed tables, 2 = word window; same output, different speed.
+# H100, 32 chunks [2, 32, 256, 1024] bf16, tables in global memory: rows 75.6 GB/s, rows+window 75.2,
+# transposed 54.8, transposed+window 55.1 (tables in shared memory: ~39-40 for all four: 3 warps per SM).
+VAR_TRANSPOSED, VAR_WINDOW = 1, 2
+DEFAULT_VARIANT = 0
+
+_lib: ctypes.CDLL | None = None
+_CODEC = CacheGenCodec()
+
+
+def library() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        lib = _build.load("cachegen_cuda").lib
+        u32, u64, i32, vp = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p
+        lib.cgc_encode_scratch_bytes.restype = u64
+        lib.cgc_encode_scratch_bytes.argtypes = [u32, u32, i32]
+        lib.cgc_decode_scratch_bytes.restype = u64
+        lib.cgc_decode_scratch_bytes.argtypes = [u32, u32, i32, i32]
+        lib.cgc_encode_sections.restype = i32
+        lib.cgc_encode_sections.argtypes = [vp, vp, u32, u32, u32, vp]
+        lib.cgc_assemble_sections.restype = i32
+        lib.cgc_assemble_sections.argtypes = [vp, vp, u32, vp, vp]
+        lib.cgc_decode_tables_in_smem.restype = i32
+        lib.cgc_decode_tables_in_smem.argtypes = [u32, i32]
+        lib.cgc_decode_sections.restype = i32
+        lib.cgc_decode_sections.argtypes = [vp, vp, u32, u32, i32, i32, i32, vp]
+        lib.cgc_decode_error_string.restype = ctypes.c_char_p
+        lib.cgc_decode_error_string.argtypes = [i32]
+        lib.cgc_last_error.restype = ctypes.c_char_p
+        lib.cgc_last_error.argtypes = []
+        _lib = lib
+    return _lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"kvtool CUDA CacheGen {what}: {library().cgc_last_error().decode(errors='replace')}")
+
+
+def _stream(device: torch.device) -> ctypes.c_void_p:
+    return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _upload(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(arr.view(np.uint8).copy()).to(device)
+
+
+def _layout_scratch(sizes: Sequence[int]) -> tuple[np.ndarray, int]:
+    offs = np.zeros(len(sizes), dtype=np.uint64)
+    total = 0
+    for i, s in enumerate(sizes):
+        offs[i] = total
+        total += (int(s) + 255) & ~255
+    return offs, max(total, 256)
+
+
+def header_bytes(dtype_code: int, P: int, N: int, T: int, C: int, half_ranges: Sequence[int],
+                 lengths: Sequence[int]) -> bytes:
+    """The payload header + section directory (format-spec/cachegen.md section 3)."""
+    layers = len(half_ranges)
+    h = bytearray(ref.header_size(layers))
+    h[0:2] = ref.MAGIC
+    h[2] = ref.FORMAT_VERSION
+    h[3], h[4], h[5] = dtype_code, P, N
+    struct.pack_into("<III", h, 8, layers, T, C)
+    h[ref.HEADER_FIXED:ref.HEADER_FIXED + layers] = bytes(half_ranges)
+    d = ref.HEADER_FIXED + ((layers + 3) & ~3)
+    struct.pack_into(f"<{layers}I", h, d, *lengths)
+    return bytes(h)
+
+
+# --------------------------------------------------------------------------- encode
+
+def _check_chunk(kv: Any) -> tuple[int, int, int]:
+    if not isinstance(kv, torch.Tensor):
+        raise UsageError("cachegen: the KV chunk must be a torch tensor")
+    if kv.dtype not in ref.DTYPE_CODES:
+        raise UsageError(f"cachegen: unsupported KV dtype {kv.dtype}; expected bfloat16, float16 or float32")
+    if kv.dim() != 4 or kv.shape[0] != 2 or kv.numel() == 0:
+        raise UsageError(f"cachegen: the KV chunk must have shape [2, L, T, C], got {list(kv.shape)}")
+    _, L, T, C = kv.shape
+    if T >= ref.MAX_TOKENS or T * C > (1 << 30) or L > 32767:
+        raise UsageError(f"cachegen: chunk shape {list(kv.shape)} is beyond the format's limits")
+    if kv.device.type != "cuda":
+        raise UsageError(f"cachegen GPU encode needs a CUDA tensor, got {kv.device}")
+    return int(L), int(T), int(C)
+
+
+def encode_chunks(kvs: Sequence[torch.Tensor], params: dict | None = None) -> tuple[list[bytes], dict]:
+    """Encode CUDA chunks [2, L, T, C] (one dtype and device) in one batch.
+    Returns the payloads (bytes, identical to the CPU coder's) and the resolved
+    params (as `cachegen_encode` returns them)."""
+    if not kvs:
+        return [], _CODEC.validate_params(params if params is not None else _CODEC.default_params())
+    lib = library()
+    p = _CODEC.validate_params(params if params is not None else _CODEC.default_params())
+    spec = p["bins"]
+    dev = kvs[0].device
+    dtype = kvs[0].dtype
+    chunks = []
+    for kv in kvs:
+        L, T, C = _check_chunk(kv)
+        if kv.device != dev or kv.dtype != dtype:
+            raise UsageError("cachegen: a batch must be of one dtype and device")
+        bins = resolve_bins(spec, L)
+        chunks.append((kv.contiguous(), L, T, C, bins))
+    p["bins"] = canonical_bins_spec(spec, chunks[0][1])
+    dc = ref.DTYPE_CODES[dtype]
+    es = torch.empty((), dtype=dtype).element_size()
+    P = p["prob_bits"]
+    out: list[bytes] = []
+    # sections of whole chunks, at most MAX_SECTIONS per launch
+    i = 0
+    with torch.cuda.device(dev):
+        while i < len(chunks):
+            j, n = i, 0
+            while j < len(chunks) and (n == 0 or n + 2 * chunks[j][1] <= MAX_SECTIONS):
+                n += 2 * chunks[j][1]
+                j += 1
+            out += _encode_batch(lib, chunks[i:j], dc, es, P, p["lanes"], dev)
+            i = j
+    return out, p
+
+
+def _encode_batch(lib, chunks, dc: int, es: int, P: int, lanes: int, dev: torch.device) -> list[bytes]:
+    rows = []
+    for kv, L, T, C, bins in chunks:
+        N = min(lanes, C)
+        base = kv.data_ptr()
+        for l in range(2 * L):
+            M = bins[l] // 2 - 1
+            rows.append((base + l * T * C * es, T, C, M, N))
+    nsec = len(rows)
+    secs = np.zeros(nsec, dtype=SECTION_DTYPE)
+    sizes = [lib.cgc_encode_scratch_bytes(T, C, M) for (_, T, C, M, _) in rows]
+    offs, total = _layout_scratch(sizes)
+    scratch = torch.empty(total, dtype=torch.uint8, device=dev)
+    sbase = scratch.data_ptr()
+    for k, (src, T, C, M, N) in enumerate(rows):
+        secs[k] = (src, 0, sbase + int(offs[k]), 0, T, C, M, P, N, dc, 0, 0)
+    d_secs = _upload(secs, dev)
+    d_res = torch.zeros(nsec * RESULT_DTYPE.itemsize, dtype=torch.uint8, device=dev)
+    stream = _stream(dev)
+    max_T = max(r[1] for r in rows)
+    max_C = max(r[2] for r in rows)
+    _check(lib.cgc_encode_sections(d_secs.data_ptr(), d_res.data_ptr(), nsec, max_T, max_C, stream), "encode")
+    res = d_res.cpu().numpy().view(RESULT_DTYPE).copy()  # synchronises
+    if np.any(res["err"] != 0):
+        raise NonFiniteValues("cachegen: the KV input holds NaN or infinity")
+    side_bytes = ((res["side_bits"] + 31) // 32) * 4
+    lens = (side_bytes + 4 * secs["N"].astype(np.uint64) + 2 * res["nwords"].astype(np.uint64) + 3) & ~np.uint64(3)
+    if np.any(lens > 0xFFFFFFFF):
+        raise UsageError("cachegen: layer section over 4 GiB")
+    ends = np.cumsum(lens, dtype=np.uint64)
+    res["out_len"] = lens
+    res["out_offset"] = ends - lens
+    total_out = int(ends[-1])
+    d_out = torch.empty(max(total_out, 4), dtype=torch.uint8, device=dev)
+    d_res2 = _upload(res, dev)
+    _check(lib.cgc_assemble_sections(d_secs.data_ptr(), d_res2.data_ptr(), nsec, d_out.data_ptr(), stream), "assemble")
+    host = torch.empty(total_out, dtype=torch.uint8, pin_memory=True)
+    host.copy_(d_out[:total_out])  # synchronous: the kernels are done when it returns
+    blob = host.numpy().tobytes()
+    payloads = []
+    k = 0
+    for kv, L, T, C, bins in chunks:
+        n = 2 * L
+        sl = [int(x) for x in lens[k:k + n]]
+        a, b = int(res["out_offset"][k]), int(res["out_offset"][k + n - 1] + lens[k + n - 1])
+        payloads.append(header_bytes(dc, P, min(rows[k][4], C), T, C, [bb // 2 - 1 for bb in bins], sl) + blob[a:b])
+        k += n
+    del scratch
+    return payloads
+
+
+def encode(kv: torch.Tensor, params: dict | None = None) -> tuple[bytes, dict]:
+    """One chunk: the GPU twin of `kvtool.codecs.cachegen.cachegen_encode`."""
+    payloads, p = encode_chunks([kv], params)
+    return payloads[0], p
+
+
+# --------------------------------------------------------------------------- decode
+
+class DecodePlan:
+    """Payloads parsed and uploaded, outputs and scratch allocated: `run()`
+    launches the decoder (asynchronous; repeatable, e.g. for timing),
+    `check()` waits and raises DecodeError for a corrupt section."""
+
+    def __init__(self, lib, metas, outs, d_pl, host, scratch, d_secs, errs, nsec, max_C, max_M, wpb, dev,
+                 variant=DEFAULT_VARIANT):
+        self.variant = variant
+        self.lib, self.metas, self.outs, self.dev = lib, metas, outs, dev
+        self._keep = (d_pl, host, scratch)
+        self.d_secs, self.errs, self.nsec, self.max_C, self.max_M, self.wpb = d_secs, errs, nsec, max_C, max_M, wpb
+        self.tables = "smem" if wpb else "global"
+
+    def run(self) -> None:
+        with torch.cuda.device(self.dev):
+            _check(self.lib.cgc_decode_sections(self.d_secs.data_ptr(), self.errs.data_ptr(), self.nsec, self.max_C,
+                                                self.max_M, self.wpb, self.variant, _stream(self.dev)), "decode")
+
+    def check(self) -> list[torch.Tensor]:
+        e = self.errs.cpu().numpy()  # synchronises
+        bad = np.nonzero(e)[0]
+        if bad.size:
+            k = int(bad[0])
+            ci = 0
+            while k >= 2 * self.metas[ci][0][1]:
+                k -= 2 * self.metas[ci][0][1]
+                ci += 1
+            msg = self.lib.cgc_decode_error_string(int(e[bad[0]])).decode()
+            where = f"chunk {ci}, " if len(self.metas) > 1 else ""
+            raise DecodeError(f"cachegen: {where}layer {k}: {msg}")
+        return [o.view(shp) for o, (shp, _) in zip(self.outs, self.metas)]
+
+
+def plan_decode(payloads: Sequence[bytes | memoryview], shapes: Sequence[Any], dtype: torch.dtype, params: dict,
+                device: Any = "cuda", tables: str = "auto", outs: Sequence[torch.Tensor] | None = None,
+                variant: int | None = None) -> DecodePlan:
+    """Validate the payload headers (as the CPU decoder does), upload the
+    payloads and lay out the work; see DecodePlan."""
+    lib = library()
+    p = _CODEC.validate_params(params)
+    if dtype not in ref.DTYPE_CODES:
+        raise DecodeError(f"cachegen: unsupported KV dtype {dtype}")
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise UsageError(f"cachegen GPU decode needs a CUDA device, got {dev}")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    dc = ref.DTYPE_CODES[dtype]
+    es = torch.empty((), dtype=dtype).element_size()
+    if len(payloads) != len(shapes) or not payloads:
+        raise UsageError("cachegen: one shape per payload, at least one payload")
+    metas = []
+    for pl, shape in zip(payloads, shapes):
+        try:
+            shp = tuple(int(s) for s in shape)
+        except (TypeError, ValueError):
+            raise DecodeError(f"cachegen: bad chunk shape {shape!r}") from None
+        if len(shp) != 4 or shp[0] != 2 or min(shp) < 1:
+            raise DecodeError(f"cachegen: chunk shape must be [2, L, T, C] with positive sizes, got {list(shp)}")
+        _, L, T, C = shp
+        if T >= ref.MAX_TOKENS or T * C > (1 << 30) or L > 32767:
+            raise DecodeError(f"cachegen: chunk shape {list(shp)} is beyond the format's limits")
+        try:
+            bins = resolve_bins(p["bins"], L)
+        except UsageError as exc:
+            raise CodecParamsInvalid(str(exc)) from None
+        hdr = ref.parse_header(pl, 2 * L, T, C, dc, [b // 2 - 1 for b in bins])
+        if hdr.prob_bits != p["prob_bits"] or hdr.lanes != min(p["lanes"], C):
+            raise DecodeError("cachegen: payload header disagrees with the codec parameters (prob_bits/lanes)")
+        metas.append((shp, hdr))
+    if outs is None:
+        outs = [torch.empty(shp, dtype=dtype, device=dev) for shp, _ in metas]
+    # one device buffer of all payloads (each a multiple of 4 bytes long)
+    sizes = [len(pl) for pl in payloads]
+    starts = np.concatenate([[0], np.cumsum([(s + 3) & ~3 for s in sizes])]).astype(np.int64)
+    host = torch.zeros(int(starts[-1]) or 4, dtype=torch.uint8, pin_memory=True)
+    hv = host.numpy()
+    for pl, a, s in zip(payloads, starts[:-1], sizes):
+        hv[a:a + s] = np.frombuffer(pl, dtype=np.uint8)
+    d_pl = host.to(dev, non_blocking=True)
+    max_C = max(m[0][3] for m in metas)
+    max_M = max(max(h.half_ranges) for _, h in metas)
+    wpb = lib.cgc_decode_tables_in_smem(max_C, max_M)
+    if tables == "global" or (tables == "auto" and wpb < 4):
+        wpb = 0  # auto: shared memory only when it does not cost resident warps (measured on an H100)
+    elif tables == "smem" and wpb == 0:
+        raise UsageError("cachegen: the decoder tables do not fit in shared memory for this geometry")
+    elif tables not in ("auto", "smem"):
+        raise UsageError(f"cachegen: tables must be 'auto', 'smem' or 'global', got {tables!r}")
+    rows = []
+    for (shp, hdr), out, base in zip(metas, outs, starts[:-1]):
+        _, L, T, C = shp
+        if tuple(out.shape) != shp or out.dtype != dtype or out.device != dev or not out.is_contiguous():
+            raise UsageError("cachegen: output tensor does not match the shape/dtype/device")
+        for l in range(2 * L):
+            rows.append((d_pl.data_ptr() + int(base) + hdr.offsets[l], out.data_ptr() + l * T * C * es,
+                         hdr.lengths[l], T, C, hdr.half_ranges[l], hdr.prob_bits, hdr.lanes))
+    sizes_s = [lib.cgc_decode_scratch_bytes(r[3], r[4], r[5], 0 if wpb else 1) for r in rows]
+    offs, total = _layout_scratch(sizes_s)
+    scratch = torch.empty(total, dtype=torch.uint8, device=dev)
+    secs = np.zeros(len(rows), dtype=SECTION_DTYPE)
+    sbase = scratch.data_ptr()
+    for k, (src, dst, ln, T, C, M, P, N) in enumerate(rows):
+        secs[k] = (src, dst, sbase + int(offs[k]), ln, T, C, M, P, N, dc, 0, 0)
+    errs = torch.zeros(len(rows), dtype=torch.int32, device=dev)
+    d_secs = _upload(secs, dev)
+    return DecodePlan(lib, metas, list(outs), d_pl, host, scratch, d_secs, errs, len(rows), max_C, max_M, wpb, dev,
+                      DEFAULT_VARIANT if variant is None else int(variant))
+
+
+def decode_chunks(payloads: Sequence[bytes | memoryview], shapes: Sequence[Any], dtype: torch.dtype, params: dict,
+                  device: Any = "cuda", tables: str = "auto", outs: Sequence[torch.Tensor] | None = None,
+                  variant: int | None = None) -> list[torch.Tensor]:
+    """Decode payloads on the GPU into new (or the given) CUDA tensors of
+    `shapes`, all sections in one launch; DecodeError on any corruption, with
+    the CPU decoder's message. tables: 'auto', 'smem' or 'global' (where the
+    frequency tables live; a benchmark knob)."""
+    plan = plan_decode(payloads, shapes, dtype, params, device=device, tables=tables, outs=outs, variant=variant)
+    plan.run()
+    return plan.check()
+
+
+def decode(payload: bytes | memoryview, shape: Any, dtype: torch.dtype, params: dict, device: Any = "cuda",
+           tables: str = "auto", variant: int | None = None) -> torch.Tensor:
+    """One payload: the GPU twin of `kvtool.codecs.cachegen.cachegen_decode` (output on the GPU)."""
+    return decode_chunks([payload], [shape], dtype, params, device=device, tables=tables, variant=variant)[0]
