@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""Benchmark kvtool's CUDA kernels (needs a CUDA GPU; run via scripts/gpu_check.sh).
+
+Paged gather/scatter (kernels/paged_copy.cu), per layout, Llama-3-8B-like KV
+(32 layers, 8 KV heads x 128, bf16, block size 16, blocks assigned at random):
+  kernel      the fused kernel: all layers, K and V, one launch
+  torch-ref   the connector's torch path on the GPU (index_select/index_copy_
+              per layer and K/V: "advanced indexing")
+  d2d-copy    a device-to-device torch copy of the same bytes (the ceiling;
+              goal: kernel >= 80% of it)
+  pinned      the kernel reading/writing a pinned host blob in place, vs
+  pcie-copy   a torch copy of the same bytes between device and pinned host
+GB/s count the blob's bytes once (what moves between cache and blob).
+
+CacheGen (kernels/cachegen_cuda.cu), Llama-8B-like 256-token chunks
+([2, 32, 256, 1024] bf16, default bins), a batch of --chunks chunks:
+  gpu decode  kernel time (payloads already on the GPU), GB/s of decoded bf16;
+              goal >= 100 GB/s on an H100; also end to end (host payload
+              parsing + upload + decode) and a single chunk
+  gpu encode  end to end (launches + size readback + compaction + copy of the
+              payload to the host), GB/s of input bf16
+  cpu         kvtool's native CPU coder (all cores) and zstd-3 on the same chunks
+Synthetic data (Gaussian with outlier channels; labelled SYNTHETIC).
+
+    python bench/bench_cuda.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kvtool.connectors import PagedLayout  # noqa: E402
+from kvtool.connectors.paged_copy import _torch_gather, _torch_scatter  # noqa: E402
+
+
+def cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn() over reps, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def graph_time(fn, reps: int = 20) -> float | None:
+    """Median seconds of a CUDA-graph replay of fn(): device time without the
+    host's launch overhead (None if fn cannot be captured)."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            fn()
+    except Exception as exc:  # noqa: BLE001 - report, fall back
+        print(f"   (graph capture failed: {exc}; event timing instead)")
+        return None
+    return cuda_time(g.replay, reps=reps)
+
+
+def wall_time(fn, reps: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_caches(layout, L, NB, BS, H, D, dtype, dev):
+    def one():
+        if layout is PagedLayout.FLASH_ATTN:
+            return torch.randn(2, NB, BS, H, D, device=dev, dtype=dtype)
+        if layout is PagedLayout.FLASHINFER:
+            return torch.randn(NB, 2, BS, H, D, device=dev, dtype=dtype)
+        if layout is PagedLayout.VLLM:
+            return torch.randn(NB, H, BS, 2 * D, device=dev, dtype=dtype)
+        return (torch.randn(NB, BS, H, D, device=dev, dtype=dtype), torch.randn(NB, BS, H, D, device=dev, dtype=dtype))
+    return [one() for _ in range(L)]
+
+
+def bench_paged(args, results):
+    from kvtool.cuda import paged
+
+    dev = torch.device("cuda")
+    L, H, D, BS = args.layers, args.heads, args.head_dim, 16
+    dt = torch.bfloat16
+    print(f"\n== paged gather/scatter: {L} layers x {H} heads x {D}, bf16, block size {BS}, random blocks")
+    print("kernel/torch columns: device time (CUDA-graph replays); 'e2e': the Python call timed with events,")
+    print("host overhead included (dominates small sizes)")
+    print(f"{'layout':<11}{'tokens':>7}{'MB':>8} | {'gather':>7}{'scatter':>8}{'g-e2e':>7}{'torch-g':>8}{'torch-s':>8}"
+          f"{'d2d':>7}{'g/d2d':>7}{'s/d2d':>7} | {'pin-g':>6}{'pin-s':>6}{'d2h':>6}{'h2d':>6}   (GB/s)")
+    for T in args.tokens:
+        NB = max(4 * ((T + BS - 1) // BS), 64)
+        blob_bytes = 2 * L * T * H * D * 2
+        src = torch.empty(blob_bytes // 2, dtype=dt, device=dev).normal_()
+        dst = torch.empty_like(src)
+        t_d2d = graph_time(lambda: dst.copy_(src)) or cuda_time(lambda: dst.copy_(src))
+        host = torch.empty(2, L, T, H * D, dtype=dt, pin_memory=True)
+        dblob = torch.empty(2, L, T, H * D, dtype=dt, device=dev)
+        t_d2h = cuda_time(lambda: host.copy_(dblob, non_blocking=True), reps=10)
+        t_h2d = cuda_time(lambda: dblob.copy_(host, non_blocking=True), reps=10)
+        del src, dst
+        for layout in PagedLayout:
+            caches = make_caches(layout, L, NB, BS, H, D, dt, dev)
+            slots = torch.randperm(NB * BS, device=dev)[:T]
+            blob = torch.empty(2, L, T, H * D, dtype=dt, device=dev)
+
+            def timed(fn, reps=20):
+                return graph_time(fn, reps) or cuda_time(fn, reps)
+
+            t_g = timed(lambda: paged.gather(caches, layout, slots, blob))
+            t_s = timed(lambda: paged.scatter(blob, caches, layout, slots))
+            t_ge = cuda_time(lambda: paged.gather(caches, layout, slots, blob))
+            t_tg = timed(lambda: _torch_gather(caches, layout, slots, blob), reps=10)
+            t_ts = timed(lambda: _torch_scatter(blob, caches, layout, slots), reps=10)
+            t_pg = timed(lambda: paged.gather(caches, layout, slots, host), reps=10)
+            t_ps = timed(lambda: paged.scatter(host, caches, layout, slots), reps=10)
+            gb = blob_bytes / 1e9
+            row = dict(layout=layout.value, tokens=T, mb=blob_bytes / 1e6, gather=gb / t_g, scatter=gb / t_s,
+                       gather_e2e=gb / t_ge, torch_gather=gb / t_tg, torch_scatter=gb / t_ts, d2d=gb / t_d2d,
+                       gather_vs_d2d=t_d2d / t_g, scatter_vs_d2d=t_d2d / t_s, pinned_gather=gb / t_pg,
+                       pinned_scatter=gb / t_ps, d2h=gb / t_d2h, h2d=gb / t_h2d, vec_bytes=paged.last_vec_bytes())
+            results["paged"].append(row)
+            print(f"{layout.value:<11}{T:>7}{row['mb']:>8.1f} | {row['gather']:>7.0f}{row['scatter']:>8.0f}"
+                  f"{row['gather_e2e']:>7.0f}{row['torch_gather']:>8.0f}{row['torch_scatter']:>8.0f}{row['d2d']:>7.0f}"
+                  f"{row['gather_vs_d2d']:>7.0%}{row['scatter_vs_d2d']:>7.0%} | {row['pinned_gather']:>6.1f}"
+                  f"{row['pinned_scatter']:>6.1f}{row['d2h']:>6.1f}{row['h2d']:>6.1f}")
+            del caches, blob
+        del host, dblob
+        torch.cuda.empty_cache()
+
+
+def synthetic_chunk(L, T, C, seed, dev):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    chan = torch.exp(torch.randn(2, L, 1, C, device=dev, generator=g) * 0.7)
+    return (torch.randn(2, L, T, C, device=dev, generator=g) * chan).to(torch.bfloat16)
+
+
+def bench_cachegen(args, results):
+    from kvtool.codecs.cachegen import cachegen_decode, cachegen_encode
+    from kvtool.codecs.cachegen.native import default_threads
+    from kvtool.cuda import cachegen as gcg
+
+    dev = torch.device("cuda")
+    L, T, C, n = args.cg_layers, 256, args.cg_channels, args.chunks
+    kvs = [synthetic_chunk(L, T, C, i, dev) for i in range(n)]
+    raw = 2 * L * T * C * 2  # bytes per chunk (bf16)
+    print(f"\n== CacheGen: {n} chunks of [2, {L}, {T}, {C}] bf16 (SYNTHETIC), default params; "
+          f"{raw * n / 1e9:.2f} GB decoded")
+    res = results["cachegen"]
+    # GPU encode, end to end
+    payloads, p = gcg.encode_chunks(kvs, None)
+    t_enc = wall_time(lambda: gcg.encode_chunks(kvs, None), reps=3)
+    size = sum(len(x) for x in payloads)
+    res["ratio_vs_bf16"] = raw * n / size
+    res["gpu_encode_e2e_GBps"] = raw * n / t_enc / 1e9
+    # GPU decode: kernel only (payloads on the device), both table placements, and end to end
+    names = {0: "rows", 1: "transposed", 2: "rows+window", 3: "transposed+window"}
+    for tables in ("smem", "global"):
+        for variant in range(4):
+            key = f"gpu_decode_kernel_{tables}_{names[variant]}"
+            try:
+                plan = gcg.plan_decode(payloads, [k.shape for k in kvs], torch.bfloat16, p, tables=tables,
+                                       variant=variant)
+            except Exception as exc:  # noqa: BLE001 - smem may not fit this geometry
+                res[key] = str(exc)
+                continue
+            t = cuda_time(plan.run, reps=10, warmup=2)
+            plan.check()
+            res[key + "_GBps"] = raw * n / t / 1e9
+    res["decode_tables"] = gcg.plan_decode(payloads[:1], [kvs[0].shape], torch.bfloat16, p).tables  # what 'auto' picks
+    plan1 = gcg.plan_decode(payloads[:1], [kvs[0].shape], torch.bfloat16, p)
+    res["gpu_decode_kernel_1chunk_GBps"] = raw / cuda_time(plan1.run, reps=10, warmup=2) / 1e9
+    t_e2e = wall_time(lambda: gcg.decode_chunks(payloads, [k.shape for k in kvs], torch.bfloat16, p), reps=3)
+    res["gpu_decode_e2e_GBps"] = raw * n / t_e2e / 1e9
+    # CPU baselines on a few chunks
+    m = min(n, args.cpu_chunks)
+    host = [k.cpu() for k in kvs[:m]]
+    thr = default_threads()
+    t0 = time.perf_counter()
+    cpu_pl = [cachegen_encode(h, None, threads=thr)[0] for h in host]
+    res["cpu_encode_GBps"] = raw * m / (time.perf_counter() - t0) / 1e9
+    res["cpu_encode_identical"] = cpu_pl == payloads[:m]
+    t0 = time.perf_counter()
+    for pl, h in zip(cpu_pl, host):
+        cachegen_decode(pl, h.shape, torch.bfloat16, p, threads=thr)
+    res["cpu_decode_GBps"] = raw * m / (time.perf_counter() - t0) / 1e9
+    res["cpu_threads"] = thr
+    try:
+        import zstandard
+
+        cz, dz = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
+        bufs = [h.view(torch.int16).numpy().tobytes() for h in host]
+        t0 = time.perf_counter()
+        comp = [cz.compress(b) for b in bufs]
+        res["zstd3_compress_GBps"] = raw * m / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        for c in comp:
+            dz.decompress(c)
+        res["zstd3_decompress_GBps"] = raw * m / (time.perf_counter() - t0) / 1e9
+        res["zstd3_ratio"] = raw * m / sum(len(c) for c in comp)
+    except ImportError:
+        res["zstd3"] = "zstandard not installed"
+    print(f"{'':<34}{'GB/s':>8}")
+    for k, v in res.items():
+        if k.endswith("GBps"):
+            print(f"{k[:-5]:<34}{v:>8.2f}")
+    print(f"ratio vs bf16: cachegen {res['ratio_vs_bf16']:.2f}x"
+          + (f", zstd-3 {res['zstd3_ratio']:.2f}x" if "zstd3_ratio" in res else "")
+          + f"; GPU bytes == CPU bytes on {m} chunks: {res['cpu_encode_identical']}; decode tables: {res['decode_tables']}"
+          + f"; CPU threads {thr}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048, 8000])
+    ap.add_argument("--cg-layers", type=int, default=32)
+    ap.add_argument("--cg-channels", type=int, default=1024)
+    ap.add_argument("--chunks", type=int, default=32)
+    ap.add_argument("--cpu-chunks", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["paged", "cachegen"])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_cuda: no CUDA device; nothing to measure")
+        return 0
+    if args.quick:
+        args.tokens, args.chunks = [2048], 8
+    import kvtool.cuda as kc
+
+    print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; {kc.backend_status(build=True)}")
+    results = {"device": torch.cuda.get_device_name(0), "paged": [], "cachegen": {}}
+    if "paged" not in args.skip:
+        bench_paged(args, results)
+    if "cachegen" not in args.skip:
+        bench_cachegen(args, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
