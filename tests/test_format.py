@@ -390,7 +390,7 @@ def test_reader_closes_cleanly(tmp_path):
     f = write_kv_file(tmp_path / "c.kvc")
     with ContainerReader(f.path) as r:
         r.read_chunk(0)
-    assert r._file.closed
+    assert r._source._file.closed
     r.close()  # twice is harmless
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -35,17 +35,66 @@ from .manifest import BlobRef, ChunkEntry, Manifest, parse_manifest
 SUPPORTED_VERSIONS = tuple(f"{major}.x" for major in layout.SUPPORTED_MAJOR_VERSIONS)
 
 
-class ContainerReader:
+class ByteSource(Protocol):
+    """Where a reader gets bytes: a local file, or e.g. an object store's range requests."""
+
+    name: str
+    size: int
+
+    def read(self, offset: int, length: int) -> memoryview | bytes: ...
+
+    def close(self) -> None: ...
+
+
+class MappedFile:
+    """A local file, memory-mapped copy-on-write: views into it are writable tensors
+    that never write to the file."""
+
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        self.name = str(path)
         try:
-            self._file = open(self.path, "rb")
+            self._file = open(path, "rb")
         except FileNotFoundError:
-            raise InputFileError(f"{self.path}: no such file") from None
+            raise InputFileError(f"{path}: no such file") from None
         except IsADirectoryError:
-            raise InputFileError(f"{self.path}: is a directory, not a kvtool file") from None
+            raise InputFileError(f"{path}: is a directory, not a kvtool file") from None
         except OSError as err:
-            raise InputFileError(f"{self.path}: cannot open ({err.strerror})") from None
+            raise InputFileError(f"{path}: cannot open ({err.strerror})") from None
+        self.size = os.fstat(self._file.fileno()).st_size
+        self._map = None
+        self.view = memoryview(b"")
+        if self.size:
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+            self.view = memoryview(self._map)
+
+    def read(self, offset: int, length: int) -> memoryview:
+        return self.view[offset: offset + length]
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+        except BufferError:  # a zero-copy tensor still points into the map
+            pass
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass
+        self._file.close()
+
+
+class ContainerReader:
+    """Opens a container from a path (mmap) or any ByteSource.
+
+    Opening reads exactly three ranges (header, trailer, manifest); each chunk,
+    the token ids and each extra is then one more range."""
+
+    def __init__(self, source: str | os.PathLike | ByteSource):
+        if isinstance(source, (str, os.PathLike)):
+            source = MappedFile(source)
+        self._source = source
+        # A local path, or the source's own name (e.g. a URL, which Path would mangle).
+        self.path: Path | str = Path(source.name) if isinstance(source, MappedFile) else source.name
         try:
             self._open()
         except BaseException:
@@ -53,17 +102,14 @@ class ContainerReader:
             raise
 
     def _open(self) -> None:
-        self.file_size = os.fstat(self._file.fileno()).st_size
+        self.file_size = self._source.size
         if self.file_size == 0:
             raise TruncatedFile(f"{self.path}: file is empty")
-        # A private (copy-on-write) mapping: tensors viewing it are writable
-        # without ever writing to the file.
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
-        self._view = memoryview(self._map)
-        self.header = layout.Header.unpack(bytes(self._view[: layout.HEADER_SIZE]))
-        self.trailer = layout.Trailer.unpack(bytes(self._view[-layout.TRAILER_SIZE:]), self.file_size)
-        raw = self._view[self.trailer.manifest_offset:
-                         self.trailer.manifest_offset + self.trailer.manifest_length]
+        self.header = layout.Header.unpack(bytes(self._source.read(0, layout.HEADER_SIZE)))
+        self.trailer = layout.Trailer.unpack(
+            bytes(self._source.read(max(0, self.file_size - layout.TRAILER_SIZE), layout.TRAILER_SIZE)),
+            self.file_size)
+        raw = self._source.read(self.trailer.manifest_offset, self.trailer.manifest_length)
         if crc32(raw) != self.trailer.manifest_crc32:
             raise ManifestCorrupt("manifest checksum mismatch (the file is corrupt)")
         self.manifest: Manifest = parse_manifest(bytes(raw), data_end=self.trailer.manifest_offset,
@@ -98,13 +144,13 @@ class ContainerReader:
     # --- blobs ------------------------------------------------------------------
 
     def blob_bytes(self, blob: BlobRef, *, verify: bool = True, what: str = "blob") -> memoryview:
-        data = self._view[blob.offset: blob.offset + blob.length]
+        data = memoryview(self._source.read(blob.offset, blob.length))
         if verify and crc32(data) != blob.crc32:
             raise ChecksumMismatch(f"{what}: CRC-32C mismatch (stored bytes are corrupt)")
         return data
 
     def blob_ok(self, blob: BlobRef) -> bool:
-        return crc32(self._view[blob.offset: blob.offset + blob.length]) == blob.crc32
+        return crc32(self._source.read(blob.offset, blob.length)) == blob.crc32
 
     def token_ids(self, *, verify: bool = True) -> np.ndarray:
         data = self.blob_bytes(self.manifest.tokens, verify=verify, what="token ids")
@@ -136,6 +182,8 @@ class ContainerReader:
         chunk = self._chunk(index)
         if chunk.codec != "raw":
             raise UsageError(f"chunk {index} is {chunk.codec}-encoded; only raw chunks can be viewed")
+        if not isinstance(self._source, MappedFile):
+            raise UsageError("zero-copy views need a local, memory-mapped file")
         payload = self.chunk_payload(index, verify=verify)
         return torch.frombuffer(payload, dtype=dtype_from_name(chunk.dtype)).view(chunk.shape)
 
@@ -174,19 +222,7 @@ class ContainerReader:
     # --- lifetime ---------------------------------------------------------------
 
     def close(self) -> None:
-        view = getattr(self, "_view", None)
-        if view is not None:
-            try:
-                view.release()
-            except BufferError:  # a zero-copy tensor still points into the map
-                pass
-        m = getattr(self, "_map", None)
-        if m is not None:
-            try:
-                m.close()
-            except BufferError:
-                pass
-        self._file.close()
+        self._source.close()
 
     def __enter__(self) -> "ContainerReader":
         return self
