@@ -35,11 +35,10 @@ def collect() -> dict[str, Any]:
                                 else "pure-Python reference (native coder not built)")
     except ImportError:
         backends["cachegen"] = "not available"
-    backends["paged copy"] = "torch (CPU)"
-    if torch.cuda.is_available():
-        backends["cuda"] = f"{torch.cuda.get_device_name(0)} via torch"
-    else:
-        backends["cuda"] = "no CUDA device: CPU paths only"
+    from .. import cuda
+
+    backends["paged copy"] = "torch indexing (CPU)" if not cuda.available() else "fused CUDA kernel"
+    backends["cuda"] = cuda.backend_status()
     model_cache = os.environ.get("KVTOOL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvtool")
     return {"kvtool": __version__, "torch": torch.__version__, "writes_format": f"{VERSION_MAJOR}.{VERSION_MINOR}",

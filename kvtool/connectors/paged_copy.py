@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Optional, Callable, Sequence, Union
 
 import torch
 
@@ -185,7 +185,7 @@ def gather_paged(kv_caches: Sequence[LayerKV], layout: PagedLayout | str, slots:
     ``[2, L, len(slots), H*D]`` tensor on that device. Its dtype may differ
     from the buffers' dtype: values are converted as by `Tensor.copy_`."""
     layout = PagedLayout.parse(layout)
-    impl = _DEVICE_IMPLS.get(out_blob.device.type)
+    impl = _device_impl(kv_caches, layout)
     if impl is not None:
         impl[0](kv_caches, layout, slots, out_blob)
         return
@@ -198,11 +198,35 @@ def scatter_paged(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: Page
     in `slots` are left untouched. A dtype difference is converted (rounding
     to nearest as `Tensor.to` does)."""
     layout = PagedLayout.parse(layout)
-    impl = _DEVICE_IMPLS.get(blob.device.type)
+    impl = _device_impl(kv_caches, layout)
     if impl is not None:
         impl[1](blob, kv_caches, layout, slots)
         return
     _torch_scatter(blob, kv_caches, layout, slots)
+
+
+def _device_impl(kv_caches: Sequence[LayerKV], layout: PagedLayout) -> Optional[tuple[GatherFn, ScatterFn]]:
+    """The kernel for the engine buffers' device (the blob may be pinned host memory).
+
+    The first CUDA copy imports `kvtool.cuda`, which registers its fused kernel
+    (built on first use; on failure it prints one line and the torch path runs)."""
+    device_type = layer_tensors(kv_caches[0], layout)[0].device.type
+    if device_type == "cuda" and "cuda" not in _DEVICE_IMPLS and not _cuda_tried:
+        _try_register_cuda()
+    return _DEVICE_IMPLS.get(device_type)
+
+
+_cuda_tried = False
+
+
+def _try_register_cuda() -> None:
+    global _cuda_tried
+    _cuda_tried = True
+    try:
+        from .. import cuda
+    except ImportError:
+        return
+    cuda.register()
 
 
 # ---------------------------------------------------------------------------
