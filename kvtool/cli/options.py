@@ -13,7 +13,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for
 InputPath = Annotated[Path, typer.Argument(help="A kvtool file (.kvc).", show_default=False)]
 OutputPath = Annotated[Path, typer.Option("-o", "--output", help="Output path.", show_default=False)]
 CodecOpt = Annotated[str, typer.Option("--codec", help="Chunk codec: raw, zstd or cachegen.")]
-LevelOpt = Annotated[Optional[int], typer.Option("--level", help="zstd level (default 3).")]
+LevelOpt = Annotated[Optional[int], typer.Option("--level", help="zstd level (default 1: on shuffled KV it beats 3 in ratio and speed).")]
 ShuffleOpt = Annotated[Optional[bool], typer.Option(
     "--shuffle/--no-shuffle", help="zstd: byte-plane shuffle before compression (default on).")]
 BinsOpt = Annotated[Optional[str], typer.Option(

@@ -33,7 +33,9 @@ class ZstdCodec(Codec):
     lossless = True
 
     def default_params(self) -> dict[str, Any]:
-        return {"version": 1, "level": 3, "shuffle": "byteplane"}
+        # Level 1, not zstd's usual 3: on shuffled KV it compresses better (1.55x vs 1.49x on
+        # SmolLM2 bf16 KV) and about twice as fast (bench/bench_container.py).
+        return {"version": 1, "level": 1, "shuffle": "byteplane"}
 
     def validate_params(self, params: Any) -> dict[str, Any]:
         params = {**self.default_params(), **self._check_version(params)}
