@@ -129,10 +129,12 @@ def _render(console: Console, r: dict[str, Any]) -> None:
                   f"({t['file_bits_per_value']:.2f} with container overhead)"
                   + (f", [red]{t['bad_checksums']} bad checksum(s)[/red]" if t["bad_checksums"] else ""))
     shares = [c["codec_stats"] for c in r["chunks"] if "codec_stats" in c]
-    if shares:
-        keys = [k for k in shares[0] if isinstance(shares[0][k], (int, float))]
-        console.print("codec  " + ", ".join(
-            f"{k} {sum(s[k] for s in shares) / len(shares):.3f}" for k in keys))
+    if shares:  # bits per value by part, weighted by each chunk's number of values
+        keys = [k for k in shares[0] if k.startswith("bpv_")]
+        weights = [c["decoded_bytes"] for c in r["chunks"] if "codec_stats" in c]
+        parts = {k[4:].replace("_", " "): sum(s[k] * w for s, w in zip(shares, weights)) / sum(weights)
+                 for k in keys}
+        console.print("bits/value by part: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if v >= 0.0005))
     for name, e in r["extras"].items():
         console.print(f"extra  {name} {e['dtype']} {e['shape']}")
     if "stats" in r:
