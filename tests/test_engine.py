@@ -348,7 +348,9 @@ def _tiny_hf_model(tmp_path: Path, kind: str):
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.3 if "norm" not in name else 0.1)
                     + (1.0 if "norm" in name else 0.0))
-    model.save_pretrained(tmp_path)
+    # "linear" is saved sharded (model.safetensors.index.json) to cover that loader path.
+    model.save_pretrained(tmp_path, max_shard_size="100KB" if kind == "linear" else "1GB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() == (kind == "linear")
     from tokenizers import Tokenizer, models
 
     Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))

