@@ -117,7 +117,7 @@ def io_table(kv, tokens, ident, tmp: Path, repeat: int) -> list[tuple]:
     rows = []
     for name, write, read, path in [
         ("kvtool raw, mmap view (write: fsync + rename)", write_kvc, lambda: read_kvc(False), kvc),
-        ("kvtool raw, mmap view + CRC-32 check", write_kvc, lambda: read_kvc(True), kvc),
+        ("kvtool raw, mmap view + CRC-32C check", write_kvc, lambda: read_kvc(True), kvc),
         ("safetensors save_file / load_file", write_sft, read_sft, sft),
         ("torch.save / torch.load", write_pt, read_pt, pt),
     ]:
