@@ -223,3 +223,30 @@ def test_round_trip_capture_compress_inspect_verify_replay(captured, tmp_path, c
     assert run(["compress", str(small), "-o", str(back), "--codec", "raw"]) == 0
     code, v, _ = cli(capsys, "verify", str(back), "--json")
     assert code == 0
+
+
+def test_prefix_reuse_plan_and_loads_only_matching_chunks(captured, default_model, monkeypatch):
+    """Token-level: a new prompt sharing 150 tokens reuses exactly the two whole 64-token
+    chunks inside the shared prefix, decodes only those, and matches a recompute."""
+    from kvtool.replay import plan_reuse, replay
+
+    with ContainerReader(captured) as reader:
+        ids = reader.token_ids().tolist()
+        new = ids[:150] + [42, 43, 44, 45, 46]
+        plan = plan_reuse(reader, new_tokens=new)
+        assert (plan.reused, plan.chunks) == (128, 2)
+        decoded = []
+        original = ContainerReader.read_chunk
+
+        def spy(self, index, **kw):
+            decoded.append(index)
+            return original(self, index, **kw)
+
+        monkeypatch.setattr(ContainerReader, "read_chunk", spy)
+        result = replay(reader, default_model, plan, continue_tokens=4, compare=True)
+    assert decoded == [0, 1]
+    assert result["reused_tokens"] == 128 and result["computed_tokens"] == len(new) - 128
+    assert result["top1_agreement"] == 1.0
+    # A prompt that differs inside the first chunk reuses nothing.
+    with ContainerReader(captured) as reader:
+        assert plan_reuse(reader, new_tokens=[ids[0] + 1] + ids[1:]).reused == 0
