@@ -842,3 +842,25 @@ def test_gpu_cachegen_corrupt_payloads_like_cpu():
         for cut in (len(payload) - 4, len(payload) // 2, 30):
             with pytest.raises(DecodeError):
                 gcg.decode(payload[:cut], kv.shape, dtype, p)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_writer_encodes_cuda_chunks_on_the_gpu_to_the_cpu_bytes(tmp_path):
+    """A capture on a GPU hands CUDA KV_BLOBs to the writer: the cachegen file is byte-identical."""
+    from kvtool.format import ContainerWriter, ModelIdentity
+
+    ident = ModelIdentity(name="t", architecture="LlamaForCausalLM", num_layers=4, num_attention_heads=8,
+                          num_kv_heads=2, head_dim=64, hidden_size=256, intermediate_size=512,
+                          vocab_size=100, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                          rope={"rope_theta": 10000.0, "rope_scaling": None})
+    g = torch.Generator().manual_seed(0)
+    kv = (torch.randn(2, 4, 300, 128, generator=g) * 2).to(torch.bfloat16)
+    paths = []
+    for device in ("cpu", "cuda"):
+        path = tmp_path / f"{device}.kvc"
+        meta = {"created_at": "fixed"}
+        with ContainerWriter(path, ident, list(range(300)), chunk_size=128, metadata=meta) as w:
+            for s, e in w.chunk_ranges():
+                w.write_chunk(kv[:, :, s:e].to(device), "cachegen")
+        paths.append(path)
+    assert paths[0].read_bytes() == paths[1].read_bytes()

@@ -22,6 +22,9 @@ class Codec(ABC):
     codec_id: ClassVar[int]  # stable numeric id, written to the manifest
     params_version: ClassVar[int]  # the newest parameter version this build writes
     lossless: ClassVar[bool]
+    # True if encode() takes CUDA tensors itself (and writes the same bytes as on the CPU);
+    # otherwise the writer hands it a CPU copy.
+    accepts_cuda: ClassVar[bool] = False
 
     @abstractmethod
     def default_params(self) -> dict[str, Any]:

@@ -107,8 +107,11 @@ class ContainerWriter:
         shape = (2, self.model["num_layers"], end - start, self.hidden_kv)
         if tuple(kv.shape) != shape:
             raise UsageError(f"chunk {index} has shape {list(kv.shape)}, expected {list(shape)}")
-        kv = kv.detach().to(device="cpu", dtype=self.kv_dtype).contiguous()
         impl = codecs.get_codec(codec)
+        kv = kv.detach().to(dtype=self.kv_dtype)
+        if kv.device.type != "cpu" and not getattr(impl, "accepts_cuda", False):
+            kv = kv.cpu()
+        kv = kv.contiguous()
         params = impl.validate_params(params if params is not None else impl.default_params())
         payload, recorded = impl.encode(kv, params)
         return self.write_encoded_chunk(payload, impl.name, recorded)

@@ -185,7 +185,18 @@ class CacheGenCodec(Codec):
     def validate_params(self, params: Any) -> dict[str, Any]:
         return _validate(params)
 
+    accepts_cuda = True  # a CUDA chunk is encoded on the GPU, to the same bytes
+
     def encode(self, kv: torch.Tensor, params: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+        if kv.is_cuda:
+            from ... import cuda
+
+            if cuda.available():
+                try:
+                    return cuda.cachegen_encode(kv, params)
+                except cuda.CudaUnavailable as exc:
+                    cuda.notice("CacheGen coder", str(exc))
+            kv = kv.cpu()
         return cachegen_encode(kv, params, threads=self.threads)
 
     def decode(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype,
