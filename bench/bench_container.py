@@ -106,6 +106,11 @@ def io_table(kv, tokens, ident, tmp: Path, repeat: int) -> list[tuple]:
             for i in range(len(r.chunks)):
                 dest[f"chunk{i}"].copy_(r.chunk_view(i, verify=verify))
 
+    def read_kvc_into(verify: bool):
+        with ContainerReader(kvc) as r:
+            for i in range(len(r.chunks)):
+                r.read_chunk_into(i, dest[f"chunk{i}"], verify=verify)
+
     def read_sft():
         for k, v in load_file(sft).items():
             dest[k].copy_(v)
@@ -118,6 +123,8 @@ def io_table(kv, tokens, ident, tmp: Path, repeat: int) -> list[tuple]:
     for name, write, read, path in [
         ("kvtool raw, mmap view (write: fsync + rename)", write_kvc, lambda: read_kvc(False), kvc),
         ("kvtool raw, mmap view + CRC-32C check", write_kvc, lambda: read_kvc(True), kvc),
+        ("kvtool raw, read_chunk_into (pread)", write_kvc, lambda: read_kvc_into(False), kvc),
+        ("kvtool raw, read_chunk_into + CRC-32C check", write_kvc, lambda: read_kvc_into(True), kvc),
         ("safetensors save_file / load_file", write_sft, read_sft, sft),
         ("torch.save / torch.load", write_pt, read_pt, pt),
     ]:
@@ -180,7 +187,7 @@ def main() -> None:
         if kv.dtype == torch.bfloat16:
             with tempfile.TemporaryDirectory() as tmp:
                 rows = io_table(kv, tokens, ident, Path(tmp), args.repeat)
-            base = rows[2][2]
+            base = next(r[2] for r in rows if r[0].startswith("safetensors"))
             print("| format | write MB/s | read MB/s | read vs safetensors | file MB |")
             print("|---|---:|---:|---:|---:|")
             for name, w, r, size in rows:

@@ -697,3 +697,28 @@ def test_token_ids_at_the_u32_limits(tmp_path):
     _write_with_tokens(tmp_path / "a.kvc", [0, 2**32 - 1, 1])
     with ContainerReader(tmp_path / "a.kvc") as r:
         assert r.token_ids().tolist() == [0, 2**32 - 1, 1]
+
+
+def test_read_chunk_into_fills_a_preallocated_tensor(tmp_path):
+    """Raw chunks go straight from the file into the caller's tensor; other codecs decode + copy."""
+    import kvtool.errors as E
+
+    f = write_kv_file(tmp_path / "into.kvc", num_tokens=9, chunk_size=4)
+    z = write_kv_file(tmp_path / "into_z.kvc", num_tokens=9, chunk_size=4, codec="zstd")
+    for path in (f.path, z.path):
+        with ContainerReader(path) as r:
+            for i, c in enumerate(r.chunks):
+                out = torch.empty(c.shape, dtype=r.kv_dtype)
+                assert r.read_chunk_into(i, out) is out
+                assert torch.equal(out, r.read_chunk(i))
+            with pytest.raises(E.UsageError):
+                r.read_chunk_into(0, torch.empty(3, dtype=r.kv_dtype))
+    data = bytearray(f.path.read_bytes())
+    with ContainerReader(f.path) as r:
+        blob = r.chunks[1].blob
+    data[blob.offset] ^= 0xFF
+    bad = tmp_path / "bad.kvc"
+    bad.write_bytes(bytes(data))
+    with ContainerReader(bad) as r:
+        with pytest.raises(E.ChecksumMismatch):
+            r.read_chunk_into(1, torch.empty(r.chunks[1].shape, dtype=r.kv_dtype))
