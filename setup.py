@@ -10,8 +10,12 @@ first use.
 import os
 import sys
 
+import glob
+import shutil
+
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -55,4 +59,17 @@ native = Extension(
     extra_link_args=extra_link,
 )
 
-setup(ext_modules=[native], cmdclass={"build_ext": OptionalBuildExt})
+class BuildPyWithKernels(build_py):
+    """Ship kernels/*.cu and *.h inside the package (kvtool/cuda/kernels), so a wheel
+    install can build the CUDA kernels on first use, as an editable checkout does."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "kvtool", "cuda", "kernels")
+        os.makedirs(target, exist_ok=True)
+        for pattern in ("*.cu", "*.h"):
+            for source in glob.glob(os.path.join(HERE, "kernels", pattern)):
+                shutil.copy2(source, target)
+
+
+setup(ext_modules=[native], cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithKernels})
