@@ -44,7 +44,7 @@ def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path
         text = _read_text(tokens_file)
         try:
             ids = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.split()]
-        except ValueError:
+        except (ValueError, RecursionError):
             raise InputFileError(f"{tokens_file}: expected a JSON list or whitespace-separated "
                                  f"integers") from None
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):

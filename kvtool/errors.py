@@ -26,6 +26,10 @@ class InputFileError(KvtoolError):
     """An input path is missing, unreadable or not a regular file."""
 
 
+class OutputError(KvtoolError):
+    """An output path cannot be written (a directory, no permission, read-only disk)."""
+
+
 # --- container structure (exit 2: the file cannot be read) -------------------
 
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 
 def atomic_write(path: str | os.PathLike, write) -> None:
     """Call `write(fileobj)` on a temp file beside `path`, fsync, rename over `path`."""
+    from .format.writer import open_temp_beside
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = open_temp_beside(path)
     try:
         mask = os.umask(0)
         os.umask(mask)

@@ -59,6 +59,10 @@ def run(argv: list[str] | None = None) -> int:
         return _fail("interrupted", 130, "Interrupted", json_mode)
     except MemoryError:
         return _fail("out of memory", 2, "MemoryError", json_mode)
+    except RuntimeError as err:  # torch reports failed allocations as RuntimeError
+        if "allocate" not in str(err):
+            raise
+        return _fail(f"out of memory ({str(err).splitlines()[0][:120]})", 2, "MemoryError", json_mode)
     except OSError as err:
         where = f"{err.filename}: " if getattr(err, "filename", None) else ""
         return _fail(f"{where}{err.strerror or err}", 2, "OSError", json_mode)

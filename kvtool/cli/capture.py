@@ -33,8 +33,8 @@ def command(output: OutputPath, model: ModelOpt = None, prompt: PromptOpt = None
     from ..errors import UsageError
 
     kv_dtype = dtype_from_name(dtype)
-    if chunk_size < 1 or block_size < 1:
-        raise UsageError("--chunk-size and --block-size must be positive")
+    if not 1 <= chunk_size <= 65536 or not 1 <= block_size <= 65536:
+        raise UsageError("--chunk-size and --block-size must be in 1..65536")
     loaded = load_model(model)
     ids = read_tokens(loaded, prompt, prompt_file, tokens)
     params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)

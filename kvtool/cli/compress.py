@@ -31,7 +31,7 @@ def compress_file(reader: ContainerReader, output, codec: str, params: dict[str,
     copied = 0
     with ContainerWriter(output, m.model, reader.token_ids(), kv_dtype=reader.kv_dtype,
                          chunk_size=m.chunk_size, alignment=reader.header.alignment,
-                         metadata={**m.metadata, "compressed_from": str(reader.path)}) as writer, \
+                         metadata=_provenance(m.metadata, reader.path)) as writer, \
             Progress(console=stderr_console, transient=True, disable=not progress or len(m.chunks) < 4) as bar:
         task = bar.add_task("compressing", total=len(m.chunks))
         for c in m.chunks:
@@ -54,6 +54,15 @@ def compress_file(reader: ContainerReader, output, codec: str, params: dict[str,
             "ratio_vs_decoded": decoded / max(stored_out, 1),
             "bits_per_value": 8 * stored_out / values, "seconds": seconds,
             "mb_per_s": decoded / 1e6 / max(seconds, 1e-9)}
+
+
+def _provenance(metadata: dict[str, str], source) -> dict[str, str]:
+    """Keep the source's metadata, but this file's creator and time are the writer's own."""
+    kept = {k: v for k, v in metadata.items() if k not in ("created_by", "created_at")}
+    for key in ("created_by", "created_at"):
+        if key in metadata:
+            kept[f"source_{key}"] = metadata[key]
+    return {**kept, "compressed_from": str(source)}
 
 
 def _render(console: Console, r: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -16,10 +17,21 @@ stderr_console = Console(stderr=True, highlight=False)
 
 def emit(result: dict[str, Any], json_mode: bool, render: Callable[[Console, dict[str, Any]], None]) -> None:
     if json_mode:
-        sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")
+        sys.stdout.write(json.dumps(_json_safe(result), indent=2, default=str, allow_nan=False) + "\n")
         sys.stdout.flush()
     else:  # strings come from files and arguments: never let them act as rich markup
         render(stdout_console, _escaped(result))
+
+
+def _json_safe(value: Any) -> Any:
+    """Standard JSON has no NaN or infinity: they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _escaped(value: Any) -> Any:

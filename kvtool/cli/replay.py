@@ -8,6 +8,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from .options import InputPath, JsonOpt, ModelOpt
 from .output import emit
@@ -86,6 +87,8 @@ def render(console: Console, r: dict[str, Any]) -> None:
         console.print(f"over {r['continue']} teacher-forced tokens: top-1 agreement {100 * r['top1_agreement']:.1f}%, "
                       f"greedy identical for {r['greedy_identical_tokens']}/{r['continue']} tokens, "
                       f"KL mean {r['kl_mean']:.3g} max {r['kl_max']:.3g}, ΔNLL {r['delta_nll']:+.4f}")
-    console.print(f"continuation: {r['continuation']!r}", soft_wrap=True)
+    # r holds markup-escaped strings; recover the literal text, then print it as plain Text.
+    continuation = Text.from_markup(r["continuation"]).plain
+    console.print(Text(f"continuation: {continuation!r}"), soft_wrap=True)
     for f in r.get("failures", []):
         console.print(f"[red]FAIL[/red] {f}")

@@ -11,7 +11,7 @@ import torch
 import typer
 from rich.console import Console
 
-from ..errors import KvtoolError, ModelMismatch
+from ..errors import DataError, KvtoolError, ModelMismatch
 from ..format import ContainerReader
 from ..format.hashing import prefix_hashes
 from ..format.identity import model_fingerprint
@@ -37,10 +37,13 @@ def verify_command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 
     """Check structure, checksums, decoding, finiteness and prefix hashes (exit 1 if any fails)."""
     with ContainerReader(path) as reader:
         result = verify_file(reader)
-        if against is not None:
+        if against is not None and not result["problems"]:  # a damaged file is not compared
             with ContainerReader(against) as other:
-                result["comparison"] = compare_files(reader, other, atol=atol, rtol=rtol)
-            if not result["comparison"]["ok"]:
+                try:
+                    result["comparison"] = compare_files(reader, other, atol=atol, rtol=rtol)
+                except DataError as err:  # the reference itself is damaged
+                    result["problems"].append(f"{against}: {err}")
+            if "comparison" in result and not result["comparison"]["ok"]:
                 result["problems"].append(f"decoded KV differs from {against} beyond tolerance")
     if replay and not result["problems"]:
         from .replay import run_replay

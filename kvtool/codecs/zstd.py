@@ -38,8 +38,11 @@ class ZstdCodec(Codec):
         return {"version": 1, "level": 1, "shuffle": "byteplane"}
 
     def validate_params(self, params: Any) -> dict[str, Any]:
-        params = {**self.default_params(), **self._check_version(params)}
+        params = self._check_version(params)
         self._reject_unknown_keys(self.name, params, {"version", "level", "shuffle"})
+        for key in ("level", "shuffle"):  # the decoder needs shuffle; never guess it
+            if key not in params:
+                raise CodecParamsInvalid(f"zstd: codec parameters lack {key!r}")
         level = params["level"]
         if not isinstance(level, int) or isinstance(level, bool) or not -7 <= level <= 22:
             raise CodecParamsInvalid(f"zstd: level must be an integer in [-7, 22], got {level!r}")
@@ -61,7 +64,8 @@ class ZstdCodec(Codec):
         if frame not in (expected, -1):  # -1: size not recorded (other writers)
             raise DecodeError(f"zstd frame holds {frame} bytes, shape needs {expected}")
         try:
-            data = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected)
+            data = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected,
+                                                           allow_extra_data=False)
         except zstandard.ZstdError as err:
             raise DecodeError(f"zstd payload is corrupt ({err})") from None
         if len(data) != expected:

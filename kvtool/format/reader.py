@@ -21,6 +21,7 @@ from ..dtypes import dtype_from_name
 from ..errors import (
     ChecksumMismatch,
     DecodeError,
+    FormatError,
     InputFileError,
     KvtoolError,
     ManifestCorrupt,
@@ -106,6 +107,9 @@ class ContainerReader:
         self.path: Path | str = Path(source.name) if isinstance(source, MappedFile) else source.name
         try:
             self._open()
+        except FormatError as err:
+            self.close()
+            raise type(err)(f"{self.path}: {err}") from None
         except BaseException:
             self.close()
             raise

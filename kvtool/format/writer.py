@@ -21,7 +21,7 @@ import torch
 
 from .. import __version__, codecs
 from ..dtypes import dtype_name
-from ..errors import UsageError
+from ..errors import OutputError, UsageError
 from . import layout
 from .hashing import ZERO_HASH, chain_hash, crc32, tokens_to_bytes
 from .identity import ModelIdentity
@@ -81,8 +81,7 @@ class ContainerWriter:
         self.chunks: list[ChunkEntry] = []
         self.extras: dict[str, ExtraEntry] = {}
         self._prev_hash = ZERO_HASH
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        fd, tmp = open_temp_beside(self.path)
         self._tmp_path = Path(tmp)
         os.chmod(fd, 0o666 & ~_current_umask())  # mkstemp's 0600 would hide the result from others
         self._file = os.fdopen(fd, "wb")
@@ -180,7 +179,10 @@ class ContainerWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        os.replace(self._tmp_path, self.path)
+        try:
+            os.replace(self._tmp_path, self.path)
+        except OSError as err:
+            raise OutputError(f"{self.path}: cannot write ({err.strerror})") from None
         _fsync_dir(self.path.parent)
         self.state = WriterState.FINISHED
         return manifest
@@ -248,3 +250,14 @@ def _current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def open_temp_beside(path: Path) -> tuple[int, str]:
+    """A new temporary file in `path`'s directory, or an OutputError that names `path`."""
+    if path.is_dir():
+        raise OutputError(f"{path}: is a directory; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise OutputError(f"{path}: cannot write here ({err.strerror})") from None
