@@ -54,7 +54,7 @@ class BadHeader(FormatError):
 
 
 class BadTrailer(FormatError):
-    """The trailer's end magic is wrong or its fields are impossible."""
+    """The trailer's fields are impossible (a missing end magic is TruncatedFile)."""
 
 
 class ManifestTooLarge(FormatError):
@@ -86,7 +86,7 @@ class BlobOverlap(FormatError):
 
 
 class UnknownCodec(FormatError):
-    """A chunk names a codec id or name this build does not implement."""
+    """A chunk names a codec id this build does not implement (an id/name clash is ManifestInvalid)."""
 
 
 class CodecParamsInvalid(FormatError):

@@ -108,3 +108,22 @@ def test_capture_rejects_huge_block_size_and_nested_token_files(tmp_path, capsys
     assert run(["capture", "--tokens", str(nested), "-o", str(tmp_path / "x.kvc")]) == 2
     err = capsys.readouterr().err
     assert err.count("kvtool: error:") == 2 and "Traceback" not in err
+
+
+def test_spec_rules_from_the_consistency_review(tmp_path):
+    """Nesting over 64 levels, a chunk dtype outside the KV dtypes, and a huge unknown codec id
+    get the errors container.md section 5 names."""
+    from kvtool.errors import ManifestCorrupt, UnknownCodec, UnsupportedDtype
+
+    f = write_kv_file(tmp_path / "a.kvc", num_tokens=6, chunk_size=3)
+    cases = [
+        (lambda d: d["metadata"].__setitem__("x", "y") or d.__setitem__("deep", [[[[0]]]] * 1) or
+         d.__setitem__("deeper", json.loads("[" * 70 + "]" * 70)), ManifestCorrupt),
+        (lambda d: d["chunks"][0].__setitem__("dtype", "float64"), UnsupportedDtype),
+        (lambda d: d["chunks"][0].__setitem__("codec_id", 2**40), UnknownCodec),
+    ]
+    for i, (mutate, error) in enumerate(cases):
+        path = tmp_path / f"m{i}.kvc"
+        path.write_bytes(rebuild(f.path, mutate))
+        with pytest.raises(error):
+            ContainerReader(path)

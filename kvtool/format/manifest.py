@@ -151,8 +151,14 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
+MAX_JSON_DEPTH = 64
+
+
 def _check_strings(obj: Any, depth: int = 0) -> None:
-    """Reject lone UTF-16 surrogates (valid JSON escapes that no UTF-8 output can hold)."""
+    """Reject lone UTF-16 surrogates (valid JSON escapes that no UTF-8 output can hold) and
+    nesting deeper than MAX_JSON_DEPTH (the spec's limit; deeper input may also fail to parse)."""
+    if depth > MAX_JSON_DEPTH:
+        raise ManifestCorrupt(f"manifest JSON is nested deeper than {MAX_JSON_DEPTH} levels")
     if isinstance(obj, str):
         try:
             obj.encode("utf-8")
@@ -290,7 +296,7 @@ def _chunk(i: int, c: Any, chunk_size: int, num_tokens: int, num_layers: int, hi
     if not _HEX64.match(prefix_hash):
         raise ManifestInvalid(f"manifest: {where}.prefix_hash must be 64 lower-case hex digits")
     name = _get(c, "codec", str, where)
-    codec_id = _int(c, "codec_id", where, 0, 2**31 - 1)
+    codec_id = _int(c, "codec_id", where, 0, 2**63 - 1)
     codec = codecs.get_codec(codec_id)
     if codec.name != name:
         raise ManifestInvalid(f"manifest: {where} names codec {name!r} but id {codec_id} is "
@@ -301,6 +307,8 @@ def _chunk(i: int, c: Any, chunk_size: int, num_tokens: int, num_layers: int, hi
         raise ManifestInvalid(f"manifest: {where}.shape {list(shape)} is not "
                               f"[2, {num_layers}, {end - start}, {hidden_kv}]")
     dtype = _get(c, "dtype", str, where)
+    if dtype not in KV_DTYPES:
+        raise UnsupportedDtype(f"manifest: {where}.dtype {dtype!r} is not one of {', '.join(KV_DTYPES)}")
     if dtype != kv_dtype:
         raise ManifestInvalid(f"manifest: {where}.dtype {dtype!r} differs from the file's {kv_dtype!r}")
     entry = ChunkEntry(index=i, start=start, end=end, prefix_hash=prefix_hash, codec=name,
