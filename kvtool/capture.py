@@ -41,7 +41,7 @@ def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path
     if sum(given) != 1:
         raise UsageError("give exactly one of --prompt, --prompt-file or --tokens")
     if tokens_file is not None:
-        text = _read_text(tokens_file)
+        text = read_text_file(tokens_file)
         try:
             ids = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.split()]
         except (ValueError, RecursionError):
@@ -54,7 +54,7 @@ def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path
         if bad:
             raise PromptError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
     else:
-        text = prompt if prompt is not None else _read_text(prompt_file)
+        text = prompt if prompt is not None else read_text_file(prompt_file)
         ids = model.tokenizer.encode(text)
     if not ids:
         raise PromptError("the prompt is empty")
@@ -64,7 +64,7 @@ def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path
     return ids
 
 
-def _read_text(path: Path) -> str:
+def read_text_file(path: Path) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -44,7 +44,7 @@ def run_replay(path: Path, model_path: Path | None, *, continue_tokens: int = 32
                suffix_file: Path | None = None, prompt: str | None = None, prompt_file: Path | None = None,
                compare: bool = False, min_top1: float | None = None,
                max_kl: float | None = None) -> dict[str, Any]:
-    from ..capture import _read_text
+    from ..capture import read_text_file
     from ..engine import load_model
     from ..errors import UsageError
     from ..format import ContainerReader
@@ -57,9 +57,9 @@ def run_replay(path: Path, model_path: Path | None, *, continue_tokens: int = 32
         model = load_model(model_path)
         check_model(reader, model)
         if suffix_file is not None:
-            suffix = _read_text(suffix_file)
+            suffix = read_text_file(suffix_file)
         if prompt_file is not None:
-            prompt = _read_text(prompt_file)
+            prompt = read_text_file(prompt_file)
         plan = plan_reuse(reader,
                           new_tokens=model.tokenizer.encode(prompt) if prompt is not None else None,
                           suffix_tokens=model.tokenizer.encode(suffix) if suffix is not None else None)

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..codecs.cachegen import CacheGenCodec, canonical_bins_spec, resolve_bins
+from ..codecs.cachegen import CacheGenCodec, canonical_bins_spec, check_chunk, resolve_bins
 from ..codecs.cachegen import reference as ref
 from ..errors import CodecParamsInvalid, DecodeError, NonFiniteValues, UsageError
 from . import _build
@@ -104,18 +104,10 @@ def header_bytes(dtype_code: int, P: int, N: int, T: int, C: int, half_ranges: S
 # --------------------------------------------------------------------------- encode
 
 def _check_chunk(kv: Any) -> tuple[int, int, int]:
-    if not isinstance(kv, torch.Tensor):
-        raise UsageError("cachegen: the KV chunk must be a torch tensor")
-    if kv.dtype not in ref.DTYPE_CODES:
-        raise UsageError(f"cachegen: unsupported KV dtype {kv.dtype}; expected bfloat16, float16 or float32")
-    if kv.dim() != 4 or kv.shape[0] != 2 or kv.numel() == 0:
-        raise UsageError(f"cachegen: the KV chunk must have shape [2, L, T, C], got {list(kv.shape)}")
-    _, L, T, C = kv.shape
-    if T >= ref.MAX_TOKENS or T * C > (1 << 30) or L > 32767:
-        raise UsageError(f"cachegen: chunk shape {list(kv.shape)} is beyond the format's limits")
+    L, T, C = check_chunk(kv)  # the same limits as the CPU coder
     if kv.device.type != "cuda":
         raise UsageError(f"cachegen GPU encode needs a CUDA tensor, got {kv.device}")
-    return int(L), int(T), int(C)
+    return L, T, C
 
 
 def encode_chunks(kvs: Sequence[torch.Tensor], params: dict | None = None) -> tuple[list[bytes], dict]:

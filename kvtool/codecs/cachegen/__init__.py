@@ -69,9 +69,8 @@ def _check_shape(shape: Any) -> tuple[int, int, int, int]:
     return shp  # type: ignore[return-value]
 
 
-def cachegen_encode(kv: torch.Tensor, params: dict | None = None, *, threads: int | None = None,
-                    impl: str = "auto") -> tuple[bytes, dict]:
-    """Encode one [2, L, T, C] chunk. impl: 'auto' (native if built), 'native' or 'reference'."""
+def check_chunk(kv: Any) -> tuple[int, int, int]:
+    """(L, T, C) of a KV_BLOB chunk the bitstream can hold; UsageError otherwise (CPU and GPU coders)."""
     if not isinstance(kv, torch.Tensor):
         raise UsageError("cachegen: the KV chunk must be a torch tensor")
     if kv.dtype not in ref.DTYPE_CODES:
@@ -81,6 +80,13 @@ def cachegen_encode(kv: torch.Tensor, params: dict | None = None, *, threads: in
     _, L, T, C = kv.shape
     if T >= ref.MAX_TOKENS or T * C > (1 << 30) or L > 32767:
         raise UsageError(f"cachegen: chunk shape {list(kv.shape)} is beyond the format's limits")
+    return int(L), int(T), int(C)
+
+
+def cachegen_encode(kv: torch.Tensor, params: dict | None = None, *, threads: int | None = None,
+                    impl: str = "auto") -> tuple[bytes, dict]:
+    """Encode one [2, L, T, C] chunk. impl: 'auto' (native if built), 'native' or 'reference'."""
+    L, T, C = check_chunk(kv)
     p = _validate(params if params is not None else CacheGenCodec().default_params())
     bins = resolve_bins(p["bins"], L)
     p["bins"] = canonical_bins_spec(p["bins"], L)
