@@ -1,6 +1,6 @@
 """Capture overhead: connector and writer time as a share of prefill time.
 
-    python bench/bench_capture.py [--tokens 1024 2048] [--threads 1]
+    python bench/bench_capture.py [--tokens 1024 2048] [--threads 1] [--device cpu|cuda]
 
 Runs `kvtool.capture.capture` (the code behind `kvtool capture`) on the default
 model over offline text (Python stdlib source) with each codec, and splits the
@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtool.capture import capture  # noqa: E402
 from kvtool.codecs import codec_names  # noqa: E402
+from kvtool.devices import describe, resolve_device  # noqa: E402
 from kvtool.engine import load_model  # noqa: E402
 
 
@@ -31,13 +32,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, auto")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(None)
+    model = load_model(None, device=resolve_device(args.device))
     ids = model.tokenizer.encode(inspect.getsource(json.decoder) + inspect.getsource(json.encoder)
                                  + inspect.getsource(argparse))
     codecs = [c for c in ("raw", "zstd", "cachegen") if c in codec_names()]
-    print(f"# capture overhead, SmolLM2-135M, bf16 KV, 256-token chunks, {args.threads} thread(s)\n")
+    print(f"# capture overhead, SmolLM2-135M, bf16 KV, 256-token chunks, {args.threads} thread(s), "
+          f"model on {describe(model.device)}\n")
     print("| tokens | codec | prefill s | connector ms | writer ms | overhead / prefill | file MB |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:

@@ -47,6 +47,7 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch and codec threads (default 1)")
     ap.add_argument("--bins", default="default", help="cachegen bins spec (default: LMCache's)")
     ap.add_argument("--quick", action="store_true", help="lengths 512,1024; best of 2")
+    ap.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, auto")
     ap.add_argument("--dir", default="", help="where to write the .kvc files (default: a temp dir)")
     ap.add_argument("--md", default=str(_HERE / "RD_RESULTS.md"), help="markdown output ('' = none)")
     args = ap.parse_args(argv)
@@ -66,6 +67,7 @@ import torch  # noqa: E402
 from kvtool.capture import capture  # noqa: E402
 from kvtool.cli.compress import compress_file  # noqa: E402
 from kvtool.codecs.cachegen import canonical_bins_spec, cachegen_params, native_available  # noqa: E402
+from kvtool.devices import describe, resolve_device, synchronize  # noqa: E402
 from kvtool.engine import PagedKVCache, Runner, load_model  # noqa: E402
 from kvtool.format import ContainerReader  # noqa: E402
 from kvtool.replay import plan_reuse, replay  # noqa: E402
@@ -84,9 +86,11 @@ def context_tokens(model, n):
 
 def time_recompute(model, ids):
     c0, t0 = time.process_time(), time.perf_counter()
-    cache = PagedKVCache.for_tokens(model.config, len(ids) + 1, kv_dtype=torch.bfloat16, shuffle_seed=1)
+    cache = PagedKVCache.for_tokens(model.config, len(ids) + 1, kv_dtype=torch.bfloat16, device=model.device,
+                                    shuffle_seed=1)
     seq = cache.new_sequence(len(ids) + 1)
     logits = Runner(model, cache).prefill(seq, ids, logits="last")  # engine default prefill chunk
+    synchronize(model.device)
     return time.perf_counter() - t0, time.process_time() - c0, int(logits[0].argmax())
 
 
@@ -102,12 +106,12 @@ def time_replay(model, path):
 def main():
     args = ARGS
     torch.set_num_threads(args.threads)
-    model = load_model(None)
+    model = load_model(None, device=resolve_device(args.device))
     params = cachegen_params(bins=args.bins)
     tmp = tempfile.TemporaryDirectory() if not args.dir else None
     folder = pathlib.Path(args.dir or tmp.name)
     folder.mkdir(parents=True, exist_ok=True)
-    print(f"threads {args.threads} (torch {torch.get_num_threads()}, cachegen KVTOOL_THREADS="
+    print(f"device {describe(model.device)}; threads {args.threads} (torch {torch.get_num_threads()}, cachegen KVTOOL_THREADS="
           f"{os.environ['KVTOOL_THREADS']}); cachegen native coder: {native_available()}; best of {args.repeat}",
           flush=True)
     rows = []
@@ -160,7 +164,7 @@ def main():
             f"({r['cpu']['recompute'] / r['cpu']['raw']:.0f}x / {r['cpu']['recompute'] / r['cpu']['cachegen']:.0f}x) "
             f"| {r['raw_mb']:.2f} | {r['cg_mb']:.2f} ({r['cg_bits']:.2f}) "
             f"| {'yes' if r['same_first'][0] else 'NO'} / {'yes' if r['same_first'][1] else 'NO'} |")
-    notes = (f"Best of {args.repeat} (interleaved), {args.threads} thread(s) for torch and for the cachegen "
+    notes = (f"Model on {describe(model.device)}. Best of {args.repeat} (interleaved), {args.threads} thread(s) for torch and for the cachegen "
              f"coder; cachegen bins `{canonical_bins_spec(params['bins'], model.config.num_layers)}`, "
              f"native coder {native_available()}. Replay = open file + "
              "decode all chunks (CRC-checked) + connector write into a fresh paged cache + prefill of the last "
@@ -176,7 +180,8 @@ def main():
     if args.md:
         from bench_rd import replace_section
         cmd = "python bench/bench_ttft.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        replace_section(args.md, "ttft", "## Time to first token (bench/bench_ttft.py)\n\n"
+        tag, where = ("ttft", "") if model.device.type == "cpu" else ("ttft-gpu", " on the GPU")
+        replace_section(args.md, tag, f"## Time to first token{where} (bench/bench_ttft.py)\n\n"
                         f"Command: `{cmd.strip()}`\n\n{table}\n\n{notes}")
     if tmp is not None:
         tmp.cleanup()

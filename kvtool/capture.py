@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from . import codecs
 from .connectors import PagedMemConnectorV2
+from .devices import describe, synchronize
 from .engine import LoadedModel, PagedKVCache, Runner, load_model
 from .errors import InputFileError, PromptError, UsageError
 from .format import ContainerWriter
@@ -85,25 +87,35 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chu
             codec: str = "raw", params: dict[str, Any] | None = None,
             kv_dtype: torch.dtype = torch.bfloat16, block_size: int = 16, shuffle_seed: int | None = 0,
             on_chunk: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Prefill `token_ids` chunk by chunk and write each chunk's KV as soon as it exists."""
+    """Prefill `token_ids` chunk by chunk and write each chunk's KV as soon as it exists.
+
+    The paged buffers live where the model does (`model.device`). On a GPU the
+    connector's gather is the fused CUDA kernel; the chunk stays on the GPU for
+    a codec that encodes there (CacheGen) and goes to pinned host memory for the
+    others."""
     n = len(token_ids)
+    device = model.device
     cache = PagedKVCache.for_tokens(model.config, n, block_size=block_size, kv_dtype=kv_dtype,
-                                    shuffle_seed=shuffle_seed)
+                                    device=device, shuffle_seed=shuffle_seed)
     seq = cache.new_sequence(n)
-    slot_mapping = seq.slot_mapping(n)  # [n], the whole sequence's slots
+    slot_mapping = seq.slot_mapping(n, device=device)  # [n], the whole sequence's slots
     connector = paged_connector(model)
+    blob_device, pinned = _blob_placement(device, codec)
     runner = Runner(model, cache)
     timings = CaptureTimings()
     started = time.perf_counter()
+    metadata = {"engine": "kvtool paged runner", "block_size": str(block_size), "device": describe(device)}
     with ContainerWriter(output, model.identity, token_ids, kv_dtype=kv_dtype, chunk_size=chunk_size,
-                         metadata={"engine": "kvtool paged runner", "block_size": str(block_size)}) as writer:
+                         metadata=metadata) as writer:
         for index, (start, end) in enumerate(writer.chunk_ranges()):
             t0 = time.perf_counter()
             runner.prefill(seq, token_ids[start:end], start_pos=start, prefill_chunk=chunk_size,
                            logits="none")
+            synchronize(device)
             t1 = time.perf_counter()
-            memory = connector.allocate(end - start, kv_dtype)
+            memory = connector.allocate(end - start, kv_dtype, blob_device, pin_memory=pinned)
             connector.from_gpu(memory, start, end, kvcaches=cache.kv_caches, slot_mapping=slot_mapping)
+            synchronize(device)
             t2 = time.perf_counter()
             writer.write_chunk(memory.tensor, codec, params)
             t3 = time.perf_counter()
@@ -119,11 +131,22 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chu
     stored = sum(c.blob.length for c in writer.chunks)
     return {"output": str(out), "model": model.name, "fingerprint": model.identity.fingerprint(),
             "num_tokens": n, "num_chunks": len(writer.chunks), "chunk_size": chunk_size,
-            "codec": codec, "kv_dtype": str(kv_dtype).removeprefix("torch."),
+            "codec": codec, "kv_dtype": str(kv_dtype).removeprefix("torch."), "device": describe(device),
             "block_size": block_size, "file_bytes": out.stat().st_size, "decoded_bytes": decoded,
             "stored_bytes": stored, "seconds": time.perf_counter() - started,
             "prefill_tokens_per_s": n / max(timings.prefill_s, 1e-9),
             "timings": {**asdict(timings), "overhead_share": timings.overhead_share}}
+
+
+def _blob_placement(device: torch.device, codec: str) -> tuple[torch.device, bool]:
+    """Where a gathered chunk goes: (device, pinned). On a GPU, a codec that
+    encodes CUDA tensors keeps the chunk there; the others get pinned host
+    memory, the fastest way off the device."""
+    if device.type != "cuda":
+        return device, False
+    if getattr(codecs.get_codec(codec), "accepts_cuda", False):
+        return device, False
+    return torch.device("cpu"), True
 
 
 def capture_kv(model_path: str | Path | None, text: str, num_tokens: int,

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .capture import paged_connector
+from .devices import describe, synchronize
 from .engine import LoadedModel, PagedKVCache, Runner
 from .errors import ModelMismatch, PromptError, UsageError
 from .format import ContainerReader
@@ -77,24 +78,29 @@ def plan_reuse(reader: ContainerReader, new_tokens: list[int] | None = None,
 
 def load_prefix(reader: ContainerReader, model: LoadedModel, cache: PagedKVCache, seq, num_tokens: int,
                 slot_mapping: torch.Tensor) -> float:
-    """Decode the file's chunks covering [0, num_tokens) into the paged cache; returns seconds."""
+    """Decode the file's chunks covering [0, num_tokens) into the paged cache; returns seconds.
+
+    Chunks decode where the cache is (CacheGen on the GPU when the cache is
+    there; the other codecs on the CPU, then one copy) and go into the paged
+    buffers through the connector's scatter."""
     t0 = time.perf_counter()
     connector = paged_connector(model)
     for chunk in reader.chunks:
         if chunk.start >= num_tokens:
             break
         end = min(chunk.end, num_tokens)
-        kv = reader.read_chunk(chunk.index)[:, :, : end - chunk.start]  # [2, L, T, C]
-        memory = connector.allocate(end - chunk.start, kv.dtype)
+        kv = reader.read_chunk(chunk.index, device=cache.device)[:, :, : end - chunk.start]  # [2, L, T, C]
+        memory = connector.allocate(end - chunk.start, kv.dtype, cache.device)
         memory.tensor.copy_(kv)
         connector.to_gpu(memory, chunk.start, end, kvcaches=cache.kv_caches, slot_mapping=slot_mapping)
     seq.num_tokens = num_tokens
+    synchronize(cache.device)
     return time.perf_counter() - t0
 
 
 def _new_cache(model: LoadedModel, total: int, kv_dtype: torch.dtype, block_size: int, seed: int):
     cache = PagedKVCache.for_tokens(model.config, total, block_size=block_size, kv_dtype=kv_dtype,
-                                    shuffle_seed=seed)
+                                    device=model.device, shuffle_seed=seed)
     seq = cache.new_sequence(total)
     return cache, seq
 
@@ -115,7 +121,7 @@ def replay(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, cont
     result: dict[str, Any] = {"file": str(reader.path), "model": model.name, "num_tokens": n,
                               "reused_tokens": plan.reused, "computed_tokens": n - plan.reused,
                               "chunks_loaded": plan.chunks, "codecs": sorted({c.codec for c in reader.chunks}),
-                              "continue": continue_tokens}
+                              "continue": continue_tokens, "device": describe(model.device)}
 
     reference = None
     if compare:  # the full recompute, no cache: the reference
@@ -123,6 +129,7 @@ def replay(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, cont
         runner = Runner(model, cache)
         t0 = time.perf_counter()
         logits = runner.prefill(seq, tokens, prefill_chunk=prefill_chunk, logits="last")  # [1, V]
+        synchronize(model.device)
         ttft_recompute = time.perf_counter() - t0
         ref_logits, greedy = [logits[0]], []
         for i in range(continue_tokens):
@@ -134,12 +141,13 @@ def replay(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, cont
         del cache
 
     cache, seq = _new_cache(model, total, kv_dtype, block_size, seed=1)
-    slot_mapping = seq.slot_mapping(total)
+    slot_mapping = seq.slot_mapping(total, device=model.device)
     runner = Runner(model, cache)
     t0 = time.perf_counter()
     load_s = load_prefix(reader, model, cache, seq, plan.reused, slot_mapping)
     first = runner.prefill(seq, tokens[plan.reused:], start_pos=plan.reused, prefill_chunk=prefill_chunk,
                            logits="last")  # [1, V]
+    synchronize(model.device)
     ttft_cached = time.perf_counter() - t0
     result.update(load_s=load_s, ttft_cached_s=ttft_cached)
     if reference is None:
@@ -166,8 +174,9 @@ def compare_logits(ref: torch.Tensor, got: torch.Tensor, forced: list[int]) -> d
     `greedy_identical_tokens` is the first position whose top-1 differs; when
     `forced` is the reference's own greedy continuation (as in `replay`), that is
     how many greedy tokens the cached run reproduces."""
-    ref_logp = F.log_softmax(ref.double(), dim=-1)
-    got_logp = F.log_softmax(got.double(), dim=-1)
+    ref, got = ref.double().cpu(), got.double().cpu()
+    ref_logp = F.log_softmax(ref, dim=-1)
+    got_logp = F.log_softmax(got, dim=-1)
     kl = (ref_logp.exp() * (ref_logp - got_logp)).sum(dim=-1).clamp_min(0)  # [N]
     target = torch.tensor(forced)
     top1 = got.argmax(dim=-1) == ref.argmax(dim=-1)  # [N]; equals `forced` when it is ref's greedy path
@@ -188,7 +197,7 @@ def write_kv(model: LoadedModel, cache: PagedKVCache, seq, kv: torch.Tensor, slo
     num_tokens = kv.shape[2]
     for start in range(0, num_tokens, chunk_size):
         end = min(start + chunk_size, num_tokens)
-        memory = connector.allocate(end - start, cache.kv_dtype)
+        memory = connector.allocate(end - start, cache.kv_dtype, cache.device)
         memory.tensor.copy_(kv[:, :, start:end])
         connector.to_gpu(memory, start, end, kvcaches=cache.kv_caches, slot_mapping=slot_mapping)
     seq.num_tokens = num_tokens
@@ -208,7 +217,7 @@ def teacher_forced_eval(model: LoadedModel, context: list[int], continuation: li
     start = 0
     if kv is not None:
         start = len(context) - 1
-        write_kv(model, cache, seq, kv[:, :, :start], seq.slot_mapping(total), prefill_chunk)
+        write_kv(model, cache, seq, kv[:, :, :start], seq.slot_mapping(total, device=model.device), prefill_chunk)
     forced = context[start:] + continuation[:-1]
     logits = runner.prefill(seq, forced, start_pos=start, prefill_chunk=prefill_chunk, logits="all")
     return logits[-len(continuation):]

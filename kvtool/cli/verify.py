@@ -15,7 +15,7 @@ from ..errors import DataError, KvtoolError, ModelMismatch
 from ..format import ContainerReader
 from ..format.hashing import prefix_hashes
 from ..format.identity import model_fingerprint
-from .options import InputPath, JsonOpt, ModelOpt
+from .options import DeviceOpt, InputPath, JsonOpt, ModelOpt
 from .output import emit
 
 AgainstOpt = Annotated[Optional[Path], typer.Option(
@@ -33,7 +33,8 @@ ReplayContinueOpt = Annotated[int, typer.Option("--continue", help="With --repla
 def verify_command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 0.0,
                    rtol: RtolOpt = 0.0, replay: ReplayOpt = False, model: ModelOpt = None,
                    min_top1: ReplayTop1Opt = 0.9, max_kl: ReplayKlOpt = None,
-                   continue_tokens: ReplayContinueOpt = 16, json: JsonOpt = False) -> int:
+                   continue_tokens: ReplayContinueOpt = 16, device: DeviceOpt = "auto",
+                   json: JsonOpt = False) -> int:
     """Check structure, checksums, decoding, finiteness and prefix hashes (exit 1 if any fails)."""
     with ContainerReader(path) as reader:
         result = verify_file(reader)
@@ -49,7 +50,7 @@ def verify_command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 
         from .replay import run_replay
 
         result["replay"] = run_replay(path, model, continue_tokens=continue_tokens, compare=True,
-                                      min_top1=min_top1, max_kl=max_kl)
+                                      min_top1=min_top1, max_kl=max_kl, device=device)
         result["problems"] += [f"replay: {f}" for f in result["replay"]["failures"]]
     result["ok"] = not result["problems"]
     emit(result, json, _render)

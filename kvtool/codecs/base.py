@@ -47,6 +47,13 @@ class Codec(ABC):
         Must raise DecodeError (never crash, hang, or allocate beyond `shape`)
         on a corrupt payload."""
 
+    def decode_to(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype,
+                  params: dict[str, Any], device: torch.device) -> torch.Tensor:
+        """`decode`, with the result on `device`. This default decodes on the CPU and
+        copies; a codec with a device decoder overrides it (same values)."""
+        tensor = self.decode(payload, shape, dtype, params)
+        return tensor if device.type == "cpu" else tensor.to(device)
+
     # Helpers shared by the concrete codecs.
     def _check_version(self, params: Any) -> dict[str, Any]:
         if not isinstance(params, dict):

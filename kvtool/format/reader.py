@@ -173,14 +173,20 @@ class ContainerReader:
         chunk = self._chunk(index)
         return self.blob_bytes(chunk.blob, verify=verify, what=f"chunk {index}")
 
-    def read_chunk(self, index: int, *, verify: bool = True) -> torch.Tensor:
-        """Decode chunk `index` into a new KV_BLOB tensor `[2, L, T, C]`."""
+    def read_chunk(self, index: int, *, verify: bool = True,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+        """Decode chunk `index` into a new KV_BLOB tensor `[2, L, T, C]` (on `device`,
+        default the CPU; CacheGen chunks then decode on the GPU, to the same values)."""
         chunk = self._chunk(index)
         payload = self.chunk_payload(index, verify=verify)
         codec = codecs.get_codec(chunk.codec_id)
         dtype = dtype_from_name(chunk.dtype)
+        target = torch.device("cpu" if device is None else device)
         try:
-            tensor = codec.decode(payload, chunk.shape, dtype, chunk.codec_params)
+            if target.type == "cpu":
+                tensor = codec.decode(payload, chunk.shape, dtype, chunk.codec_params)
+            else:
+                tensor = codec.decode_to(payload, chunk.shape, dtype, chunk.codec_params, target)
         except KvtoolError:
             raise
         except (ValueError, RuntimeError, OverflowError, IndexError) as err:

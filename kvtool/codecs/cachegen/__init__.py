@@ -209,6 +209,18 @@ class CacheGenCodec(Codec):
                params: dict[str, Any]) -> torch.Tensor:
         return cachegen_decode(payload, shape, dtype, params, threads=self.threads)
 
+    def decode_to(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype,
+                  params: dict[str, Any], device: torch.device) -> torch.Tensor:
+        if device.type == "cuda":
+            from ... import cuda
+
+            if cuda.available():
+                try:
+                    return cuda.cachegen_decode(payload, shape, dtype, params, device=device)
+                except cuda.CudaUnavailable as exc:
+                    cuda.notice("CacheGen coder", str(exc))
+        return super().decode_to(payload, shape, dtype, params, device)
+
 register(CacheGenCodec())
 
 __all__ = [

@@ -1,0 +1,54 @@
+"""Where the engine runs: `--device auto|cpu|cuda|cuda:N`.
+
+The device is chosen once, when the model is loaded; the paged KV buffers,
+the connector's copies and (for CacheGen) the coder follow the model's
+weights. `auto` takes the GPU when torch sees one. The model's arithmetic on a
+GPU differs from the CPU's in the last bits (another matmul order); what the
+GPU changes nowhere else is the copies and the codecs: they produce the same
+tensors and bytes as on the CPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .errors import UsageError
+
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+_SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d{1,3}))?$")
+
+
+def resolve_device(spec: str | None) -> torch.device:
+    """`auto` (or None), `cpu`, `cuda`, `cuda:N` -> a torch.device that exists here."""
+    spec = "auto" if spec is None else spec.strip().lower()
+    match = _SPEC.match(spec)
+    if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
+        raise UsageError(f"--device {spec!r}: expected {DEVICE_CHOICES}")
+    kind, index = match.group(1), match.group(2)
+    if kind == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        why = "torch is a CPU-only build" if not torch.version.cuda else "torch sees no CUDA device"
+        raise UsageError(f"--device {spec}: no CUDA here ({why})")
+    n = torch.cuda.device_count()
+    i = int(index) if index is not None else torch.cuda.current_device()
+    if i >= n:
+        raise UsageError(f"--device {spec}: this machine has {n} CUDA device(s)")
+    return torch.device("cuda", i)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a wall-clock timing covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe(device: torch.device) -> str:
+    """'cpu' or 'cuda:0 (NVIDIA H100 80GB HBM3)': for reports and file metadata."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)

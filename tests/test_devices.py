@@ -1,0 +1,211 @@
+"""`--device`: where capture and replay run the model, and decoding onto a device.
+
+The CPU half runs everywhere: device parsing and its errors, the CLI's one-line
+refusals, the device recorded in files and reports, and `read_chunk(device=)`.
+The GPU half (skipped without CUDA, run by scripts/gpu_check.sh) runs the real
+default model on the GPU: capture's KV against the CPU capture, CacheGen chunks
+decoded on the GPU against the CPU decoder bit for bit, and replay on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvtool.cli.app import run
+from kvtool.devices import describe, resolve_device
+from kvtool.errors import UsageError
+from kvtool.format import ContainerReader
+
+from fixtures import write_kv_file
+
+HAS_CUDA = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (GPU tests: scripts/gpu_check.sh)")
+PROMPT = ("A paged KV cache keeps each sequence's keys and values in fixed-size blocks, so that "
+          "requests sharing a prefix can share its blocks. ") * 4
+
+
+def cli(capsys, *argv):
+    capsys.readouterr()
+    code = run([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if "--json" in argv and out.strip() else out), err
+
+
+# ---- parsing -----------------------------------------------------------------------------------
+
+def test_cpu_spellings():
+    for spec in ("cpu", "CPU", " cpu "):
+        assert resolve_device(spec) == torch.device("cpu")
+
+
+def test_auto_takes_the_gpu_only_when_there_is_one():
+    assert resolve_device("auto").type == ("cuda" if HAS_CUDA else "cpu")
+    assert resolve_device(None) == resolve_device("auto")
+
+
+@pytest.mark.parametrize("spec", ["gpu", "cpu:0", "cuda:", "cuda:x", "auto:1", "cuda:0:1", "", "mps"])
+def test_bad_device_names_are_usage_errors(spec):
+    with pytest.raises(UsageError, match="expected auto, cpu, cuda or cuda:N"):
+        resolve_device(spec)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-CUDA message")
+@pytest.mark.parametrize("spec", ["cuda", "cuda:0", "cuda:7"])
+def test_cuda_without_cuda_says_why(spec):
+    with pytest.raises(UsageError, match="no CUDA here"):
+        resolve_device(spec)
+
+
+@needs_gpu
+def test_cuda_index_beyond_the_machine():
+    with pytest.raises(UsageError, match="CUDA device"):
+        resolve_device(f"cuda:{torch.cuda.device_count()}")
+
+
+# ---- the CLI refuses in one line ----------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["capture", "replay", "verify"])
+def test_cli_bad_device_is_one_line_exit_2(tmp_path, capsys, command):
+    kvc = write_kv_file(tmp_path / "f.kvc").path
+    args = {"capture": ["capture", "--prompt", "hi", "-o", tmp_path / "o.kvc"],
+            "replay": ["replay", kvc], "verify": ["verify", kvc, "--replay"]}[command]
+    code, out, err = cli(capsys, *args, "--device", "tpu")
+    assert code == 2 and err.startswith("kvtool: error: ") and err.count("\n") == 1, err
+    assert "--device 'tpu'" in err and "Traceback" not in err
+    code, out, err = cli(capsys, *args, "--device", "tpu", "--json")
+    assert code == 2 and out["ok"] is False and "--device" in out["error"]["message"]
+    assert not (tmp_path / "o.kvc").exists()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-CUDA path")
+def test_cli_cuda_on_a_cpu_machine_is_refused_before_any_work(tmp_path, capsys):
+    code, _, err = cli(capsys, "capture", "--prompt", "hi", "-o", tmp_path / "o.kvc", "--device", "cuda")
+    assert code == 2 and err.startswith("kvtool: error: --device cuda: no CUDA here (") and err.count("\n") == 1
+    assert not (tmp_path / "o.kvc").exists()
+
+
+# ---- decoding onto a device ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("codec", ["raw", "zstd", "cachegen"])
+def test_read_chunk_on_the_cpu_device_is_read_chunk(tmp_path, codec):
+    f = write_kv_file(tmp_path / "f.kvc", num_tokens=40, chunk_size=16, codec=codec)
+    with ContainerReader(f.path) as r:
+        for i in range(len(r.chunks)):
+            a, b = r.read_chunk(i), r.read_chunk(i, device="cpu")
+            assert a.device.type == b.device.type == "cpu"
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+# ---- the model on the CPU, by name --------------------------------------------------------------
+
+@pytest.mark.model
+def test_capture_and_replay_record_the_device(tmp_path, capsys, default_model):
+    path = tmp_path / "cpu.kvc"
+    code, r, _ = cli(capsys, "capture", "--prompt", PROMPT, "-o", path, "--chunk-size", "32",
+                     "--device", "cpu", "--json")
+    assert code == 0 and r["device"] == "cpu"
+    with ContainerReader(path) as reader:
+        assert reader.manifest.metadata["device"] == "cpu"
+    code, r, _ = cli(capsys, "replay", path, "--continue", "4", "--device", "cpu", "--json")
+    assert code == 0 and r["device"] == "cpu" and len(r["continuation_tokens"]) == 4
+    code, out, _ = cli(capsys, "capture", "--prompt", "Hello", "-o", tmp_path / "h.kvc", "--device", "cpu")
+    assert code == 0 and "prefill on cpu" in out
+
+
+# ---- the model on the GPU -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpu_files(tmp_path_factory):
+    """The same prompt captured on the CPU (raw) and on the GPU (raw and cachegen)."""
+    from conftest import _require_default_model
+
+    _require_default_model()
+    d = tmp_path_factory.mktemp("gpu")
+    files = {}
+    for name, device, codec in (("cpu_raw", "cpu", "raw"), ("gpu_raw", "cuda", "raw"),
+                                ("gpu_cachegen", "cuda", "cachegen")):
+        files[name] = d / f"{name}.kvc"
+        assert run(["capture", "--prompt", PROMPT, "-o", str(files[name]), "--chunk-size", "32",
+                    "--codec", codec, "--device", device, "--json"]) == 0
+    return files
+
+
+@needs_gpu
+@pytest.mark.model
+def test_gpu_capture_matches_the_cpu_capture(gpu_files):
+    with ContainerReader(gpu_files["cpu_raw"]) as c, ContainerReader(gpu_files["gpu_raw"]) as g:
+        assert c.token_ids().tolist() == g.token_ids().tolist()
+        assert g.manifest.metadata["device"].startswith("cuda")
+        a, b = c.read_range(0, c.num_tokens).float(), g.read_range(0, g.num_tokens).float()
+    # another matmul order: the two runs agree to bf16 rounding, layer by layer
+    scale = a.abs().amax(dim=(0, 2, 3), keepdim=True)  # [1, L, 1, 1]
+    assert ((a - b).abs() / scale).max() < 0.02
+
+
+@needs_gpu
+@pytest.mark.model
+def test_gpu_cachegen_capture_decodes_identically_on_cpu_and_gpu(gpu_files):
+    with ContainerReader(gpu_files["gpu_cachegen"]) as r:
+        for i in range(len(r.chunks)):
+            cpu = r.read_chunk(i)
+            gpu = r.read_chunk(i, device="cuda")
+            assert gpu.is_cuda and torch.equal(cpu.view(torch.int16), gpu.cpu().view(torch.int16))
+
+
+@needs_gpu
+@pytest.mark.model
+def test_gpu_cachegen_capture_is_within_quantisation_error_of_the_raw_one(gpu_files):
+    with ContainerReader(gpu_files["gpu_cachegen"]) as q, ContainerReader(gpu_files["gpu_raw"]) as g:
+        a, b = q.read_range(0, q.num_tokens).float(), g.read_range(0, g.num_tokens).float()
+    scale = b.abs().amax(dim=(0, 2, 3), keepdim=True)  # [1, L, 1, 1]
+    assert ((a - b).abs() / scale).max() < 0.25
+
+
+@needs_gpu
+@pytest.mark.model
+def test_gpu_cachegen_capture_writes_the_cpu_coders_bytes(gpu_files, tmp_path):
+    """Capture encodes on the GPU; compressing the raw GPU capture on the CPU must give the
+    same payloads. That needs the two GPU prefills to agree bit for bit, checked first."""
+    again = tmp_path / "again.kvc"
+    assert run(["capture", "--prompt", PROMPT, "-o", str(again), "--chunk-size", "32", "--device", "cuda"]) == 0
+    with ContainerReader(gpu_files["gpu_raw"]) as a, ContainerReader(again) as b:
+        same = all(bytes(a.chunk_payload(i)) == bytes(b.chunk_payload(i)) for i in range(len(a.chunks)))
+    if not same:
+        pytest.skip("two GPU prefills of the same prompt differ in the last bits here")
+    cpu_made = tmp_path / "cpu_cachegen.kvc"
+    assert run(["compress", str(gpu_files["gpu_raw"]), "-o", str(cpu_made), "--codec", "cachegen"]) == 0
+    with ContainerReader(cpu_made) as c, ContainerReader(gpu_files["gpu_cachegen"]) as g:
+        assert len(c.chunks) == len(g.chunks)
+        for i in range(len(c.chunks)):
+            assert bytes(c.chunk_payload(i)) == bytes(g.chunk_payload(i)), f"chunk {i}"
+
+
+@needs_gpu
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["gpu_raw", "cpu_raw"])
+def test_gpu_replay_of_a_lossless_file_reproduces_the_recompute(gpu_files, capsys, name):
+    code, r, _ = cli(capsys, "replay", gpu_files[name], "--compare", "--continue", "8", "--device", "cuda",
+                     "--json")
+    assert code == 0 and r["device"].startswith("cuda")
+    assert r["top1_agreement"] >= 0.875 and r["kl_mean"] < 1e-2  # a CPU-made file: CPU-vs-GPU noise only
+
+
+@needs_gpu
+@pytest.mark.model
+def test_gpu_replay_of_a_cachegen_file(gpu_files, capsys):
+    code, r, _ = cli(capsys, "replay", gpu_files["gpu_cachegen"], "--compare", "--continue", "8",
+                     "--device", "cuda", "--json")
+    assert code == 0 and r["reused_tokens"] == r["num_tokens"] - 1
+    assert r["top1_agreement"] >= 0.5
+
+
+@needs_gpu
+@pytest.mark.model
+def test_gpu_capture_went_through_the_fused_kernel(gpu_files):
+    from kvtool.cuda import _build
+
+    assert "paged_copy" in _build._built or _build.load_error("paged_copy") is None
+    assert describe(torch.device("cuda", 0)).startswith("cuda:0 (")
