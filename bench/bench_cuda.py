@@ -20,6 +20,11 @@ CacheGen (kernels/cachegen_cuda.cu), Llama-8B-like 256-token chunks
   gpu encode  end to end (launches + size readback + compaction + copy of the
               payload to the host), GB/s of input bf16
   cpu         kvtool's native CPU coder (all cores) and zstd-3 on the same chunks
+  lmcache     LMCache 0.5.6's CUDA CacheGen (its quantizer, calculate_cdf,
+              encode_fast_new, decode_fast_prefsum, do_dequantize) on the same
+              chunks and bins, when its wheel imports here (put it and
+              cachetools in .gpu_wheels/: scripts/gpu_check.sh installs them);
+              else the reason it does not
 Synthetic data (Gaussian with outlier channels; labelled SYNTHETIC).
 
     python bench/bench_cuda.py [--quick] [--json out.json]
@@ -176,22 +181,30 @@ def bench_cachegen(args, results):
     res["ratio_vs_bf16"] = raw * n / size
     res["gpu_encode_e2e_GBps"] = raw * n / t_enc / 1e9
     # GPU decode: kernel only (payloads on the device), both table placements, and end to end
-    names = {0: "rows", 1: "transposed", 2: "rows+window", 3: "transposed+window"}
-    for tables in ("smem", "global"):
-        for variant in range(4):
-            key = f"gpu_decode_kernel_{tables}_{names[variant]}"
-            try:
-                plan = gcg.plan_decode(payloads, [k.shape for k in kvs], torch.bfloat16, p, tables=tables,
-                                       variant=variant)
-            except Exception as exc:  # noqa: BLE001 - smem may not fit this geometry
-                res[key] = str(exc)
-                continue
-            t = cuda_time(plan.run, reps=10, warmup=2)
-            plan.check()
-            res[key + "_GBps"] = raw * n / t / 1e9
+    names = gcg.DECODE_VARIANTS
+    runs = [(t, v) for t in ("smem", "global") for v in names if not v & gcg.VAR_GTAB]
+    runs += [("smem", v) for v in names if v & gcg.VAR_GTAB]  # its tables are always in shared memory
+    reference = None
+    for tables, variant in runs:
+        key = f"gpu_decode_kernel_{tables}_{names[variant]}"
+        try:
+            plan = gcg.plan_decode(payloads, [k.shape for k in kvs], torch.bfloat16, p, tables=tables,
+                                   variant=variant)
+        except Exception as exc:  # noqa: BLE001 - smem may not fit this geometry
+            res[key] = str(exc)
+            continue
+        t = cuda_time(plan.run, reps=10, warmup=2)
+        outs = plan.check()
+        if reference is None:
+            reference = [o.clone() for o in outs]
+        res[key + "_same_output"] = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                                        for a, b in zip(outs, reference))
+        res[key + "_GBps"] = raw * n / t / 1e9
     res["decode_tables"] = gcg.plan_decode(payloads[:1], [kvs[0].shape], torch.bfloat16, p).tables  # what 'auto' picks
     plan1 = gcg.plan_decode(payloads[:1], [kvs[0].shape], torch.bfloat16, p)
     res["gpu_decode_kernel_1chunk_GBps"] = raw / cuda_time(plan1.run, reps=10, warmup=2) / 1e9
+    plan1 = gcg.plan_decode(payloads[:1], [kvs[0].shape], torch.bfloat16, p, variant=gcg.VAR_GTAB | gcg.VAR_WINDOW)
+    res["gpu_decode_kernel_1chunk_gtab+window_GBps"] = raw / cuda_time(plan1.run, reps=10, warmup=2) / 1e9
     t_e2e = wall_time(lambda: gcg.decode_chunks(payloads, [k.shape for k in kvs], torch.bfloat16, p), reps=3)
     res["gpu_decode_e2e_GBps"] = raw * n / t_e2e / 1e9
     # CPU baselines on a few chunks
@@ -222,14 +235,89 @@ def bench_cachegen(args, results):
         res["zstd3_ratio"] = raw * m / sum(len(c) for c in comp)
     except ImportError:
         res["zstd3"] = "zstandard not installed"
-    print(f"{'':<34}{'GB/s':>8}")
+    print(f"{'':<46}{'GB/s':>8}  same output as the first decoder")
     for k, v in res.items():
         if k.endswith("GBps"):
-            print(f"{k[:-5]:<34}{v:>8.2f}")
+            same = res.get(k[:-5] + "_same_output")
+            print(f"{k[:-5]:<46}{v:>8.2f}  {'' if same is None else same}")
     print(f"ratio vs bf16: cachegen {res['ratio_vs_bf16']:.2f}x"
           + (f", zstd-3 {res['zstd3_ratio']:.2f}x" if "zstd3_ratio" in res else "")
           + f"; GPU bytes == CPU bytes on {m} chunks: {res['cpu_encode_identical']}; decode tables: {res['decode_tables']}"
           + f"; CPU threads {thr}")
+    if "lmcache" not in args.skip:
+        from kvtool.codecs.cachegen import resolve_bins
+
+        bench_lmcache(args, results, kvs, resolve_bins(p["bins"], L))
+
+
+# ---- LMCache's CUDA CacheGen, side by side ---------------------------------------------------
+
+def lmcache_ops():
+    """LMCache's CacheGen building blocks on its resolved device, or (None, why not)."""
+    try:
+        import lmcache
+        from lmcache import device_ops
+        from lmcache.storage_backend.serde.cachegen_decoder import do_dequantize
+        from lmcache.storage_backend.serde.cachegen_encoder import encode_ntokens, torch_quant_vectorized
+    except Exception as exc:  # noqa: BLE001 - any import failure is a reason to report
+        return None, f"{type(exc).__name__}: {exc}"
+    return (lmcache.torch_device_type, device_ops, torch_quant_vectorized, encode_ntokens, do_dequantize), ""
+
+
+def lmcache_coder(ops, key_bins, value_bins, device):
+    """encode(kv [2, L, T, C], T <= 256) -> state; decode(state, shape, dtype) -> [2, L, T, C].
+    The calls and buffers of LMCache's CacheGenSerializer/Deserializer GPU path, without
+    its pickling (so its timings are kernels and tensor ops only)."""
+    _, device_ops, quant, encode_ntokens, dequant = ops
+    kb = torch.tensor(key_bins, device=device)
+    vb = torch.tensor(value_bins, device=device)
+    both = torch.cat((kb, vb))
+
+    def encode(kv):
+        _, L, T, C = kv.shape
+        k, max_k = quant(kb, kv[0])  # [L, T, C] int8 (offset by +M), [L, T, 1]
+        v, max_v = quant(vb, kv[1])
+        cdf = torch.cat([device_ops.calculate_cdf(k, int(kb.max())), device_ops.calculate_cdf(v, int(vb.max()))])
+        buf = torch.zeros((2 * L, C, 256), dtype=torch.uint8, device=kv.device)
+        lens = torch.zeros((2 * L, C), dtype=torch.int32, device=kv.device)
+        stream = encode_ntokens(cdf, torch.cat((k, v)).reshape(2 * L, T, C), buf, lens)
+        return stream, lens, cdf, torch.cat((max_k, max_v))
+
+    def decode(state, shape, dtype):
+        stream, lens, cdf, maxes = state
+        _, L, T, C = shape
+        sym = torch.empty((2 * L, T, C), dtype=torch.uint8, device=stream.device)
+        device_ops.decode_fast_prefsum(cdf, stream, lens.flatten().cumsum(0).reshape(lens.shape), sym)
+        return dequant(sym.float(), both, maxes).to(dtype).view(shape)
+
+    def stored_bytes(state):
+        stream, lens, cdf, maxes = state
+        return stream.numel() + cdf.numel() * cdf.element_size() + maxes.numel() * 2  # maxes as the KV dtype
+
+    return encode, decode, stored_bytes
+
+
+def bench_lmcache(args, results, kvs, bins):
+    res = results["lmcache_cuda"] = {}
+    ops, why = lmcache_ops()
+    if ops is None or ops[0] != "cuda":
+        res["unavailable"] = why or f"LMCache resolved its device as {ops[0]!r}, not cuda"
+        print(f"\n== LMCache CUDA CacheGen: not run ({res['unavailable']})")
+        return
+    L = kvs[0].shape[1]
+    encode, decode, stored = lmcache_coder(ops, bins[:L], bins[L:], kvs[0].device)
+    raw = kvs[0].numel() * 2 * len(kvs)
+    states = [encode(kv) for kv in kvs]
+    res["encode_GBps"] = raw / cuda_time(lambda: [encode(kv) for kv in kvs], reps=3, warmup=1) / 1e9
+    res["decode_GBps"] = raw / cuda_time(lambda: [decode(st, kv.shape, kv.dtype) for st, kv in zip(states, kvs)],
+                                         reps=3, warmup=1) / 1e9
+    res["ratio_vs_bf16"] = raw / sum(stored(st) for st in states)
+    out = decode(states[0], kvs[0].shape, kvs[0].dtype).float()
+    ref = kvs[0].float()
+    res["max_rel_error"] = float(((out - ref).abs().amax(dim=-1) / ref.abs().amax(dim=-1).clamp_min(1e-30)).max())
+    print(f"\n== LMCache 0.5.6 CUDA CacheGen, same {len(kvs)} chunks and bins: encode {res['encode_GBps']:.2f} GB/s, "
+          f"decode {res['decode_GBps']:.2f} GB/s, {res['ratio_vs_bf16']:.2f}x vs bf16 "
+          f"(max error {res['max_rel_error']:.3f} of the token's max)")
 
 
 def main():
@@ -243,7 +331,7 @@ def main():
     ap.add_argument("--chunks", type=int, default=32)
     ap.add_argument("--cpu-chunks", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["paged", "cachegen"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["paged", "cachegen", "lmcache"])
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available():

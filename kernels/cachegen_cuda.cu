@@ -372,7 +372,7 @@ __device__ __forceinline__ uint32_t load_u32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
-template <bool SMEM, bool TRANSPOSED, bool WINDOW>
+template <bool SMEM, bool TRANSPOSED, bool WINDOW, bool GTAB>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock) k_decode(const cgc_section *__restrict__ secs, int32_t *errs,
                                                                  uint32_t nsec, uint32_t smem_tab_u16) {
     extern __shared__ uint16_t smem_tables[];
@@ -406,17 +406,24 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) k_decode(const cgc_sectio
         return;
     }
 
-    /* tables: padded to S entries (2^P past nsym), transposed by groups of 32 channels */
+    /* tables: padded to S entries (2^P past nsym), transposed by groups of 32 channels;
+     * GTAB: this warp's Gaussian table and each channel's base index in it */
     const uint32_t S = cgc_dec_table_size(M);
     uint16_t *tab = SMEM ? smem_tables + (size_t)wib * smem_tab_u16 : reinterpret_cast<uint16_t *>(scr + lay.tables);
     const uint32_t *mq = reinterpret_cast<const uint32_t *>(scr + lay.mq);
     const uint32_t *sq = reinterpret_cast<const uint32_t *>(scr + lay.sq);
-    for (uint32_t c = lane; c < C; c += 32) {
-        uint16_t row[CG_NSYM_MAX + 1];
-        cg_build_cum(nsym, mq[c], sq[c], P, row);
-        for (uint32_t e = 0; e < (TRANSPOSED ? S : S + 2u); e++) {
-            const uint16_t v = e <= (uint32_t)nsym ? row[e] : (uint16_t)(1u << P);
-            tab[TRANSPOSED ? cgc_dec_table_index(c, e, S) : cgc_dec_row_index(c, e, S)] = v;
+    uint16_t *gbase = tab + cgc_gtab_entries(M);
+    if (GTAB) {
+        for (uint32_t e = lane; e < cgc_gtab_entries(M); e += 32) tab[e] = cgc_gtab_value(e, M, P);
+        for (uint32_t c = lane; c < C; c += 32) gbase[c] = (uint16_t)cgc_gtab_base(mq[c], sq[c], M);
+    } else {
+        for (uint32_t c = lane; c < C; c += 32) {
+            uint16_t row[CG_NSYM_MAX + 1];
+            cg_build_cum(nsym, mq[c], sq[c], P, row);
+            for (uint32_t e = 0; e < (TRANSPOSED ? S : S + 2u); e++) {
+                const uint16_t v = e <= (uint32_t)nsym ? row[e] : (uint16_t)(1u << P);
+                tab[TRANSPOSED ? cgc_dec_table_index(c, e, S) : cgc_dec_row_index(c, e, S)] = v;
+            }
         }
     }
     float *units = units_all[wib];
@@ -452,7 +459,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) k_decode(const cgc_sectio
                 const bool active = j < N && c < C;
                 uint32_t xx = x[h], sym = 0;
                 bool need = false;
-                if (active) {
+                if (active && GTAB) {
+                    const uint32_t slot = xx & mask;
+                    uint32_t lo, hi;
+                    sym = cgc_gtab_search(tab, gbase[c], M, P, S, slot, &lo, &hi);
+                    xx = (hi - lo) * (xx >> P) + slot - lo;
+                    need = cg_dec_needs_word(xx);
+                } else if (active) {
                     const uint32_t es = TRANSPOSED ? 32u : 1u; /* entry stride */
                     const uint16_t *col = tab + (TRANSPOSED ? cgc_dec_table_index(c, 0, S) : cgc_dec_row_index(c, 0, S));
                     const uint32_t slot = xx & mask;
@@ -581,33 +594,39 @@ extern "C" int cgc_assemble_sections(const cgc_section *secs, const cgc_enc_resu
     return e == cudaSuccess ? 0 : fail("k_assemble launch", e);
 }
 
-extern "C" int cgc_decode_tables_in_smem(uint32_t max_C, int max_M) {
-    const uint64_t per_warp = smem_table_bytes(max_C, max_M);
+static int warps_that_fit(uint64_t per_warp) {
     const uint64_t room = (uint64_t)max_smem_optin() - 8192u; /* static shared memory and slack */
     const uint64_t w = per_warp ? room / per_warp : kWarpsPerBlock;
     return (int)(w > (uint64_t)kWarpsPerBlock ? kWarpsPerBlock : w);
 }
 
-template <bool SMEM>
-cudaError_t launch_decode(int variant, unsigned blocks, unsigned threads, size_t smem, cudaStream_t st,
-                          const cgc_section *secs, int32_t *errs, uint32_t nsec, uint32_t tab_u16) {
-    switch (variant & 3) {
-    case 0: k_decode<SMEM, false, false><<<blocks, threads, smem, st>>>(secs, errs, nsec, tab_u16); break;
-    case 1: k_decode<SMEM, true, false><<<blocks, threads, smem, st>>>(secs, errs, nsec, tab_u16); break;
-    case 2: k_decode<SMEM, false, true><<<blocks, threads, smem, st>>>(secs, errs, nsec, tab_u16); break;
-    default: k_decode<SMEM, true, true><<<blocks, threads, smem, st>>>(secs, errs, nsec, tab_u16); break;
-    }
-    return cudaGetLastError();
+extern "C" int cgc_decode_tables_in_smem(uint32_t max_C, int max_M) {
+    return warps_that_fit(smem_table_bytes(max_C, max_M));
 }
 
-cudaError_t set_smem(int variant, size_t bytes) {
-    const int b = (int)bytes;
+extern "C" int cgc_decode_gtab_in_smem(uint32_t max_C, int max_M) {
+    const uint64_t entries = cgc_gtab_entries(max_M);
+    if (entries > 65535u) return 0; /* channel bases are u16 */
+    return warps_that_fit(cgc_gtab_smem_bytes(max_C, max_M));
+}
+
+/* The variant's kernel: the bits CGC_VAR_* (the GTAB kernels keep their tables in shared memory). */
+template <bool SMEM>
+void *decode_kernel(int variant) {
+    if (variant & CGC_VAR_GTAB)
+        return (variant & CGC_VAR_WINDOW) ? (void *)k_decode<true, false, true, true> : (void *)k_decode<true, false, false, true>;
     switch (variant & 3) {
-    case 0: return cudaFuncSetAttribute(k_decode<true, false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, b);
-    case 1: return cudaFuncSetAttribute(k_decode<true, true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, b);
-    case 2: return cudaFuncSetAttribute(k_decode<true, false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, b);
-    default: return cudaFuncSetAttribute(k_decode<true, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, b);
+    case 0: return (void *)k_decode<SMEM, false, false, false>;
+    case 1: return (void *)k_decode<SMEM, true, false, false>;
+    case 2: return (void *)k_decode<SMEM, false, true, false>;
+    default: return (void *)k_decode<SMEM, true, true, false>;
     }
+}
+
+cudaError_t launch_decode(void *kernel, unsigned blocks, unsigned threads, size_t smem, cudaStream_t st,
+                          const cgc_section *secs, int32_t *errs, uint32_t nsec, uint32_t tab_u16) {
+    void *args[] = {(void *)&secs, (void *)&errs, (void *)&nsec, (void *)&tab_u16};
+    return cudaLaunchKernel(kernel, dim3(blocks), dim3(threads), args, smem, st);
 }
 
 extern "C" int cgc_decode_sections(const cgc_section *secs, int32_t *errs, uint32_t nsec, uint32_t max_C, int max_M,
@@ -616,20 +635,27 @@ extern "C" int cgc_decode_sections(const cgc_section *secs, int32_t *errs, uint3
     if (nsec == 0) return 0;
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     cudaError_t e;
+    const bool gtab = (variant & CGC_VAR_GTAB) != 0;
+    if (gtab && tables_in_smem <= 0) {
+        snprintf(g_err, sizeof g_err, "the Gaussian-table decoder needs its tables in shared memory");
+        return -1;
+    }
     if (tables_in_smem > 0) {
         const int wpb = tables_in_smem > kWarpsPerBlock ? kWarpsPerBlock : tables_in_smem;
-        const uint64_t per_warp = smem_table_bytes(max_C, max_M);
+        const uint64_t per_warp = gtab ? cgc_gtab_smem_bytes(max_C, max_M) : smem_table_bytes(max_C, max_M);
         const size_t bytes = (size_t)per_warp * (size_t)wpb;
         if (bytes > (size_t)max_smem_optin()) {
             snprintf(g_err, sizeof g_err, "decoder tables need %zu bytes of shared memory", bytes);
             return -1;
         }
-        if ((e = set_smem(variant, bytes)) != cudaSuccess) return fail("cudaFuncSetAttribute", e);
+        void *kernel = decode_kernel<true>(variant);
+        if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes)) != cudaSuccess)
+            return fail("cudaFuncSetAttribute", e);
         const unsigned blocks = (nsec + (unsigned)wpb - 1u) / (unsigned)wpb;
-        e = launch_decode<true>(variant, blocks, 32u * wpb, bytes, st, secs, errs, nsec, (uint32_t)(per_warp / 2u));
+        e = launch_decode(kernel, blocks, 32u * wpb, bytes, st, secs, errs, nsec, (uint32_t)(per_warp / 2u));
     } else {
         const unsigned blocks = (nsec + kWarpsPerBlock - 1u) / kWarpsPerBlock;
-        e = launch_decode<false>(variant, blocks, 32u * kWarpsPerBlock, 0, st, secs, errs, nsec, 0);
+        e = launch_decode(decode_kernel<false>(variant), blocks, 32u * kWarpsPerBlock, 0, st, secs, errs, nsec, 0);
     }
     return e == cudaSuccess ? 0 : fail("k_decode launch", e);
 }

@@ -24,6 +24,8 @@
 
 #include <stdint.h>
 
+#include "cachegen_stream.h"
+
 #ifdef __CUDACC__
 #define CGC_FN __host__ __device__ __forceinline__
 #else
@@ -162,6 +164,49 @@ CGC_FN uint64_t cgc_dec_table_bytes(uint32_t C, int M) {
 /* decoder variants (bit flags; all decode identically, they differ in speed) */
 #define CGC_VAR_TRANSPOSED 1 /* tables entry-major by groups of 32 channels (else one row per channel) */
 #define CGC_VAR_WINDOW 2     /* renormalisation words through a register window + shuffles (else direct loads) */
+#define CGC_VAR_GTAB 4       /* the shared Gaussian table below instead of per-channel tables (TRANSPOSED ignored) */
+
+/* The Gaussian table (CGC_VAR_GTAB). cum_c[s] = s + g(4s - 2 - mq_c, sq_c) for
+ * 0 < s < nsym (cg_cum_gauss), so one table of g over (sq, num) serves every
+ * channel of a section: gtab[sq * W + num - num_min], num in
+ * [num_min, num_max] = [6 - 4 nsym, 4 nsym - 6], W = 8 nsym - 11 values per
+ * sigma code; 7.0 KB for 16 bins, 15.2 KB for 32 (vs 37 to 70 KB of
+ * per-channel tables for a [256, 1024] section). A channel needs only the
+ * index of its s = 1 entry (cgc_gtab_base); entry s is at base + 4 (s - 1). */
+CGC_FN uint32_t cgc_gtab_width(int M) { return 8u * (uint32_t)(2 * M + 1) - 11u; }
+CGC_FN uint32_t cgc_gtab_entries(int M) { return (uint32_t)CG_NSIGMA * cgc_gtab_width(M); }
+/* value of entry e (0 <= e < cgc_gtab_entries(M)) */
+CGC_FN uint16_t cgc_gtab_value(uint32_t e, int M, int P) {
+    const int nsym = 2 * M + 1;
+    const uint32_t W = cgc_gtab_width(M);
+    const int32_t num = (int32_t)(e % W) + 6 - 4 * nsym;
+    return (uint16_t)cg_cum_gauss(num, e / W, (1u << P) - (uint32_t)nsym);
+}
+/* index of a channel's s = 1 entry: num = 2 - mq, mq <= 4 (nsym - 1) */
+CGC_FN uint32_t cgc_gtab_base(uint32_t mq, uint32_t sq, int M) {
+    const uint32_t nsym = 2u * (uint32_t)M + 1u;
+    return sq * cgc_gtab_width(M) + 4u * nsym - 4u - mq;
+}
+/* slot -> symbol (cum[sym] <= slot < cum[sym + 1]) by binary search over
+ * S = cgc_dec_table_size(M) entries; also returns cum[sym] and cum[sym + 1],
+ * the last probes of the search (no further table reads). */
+CGC_FN uint32_t cgc_gtab_search(const uint16_t *gtab, uint32_t base, int M, int P, uint32_t S, uint32_t slot,
+                                uint32_t *lo, uint32_t *hi) {
+    const uint32_t nsym = 2u * (uint32_t)M + 1u;
+    uint32_t sym = 0, l = 0, h = 1u << P;
+    for (uint32_t step = S >> 1; step; step >>= 1) {
+        const uint32_t p = sym + step;
+        const uint32_t v = p < nsym ? p + gtab[base + 4u * (p - 1u)] : (1u << P);
+        if (v <= slot) { sym = p; l = v; } else { h = v; }
+    }
+    *lo = l;
+    *hi = h;
+    return sym;
+}
+/* shared-memory bytes of one warp's Gaussian table + channel bases (C u16), 16-aligned */
+CGC_FN uint64_t cgc_gtab_smem_bytes(uint32_t C, int M) {
+    return (2u * (uint64_t)cgc_gtab_entries(M) + 2u * (uint64_t)C + 15u) & ~(uint64_t)15u;
+}
 
 /* Decoder scratch of one section (tables: also room for the frequency
  * tables when they do not go to shared memory). */
@@ -202,6 +247,9 @@ int cgc_assemble_sections(const cgc_section *secs, const cgc_enc_result *res, ui
  * scratch). 'auto' callers use shared memory only at 4 warps per block: fewer
  * resident warps cost more than L1-cached global tables (measured). */
 int cgc_decode_tables_in_smem(uint32_t max_C, int max_M);
+/* The same for the Gaussian tables of CGC_VAR_GTAB (which need shared memory):
+ * warps per block (1..4), or 0 when even one does not fit. */
+int cgc_decode_gtab_in_smem(uint32_t max_C, int max_M);
 /* errs: device int32[nsec], one CGC_DEC_* per section. tables_in_smem: 0
  * (tables in the scratch: with_tables = 1 in its layout) or 1..4 warps per
  * block with the tables in shared memory (with_tables = 0). */

@@ -89,3 +89,30 @@ int64_t shim_resynth_side(const uint8_t *sec, uint64_t seclen, int dtype, uint32
     if (pos != br.pos) return -1;
     return (int64_t)pos;
 }
+
+/* The Gaussian-table decoder (CGC_VAR_GTAB) against the per-channel tables:
+ * for every sigma code and mean code of a geometry, every `stride`-th slot
+ * must give the symbol, cum[sym] and cum[sym + 1] that cg_build_cum's table
+ * gives. Returns the number of disagreements (or -1 if gtab is too small). */
+int64_t shim_gtab_mismatches(int M, int P, uint32_t stride, uint16_t *gtab, uint32_t gtab_len) {
+    const int nsym = 2 * M + 1;
+    const uint32_t entries = cgc_gtab_entries(M), S = cgc_dec_table_size(M);
+    if (entries > gtab_len) return -1;
+    for (uint32_t e = 0; e < entries; e++) gtab[e] = cgc_gtab_value(e, M, P);
+    int64_t bad = 0;
+    uint16_t cum[CG_NSYM_MAX + 1];
+    for (uint32_t sq = 0; sq < CG_NSIGMA; sq++) {
+        for (uint32_t mq = 0; mq <= 4u * (uint32_t)(nsym - 1); mq++) {
+            cg_build_cum(nsym, mq, sq, P, cum);
+            const uint32_t base = cgc_gtab_base(mq, sq, M);
+            uint32_t want = 0;
+            for (uint32_t slot = 0; slot < (1u << P); slot += stride) {
+                while (cum[want + 1] <= slot) want++;
+                uint32_t lo, hi;
+                const uint32_t got = cgc_gtab_search(gtab, base, M, P, S, slot, &lo, &hi);
+                if (got != want || lo != cum[want] || hi != cum[want + 1]) bad++;
+            }
+        }
+    }
+    return bad;
+}

@@ -166,23 +166,31 @@ CG_FN uint32_t cg_estimate_sigma(uint64_t N, uint64_t S1, uint64_t S2) {
     return sq;
 }
 
+/* The Gaussian part of cum[s]: for num = 4 * (edge - mean) = 4s - 2 - mq,
+ * floor(Phi(num / (4 sigma)) * spread), spread = 2^P - nsym. It depends on s and
+ * mq only through num, which lets a decoder share one table of these values
+ * between all channels of a sigma code (kernels/cachegen_cuda.h, cgc_gtab_*). */
+CG_FN uint32_t cg_cum_gauss(int32_t num, uint32_t sq, uint32_t spread) {
+    const int32_t inv = (int32_t)CG_TAB(CG_INV4S)[sq];
+    const int32_t zlim = CG_PHI_ZMAX * 65536;
+    int32_t zf = num * inv;                  /* z in Q16 */
+    if (zf < -zlim) zf = -zlim;
+    if (zf > zlim - 1) zf = zlim - 1;
+    uint32_t zi = (uint32_t)(zf + zlim);
+    uint32_t idx = zi >> 11, frac = zi & 2047u;
+    uint32_t lo = CG_TAB(CG_PHI)[idx], hi = CG_TAB(CG_PHI)[idx + 1];
+    uint32_t ph = lo + (((hi - lo) * frac) >> 11);
+    return (ph * spread) >> 16;
+}
+
 /* cumulative frequencies cum[0..nsym] (cum[0] = 0, cum[nsym] = 2^P, every
  * frequency >= 1) for mean code mq (mean = mq/4) and sigma code sq. */
 CG_FN void cg_build_cum(int nsym, uint32_t mq, uint32_t sq, int prob_bits, uint16_t *cum) {
-    const int32_t inv = (int32_t)CG_TAB(CG_INV4S)[sq];
     const uint32_t spread = (1u << prob_bits) - (uint32_t)nsym;
-    const int32_t zlim = CG_PHI_ZMAX * 65536;
     cum[0] = 0;
     for (int s = 1; s < nsym; s++) {
         int32_t num = 4 * s - 2 - (int32_t)mq;   /* 4 * (edge - mean), edge = s - 1/2 */
-        int32_t zf = num * inv;                  /* z in Q16 */
-        if (zf < -zlim) zf = -zlim;
-        if (zf > zlim - 1) zf = zlim - 1;
-        uint32_t zi = (uint32_t)(zf + zlim);
-        uint32_t idx = zi >> 11, frac = zi & 2047u;
-        uint32_t lo = CG_TAB(CG_PHI)[idx], hi = CG_TAB(CG_PHI)[idx + 1];
-        uint32_t ph = lo + (((hi - lo) * frac) >> 11);
-        cum[s] = (uint16_t)((uint32_t)s + ((ph * spread) >> 16));
+        cum[s] = (uint16_t)((uint32_t)s + cg_cum_gauss(num, sq, spread));
     }
     cum[nsym] = (uint16_t)(1u << prob_bits);
 }

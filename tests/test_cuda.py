@@ -606,7 +606,21 @@ def cg_shim(tmp_path_factory):
     lib.shim_dec_table_bytes.argtypes = [u32, i32]
     lib.shim_resynth_side.restype = i64
     lib.shim_resynth_side.argtypes = [ctypes.c_char_p, u64, i32, u32, u32, ctypes.c_void_p, u64]
+    lib.shim_gtab_mismatches.restype = i64
+    lib.shim_gtab_mismatches.argtypes = [i32, i32, u32, ctypes.c_void_p, u32]
     return lib
+
+
+@pytest.mark.parametrize("bins,prob_bits,stride", [(4, 10, 1), (16, 14, 1), (32, 14, 3), (64, 15, 7), (256, 14, 61),
+                                                   (34, 12, 1), (200, 15, 97)])
+def test_cachegen_gaussian_table_search_equals_per_channel_tables(cg_shim, bins, prob_bits, stride):
+    """CGC_VAR_GTAB's decoder reads one shared table of Gaussian offsets instead of per-channel
+    cumulative frequencies: for every sigma and mean code it must find the same symbol and the same
+    cum[sym], cum[sym + 1] as cg_build_cum's table, at every (stride-th) slot."""
+    M = bins // 2 - 1
+    gtab = np.zeros(32 * (8 * (2 * M + 1) - 11), dtype=np.uint16)
+    bad = cg_shim.shim_gtab_mismatches(M, prob_bits, stride, gtab.ctypes.data, gtab.size)
+    assert bad == 0
 
 
 def _rice_bits_py(v: int, base: int, k: int, w: int) -> tuple[int, int]:
@@ -757,7 +771,7 @@ def test_gpu_cachegen_bytes_and_decode_equal_cpu(dtype, shape, params, kind):
     want = cachegen_decode(cpu_payload, kv.shape, dtype, cpu_p)
     modes = ["auto", "global"] + (["smem"] if gcg.library().cgc_decode_tables_in_smem(C, 127) else [])
     for tables in modes:
-        for variant in range(4):
+        for variant in gcg.DECODE_VARIANTS:
             got = gcg.decode(cpu_payload, kv.shape, dtype, cpu_p, tables=tables, variant=variant)
             assert _same_bits(got, want), (tables, variant)
 
@@ -832,11 +846,11 @@ def test_gpu_cachegen_corrupt_payloads_like_cpu():
             try:
                 want = cachegen_decode(bytes(bad), kv.shape, dtype, p)
             except DecodeError:
-                for variant in range(4):
+                for variant in gcg.DECODE_VARIANTS:
                     with pytest.raises(DecodeError):
                         gcg.decode(bytes(bad), kv.shape, dtype, p, variant=variant)
                 continue
-            for variant in range(4):
+            for variant in gcg.DECODE_VARIANTS:
                 got = gcg.decode(bytes(bad), kv.shape, dtype, p, variant=variant)
                 assert _same_bits(got, want), (pos, variant)
         for cut in (len(payload) - 4, len(payload) // 2, 30):

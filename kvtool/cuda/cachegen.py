@@ -29,10 +29,13 @@ RESULT_DTYPE = np.dtype([("side_bits", "<u8"), ("nwords", "<u4"), ("err", "<i4")
                          ("out_len", "<u8")])
 assert SECTION_DTYPE.itemsize == 64 and RESULT_DTYPE.itemsize == 32
 MAX_SECTIONS = 65535  # per encode launch (grid.y)
-# decoder variant (cachegen_cuda.h): 1 = transposed tables, 2 = word window; same output, different speed.
+# decoder variant (cachegen_cuda.h, CGC_VAR_*): 1 = transposed tables, 2 = word window, 4 = one shared
+# Gaussian table per warp in shared memory instead of per-channel tables; same output, different speed.
 # H100, 32 chunks [2, 32, 256, 1024] bf16, tables in global memory: rows 75.6 GB/s, rows+window 75.2,
 # transposed 54.8, transposed+window 55.1 (tables in shared memory: ~39-40 for all four: 3 warps per SM).
-VAR_TRANSPOSED, VAR_WINDOW = 1, 2
+# The gtab variants (4, 6) are newer than that measurement: not yet timed on a GPU, so not the default.
+VAR_TRANSPOSED, VAR_WINDOW, VAR_GTAB = 1, 2, 4
+DECODE_VARIANTS = {0: "rows", 1: "transposed", 2: "rows+window", 3: "transposed+window", 4: "gtab", 6: "gtab+window"}
 DEFAULT_VARIANT = 0
 
 _lib: ctypes.CDLL | None = None
@@ -54,6 +57,8 @@ def library() -> ctypes.CDLL:
         lib.cgc_assemble_sections.argtypes = [vp, vp, u32, vp, vp]
         lib.cgc_decode_tables_in_smem.restype = i32
         lib.cgc_decode_tables_in_smem.argtypes = [u32, i32]
+        lib.cgc_decode_gtab_in_smem.restype = i32
+        lib.cgc_decode_gtab_in_smem.argtypes = [u32, i32]
         lib.cgc_decode_sections.restype = i32
         lib.cgc_decode_sections.argtypes = [vp, vp, u32, u32, i32, i32, i32, vp]
         lib.cgc_decode_error_string.restype = ctypes.c_char_p
@@ -216,7 +221,7 @@ class DecodePlan:
         self.lib, self.metas, self.outs, self.dev = lib, metas, outs, dev
         self._keep = (d_pl, host, scratch)
         self.d_secs, self.errs, self.nsec, self.max_C, self.max_M, self.wpb = d_secs, errs, nsec, max_C, max_M, wpb
-        self.tables = "smem" if wpb else "global"
+        self.tables = "gtab" if variant & VAR_GTAB else "smem" if wpb else "global"
 
     def run(self) -> None:
         with torch.cuda.device(self.dev):
@@ -287,13 +292,21 @@ def plan_decode(payloads: Sequence[bytes | memoryview], shapes: Sequence[Any], d
     d_pl = host.to(dev, non_blocking=True)
     max_C = max(m[0][3] for m in metas)
     max_M = max(max(h.half_ranges) for _, h in metas)
-    wpb = lib.cgc_decode_tables_in_smem(max_C, max_M)
-    if tables == "global" or (tables == "auto" and wpb < 4):
-        wpb = 0  # auto: shared memory only when it does not cost resident warps (measured on an H100)
-    elif tables == "smem" and wpb == 0:
-        raise UsageError("cachegen: the decoder tables do not fit in shared memory for this geometry")
-    elif tables not in ("auto", "smem"):
+    variant = DEFAULT_VARIANT if variant is None else int(variant)
+    if variant not in DECODE_VARIANTS:
+        raise UsageError(f"cachegen: decoder variant must be one of {sorted(DECODE_VARIANTS)}, got {variant}")
+    if tables not in ("auto", "smem", "global"):
         raise UsageError(f"cachegen: tables must be 'auto', 'smem' or 'global', got {tables!r}")
+    if variant & VAR_GTAB:  # its tables always live in shared memory
+        wpb = lib.cgc_decode_gtab_in_smem(max_C, max_M)
+        if wpb == 0:
+            raise UsageError("cachegen: the Gaussian decoder tables do not fit in shared memory for this geometry")
+    else:
+        wpb = lib.cgc_decode_tables_in_smem(max_C, max_M)
+        if tables == "global" or (tables == "auto" and wpb < 4):
+            wpb = 0  # auto: shared memory only when it does not cost resident warps (measured on an H100)
+        elif tables == "smem" and wpb == 0:
+            raise UsageError("cachegen: the decoder tables do not fit in shared memory for this geometry")
     rows = []
     for (shp, hdr), out, base in zip(metas, outs, starts[:-1]):
         _, L, T, C = shp
@@ -312,7 +325,7 @@ def plan_decode(payloads: Sequence[bytes | memoryview], shapes: Sequence[Any], d
     errs = torch.zeros(len(rows), dtype=torch.int32, device=dev)
     d_secs = _upload(secs, dev)
     return DecodePlan(lib, metas, list(outs), d_pl, host, scratch, d_secs, errs, len(rows), max_C, max_M, wpb, dev,
-                      DEFAULT_VARIANT if variant is None else int(variant))
+                      variant)
 
 
 def decode_chunks(payloads: Sequence[bytes | memoryview], shapes: Sequence[Any], dtype: torch.dtype, params: dict,
