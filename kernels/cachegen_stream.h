@@ -220,30 +220,51 @@ typedef struct {
     int err;
 } cg_bitreader;
 
+/* the n (1..32) bits at br->pos, LSB-first, without advancing; the caller has
+ * checked pos + n <= nbits, so only bytes inside the buffer are read */
+CG_FN uint32_t cg_br_peek(const cg_bitreader *br, int n) {
+    const uint64_t first = br->pos >> 3, last = (br->pos + (uint64_t)n - 1u) >> 3;
+    uint64_t acc = 0;
+    for (uint64_t i = first; i <= last; i++) acc |= (uint64_t)br->p[i] << (8u * (i - first));
+    acc >>= (br->pos & 7u);
+    return (uint32_t)(n == 32 ? acc : acc & ((1ull << n) - 1u));
+}
+
 CG_FN uint32_t cg_br_bits(cg_bitreader *br, int n) {
     if (n == 0) return 0;
     if (br->pos + (uint64_t)n > br->nbits) { br->err = 1; return 0; }
-    uint32_t v = 0;
-    for (int i = 0; i < n; i++) {
-        uint64_t b = br->pos + (uint64_t)i;
-        v |= (uint32_t)((br->p[b >> 3] >> (b & 7)) & 1u) << i;
-    }
+    const uint32_t v = cg_br_peek(br, n);
     br->pos += (uint64_t)n;
     return v;
 }
 
+/* number of trailing one bits of v (v has a zero bit somewhere) */
+CG_FN int cg_trailing_ones(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+    return __ffs(~v) - 1;
+#elif defined(__GNUC__)
+    return __builtin_ctz(~v);
+#else
+    int n = 0;
+    while (v & 1u) { v >>= 1; n++; }
+    return n;
+#endif
+}
+
 /* One Rice-coded value around `base` with parameter k; `w` is the field width
- * (raw escape). Returns the value; sets br->err on a read past the end. */
+ * (raw escape). Returns the value; sets br->err on a read past the end. The
+ * unary prefix (ones ended by a zero, or CG_RICE_ESCAPE ones) is read in one peek. */
 CG_FN uint32_t cg_rice_get(cg_bitreader *br, uint32_t base, int k, int w) {
-    uint32_t q = 0;
-    while (q < CG_RICE_ESCAPE) {
-        if (br->pos >= br->nbits) { br->err = 1; return 0; }
-        uint32_t b = (br->p[br->pos >> 3] >> (br->pos & 7)) & 1u;
-        br->pos++;
-        if (!b) break;
-        q++;
+    const uint64_t left = br->nbits - br->pos;
+    const int n = left < CG_RICE_ESCAPE ? (int)left : (int)CG_RICE_ESCAPE;
+    const int ones = n ? cg_trailing_ones(cg_br_peek(br, n)) : 0;  /* peek < 2^16, so ~peek has a set bit */
+    if (ones >= n) {
+        if (n < (int)CG_RICE_ESCAPE) { br->err = 1; return 0; }  /* the stream ends inside the prefix */
+        br->pos += CG_RICE_ESCAPE;
+        return cg_br_bits(br, w);
     }
-    if (q == CG_RICE_ESCAPE) return cg_br_bits(br, w);
+    const uint32_t q = (uint32_t)ones;
+    br->pos += (uint64_t)ones + 1u;
     uint64_t z = ((uint64_t)q << k) | cg_br_bits(br, k);
     int64_t d = (z & 1u) ? -(int64_t)((z + 1u) >> 1) : (int64_t)(z >> 1);
     int64_t v = (int64_t)base + d;
