@@ -26,11 +26,13 @@
  *               scratch, or shared memory); then tokens in order, channels in
  *               groups of N lanes, each lane one channel; the shared word
  *               pointer advances by ballot/popc of the lanes that need a word.
- *               Variants (CGC_VAR_*: table layout, word window) decode the same
- *               values; kvtool/cuda/cachegen.py picks the measured fastest.
+ *               Variants (CGC_VAR_*: table layout, word window, one shared
+ *               Gaussian table per warp) decode the same values;
+ *               kvtool/cuda/cachegen.py picks the measured fastest.
  *               One warp per section: a batch of chunks is what fills the GPU
  *               (H100, 32 chunks of [2, 32, 256, 1024] bf16: 75 GB/s decoded;
- *               one chunk: 4 GB/s).
+ *               one chunk: 4 GB/s, measured when a block always held 4
+ *               sections; small launches now spread to one section per SM).
  * Build: nvcc -O3 -std=c++17 -arch=sm_90 (-shared -Xcompiler -fPIC for the .so).
  */
 #include <cuda_runtime.h>
@@ -527,6 +529,21 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) k_decode(const cgc_sectio
     }
 }
 
+int sm_count() {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 1;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v < 1) return 1;
+    return v;
+}
+
+/* Warps (sections) per block: up to `most`, but few enough that a small launch
+ * (one chunk: 2 L sections) still spreads over the SMs instead of packing
+ * 4 sections on each of a few. */
+int spread_warps(uint32_t nsec, int most) {
+    const uint32_t per_sm = (nsec + (uint32_t)sm_count() - 1u) / (uint32_t)sm_count();
+    return per_sm < (uint32_t)most ? (per_sm ? (int)per_sm : 1) : most;
+}
+
 int max_smem_optin() {
     int dev = 0, v = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) return 48 * 1024;
@@ -641,7 +658,7 @@ extern "C" int cgc_decode_sections(const cgc_section *secs, int32_t *errs, uint3
         return -1;
     }
     if (tables_in_smem > 0) {
-        const int wpb = tables_in_smem > kWarpsPerBlock ? kWarpsPerBlock : tables_in_smem;
+        const int wpb = spread_warps(nsec, tables_in_smem > kWarpsPerBlock ? kWarpsPerBlock : tables_in_smem);
         const uint64_t per_warp = gtab ? cgc_gtab_smem_bytes(max_C, max_M) : smem_table_bytes(max_C, max_M);
         const size_t bytes = (size_t)per_warp * (size_t)wpb;
         if (bytes > (size_t)max_smem_optin()) {
@@ -654,8 +671,9 @@ extern "C" int cgc_decode_sections(const cgc_section *secs, int32_t *errs, uint3
         const unsigned blocks = (nsec + (unsigned)wpb - 1u) / (unsigned)wpb;
         e = launch_decode(kernel, blocks, 32u * wpb, bytes, st, secs, errs, nsec, (uint32_t)(per_warp / 2u));
     } else {
-        const unsigned blocks = (nsec + kWarpsPerBlock - 1u) / kWarpsPerBlock;
-        e = launch_decode(decode_kernel<false>(variant), blocks, 32u * kWarpsPerBlock, 0, st, secs, errs, nsec, 0);
+        const int wpb = spread_warps(nsec, kWarpsPerBlock);
+        const unsigned blocks = (nsec + (unsigned)wpb - 1u) / (unsigned)wpb;
+        e = launch_decode(decode_kernel<false>(variant), blocks, 32u * wpb, 0, st, secs, errs, nsec, 0);
     }
     return e == cudaSuccess ? 0 : fail("k_decode launch", e);
 }

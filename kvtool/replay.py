@@ -33,6 +33,11 @@ from .format import ContainerReader
 from .format.hashing import prefix_hashes
 
 
+# On a GPU, chunks decode this many at a time (one launch each group): enough to fill the
+# device, few enough that the decoded group stays small next to the paged buffers.
+LOAD_BATCH_CHUNKS = 32
+
+
 @dataclass
 class ReusePlan:
     tokens: list[int]  # the whole sequence to run (file prefix + anything new)
@@ -85,14 +90,17 @@ def load_prefix(reader: ContainerReader, model: LoadedModel, cache: PagedKVCache
     buffers through the connector's scatter."""
     t0 = time.perf_counter()
     connector = paged_connector(model)
-    for chunk in reader.chunks:
-        if chunk.start >= num_tokens:
-            break
-        end = min(chunk.end, num_tokens)
-        kv = reader.read_chunk(chunk.index, device=cache.device)[:, :, : end - chunk.start]  # [2, L, T, C]
-        memory = connector.allocate(end - chunk.start, kv.dtype, cache.device)
-        memory.tensor.copy_(kv)
-        connector.to_gpu(memory, chunk.start, end, kvcaches=cache.kv_caches, slot_mapping=slot_mapping)
+    needed = [c.index for c in reader.chunks if c.start < num_tokens]
+    group = LOAD_BATCH_CHUNKS if cache.device.type == "cuda" else 1
+    for g in range(0, len(needed), group):
+        batch = needed[g:g + group]
+        for index, decoded in zip(batch, reader.read_chunks(batch, device=cache.device)):
+            chunk = reader.chunks[index]
+            end = min(chunk.end, num_tokens)
+            kv = decoded[:, :, : end - chunk.start]  # [2, L, T, C]
+            memory = connector.allocate(end - chunk.start, kv.dtype, cache.device)
+            memory.tensor.copy_(kv)
+            connector.to_gpu(memory, chunk.start, end, kvcaches=cache.kv_caches, slot_mapping=slot_mapping)
     seq.num_tokens = num_tokens
     synchronize(cache.device)
     return time.perf_counter() - t0

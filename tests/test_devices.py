@@ -99,6 +99,46 @@ def test_read_chunk_on_the_cpu_device_is_read_chunk(tmp_path, codec):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def test_read_chunks_is_read_chunk_of_each(tmp_path):
+    f = write_kv_file(tmp_path / "f.kvc", num_tokens=40, chunk_size=8,
+                      codecs_per_chunk=[("cachegen", None), ("raw", None), ("zstd", None), ("cachegen", None),
+                                        ("cachegen", None)])
+    with ContainerReader(f.path) as r:
+        for picks in ([0, 1, 2, 3, 4], [3, 4], [4, 0], []):
+            got = r.read_chunks(picks)
+            assert len(got) == len(picks)
+            for i, t in zip(picks, got):
+                assert torch.equal(t.view(torch.int16), r.read_chunk(i).view(torch.int16))
+
+
+@needs_gpu
+def test_read_chunks_on_the_gpu_decodes_a_batch_like_the_cpu(tmp_path):
+    f = write_kv_file(tmp_path / "f.kvc", num_tokens=100, chunk_size=16, codec="cachegen")
+    with ContainerReader(f.path) as r:
+        idx = list(range(len(r.chunks)))
+        for cpu, gpu in zip([r.read_chunk(i) for i in idx], r.read_chunks(idx, device="cuda")):
+            assert gpu.is_cuda and torch.equal(cpu.view(torch.int16), gpu.cpu().view(torch.int16))
+
+
+@needs_gpu
+def test_read_chunks_on_the_gpu_names_the_corrupt_chunk(tmp_path):
+    from kvtool.errors import DecodeError
+
+    f = write_kv_file(tmp_path / "f.kvc", num_tokens=64, chunk_size=16, codec="cachegen")
+    with ContainerReader(f.path) as r:
+        payloads = [bytes(r.chunk_payload(i)) for i in range(len(r.chunks))]
+        shapes = [c.shape for c in r.chunks]
+        params = r.chunks[0].codec_params
+    from kvtool.codecs import get_codec
+
+    bad = bytearray(payloads[2])
+    bad[-1] ^= 0xFF  # the last rANS word of the last layer
+    payloads[2] = bytes(bad)
+    codec = get_codec("cachegen")
+    with pytest.raises(DecodeError, match="chunk 2"):
+        codec.decode_batch_to(payloads, shapes, torch.bfloat16, params, torch.device("cuda"))
+
+
 # ---- the model on the CPU, by name --------------------------------------------------------------
 
 @pytest.mark.model

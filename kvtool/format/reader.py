@@ -196,6 +196,25 @@ class ContainerReader:
                                 f"declared {list(chunk.shape)} {chunk.dtype}")
         return tensor
 
+    def read_chunks(self, indices: list[int], *, verify: bool = True,
+                    device: torch.device | str | None = None) -> list[torch.Tensor]:
+        """`read_chunk` of each index. On a CUDA device, CacheGen chunks of one parameter set
+        decode in one launch (a batch is what fills a GPU), to the same values."""
+        target = torch.device("cpu" if device is None else device)
+        chunks = [self._chunk(i) for i in indices]
+        first = chunks[0] if chunks else None
+        batch = getattr(codecs.get_codec(first.codec_id), "decode_batch_to", None) if first else None
+        if (target.type == "cuda" and batch is not None and len(chunks) > 1
+                and all(c.codec_id == first.codec_id and c.dtype == first.dtype
+                        and c.codec_params == first.codec_params for c in chunks)):
+            payloads = [self.chunk_payload(c.index, verify=verify) for c in chunks]
+            try:
+                return batch(payloads, [c.shape for c in chunks], dtype_from_name(first.dtype),
+                             first.codec_params, target)
+            except (KvtoolError, ValueError, RuntimeError, OverflowError, IndexError):
+                pass  # decode one by one below: an error then names its chunk
+        return [self.read_chunk(c.index, verify=verify, device=target) for c in chunks]
+
     def read_chunk_into(self, index: int, out: torch.Tensor, *, verify: bool = True) -> torch.Tensor:
         """Decode chunk `index` into the preallocated contiguous CPU tensor `out` (its shape and dtype).
 

@@ -221,6 +221,21 @@ class CacheGenCodec(Codec):
                     cuda.notice("CacheGen coder", str(exc))
         return super().decode_to(payload, shape, dtype, params, device)
 
+    def decode_batch_to(self, payloads: list[memoryview], shapes: list[tuple[int, ...]], dtype: torch.dtype,
+                        params: dict[str, Any], device: torch.device) -> list[torch.Tensor]:
+        """Several payloads of one parameter set onto `device`: one GPU launch for all of them."""
+        if device.type == "cuda":
+            from ... import cuda
+
+            if cuda.available():
+                try:
+                    from ...cuda import cachegen as gpu
+
+                    return gpu.decode_chunks(payloads, shapes, dtype, params, device=device)
+                except cuda.CudaUnavailable as exc:
+                    cuda.notice("CacheGen coder", str(exc))
+        return [self.decode_to(p, s, dtype, params, device) for p, s in zip(payloads, shapes)]
+
 register(CacheGenCodec())
 
 __all__ = [
