@@ -205,6 +205,8 @@ def bench_cachegen(args, results):
     res["gpu_decode_kernel_1chunk_GBps"] = raw / cuda_time(plan1.run, reps=10, warmup=2) / 1e9
     plan1 = gcg.plan_decode(payloads[:1], [kvs[0].shape], torch.bfloat16, p, variant=gcg.VAR_GTAB | gcg.VAR_WINDOW)
     res["gpu_decode_kernel_1chunk_gtab+window_GBps"] = raw / cuda_time(plan1.run, reps=10, warmup=2) / 1e9
+    res["gpu_decode_kernel_1chunk_gtab+window_same_output"] = torch.equal(
+        plan1.check()[0].view(torch.int16), reference[0].view(torch.int16)) if reference else None
     t_e2e = wall_time(lambda: gcg.decode_chunks(payloads, [k.shape for k in kvs], torch.bfloat16, p), reps=3)
     res["gpu_decode_e2e_GBps"] = raw * n / t_e2e / 1e9
     # CPU baselines on a few chunks

@@ -17,7 +17,7 @@ import torch
 from .errors import UsageError
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
-_SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d{1,3}))?$")
+_SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d{1,9}))?$")
 
 
 def resolve_device(spec: str | None) -> torch.device:

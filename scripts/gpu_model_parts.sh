@@ -24,7 +24,7 @@ case "${1:-}" in
     size=$(stat -c %s "$src")
     per=$(( (size + PARTS - 1) / PARTS ))
     split -b "$per" -d -a 1 "$src" "$HERE/part-"
-    (cd "$(dirname "$src")" && sha256sum "$NAME") > "$HERE/SHA256"
+    echo "$(sha256sum < "$src" | cut -d' ' -f1)  $NAME" > "$HERE/SHA256"
     grep -qxF "/$HERE/" .git/info/exclude 2>/dev/null || echo "/$HERE/" >> .git/info/exclude
     ls -l "$HERE"
     ;;

@@ -120,23 +120,33 @@ def test_read_chunks_on_the_gpu_decodes_a_batch_like_the_cpu(tmp_path):
             assert gpu.is_cuda and torch.equal(cpu.view(torch.int16), gpu.cpu().view(torch.int16))
 
 
-@needs_gpu
-def test_read_chunks_on_the_gpu_names_the_corrupt_chunk(tmp_path):
+def _file_with_a_corrupt_chunk(tmp_path, bad_index=2):
+    """A cachegen file whose chunk `bad_index` has a valid CRC over an undecodable payload."""
+    from kvtool.format import ContainerWriter
+
+    f = write_kv_file(tmp_path / "good.kvc", num_tokens=64, chunk_size=16, codec="cachegen")
+    path = tmp_path / "bad.kvc"
+    with ContainerReader(f.path) as r, ContainerWriter(path, f.identity, f.token_ids, kv_dtype=torch.bfloat16,
+                                                       chunk_size=16) as w:
+        for c in r.chunks:
+            payload = bytearray(r.chunk_payload(c.index))
+            if c.index == bad_index:
+                payload[-1] ^= 0xFF  # the padding of the last layer: the decoder must refuse it
+            w.write_encoded_chunk(bytes(payload), c.codec, c.codec_params)
+    return path
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+def test_a_corrupt_chunk_is_named_by_read_chunk_and_read_chunks(tmp_path, device):
     from kvtool.errors import DecodeError
 
-    f = write_kv_file(tmp_path / "f.kvc", num_tokens=64, chunk_size=16, codec="cachegen")
-    with ContainerReader(f.path) as r:
-        payloads = [bytes(r.chunk_payload(i)) for i in range(len(r.chunks))]
-        shapes = [c.shape for c in r.chunks]
-        params = r.chunks[0].codec_params
-    from kvtool.codecs import get_codec
-
-    bad = bytearray(payloads[2])
-    bad[-1] ^= 0xFF  # the last rANS word of the last layer
-    payloads[2] = bytes(bad)
-    codec = get_codec("cachegen")
-    with pytest.raises(DecodeError, match="chunk 2"):
-        codec.decode_batch_to(payloads, shapes, torch.bfloat16, params, torch.device("cuda"))
+    path = _file_with_a_corrupt_chunk(tmp_path)
+    with ContainerReader(path) as r:
+        with pytest.raises(DecodeError, match=r"^chunk 2: cachegen: layer \d+: "):
+            r.read_chunk(2, device=device)
+        with pytest.raises(DecodeError, match=r"^chunk 2: "):
+            r.read_chunks([0, 1, 2, 3], device=device)
+        assert len(r.read_chunks([0, 1, 3], device=device)) == 3
 
 
 # ---- the model on the CPU, by name --------------------------------------------------------------
@@ -225,12 +235,20 @@ def test_gpu_cachegen_capture_writes_the_cpu_coders_bytes(gpu_files, tmp_path):
 
 @needs_gpu
 @pytest.mark.model
-@pytest.mark.parametrize("name", ["gpu_raw", "cpu_raw"])
-def test_gpu_replay_of_a_lossless_file_reproduces_the_recompute(gpu_files, capsys, name):
-    code, r, _ = cli(capsys, "replay", gpu_files[name], "--compare", "--continue", "8", "--device", "cuda",
+def test_gpu_replay_of_a_gpu_made_lossless_file_reproduces_the_recompute(gpu_files, capsys):
+    code, r, _ = cli(capsys, "replay", gpu_files["gpu_raw"], "--compare", "--continue", "12", "--device", "cuda",
                      "--json")
     assert code == 0 and r["device"].startswith("cuda")
-    assert r["top1_agreement"] >= 0.875 and r["kl_mean"] < 1e-2  # a CPU-made file: CPU-vs-GPU noise only
+    assert r["top1_agreement"] == 1.0 and r["greedy_identical_tokens"] == 12
+    assert r["kl_mean"] < 1e-3  # the last token is computed alone: another kernel shape, float noise
+
+
+@needs_gpu
+@pytest.mark.model
+def test_gpu_replay_of_a_cpu_made_lossless_file(gpu_files, capsys):
+    code, r, _ = cli(capsys, "replay", gpu_files["cpu_raw"], "--compare", "--continue", "8", "--device", "cuda",
+                     "--json")
+    assert code == 0 and r["top1_agreement"] >= 0.875 and r["kl_mean"] < 1e-2  # CPU-vs-GPU arithmetic only
 
 
 @needs_gpu
@@ -247,5 +265,7 @@ def test_gpu_replay_of_a_cachegen_file(gpu_files, capsys):
 def test_gpu_capture_went_through_the_fused_kernel(gpu_files):
     from kvtool.cuda import _build
 
-    assert "paged_copy" in _build._built or _build.load_error("paged_copy") is None
+    if _build.find_nvcc() is None and _build.cached_path("paged_copy") is None:
+        pytest.skip("no nvcc and no cached build: the torch fallback ran, by design")
+    assert "paged_copy" in _build._built, _build.load_error("paged_copy")
     assert describe(torch.device("cuda", 0)).startswith("cuda:0 (")

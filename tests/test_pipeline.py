@@ -106,7 +106,7 @@ def test_replay_of_lossless_file_reproduces_recompute(captured, tmp_path, capsys
     if codec != "raw":
         path = tmp_path / f"{codec}.kvc"
         assert run(["compress", str(captured), "-o", str(path), "--codec", codec]) == 0
-    code, r, _ = cli(capsys, "replay", str(path), "--compare", "--continue", "12", "--min-top1", "1.0",
+    code, r, _ = cli(capsys, "replay", "--device", "cpu", str(path), "--compare", "--continue", "12", "--min-top1", "1.0",
                      "--json")
     assert code == 0, r
     assert r["reused_tokens"] == r["num_tokens"] - 1 and r["computed_tokens"] == 1
@@ -115,7 +115,7 @@ def test_replay_of_lossless_file_reproduces_recompute(captured, tmp_path, capsys
 
 
 def test_replay_with_suffix_reuses_every_cached_token(captured, capsys):
-    code, r, _ = cli(capsys, "replay", str(captured), "--suffix", " In short, the cache", "--continue", "4",
+    code, r, _ = cli(capsys, "replay", "--device", "cpu", str(captured), "--suffix", " In short, the cache", "--continue", "4",
                      "--compare", "--json")
     assert code == 0
     assert r["computed_tokens"] == r["num_tokens"] - r["reused_tokens"] > 0
@@ -134,7 +134,7 @@ def test_prefix_reuse_loads_exactly_the_matching_chunks(captured, tmp_path, caps
     from kvtool.engine import load_model
 
     text = load_model(None).tokenizer.decode(new)
-    code, r, _ = cli(capsys, "replay", str(captured), "--prompt", text, "--continue", "4", "--compare", "--json")
+    code, r, _ = cli(capsys, "replay", "--device", "cpu", str(captured), "--prompt", text, "--continue", "4", "--compare", "--json")
     assert code == 0
     if r["num_tokens"] == len(new):  # the decoded text re-tokenized to the same ids
         assert r["reused_tokens"] == 128 and r["chunks_loaded"] == 2
@@ -153,7 +153,7 @@ def test_replay_refuses_a_foreign_model_file(captured, tmp_path, capsys):
                              chunk_size=r.manifest.chunk_size) as w:
             for c in r.chunks:
                 w.write_encoded_chunk(r.chunk_payload(c.index), c.codec, c.codec_params)
-    code, out, err = cli(capsys, "replay", str(foreign), "--continue", "2")
+    code, out, err = cli(capsys, "replay", "--device", "cpu", str(foreign), "--continue", "2")
     assert code == 2
     assert err.startswith("kvtool: error:") and "not by the loaded model" in err and "Traceback" not in err
 
@@ -162,7 +162,7 @@ def test_replay_refuses_a_truncated_file(captured, tmp_path, capsys):
     cut = tmp_path / "cut.kvc"
     data = captured.read_bytes()
     cut.write_bytes(data[: len(data) // 2])
-    code, _, err = cli(capsys, "replay", str(cut), "--continue", "2")
+    code, _, err = cli(capsys, "replay", "--device", "cpu", str(cut), "--continue", "2")
     assert code == 2 and "truncated" in err and err.count("\n") == 1
 
 
@@ -216,7 +216,7 @@ def test_round_trip_capture_compress_inspect_verify_replay(captured, tmp_path, c
     assert all(c["checksum"] == "ok" for c in info["chunks"])
     code, v, _ = cli(capsys, "verify", str(small), "--against", str(captured), "--rtol", "0.25", "--json")
     assert code == 0 and v["ok"], v["problems"]
-    code, rep, _ = cli(capsys, "replay", str(small), "--compare", "--continue", "16", "--min-top1", "0.75",
+    code, rep, _ = cli(capsys, "replay", "--device", "cpu", str(small), "--compare", "--continue", "16", "--min-top1", "0.75",
                        "--json")
     assert code == 0, rep
     back = tmp_path / "back.raw.kvc"

@@ -36,6 +36,9 @@ def verify_command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 
                    continue_tokens: ReplayContinueOpt = 16, device: DeviceOpt = "auto",
                    json: JsonOpt = False) -> int:
     """Check structure, checksums, decoding, finiteness and prefix hashes (exit 1 if any fails)."""
+    from ..devices import resolve_device
+
+    resolve_device(device)  # a bad --device is an error with or without --replay
     with ContainerReader(path) as reader:
         result = verify_file(reader)
         if against is not None and not result["problems"]:  # a damaged file is not compared

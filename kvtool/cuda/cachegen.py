@@ -297,12 +297,14 @@ def plan_decode(payloads: Sequence[bytes | memoryview], shapes: Sequence[Any], d
         raise UsageError(f"cachegen: decoder variant must be one of {sorted(DECODE_VARIANTS)}, got {variant}")
     if tables not in ("auto", "smem", "global"):
         raise UsageError(f"cachegen: tables must be 'auto', 'smem' or 'global', got {tables!r}")
+    with torch.cuda.device(dev):  # shared memory limits of this device
+        fit_gtab, fit_tables = lib.cgc_decode_gtab_in_smem(max_C, max_M), lib.cgc_decode_tables_in_smem(max_C, max_M)
     if variant & VAR_GTAB:  # its tables always live in shared memory
-        wpb = lib.cgc_decode_gtab_in_smem(max_C, max_M)
+        wpb = fit_gtab
         if wpb == 0:
             raise UsageError("cachegen: the Gaussian decoder tables do not fit in shared memory for this geometry")
     else:
-        wpb = lib.cgc_decode_tables_in_smem(max_C, max_M)
+        wpb = fit_tables
         if tables == "global" or (tables == "auto" and wpb < 4):
             wpb = 0  # auto: shared memory only when it does not cost resident warps (measured on an H100)
         elif tables == "smem" and wpb == 0:

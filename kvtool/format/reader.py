@@ -187,6 +187,9 @@ class ContainerReader:
                 tensor = codec.decode(payload, chunk.shape, dtype, chunk.codec_params)
             else:
                 tensor = codec.decode_to(payload, chunk.shape, dtype, chunk.codec_params, target)
+        except DecodeError as err:  # name the chunk (the codec knows only its payload)
+            text = str(err)
+            raise type(err)(text if text.startswith(f"chunk {index}:") else f"chunk {index}: {text}") from None
         except KvtoolError:
             raise
         except (ValueError, RuntimeError, OverflowError, IndexError) as err:
@@ -212,7 +215,7 @@ class ContainerReader:
                 return batch(payloads, [c.shape for c in chunks], dtype_from_name(first.dtype),
                              first.codec_params, target)
             except (KvtoolError, ValueError, RuntimeError, OverflowError, IndexError):
-                pass  # decode one by one below: an error then names its chunk
+                pass  # decode one by one below: read_chunk's error names the file's chunk
         return [self.read_chunk(c.index, verify=verify, device=target) for c in chunks]
 
     def read_chunk_into(self, index: int, out: torch.Tensor, *, verify: bool = True) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import CodecParamsInvalid, DecodeError, NonFiniteValues, UsageError
+from ...errors import CodecParamsInvalid, DecodeError, KvtoolError, NonFiniteValues, UsageError
 from .. import register
 from ..base import Codec
 from . import reference as ref
@@ -200,7 +200,9 @@ class CacheGenCodec(Codec):
             if cuda.available():
                 try:
                     return cuda.cachegen_encode(kv, params)
-                except cuda.CudaUnavailable as exc:
+                except KvtoolError:
+                    raise
+                except (cuda.CudaUnavailable, RuntimeError) as exc:  # no kernel, launch failure, out of memory
                     cuda.notice("CacheGen coder", str(exc))
             kv = kv.cpu()
         return cachegen_encode(kv, params, threads=self.threads)
@@ -217,7 +219,9 @@ class CacheGenCodec(Codec):
             if cuda.available():
                 try:
                     return cuda.cachegen_decode(payload, shape, dtype, params, device=device)
-                except cuda.CudaUnavailable as exc:
+                except KvtoolError:
+                    raise  # the payload's fault, as the CPU decoder would say
+                except (cuda.CudaUnavailable, RuntimeError) as exc:  # no kernel, launch failure, out of memory
                     cuda.notice("CacheGen coder", str(exc))
         return super().decode_to(payload, shape, dtype, params, device)
 
@@ -232,7 +236,9 @@ class CacheGenCodec(Codec):
                     from ...cuda import cachegen as gpu
 
                     return gpu.decode_chunks(payloads, shapes, dtype, params, device=device)
-                except cuda.CudaUnavailable as exc:
+                except KvtoolError:
+                    raise
+                except (cuda.CudaUnavailable, RuntimeError) as exc:  # no kernel, launch failure, out of memory
                     cuda.notice("CacheGen coder", str(exc))
         return [self.decode_to(p, s, dtype, params, device) for p, s in zip(payloads, shapes)]
 
