@@ -48,6 +48,8 @@ def parse_args(argv=None):
     ap.add_argument("--bins", default="default", help="cachegen bins spec (default: LMCache's)")
     ap.add_argument("--quick", action="store_true", help="lengths 512,1024; best of 2")
     ap.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, auto")
+    ap.add_argument("--hidden-states", action="store_true",
+                    help="capture the final hidden states too: replay then computes no token at all")
     ap.add_argument("--dir", default="", help="where to write the .kvc files (default: a temp dir)")
     ap.add_argument("--md", default=str(_HERE / "RD_RESULTS.md"), help="markdown output ('' = none)")
     args = ap.parse_args(argv)
@@ -119,7 +121,7 @@ def main():
     for n in args.lengths:
         ids = context_tokens(model, n)
         raw_path, cg_path = folder / f"ctx{n}.raw.kvc", folder / f"ctx{n}.cachegen.kvc"
-        cap = capture(model, ids, raw_path, codec="raw")
+        cap = capture(model, ids, raw_path, codec="raw", hidden_states=args.hidden_states)
         with ContainerReader(raw_path) as reader:
             comp = compress_file(reader, cg_path, "cachegen", params)
         best = {"recompute": float("inf"), "raw": float("inf"), "cachegen": float("inf")}
@@ -136,7 +138,7 @@ def main():
                 slow = t > args.slow
             for name, path in (("raw", raw_path), ("cachegen", cg_path)):
                 t, c, ls, tok, reused = time_replay(model, path)
-                assert reused == n - 1, reused
+                assert reused == (n if args.hidden_states else n - 1), reused
                 best[name] = min(best[name], t)
                 cpu[name] = min(cpu[name], c)
                 load[name] = min(load[name], ls)
@@ -167,8 +169,10 @@ def main():
     notes = (f"Model on {describe(model.device)}. Best of {args.repeat} (interleaved), {args.threads} thread(s) for torch and for the cachegen "
              f"coder; cachegen bins `{canonical_bins_spec(params['bins'], model.config.num_layers)}`, "
              f"native coder {native_available()}. Replay = open file + "
-             "decode all chunks (CRC-checked) + connector write into a fresh paged cache + prefill of the last "
-             "context token (first-token logits); [load] = the decode+write part. Recompute = fresh paged cache "
+             "decode all chunks (CRC-checked) + connector write into a fresh paged cache + "
+             + ("first-token logits from the file's stored hidden state of the last token (no prefill at all)"
+                if args.hidden_states else "prefill of the last context token (first-token logits)")
+             + "; [load] = the decode+write part. Recompute = fresh paged cache "
              "+ full prefill (engine default prefill chunk 2048), logits of the last token. Files in the OS page "
              f"cache (just written). Wall-clock is the headline; CPU-s (process CPU time, best of the same runs) is "
              f"robust to the other jobs on this shared 2-core machine. Context: Python stdlib source (typing.py, ...). Run time {seconds / 60:.1f} min.")
@@ -181,6 +185,8 @@ def main():
         from bench_rd import replace_section
         cmd = "python bench/bench_ttft.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         tag, where = ("ttft", "") if model.device.type == "cpu" else ("ttft-gpu", " on the GPU")
+        if args.hidden_states:
+            tag, where = tag + "-hidden", where + ", files with hidden states"
         replace_section(args.md, tag, f"## Time to first token{where} (bench/bench_ttft.py)\n\n"
                         f"Command: `{cmd.strip()}`\n\n{table}\n\n{notes}")
     if tmp is not None:

@@ -86,14 +86,21 @@ def paged_connector(model: LoadedModel) -> PagedMemConnectorV2:
 def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chunk_size: int = 256,
             codec: str = "raw", params: dict[str, Any] | None = None,
             kv_dtype: torch.dtype = torch.bfloat16, block_size: int = 16, shuffle_seed: int | None = 0,
+            hidden_states: bool = False, roi: list[tuple[int, int]] | None = None,
             on_chunk: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Prefill `token_ids` chunk by chunk and write each chunk's KV as soon as it exists.
 
     The paged buffers live where the model does (`model.device`). On a GPU the
     connector's gather is the fused CUDA kernel; the chunk stays on the GPU for
     a codec that encodes there (CacheGen) and goes to pinned host memory for the
-    others."""
+    others.
+
+    Extras (format-spec/container.md): `hidden_states` stores the final hidden
+    states [n, hidden] (after the final norm, in the KV dtype: vLLM's lookup-buffer
+    value; replay then needs no compute for the first new token); `roi` marks
+    token ranges [start, end) in a `roi_mask`."""
     n = len(token_ids)
+    mask = roi_mask(n, roi) if roi is not None else None
     device = model.device
     cache = PagedKVCache.for_tokens(model.config, n, block_size=block_size, kv_dtype=kv_dtype,
                                     device=device, shuffle_seed=shuffle_seed)
@@ -105,12 +112,15 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chu
     timings = CaptureTimings()
     started = time.perf_counter()
     metadata = {"engine": "kvtool paged runner", "block_size": str(block_size), "device": describe(device)}
+    hidden: list[torch.Tensor] = []
     with ContainerWriter(output, model.identity, token_ids, kv_dtype=kv_dtype, chunk_size=chunk_size,
                          metadata=metadata) as writer:
         for index, (start, end) in enumerate(writer.chunk_ranges()):
             t0 = time.perf_counter()
-            runner.prefill(seq, token_ids[start:end], start_pos=start, prefill_chunk=chunk_size,
-                           logits="none")
+            h = runner.prefill(seq, token_ids[start:end], start_pos=start, prefill_chunk=chunk_size,
+                               logits="hidden" if hidden_states else "none")  # [T, E] or None
+            if h is not None:
+                hidden.append(h.to(kv_dtype).cpu())
             synchronize(device)
             t1 = time.perf_counter()
             memory = connector.allocate(end - start, kv_dtype, blob_device, pin_memory=pinned)
@@ -125,6 +135,10 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chu
             if on_chunk is not None:
                 on_chunk(index, end)
         t_finish = time.perf_counter()
+        if hidden:
+            writer.write_extra("hidden_states", torch.cat(hidden))  # [n, E]
+        if mask is not None:
+            writer.write_extra("roi_mask", mask)
     timings.writer_s += time.perf_counter() - t_finish
     out = Path(output)
     decoded = sum(c.decoded_bytes for c in writer.chunks)
@@ -132,10 +146,33 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chu
     return {"output": str(out), "model": model.name, "fingerprint": model.identity.fingerprint(),
             "num_tokens": n, "num_chunks": len(writer.chunks), "chunk_size": chunk_size,
             "codec": codec, "kv_dtype": str(kv_dtype).removeprefix("torch."), "device": describe(device),
-            "block_size": block_size, "file_bytes": out.stat().st_size, "decoded_bytes": decoded,
+            "block_size": block_size, "extras": sorted(writer.extras), "file_bytes": out.stat().st_size,
+            "decoded_bytes": decoded,
             "stored_bytes": stored, "seconds": time.perf_counter() - started,
             "prefill_tokens_per_s": n / max(timings.prefill_s, 1e-9),
             "timings": {**asdict(timings), "overhead_share": timings.overhead_share}}
+
+
+def roi_mask(num_tokens: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """bool [num_tokens], True inside the given [start, end) ranges."""
+    mask = torch.zeros(num_tokens, dtype=torch.bool)
+    for start, end in ranges:
+        if not 0 <= start < end <= num_tokens:
+            raise UsageError(f"--roi range {start}:{end} is outside the prompt's {num_tokens} tokens")
+        mask[start:end] = True
+    return mask
+
+
+def parse_roi(spec: str) -> list[tuple[int, int]]:
+    """'0:16,40:64' -> [(0, 16), (40, 64)]: token ranges [start, end)."""
+    ranges = []
+    for part in spec.split(","):
+        try:
+            start, end = (int(x) for x in part.strip().split(":"))
+        except ValueError:
+            raise UsageError(f"--roi {spec!r}: expected START:END[,START:END...] token ranges") from None
+        ranges.append((start, end))
+    return ranges
 
 
 def _blob_placement(device: torch.device, codec: str) -> tuple[torch.device, bool]:

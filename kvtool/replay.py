@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from .capture import paged_connector
 from .devices import describe, synchronize
-from .engine import LoadedModel, PagedKVCache, Runner
-from .errors import ModelMismatch, PromptError, UsageError
+from .engine import LoadedModel, PagedKVCache, Runner, logits_from_hidden
+from .errors import ModelMismatch, PromptError, ShapeMismatch, UsageError
 from .format import ContainerReader
 from .format.hashing import prefix_hashes
 
@@ -43,6 +43,7 @@ class ReusePlan:
     tokens: list[int]  # the whole sequence to run (file prefix + anything new)
     reused: int  # tokens [0, reused) come from the file
     chunks: int  # how many of the file's chunks are (partly) loaded
+    from_hidden: bool = False  # every token is reused; the first new token's logits come from the file's hidden states
 
 
 def check_model(reader: ContainerReader, model: LoadedModel) -> None:
@@ -59,7 +60,9 @@ def plan_reuse(reader: ContainerReader, new_tokens: list[int] | None = None,
     With `suffix_tokens`, the run is the file's own tokens plus the suffix, and
     every cached token is reused. With `new_tokens` (a new prompt), the longest
     run of whole chunks whose prefix hashes match is reused. At least one token
-    is always computed, since its logits start the continuation.
+    is computed, since its logits start the continuation, unless the file stores
+    the final hidden states and every token is reused: the last token's hidden
+    state then gives those logits.
     """
     file_tokens = reader.token_ids().tolist()
     size = reader.manifest.chunk_size
@@ -77,6 +80,8 @@ def plan_reuse(reader: ContainerReader, new_tokens: list[int] | None = None,
             reused = chunk.end
         if reused == (len(reader.chunks) - 1) * size and tokens[:len(file_tokens)] == file_tokens:
             reused = len(file_tokens)  # the short last chunk matches too
+    if reused == len(tokens) and "hidden_states" in reader.manifest.extras:
+        return ReusePlan(tokens=tokens, reused=reused, chunks=-(-reused // size), from_hidden=True)
     reused = min(reused, len(tokens) - 1)
     return ReusePlan(tokens=tokens, reused=reused, chunks=-(-reused // size))
 
@@ -129,7 +134,8 @@ def replay(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, cont
     result: dict[str, Any] = {"file": str(reader.path), "model": model.name, "num_tokens": n,
                               "reused_tokens": plan.reused, "computed_tokens": n - plan.reused,
                               "chunks_loaded": plan.chunks, "codecs": sorted({c.codec for c in reader.chunks}),
-                              "continue": continue_tokens, "device": describe(model.device)}
+                              "continue": continue_tokens, "device": describe(model.device),
+                              "first_token_from": "hidden_states" if plan.from_hidden else "prefill"}
 
     warm_up(model, reader)
     reference = None
@@ -156,8 +162,11 @@ def replay(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, cont
     synchronize(model.device)
     t0 = time.perf_counter()
     load_s = load_prefix(reader, model, cache, seq, plan.reused, slot_mapping)
-    first = runner.prefill(seq, tokens[plan.reused:], start_pos=plan.reused, prefill_chunk=prefill_chunk,
-                           logits="last")  # [1, V]
+    if plan.from_hidden:
+        first = logits_from_hidden(model.weights, last_hidden_state(reader, model, n))  # [1, V]
+    else:
+        first = runner.prefill(seq, tokens[plan.reused:], start_pos=plan.reused, prefill_chunk=prefill_chunk,
+                               logits="last")  # [1, V]
     synchronize(model.device)
     ttft_cached = time.perf_counter() - t0
     result.update(load_s=load_s, ttft_cached_s=ttft_cached)
@@ -177,6 +186,15 @@ def replay(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, cont
                   speedup=result["ttft_recompute_s"] / max(ttft_cached, 1e-9),
                   **compare_logits(ref_logits, cached_logits, forced))
     return result
+
+
+def last_hidden_state(reader: ContainerReader, model: LoadedModel, n: int) -> torch.Tensor:
+    """The file's final hidden state of token n - 1, [1, E], on the model's device."""
+    hidden = reader.read_extra("hidden_states")  # [num_tokens, E]
+    if hidden.shape[1] != model.config.hidden_size:
+        raise ShapeMismatch(f"{reader.path}: hidden_states are {list(hidden.shape)}, the model's hidden size is "
+                            f"{model.config.hidden_size}")
+    return hidden[n - 1:n].to(model.device)
 
 
 _warmed: set[tuple[str, bool]] = set()

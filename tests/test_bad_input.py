@@ -391,6 +391,8 @@ INVALID = {
     "hidden_states-bool": _set("extras.hidden_states.dtype", "bool"),
     "hidden_states-rank": _set("extras.hidden_states.shape", [5 * 32]),
     "hidden_states-tokens": _set("extras.hidden_states.shape", [4, 40]),
+    "hidden_states-width": lambda d: d["extras"]["hidden_states"].update(  # consistent length, wrong width
+        shape=[5, 16], length=d["extras"]["hidden_states"]["length"] // 2),
     "hidden_states-length": _set("extras.hidden_states.length", 322),
     "metadata-not-object": _set("metadata", ["a"]),
     "metadata-not-string": _set("metadata.created_by", 1),
@@ -528,7 +530,8 @@ def test_smaller_header_alignment_still_reads(tmp_path, fast_dir):
 def test_zero_length_blob_shares_no_byte(tmp_path, raw_file):
     doc = split_file(raw_file.path).manifest
 
-    def mutate(d):
+    def mutate(d):  # model.hidden_size is optional; without it a zero-width extra is legal
+        d["model"].pop("hidden_size")
         d["extras"]["hidden_states"].update(offset=doc["chunks"][0]["offset"], length=0, crc32=0,
                                             shape=[5, 0])
     got = read_everything(put(tmp_path, mutated(raw_file, mutate)))
@@ -923,7 +926,8 @@ def test_huge_declared_sizes_allocate_nothing(tmp_path, raw_file, zstd_file):
         d["sequence"]["tokens"]["length"] = 4 * 2**24
     expect(tmp_path, mutated(raw_file, huge_tokens), ManifestInvalid)
 
-    def huge_hidden(d):  # 10^12 values in an extra
+    def huge_hidden(d):  # 10^12 values in an extra (of a manifest without the optional model.hidden_size)
+        d["model"].pop("hidden_size")
         d["extras"]["hidden_states"].update(shape=[5, 2 * 10**11], length=5 * 2 * 10**11 * 2)
     expect(tmp_path, mutated(raw_file, huge_hidden), BlobOutOfBounds)
 

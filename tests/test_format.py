@@ -282,14 +282,19 @@ def test_no_extras(tmp_path):
             r.read_extra("roi_mask")
 
 
-def test_zero_width_extra_round_trips(tmp_path):
+def test_hidden_states_must_have_the_models_width(tmp_path):
+    """format-spec §3.5: `hidden` equals model.hidden_size (a zero-width extra, legal only without
+    it, is read back by tests/test_bad_input.py::test_zero_length_blob_shares_no_byte)."""
     ident = make_identity(num_layers=1, num_kv_heads=1, head_dim=4)
     with ContainerWriter(tmp_path / "e.kvc", ident, [1, 2], alignment=64) as w:
         w.write_chunk(torch.ones(2, 1, 2, 4))
-        w.write_extra("hidden_states", torch.zeros(2, 0, dtype=torch.float32))
+        for bad in (torch.zeros(2, 0), torch.zeros(2, ident.hidden_size + 1), torch.zeros(3, ident.hidden_size)):
+            with pytest.raises(UsageError, match="hidden_states must be"):
+                w.write_extra("hidden_states", bad)
+        w.write_extra("hidden_states", torch.ones(2, ident.hidden_size))
     with ContainerReader(tmp_path / "e.kvc") as r:
         t = r.read_extra("hidden_states")
-        assert t.shape == (2, 0) and t.dtype == torch.float32
+        assert t.shape == (2, ident.hidden_size) and t.dtype == torch.float32 and bool((t == 1).all())
 
 
 # --- hashes -----------------------------------------------------------------------------

@@ -250,3 +250,72 @@ def test_prefix_reuse_plan_and_loads_only_matching_chunks(captured, default_mode
     # A prompt that differs inside the first chunk reuses nothing.
     with ContainerReader(captured) as reader:
         assert plan_reuse(reader, new_tokens=[ids[0] + 1] + ids[1:]).reused == 0
+
+
+# ---- extras: the final hidden states and a region of interest --------------------------------
+
+@pytest.fixture(scope="module")
+def captured_with_hidden(tmp_path_factory, default_model):
+    path = tmp_path_factory.mktemp("hid") / "hidden.kvc"
+    assert run(["capture", "--prompt", PROMPT, "-o", str(path), "--chunk-size", "64", "--dtype", "fp32",
+                "--hidden-states", "--roi", "0:5,40:60", "--device", "cpu", "--json"]) == 0
+    return path
+
+
+def test_capture_hidden_states_equal_transformers_last_hidden_state(captured_with_hidden, hf_reference_model):
+    with ContainerReader(captured_with_hidden) as r:
+        ids = r.token_ids().tolist()
+        ours = r.read_extra("hidden_states")  # [T, E] fp32
+    with torch.no_grad():
+        out = hf_reference_model(torch.tensor([ids]), output_hidden_states=True)
+    theirs = out.hidden_states[-1][0]  # [T, E], after the final norm
+    assert ours.shape == theirs.shape == (len(ids), 576)
+    torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=1e-3)
+    # and they are what lm_head reads: the logits follow
+    torch.testing.assert_close(ours @ hf_reference_model.lm_head.weight.T, out.logits[0], atol=2e-3, rtol=1e-3)
+
+
+def test_capture_roi_mask_marks_the_ranges(captured_with_hidden):
+    with ContainerReader(captured_with_hidden) as r:
+        mask = r.read_extra("roi_mask")
+    want = torch.zeros(mask.shape[0], dtype=torch.bool)
+    want[0:5] = True
+    want[40:60] = True
+    assert torch.equal(mask, want)
+
+
+@pytest.mark.parametrize("roi,message", [("0:9999", "outside the prompt"), ("5:5", "outside the prompt"),
+                                         ("a:b", "expected START:END"), ("3", "expected START:END")])
+def test_capture_bad_roi_is_a_usage_error(tmp_path, capsys, default_model, roi, message):
+    code, _, err = cli(capsys, "capture", "--prompt", PROMPT, "-o", str(tmp_path / "x.kvc"), "--roi", roi,
+                       "--device", "cpu")
+    assert code == 2 and message in err and err.count("\n") == 1
+    assert not (tmp_path / "x.kvc").exists()
+
+
+def test_replay_takes_the_first_token_from_the_stored_hidden_states(captured_with_hidden, capsys):
+    code, r, _ = cli(capsys, "replay", "--device", "cpu", str(captured_with_hidden), "--compare", "--continue", "12",
+                     "--json")
+    assert code == 0, r
+    assert r["first_token_from"] == "hidden_states"
+    assert r["reused_tokens"] == r["num_tokens"] and r["computed_tokens"] == 0
+    assert r["top1_agreement"] == 1.0 and r["greedy_identical_tokens"] == 12 and r["kl_mean"] < 1e-5
+    # with new text after the cached tokens, the suffix is computed as before
+    code, r, _ = cli(capsys, "replay", "--device", "cpu", str(captured_with_hidden), "--suffix", " And then",
+                     "--continue", "2", "--json")
+    assert code == 0 and r["first_token_from"] == "prefill" and r["computed_tokens"] >= 1
+
+
+def test_hidden_states_of_the_wrong_width_are_refused_by_the_writer(captured_with_hidden, tmp_path):
+    from kvtool.errors import UsageError
+    from kvtool.format import ContainerWriter, ModelIdentity
+
+    with ContainerReader(captured_with_hidden) as r:
+        with ContainerWriter(tmp_path / "wide.kvc", ModelIdentity.from_dict(r.model), r.token_ids().tolist(),
+                             kv_dtype=r.kv_dtype, chunk_size=r.manifest.chunk_size) as w:
+            for c in r.chunks:
+                w.write_encoded_chunk(bytes(r.chunk_payload(c.index)), c.codec, c.codec_params)
+            with pytest.raises(UsageError, match="hidden_states must be"):
+                w.write_extra("hidden_states", torch.zeros(r.num_tokens, 100))
+            with pytest.raises(UsageError, match="roi_mask must be"):
+                w.write_extra("roi_mask", torch.zeros(r.num_tokens + 1, dtype=torch.bool))

@@ -80,7 +80,9 @@ def run_replay(path: Path, model_path: Path | None, *, continue_tokens: int = 32
 def render(console: Console, r: dict[str, Any]) -> None:
     console.print(f"[bold]{r['file']}[/bold] on {r['model']} ({r['device']}): {r['reused_tokens']} of {r['num_tokens']} tokens "
                   f"from the cache ({r['chunks_loaded']} chunks, {', '.join(r['codecs'])}), "
-                  f"{r['computed_tokens']} computed")
+                  f"{r['computed_tokens']} computed"
+                  + ("; the first new token from the stored hidden states" if r.get("first_token_from") == "hidden_states"
+                     else ""))
     line = f"time to first token {r['ttft_cached_s'] * 1e3:.0f} ms with the cache (load {r['load_s'] * 1e3:.0f} ms)"
     if "ttft_recompute_s" in r:
         line += f" vs {r['ttft_recompute_s'] * 1e3:.0f} ms recomputed: {r['speedup']:.1f}x"

@@ -39,7 +39,7 @@ Typical capture::
 
 from .default_model import default_model_path
 from .loader import SUPPORTED_ARCHITECTURES, LoadedModel, Tokenizer, load_model
-from .model import ModelConfig, Runner
+from .model import ModelConfig, Runner, logits_from_hidden
 from .paged import BlockAllocator, PagedKVCache, Sequence
 
 __all__ = [
@@ -53,4 +53,5 @@ __all__ = [
     "Tokenizer",
     "default_model_path",
     "load_model",
+    "logits_from_hidden",
 ]

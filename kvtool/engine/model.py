@@ -201,7 +201,7 @@ def layer_forward(x: Tensor, w: LayerWeights, config: ModelConfig, cos: Tensor, 
     return x.add_(mlp(rms_norm(x, w.mlp_norm, config.rms_norm_eps), w))  # [n, E]
 
 
-LogitsMode = Literal["all", "last", "none"]
+LogitsMode = Literal["all", "last", "none", "hidden"]
 # Chunks bound activation memory. On CPU the first chunk uses SDPA's fast causal
 # path and later ones need an explicit mask, so prompts up to this size run in one.
 DEFAULT_PREFILL_CHUNK = 2048
@@ -214,7 +214,8 @@ def forward(weights: Weights, config: ModelConfig, inv_freq: Tensor, tokens: Ten
 
     tokens: [n]; write_slots: [n] (slots of these tokens); read_slots: [T] (slots of
     positions 0..T-1, T = start_pos + n). Returns float32 logits [n, V] ("all"),
-    [1, V] ("last") or None.
+    [1, V] ("last"), None, or ("hidden") the final hidden states [n, E], after the
+    final norm: what lm_head reads (`logits_from_hidden`).
     """
     n = tokens.shape[0]
     dtype = weights.embed.dtype
@@ -238,7 +239,14 @@ def forward(weights: Weights, config: ModelConfig, inv_freq: Tensor, tokens: Ten
     if logits == "last":
         x = x[-1:]  # [1, E]
     x = rms_norm(x, weights.norm, config.rms_norm_eps)
-    return F.linear(x, weights.lm_head).float()  # [n or 1, V]
+    if logits == "hidden":
+        return x  # [n, E]
+    return logits_from_hidden(weights, x)  # [n or 1, V]
+
+
+def logits_from_hidden(weights: Weights, hidden: Tensor) -> Tensor:
+    """float32 logits [n, V] from final hidden states [n, E] (after the final norm)."""
+    return F.linear(hidden.to(weights.lm_head.dtype), weights.lm_head).float()
 
 
 # --- runner --------------------------------------------------------------------
@@ -265,7 +273,8 @@ class Runner:
         Positions 0..start_pos-1 must already be in the cache (an earlier prefill, or a
         connector that wrote them at `seq.slot_mapping(start_pos)`). Runs in chunks of
         `prefill_chunk` tokens. Returns float32 logits for every computed position
-        ([n, V]), for the last one only ([1, V]) or None, as `logits` says.
+        ([n, V]), for the last one only ([1, V]), None, or the final hidden states of
+        every computed position ([n, E], "hidden"), as `logits` says.
         """
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.inv_freq.device).reshape(-1)
         n = tokens.shape[0]

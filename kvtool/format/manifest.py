@@ -271,7 +271,7 @@ def parse_manifest(raw: bytes, *, data_end: int, alignment: int) -> Manifest:
 
     extras: dict[str, ExtraEntry] = {}
     for name, entry in _get(doc, "extras", dict, "manifest").items() if "extras" in doc else ():
-        extras[name] = _extra(name, entry, num_tokens)
+        extras[name] = _extra(name, entry, num_tokens, model.get("hidden_size"))
 
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
@@ -322,7 +322,7 @@ def _chunk(i: int, c: Any, chunk_size: int, num_tokens: int, num_layers: int, hi
     return entry
 
 
-def _extra(name: str, e: Any, num_tokens: int) -> ExtraEntry:
+def _extra(name: str, e: Any, num_tokens: int, hidden_size: Any = None) -> ExtraEntry:
     where = f"extras.{name}"
     if name not in KNOWN_EXTRAS:
         raise ManifestInvalid(f"manifest: unknown extra {name!r} (known: {', '.join(sorted(KNOWN_EXTRAS))})")
@@ -334,6 +334,8 @@ def _extra(name: str, e: Any, num_tokens: int) -> ExtraEntry:
         raise ManifestInvalid(f"manifest: {where} must be bool of shape [{num_tokens}]")
     if name == "hidden_states" and (len(shape) != 2 or shape[0] != num_tokens or dtype == "bool"):
         raise ManifestInvalid(f"manifest: {where} must be a float tensor of shape [{num_tokens}, hidden]")
+    if name == "hidden_states" and isinstance(hidden_size, int) and shape[1] != hidden_size:
+        raise ManifestInvalid(f"manifest: {where} is {list(shape)}, but model.hidden_size is {hidden_size}")
     blob = _blob(e, where)
     if blob.length != math.prod(shape) * EXTRA_DTYPES[dtype]:
         raise ManifestInvalid(f"manifest: {where} holds {blob.length} bytes, not the "

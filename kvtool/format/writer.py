@@ -141,6 +141,12 @@ class ContainerWriter:
         if name in self.extras:
             raise UsageError(f"extra {name!r} written twice")
         tensor = tensor.detach().cpu().contiguous()
+        hidden = self.model.get("hidden_size")
+        if name == "hidden_states" and (tensor.dim() != 2 or tensor.shape[0] != self.num_tokens
+                                        or (isinstance(hidden, int) and tensor.shape[1] != hidden)):
+            raise UsageError(f"hidden_states must be [{self.num_tokens}, {hidden}], got {list(tensor.shape)}")
+        if name == "roi_mask" and tuple(tensor.shape) != (self.num_tokens,):
+            raise UsageError(f"roi_mask must be [{self.num_tokens}], got {list(tensor.shape)}")
         if name == "roi_mask":
             tensor = tensor.to(torch.bool)
             dtype = "bool"
