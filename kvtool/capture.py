@@ -111,7 +111,8 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chu
     runner = Runner(model, cache)
     timings = CaptureTimings()
     started = time.perf_counter()
-    metadata = {"engine": "kvtool paged runner", "block_size": str(block_size), "device": describe(device)}
+    metadata = {"engine": "kvtool paged runner", "block_size": str(block_size), "device": describe(device),
+                "model_dtype": str(model.dtype).removeprefix("torch.")}
     hidden: list[torch.Tensor] = []
     with ContainerWriter(output, model.identity, token_ids, kv_dtype=kv_dtype, chunk_size=chunk_size,
                          metadata=metadata) as writer:
@@ -146,6 +147,7 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chu
     return {"output": str(out), "model": model.name, "fingerprint": model.identity.fingerprint(),
             "num_tokens": n, "num_chunks": len(writer.chunks), "chunk_size": chunk_size,
             "codec": codec, "kv_dtype": str(kv_dtype).removeprefix("torch."), "device": describe(device),
+            "model_dtype": str(model.dtype).removeprefix("torch."),
             "block_size": block_size, "extras": sorted(writer.extras), "file_bytes": out.stat().st_size,
             "decoded_bytes": decoded,
             "stored_bytes": stored, "seconds": time.perf_counter() - started,

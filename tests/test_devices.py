@@ -197,6 +197,18 @@ def test_gpu_capture_matches_the_cpu_capture(gpu_files):
 
 @needs_gpu
 @pytest.mark.model
+def test_gpu_capture_in_bf16_arithmetic(gpu_files, tmp_path):
+    path = tmp_path / "bf16.kvc"
+    assert run(["capture", "--prompt", PROMPT, "-o", str(path), "--chunk-size", "32", "--device", "cuda",
+                "--model-dtype", "bf16"]) == 0
+    with ContainerReader(gpu_files["cpu_raw"]) as c, ContainerReader(path) as g:
+        a, b = c.read_range(0, c.num_tokens).float(), g.read_range(0, g.num_tokens).float()
+    scale = a.abs().amax(dim=(0, 2, 3), keepdim=True)
+    assert ((a - b).abs() / scale).max() < 0.1
+
+
+@needs_gpu
+@pytest.mark.model
 def test_gpu_cachegen_capture_decodes_identically_on_cpu_and_gpu(gpu_files):
     with ContainerReader(gpu_files["gpu_cachegen"]) as r:
         for i in range(len(r.chunks)):

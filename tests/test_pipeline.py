@@ -319,3 +319,27 @@ def test_hidden_states_of_the_wrong_width_are_refused_by_the_writer(captured_wit
                 w.write_extra("hidden_states", torch.zeros(r.num_tokens, 100))
             with pytest.raises(UsageError, match="roi_mask must be"):
                 w.write_extra("roi_mask", torch.zeros(r.num_tokens + 1, dtype=torch.bool))
+
+
+def test_model_dtype_bf16_runs_the_engine_in_bf16(captured, tmp_path, capsys):
+    path = tmp_path / "bf16.kvc"
+    code, r, _ = cli(capsys, "capture", "--prompt", PROMPT, "-o", str(path), "--chunk-size", "64",
+                     "--model-dtype", "bf16", "--device", "cpu", "--json")
+    assert code == 0 and r["model_dtype"] == "bfloat16"
+    with ContainerReader(path) as b, ContainerReader(captured) as f:
+        assert b.manifest.metadata["model_dtype"] == "bfloat16"
+        assert f.manifest.metadata["model_dtype"] == "float32"
+        x, y = b.read_range(0, b.num_tokens).float(), f.read_range(0, f.num_tokens).float()
+    scale = y.abs().amax(dim=(0, 2, 3), keepdim=True)  # [1, L, 1, 1]
+    assert 0 < ((x - y).abs() / scale).max() < 0.1  # bf16 arithmetic: close to the fp32 run, not equal
+    code, r, _ = cli(capsys, "replay", "--device", "cpu", str(path), "--model-dtype", "bf16", "--compare",
+                     "--continue", "4", "--json")
+    assert code == 0 and r["top1_agreement"] >= 0.75
+
+
+@pytest.mark.parametrize("command", ["capture", "replay", "verify"])
+def test_bad_model_dtype_is_a_usage_error(captured, tmp_path, capsys, command):
+    args = {"capture": ["capture", "--prompt", "hi", "-o", str(tmp_path / "o.kvc")],
+            "replay": ["replay", str(captured)], "verify": ["verify", str(captured)]}[command]
+    code, _, err = cli(capsys, *args, "--model-dtype", "int8")
+    assert code == 2 and err == "kvtool: error: --model-dtype 'int8': expected fp32, bf16 or fp16\n"

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..dtypes import dtype_from_name
-from .options import (BinsOpt, CodecOpt, DeviceOpt, JsonOpt, LevelOpt, ModelOpt, OutputPath, ShuffleOpt,
-                      codec_params)
+from .options import (BinsOpt, CodecOpt, DeviceOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt, OutputPath,
+                      ShuffleOpt, codec_params, model_dtype)
 from .output import emit, human_bytes, stderr_console
 
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", help="Prompt text.")]
@@ -32,7 +32,7 @@ def command(output: OutputPath, model: ModelOpt = None, prompt: PromptOpt = None
             codec: CodecOpt = "raw", level: LevelOpt = None, shuffle: ShuffleOpt = None,
             bins: BinsOpt = None, dtype: DtypeOpt = "bf16", block_size: BlockSizeOpt = 16,
             hidden_states: HiddenOpt = False, roi: RoiOpt = None, device: DeviceOpt = "auto",
-            json: JsonOpt = False) -> None:
+            weights_dtype: ModelDtypeOpt = "fp32", json: JsonOpt = False) -> None:
     """Run a model on a prompt through a paged KV buffer and write its KV cache."""
     from ..capture import capture, parse_roi, read_tokens
     from ..devices import resolve_device
@@ -43,7 +43,7 @@ def command(output: OutputPath, model: ModelOpt = None, prompt: PromptOpt = None
     if not 1 <= chunk_size <= 65536 or not 1 <= block_size <= 65536:
         raise UsageError("--chunk-size and --block-size must be in 1..65536")
     where = resolve_device(device)
-    loaded = load_model(model, device=where)
+    loaded = load_model(model, dtype=model_dtype(weights_dtype), device=where)
     ids = read_tokens(loaded, prompt, prompt_file, tokens)
     params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
     ranges = parse_roi(roi) if roi is not None else None

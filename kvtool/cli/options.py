@@ -22,10 +22,23 @@ ModelOpt = Annotated[Optional[Path], typer.Option(
     "--model", help="Local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct).")]
 DeviceOpt = Annotated[str, typer.Option(
     "--device", help="Where the model runs: auto (the GPU if torch sees one), cpu, cuda or cuda:N.")]
+ModelDtypeOpt = Annotated[str, typer.Option(
+    "--model-dtype", help="Weights and arithmetic of the model: fp32 (default), bf16 or fp16 (for big models on a GPU).")]
 ChunksOpt = Annotated[Optional[str], typer.Option(
     "--chunks", help="Chunk indices, e.g. '0-3,7' (default: all).")]
 LayersOpt = Annotated[Optional[str], typer.Option(
     "--layers", help="Layer indices, e.g. '0,5-9' (default: all).")]
+
+
+def model_dtype(name: str):
+    """--model-dtype -> torch dtype (a usage error, not a file error, when unknown)."""
+    from ..dtypes import dtype_from_name
+    from ..errors import UnsupportedDtype
+
+    try:
+        return dtype_from_name(name)
+    except UnsupportedDtype:
+        raise UsageError(f"--model-dtype {name!r}: expected fp32, bf16 or fp16") from None
 
 
 def codec_params(codec: str, *, level: int | None = None, shuffle: bool | None = None,

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from .options import DeviceOpt, InputPath, JsonOpt, ModelOpt
+from .options import DeviceOpt, InputPath, JsonOpt, ModelDtypeOpt, ModelOpt, model_dtype
 from .output import emit
 
 ContinueOpt = Annotated[int, typer.Option("--continue", help="Tokens to generate (or teacher-force with --compare).")]
@@ -29,11 +29,12 @@ MaxKlOpt = Annotated[Optional[float], typer.Option(
 def command(path: InputPath, model: ModelOpt = None, continue_tokens: ContinueOpt = 32,
             suffix: SuffixOpt = None, suffix_file: SuffixFileOpt = None, prompt: PromptOpt = None,
             prompt_file: PromptFileOpt = None, compare: CompareOpt = False, min_top1: MinTop1Opt = None,
-            max_kl: MaxKlOpt = None, device: DeviceOpt = "auto", json: JsonOpt = False) -> int:
+            max_kl: MaxKlOpt = None, device: DeviceOpt = "auto", weights_dtype: ModelDtypeOpt = "fp32",
+            json: JsonOpt = False) -> int:
     """Load a KV file into a fresh paged KV buffer, continue from it, and (--compare) check it."""
     result = run_replay(path, model, continue_tokens=continue_tokens, suffix=suffix, suffix_file=suffix_file,
                         prompt=prompt, prompt_file=prompt_file, compare=compare, min_top1=min_top1,
-                        max_kl=max_kl, device=device)
+                        max_kl=max_kl, device=device, weights_dtype=weights_dtype)
     emit(result, json, render)
     if result["failures"]:
         sys.stderr.write(f"kvtool: error: replay below threshold: {'; '.join(result['failures'])}\n")
@@ -43,7 +44,7 @@ def command(path: InputPath, model: ModelOpt = None, continue_tokens: ContinueOp
 def run_replay(path: Path, model_path: Path | None, *, continue_tokens: int = 32, suffix: str | None = None,
                suffix_file: Path | None = None, prompt: str | None = None, prompt_file: Path | None = None,
                compare: bool = False, min_top1: float | None = None,
-               max_kl: float | None = None, device: str = "auto") -> dict[str, Any]:
+               max_kl: float | None = None, device: str = "auto", weights_dtype: str = "fp32") -> dict[str, Any]:
     from ..capture import read_text_file
     from ..devices import resolve_device
     from ..engine import load_model
@@ -55,8 +56,9 @@ def run_replay(path: Path, model_path: Path | None, *, continue_tokens: int = 32
         raise UsageError("give at most one of --suffix, --suffix-file, --prompt, --prompt-file")
     compare = compare or min_top1 is not None or max_kl is not None
     where = resolve_device(device)
+    dtype = model_dtype(weights_dtype)
     with ContainerReader(path) as reader:
-        model = load_model(model_path, device=where)
+        model = load_model(model_path, dtype=dtype, device=where)
         check_model(reader, model)
         if suffix_file is not None:
             suffix = read_text_file(suffix_file)

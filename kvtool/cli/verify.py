@@ -15,7 +15,7 @@ from ..errors import DataError, KvtoolError, ModelMismatch
 from ..format import ContainerReader
 from ..format.hashing import prefix_hashes
 from ..format.identity import model_fingerprint
-from .options import DeviceOpt, InputPath, JsonOpt, ModelOpt
+from .options import DeviceOpt, InputPath, JsonOpt, ModelDtypeOpt, ModelOpt, model_dtype
 from .output import emit
 
 AgainstOpt = Annotated[Optional[Path], typer.Option(
@@ -34,11 +34,12 @@ def verify_command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 
                    rtol: RtolOpt = 0.0, replay: ReplayOpt = False, model: ModelOpt = None,
                    min_top1: ReplayTop1Opt = 0.9, max_kl: ReplayKlOpt = None,
                    continue_tokens: ReplayContinueOpt = 16, device: DeviceOpt = "auto",
-                   json: JsonOpt = False) -> int:
+                   weights_dtype: ModelDtypeOpt = "fp32", json: JsonOpt = False) -> int:
     """Check structure, checksums, decoding, finiteness and prefix hashes (exit 1 if any fails)."""
     from ..devices import resolve_device
 
-    resolve_device(device)  # a bad --device is an error with or without --replay
+    resolve_device(device)  # a bad --device or --model-dtype is an error with or without --replay
+    model_dtype(weights_dtype)
     with ContainerReader(path) as reader:
         result = verify_file(reader)
         if against is not None and not result["problems"]:  # a damaged file is not compared
@@ -53,7 +54,8 @@ def verify_command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 
         from .replay import run_replay
 
         result["replay"] = run_replay(path, model, continue_tokens=continue_tokens, compare=True,
-                                      min_top1=min_top1, max_kl=max_kl, device=device)
+                                      min_top1=min_top1, max_kl=max_kl, device=device,
+                                      weights_dtype=weights_dtype)
         result["problems"] += [f"replay: {f}" for f in result["replay"]["failures"]]
     result["ok"] = not result["problems"]
     emit(result, json, _render)
