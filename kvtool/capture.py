@@ -96,9 +96,9 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chu
     others.
 
     Extras (format-spec/container.md): `hidden_states` stores the final hidden
-    states [n, hidden] (after the final norm, in the KV dtype: vLLM's lookup-buffer
-    value; replay then needs no compute for the first new token); `roi` marks
-    token ranges [start, end) in a `roi_mask`."""
+    states [n, hidden] (after the final norm, in the model's dtype: vLLM's
+    lookup-buffer value; replay then needs no compute for the first new token);
+    `roi` marks token ranges [start, end) in a `roi_mask`."""
     n = len(token_ids)
     mask = roi_mask(n, roi) if roi is not None else None
     device = model.device
@@ -121,7 +121,7 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chu
             h = runner.prefill(seq, token_ids[start:end], start_pos=start, prefill_chunk=chunk_size,
                                logits="hidden" if hidden_states else "none")  # [T, E] or None
             if h is not None:
-                hidden.append(h.to(kv_dtype).cpu())
+                hidden.append(h.cpu())  # the model's own dtype: replay's first token is then exact
             synchronize(device)
             t1 = time.perf_counter()
             memory = connector.allocate(end - start, kv_dtype, blob_device, pin_memory=pinned)
@@ -159,8 +159,9 @@ def roi_mask(num_tokens: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
     """bool [num_tokens], True inside the given [start, end) ranges."""
     mask = torch.zeros(num_tokens, dtype=torch.bool)
     for start, end in ranges:
-        if not 0 <= start < end <= num_tokens:
-            raise UsageError(f"--roi range {start}:{end} is outside the prompt's {num_tokens} tokens")
+        if end > num_tokens:
+            raise UsageError(f"--roi range {start}:{end} ends past the prompt ({num_tokens} token"
+                             f"{'s' if num_tokens != 1 else ''})")
         mask[start:end] = True
     return mask
 
@@ -173,6 +174,8 @@ def parse_roi(spec: str) -> list[tuple[int, int]]:
             start, end = (int(x) for x in part.strip().split(":"))
         except ValueError:
             raise UsageError(f"--roi {spec!r}: expected START:END[,START:END...] token ranges") from None
+        if not 0 <= start < end:
+            raise UsageError(f"--roi range {start}:{end} is empty or negative")
         ranges.append((start, end))
     return ranges
 

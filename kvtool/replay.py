@@ -17,6 +17,7 @@ against a full recompute of the same tokens:
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from .capture import paged_connector
 from .devices import describe, synchronize
 from .engine import LoadedModel, PagedKVCache, Runner, logits_from_hidden
-from .errors import ModelMismatch, PromptError, ShapeMismatch, UsageError
+from .errors import DataError, ModelMismatch, NonFiniteValues, PromptError, ShapeMismatch, UsageError
 from .format import ContainerReader
 from .format.hashing import prefix_hashes
 
@@ -54,7 +55,7 @@ def check_model(reader: ContainerReader, model: LoadedModel) -> None:
 
 
 def plan_reuse(reader: ContainerReader, new_tokens: list[int] | None = None,
-               suffix_tokens: list[int] | None = None) -> ReusePlan:
+               suffix_tokens: list[int] | None = None, use_hidden_states: bool = True) -> ReusePlan:
     """Which leading tokens of the run can come from the file.
 
     With `suffix_tokens`, the run is the file's own tokens plus the suffix, and
@@ -80,7 +81,7 @@ def plan_reuse(reader: ContainerReader, new_tokens: list[int] | None = None,
             reused = chunk.end
         if reused == (len(reader.chunks) - 1) * size and tokens[:len(file_tokens)] == file_tokens:
             reused = len(file_tokens)  # the short last chunk matches too
-    if reused == len(tokens) and "hidden_states" in reader.manifest.extras:
+    if use_hidden_states and reused == len(tokens) and "hidden_states" in reader.manifest.extras:
         return ReusePlan(tokens=tokens, reused=reused, chunks=-(-reused // size), from_hidden=True)
     reused = min(reused, len(tokens) - 1)
     return ReusePlan(tokens=tokens, reused=reused, chunks=-(-reused // size))
@@ -135,6 +136,7 @@ def replay(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, cont
                               "reused_tokens": plan.reused, "computed_tokens": n - plan.reused,
                               "chunks_loaded": plan.chunks, "codecs": sorted({c.codec for c in reader.chunks}),
                               "continue": continue_tokens, "device": describe(model.device),
+                              "model_dtype": str(model.dtype).removeprefix("torch."),
                               "first_token_from": "hidden_states" if plan.from_hidden else "prefill"}
 
     warm_up(model, reader)
@@ -162,8 +164,19 @@ def replay(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, cont
     synchronize(model.device)
     t0 = time.perf_counter()
     load_s = load_prefix(reader, model, cache, seq, plan.reused, slot_mapping)
+    hidden = None
     if plan.from_hidden:
-        first = logits_from_hidden(model.weights, last_hidden_state(reader, model, n))  # [1, V]
+        try:
+            hidden = last_hidden_state(reader, model, n)  # [1, E]
+        except DataError as err:  # the KV is intact: recompute the last token instead
+            sys.stderr.write(f"kvtool: notice: the stored hidden states are unusable ({err}); "
+                             f"the last token is recomputed\n")
+            result.update(reused_tokens=n - 1, computed_tokens=1, first_token_from="prefill",
+                          notice=f"hidden_states unusable: {err}")
+    if hidden is not None:
+        first = logits_from_hidden(model.weights, hidden)  # [1, V]
+    elif plan.from_hidden:
+        first = runner.prefill(seq, tokens[n - 1:], start_pos=n - 1, logits="last")  # rewrites its own slot
     else:
         first = runner.prefill(seq, tokens[plan.reused:], start_pos=plan.reused, prefill_chunk=prefill_chunk,
                                logits="last")  # [1, V]
@@ -192,9 +205,12 @@ def last_hidden_state(reader: ContainerReader, model: LoadedModel, n: int) -> to
     """The file's final hidden state of token n - 1, [1, E], on the model's device."""
     hidden = reader.read_extra("hidden_states")  # [num_tokens, E]
     if hidden.shape[1] != model.config.hidden_size:
-        raise ShapeMismatch(f"{reader.path}: hidden_states are {list(hidden.shape)}, the model's hidden size is "
+        raise ShapeMismatch(f"hidden_states are {list(hidden.shape)}, the model's hidden size is "
                             f"{model.config.hidden_size}")
-    return hidden[n - 1:n].to(model.device)
+    last = hidden[n - 1:n]
+    if not bool(torch.isfinite(last).all()):
+        raise NonFiniteValues(f"hidden state of token {n - 1} is not finite")
+    return last.to(model.device)
 
 
 _warmed: set[tuple[str, bool]] = set()

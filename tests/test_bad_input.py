@@ -391,6 +391,8 @@ INVALID = {
     "hidden_states-bool": _set("extras.hidden_states.dtype", "bool"),
     "hidden_states-rank": _set("extras.hidden_states.shape", [5 * 32]),
     "hidden_states-tokens": _set("extras.hidden_states.shape", [4, 40]),
+    "hidden_size-string": _set("model.hidden_size", "32"),
+    "hidden_size-zero": _set("model.hidden_size", 0),
     "hidden_states-width": lambda d: d["extras"]["hidden_states"].update(  # consistent length, wrong width
         shape=[5, 16], length=d["extras"]["hidden_states"]["length"] // 2),
     "hidden_states-length": _set("extras.hidden_states.length", 322),

@@ -284,8 +284,9 @@ def test_capture_roi_mask_marks_the_ranges(captured_with_hidden):
     assert torch.equal(mask, want)
 
 
-@pytest.mark.parametrize("roi,message", [("0:9999", "outside the prompt"), ("5:5", "outside the prompt"),
-                                         ("a:b", "expected START:END"), ("3", "expected START:END")])
+@pytest.mark.parametrize("roi,message", [("0:9999", "ends past the prompt"), ("5:5", "is empty or negative"),
+                                         ("7:2", "is empty or negative"), ("a:b", "expected START:END"),
+                                         ("3", "expected START:END")])
 def test_capture_bad_roi_is_a_usage_error(tmp_path, capsys, default_model, roi, message):
     code, _, err = cli(capsys, "capture", "--prompt", PROMPT, "-o", str(tmp_path / "x.kvc"), "--roi", roi,
                        "--device", "cpu")
@@ -300,6 +301,10 @@ def test_replay_takes_the_first_token_from_the_stored_hidden_states(captured_wit
     assert r["first_token_from"] == "hidden_states"
     assert r["reused_tokens"] == r["num_tokens"] and r["computed_tokens"] == 0
     assert r["top1_agreement"] == 1.0 and r["greedy_identical_tokens"] == 12 and r["kl_mean"] < 1e-5
+    # told to ignore them, the last cached token is computed (the KV alone is measured)
+    code, r, _ = cli(capsys, "replay", "--device", "cpu", str(captured_with_hidden), "--no-hidden-states",
+                     "--continue", "2", "--json")
+    assert code == 0 and r["first_token_from"] == "prefill" and r["computed_tokens"] == 1
     # with new text after the cached tokens, the suffix is computed as before
     code, r, _ = cli(capsys, "replay", "--device", "cpu", str(captured_with_hidden), "--suffix", " And then",
                      "--continue", "2", "--json")
@@ -343,3 +348,41 @@ def test_bad_model_dtype_is_a_usage_error(captured, tmp_path, capsys, command):
             "replay": ["replay", str(captured)], "verify": ["verify", str(captured)]}[command]
     code, _, err = cli(capsys, *args, "--model-dtype", "int8")
     assert code == 2 and err == "kvtool: error: --model-dtype 'int8': expected fp32, bf16 or fp16\n"
+
+
+def _with_hidden(src, dst, hidden):
+    """A copy of `src` (its chunks as they are) whose hidden_states are `hidden`."""
+    from kvtool.format import ContainerWriter, ModelIdentity
+
+    with ContainerReader(src) as r, ContainerWriter(dst, ModelIdentity.from_dict(r.model), r.token_ids().tolist(),
+                                                    kv_dtype=r.kv_dtype, chunk_size=r.manifest.chunk_size) as w:
+        for c in r.chunks:
+            w.write_encoded_chunk(bytes(r.chunk_payload(c.index)), c.codec, c.codec_params)
+        w.write_extra("hidden_states", hidden(r.read_extra("hidden_states")))
+    return dst
+
+
+def test_non_finite_hidden_states_fail_verify_and_replay_recomputes(captured_with_hidden, tmp_path, capsys):
+    def poison(h):
+        h = h.clone()
+        h[-1, 7] = float("nan")
+        return h
+    bad = _with_hidden(captured_with_hidden, tmp_path / "nan.kvc", poison)
+    code, v, err = cli(capsys, "verify", str(bad), "--json")
+    assert code == 1 and v["checks"]["extra:hidden_states"] == "BAD"
+    assert "extra hidden_states: 1 non-finite value(s)" in v["problems"]
+    code, r, err = cli(capsys, "replay", "--device", "cpu", str(bad), "--compare", "--continue", "6", "--json")
+    assert code == 0 and r["first_token_from"] == "prefill" and r["computed_tokens"] == 1
+    assert "kvtool: notice: the stored hidden states are unusable (hidden state of token" in err
+    assert r["top1_agreement"] == 1.0  # the KV itself is intact
+
+
+def test_prefix_prompt_of_a_hidden_states_file_computes_nothing(captured_with_hidden, default_model):
+    from kvtool.replay import plan_reuse, replay
+
+    with ContainerReader(captured_with_hidden) as r:
+        prefix = r.token_ids().tolist()[:128]  # two whole 64-token chunks
+        plan = plan_reuse(r, new_tokens=prefix)
+        assert (plan.reused, plan.chunks, plan.from_hidden) == (128, 2, True)
+        res = replay(r, default_model, plan, continue_tokens=6, compare=True)
+    assert res["computed_tokens"] == 0 and res["top1_agreement"] == 1.0 and res["kl_mean"] < 1e-6

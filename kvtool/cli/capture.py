@@ -42,11 +42,11 @@ def command(output: OutputPath, model: ModelOpt = None, prompt: PromptOpt = None
     kv_dtype = dtype_from_name(dtype)
     if not 1 <= chunk_size <= 65536 or not 1 <= block_size <= 65536:
         raise UsageError("--chunk-size and --block-size must be in 1..65536")
+    ranges = parse_roi(roi) if roi is not None else None  # before the model loads: a typo fails fast
     where = resolve_device(device)
     loaded = load_model(model, dtype=model_dtype(weights_dtype), device=where)
     ids = read_tokens(loaded, prompt, prompt_file, tokens)
     params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
-    ranges = parse_roi(roi) if roi is not None else None
     num_chunks = -(-len(ids) // chunk_size)
     with Progress(TextColumn("capture"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
                   TimeElapsedColumn(), console=stderr_console, transient=True,

@@ -20,6 +20,8 @@ PromptOpt = Annotated[Optional[str], typer.Option(
     "--prompt", help="A new prompt: reuse the file's chunks whose prefix hashes match, compute the rest.")]
 PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", help="A new prompt, from a file.")]
 CompareOpt = Annotated[bool, typer.Option("--compare", help="Also run the full recompute and compare.")]
+NoHiddenOpt = Annotated[bool, typer.Option(
+    "--no-hidden-states", help="Ignore stored hidden states: compute the last cached token (measures the KV alone).")]
 MinTop1Opt = Annotated[Optional[float], typer.Option(
     "--min-top1", help="Exit 1 if top-1 agreement with the recompute is below this (implies --compare).")]
 MaxKlOpt = Annotated[Optional[float], typer.Option(
@@ -29,12 +31,13 @@ MaxKlOpt = Annotated[Optional[float], typer.Option(
 def command(path: InputPath, model: ModelOpt = None, continue_tokens: ContinueOpt = 32,
             suffix: SuffixOpt = None, suffix_file: SuffixFileOpt = None, prompt: PromptOpt = None,
             prompt_file: PromptFileOpt = None, compare: CompareOpt = False, min_top1: MinTop1Opt = None,
-            max_kl: MaxKlOpt = None, device: DeviceOpt = "auto", weights_dtype: ModelDtypeOpt = "fp32",
-            json: JsonOpt = False) -> int:
+            max_kl: MaxKlOpt = None, no_hidden_states: NoHiddenOpt = False, device: DeviceOpt = "auto",
+            weights_dtype: ModelDtypeOpt = "fp32", json: JsonOpt = False) -> int:
     """Load a KV file into a fresh paged KV buffer, continue from it, and (--compare) check it."""
     result = run_replay(path, model, continue_tokens=continue_tokens, suffix=suffix, suffix_file=suffix_file,
                         prompt=prompt, prompt_file=prompt_file, compare=compare, min_top1=min_top1,
-                        max_kl=max_kl, device=device, weights_dtype=weights_dtype)
+                        max_kl=max_kl, device=device, weights_dtype=weights_dtype,
+                        use_hidden_states=not no_hidden_states)
     emit(result, json, render)
     if result["failures"]:
         sys.stderr.write(f"kvtool: error: replay below threshold: {'; '.join(result['failures'])}\n")
@@ -44,7 +47,8 @@ def command(path: InputPath, model: ModelOpt = None, continue_tokens: ContinueOp
 def run_replay(path: Path, model_path: Path | None, *, continue_tokens: int = 32, suffix: str | None = None,
                suffix_file: Path | None = None, prompt: str | None = None, prompt_file: Path | None = None,
                compare: bool = False, min_top1: float | None = None,
-               max_kl: float | None = None, device: str = "auto", weights_dtype: str = "fp32") -> dict[str, Any]:
+               max_kl: float | None = None, device: str = "auto", weights_dtype: str = "fp32",
+               use_hidden_states: bool = True) -> dict[str, Any]:
     from ..capture import read_text_file
     from ..devices import resolve_device
     from ..engine import load_model
@@ -66,12 +70,13 @@ def run_replay(path: Path, model_path: Path | None, *, continue_tokens: int = 32
             prompt = read_text_file(prompt_file)
         plan = plan_reuse(reader,
                           new_tokens=model.tokenizer.encode(prompt) if prompt is not None else None,
-                          suffix_tokens=model.tokenizer.encode(suffix) if suffix is not None else None)
+                          suffix_tokens=model.tokenizer.encode(suffix) if suffix is not None else None,
+                          use_hidden_states=use_hidden_states)
         result = replay(reader, model, plan, continue_tokens=continue_tokens, compare=compare)
     failures = []
-    if min_top1 is not None and result["top1_agreement"] < min_top1:
+    if min_top1 is not None and not result["top1_agreement"] >= min_top1:  # (NaN fails too)
         failures.append(f"top-1 agreement {result['top1_agreement']:.3f} < {min_top1}")
-    if max_kl is not None and result["kl_mean"] > max_kl:
+    if max_kl is not None and not result["kl_mean"] <= max_kl:
         failures.append(f"mean KL {result['kl_mean']:.3g} > {max_kl}")
     result["thresholds"] = {"min_top1": min_top1, "max_kl": max_kl}
     result["failures"] = failures

@@ -106,11 +106,20 @@ def verify_file(reader: ContainerReader) -> dict[str, Any]:
                 problems.append(str(err))
         chunk_checks.append(status)
     for name, e in m.extras.items():
-        if reader.blob_ok(e.blob):
-            checks[f"extra:{name}"] = "ok"
-        else:
+        if not reader.blob_ok(e.blob):
             checks[f"extra:{name}"] = "BAD"
             problems.append(f"extra {name}: CRC-32C mismatch")
+            continue
+        try:
+            t = reader.read_extra(name, verify=False)  # roi_mask: bytes other than 0/1 are a DecodeError
+            bad = 0 if t.dtype == torch.bool else int((~torch.isfinite(t)).sum())
+        except KvtoolError as err:
+            checks[f"extra:{name}"] = "BAD"
+            problems.append(f"extra {name}: {err}")
+            continue
+        checks[f"extra:{name}"] = "BAD" if bad else "ok"
+        if bad:
+            problems.append(f"extra {name}: {bad} non-finite value(s)")
     return {"path": str(reader.path), "num_chunks": len(m.chunks), "num_tokens": m.num_tokens,
             "checks": checks, "chunks": chunk_checks, "problems": problems}
 

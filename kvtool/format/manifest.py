@@ -240,6 +240,8 @@ def parse_manifest(raw: bytes, *, data_end: int, alignment: int) -> Manifest:
     num_layers = _int(model, "num_layers", "model", 1, layout.MAX_LAYERS)
     num_kv_heads = _int(model, "num_kv_heads", "model", 1, layout.MAX_KV_HEADS)
     head_dim = _int(model, "head_dim", "model", 1, layout.MAX_HEAD_DIM)
+    if "hidden_size" in model:  # optional; when given, hidden_states must be this wide (§3.5)
+        _int(model, "hidden_size", "model", 1, layout.MAX_KV_HEADS * layout.MAX_HEAD_DIM)
     _get(model, "rope", dict, "model")
     fingerprint = _get(model, "fingerprint", str, "model")
     if not re.fullmatch(r"sha256:[0-9a-f]{64}", fingerprint):
@@ -334,7 +336,7 @@ def _extra(name: str, e: Any, num_tokens: int, hidden_size: Any = None) -> Extra
         raise ManifestInvalid(f"manifest: {where} must be bool of shape [{num_tokens}]")
     if name == "hidden_states" and (len(shape) != 2 or shape[0] != num_tokens or dtype == "bool"):
         raise ManifestInvalid(f"manifest: {where} must be a float tensor of shape [{num_tokens}, hidden]")
-    if name == "hidden_states" and isinstance(hidden_size, int) and shape[1] != hidden_size:
+    if name == "hidden_states" and hidden_size is not None and shape[1] != hidden_size:
         raise ManifestInvalid(f"manifest: {where} is {list(shape)}, but model.hidden_size is {hidden_size}")
     blob = _blob(e, where)
     if blob.length != math.prod(shape) * EXTRA_DTYPES[dtype]:
