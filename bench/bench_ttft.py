@@ -194,4 +194,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from kvtool.errors import KvtoolError
+
+    try:
+        main()
+    except KvtoolError as err:  # a bad --device and the like: one line, not a traceback
+        sys.exit(f"bench_ttft: {err}")

@@ -65,7 +65,9 @@ fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== the model on the GPU: capture overhead and time to first token (bench/bench_capture.py, bench/bench_ttft.py)"
-  if $PY -c "import sys; from kvtool.engine.default_model import default_model_installed as ok; sys.exit(not ok())"; then
+  if ! $PY -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    echo "skipped: torch sees no CUDA device"
+  elif $PY -c "import sys; from kvtool.engine.default_model import default_model_installed as ok; sys.exit(not ok())"; then
     $PY bench/bench_capture.py --device cuda --tokens 2048 8000 2>&1 | tee "$OUTDIR/bench_capture.log" || status=1
     $PY bench/bench_ttft.py --device cuda --lengths 1024,2048,4096,8000 --md "$OUTDIR/ttft_gpu.md" 2>&1 \
       | tee "$OUTDIR/bench_ttft.log" || status=1
