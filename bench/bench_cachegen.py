@@ -257,7 +257,6 @@ def main(argv=None):
             lm_note = f"LMCache 0.5.6 not importable ({why}); skipped"
             print(lm_note)
 
-    ref = kv.float()
     print()
     hdr = (f"{'method':<14}{'ratio':>7}{'bits/val':>9}{'payload':>8}{'tables':>7}{'scales':>7}{'other':>7}"
            f"{'enc MB/s':>10}{'/core':>7}{'dec MB/s':>10}{'/core':>7}{'relRMSE':>9}")
@@ -291,7 +290,7 @@ def main(argv=None):
     k1 = table["kvtool-cg/1t"]
     k2 = table["kvtool-cg/2t"]
     print()
-    print(f"kvtool parts (bits/value): " + ", ".join(f"{k} {v:.4f}" for k, v in k1["parts_bits_per_value"].items()))
+    print("kvtool parts (bits/value): " + ", ".join(f"{k} {v:.4f}" for k, v in k1["parts_bits_per_value"].items()))
     print(f"kvtool 2-thread scaling: encode {k2['enc_MBps_wall'] / k1['enc_MBps_wall']:.2f}x, "
           f"decode {k2['dec_MBps_wall'] / k1['dec_MBps_wall']:.2f}x (wall)")
     goals = {

@@ -12,7 +12,6 @@ default model (SmolLM2-135M) on offline text; synthetic KV is labelled as such.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 import tempfile
@@ -20,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-import zstandard
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -91,13 +91,12 @@ if ARGS is not None:  # before torch starts its thread pool
     os.environ.setdefault("OMP_NUM_THREADS", str(ARGS.threads))
     os.environ["KVTOOL_THREADS"] = str(ARGS.threads)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvtool.capture import paged_connector  # noqa: E402
 from kvtool.codecs import get_codec  # noqa: E402
 from kvtool.codecs.cachegen import (  # noqa: E402
-    LMCACHE_DEFAULT, cachegen_params, cachegen_reference_roundtrip, native_available, resolve_bins)
+    LMCACHE_DEFAULT, cachegen_params, cachegen_reference_roundtrip, native_available)
 from kvtool.engine import PagedKVCache, Runner, load_model  # noqa: E402
 from kvtool.format import ContainerWriter  # noqa: E402
 from kvtool.replay import compare_logits, teacher_forced_eval, write_kv  # noqa: E402

@@ -149,6 +149,17 @@ def read_everything(path) -> dict[str, Any]:
                 "extras": {name: r.read_extra(name) for name in r.manifest.extras}}
 
 
+def kv_relative_error(path, reference) -> float:
+    """Largest |KV - reference KV| of two files of the same tokens, relative to the largest
+    reference magnitude of its layer (how two runs of one model, or a lossy file and its
+    original, are compared)."""
+    with ContainerReader(path) as r, ContainerReader(reference) as ref:
+        assert r.token_ids().tolist() == ref.token_ids().tolist()
+        got, want = r.read_range(0, r.num_tokens).float(), ref.read_range(0, ref.num_tokens).float()
+    scale = want.abs().amax(dim=(0, 2, 3), keepdim=True)  # [1, L, 1, 1]
+    return float(((got - want).abs() / scale).max())
+
+
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality (NaN payloads, -0.0 and all)."""
     if a.shape != b.shape or a.dtype != b.dtype:

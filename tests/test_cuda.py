@@ -408,31 +408,38 @@ def _random_slots(NB, BS, T, gen, distinct=True):
     return torch.randint(0, NB * BS, (T,), generator=gen)
 
 
+def _gpu_copies_equal_cpu(cpu, gpu, layout, slots, hidden, blob_dtype, gen, scale=1.0, vec_bytes=None) -> None:
+    """The fused kernel's gather and scatter on `gpu` (a CUDA copy of the buffers `cpu`) give the
+    CPU connector's bits: gather into a NaN-filled blob, then scatter a random blob back."""
+    from kvtool.cuda import paged
+
+    shape = (2, len(cpu), slots.shape[0], hidden)
+    want = torch.empty(shape, dtype=blob_dtype)
+    gather_paged(cpu, layout, slots, want)
+    got = torch.full(shape, float("nan"), dtype=blob_dtype, device="cuda")
+    paged.gather(gpu, layout, slots.cuda(), got)
+    torch.cuda.synchronize()
+    assert _same_bits(got, want)
+    if vec_bytes is not None:
+        assert paged.last_vec_bytes() == vec_bytes
+    blob = (torch.randn(shape, generator=gen) * scale).to(blob_dtype)
+    scatter_paged(blob, cpu, layout, slots)
+    paged.scatter(blob.cuda(), gpu, layout, slots.cuda())
+    torch.cuda.synchronize()
+    assert _layers_equal(_to(gpu, "cpu"), cpu)
+
+
 @needs_gpu
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("T", [1, 7, 256, 8000])
 def test_gpu_gather_scatter_equal_cpu(layout, dtype, T):
-    from kvtool.cuda import paged
-
     g = torch.Generator().manual_seed(T * 7 + LAYOUT_CODE[layout])
     L, BS, H, D = 4, 16, 4, 128
     NB = (T + BS - 1) // BS + 37
     cpu = make_caches(layout, L, NB, BS, H, D, dtype, "contig", gen=g)
-    gpu = _to(cpu, "cuda")
-    slots = _random_slots(NB, BS, T, g)
-    want = torch.empty(2, L, T, H * D, dtype=dtype)
-    gather_paged(cpu, layout, slots, want)
-    got = torch.full((2, L, T, H * D), float("nan"), dtype=dtype, device="cuda")
-    paged.gather(gpu, layout, slots.cuda(), got)
-    torch.cuda.synchronize()
-    assert _same_bits(got, want)
-    assert paged.last_vec_bytes() == 16
-    blob = torch.randn(2, L, T, H * D, generator=g).to(dtype)
-    scatter_paged(blob, cpu, layout, slots)
-    paged.scatter(blob.cuda(), gpu, layout, slots.cuda())
-    torch.cuda.synchronize()
-    assert _layers_equal(_to(gpu, "cpu"), cpu)
+    _gpu_copies_equal_cpu(cpu, _to(cpu, "cuda"), layout, _random_slots(NB, BS, T, g), H * D, dtype, g,
+                          vec_bytes=16)
 
 
 @needs_gpu
@@ -440,44 +447,20 @@ def test_gpu_gather_scatter_equal_cpu(layout, dtype, T):
 @pytest.mark.parametrize("variant", ["permuted", "strided", "offset"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 def test_gpu_noncontiguous_buffers(layout, variant, dtype):
-    from kvtool.cuda import paged
-
     g = torch.Generator().manual_seed(11)
     L, NB, BS, H, D, T = 3, 40, 16, 2, 64, 300
     cpu = make_caches(layout, L, NB, BS, H, D, dtype, variant, gen=g)
-    gpu = _to_strided(cpu, "cuda")
-    slots = _random_slots(NB, BS, T, g)
-    want = torch.empty(2, L, T, H * D, dtype=dtype)
-    gather_paged(cpu, layout, slots, want)
-    got = torch.empty(2, L, T, H * D, dtype=dtype, device="cuda")
-    paged.gather(gpu, layout, slots.cuda(), got)
-    assert _same_bits(got, want)
-    blob = torch.randn(2, L, T, H * D, generator=g).to(dtype)
-    scatter_paged(blob, cpu, layout, slots)
-    paged.scatter(blob.cuda(), gpu, layout, slots.cuda())
-    assert _layers_equal(_to(gpu, "cpu"), cpu)
+    _gpu_copies_equal_cpu(cpu, _to_strided(cpu, "cuda"), layout, _random_slots(NB, BS, T, g), H * D, dtype, g)
 
 
 @needs_gpu
 @pytest.mark.parametrize("cdt,bdt", [(a, b) for a in GPU_DTYPES for b in GPU_DTYPES if a != b], ids=str)
 @pytest.mark.parametrize("layout", [PagedLayout.FLASH_ATTN, PagedLayout.VLLM, PagedLayout.KV_TUPLE], ids=lambda l: l.value)
 def test_gpu_dtype_conversion_equals_cpu(cdt, bdt, layout):
-    from kvtool.cuda import paged
-
     g = torch.Generator().manual_seed(5)
     L, NB, BS, H, D, T = 2, 20, 8, 2, 32, 100
     cpu = make_caches(layout, L, NB, BS, H, D, cdt, "contig", gen=g)
-    gpu = _to(cpu, "cuda")
-    slots = _random_slots(NB, BS, T, g)
-    want = torch.empty(2, L, T, H * D, dtype=bdt)
-    gather_paged(cpu, layout, slots, want)
-    got = torch.empty(2, L, T, H * D, dtype=bdt, device="cuda")
-    paged.gather(gpu, layout, slots.cuda(), got)
-    assert _same_bits(got, want)
-    blob = (torch.randn(2, L, T, H * D, generator=g) * 3).to(bdt)
-    scatter_paged(blob, cpu, layout, slots)
-    paged.scatter(blob.cuda(), gpu, layout, slots.cuda())
-    assert _layers_equal(_to(gpu, "cpu"), cpu)
+    _gpu_copies_equal_cpu(cpu, _to(cpu, "cuda"), layout, _random_slots(NB, BS, T, g), H * D, bdt, g, scale=3.0)
 
 
 @needs_gpu

@@ -19,7 +19,7 @@ from kvtool.devices import describe, resolve_device
 from kvtool.errors import UsageError
 from kvtool.format import ContainerReader
 
-from fixtures import write_kv_file
+from fixtures import kv_relative_error, write_kv_file
 
 HAS_CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (GPU tests: scripts/gpu_check.sh)")
@@ -186,13 +186,10 @@ def gpu_files(tmp_path_factory):
 @needs_gpu
 @pytest.mark.model
 def test_gpu_capture_matches_the_cpu_capture(gpu_files):
-    with ContainerReader(gpu_files["cpu_raw"]) as c, ContainerReader(gpu_files["gpu_raw"]) as g:
-        assert c.token_ids().tolist() == g.token_ids().tolist()
+    with ContainerReader(gpu_files["gpu_raw"]) as g:
         assert g.manifest.metadata["device"].startswith("cuda")
-        a, b = c.read_range(0, c.num_tokens).float(), g.read_range(0, g.num_tokens).float()
     # another matmul order: the two runs agree to bf16 rounding, layer by layer
-    scale = a.abs().amax(dim=(0, 2, 3), keepdim=True)  # [1, L, 1, 1]
-    assert ((a - b).abs() / scale).max() < 0.02
+    assert kv_relative_error(gpu_files["gpu_raw"], gpu_files["cpu_raw"]) < 0.02
 
 
 @needs_gpu
@@ -201,10 +198,7 @@ def test_gpu_capture_in_bf16_arithmetic(gpu_files, tmp_path):
     path = tmp_path / "bf16.kvc"
     assert run(["capture", "--prompt", PROMPT, "-o", str(path), "--chunk-size", "32", "--device", "cuda",
                 "--model-dtype", "bf16"]) == 0
-    with ContainerReader(gpu_files["cpu_raw"]) as c, ContainerReader(path) as g:
-        a, b = c.read_range(0, c.num_tokens).float(), g.read_range(0, g.num_tokens).float()
-    scale = a.abs().amax(dim=(0, 2, 3), keepdim=True)
-    assert ((a - b).abs() / scale).max() < 0.1
+    assert kv_relative_error(path, gpu_files["cpu_raw"]) < 0.1
 
 
 @needs_gpu
@@ -220,10 +214,7 @@ def test_gpu_cachegen_capture_decodes_identically_on_cpu_and_gpu(gpu_files):
 @needs_gpu
 @pytest.mark.model
 def test_gpu_cachegen_capture_is_within_quantisation_error_of_the_raw_one(gpu_files):
-    with ContainerReader(gpu_files["gpu_cachegen"]) as q, ContainerReader(gpu_files["gpu_raw"]) as g:
-        a, b = q.read_range(0, q.num_tokens).float(), g.read_range(0, g.num_tokens).float()
-    scale = b.abs().amax(dim=(0, 2, 3), keepdim=True)  # [1, L, 1, 1]
-    assert ((a - b).abs() / scale).max() < 0.25
+    assert kv_relative_error(gpu_files["gpu_cachegen"], gpu_files["gpu_raw"]) < 0.25
 
 
 @needs_gpu

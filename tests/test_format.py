@@ -40,7 +40,6 @@ from fixtures import (
     make_kv,
     pack_header,
     read_everything,
-    rebuild,
     ref_crc32,
     ref_prefix_hashes,
     same_tensor,

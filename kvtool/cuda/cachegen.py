@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..codecs.cachegen import CacheGenCodec, canonical_bins_spec, check_chunk, resolve_bins
+from ..codecs.cachegen import CacheGenCodec, canonical_bins_spec, check_chunk, check_shape, resolve_bins
 from ..codecs.cachegen import reference as ref
 from ..errors import CodecParamsInvalid, DecodeError, NonFiniteValues, UsageError
 from . import _build
@@ -263,15 +263,8 @@ def plan_decode(payloads: Sequence[bytes | memoryview], shapes: Sequence[Any], d
         raise UsageError("cachegen: one shape per payload, at least one payload")
     metas = []
     for pl, shape in zip(payloads, shapes):
-        try:
-            shp = tuple(int(s) for s in shape)
-        except (TypeError, ValueError):
-            raise DecodeError(f"cachegen: bad chunk shape {shape!r}") from None
-        if len(shp) != 4 or shp[0] != 2 or min(shp) < 1:
-            raise DecodeError(f"cachegen: chunk shape must be [2, L, T, C] with positive sizes, got {list(shp)}")
+        shp = check_shape(shape)
         _, L, T, C = shp
-        if T >= ref.MAX_TOKENS or T * C > (1 << 30) or L > 32767:
-            raise DecodeError(f"cachegen: chunk shape {list(shp)} is beyond the format's limits")
         try:
             bins = resolve_bins(p["bins"], L)
         except UsageError as exc:

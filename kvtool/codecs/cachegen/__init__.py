@@ -57,7 +57,8 @@ def _validate(params: Any) -> dict:
         raise CodecParamsInvalid(str(exc)) from None
 
 
-def _check_shape(shape: Any) -> tuple[int, int, int, int]:
+def check_shape(shape: Any) -> tuple[int, int, int, int]:
+    """A declared chunk shape the bitstream can hold, as ints; DecodeError otherwise (CPU and GPU decoders)."""
     try:
         shp = tuple(int(s) for s in shape)
     except (TypeError, ValueError):
@@ -107,7 +108,7 @@ def cachegen_decode(payload: bytes | memoryview, shape: Any, dtype: torch.dtype,
                     threads: int | None = None, impl: str = "auto") -> torch.Tensor:
     """Decode a payload into a new tensor of `shape` and `dtype`; DecodeError on any corruption."""
     p = _validate(params)
-    _, L, T, C = _check_shape(shape)
+    _, L, T, C = check_shape(shape)
     if dtype not in ref.DTYPE_CODES:
         raise DecodeError(f"cachegen: unsupported KV dtype {dtype}")
     try:
@@ -146,7 +147,7 @@ def cachegen_reference_roundtrip(kv: torch.Tensor, params: dict | None = None) -
 def cachegen_payload_stats(payload: bytes | memoryview, shape: Any, params: dict | None = None) -> dict:
     """Per-chunk size figures: bits per value in total and by part (header, scales, tables,
     lane_states, payload, padding), their shares of the payload, and the coder settings."""
-    _, L, T, C = _check_shape(shape)
+    _, L, T, C = check_shape(shape)
     stats = ref.payload_stats(payload, 2 * L, T, C)
     stats["ratio_vs_bf16"] = 16.0 / stats["bits_per_value"]
     if params is not None:
