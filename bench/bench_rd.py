@@ -9,7 +9,7 @@ from it:
   bf16        the engine's own KV (the reference), raw codec, 16 bits
   fp16        cast bf16 -> fp16 -> bf16 (16 bits)
   fp8-e4m3    cast to torch.float8_e4m3fn and back, no scales (8 bits)
-  zstd        kvtool's zstd codec (default: level 3, byte-plane shuffle), lossless
+  zstd        kvtool's zstd codec with its default parameters (byte-plane shuffle), lossless
   cg-default  kvtool's CacheGen codec, LMCache's default bins
               (k:0-10=32,10-=16;v:0-2=32,2-=16)
   cg-32       CacheGen, 32 bins on every layer
@@ -224,7 +224,7 @@ def build_rows():
         ("bf16", "reference: engine bf16 KV, raw codec", codec_transform("raw", {"version": 1})),
         ("fp16", "cast bf16->fp16->bf16", cast_transform(torch.float16, 16)),
         ("fp8-e4m3", "cast to float8_e4m3fn and back, no scale", cast_transform(torch.float8_e4m3fn, 8)),
-        ("zstd", "kvtool zstd, level 3, byte-plane shuffle (lossless)",
+        ("zstd", "kvtool zstd, level {level}, {shuffle} shuffle (lossless)".format(**get_codec("zstd").default_params()),
          codec_transform("zstd", get_codec("zstd").default_params())),
         ("cg-default", f"kvtool cachegen, LMCache default bins {LMCACHE_DEFAULT}",
          codec_transform("cachegen", cg("default"))),

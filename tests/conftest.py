@@ -26,6 +26,18 @@ def _require_default_model() -> None:
         pytest.skip(message)
 
 
+@pytest.fixture(autouse=True)
+def no_silent_cpu_fallback(monkeypatch):
+    """On a GPU, a CUDA kernel that fails falls back to the CPU path, which gives the same values:
+    a GPU test would pass without the GPU doing anything. In the tests a fallback is a failure."""
+    if torch.cuda.is_available():
+        import kvtool.cuda
+
+        def refuse(what, reason):
+            raise AssertionError(f"CUDA {what} fell back to the CPU path: {reason}")
+        monkeypatch.setattr(kvtool.cuda, "notice", refuse)
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """kvtool.engine.LoadedModel of the default model, float32."""

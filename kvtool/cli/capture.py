@@ -50,7 +50,7 @@ def command(output: OutputPath, model: ModelOpt = None, prompt: PromptOpt = None
     num_chunks = -(-len(ids) // chunk_size)
     with Progress(TextColumn("capture"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
                   TimeElapsedColumn(), console=stderr_console, transient=True,
-                  disable=json or num_chunks < 2) as bar:
+                  disable=json or num_chunks < 2 or not stderr_console.is_terminal) as bar:
         task = bar.add_task("capture", total=len(ids))
         result = capture(loaded, ids, output, chunk_size=chunk_size, codec=codec, params=params,
                          kv_dtype=kv_dtype, block_size=block_size, hidden_states=hidden_states, roi=ranges,

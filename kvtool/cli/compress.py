@@ -32,7 +32,8 @@ def compress_file(reader: ContainerReader, output, codec: str, params: dict[str,
     with ContainerWriter(output, m.model, reader.token_ids(), kv_dtype=reader.kv_dtype,
                          chunk_size=m.chunk_size, alignment=reader.header.alignment,
                          metadata=_provenance(m.metadata, reader.path)) as writer, \
-            Progress(console=stderr_console, transient=True, disable=not progress or len(m.chunks) < 4) as bar:
+            Progress(console=stderr_console, transient=True,
+                     disable=not progress or len(m.chunks) < 4 or not stderr_console.is_terminal) as bar:
         task = bar.add_task("compressing", total=len(m.chunks))
         for c in m.chunks:
             if c.codec == codec and c.codec_params == params:  # already in the target encoding
