@@ -26,7 +26,7 @@ engine loads, else synthetic.
 LMCache is optional: `pip install --no-deps lmcache==0.5.6 numba llvmlite cachetools`
 in a benchmark environment (never a kvtool dependency).
 
-    python bench/bench_cachegen.py [--source auto|real|synthetic] [--tokens 1024] [--repeat 3] [--json out.json]
+    python bench/bench_cachegen.py [--source auto|real|synthetic] [--tokens 1024] [--repeat 5] [--json out.json]
 """
 
 from __future__ import annotations
