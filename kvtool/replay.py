@@ -47,10 +47,20 @@ class ReusePlan:
 
 
 def check_model(reader: ContainerReader, model: LoadedModel) -> None:
+    """The file was made by this model: same fingerprint, and (since a fingerprint is only a
+    claim) KV of this model's shape and token ids inside its vocabulary."""
     if reader.fingerprint != model.identity.fingerprint():
         raise ModelMismatch(
             f"{reader.path} was made by {reader.model.get('name')!r} ({reader.fingerprint[:19]}...), "
             f"not by the loaded model {model.name!r} ({model.identity.fingerprint()[:19]}...)")
+    cfg, m = model.config, reader.manifest
+    if (m.num_layers, m.hidden_kv) != (cfg.num_layers, cfg.num_kv_heads * cfg.head_dim):
+        raise ModelMismatch(f"{reader.path} holds {m.num_layers} layers x {m.hidden_kv} KV channels, the model "
+                            f"has {cfg.num_layers} x {cfg.num_kv_heads * cfg.head_dim} (its fingerprint is forged)")
+    ids = reader.token_ids()
+    if ids.size and int(ids.max()) >= cfg.vocab_size:
+        raise ModelMismatch(f"{reader.path}: token id {int(ids.max())} is outside the model's vocabulary "
+                            f"[0, {cfg.vocab_size})")
 
 
 def plan_reuse(reader: ContainerReader, new_tokens: list[int] | None = None,

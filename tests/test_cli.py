@@ -619,3 +619,13 @@ def test_python_dash_m_kvtool(tmp_path):
     assert "Traceback" not in bad_err
     assert json.loads(bad_out) == {"ok": False, "error": {
         "type": "InputFileError", "message": bad_err[len("kvtool: error: "):-1], "exit_code": 2}}
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_is_refused_not_waited_on(cli, tmp_path):
+    fifo = tmp_path / "pipe.kvc"
+    os.mkfifo(fifo)
+    for command in ("inspect", "verify", "dump"):
+        args = [command, fifo] + (["-o", tmp_path / "d.npy"] if command == "dump" else [])
+        r = cli(*args)
+        assert r.code == 2 and "not a regular file" in r.err and r.err.count("\n") == 1, (command, r.err)

@@ -184,6 +184,9 @@ def test_capture_bad_inputs(tmp_path, capsys, default_model):
     assert code == 2 and "GPT2LMHeadModel" in err
     code, _, err = cli(capsys, "capture", "--prompt", "hi", "--prompt-file", str(too_long), "-o", out)
     assert code == 2 and "exactly one" in err
+    (gpt2 / "config.json").write_text("[1, 2]")  # JSON, but not an object
+    code, _, err = cli(capsys, "capture", "--model", str(gpt2), "--prompt", "hi", "-o", out)
+    assert code == 2 and "expected a JSON object" in err and err.count("\n") == 1
     assert not (tmp_path / "x.kvc").exists()
     for line in err.splitlines():
         assert "Traceback" not in line
@@ -413,3 +416,42 @@ def test_prefix_prompt_of_a_hidden_states_file_computes_nothing(captured_with_hi
         assert (plan.reused, plan.chunks, plan.from_hidden) == (128, 2, True)
         res = replay(r, default_model, plan, continue_tokens=6, compare=True)
     assert res["computed_tokens"] == 0 and res["top1_agreement"] == 1.0 and res["kl_mean"] < 1e-6
+
+
+def _copy_with(src, dst, *, model=None, tokens=None):
+    """`src` rewritten with another manifest model object or other token ids (valid checksums)."""
+    from kvtool.format import ModelIdentity
+
+    with ContainerReader(src) as r:
+        ident = ModelIdentity.from_dict(r.model)
+        with ContainerWriter(dst, ident, tokens or r.token_ids().tolist(), kv_dtype=r.kv_dtype,
+                             chunk_size=r.manifest.chunk_size) as w:
+            for c in r.chunks:
+                w.write_encoded_chunk(bytes(r.chunk_payload(c.index)), c.codec, c.codec_params)
+    if model is not None:
+        from fixtures import rebuild
+
+        dst.write_bytes(rebuild(dst, lambda doc: doc["model"].update(model)))
+    return dst
+
+
+def test_replay_refuses_a_forged_fingerprint(captured, default_model, tmp_path, capsys):
+    """A file of another shape that claims the model's fingerprint: one line, exit 2 (a model mismatch)."""
+    from fixtures import write_kv_file
+
+    tiny = write_kv_file(tmp_path / "tiny.kvc", num_tokens=6, chunk_size=4).path
+    forged = _copy_with(tiny, tmp_path / "forged.kvc",
+                        model={"fingerprint": default_model.identity.fingerprint()})
+    code, _, err = cli(capsys, "replay", "--device", "cpu", str(forged), "--continue", "2")
+    assert code == 2 and "fingerprint is forged" in err and err.count("\n") == 1, err  # a ModelMismatch
+    code, _, err = cli(capsys, "verify", "--device", "cpu", str(forged), "--replay", "--continue", "2")
+    assert code == 1 and "fingerprint does not match" in err and err.count("\n") == 1, err  # caught before replay
+
+
+def test_replay_refuses_token_ids_outside_the_vocabulary(captured, tmp_path, capsys):
+    with ContainerReader(captured) as r:
+        ids = r.token_ids().tolist()
+    ids[3] = 4_000_000_000
+    bad = _copy_with(captured, tmp_path / "oov.kvc", tokens=ids)
+    code, _, err = cli(capsys, "replay", "--device", "cpu", str(bad), "--compare", "--continue", "2")
+    assert code == 2 and "outside the model's vocabulary" in err and err.count("\n") == 1, err

@@ -99,9 +99,12 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise ModelError(f"{path.parent}: no {path.name}")
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as err:
         raise ModelError(f"cannot read {path}: {err}") from None
+    if not isinstance(doc, dict):
+        raise ModelError(f"{path}: expected a JSON object, got {type(doc).__name__}")
+    return doc
 
 
 def _rope_from_hf(hf: dict) -> tuple[float, dict | None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,6 +54,13 @@ class MappedFile:
 
     def __init__(self, path: str | os.PathLike):
         self.name = str(path)
+        try:  # a FIFO or a device would block open() or never end: only regular files
+            if not stat.S_ISREG(os.stat(path).st_mode) and not os.path.isdir(path):
+                raise InputFileError(f"{path}: not a regular file")
+        except FileNotFoundError:
+            raise InputFileError(f"{path}: no such file") from None
+        except OSError as err:
+            raise InputFileError(f"{path}: cannot open ({err.strerror})") from None
         try:
             self._file = open(path, "rb")
         except FileNotFoundError:
