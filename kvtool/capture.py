@@ -57,13 +57,22 @@ def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path
             raise PromptError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
     else:
         text = prompt if prompt is not None else read_text_file(prompt_file)
-        ids = model.tokenizer.encode(text)
+        ids = model.tokenizer.encode(check_text(text, "--prompt"))
     if not ids:
         raise PromptError("the prompt is empty")
     if len(ids) > model.max_position_embeddings:
         raise PromptError(f"the prompt has {len(ids)} tokens, more than the model's context of "
                           f"{model.max_position_embeddings}")
     return ids
+
+
+def check_text(text: str, what: str) -> str:
+    """`text` if it is valid Unicode (a command-line argument of undecodable bytes is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PromptError(f"{what}: not valid UTF-8 text") from None
+    return text
 
 
 def read_text_file(path: Path) -> str:

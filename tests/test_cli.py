@@ -629,3 +629,40 @@ def test_a_fifo_is_refused_not_waited_on(cli, tmp_path):
         args = [command, fifo] + (["-o", tmp_path / "d.npy"] if command == "dump" else [])
         r = cli(*args)
         assert r.code == 2 and "not a regular file" in r.err and r.err.count("\n") == 1, (command, r.err)
+
+
+def test_special_and_linked_outputs_are_refused_and_left_alone(cli, kv_file, tmp_path):
+    link = tmp_path / "link.kvc"
+    target = tmp_path / "target.kvc"
+    target.write_bytes(b"keep me")
+    link.symlink_to(target)
+    r = cli("compress", kv_file.path, "-o", link)
+    assert r.code == 2 and "symbolic link" in r.err and r.err.count("\n") == 1
+    assert link.is_symlink() and target.read_bytes() == b"keep me"
+    if hasattr(os, "mkfifo"):
+        fifo = tmp_path / "out.fifo"
+        os.mkfifo(fifo)
+        r = cli("compress", kv_file.path, "-o", fifo)
+        assert r.code == 2 and "not a regular file" in r.err
+        assert not fifo.is_file() and fifo.exists()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--against", "SELF", "--atol", "-1"], "--atol -1.0: expected a finite number >= 0"),
+    (["--against", "SELF", "--rtol", "nan"], "--rtol nan: expected a finite number >= 0"),
+    (["--replay", "--min-top1", "2"], "--min-top1 2.0: expected a fraction in [0, 1]"),
+    (["--replay", "--max-kl", "-1"], "--max-kl -1.0: expected a finite number >= 0"),
+    (["--continue", "-3"], "--continue must be at least 1"),
+])
+def test_verify_tolerances_and_thresholds_are_checked(cli, kv_file, args, message):
+    args = [kv_file.path if a == "SELF" else a for a in args]
+    r = cli("verify", kv_file.path, *args)
+    assert r.code == 2 and r.err == f"kvtool: error: {message}\n"
+
+
+def test_verify_flags_token_ids_outside_the_recorded_vocabulary(cli, tmp_path):
+    f = write_kv_file(tmp_path / "oov.kvc", num_tokens=6, chunk_size=4, token_ids=[1, 2, 3, 4, 5, 5000])
+    r = cli("verify", f.path, "--json")
+    assert r.code == 1 and r.json()["checks"]["token_ids"] == "BAD"
+    assert "token id 5000 is outside the model's vocabulary [0, 1000)" in r.json()["problems"]

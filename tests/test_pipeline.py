@@ -455,3 +455,49 @@ def test_replay_refuses_token_ids_outside_the_vocabulary(captured, tmp_path, cap
     bad = _copy_with(captured, tmp_path / "oov.kvc", tokens=ids)
     code, _, err = cli(capsys, "replay", "--device", "cpu", str(bad), "--compare", "--continue", "2")
     assert code == 2 and "outside the model's vocabulary" in err and err.count("\n") == 1, err
+
+
+def test_text_that_is_not_unicode_is_refused(captured, tmp_path, capsys):
+    bad = "hi \udcff there"  # how Python hands over a command-line argument of undecodable bytes
+    code, _, err = cli(capsys, "capture", "--prompt", bad, "-o", str(tmp_path / "u.kvc"))
+    assert code == 2 and err == "kvtool: error: --prompt: not valid UTF-8 text\n"
+    code, _, err = cli(capsys, "replay", "--device", "cpu", str(captured), "--suffix", bad)
+    assert code == 2 and err == "kvtool: error: --suffix: not valid UTF-8 text\n"
+
+
+@pytest.mark.parametrize("change", [{"num_attention_heads": 0, "head_dim": None}, {"head_dim": -64},
+                                    {"architectures": 5}, {"rope_theta": 0}])
+def test_hostile_model_configs_are_one_line_errors(tmp_path, capsys, default_model, change):
+    from kvtool.engine import default_model_path
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    hf = json.loads((default_model_path() / "config.json").read_text())
+    hf.update(change)
+    (folder / "config.json").write_text(json.dumps(hf))
+    shutil.copy(default_model_path() / "tokenizer.json", folder / "tokenizer.json")
+    code, _, err = cli(capsys, "capture", "--model", str(folder), "--prompt", "hi", "-o", str(tmp_path / "x.kvc"))
+    assert code == 2 and err.startswith("kvtool: error: ") and err.count("\n") == 1, err
+
+
+def test_sigterm_leaves_no_temp_file_and_the_old_output_intact(tmp_path):
+    """A capture stopped by SIGTERM (timeout, container stop) unwinds like Ctrl-C."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out.kvc"
+    out.write_bytes(b"the old output")
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(PROMPT * 12)
+    proc = subprocess.Popen([sys.executable, "-m", "kvtool", "capture", "--prompt-file", str(prompt), "-o", str(out),
+                             "--chunk-size", "16", "--device", "cpu"], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not list(tmp_path.glob(".out.kvc.*.tmp")):
+        time.sleep(0.05)  # wait until the writer has its temp file
+    assert list(tmp_path.glob(".out.kvc.*.tmp")), "capture never started writing"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err
+    assert out.read_bytes() == b"the old output" and not list(tmp_path.glob(".*.tmp"))

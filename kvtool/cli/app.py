@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 
 import typer
 
@@ -38,8 +40,21 @@ def _fail(message: str, code: int, kind: str, json_mode: bool) -> int:
     return code
 
 
+def _unwind_on_termination() -> None:
+    """SIGTERM and SIGHUP (timeout, a closed terminal, a container stop) unwind the stack like
+    Ctrl-C, so a writer still removes its temp file and the old output stays as it was."""
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is not None:
+                signal.signal(sig, interrupt)
+
+
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code; never lets a known error escape as a traceback."""
+    if argv is None:  # the real command line (not a test calling run([...]))
+        _unwind_on_termination()
     argv = list(sys.argv[1:] if argv is None else argv)
     json_mode = "--json" in argv
     try:
@@ -47,6 +62,8 @@ def run(argv: list[str] | None = None) -> int:
     except KvtoolError as err:
         return _fail(str(err), err.exit_code, type(err).__name__, json_mode)
     except typer.Exit as err:
+        if err.exit_code == 130:  # the parser's way of reporting Ctrl-C (and SIGTERM, above)
+            return _fail("interrupted", 130, "Interrupted", json_mode)
         return err.exit_code
     except typer.Abort:
         return _fail("interrupted", 130, "Interrupted", json_mode)
@@ -66,6 +83,8 @@ def run(argv: list[str] | None = None) -> int:
     except OSError as err:
         where = f"{err.filename}: " if getattr(err, "filename", None) else ""
         return _fail(f"{where}{err.strerror or err}", 2, "OSError", json_mode)
+    if result == 130:  # the parser turned Ctrl-C (or SIGTERM, above) into this code; no command returns it
+        return _fail("interrupted", 130, "Interrupted", json_mode)
     return result if isinstance(result, int) else 0
 
 

@@ -49,7 +49,7 @@ def run_replay(path: Path, model_path: Path | None, *, continue_tokens: int = 32
                compare: bool = False, min_top1: float | None = None,
                max_kl: float | None = None, device: str = "auto", weights_dtype: str = "fp32",
                use_hidden_states: bool = True) -> dict[str, Any]:
-    from ..capture import read_text_file
+    from ..capture import check_text, read_text_file
     from ..devices import resolve_device
     from ..engine import load_model
     from ..errors import UsageError
@@ -58,6 +58,10 @@ def run_replay(path: Path, model_path: Path | None, *, continue_tokens: int = 32
 
     if sum(x is not None for x in (suffix, suffix_file, prompt, prompt_file)) > 1:
         raise UsageError("give at most one of --suffix, --suffix-file, --prompt, --prompt-file")
+    if min_top1 is not None and not 0 <= min_top1 <= 1:
+        raise UsageError(f"--min-top1 {min_top1}: expected a fraction in [0, 1]")
+    if max_kl is not None and not 0 <= max_kl < float("inf"):
+        raise UsageError(f"--max-kl {max_kl}: expected a finite number >= 0")
     compare = compare or min_top1 is not None or max_kl is not None
     where = resolve_device(device)
     dtype = model_dtype(weights_dtype)
@@ -69,8 +73,10 @@ def run_replay(path: Path, model_path: Path | None, *, continue_tokens: int = 32
         if prompt_file is not None:
             prompt = read_text_file(prompt_file)
         plan = plan_reuse(reader,
-                          new_tokens=model.tokenizer.encode(prompt) if prompt is not None else None,
-                          suffix_tokens=model.tokenizer.encode(suffix) if suffix is not None else None,
+                          new_tokens=model.tokenizer.encode(check_text(prompt, "--prompt")) if prompt is not None
+                          else None,
+                          suffix_tokens=model.tokenizer.encode(check_text(suffix, "--suffix")) if suffix is not None
+                          else None,
                           use_hidden_states=use_hidden_states)
         result = replay(reader, model, plan, continue_tokens=continue_tokens, compare=compare)
     failures = []

@@ -11,7 +11,7 @@ import torch
 import typer
 from rich.console import Console
 
-from ..errors import DataError, KvtoolError, ModelMismatch
+from ..errors import DataError, KvtoolError, ModelMismatch, UsageError
 from ..format import ContainerReader
 from ..format.hashing import prefix_hashes
 from ..format.identity import model_fingerprint
@@ -38,8 +38,17 @@ def verify_command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 
     """Check structure, checksums, decoding, finiteness and prefix hashes (exit 1 if any fails)."""
     from ..devices import resolve_device
 
-    resolve_device(device)  # a bad --device or --model-dtype is an error with or without --replay
+    resolve_device(device)  # a bad option is an error with or without --replay / --against
     model_dtype(weights_dtype)
+    for name, value in (("--atol", atol), ("--rtol", rtol)):
+        if not 0 <= value < float("inf"):
+            raise UsageError(f"{name} {value}: expected a finite number >= 0")
+    if not 0 <= min_top1 <= 1:
+        raise UsageError(f"--min-top1 {min_top1}: expected a fraction in [0, 1]")
+    if max_kl is not None and not 0 <= max_kl < float("inf"):
+        raise UsageError(f"--max-kl {max_kl}: expected a finite number >= 0")
+    if continue_tokens < 1:
+        raise UsageError("--continue must be at least 1")
     with ContainerReader(path) as reader:
         result = verify_file(reader)
         if against is not None and not result["problems"]:  # a damaged file is not compared
@@ -74,6 +83,10 @@ def verify_file(reader: ContainerReader) -> dict[str, Any]:
     try:
         tokens = reader.token_ids()
         checks["token_ids"] = "ok"
+        vocab = m.model.get("vocab_size")
+        if isinstance(vocab, int) and tokens.size and int(tokens.max()) >= vocab:
+            checks["token_ids"] = "BAD"
+            problems.append(f"token id {int(tokens.max())} is outside the model's vocabulary [0, {vocab})")
     except KvtoolError as err:
         checks["token_ids"] = "BAD"
         problems.append(str(err))

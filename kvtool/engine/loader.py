@@ -128,7 +128,7 @@ def _rope_from_hf(hf: dict) -> tuple[float, dict | None]:
 
 def config_from_hf(hf: dict, path: Path | str = "") -> ModelConfig:
     archs = hf.get("architectures") or []
-    arch = archs[0] if archs else None
+    arch = archs[0] if isinstance(archs, list) and archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelError(f"{path}: unsupported architecture {arch!r} "
                          f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -165,8 +165,14 @@ def config_from_hf(hf: dict, path: Path | str = "") -> ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as err:
         raise ModelError(f"{path}: bad config.json ({type(err).__name__}: {err})") from None
+    sizes = {"hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+             "head_dim": head_dim, "num_hidden_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
+             "intermediate_size": cfg.intermediate_size, "max_position_embeddings": cfg.max_position_embeddings}
+    bad = [f"{k} = {v}" for k, v in sizes.items() if v < 1] + ([f"rope_theta = {theta}"] if not theta > 0 else [])
+    if bad:
+        raise ModelError(f"{path}: bad config.json ({', '.join(bad)}: must be positive)")
     if heads % kv_heads:
         raise ModelError(f"{path}: {heads} attention heads not divisible by {kv_heads} KV heads")
     rope_inv_freq(cfg)  # raises ModelError for an unsupported scaling type

@@ -262,6 +262,10 @@ def open_temp_beside(path: Path) -> tuple[int, str]:
     """A new temporary file in `path`'s directory, or an OutputError that names `path`."""
     if path.is_dir():
         raise OutputError(f"{path}: is a directory; give a file name")
+    if path.is_symlink():  # the rename would replace the link, not write where it points
+        raise OutputError(f"{path}: is a symbolic link; give the file it points to")
+    if path.exists() and not path.is_file():  # a device, FIFO or socket: never replace it
+        raise OutputError(f"{path}: is not a regular file")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
