@@ -12,6 +12,7 @@ widened to float32 (numpy has no bfloat16; the widening is exact).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -19,11 +20,28 @@ import torch
 from rich.console import Console
 from safetensors.torch import save as safetensors_save
 
-from ..errors import UsageError
+from ..errors import OutputError, UsageError
 from ..format import ContainerReader
 from ..fsutil import atomic_write
 from .options import ChunksOpt, InputPath, JsonOpt, LayersOpt, OutputPath, parse_index_set
 from .output import emit, human_bytes
+
+
+# dump holds the decoded selection about three times (chunks, their concatenation, the serialised
+# output); a small file may declare up to 1024x its size in KV (format-spec limits)
+DUMP_MEMORY_FACTOR = 3
+
+
+def _check_memory(decoded: int) -> None:
+    """Refuse, in one line, a selection that cannot fit in this machine's memory."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    if decoded * DUMP_MEMORY_FACTOR > total:
+        raise OutputError(f"dumping {decoded / 2**30:.1f} GiB of decoded KV needs about "
+                          f"{decoded * DUMP_MEMORY_FACTOR / 2**30:.1f} GiB of memory; this machine has "
+                          f"{total / 2**30:.1f}: select fewer --chunks or --layers")
 
 
 def dump_command(path: InputPath, output: OutputPath, chunks: ChunksOpt = None,
@@ -36,6 +54,7 @@ def dump_command(path: InputPath, output: OutputPath, chunks: ChunksOpt = None,
         m = reader.manifest
         chunk_ids = parse_index_set(chunks, len(m.chunks), "chunks")
         layer_ids = parse_index_set(layers, m.num_layers, "layers")
+        _check_memory(sum(m.chunks[i].decoded_bytes for i in chunk_ids) * len(layer_ids) // m.num_layers)
         parts = [reader.read_chunk(i)[:, layer_ids] for i in chunk_ids]  # each [2, L', T_i, C]
         kv = torch.cat(parts, dim=2)
         positions = torch.cat([torch.arange(m.chunks[i].start, m.chunks[i].end) for i in chunk_ids])
