@@ -60,12 +60,12 @@ native = Extension(
 )
 
 class BuildPyWithKernels(build_py):
-    """Ship kernels/*.cu and *.h inside the package (kvtool/cuda/kernels), so a wheel
+    """Ship kernels/*.cu and *.h inside the package (kvtool/_kernels), so a wheel
     install can build the CUDA kernels on first use, as an editable checkout does."""
 
     def run(self):
         super().run()
-        target = os.path.join(self.build_lib, "kvtool", "cuda", "kernels")
+        target = os.path.join(self.build_lib, "kvtool", "_kernels")
         os.makedirs(target, exist_ok=True)
         for pattern in ("*.cu", "*.h"):
             for source in glob.glob(os.path.join(HERE, "kernels", pattern)):

@@ -1,1 +1,60 @@
-__version__ = "0.1.0"
+"""kvtool: capture, keep, shrink, inspect, verify and replay LLM KV caches.
+
+The Python API, loaded on first use (so `import kvtool` is cheap and imports no torch)::
+
+    import kvtool
+
+    model = kvtool.load_model()                       # the embedded default model, or a HF folder
+    ids = model.tokenizer.encode("The KV cache is ...")
+    kvtool.capture(model, ids, "notes.kvc", codec="zstd")      # -> CaptureResult
+    with kvtool.open("notes.kvc") as f:                         # -> ContainerReader
+        kv = f.read_chunk(0)                                     # [2, layers, tokens, kv_heads*head_dim]
+    kvtool.verify("notes.kvc")                                  # -> VerifyReport; VerificationFailed if not intact
+    kvtool.inspect("notes.kvc").totals                          # -> FileSummary
+    kvtool.replay("notes.kvc", model, continue_tokens=8).continuation   # -> ReplayResult
+
+Every failure is a `kvtool.errors.KvtoolError` subclass.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .version import __version__
+
+_EXPORTS = {
+    # files
+    "open": ("kvtool.format", "open_container"),
+    "ContainerReader": ("kvtool.format", "ContainerReader"),
+    "ContainerWriter": ("kvtool.format", "ContainerWriter"),
+    "ModelIdentity": ("kvtool.identity", "ModelIdentity"),
+    # the model
+    "load_model": ("kvtool.engine", "load_model"),
+    # operations
+    "capture": ("kvtool.ops.capture", "capture"),
+    "capture_prompt": ("kvtool.ops.capture", "capture_prompt"),
+    "replay": ("kvtool.ops.replay", "replay"),
+    "verify": ("kvtool.ops.verify", "verify"),
+    "inspect": ("kvtool.ops.inspect", "inspect"),
+    "compress": ("kvtool.ops.compress", "compress"),
+    "dump": ("kvtool.ops.dump", "dump"),
+    "info": ("kvtool.ops.info", "info"),
+    # errors
+    "KvtoolError": ("kvtool.errors", "KvtoolError"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kvtool' has no attribute {name!r}")
+    module, attr = _EXPORTS[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = ["__version__", *_EXPORTS]

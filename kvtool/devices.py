@@ -11,21 +11,34 @@ tensors and bytes as on the CPU.
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 _SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d{1,9}))?$")
 
 
-def resolve_device(spec: str | None) -> torch.device:
-    """`auto` (or None), `cpu`, `cuda`, `cuda:N` -> a torch.device that exists here."""
+def check_device_spec(spec: str | None) -> re.Match:
+    """The form of `auto`, `cpu`, `cuda`, `cuda:N`, checked without torch (a usage error)."""
     spec = "auto" if spec is None else spec.strip().lower()
     match = _SPEC.match(spec)
     if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
         raise UsageError(f"--device {spec!r}: expected {DEVICE_CHOICES}")
+    return match
+
+
+def resolve_device(spec: "str | torch.device | None") -> "torch.device":
+    """`auto` (or None), `cpu`, `cuda`, `cuda:N` -> a torch.device that exists here."""
+    import torch
+
+    if isinstance(spec, torch.device):
+        spec = str(spec)
+    match = check_device_spec(spec)
+    spec = match.group(0)
     kind, index = match.group(1), match.group(2)
     if kind == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -41,14 +54,18 @@ def resolve_device(spec: str | None) -> torch.device:
     return torch.device("cuda", i)
 
 
-def synchronize(device: torch.device) -> None:
+def synchronize(device: "torch.device") -> None:
     """Wait for the device's queued work, so a wall-clock timing covers it."""
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
 
 
-def describe(device: torch.device) -> str:
+def describe(device: "torch.device") -> str:
     """'cpu' or 'cuda:0 (NVIDIA H100 80GB HBM3)': for reports and file metadata."""
     if device.type == "cuda":
+        import torch
+
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return str(device)

@@ -1,20 +1,29 @@
-"""The KV dtypes the format allows, by their on-disk names."""
+"""The KV dtypes the format allows, by their on-disk names; torch is imported only when a
+torch dtype is asked for.
+
+Data that never meets a model (inspect, verify) stays in numpy: a bfloat16
+array is held as its bit patterns (`uint16`, numpy has no bfloat16); float16
+and float32 as themselves (`numpy_storage`).
+"""
 
 from __future__ import annotations
 
 import sys
 
-import torch
+import numpy as np
 
 from .errors import UnsupportedDtype
 
-# Name on disk -> torch dtype. v1 allows exactly these three; anything else
-# (fp8, int8, float64) must be cast by the writer or encoded by a codec.
-KV_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+# v1 allows exactly these three; anything else (fp8, int8, float64) must be cast by the
+# writer or encoded by a codec.
+KV_DTYPE_NAMES = ("bfloat16", "float16", "float32")
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+# numpy holds each KV dtype as: bfloat16 as its bit patterns, the others as themselves.
+NUMPY_STORAGE = {"bfloat16": np.dtype("<u2"), "float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
+# Sign bit and exponent mask of each dtype's bit pattern: a value is NaN or infinite
+# exactly when its exponent bits are all ones.
+_EXPONENT_MASK = {"bfloat16": (np.uint16, 0x7F80), "float16": (np.uint16, 0x7C00),
+                  "float32": (np.uint32, 0x7F800000)}
 # Short names accepted on the command line.
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
                  "half": "float16", "float": "float32"}
@@ -23,22 +32,43 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
     raise ImportError("kvtool reads and writes little-endian data and needs a little-endian host")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    name = DTYPE_ALIASES.get(name, name)
-    try:
-        return KV_DTYPES[name]
-    except (KeyError, TypeError):
-        raise UnsupportedDtype(
-            f"unsupported KV dtype {name!r}; expected one of {', '.join(KV_DTYPES)}"
-        ) from None
+def canonical_name(name: str) -> str:
+    """'bf16' or 'bfloat16' -> 'bfloat16'; UnsupportedDtype for anything else."""
+    name = DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
+    if name not in ITEMSIZE:
+        raise UnsupportedDtype(f"unsupported KV dtype {name!r}; expected one of {', '.join(KV_DTYPE_NAMES)}")
+    return name
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in KV_DTYPES.items():
-        if dt == dtype:
-            return name
-    raise UnsupportedDtype(f"unsupported KV dtype {dtype}; expected one of {', '.join(KV_DTYPES)}")
+def dtype_from_name(name: str):
+    """On-disk (or short) name -> torch dtype."""
+    import torch
+
+    return getattr(torch, canonical_name(name))
 
 
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def dtype_name(dtype) -> str:
+    """torch dtype (or a name) -> on-disk name; UnsupportedDtype for others."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise UnsupportedDtype(f"unsupported KV dtype {dtype}; expected one of {', '.join(KV_DTYPE_NAMES)}")
+    return name
+
+
+def itemsize(dtype) -> int:
+    """Bytes per value of a KV dtype (torch dtype or name)."""
+    return ITEMSIZE[dtype_name(dtype)]
+
+
+def count_nonfinite(values: np.ndarray, name: str) -> int:
+    """How many of `values` (numpy storage of KV dtype `name`) are NaN or infinite."""
+    bits_type, mask = _EXPONENT_MASK[canonical_name(name)]
+    bits = values.view(bits_type)
+    return int(np.count_nonzero((bits & mask) == mask))
+
+
+def to_float64(values: np.ndarray, name: str) -> np.ndarray:
+    """Numpy storage of KV dtype `name` -> float64 values (exact: every KV value is a float64)."""
+    if canonical_name(name) == "bfloat16":  # a bfloat16 is the high half of a float32
+        return (values.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return values.astype(np.float64)

@@ -30,6 +30,16 @@ class OutputError(KvtoolError):
     """An output path cannot be written (a directory, no permission, read-only disk)."""
 
 
+class OutOfMemory(KvtoolError):
+    """An allocation the work needs failed (host or device memory)."""
+
+
+class Interrupted(KvtoolError):
+    """Ctrl-C, SIGTERM or SIGHUP: the work stopped; outputs being written were removed."""
+
+    exit_code = 130
+
+
 # --- container structure (exit 2: the file cannot be read) -------------------
 
 
@@ -120,12 +130,23 @@ class NonFiniteValues(DataError):
     """Decoded KV holds NaN or infinity."""
 
 
-class PrefixHashMismatch(DataError):
-    """A chunk's recorded prefix hash differs from the hash of the token ids."""
+class VerificationFailed(DataError):
+    """`verify` found problems (checksums, decoding, prefix hashes, tolerances, replay thresholds).
+
+    `report` is the full result (rendered before the error line); `problems` its findings."""
+
+    def __init__(self, message: str, report=None, problems: list[str] | None = None):
+        super().__init__(message)
+        self.report = report
+        self.problems = list(problems or [])
 
 
 class ToleranceExceeded(DataError):
-    """A comparison (`verify --against`, replay thresholds) fell outside tolerance."""
+    """A replay fell below `--min-top1` or above `--max-kl`; `report` is the replay's result."""
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report
 
 
 # --- models -------------------------------------------------------------------
@@ -140,4 +161,18 @@ class ModelMismatch(KvtoolError):
 
 
 class PromptError(KvtoolError):
-    """Empty prompt, or one longer than the model's context."""
+    """Empty prompt, one longer than the model's context, or token ids outside the vocabulary."""
+
+
+# --- engines and devices --------------------------------------------------------
+
+
+class ConnectorError(KvtoolError, ValueError):
+    """Bad arguments to a connector: missing kwargs, wrong memory object, bad slot
+    mapping or token range, buffers of the wrong layout (a ValueError, as LMCache's
+    connector contract says)."""
+
+
+class CudaUnavailable(KvtoolError):
+    """A CUDA kernel cannot be used here (no GPU, no nvcc, a failed build); the reason is
+    the message. Code that has a CPU path catches it and says so in one notice."""

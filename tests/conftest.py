@@ -31,11 +31,13 @@ def no_silent_cpu_fallback(monkeypatch):
     """On a GPU, a CUDA kernel that fails falls back to the CPU path, which gives the same values:
     a GPU test would pass without the GPU doing anything. In the tests a fallback is a failure."""
     if torch.cuda.is_available():
-        import kvtool.cuda
+        import kvtool.codecs.cachegen
+        import kvtool.connectors.paged_copy
 
-        def refuse(what, reason):
-            raise AssertionError(f"CUDA {what} fell back to the CPU path: {reason}")
-        monkeypatch.setattr(kvtool.cuda, "notice", refuse)
+        def refuse(message, key=None):
+            raise AssertionError(f"a CUDA path fell back to the CPU: {message}")
+        monkeypatch.setattr(kvtool.connectors.paged_copy, "notice", refuse)  # the paged copy kernel
+        monkeypatch.setattr(kvtool.codecs.cachegen, "notice", refuse)  # the CacheGen GPU coder
 
 
 @pytest.fixture(scope="session")

@@ -411,22 +411,25 @@ def test_payload_stats_account_for_every_bit():
     assert parts["tables"] < 0.3 and parts["scales"] < 0.3
 
 
-def test_missing_native_coder_warns_once_and_falls_back(monkeypatch):
+def test_missing_native_coder_is_one_notice_and_falls_back(monkeypatch, capsys):
+    from kvtool import notices
     from kvtool.codecs.cachegen import native
 
     monkeypatch.setattr(native, "_loaded", True)
     monkeypatch.setattr(native, "_module", None)
     monkeypatch.setattr(native, "_error", "no module named kvtool._cachegen_native")
-    monkeypatch.setattr(native, "_warned", False)
+    notices.forget()
     kv = kv_like((2, 1, 3, 4), torch.bfloat16)
-    with pytest.warns(RuntimeWarning, match="native CacheGen coder unavailable"):
-        payload, params = cachegen_encode(kv, None)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        out = cachegen_decode(payload, kv.shape, kv.dtype, params)  # no second warning
+    payload, params = cachegen_encode(kv, None)
+    out = cachegen_decode(payload, kv.shape, kv.dtype, params)  # no second notice
+    err = capsys.readouterr().err
+    assert err.count("native CacheGen coder unavailable") == 1 and err.count("\n") == 1
     assert same_bits(out, cachegen_reference_roundtrip(kv, params))
+    notices.set_quiet(True)
+    notices.forget()
+    cachegen_encode(kv, None)
+    notices.set_quiet(False)
+    assert capsys.readouterr().err == ""  # --quiet silences it
 
 
 @needs_native

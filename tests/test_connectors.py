@@ -24,11 +24,9 @@ from kvtool.connectors import (
     PagedMemConnector,
     PagedMemConnectorV2,
     gather_paged,
-    register_device_impl,
     run_offset,
     scatter_paged,
     slot_to_block_offset,
-    unregister_device_impl,
 )
 from kvtool.errors import KvtoolError
 
@@ -501,25 +499,24 @@ def test_run_offset_matches_tensor_addressing(layout):
                 assert torch.equal(flat[base:base + D * t.stride()[-1]:t.stride()[-1]], want)
 
 
-def test_device_impl_boundary_is_used():
-    """Connectors go through gather_paged/scatter_paged, which route to a registered impl."""
-    from kvtool.connectors import paged_copy
+def test_connectors_copy_through_the_one_dispatch(monkeypatch):
+    """Connectors go through gather_paged/scatter_paged, which run the torch reference for CPU buffers."""
+    from kvtool.connectors import paged_torch
 
     calls = []
+    gather, scatter = paged_torch.torch_gather, paged_torch.torch_scatter
 
     def g(kv, layout, slots, out):
         calls.append("gather")
-        paged_copy._torch_gather(kv, layout, slots, out)
+        gather(kv, layout, slots, out)
 
     def s(blob, kv, layout, slots):
         calls.append("scatter")
-        paged_copy._torch_scatter(blob, kv, layout, slots)
+        scatter(blob, kv, layout, slots)
 
-    register_device_impl("cpu", g, s)
-    try:
-        paged_round_trip("vllm", torch.float32, 20, 4, 0, 20)
-    finally:
-        unregister_device_impl("cpu")
+    monkeypatch.setattr(paged_torch, "torch_gather", g)
+    monkeypatch.setattr(paged_torch, "torch_scatter", s)
+    paged_round_trip("vllm", torch.float32, 20, 4, 0, 20)
     assert calls == ["gather", "scatter"]
     # and the functions are usable directly
     gen = torch.Generator().manual_seed(9)

@@ -330,7 +330,7 @@ def test_header_plan_rejects_bad_geometry(shim):
 
 
 def test_backend_status_is_one_line():
-    import kvtool.cuda as kc
+    from kvtool import cuda_build as kc
 
     s = kc.backend_status()
     assert isinstance(s, str) and s and "\n" not in s
@@ -340,8 +340,9 @@ def test_backend_status_is_one_line():
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the no-CUDA path")
 def test_no_cuda_never_looks_for_nvcc(monkeypatch):
-    import kvtool.cuda as kc
-    from kvtool.cuda import _build
+    from kvtool import cuda_build as _build
+    from kvtool.connectors.paged_copy import load_cuda_kernel
+    from kvtool.errors import CudaUnavailable
 
     def boom(*a, **k):
         raise AssertionError("nvcc must not be looked for without CUDA")
@@ -349,27 +350,27 @@ def test_no_cuda_never_looks_for_nvcc(monkeypatch):
     monkeypatch.setattr(_build, "find_nvcc", boom)
     monkeypatch.setattr(_build.subprocess, "run", boom)
     _build.reset_for_tests()
-    assert kc.register() is False
-    assert "CPU" in kc.backend_status(build=True)
-    with pytest.raises(kc.CudaUnavailable):
+    assert load_cuda_kernel() is None  # one notice, then the torch path
+    assert "CPU" in _build.backend_status(build=True)
+    with pytest.raises(CudaUnavailable):
         _build.load("paged_copy")
     _build.reset_for_tests()
 
 
 def test_disabled_by_env(monkeypatch):
-    import kvtool.cuda as kc
-    from kvtool.cuda import _build
+    from kvtool import cuda_build as _build
+    from kvtool.errors import CudaUnavailable
 
     monkeypatch.setenv("KVTOOL_CUDA", "0")
     _build.reset_for_tests()
-    assert "disabled" in kc.backend_status()
-    with pytest.raises(kc.CudaUnavailable, match="KVTOOL_CUDA=0"):
+    assert "disabled" in _build.backend_status()
+    with pytest.raises(CudaUnavailable, match="KVTOOL_CUDA=0"):
         _build.load("paged_copy")
     _build.reset_for_tests()
 
 
 def test_kernel_sources_are_found():
-    from kvtool.cuda import _build
+    from kvtool import cuda_build as _build
 
     assert _build.kernels_dir() == KERNELS
 
@@ -411,7 +412,7 @@ def _random_slots(NB, BS, T, gen, distinct=True):
 def _gpu_copies_equal_cpu(cpu, gpu, layout, slots, hidden, blob_dtype, gen, scale=1.0, vec_bytes=None) -> None:
     """The fused kernel's gather and scatter on `gpu` (a CUDA copy of the buffers `cpu`) give the
     CPU connector's bits: gather into a NaN-filled blob, then scatter a random blob back."""
-    from kvtool.cuda import paged
+    from kvtool.connectors import paged_cuda as paged
 
     shape = (2, len(cpu), slots.shape[0], hidden)
     want = torch.empty(shape, dtype=blob_dtype)
@@ -467,7 +468,7 @@ def test_gpu_dtype_conversion_equals_cpu(cdt, bdt, layout):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
 def test_gpu_pinned_host_blob(layout):
     """The blob in pinned host memory: the kernel reads/writes it over the bus."""
-    from kvtool.cuda import paged
+    from kvtool.connectors import paged_cuda as paged
 
     g = torch.Generator().manual_seed(3)
     L, NB, BS, H, D, T = 3, 30, 16, 4, 64, 333
@@ -492,7 +493,7 @@ def test_gpu_pinned_host_blob(layout):
 @needs_gpu
 def test_gpu_odd_geometry_and_raw_dtypes():
     """D not a multiple of 8 (narrow accesses), fp64 (raw 8-byte elements), 1 layer, block size 1."""
-    from kvtool.cuda import paged
+    from kvtool.connectors import paged_cuda as paged
 
     g = torch.Generator().manual_seed(9)
     for (L, NB, BS, H, D, T, dt) in [(1, 50, 1, 3, 6, 40, torch.bfloat16), (2, 17, 5, 1, 3, 60, torch.float16),
@@ -510,7 +511,7 @@ def test_gpu_odd_geometry_and_raw_dtypes():
 
 @needs_gpu
 def test_gpu_repeated_slots_gather():
-    from kvtool.cuda import paged
+    from kvtool.connectors import paged_cuda as paged
 
     g = torch.Generator().manual_seed(2)
     L, NB, BS, H, D, T = 2, 4, 16, 2, 64, 500
@@ -526,13 +527,11 @@ def test_gpu_repeated_slots_gather():
 
 @needs_gpu
 def test_gpu_registered_connector_round_trip():
-    """register() routes the connector's CUDA path to the kernel; from_gpu/to_gpu round trip."""
-    import kvtool.cuda as kc
+    """The connector's CUDA path runs the fused kernel; from_gpu/to_gpu round trip."""
     from kvtool.connectors import MemoryFormat, PagedMemConnectorV2
-    from kvtool.connectors.paged_copy import _DEVICE_IMPLS
+    from kvtool.connectors.paged_copy import load_cuda_kernel
 
-    assert kc.register(lazy=False)
-    assert "cuda" in _DEVICE_IMPLS
+    assert load_cuda_kernel() is not None
     g = torch.Generator().manual_seed(4)
     L, NB, BS, H, D, T = 4, 64, 16, 2, 64, 700
     for layout in LAYOUTS:
@@ -743,7 +742,7 @@ def _cpu_encode(kv, params):
 @pytest.mark.parametrize("shape,params,kind", CG_CASES)
 def test_gpu_cachegen_bytes_and_decode_equal_cpu(dtype, shape, params, kind):
     from kvtool.codecs.cachegen import cachegen_decode
-    from kvtool.cuda import cachegen as gcg
+    from kvtool.codecs.cachegen import gpu as gcg
 
     L, T, C = shape
     kv = _cg_chunk(L, T, C, dtype, hash(shape) & 0xFFFF, kind)
@@ -764,7 +763,7 @@ def test_gpu_cachegen_realistic_chunk_and_batch():
     """A Llama-8B-like chunk (32 layers, 8x128 channels) and a batch of chunks
     of different lengths in one launch."""
     from kvtool.codecs.cachegen import cachegen_decode
-    from kvtool.cuda import cachegen as gcg
+    from kvtool.codecs.cachegen import gpu as gcg
 
     params = _cg_params()
     kvs = [_cg_chunk(32, T, 1024, torch.bfloat16, T, "outliers") for T in (256, 256, 100, 1)]
@@ -783,7 +782,7 @@ def test_gpu_cachegen_realistic_chunk_and_batch():
 @needs_gpu
 def test_gpu_cachegen_cpu_decodes_gpu_payload():
     from kvtool.codecs.cachegen import cachegen_decode, cachegen_reference_roundtrip
-    from kvtool.cuda import cachegen as gcg
+    from kvtool.codecs.cachegen import gpu as gcg
 
     for dtype in GPU_DTYPES:
         kv = _cg_chunk(3, 50, 96, dtype, 1, "outliers")
@@ -795,7 +794,7 @@ def test_gpu_cachegen_cpu_decodes_gpu_payload():
 
 @needs_gpu
 def test_gpu_cachegen_nonfinite_and_errors():
-    from kvtool.cuda import cachegen as gcg
+    from kvtool.codecs.cachegen import gpu as gcg
     from kvtool.errors import NonFiniteValues, UsageError
 
     kv = _cg_chunk(2, 8, 16, torch.bfloat16, 2)
@@ -814,7 +813,7 @@ def test_gpu_cachegen_corrupt_payloads_like_cpu():
     """Every byte flip: the GPU decoder rejects what the CPU decoder rejects and
     decodes the rest to the same values."""
     from kvtool.codecs.cachegen import cachegen_decode
-    from kvtool.cuda import cachegen as gcg
+    from kvtool.codecs.cachegen import gpu as gcg
     from kvtool.errors import DecodeError
 
     rng = np.random.default_rng(0)

@@ -224,7 +224,7 @@ def test_gpu_cachegen_capture_writes_the_cpu_coders_bytes(gpu_files, tmp_path):
     same payloads. First the coder on the real KV of every chunk; then, when two GPU prefills
     agree bit for bit, the capture command itself."""
     from kvtool.codecs.cachegen import cachegen_encode
-    from kvtool.cuda import cachegen as gpu_cachegen
+    from kvtool.codecs.cachegen import gpu as gpu_cachegen
 
     with ContainerReader(gpu_files["gpu_raw"]) as r:
         for i in range(len(r.chunks)):
@@ -275,7 +275,8 @@ def test_gpu_replay_of_a_cachegen_file(gpu_files, capsys):
 @pytest.mark.model
 def test_gpu_capture_goes_through_the_fused_kernel_and_the_gpu_coder(tmp_path, monkeypatch):
     from conftest import _require_default_model
-    from kvtool.cuda import cachegen as gpu_cachegen, paged
+    from kvtool.codecs.cachegen import gpu as gpu_cachegen
+    from kvtool.connectors import paged_cuda as paged
 
     _require_default_model()
     calls = {"gather": 0, "encode": 0}

@@ -147,7 +147,7 @@ def test_replay_refuses_a_foreign_model_file(captured, tmp_path, capsys):
     with ContainerReader(captured) as r:
         model = {k: v for k, v in r.model.items() if k != "fingerprint"}
         model["rope"] = {**model["rope"], "rope_theta": 10000.0}  # another model's config
-        from kvtool.format.identity import model_fingerprint
+        from kvtool.identity import model_fingerprint
 
         model["fingerprint"] = model_fingerprint(model)
         with ContainerWriter(foreign, model, r.token_ids(), kv_dtype=r.kv_dtype,
@@ -260,7 +260,7 @@ def test_replay_compare_measures_a_perturbed_cache(captured, tmp_path, capsys):
 def test_prefix_reuse_plan_and_loads_only_matching_chunks(captured, default_model, monkeypatch):
     """Token-level: a new prompt sharing 150 tokens reuses exactly the two whole 64-token
     chunks inside the shared prefix, decodes only those, and matches a recompute."""
-    from kvtool.replay import plan_reuse, replay
+    from kvtool.ops.replay import plan_reuse, replay_plan as replay
 
     with ContainerReader(captured) as reader:
         ids = reader.token_ids().tolist()
@@ -408,7 +408,7 @@ def test_non_finite_hidden_states_fail_verify_and_replay_recomputes(captured_wit
 
 
 def test_prefix_prompt_of_a_hidden_states_file_computes_nothing(captured_with_hidden, default_model):
-    from kvtool.replay import plan_reuse, replay
+    from kvtool.ops.replay import plan_reuse, replay_plan as replay
 
     with ContainerReader(captured_with_hidden) as r:
         prefix = r.token_ids().tolist()[:128]  # two whole 64-token chunks

@@ -1,4 +1,8 @@
-"""The `kvtool` Typer app and the one place where errors become exit codes."""
+"""The `kvtool` Typer app and the one place where errors become messages and exit codes.
+
+Command modules import only typer, rich and their options at start-up; each imports
+its operation when it runs, so `kvtool --help` and `kvtool inspect` never load torch.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,14 @@ import json
 import signal
 import sys
 import threading
+from typing import Annotated
 
 import typer
 
-from ..errors import KvtoolError
-from . import compress, dump, inspect, verify
+from ..errors import Interrupted, KvtoolError, OutOfMemory
+from ..version import __version__
+from . import capture, compress, dump, info, inspect, replay, verify
+from .output import emit
 
 app = typer.Typer(
     name="kvtool",
@@ -19,25 +26,46 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-app.command("inspect")(inspect.inspect_command)
-app.command("dump")(dump.dump_command)
-app.command("verify")(verify.verify_command)
-app.command("compress")(compress.compress_command)
-
-for _name in ("capture", "replay", "info"):  # commands that land with later modules
-    try:
-        _module = __import__(f"kvtool.cli.{_name}", fromlist=["command"])
-    except ImportError:
-        continue
+for _name, _module in (("capture", capture), ("compress", compress), ("inspect", inspect), ("verify", verify),
+                       ("replay", replay), ("dump", dump), ("info", info)):
     app.command(_name)(_module.command)
 
 
-def _fail(message: str, code: int, kind: str, json_mode: bool) -> int:
+def _print_version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"kvtool {__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main_options(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print kvtool's version and exit.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No notices on stderr (errors still show).")] = False,
+) -> None:
+    """Capture, compress, inspect, verify and replay LLM KV caches."""
+    from ..notices import set_quiet
+
+    set_quiet(quiet)
+
+
+def _fail(err: KvtoolError, json_mode: bool) -> int:
+    """The report an error carries (a failed verify or replay) first, then one line on stderr."""
+    report = getattr(err, "report", None)
+    if report is not None:
+        emit(report, json_mode)
+    message = str(err)
     sys.stderr.write(f"kvtool: error: {message}\n")
-    if json_mode:
-        sys.stdout.write(json.dumps({"ok": False, "error": {"type": kind, "message": message,
-                                                            "exit_code": code}}) + "\n")
-    return code
+    if json_mode and report is None:
+        sys.stdout.write(json.dumps({"ok": False, "error": {"type": type(err).__name__, "message": message,
+                                                            "exit_code": err.exit_code}}) + "\n")
+    return err.exit_code
+
+
+def _usage_error(message: str, json_mode: bool) -> int:
+    from ..errors import UsageError
+
+    return _fail(UsageError(message), json_mode)
 
 
 def _unwind_on_termination() -> None:
@@ -51,6 +79,13 @@ def _unwind_on_termination() -> None:
                 signal.signal(sig, interrupt)
 
 
+def _out_of_memory_types() -> tuple[type[BaseException], ...]:
+    """Python's MemoryError (numpy's too) and, once torch is loaded, its OutOfMemoryError (a
+    device allocation). Sizes that come from files are checked before they are allocated."""
+    torch = sys.modules.get("torch")
+    return (MemoryError,) + ((torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ())
+
+
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code; never lets a known error escape as a traceback."""
     if argv is None:  # the real command line (not a test calling run([...]))
@@ -60,31 +95,28 @@ def run(argv: list[str] | None = None) -> int:
     try:
         result = app(args=argv, prog_name="kvtool", standalone_mode=False)
     except KvtoolError as err:
-        return _fail(str(err), err.exit_code, type(err).__name__, json_mode)
+        return _fail(err, json_mode)
     except typer.Exit as err:
         if err.exit_code == 130:  # the parser's way of reporting Ctrl-C (and SIGTERM, above)
-            return _fail("interrupted", 130, "Interrupted", json_mode)
+            return _fail(Interrupted("interrupted"), json_mode)
         return err.exit_code
-    except typer.Abort:
-        return _fail("interrupted", 130, "Interrupted", json_mode)
+    except (typer.Abort, KeyboardInterrupt):
+        return _fail(Interrupted("interrupted"), json_mode)
     except typer.TyperException as err:  # bad options: the parser's message, exit 2
         message = err.format_message() if hasattr(err, "format_message") else str(err)
         if not message:  # no arguments at all: help was already printed
             return 2
-        return _fail(message, 2, "UsageError", json_mode)
-    except KeyboardInterrupt:
-        return _fail("interrupted", 130, "Interrupted", json_mode)
-    except MemoryError:
-        return _fail("out of memory", 2, "MemoryError", json_mode)
-    except RuntimeError as err:  # torch reports failed allocations as RuntimeError
-        if "allocate" not in str(err):
-            raise
-        return _fail(f"out of memory ({str(err).splitlines()[0][:120]})", 2, "MemoryError", json_mode)
-    except OSError as err:
+        return _usage_error(message, json_mode)
+    except OSError as err:  # a disk that fills or fails mid-write: name the file when known
         where = f"{err.filename}: " if getattr(err, "filename", None) else ""
-        return _fail(f"{where}{err.strerror or err}", 2, "OSError", json_mode)
+        from ..errors import OutputError
+
+        return _fail(OutputError(f"{where}{err.strerror or err}"), json_mode)
+    except _out_of_memory_types() as err:
+        detail = str(err).splitlines()[0][:120] if str(err) else ""
+        return _fail(OutOfMemory(f"out of memory ({detail})" if detail else "out of memory"), json_mode)
     if result == 130:  # the parser turned Ctrl-C (or SIGTERM, above) into this code; no command returns it
-        return _fail("interrupted", 130, "Interrupted", json_mode)
+        return _fail(Interrupted("interrupted"), json_mode)
     return result if isinstance(result, int) else 0
 
 

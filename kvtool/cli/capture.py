@@ -7,12 +7,10 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..dtypes import dtype_from_name
 from .options import (BinsOpt, CodecOpt, DeviceOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt, OutputPath,
-                      ShuffleOpt, codec_params, model_dtype)
-from .output import emit, human_bytes, stderr_console
+                      ShuffleOpt)
+from .output import emit, human_bytes, progress, renders
 
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", help="Prompt text.")]
 PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", help="File with the prompt (UTF-8).")]
@@ -34,31 +32,19 @@ def command(output: OutputPath, model: ModelOpt = None, prompt: PromptOpt = None
             hidden_states: HiddenOpt = False, roi: RoiOpt = None, device: DeviceOpt = "auto",
             weights_dtype: ModelDtypeOpt = "fp32", json: JsonOpt = False) -> None:
     """Run a model on a prompt through a paged KV buffer and write its KV cache."""
-    from ..capture import capture, parse_roi, read_tokens
-    from ..devices import resolve_device
-    from ..engine import load_model
-    from ..errors import UsageError
+    from ..ops.capture import capture_prompt
 
-    kv_dtype = dtype_from_name(dtype)
-    if not 1 <= chunk_size <= 65536 or not 1 <= block_size <= 65536:
-        raise UsageError("--chunk-size and --block-size must be in 1..65536")
-    ranges = parse_roi(roi) if roi is not None else None  # before the model loads: a typo fails fast
-    where = resolve_device(device)
-    loaded = load_model(model, dtype=model_dtype(weights_dtype), device=where)
-    ids = read_tokens(loaded, prompt, prompt_file, tokens)
-    params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
-    num_chunks = -(-len(ids) // chunk_size)
-    with Progress(TextColumn("capture"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
-                  TimeElapsedColumn(), console=stderr_console, transient=True,
-                  disable=json or num_chunks < 2 or not stderr_console.is_terminal) as bar:
-        task = bar.add_task("capture", total=len(ids))
-        result = capture(loaded, ids, output, chunk_size=chunk_size, codec=codec, params=params,
-                         kv_dtype=kv_dtype, block_size=block_size, hidden_states=hidden_states, roi=ranges,
-                         on_chunk=lambda _i, end: bar.update(task, completed=end))
-    emit(result, json, _render)
+    with progress("capture", "tokens", enabled=not json) as update:
+        result = capture_prompt(output, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, model=model,
+                                codec=codec, level=level, shuffle=shuffle, bins=bins, kv_dtype=dtype,
+                                chunk_size=chunk_size, block_size=block_size, hidden_states=hidden_states,
+                                roi=roi, device=device, model_dtype=weights_dtype,
+                                on_chunk=lambda _index, done, total: update(done, total))
+    emit(result, json)
 
 
-def _render(console: Console, r: dict[str, Any]) -> None:
+@renders("CaptureResult")
+def render(console: Console, r: dict[str, Any]) -> None:
     t = r["timings"]
     extras = f" + {', '.join(r['extras'])}" if r["extras"] else ""
     console.print(f"wrote {r['output']}: {r['num_tokens']} tokens of {r['model']} KV ({r['kv_dtype']}) in "

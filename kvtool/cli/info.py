@@ -2,61 +2,34 @@
 
 from __future__ import annotations
 
-import os
-from typing import Any
+from typing import Annotated, Any
 
-import torch
+import typer
 from rich.console import Console
 
-from .. import __version__
 from .options import JsonOpt
-from .output import emit
+from .output import emit, renders
+
+DevicesOpt = Annotated[bool, typer.Option(
+    "--devices", help="Also ask torch about CUDA: the kernels' state and where --device auto runs (slower).")]
 
 
-def command(json: JsonOpt = False) -> None:
+def command(devices: DevicesOpt = False, json: JsonOpt = False) -> None:
     """Show kvtool's version, supported format versions, codecs and backends."""
-    emit(collect(), json, _render)
+    from ..ops.info import info
+
+    emit(info(devices=devices), json)
 
 
-def collect() -> dict[str, Any]:
-    from ..codecs import codec_names, get_codec
-    from ..format import SUPPORTED_VERSIONS
-    from ..format.layout import VERSION_MAJOR, VERSION_MINOR
-
-    codecs = [{"name": n, "id": get_codec(n).codec_id, "lossless": get_codec(n).lossless,
-               "params_version": get_codec(n).params_version} for n in codec_names()]
-    backends: dict[str, str] = {}
-    try:
-        from ..codecs.cachegen import native_available
-        from ..codecs.cachegen.native import default_threads
-
-        backends["cachegen"] = (f"native C coder, {default_threads()} threads" if native_available()
-                                else "pure-Python reference (native coder not built)")
-    except ImportError:
-        backends["cachegen"] = "not available"
-    from .. import cuda
-    from ..engine.default_model import default_model_installed
-
-    backends["paged copy"] = "torch indexing (CPU)" if not cuda.available() else "fused CUDA kernel"
-    backends["cuda"] = cuda.backend_status()
-    from ..devices import describe, resolve_device
-
-    backends["engine"] = f"--device auto runs the model on {describe(resolve_device('auto'))}"
-    model_cache = os.environ.get("KVTOOL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvtool")
-    return {"kvtool": __version__, "torch": torch.__version__, "writes_format": f"{VERSION_MAJOR}.{VERSION_MINOR}",
-            "reads_formats": list(SUPPORTED_VERSIONS), "codecs": codecs, "backends": backends,
-            "threads": torch.get_num_threads(),
-            "default_model_installed": default_model_installed(),
-            "model_cache": model_cache}
-
-
-def _render(console: Console, r: dict[str, Any]) -> None:
+@renders("InfoResult")
+def render(console: Console, r: dict[str, Any]) -> None:
     console.print(f"kvtool {r['kvtool']} (torch {r['torch']}, {r['threads']} threads); writes format "
                   f"{r['writes_format']}, reads {', '.join(r['reads_formats'])}")
     console.print("codecs     " + ", ".join(f"{c['name']} ({c['id']}, {'lossless' if c['lossless'] else 'lossy'})"
                                          for c in r["codecs"]))
-    for name, what in r["backends"].items():
+    for name, what in {**r["backends"], **r["devices"]}.items():
         console.print(f"{name:<11}{what}")
+    if not r["devices"]:
+        console.print("devices    kvtool info --devices asks torch about CUDA")
     console.print(f"model      default model {'installed' if r['default_model_installed'] else 'NOT installed'}"
                   f"; cache {r['model_cache']}")

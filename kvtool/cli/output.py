@@ -1,11 +1,15 @@
-"""One output object per command: JSON for machines, rich for people."""
+"""One result object per command, rendered for people (rich) or machines (`--json`).
+
+Each command module registers the renderer of its result type; the funnel in `app.py`
+uses the same registry to show the report an error carries (a failed `verify`).
+"""
 
 from __future__ import annotations
 
 import json
-import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -14,24 +18,26 @@ from rich.markup import escape
 stdout_console = Console(highlight=False)
 stderr_console = Console(stderr=True, highlight=False)
 
+Renderer = Callable[[Console, dict[str, Any]], None]
+_RENDERERS: dict[str, Renderer] = {}
 
-def emit(result: dict[str, Any], json_mode: bool, render: Callable[[Console, dict[str, Any]], None]) -> None:
+
+def renders(result_type: str) -> Callable[[Renderer], Renderer]:
+    """Register the human renderer of a result class (by its name: no import of the class)."""
+    def register(render: Renderer) -> Renderer:
+        _RENDERERS[result_type] = render
+        return render
+    return register
+
+
+def emit(result, json_mode: bool) -> None:
+    """Print a result: one JSON object (with `ok`) or its registered human rendering."""
+    data = result.to_dict()
     if json_mode:
-        sys.stdout.write(json.dumps(_json_safe(result), indent=2, default=str, allow_nan=False) + "\n")
+        sys.stdout.write(json.dumps(data, indent=2, default=str, allow_nan=False) + "\n")
         sys.stdout.flush()
     else:  # strings come from files and arguments: never let them act as rich markup
-        render(stdout_console, _escaped(result))
-
-
-def _json_safe(value: Any) -> Any:
-    """Standard JSON has no NaN or infinity: they become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
+        _RENDERERS[type(result).__name__](stdout_console, _escaped(data))
 
 
 def _escaped(value: Any) -> Any:
@@ -42,6 +48,21 @@ def _escaped(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_escaped(v) for v in value]
     return value
+
+
+@contextmanager
+def progress(label: str, unit: str, enabled: bool) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on a terminal's stderr, or nothing (not a terminal, `--json`): yields
+    `update(done, total)`."""
+    if not enabled or not stderr_console.is_terminal:
+        yield lambda done, total: None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total} " + unit),
+                  TimeElapsedColumn(), console=stderr_console, transient=True) as bar:
+        task = bar.add_task(label, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 def human_bytes(n: float) -> str:

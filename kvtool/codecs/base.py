@@ -5,16 +5,25 @@ A codec turns one chunk in the canonical KV_BLOB layout
 one of the KV dtypes) into a byte payload, and back. Its parameters live in the
 chunk's manifest entry as a JSON object that always carries `"version"`, so a
 codec can evolve its parameters without touching the container.
+
+Decoding has one CPU implementation per codec, `decode_array`, in numpy (no
+torch: `inspect` and `verify` never import it); `decode` wraps its result as a
+tensor without a copy. Where a chunk goes and which device encodes or decodes
+it is the codec's own decision (`input_placement`, `encode`, `decode_to`), and
+so is its fallback to the CPU.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+import numpy as np
 
 from ..errors import CodecParamsInvalid
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Codec(ABC):
@@ -22,9 +31,6 @@ class Codec(ABC):
     codec_id: ClassVar[int]  # stable numeric id, written to the manifest
     params_version: ClassVar[int]  # the newest parameter version this build writes
     lossless: ClassVar[bool]
-    # True if encode() takes CUDA tensors itself (and writes the same bytes as on the CPU);
-    # otherwise the writer hands it a CPU copy.
-    accepts_cuda: ClassVar[bool] = False
 
     @abstractmethod
     def default_params(self) -> dict[str, Any]:
@@ -35,24 +41,60 @@ class Codec(ABC):
         """Return a normalised copy of `params`, or raise CodecParamsInvalid."""
 
     @abstractmethod
-    def encode(self, kv: torch.Tensor, params: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    def encode_host(self, kv: "torch.Tensor", params: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
         """Encode a contiguous CPU KV_BLOB. Returns (payload, params to record)."""
 
     @abstractmethod
-    def decode(
-        self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype, params: dict[str, Any]
-    ) -> torch.Tensor:
-        """Decode a payload into a new tensor of exactly `shape` and `dtype`.
+    def decode_array(self, payload: memoryview, shape: tuple[int, ...], dtype: str,
+                     params: dict[str, Any]) -> np.ndarray:
+        """Decode a payload on the CPU into a new numpy array of exactly `shape`, holding KV
+        dtype `dtype` (a name) as `kvtool.dtypes.NUMPY_STORAGE` says.
 
         Must raise DecodeError (never crash, hang, or allocate beyond `shape`)
         on a corrupt payload."""
 
-    def decode_to(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype,
-                  params: dict[str, Any], device: torch.device) -> torch.Tensor:
+    def encode(self, kv: "torch.Tensor", params: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+        """Encode a KV_BLOB on any device, to the same bytes. This default encodes a CPU copy;
+        a codec with a device encoder overrides it."""
+        return self.encode_host(kv if kv.device.type == "cpu" else kv.cpu(), params)
+
+    def decode(self, payload: memoryview, shape: tuple[int, ...], dtype: "torch.dtype",
+               params: dict[str, Any]) -> "torch.Tensor":
+        """`decode_array` as a CPU tensor of `dtype` (no copy)."""
+        import torch
+
+        from ..dtypes import dtype_name
+
+        array = self.decode_array(payload, tuple(shape), dtype_name(dtype), params)
+        return torch.from_numpy(array).view(dtype)
+
+    def decode_to(self, payload: memoryview, shape: tuple[int, ...], dtype: "torch.dtype",
+                  params: dict[str, Any], device: "torch.device") -> "torch.Tensor":
         """`decode`, with the result on `device`. This default decodes on the CPU and
         copies; a codec with a device decoder overrides it (same values)."""
         tensor = self.decode(payload, shape, dtype, params)
         return tensor if device.type == "cpu" else tensor.to(device)
+
+    def decode_batch_to(self, payloads: list[memoryview], shapes: list[tuple[int, ...]], dtype: "torch.dtype",
+                        params: dict[str, Any], device: "torch.device") -> list["torch.Tensor"]:
+        """Several payloads of one parameter set onto `device` (a device decoder may take them
+        in one launch)."""
+        return [self.decode_to(p, s, dtype, params, device) for p, s in zip(payloads, shapes)]
+
+    def input_placement(self, device: "torch.device") -> tuple["torch.device", bool]:
+        """Where a chunk gathered on `device` should be handed to `encode`: (device, pinned).
+        This default: the CPU, pinned when the chunk comes off a GPU (the fastest way off it)."""
+        import torch
+
+        return torch.device("cpu"), device.type == "cuda"
+
+    def payload_stats(self, payload: memoryview, shape: tuple[int, ...],
+                      params: dict[str, Any]) -> dict[str, Any] | None:
+        """A breakdown of a payload's bits by part, for `inspect`; None when the codec has none."""
+        return None
+
+    def warm_up(self, device: "torch.device") -> None:
+        """Pay one-time costs (kernel builds and loads) before anything is timed on `device`."""
 
     # Helpers shared by the concrete codecs.
     def _check_version(self, params: Any) -> dict[str, Any]:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
-from ..dtypes import itemsize
+from ..dtypes import NUMPY_STORAGE, itemsize
 from ..errors import DecodeError
 from . import register
 from .base import Codec
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RawCodec(Codec):
@@ -27,20 +30,20 @@ class RawCodec(Codec):
         self._reject_unknown_keys(self.name, params, {"version"})
         return params
 
-    def encode(self, kv: torch.Tensor, params: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    def encode_host(self, kv: "torch.Tensor", params: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
         return tensor_bytes(kv), params
 
-    def decode(self, payload, shape, dtype, params):
+    def decode_array(self, payload, shape, dtype, params) -> np.ndarray:
         expected = math.prod(shape) * itemsize(dtype)
         if payload.nbytes != expected:
             raise DecodeError(f"raw payload holds {payload.nbytes} bytes, shape needs {expected}")
-        if expected == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(bytearray(payload), dtype=dtype).view(shape)
+        return np.frombuffer(bytearray(payload), dtype=NUMPY_STORAGE[dtype]).reshape(shape)
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: "torch.Tensor") -> memoryview:
     """A tensor's bytes in memory order (little-endian on every supported host)."""
+    import torch
+
     t = t.contiguous()
     return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
 

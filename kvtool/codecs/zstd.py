@@ -11,17 +11,19 @@ separating them lets the entropy coder see the redundancy (bench/RESULTS.md).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import zstandard
 
-from ..dtypes import itemsize
+from ..dtypes import NUMPY_STORAGE, itemsize
 from ..errors import CodecParamsInvalid, DecodeError
 from . import register
 from .base import Codec
 from .raw import tensor_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 SHUFFLES = ("byteplane", "none")
 
@@ -51,11 +53,11 @@ class ZstdCodec(Codec):
                                      f"got {params['shuffle']!r}")
         return params
 
-    def encode(self, kv: torch.Tensor, params: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    def encode_host(self, kv: "torch.Tensor", params: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
         data = shuffle_planes(kv) if params["shuffle"] == "byteplane" else tensor_bytes(kv)
         return zstandard.ZstdCompressor(level=params["level"]).compress(data), params
 
-    def decode(self, payload, shape, dtype, params):
+    def decode_array(self, payload, shape, dtype, params) -> np.ndarray:
         expected = math.prod(shape) * itemsize(dtype)
         try:
             frame = zstandard.frame_content_size(payload)
@@ -72,12 +74,13 @@ class ZstdCodec(Codec):
             raise DecodeError(f"zstd payload decoded to {len(data)} bytes, shape needs {expected}")
         if params["shuffle"] == "byteplane":
             return unshuffle_planes(data, shape, dtype)
-        return torch.frombuffer(bytearray(data), dtype=dtype).view(shape) if expected else \
-            torch.empty(shape, dtype=dtype)
+        return np.frombuffer(bytearray(data), dtype=NUMPY_STORAGE[dtype]).reshape(shape)
 
 
-def shuffle_planes(t: torch.Tensor) -> memoryview:
+def shuffle_planes(t: "torch.Tensor") -> memoryview:
     """Regroup bytes: plane 0 = most significant byte of every element, and so on."""
+    import torch
+
     k = t.element_size()
     elements = t.contiguous().view(torch.uint8).numpy().reshape(-1, k)  # [n, k]; column k-1 is most significant
     planes = np.empty((k, elements.shape[0]), dtype=np.uint8)  # [k, n]
@@ -86,14 +89,15 @@ def shuffle_planes(t: torch.Tensor) -> memoryview:
     return memoryview(planes.reshape(-1))
 
 
-def unshuffle_planes(data: bytes, shape, dtype: torch.dtype) -> torch.Tensor:
+def unshuffle_planes(data: bytes, shape, dtype: str) -> np.ndarray:
+    """The inverse of `shuffle_planes`: a numpy array of `shape` holding KV dtype `dtype`."""
     k = itemsize(dtype)
     n = math.prod(shape)
-    out = torch.empty(shape, dtype=dtype)
+    out = np.empty(shape, dtype=NUMPY_STORAGE[dtype])
     if n == 0:
         return out
     planes = np.frombuffer(data, dtype=np.uint8).reshape(k, n)  # [k, n]
-    elements = out.view(torch.uint8).numpy().reshape(n, k)  # [n, k], writes into `out`
+    elements = out.reshape(-1).view(np.uint8).reshape(n, k)  # [n, k], writes into `out`
     for p in range(k):
         elements[:, k - 1 - p] = planes[p]
     return out

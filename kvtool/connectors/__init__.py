@@ -22,26 +22,18 @@ Our own implementation of LMCache's GPU connector contract:
   `PagedLayout` = "flash_attn" | "flashinfer" | "vllm" | "kv_tuple".
 * `ConnectorError`: every documented failure; a `ValueError` and a
   `kvtool.errors.KvtoolError`.
-* `gather_paged` / `scatter_paged` (in `paged_copy`): the single boundary a
-  device kernel plugs into (`register_device_impl`); `slot_to_block_offset`
-  and `run_offset` are the index arithmetic a C header mirrors.
+* `gather_paged` / `scatter_paged` (in `paged_copy`): the one place that picks
+  the fused CUDA kernel (`paged_cuda`) or the torch reference (`paged_torch`)
+  by the buffers' device; `slot_to_block_offset` and `run_offset`
+  (`paged_layout`) are the index arithmetic the C header mirrors.
 """
 
 from .base import BLOB_DTYPES, ConnectorError, GPUConnectorInterface
 from .memory import MemoryFormat, MemoryObj, MemoryObjMetadata
 from .nested import NestedTupleConnector
 from .paged import PagedMemConnector, PagedMemConnectorV2
-from .paged_copy import (
-    PagedGeometry,
-    PagedLayout,
-    gather_paged,
-    paged_geometry,
-    register_device_impl,
-    run_offset,
-    scatter_paged,
-    slot_to_block_offset,
-    unregister_device_impl,
-)
+from .paged_copy import gather_paged, scatter_paged
+from .paged_layout import PagedGeometry, PagedLayout, paged_geometry, run_offset, slot_to_block_offset
 
 __all__ = [
     "BLOB_DTYPES",
@@ -57,9 +49,7 @@ __all__ = [
     "PagedMemConnectorV2",
     "gather_paged",
     "paged_geometry",
-    "register_device_impl",
     "run_offset",
     "scatter_paged",
     "slot_to_block_offset",
-    "unregister_device_impl",
 ]

@@ -21,18 +21,11 @@ from typing import Any
 
 import torch
 
-from ..errors import KvtoolError
+from ..errors import ConnectorError
 from .memory import MemoryFormat, MemoryObj
 
 #: dtypes a KV_BLOB memory object may have (the kvtool file format's KV dtypes).
 BLOB_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-class ConnectorError(KvtoolError, ValueError):
-    """Bad arguments to a connector: missing kwargs, wrong memory object,
-    bad slot mapping or token range, buffers of the wrong layout."""
-
-    exit_code = 2
 
 
 class GPUConnectorInterface(ABC):

@@ -8,15 +8,8 @@ import torch
 
 from .base import ConnectorError, GPUConnectorInterface
 from .memory import MemoryObj
-from .paged_copy import (
-    LayerKV,
-    PagedGeometry,
-    PagedLayout,
-    gather_paged,
-    layer_tensors,
-    paged_geometry,
-    scatter_paged,
-)
+from .paged_copy import gather_paged, scatter_paged
+from .paged_layout import LayerKV, PagedGeometry, PagedLayout, layer_tensors, paged_geometry
 
 
 class _PagedConnector(GPUConnectorInterface):
@@ -168,11 +161,11 @@ class PagedMemConnectorV2(_PagedConnector):
     chunk_size=None)``.
 
     * `layout`: a `PagedLayout` or its name: "flash_attn", "flashinfer",
-      "vllm" (0.32) or "kv_tuple" (see `kvtool.connectors.paged_copy`).
+      "vllm" (0.32) or "kv_tuple" (see `kvtool.connectors.paged_layout`).
     * `use_gpu`: take the device path: the buffers must be CUDA tensors, and
       a host memory object is staged through a reusable device buffer (sized
       for at least `chunk_size` tokens). The copy itself goes through
-      `gather_paged` / `scatter_paged`, where a CUDA kernel registers.
+      `gather_paged` / `scatter_paged` (the fused kernel for CUDA buffers).
       `use_gpu=False` works on any device (a temporary staging buffer is
       allocated per call when the memory object is on another device).
     * `num_kv_heads`, `head_dim`: optional; when given, the buffers are

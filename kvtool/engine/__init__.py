@@ -6,7 +6,7 @@ Public API::
         A local HF folder (config.json, *.safetensors, tokenizer.json); None = the
         embedded default model (SmolLM2-135M-Instruct, converted once from GGUF).
         LoadedModel: .config (ModelConfig) .weights .tokenizer (.encode/.decode)
-        .identity (kvtool.format.identity.ModelIdentity) .max_position_embeddings
+        .identity (kvtool.identity.ModelIdentity) .max_position_embeddings
 
     default_model_path() -> Path
         The cached HF folder of the default model (converts it on first use).
@@ -37,21 +37,23 @@ Typical capture::
     connector.save(cache.kv_caches, seq.slot_mapping(len(ids)))
 """
 
-from .default_model import default_model_path
-from .loader import SUPPORTED_ARCHITECTURES, LoadedModel, Tokenizer, load_model
-from .model import ModelConfig, Runner, logits_from_hidden
-from .paged import BlockAllocator, PagedKVCache, Sequence
+import importlib
 
-__all__ = [
-    "BlockAllocator",
-    "LoadedModel",
-    "ModelConfig",
-    "PagedKVCache",
-    "Runner",
-    "SUPPORTED_ARCHITECTURES",
-    "Sequence",
-    "Tokenizer",
-    "default_model_path",
-    "load_model",
-    "logits_from_hidden",
-]
+# Loaded on first use, so that `kvtool.engine.default_model` (which `kvtool info` reads)
+# does not import torch.
+_EXPORTS = {
+    "default_model_path": "default_model",
+    "SUPPORTED_ARCHITECTURES": "loader", "LoadedModel": "loader", "Tokenizer": "loader", "load_model": "loader",
+    "ModelConfig": "model", "logits_from_hidden": "model",
+    "BlockAllocator": "paged", "PagedKVCache": "paged", "Sequence": "paged",
+    "Runner": "runner",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+
+
+__all__ = sorted(_EXPORTS)

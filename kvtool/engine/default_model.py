@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from ..errors import ModelError
+from ..fsutil import cache_root
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,17 +44,6 @@ GGUF_ENV = "KVTOOL_DEFAULT_GGUF"
 # Bump when the converted folder's content changes; old folders are rebuilt.
 CONVERTER_VERSION = 1
 MARKER = "kvtool-convert.json"
-
-
-def cache_dir() -> Path:
-    """kvtool's cache root: $KVTOOL_CACHE, else $XDG_CACHE_HOME/kvtool, else ~/.cache/kvtool."""
-    env = os.environ.get("KVTOOL_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "kvtool"
-    return Path.home() / ".cache" / "kvtool"
 
 
 def find_gguf() -> Path:
@@ -100,7 +90,7 @@ def _is_complete(folder: Path) -> bool:
 
 def default_model_path() -> Path:
     """The converted HF folder of the default model, converting it on first use."""
-    final = cache_dir() / "models" / MODEL_NAME
+    final = cache_root() / "models" / MODEL_NAME
     if _is_complete(final):
         return final
     gguf_path = find_gguf()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..format.identity import ModelIdentity
+from ..identity import ModelIdentity
 from .model import LayerWeights, ModelConfig, Weights, rope_inv_freq
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

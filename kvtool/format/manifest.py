@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import codecs
-from ..dtypes import KV_DTYPES, itemsize
+from ..dtypes import ITEMSIZE, KV_DTYPE_NAMES
 from ..errors import (
     BlobOutOfBounds,
     BlobOverlap,
@@ -27,7 +27,7 @@ from ..errors import (
 from . import layout
 
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
-EXTRA_DTYPES = {**{k: itemsize(v) for k, v in KV_DTYPES.items()}, "bool": 1}
+EXTRA_DTYPES = {**ITEMSIZE, "bool": 1}
 KNOWN_EXTRAS = {"hidden_states", "roi_mask"}
 
 
@@ -249,8 +249,8 @@ def parse_manifest(raw: bytes, *, data_end: int, alignment: int) -> Manifest:
 
     kv = _get(doc, "kv", dict, "manifest")
     kv_dtype = _get(kv, "dtype", str, "kv")
-    if kv_dtype not in KV_DTYPES:
-        raise UnsupportedDtype(f"manifest: KV dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    if kv_dtype not in ITEMSIZE:
+        raise UnsupportedDtype(f"manifest: KV dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPE_NAMES)}")
     if _get(kv, "layout", str, "kv") != "kv_blob":
         raise ManifestInvalid("manifest: kv.layout must be 'kv_blob'")
 
@@ -309,8 +309,8 @@ def _chunk(i: int, c: Any, chunk_size: int, num_tokens: int, num_layers: int, hi
         raise ManifestInvalid(f"manifest: {where}.shape {list(shape)} is not "
                               f"[2, {num_layers}, {end - start}, {hidden_kv}]")
     dtype = _get(c, "dtype", str, where)
-    if dtype not in KV_DTYPES:
-        raise UnsupportedDtype(f"manifest: {where}.dtype {dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    if dtype not in ITEMSIZE:
+        raise UnsupportedDtype(f"manifest: {where}.dtype {dtype!r} is not one of {', '.join(KV_DTYPE_NAMES)}")
     if dtype != kv_dtype:
         raise ManifestInvalid(f"manifest: {where}.dtype {dtype!r} differs from the file's {kv_dtype!r}")
     entry = ChunkEntry(index=i, start=start, end=end, prefix_hash=prefix_hash, codec=name,

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
 
 from .. import codecs
-from ..dtypes import dtype_from_name
+from ..dtypes import NUMPY_STORAGE, dtype_from_name
+from ..fsutil import open_regular_file
 from ..errors import (
     ChecksumMismatch,
     DecodeError,
     FormatError,
-    InputFileError,
     KvtoolError,
     ManifestCorrupt,
     ShapeMismatch,
@@ -33,6 +32,9 @@ from ..errors import (
 from . import layout
 from .hashing import crc32
 from .manifest import BlobRef, ChunkEntry, Manifest, parse_manifest
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_VERSIONS = tuple(f"{major}.x" for major in layout.SUPPORTED_MAJOR_VERSIONS)
 
@@ -54,21 +56,7 @@ class MappedFile:
 
     def __init__(self, path: str | os.PathLike):
         self.name = str(path)
-        try:  # a FIFO or a device would block open() or never end: only regular files
-            if not stat.S_ISREG(os.stat(path).st_mode) and not os.path.isdir(path):
-                raise InputFileError(f"{path}: not a regular file")
-        except FileNotFoundError:
-            raise InputFileError(f"{path}: no such file") from None
-        except OSError as err:
-            raise InputFileError(f"{path}: cannot open ({err.strerror})") from None
-        try:
-            self._file = open(path, "rb")
-        except FileNotFoundError:
-            raise InputFileError(f"{path}: no such file") from None
-        except IsADirectoryError:
-            raise InputFileError(f"{path}: is a directory, not a kvtool file") from None
-        except OSError as err:
-            raise InputFileError(f"{path}: cannot open ({err.strerror})") from None
+        self._file = open_regular_file(path, "a kvtool file")
         self.size = os.fstat(self._file.fileno()).st_size
         self._map = None
         self.view = memoryview(b"")
@@ -155,7 +143,7 @@ class ContainerReader:
         return self.manifest.num_tokens
 
     @property
-    def kv_dtype(self) -> torch.dtype:
+    def kv_dtype(self) -> "torch.dtype":
         return dtype_from_name(self.manifest.kv_dtype)
 
     @property
@@ -181,56 +169,81 @@ class ContainerReader:
         chunk = self._chunk(index)
         return self.blob_bytes(chunk.blob, verify=verify, what=f"chunk {index}")
 
+    def read_chunk_array(self, index: int, *, verify: bool = True) -> np.ndarray:
+        """Decode chunk `index` on the CPU into a numpy KV_BLOB `[2, L, T, C]`, without torch
+        (bfloat16 as its bit patterns: `kvtool.dtypes.NUMPY_STORAGE`)."""
+        chunk = self._chunk(index)
+        payload = self.chunk_payload(index, verify=verify)
+        with self._decoding(chunk):
+            array = codecs.get_codec(chunk.codec_id).decode_array(payload, chunk.shape, chunk.dtype,
+                                                                  chunk.codec_params)
+        if tuple(array.shape) != chunk.shape or array.dtype != NUMPY_STORAGE[chunk.dtype]:
+            raise ShapeMismatch(f"chunk {index} decoded to {list(array.shape)} {array.dtype}, "
+                                f"declared {list(chunk.shape)} {chunk.dtype}")
+        return array
+
     def read_chunk(self, index: int, *, verify: bool = True,
-                   device: torch.device | str | None = None) -> torch.Tensor:
+                   device: "torch.device | str | None" = None) -> "torch.Tensor":
         """Decode chunk `index` into a new KV_BLOB tensor `[2, L, T, C]` (on `device`,
         default the CPU; CacheGen chunks then decode on the GPU, to the same values)."""
+        import torch
+
         chunk = self._chunk(index)
         payload = self.chunk_payload(index, verify=verify)
         codec = codecs.get_codec(chunk.codec_id)
         dtype = dtype_from_name(chunk.dtype)
         target = torch.device("cpu" if device is None else device)
-        try:
+        with self._decoding(chunk):
             if target.type == "cpu":
                 tensor = codec.decode(payload, chunk.shape, dtype, chunk.codec_params)
             else:
                 tensor = codec.decode_to(payload, chunk.shape, dtype, chunk.codec_params, target)
-        except DecodeError as err:  # name the chunk (the codec knows only its payload)
+        if tuple(tensor.shape) != chunk.shape or tensor.dtype != dtype:
+            raise ShapeMismatch(f"chunk {index} decoded to {list(tensor.shape)} {tensor.dtype}, "
+                                f"declared {list(chunk.shape)} {chunk.dtype}")
+        return tensor
+
+    @contextmanager
+    def _decoding(self, chunk: ChunkEntry):
+        """A codec's failure, named by the file's chunk (the codec knows only its payload)."""
+        index = chunk.index
+        try:
+            yield
+        except DecodeError as err:
             text = str(err)
             raise type(err)(text if text.startswith(f"chunk {index}:") else f"chunk {index}: {text}") from None
         except KvtoolError:
             raise
         except (ValueError, RuntimeError, OverflowError, IndexError) as err:
             raise DecodeError(f"chunk {index}: {chunk.codec} payload does not decode ({err})") from None
-        if tuple(tensor.shape) != chunk.shape or tensor.dtype != dtype:
-            raise ShapeMismatch(f"chunk {index} decoded to {list(tensor.shape)} {tensor.dtype}, "
-                                f"declared {list(chunk.shape)} {chunk.dtype}")
-        return tensor
 
     def read_chunks(self, indices: list[int], *, verify: bool = True,
-                    device: torch.device | str | None = None) -> list[torch.Tensor]:
+                    device: "torch.device | str | None" = None) -> list["torch.Tensor"]:
         """`read_chunk` of each index. On a CUDA device, CacheGen chunks of one parameter set
         decode in one launch (a batch is what fills a GPU), to the same values."""
+        import torch
+
         target = torch.device("cpu" if device is None else device)
         chunks = [self._chunk(i) for i in indices]
         first = chunks[0] if chunks else None
-        batch = getattr(codecs.get_codec(first.codec_id), "decode_batch_to", None) if first else None
-        if (target.type == "cuda" and batch is not None and len(chunks) > 1
+        if (target.type == "cuda" and len(chunks) > 1
                 and all(c.codec_id == first.codec_id and c.dtype == first.dtype
                         and c.codec_params == first.codec_params for c in chunks)):
             payloads = [self.chunk_payload(c.index, verify=verify) for c in chunks]
             try:
-                return batch(payloads, [c.shape for c in chunks], dtype_from_name(first.dtype),
-                             first.codec_params, target)
+                return codecs.get_codec(first.codec_id).decode_batch_to(
+                    payloads, [c.shape for c in chunks], dtype_from_name(first.dtype), first.codec_params, target)
             except (KvtoolError, ValueError, RuntimeError, OverflowError, IndexError):
                 pass  # decode one by one below: read_chunk's error names the file's chunk
         return [self.read_chunk(c.index, verify=verify, device=target) for c in chunks]
 
-    def read_chunk_into(self, index: int, out: torch.Tensor, *, verify: bool = True) -> torch.Tensor:
+    def read_chunk_into(self, index: int, out: "torch.Tensor", *, verify: bool = True) -> "torch.Tensor":
         """Decode chunk `index` into the preallocated contiguous CPU tensor `out` (its shape and dtype).
 
         Raw chunks of a local file are read straight into `out` with one pread, the fastest
         way from disk or page cache to a tensor; other chunks are decoded, then copied."""
+        import torch
+
         chunk = self._chunk(index)
         dtype = dtype_from_name(chunk.dtype)
         if tuple(out.shape) != chunk.shape or out.dtype != dtype or not out.is_contiguous() \
@@ -244,8 +257,10 @@ class ContainerReader:
             return out
         return out.copy_(self.read_chunk(index, verify=verify))
 
-    def chunk_view(self, index: int, *, verify: bool = True) -> torch.Tensor:
+    def chunk_view(self, index: int, *, verify: bool = True) -> "torch.Tensor":
         """Zero-copy tensor over a raw chunk's mapped bytes (valid until close())."""
+        import torch
+
         chunk = self._chunk(index)
         if chunk.codec != "raw":
             raise UsageError(f"chunk {index} is {chunk.codec}-encoded; only raw chunks can be viewed")
@@ -254,23 +269,32 @@ class ContainerReader:
         payload = self.chunk_payload(index, verify=verify)
         return torch.frombuffer(payload, dtype=dtype_from_name(chunk.dtype)).view(chunk.shape)
 
-    def read_extra(self, name: str, *, verify: bool = True) -> torch.Tensor:
+    def read_extra_array(self, name: str, *, verify: bool = True) -> np.ndarray:
+        """An extra as a numpy array (bool, or a KV dtype's numpy storage), without torch."""
         extra = self.manifest.extras.get(name)
         if extra is None:
             raise UsageError(f"{self.path} has no extra named {name!r}")
         data = self.blob_bytes(extra.blob, verify=verify, what=f"extra {name}")
-        dtype = torch.bool if extra.dtype == "bool" else dtype_from_name(extra.dtype)
-        if not data.nbytes:
-            return torch.empty(extra.shape, dtype=dtype)
-        if dtype == torch.bool:  # bytes other than 0 and 1 are not booleans
-            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if extra.dtype == "bool":  # bytes other than 0 and 1 are not booleans
+            raw = np.frombuffer(data, dtype=np.uint8)
             if bool((raw > 1).any()):
                 raise DecodeError(f"extra {name}: bool bytes must be 0 or 1")
-            return (raw == 1).view(extra.shape)
-        return torch.frombuffer(bytearray(data), dtype=dtype).view(extra.shape)
+            return (raw == 1).reshape(extra.shape)
+        return np.frombuffer(bytearray(data), dtype=NUMPY_STORAGE[extra.dtype]).reshape(extra.shape)
 
-    def read_range(self, start: int, end: int, *, verify: bool = True) -> torch.Tensor:
+    def read_extra(self, name: str, *, verify: bool = True) -> "torch.Tensor":
+        """An extra as a CPU tensor of its dtype."""
+        import torch
+
+        array = self.read_extra_array(name, verify=verify)
+        if array.dtype == np.bool_:
+            return torch.from_numpy(array)
+        return torch.from_numpy(array).view(dtype_from_name(self.manifest.extras[name].dtype))
+
+    def read_range(self, start: int, end: int, *, verify: bool = True) -> "torch.Tensor":
         """KV_BLOB for tokens [start, end), decoding only the chunks it touches."""
+        import torch
+
         if not 0 <= start < end <= self.num_tokens:
             raise UsageError(f"token range [{start}, {end}) is outside [0, {self.num_tokens})")
         size = self.manifest.chunk_size

@@ -11,21 +11,24 @@ from __future__ import annotations
 
 import enum
 import os
-import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from .. import __version__, codecs
+from .. import codecs
 from ..dtypes import dtype_name
-from ..errors import OutputError, UsageError
+from ..errors import UsageError
+from ..fsutil import open_temp_beside, replace_atomically
+from ..version import __version__
 from . import layout
 from .hashing import ZERO_HASH, chain_hash, crc32, tokens_to_bytes
-from .identity import ModelIdentity
+from ..identity import ModelIdentity
 from .manifest import BlobRef, ChunkEntry, ExtraEntry, Manifest
+
+if TYPE_CHECKING:
+    import torch
 
 
 class WriterState(enum.Enum):
@@ -45,7 +48,7 @@ class ContainerWriter:
     """
 
     def __init__(self, path: str | os.PathLike, identity: ModelIdentity | dict[str, Any],
-                 token_ids, *, kv_dtype: torch.dtype = torch.bfloat16, chunk_size: int = 256,
+                 token_ids, *, kv_dtype: "torch.dtype | str" = "bfloat16", chunk_size: int = 256,
                  alignment: int = layout.DEFAULT_ALIGNMENT, metadata: dict[str, str] | None = None):
         self.path = Path(path)
         if isinstance(identity, ModelIdentity):
@@ -68,7 +71,6 @@ class ContainerWriter:
         if not (layout.MIN_ALIGNMENT <= alignment <= layout.MAX_ALIGNMENT) or alignment & (alignment - 1):
             raise UsageError(f"alignment must be a power of two in [{layout.MIN_ALIGNMENT}, "
                              f"{layout.MAX_ALIGNMENT}], got {alignment}")
-        self.kv_dtype = kv_dtype
         self.kv_dtype_name = dtype_name(kv_dtype)
         self.chunk_size = chunk_size
         self.alignment = alignment
@@ -83,7 +85,6 @@ class ContainerWriter:
         self._prev_hash = ZERO_HASH
         fd, tmp = open_temp_beside(self.path)
         self._tmp_path = Path(tmp)
-        os.chmod(fd, 0o666 & ~_current_umask())  # mkstemp's 0600 would hide the result from others
         self._file = os.fdopen(fd, "wb")
         self._file.write(layout.Header(alignment=alignment).pack())
         self._pos = layout.HEADER_SIZE
@@ -95,7 +96,13 @@ class ContainerWriter:
         return [(s, min(s + self.chunk_size, self.num_tokens))
                 for s in range(0, self.num_tokens, self.chunk_size)]
 
-    def write_chunk(self, kv: torch.Tensor, codec: str = "raw",
+    @property
+    def kv_dtype(self) -> "torch.dtype":
+        from ..dtypes import dtype_from_name
+
+        return dtype_from_name(self.kv_dtype_name)
+
+    def write_chunk(self, kv: "torch.Tensor", codec: str = "raw",
                     params: dict[str, Any] | None = None) -> ChunkEntry:
         """Encode and append the next chunk, a KV_BLOB `[2, L, T, C]`."""
         self._expect(WriterState.CHUNKS, "write_chunk")
@@ -107,10 +114,7 @@ class ContainerWriter:
         if tuple(kv.shape) != shape:
             raise UsageError(f"chunk {index} has shape {list(kv.shape)}, expected {list(shape)}")
         impl = codecs.get_codec(codec)
-        kv = kv.detach().to(dtype=self.kv_dtype)
-        if kv.device.type != "cpu" and not getattr(impl, "accepts_cuda", False):
-            kv = kv.cpu()
-        kv = kv.contiguous()
+        kv = kv.detach().to(dtype=self.kv_dtype).contiguous()  # the codec encodes it where it is, or copies
         params = impl.validate_params(params if params is not None else impl.default_params())
         payload, recorded = impl.encode(kv, params)
         return self.write_encoded_chunk(payload, impl.name, recorded)
@@ -132,7 +136,7 @@ class ContainerWriter:
         self.chunks.append(entry)
         return entry
 
-    def write_extra(self, name: str, tensor: torch.Tensor) -> None:
+    def write_extra(self, name: str, tensor: "torch.Tensor") -> None:
         """Append a per-sequence extra: `hidden_states [T, hidden]` or `roi_mask [T]` (bool)."""
         if self.state is WriterState.CHUNKS:
             self._require_all_chunks()
@@ -140,6 +144,8 @@ class ContainerWriter:
         self._expect(WriterState.EXTRAS, "write_extra")
         if name in self.extras:
             raise UsageError(f"extra {name!r} written twice")
+        import torch
+
         tensor = tensor.detach().cpu().contiguous()
         hidden = self.model.get("hidden_size")
         if name == "hidden_states" and (tensor.dim() != 2 or tensor.shape[0] != self.num_tokens
@@ -185,11 +191,7 @@ class ContainerWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        try:
-            os.replace(self._tmp_path, self.path)
-        except OSError as err:
-            raise OutputError(f"{self.path}: cannot write ({err.strerror})") from None
-        _fsync_dir(self.path.parent)
+        replace_atomically(self._tmp_path, self.path)
         self.state = WriterState.FINISHED
         return manifest
 
@@ -237,37 +239,3 @@ class ContainerWriter:
         self._file.write(view)
         self._pos += view.nbytes
         return ref
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def open_temp_beside(path: Path) -> tuple[int, str]:
-    """A new temporary file in `path`'s directory, or an OutputError that names `path`."""
-    if path.is_dir():
-        raise OutputError(f"{path}: is a directory; give a file name")
-    if path.is_symlink():  # the rename would replace the link, not write where it points
-        raise OutputError(f"{path}: is a symbolic link; give the file it points to")
-    if path.exists() and not path.is_file():  # a device, FIFO or socket: never replace it
-        raise OutputError(f"{path}: is not a regular file")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as err:
-        raise OutputError(f"{path}: cannot write here ({err.strerror})") from None

@@ -8,13 +8,13 @@ KVTOOL_CACHEGEN_NATIVE=0 to force the reference (tests and debugging).
 from __future__ import annotations
 
 import os
-import warnings
 from types import ModuleType
+
+from ...notices import notice
 
 _module: ModuleType | None = None
 _error: str | None = None
 _loaded = False
-_warned = False
 
 
 def _load() -> None:
@@ -32,18 +32,12 @@ def _load() -> None:
 
 def native_module(warn: bool = True) -> ModuleType | None:
     """The extension module, or None (forced off, or not built)."""
-    global _warned
     if os.environ.get("KVTOOL_CACHEGEN_NATIVE", "1").strip() in ("0", "false", "no", "off"):
         return None
     _load()
-    if _module is None and warn and not _warned:
-        _warned = True
-        warnings.warn(
-            f"kvtool: native CacheGen coder unavailable ({_error}); using the slow pure-Python reference "
-            "(reinstall kvtool with a C compiler: pip install -e .)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    if _module is None and warn:
+        notice(f"native CacheGen coder unavailable ({_error}); using the slow pure-Python reference "
+               "(reinstall kvtool with a C compiler: pip install -e .)", key="cachegen_native")
     return _module
 
 

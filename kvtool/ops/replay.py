@@ -17,25 +17,72 @@ against a full recompute of the same tokens:
 
 from __future__ import annotations
 
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from .capture import paged_connector
-from .devices import describe, synchronize
-from .engine import LoadedModel, PagedKVCache, Runner, logits_from_hidden
-from .errors import DataError, ModelMismatch, NonFiniteValues, PromptError, ShapeMismatch, UsageError
-from .format import ContainerReader
-from .format.hashing import prefix_hashes
+from .. import codecs
+from ..devices import describe, resolve_device, synchronize
+from ..dtypes import dtype_from_name
+from ..engine import LoadedModel, PagedKVCache, Runner, load_model, logits_from_hidden
+from ..errors import (DataError, ModelMismatch, NonFiniteValues, PromptError, ShapeMismatch, ToleranceExceeded,
+                      UsageError)
+from ..format import ContainerReader
+from ..format.hashing import prefix_hashes
+from ..fsutil import read_text_file
+from ..notices import notice
+from .compare import compare_logits
+from .engine_io import new_cache, paged_connector
+from .inputs import check_text, check_vocabulary, fraction, model_dtype_name, non_negative
+from .result import Result
 
 
 # On a GPU, chunks decode this many at a time (one launch each group): enough to fill the
 # device, few enough that the decoded group stays small next to the paged buffers.
 LOAD_BATCH_CHUNKS = 32
+
+
+@dataclass
+class ReplayResult(Result):
+    """What `replay` measured. With `compare`: the recompute's TTFT and the agreement of the
+    cached run with it along the recompute's greedy continuation."""
+
+    file: str
+    model: str
+    num_tokens: int
+    reused_tokens: int
+    computed_tokens: int
+    chunks_loaded: int
+    codecs: list[str]
+    device: str
+    model_dtype: str
+    first_token_from: str  # "hidden_states" (nothing recomputed) or "prefill"
+    load_s: float
+    ttft_cached_s: float
+    continue_tokens: int
+    continuation_tokens: list[int]
+    continuation: str
+    # with compare: the recompute's time to first token, and how the cached run agrees with it
+    ttft_recompute_s: float | None = None
+    speedup: float | None = None
+    top1_agreement: float | None = None
+    greedy_identical_tokens: int | None = None
+    kl_mean: float | None = None
+    kl_max: float | None = None
+    nll_reference: float | None = None
+    nll_cached: float | None = None
+    delta_nll: float | None = None
+    max_abs_logit_diff: float | None = None
+    thresholds: dict[str, float | None] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    notice: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
 
 
 @dataclass
@@ -57,10 +104,7 @@ def check_model(reader: ContainerReader, model: LoadedModel) -> None:
     if (m.num_layers, m.hidden_kv) != (cfg.num_layers, cfg.num_kv_heads * cfg.head_dim):
         raise ModelMismatch(f"{reader.path} holds {m.num_layers} layers x {m.hidden_kv} KV channels, the model "
                             f"has {cfg.num_layers} x {cfg.num_kv_heads * cfg.head_dim} (its fingerprint is forged)")
-    ids = reader.token_ids()
-    if ids.size and int(ids.max()) >= cfg.vocab_size:
-        raise ModelMismatch(f"{reader.path}: token id {int(ids.max())} is outside the model's vocabulary "
-                            f"[0, {cfg.vocab_size})")
+    check_vocabulary(reader.token_ids(), cfg.vocab_size, where=f"{reader.path}: ")
 
 
 def plan_reuse(reader: ContainerReader, new_tokens: list[int] | None = None,
@@ -121,15 +165,51 @@ def load_prefix(reader: ContainerReader, model: LoadedModel, cache: PagedKVCache
     return time.perf_counter() - t0
 
 
-def _new_cache(model: LoadedModel, total: int, kv_dtype: torch.dtype, block_size: int, seed: int):
-    cache = PagedKVCache.for_tokens(model.config, total, block_size=block_size, kv_dtype=kv_dtype,
-                                    device=model.device, shuffle_seed=seed)
-    seq = cache.new_sequence(total)
-    return cache, seq
+def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, continue_tokens: int = 32,
+           suffix: str | None = None, suffix_file: Path | None = None, prompt: str | None = None,
+           prompt_file: Path | None = None, compare: bool = False, min_top1: float | None = None,
+           max_kl: float | None = None, device: str = "auto", model_dtype: str = "fp32",
+           use_hidden_states: bool = True) -> ReplayResult:
+    """Load a KV file into a fresh paged buffer and continue from it (`kvtool replay`).
+
+    `suffix` continues the file's own tokens; `prompt` reuses the file's chunks that a new
+    prompt shares. `min_top1` / `max_kl` (each implies `compare`) raise ToleranceExceeded,
+    carrying the result, when the cached run falls outside them."""
+    if sum(x is not None for x in (suffix, suffix_file, prompt, prompt_file)) > 1:
+        raise UsageError("give at most one of --suffix, --suffix-file, --prompt, --prompt-file")
+    fraction("--min-top1", min_top1)
+    non_negative("--max-kl", max_kl)
+    if continue_tokens < 1:
+        raise UsageError("--continue must be at least 1")
+    compare = compare or min_top1 is not None or max_kl is not None
+    weights = dtype_from_name(model_dtype_name(model_dtype))
+    where = resolve_device(device)
+    with ContainerReader(path) as reader:
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=where)
+        check_model(reader, loaded)
+        if suffix_file is not None:
+            suffix = read_text_file(suffix_file)
+        if prompt_file is not None:
+            prompt = read_text_file(prompt_file)
+        encode = loaded.tokenizer.encode
+        plan = plan_reuse(reader, new_tokens=encode(check_text(prompt, "--prompt")) if prompt is not None else None,
+                          suffix_tokens=encode(check_text(suffix, "--suffix")) if suffix is not None else None,
+                          use_hidden_states=use_hidden_states)
+        result = replay_plan(reader, loaded, plan, continue_tokens=continue_tokens, compare=compare)
+    result.thresholds = {"min_top1": min_top1, "max_kl": max_kl}
+    if min_top1 is not None and not result.top1_agreement >= min_top1:  # (NaN fails too)
+        result.failures.append(f"top-1 agreement {result.top1_agreement:.3f} < {min_top1}")
+    if max_kl is not None and not result.kl_mean <= max_kl:
+        result.failures.append(f"mean KL {result.kl_mean:.3g} > {max_kl}")
+    if result.failures:
+        raise ToleranceExceeded(f"replay below threshold: {'; '.join(result.failures)}", report=result)
+    return result
 
 
-def replay(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, continue_tokens: int = 32,
-           compare: bool = False, block_size: int = 16) -> dict[str, Any]:
+def replay_plan(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, continue_tokens: int = 32,
+                compare: bool = False, block_size: int = 16) -> ReplayResult:
+    """Run `plan` (from `plan_reuse`) on an open file: load its reused chunks, compute the rest,
+    continue greedily, and with `compare` measure against a full recompute."""
     check_model(reader, model)
     tokens = plan.tokens
     n = len(tokens)
@@ -141,35 +221,13 @@ def replay(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, cont
         raise UsageError("--continue must be at least 1")
     kv_dtype = reader.kv_dtype
     prefill_chunk = reader.manifest.chunk_size
-    result: dict[str, Any] = {"file": str(reader.path), "model": model.name, "num_tokens": n,
-                              "reused_tokens": plan.reused, "computed_tokens": n - plan.reused,
-                              "chunks_loaded": plan.chunks, "codecs": sorted({c.codec for c in reader.chunks}),
-                              "continue": continue_tokens, "device": describe(model.device),
-                              "model_dtype": str(model.dtype).removeprefix("torch."),
-                              "first_token_from": "hidden_states" if plan.from_hidden else "prefill"}
-
     warm_up(model, reader)
-    reference = None
-    if compare:  # the full recompute, no cache: the reference
-        cache, seq = _new_cache(model, total, kv_dtype, block_size, seed=2)
-        runner = Runner(model, cache)
-        synchronize(model.device)
-        t0 = time.perf_counter()
-        logits = runner.prefill(seq, tokens, prefill_chunk=prefill_chunk, logits="last")  # [1, V]
-        synchronize(model.device)
-        ttft_recompute = time.perf_counter() - t0
-        ref_logits, greedy = [logits[0]], []
-        for i in range(continue_tokens):
-            greedy.append(int(ref_logits[-1].argmax()))
-            if i + 1 < continue_tokens:
-                ref_logits.append(runner.decode_step(seq, greedy[-1]))
-        reference = (torch.stack(ref_logits), greedy)  # [N, V]
-        result["ttft_recompute_s"] = ttft_recompute
-        del cache
+    reference = recompute(model, tokens, continue_tokens, kv_dtype, block_size, prefill_chunk) if compare else None
 
-    cache, seq = _new_cache(model, total, kv_dtype, block_size, seed=1)
+    cache, seq = new_cache(model, total, kv_dtype, block_size, seed=1)
     slot_mapping = seq.slot_mapping(total, device=model.device)
     runner = Runner(model, cache)
+    reused, first_from, why = plan.reused, "hidden_states" if plan.from_hidden else "prefill", None
     synchronize(model.device)
     t0 = time.perf_counter()
     load_s = load_prefix(reader, model, cache, seq, plan.reused, slot_mapping)
@@ -178,10 +236,9 @@ def replay(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, cont
         try:
             hidden = last_hidden_state(reader, model, n)  # [1, E]
         except DataError as err:  # the KV is intact: recompute the last token instead
-            sys.stderr.write(f"kvtool: notice: the stored hidden states are unusable ({err}); "
-                             f"the last token is recomputed\n")
-            result.update(reused_tokens=n - 1, computed_tokens=1, first_token_from="prefill",
-                          notice=f"hidden_states unusable: {err}")
+            why = f"hidden_states unusable: {err}"
+            notice(f"the stored hidden states are unusable ({err}); the last token is recomputed")
+            reused, first_from = n - 1, "prefill"
     if hidden is not None:
         first = logits_from_hidden(model.weights, hidden)  # [1, V]
     elif plan.from_hidden:
@@ -191,23 +248,42 @@ def replay(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, cont
                                logits="last")  # [1, V]
     synchronize(model.device)
     ttft_cached = time.perf_counter() - t0
-    result.update(load_s=load_s, ttft_cached_s=ttft_cached)
     if reference is None:
         generated = [int(first[0].argmax())]
         while len(generated) < continue_tokens:
             generated.append(int(runner.decode_step(seq, generated[-1]).argmax()))
-        result["continuation_tokens"] = generated
-        result["continuation"] = model.tokenizer.decode(generated)
-        return result
+        measured: dict[str, Any] = {}
+    else:
+        ref_logits, generated, ttft_recompute = reference
+        rest = runner.prefill(seq, generated[:-1], start_pos=n, prefill_chunk=prefill_chunk, logits="all") \
+            if continue_tokens > 1 else first[:0]
+        measured = {"ttft_recompute_s": ttft_recompute, "speedup": ttft_recompute / max(ttft_cached, 1e-9),
+                    **compare_logits(ref_logits, torch.cat([first, rest]), generated)}
+    return ReplayResult(
+        file=str(reader.path), model=model.name, num_tokens=n, reused_tokens=reused, computed_tokens=n - reused,
+        chunks_loaded=plan.chunks, codecs=sorted({c.codec for c in reader.chunks}), device=describe(model.device),
+        model_dtype=str(model.dtype).removeprefix("torch."), first_token_from=first_from, load_s=load_s,
+        ttft_cached_s=ttft_cached, continue_tokens=continue_tokens, continuation_tokens=generated,
+        continuation=model.tokenizer.decode(generated), notice=why, **measured)
 
-    ref_logits, forced = reference
-    rest = runner.prefill(seq, forced[:-1], start_pos=n, prefill_chunk=prefill_chunk, logits="all") \
-        if continue_tokens > 1 else first[:0]
-    cached_logits = torch.cat([first, rest])  # [N, V]
-    result.update(continuation_tokens=forced, continuation=model.tokenizer.decode(forced),
-                  speedup=result["ttft_recompute_s"] / max(ttft_cached, 1e-9),
-                  **compare_logits(ref_logits, cached_logits, forced))
-    return result
+
+def recompute(model: LoadedModel, tokens: list[int], continue_tokens: int, kv_dtype: torch.dtype,
+              block_size: int, prefill_chunk: int) -> tuple[torch.Tensor, list[int], float]:
+    """The full recompute, no cache: logits [N, V] along its greedy continuation, the
+    continuation, and its time to first token."""
+    cache, seq = new_cache(model, len(tokens) + continue_tokens, kv_dtype, block_size, seed=2)
+    runner = Runner(model, cache)
+    synchronize(model.device)
+    t0 = time.perf_counter()
+    logits = runner.prefill(seq, tokens, prefill_chunk=prefill_chunk, logits="last")  # [1, V]
+    synchronize(model.device)
+    ttft = time.perf_counter() - t0
+    ref_logits, greedy = [logits[0]], []
+    for i in range(continue_tokens):
+        greedy.append(int(ref_logits[-1].argmax()))
+        if i + 1 < continue_tokens:
+            ref_logits.append(runner.decode_step(seq, greedy[-1]))
+    return torch.stack(ref_logits), greedy, ttft
 
 
 def last_hidden_state(reader: ContainerReader, model: LoadedModel, n: int) -> torch.Tensor:
@@ -222,81 +298,23 @@ def last_hidden_state(reader: ContainerReader, model: LoadedModel, n: int) -> to
     return last.to(model.device)
 
 
-_warmed: set[tuple[str, bool]] = set()
+_warmed: set[tuple[str, tuple[str, ...]]] = set()
 
 
 def warm_up(model: LoadedModel, reader: ContainerReader) -> None:
     """On a GPU, pay the one-time costs (kernel builds and loads, library handles, lazy
-    modules) before anything is timed; nothing to do on the CPU."""
-    key = (str(model.device), any(c.codec == "cachegen" for c in reader.chunks))
+    modules) before anything is timed: each codec of the file warms itself up, the paged
+    copy kernel loads, one tiny prefill runs. Nothing to do on the CPU."""
+    from ..connectors.paged_copy import load_cuda_kernel
+
+    names = tuple(sorted({c.codec for c in reader.chunks}))
+    key = (str(model.device), names)
     if model.device.type != "cuda" or key in _warmed:
         return
     _warmed.add(key)
-    from . import cuda
-
-    cuda.register(lazy=False)  # the paged copy kernel (or its one-line fallback notice)
-    if any(c.codec == "cachegen" for c in reader.chunks):
-        try:
-            from .cuda import cachegen as gpu_cachegen
-
-            gpu_cachegen.library()
-        except cuda.CudaUnavailable as exc:
-            cuda.notice("CacheGen coder", str(exc))
-    cache, seq = _new_cache(model, 2, reader.kv_dtype, 16, seed=0)
+    load_cuda_kernel()
+    for name in names:
+        codecs.get_codec(name).warm_up(model.device)
+    cache, seq = new_cache(model, 2, reader.kv_dtype, 16, seed=0)
     Runner(model, cache).prefill(seq, [0, 0], logits="last")
     synchronize(model.device)
-
-
-def compare_logits(ref: torch.Tensor, got: torch.Tensor, forced: list[int]) -> dict[str, Any]:
-    """Agreement of next-token distributions along the forced tokens. ref, got: [N, V].
-
-    `greedy_identical_tokens` is the first position whose top-1 differs; when
-    `forced` is the reference's own greedy continuation (as in `replay`), that is
-    how many greedy tokens the cached run reproduces."""
-    ref, got = ref.double().cpu(), got.double().cpu()
-    ref_logp = F.log_softmax(ref, dim=-1)
-    got_logp = F.log_softmax(got, dim=-1)
-    kl = (ref_logp.exp() * (ref_logp - got_logp)).sum(dim=-1).clamp_min(0)  # [N]
-    target = torch.tensor(forced)
-    top1 = got.argmax(dim=-1) == ref.argmax(dim=-1)  # [N]; equals `forced` when it is ref's greedy path
-    mismatch = (~top1).nonzero()
-    ref_nll = -ref_logp[torch.arange(len(forced)), target].mean().item()
-    got_nll = -got_logp[torch.arange(len(forced)), target].mean().item()
-    return {"top1_agreement": top1.double().mean().item(),
-            "greedy_identical_tokens": int(mismatch[0, 0]) if len(mismatch) else len(forced),
-            "kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
-            "nll_reference": ref_nll, "nll_cached": got_nll, "delta_nll": got_nll - ref_nll,
-            "max_abs_logit_diff": (ref - got).abs().max().item()}
-
-
-def write_kv(model: LoadedModel, cache: PagedKVCache, seq, kv: torch.Tensor, slot_mapping: torch.Tensor,
-             chunk_size: int = 256) -> None:
-    """Write a whole-sequence KV_BLOB [2, L, T, C] into the paged cache, chunk by chunk."""
-    connector = paged_connector(model)
-    num_tokens = kv.shape[2]
-    for start in range(0, num_tokens, chunk_size):
-        end = min(start + chunk_size, num_tokens)
-        memory = connector.allocate(end - start, cache.kv_dtype, cache.device)
-        memory.tensor.copy_(kv[:, :, start:end])
-        connector.to_gpu(memory, start, end, kvcaches=cache.kv_caches, slot_mapping=slot_mapping)
-    seq.num_tokens = num_tokens
-
-
-def teacher_forced_eval(model: LoadedModel, context: list[int], continuation: list[int], *,
-                        kv: torch.Tensor | None = None, kv_dtype: torch.dtype = torch.bfloat16,
-                        prefill_chunk: int = 256, block_size: int = 16) -> torch.Tensor:
-    """Logits [N, V] predicting `continuation` after `context`.
-
-    With `kv` (a KV_BLOB [2, L, T, C] of at least the context's first
-    len(context) - 1 tokens, e.g. decoded from a lossy file), those tokens come
-    from it; without, the whole context is prefilled (the reference)."""
-    total = len(context) + len(continuation)
-    cache, seq = _new_cache(model, total, kv_dtype, block_size, seed=3)
-    runner = Runner(model, cache)
-    start = 0
-    if kv is not None:
-        start = len(context) - 1
-        write_kv(model, cache, seq, kv[:, :, :start], seq.slot_mapping(total, device=model.device), prefill_chunk)
-    forced = context[start:] + continuation[:-1]
-    logits = runner.prefill(seq, forced, start_pos=start, prefill_chunk=prefill_chunk, logits="all")
-    return logits[-len(continuation):]

@@ -1,9 +1,9 @@
 """CacheGen on the GPU (kernels/cachegen_cuda.cu): encode/decode with the same
 bytes and values as the CPU coder (format-spec/cachegen.md).
 
-The payload header and section directory are written/validated here on the
-host (with the codec's own `reference.parse_header`); the device produces and
-consumes the layer sections. Batched forms (`encode_chunks`, `decode_chunks`)
+The payload header and section directory are written and validated on the
+host by `payload.build_header` / `payload.parse_header`, as for the CPU coder;
+the device produces and consumes the layer sections. Batched forms (`encode_chunks`, `decode_chunks`)
 put every layer of every chunk into one launch: a warp per layer section, so
 a batch of chunks is what fills a GPU.
 """
@@ -11,16 +11,17 @@ a batch of chunks is what fills a GPU.
 from __future__ import annotations
 
 import ctypes
-import struct
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from ..codecs.cachegen import CacheGenCodec, canonical_bins_spec, check_chunk, check_shape, resolve_bins
-from ..codecs.cachegen import reference as ref
-from ..errors import CodecParamsInvalid, DecodeError, NonFiniteValues, UsageError
-from . import _build
+from ... import cuda_build
+from ...dtypes import itemsize
+from ...errors import CodecParamsInvalid, DecodeError, NonFiniteValues, UsageError
+from .bins import canonical_bins_spec, resolve_bins
+from .params import check_chunk, check_shape, default_params, validate_params
+from .payload import DTYPE_CODE_OF, build_header, parse_header
 
 SECTION_DTYPE = np.dtype([("src", "<u8"), ("dst", "<u8"), ("scratch", "<u8"), ("src_len", "<u8"), ("T", "<u4"),
                           ("C", "<u4"), ("M", "<i4"), ("P", "<i4"), ("N", "<i4"), ("dtype", "<i4"), ("r0", "<u4"),
@@ -39,13 +40,12 @@ DECODE_VARIANTS = {0: "rows", 1: "transposed", 2: "rows+window", 3: "transposed+
 DEFAULT_VARIANT = 0
 
 _lib: ctypes.CDLL | None = None
-_CODEC = CacheGenCodec()
 
 
 def library() -> ctypes.CDLL:
     global _lib
     if _lib is None:
-        lib = _build.load("cachegen_cuda").lib
+        lib = cuda_build.load("cachegen_cuda").lib
         u32, u64, i32, vp = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p
         lib.cgc_encode_scratch_bytes.restype = u64
         lib.cgc_encode_scratch_bytes.argtypes = [u32, u32, i32]
@@ -91,21 +91,6 @@ def _layout_scratch(sizes: Sequence[int]) -> tuple[np.ndarray, int]:
     return offs, max(total, 256)
 
 
-def header_bytes(dtype_code: int, P: int, N: int, T: int, C: int, half_ranges: Sequence[int],
-                 lengths: Sequence[int]) -> bytes:
-    """The payload header + section directory (format-spec/cachegen.md section 3)."""
-    layers = len(half_ranges)
-    h = bytearray(ref.header_size(layers))
-    h[0:2] = ref.MAGIC
-    h[2] = ref.FORMAT_VERSION
-    h[3], h[4], h[5] = dtype_code, P, N
-    struct.pack_into("<III", h, 8, layers, T, C)
-    h[ref.HEADER_FIXED:ref.HEADER_FIXED + layers] = bytes(half_ranges)
-    d = ref.HEADER_FIXED + ((layers + 3) & ~3)
-    struct.pack_into(f"<{layers}I", h, d, *lengths)
-    return bytes(h)
-
-
 # --------------------------------------------------------------------------- encode
 
 def _check_chunk(kv: Any) -> tuple[int, int, int]:
@@ -120,9 +105,9 @@ def encode_chunks(kvs: Sequence[torch.Tensor], params: dict | None = None) -> tu
     Returns the payloads (bytes, identical to the CPU coder's) and the resolved
     params (as `cachegen_encode` returns them)."""
     if not kvs:
-        return [], _CODEC.validate_params(params if params is not None else _CODEC.default_params())
+        return [], validate_params(params if params is not None else default_params())
     lib = library()
-    p = _CODEC.validate_params(params if params is not None else _CODEC.default_params())
+    p = validate_params(params if params is not None else default_params())
     spec = p["bins"]
     dev = kvs[0].device
     dtype = kvs[0].dtype
@@ -134,8 +119,8 @@ def encode_chunks(kvs: Sequence[torch.Tensor], params: dict | None = None) -> tu
         bins = resolve_bins(spec, L)
         chunks.append((kv.contiguous(), L, T, C, bins))
     p["bins"] = canonical_bins_spec(spec, chunks[0][1])
-    dc = ref.DTYPE_CODES[dtype]
-    es = torch.empty((), dtype=dtype).element_size()
+    dc = DTYPE_CODE_OF[str(dtype).removeprefix("torch.")]
+    es = itemsize(dtype)
     P = p["prob_bits"]
     out: list[bytes] = []
     # sections of whole chunks, at most MAX_SECTIONS per launch
@@ -196,14 +181,14 @@ def _encode_batch(lib, chunks, dc: int, es: int, P: int, lanes: int, dev: torch.
         n = 2 * L
         sl = [int(x) for x in lens[k:k + n]]
         a, b = int(res["out_offset"][k]), int(res["out_offset"][k + n - 1] + lens[k + n - 1])
-        payloads.append(header_bytes(dc, P, min(rows[k][4], C), T, C, [bb // 2 - 1 for bb in bins], sl) + blob[a:b])
+        payloads.append(build_header(dc, P, min(rows[k][4], C), T, C, [bb // 2 - 1 for bb in bins], sl) + blob[a:b])
         k += n
     del scratch
     return payloads
 
 
 def encode(kv: torch.Tensor, params: dict | None = None) -> tuple[bytes, dict]:
-    """One chunk: the GPU twin of `kvtool.codecs.cachegen.cachegen_encode`."""
+    """One chunk: the GPU twin of `cpu.cachegen_encode`."""
     payloads, p = encode_chunks([kv], params)
     return payloads[0], p
 
@@ -249,16 +234,16 @@ def plan_decode(payloads: Sequence[bytes | memoryview], shapes: Sequence[Any], d
     """Validate the payload headers (as the CPU decoder does), upload the
     payloads and lay out the work; see DecodePlan."""
     lib = library()
-    p = _CODEC.validate_params(params)
-    if dtype not in ref.DTYPE_CODES:
+    p = validate_params(params)
+    if str(dtype).removeprefix("torch.") not in DTYPE_CODE_OF:
         raise DecodeError(f"cachegen: unsupported KV dtype {dtype}")
     dev = torch.device(device)
     if dev.type != "cuda":
         raise UsageError(f"cachegen GPU decode needs a CUDA device, got {dev}")
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    dc = ref.DTYPE_CODES[dtype]
-    es = torch.empty((), dtype=dtype).element_size()
+    dc = DTYPE_CODE_OF[str(dtype).removeprefix("torch.")]
+    es = itemsize(dtype)
     if len(payloads) != len(shapes) or not payloads:
         raise UsageError("cachegen: one shape per payload, at least one payload")
     metas = []
@@ -269,7 +254,7 @@ def plan_decode(payloads: Sequence[bytes | memoryview], shapes: Sequence[Any], d
             bins = resolve_bins(p["bins"], L)
         except UsageError as exc:
             raise CodecParamsInvalid(str(exc)) from None
-        hdr = ref.parse_header(pl, 2 * L, T, C, dc, [b // 2 - 1 for b in bins])
+        hdr = parse_header(pl, 2 * L, T, C, dc, [b // 2 - 1 for b in bins])
         if hdr.prob_bits != p["prob_bits"] or hdr.lanes != min(p["lanes"], C):
             raise DecodeError("cachegen: payload header disagrees with the codec parameters (prob_bits/lanes)")
         metas.append((shp, hdr))
@@ -337,5 +322,5 @@ def decode_chunks(payloads: Sequence[bytes | memoryview], shapes: Sequence[Any],
 
 def decode(payload: bytes | memoryview, shape: Any, dtype: torch.dtype, params: dict, device: Any = "cuda",
            tables: str = "auto", variant: int | None = None) -> torch.Tensor:
-    """One payload: the GPU twin of `kvtool.codecs.cachegen.cachegen_decode` (output on the GPU)."""
+    """One payload: the GPU twin of `cpu.cachegen_decode` (output on the GPU)."""
     return decode_chunks([payload], [shape], dtype, params, device=device, tables=tables, variant=variant)[0]

@@ -8,21 +8,25 @@ chunk is on disk as soon as the model has produced it.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import codecs
-from .connectors import PagedMemConnectorV2
-from .devices import describe, synchronize
-from .engine import LoadedModel, PagedKVCache, Runner, load_model
-from .errors import InputFileError, PromptError, UsageError
-from .format import ContainerWriter
+from .. import codecs
+from ..devices import describe, resolve_device, synchronize
+from ..dtypes import dtype_from_name
+from ..engine import LoadedModel, PagedKVCache, Runner, load_model
+from ..errors import PromptError, UsageError
+from ..format import ContainerWriter
+from ..format.layout import MAX_CHUNK_SIZE
+from ..fsutil import read_text_file
+from .engine_io import paged_connector
+from .inputs import check_text, check_vocabulary, codec_params, kv_dtype_name, model_dtype_name, parse_roi, read_token_file
+from .result import Result
 
 
 @dataclass
@@ -36,6 +40,28 @@ class CaptureTimings:
         return (self.connector_s + self.writer_s) / max(self.prefill_s, 1e-9)
 
 
+@dataclass
+class CaptureResult(Result):
+    output: str
+    model: str
+    fingerprint: str
+    num_tokens: int
+    num_chunks: int
+    chunk_size: int
+    codec: str
+    kv_dtype: str
+    device: str
+    model_dtype: str
+    block_size: int
+    extras: list[str]
+    file_bytes: int
+    decoded_bytes: int
+    stored_bytes: int
+    seconds: float
+    prefill_tokens_per_s: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+
 def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path | None = None,
                 tokens_file: Path | None = None) -> list[int]:
     """Token ids from exactly one of: a prompt, a prompt file, or a token-id file."""
@@ -43,18 +69,8 @@ def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path
     if sum(given) != 1:
         raise UsageError("give exactly one of --prompt, --prompt-file or --tokens")
     if tokens_file is not None:
-        text = read_text_file(tokens_file)
-        try:
-            ids = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.split()]
-        except (ValueError, RecursionError):
-            raise InputFileError(f"{tokens_file}: expected a JSON list or whitespace-separated "
-                                 f"integers") from None
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise InputFileError(f"{tokens_file}: expected a list of integer token ids")
-        vocab = model.config.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise PromptError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
+        ids = read_token_file(tokens_file)
+        check_vocabulary(ids, model.config.vocab_size)
     else:
         text = prompt if prompt is not None else read_text_file(prompt_file)
         ids = model.tokenizer.encode(check_text(text, "--prompt"))
@@ -66,37 +82,34 @@ def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path
     return ids
 
 
-def check_text(text: str, what: str) -> str:
-    """`text` if it is valid Unicode (a command-line argument of undecodable bytes is not)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise PromptError(f"{what}: not valid UTF-8 text") from None
-    return text
-
-
-def read_text_file(path: Path) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputFileError(f"{path}: no such file") from None
-    except UnicodeDecodeError:
-        raise InputFileError(f"{path}: not UTF-8 text") from None
-    except OSError as err:
-        raise InputFileError(f"{path}: cannot read ({err.strerror})") from None
-
-
-def paged_connector(model: LoadedModel) -> PagedMemConnectorV2:
-    cfg = model.config
-    return PagedMemConnectorV2(cfg.num_kv_heads * cfg.head_dim, cfg.num_layers, layout="flash_attn",
-                               num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+def capture_prompt(output: str | Path, *, prompt: str | None = None, prompt_file: Path | None = None,
+                   tokens_file: Path | None = None, model: str | Path | LoadedModel | None = None,
+                   codec: str = "raw", level: int | None = None, shuffle: bool | None = None,
+                   bins: str | None = None, kv_dtype: str = "bf16", chunk_size: int = 256,
+                   block_size: int = 16, hidden_states: bool = False, roi: str | None = None,
+                   device: str = "auto", model_dtype: str = "fp32",
+                   on_chunk: Callable[[int, int, int], None] | None = None) -> CaptureResult:
+    """`kvtool capture` as a function: options as the command line gives them, every one
+    checked before the model loads; `on_chunk(index, tokens_done, tokens_total)` reports progress."""
+    kv = dtype_from_name(kv_dtype_name(kv_dtype))
+    if not 1 <= chunk_size <= MAX_CHUNK_SIZE or not 1 <= block_size <= MAX_CHUNK_SIZE:
+        raise UsageError(f"--chunk-size and --block-size must be in 1..{MAX_CHUNK_SIZE}")
+    ranges = parse_roi(roi) if roi is not None else None  # before the model loads: a typo fails fast
+    params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
+    weights = dtype_from_name(model_dtype_name(model_dtype))
+    where = resolve_device(device)
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=where)
+    ids = read_tokens(loaded, prompt, prompt_file, tokens_file)
+    progress = None if on_chunk is None else (lambda index, end: on_chunk(index, end, len(ids)))
+    return capture(loaded, ids, output, chunk_size=chunk_size, codec=codec, params=params, kv_dtype=kv,
+                   block_size=block_size, hidden_states=hidden_states, roi=ranges, on_chunk=progress)
 
 
 def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chunk_size: int = 256,
             codec: str = "raw", params: dict[str, Any] | None = None,
             kv_dtype: torch.dtype = torch.bfloat16, block_size: int = 16, shuffle_seed: int | None = 0,
             hidden_states: bool = False, roi: list[tuple[int, int]] | None = None,
-            on_chunk: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+            on_chunk: Callable[[int, int], None] | None = None) -> CaptureResult:
     """Prefill `token_ids` chunk by chunk and write each chunk's KV as soon as it exists.
 
     The paged buffers live where the model does (`model.device`). On a GPU the
@@ -116,7 +129,7 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chu
     seq = cache.new_sequence(n)
     slot_mapping = seq.slot_mapping(n, device=device)  # [n], the whole sequence's slots
     connector = paged_connector(model)
-    blob_device, pinned = _blob_placement(device, codec)
+    blob_device, pinned = codecs.get_codec(codec).input_placement(device)
     runner = Runner(model, cache)
     timings = CaptureTimings()
     started = time.perf_counter()
@@ -153,15 +166,14 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chu
     out = Path(output)
     decoded = sum(c.decoded_bytes for c in writer.chunks)
     stored = sum(c.blob.length for c in writer.chunks)
-    return {"output": str(out), "model": model.name, "fingerprint": model.identity.fingerprint(),
-            "num_tokens": n, "num_chunks": len(writer.chunks), "chunk_size": chunk_size,
-            "codec": codec, "kv_dtype": str(kv_dtype).removeprefix("torch."), "device": describe(device),
-            "model_dtype": str(model.dtype).removeprefix("torch."),
-            "block_size": block_size, "extras": sorted(writer.extras), "file_bytes": out.stat().st_size,
-            "decoded_bytes": decoded,
-            "stored_bytes": stored, "seconds": time.perf_counter() - started,
-            "prefill_tokens_per_s": n / max(timings.prefill_s, 1e-9),
-            "timings": {**asdict(timings), "overhead_share": timings.overhead_share}}
+    return CaptureResult(
+        output=str(out), model=model.name, fingerprint=model.identity.fingerprint(), num_tokens=n,
+        num_chunks=len(writer.chunks), chunk_size=chunk_size, codec=codec,
+        kv_dtype=str(kv_dtype).removeprefix("torch."), device=describe(device),
+        model_dtype=str(model.dtype).removeprefix("torch."), block_size=block_size, extras=sorted(writer.extras),
+        file_bytes=out.stat().st_size, decoded_bytes=decoded, stored_bytes=stored,
+        seconds=time.perf_counter() - started, prefill_tokens_per_s=n / max(timings.prefill_s, 1e-9),
+        timings={**asdict(timings), "overhead_share": timings.overhead_share})
 
 
 def roi_mask(num_tokens: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
@@ -173,31 +185,6 @@ def roi_mask(num_tokens: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
                              f"{'s' if num_tokens != 1 else ''})")
         mask[start:end] = True
     return mask
-
-
-def parse_roi(spec: str) -> list[tuple[int, int]]:
-    """'0:16,40:64' -> [(0, 16), (40, 64)]: token ranges [start, end)."""
-    ranges = []
-    for part in spec.split(","):
-        try:
-            start, end = (int(x) for x in part.strip().split(":"))
-        except ValueError:
-            raise UsageError(f"--roi {spec!r}: expected START:END[,START:END...] token ranges") from None
-        if not 0 <= start < end:
-            raise UsageError(f"--roi range {start}:{end} is empty or negative")
-        ranges.append((start, end))
-    return ranges
-
-
-def _blob_placement(device: torch.device, codec: str) -> tuple[torch.device, bool]:
-    """Where a gathered chunk goes: (device, pinned). On a GPU, a codec that
-    encodes CUDA tensors keeps the chunk there; the others get pinned host
-    memory, the fastest way off the device."""
-    if device.type != "cuda":
-        return device, False
-    if getattr(codecs.get_codec(codec), "accepts_cuda", False):
-        return device, False
-    return torch.device("cpu"), True
 
 
 def capture_kv(model_path: str | Path | None, text: str, num_tokens: int,

@@ -1,8 +1,12 @@
 """Build-on-first-use loader of kvtool's CUDA kernels (kernels/*.cu -> .so -> ctypes).
 
+A leaf: it imports nothing of kvtool but the base modules (its error, the cache root). The op wrappers
+sit beside what they speed up (`connectors/paged_cuda.py`,
+`codecs/cachegen/gpu.py`) and call `load(name)`.
+
 Each op (`paged_copy`, `cachegen_cuda`) is one .cu file compiled by nvcc into
 its own shared library, cached under ``$KVTOOL_CUDA_CACHE`` (default
-``~/.cache/kvtool/cuda``) by a hash of its sources, the nvcc version, the
+``<kvtool cache>/cuda`` (``~/.cache/kvtool/cuda``)) by a hash of its sources, the nvcc version, the
 flags and the GPU architecture; later loads are a dlopen. Kernels receive
 torch tensors' data_ptrs and the current stream, so no torch headers are
 involved and a build takes seconds.
@@ -23,30 +27,37 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from .errors import CudaUnavailable
+from .fsutil import cache_root
 
 _HERE = Path(__file__).resolve().parent
+KERNELS = ("paged_copy", "cachegen_cuda")
 
 # The headers a kernel may include (all of kernels/*.h are hashed; cheap).
 NVCC_FLAGS = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
-
-
-class CudaUnavailable(RuntimeError):
-    """The CUDA kernels cannot be used here (reason in the message)."""
 
 
 def disabled() -> bool:
     return os.environ.get("KVTOOL_CUDA", "1").strip().lower() in ("0", "false", "no", "off")
 
 
+def available() -> bool:
+    """True when the CUDA kernels may be used here (torch sees a GPU, not disabled)."""
+    if disabled():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def kernels_dir() -> Path | None:
     """Where the .cu/.h sources are: $KVTOOL_KERNELS_DIR, the package's own
-    copy (kvtool/cuda/kernels, if packaged), or the repository's kernels/."""
+    copy (kvtool/_kernels, in a wheel), or the repository's kernels/."""
     cands = []
     env = os.environ.get("KVTOOL_KERNELS_DIR")
     if env:
         cands.append(Path(env))
-    cands += [_HERE / "kernels", _HERE.parent.parent / "kernels"]
+    cands += [_HERE / "_kernels", _HERE.parent / "kernels"]
     for c in cands:
         if (c / "paged_index.h").is_file():
             return c
@@ -73,8 +84,7 @@ def cache_dir() -> Path:
     env = os.environ.get("KVTOOL_CUDA_CACHE")
     if env:
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(base) / "kvtool" / "cuda"
+    return cache_root() / "cuda"
 
 
 def gpu_arch(device: int | None = None) -> str:
@@ -82,6 +92,8 @@ def gpu_arch(device: int | None = None) -> str:
     env = os.environ.get("KVTOOL_CUDA_ARCH")
     if env:
         return env.replace("sm_", "").replace(".", "")
+    import torch
+
     major, minor = torch.cuda.get_device_capability(device)
     return f"{major}{minor}"
 
@@ -132,7 +144,7 @@ def source_hash(name: str, kdir: Path, nvcc: str, arch: str) -> str:
 def cached_path(name: str) -> Path | None:
     """The cached library for this machine's configuration, if it is built already
     (never compiles; None when CUDA/nvcc/sources are missing)."""
-    if disabled() or not torch.cuda.is_available():
+    if not available():
         return None
     kdir, nvcc = kernels_dir(), find_nvcc()
     if kdir is None or nvcc is None or not (kdir / f"{name}.cu").is_file():
@@ -160,6 +172,8 @@ def load(name: str) -> Built:
 
 
 def _load_locked(name: str) -> Built:
+    import torch
+
     if disabled():
         raise CudaUnavailable("disabled by KVTOOL_CUDA=0")
     if not torch.cuda.is_available():
@@ -206,3 +220,35 @@ def reset_for_tests() -> None:
     with _lock:
         _built.clear()
         _errors.clear()
+
+
+def backend_status(build: bool = False) -> str:
+    """One line for `kvtool info --devices`: which CUDA backend kvtool uses. With
+    build=False this never compiles (it reports a cached build, or that the
+    kernels will be built on first use)."""
+    import torch
+
+    if disabled():
+        return "CUDA kernels disabled (KVTOOL_CUDA=0): CPU/torch paths"
+    if not torch.cuda.is_available():
+        why = "torch is a CPU-only build" if not torch.version.cuda else "no CUDA device visible"
+        return f"no CUDA ({why}): CPU paths only"
+    if build:
+        for name in KERNELS:
+            try:
+                load(name)
+            except CudaUnavailable:
+                pass
+    parts = []
+    for name in KERNELS:
+        if name in _built:
+            parts.append(f"{name} loaded")
+        elif load_error(name):
+            parts.append(f"{name} FAILED ({load_error(name)}; CPU fallback)")
+        elif cached_path(name) is not None:
+            parts.append(f"{name} built")
+        elif find_nvcc() is None:
+            parts.append(f"{name} unavailable (no nvcc; CPU fallback)")
+        else:
+            parts.append(f"{name} not built yet (nvcc builds it on first use)")
+    return f"{torch.cuda.get_device_name(0)} (sm_{gpu_arch()}): " + ", ".join(parts)

@@ -1,14 +1,14 @@
-"""Python side of the fused paged gather/scatter kernel (kernels/paged_copy.cu).
+"""The fused paged gather/scatter kernel for CUDA buffers (kernels/paged_copy.cu).
 
-`gather` / `scatter` have the contract of
-`kvtool.connectors.paged_copy.gather_paged` / `scatter_paged` (and are what
-`register_device_impl("cuda", ...)` routes to), plus: the blob may also be a
-*pinned* host tensor, which the kernel reads or writes in place over the bus
+`gather` / `scatter` have the contract of `paged_copy.gather_paged` /
+`scatter_paged` (which call them for CUDA buffers), plus: the blob may also be
+a *pinned* host tensor, which the kernel reads or writes in place over the bus
 (zero-copy; synchronise the stream before reading it on the host).
 
-Cases the kernel does not take (layers with different strides, K and V with
-different strides, a dtype conversion outside bf16/fp16/fp32) run the
-connector's torch reference instead, which gives the same bytes.
+They return False for the cases the kernel does not take (layers with
+different strides, K and V with different strides, a dtype conversion outside
+bf16/fp16/fp32) with the blob on the device: `paged_copy` then runs the torch
+reference, which gives the same bytes.
 """
 
 from __future__ import annotations
@@ -18,16 +18,9 @@ from typing import Sequence
 
 import torch
 
-from ..connectors.base import ConnectorError
-from ..connectors.paged_copy import (
-    LayerKV,
-    PagedLayout,
-    _torch_gather,
-    _torch_scatter,
-    layer_tensors,
-    paged_geometry,
-)
-from . import _build
+from .. import cuda_build
+from ..errors import ConnectorError
+from .paged_layout import LayerKV, PagedLayout, layer_tensors, paged_geometry
 
 LAYOUT_CODES = {
     PagedLayout.FLASH_ATTN: 0,
@@ -45,7 +38,7 @@ def library() -> ctypes.CDLL:
     """The loaded paged_copy library (built on first use); CudaUnavailable if impossible."""
     global _lib
     if _lib is None:
-        lib = _build.load("paged_copy").lib
+        lib = cuda_build.load("paged_copy").lib
         i64, u64, vp, i32 = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int
         lib.kvt_paged_copy.restype = i32
         lib.kvt_paged_copy.argtypes = [i32, i32, ctypes.POINTER(i64), i64, i64, i64, i64, i64, vp, u64, vp, i64,
@@ -138,32 +131,31 @@ def _run(direction: int, layout: PagedLayout, prep: dict, blob: torch.Tensor) ->
         raise RuntimeError(f"kvtool CUDA paged copy: {lib.kvt_paged_last_error().decode(errors='replace')}")
 
 
-def gather(kv_caches: Sequence[LayerKV], layout: PagedLayout | str, slots: torch.Tensor, out_blob: torch.Tensor) -> None:
-    """`out_blob[kv, l, t, :] = KV of layer l, K/V kv, slot slots[t]` in one launch."""
-    layout = PagedLayout.parse(layout)
-    if slots.shape[0] == 0:
-        return
-    prep = _prepare(kv_caches, layout, slots, out_blob)
-    if prep is None:
-        if out_blob.device.type != "cuda":
-            raise ConnectorError("this buffer/dtype combination needs a blob on the buffers' device")
-        _torch_gather(kv_caches, layout, slots, out_blob)
-        return
-    _run(GATHER, layout, prep, out_blob)
+def gather(kv_caches: Sequence[LayerKV], layout: PagedLayout | str, slots: torch.Tensor,
+           out_blob: torch.Tensor) -> bool:
+    """`out_blob[kv, l, t, :] = KV of layer l, K/V kv, slot slots[t]` in one launch; False
+    when the kernel does not take this case (the caller runs the torch reference)."""
+    return _copy(GATHER, kv_caches, PagedLayout.parse(layout), slots, out_blob)
 
 
-def scatter(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: PagedLayout | str, slots: torch.Tensor) -> None:
-    """Write `blob[kv, l, t]` into slot `slots[t]` of layer l (slots distinct) in one launch."""
-    layout = PagedLayout.parse(layout)
+def scatter(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: PagedLayout | str,
+            slots: torch.Tensor) -> bool:
+    """Write `blob[kv, l, t]` into slot `slots[t]` of layer l (slots distinct) in one launch;
+    False when the kernel does not take this case."""
+    return _copy(SCATTER, kv_caches, PagedLayout.parse(layout), slots, blob)
+
+
+def _copy(direction: int, kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor,
+          blob: torch.Tensor) -> bool:
     if slots.shape[0] == 0:
-        return
+        return True
     prep = _prepare(kv_caches, layout, slots, blob)
     if prep is None:
-        if blob.device.type != "cuda":
+        if blob.device.type != "cuda":  # the torch reference cannot read or write host memory from the GPU
             raise ConnectorError("this buffer/dtype combination needs a blob on the buffers' device")
-        _torch_scatter(blob, kv_caches, layout, slots)
-        return
-    _run(SCATTER, layout, prep, blob)
+        return False
+    _run(direction, layout, prep, blob)
+    return True
 
 
 def last_vec_bytes() -> int:

@@ -1,0 +1,154 @@
+"""Paged KV buffers: the layouts engines use and their index arithmetic.
+
+`paged_copy.gather_paged` / `scatter_paged` move KV between such buffers and
+KV_BLOB tensors; this module only says where a token's K and V live.
+
+Engine layouts (per layer; H = num_kv_heads, D = head_dim, NB = num_blocks,
+BS = block_size):
+
+=============  ==========================================  =========================
+layout         per-layer buffer                            used by
+=============  ==========================================  =========================
+"flash_attn"   one tensor ``[2, NB, BS, H, D]``            vLLM <= 0.22, kvtool engine
+"flashinfer"   one tensor ``[NB, 2, BS, H, D]``            vLLM ~0.23, FlashInfer
+"vllm"         one tensor ``[NB, H, BS, 2*D]``             vLLM 0.32 (K = first D
+                                                           channels, V = last D)
+"kv_tuple"     tuple ``(K, V)``, each ``[NB, BS, H, D]``   vLLM V1-style
+=============  ==========================================  =========================
+
+Token `t` lives in slot `slot_mapping[t]`; ``slot = block * BS + offset``.
+
+Index arithmetic (mirror these two functions in the C header): a slot gives
+`(block, offset)`; then the D channels of head `h` of K (kv=0) or V (kv=1)
+start at element `run_offset(...)` of the tensor that holds them and follow at
+the tensor's last-dim stride. Strides are in elements, so the same formula
+serves contiguous and permuted buffers.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+
+from .base import ConnectorError
+
+LayerKV = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+class PagedLayout(str, enum.Enum):
+    """Per-layer paged KV buffer layout (see the module docstring)."""
+
+    FLASH_ATTN = "flash_attn"
+    FLASHINFER = "flashinfer"
+    VLLM = "vllm"
+    KV_TUPLE = "kv_tuple"
+
+    @classmethod
+    def parse(cls, value: "PagedLayout | str") -> "PagedLayout":
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(repr(m.value) for m in cls)
+            raise ConnectorError(f"unknown paged layout {value!r}; expected one of {names}") from None
+
+
+# ---------------------------------------------------------------------------
+# Index arithmetic. Works on Python ints and on integer tensors alike.
+# ---------------------------------------------------------------------------
+
+
+def slot_to_block_offset(slot, block_size: int):
+    """`slot -> (block, offset)` with ``slot = block * block_size + offset``."""
+    return slot // block_size, slot % block_size
+
+
+def run_offset(layout: PagedLayout, kv, block, offset, head, strides: Sequence[int], head_dim: int):
+    """Element offset of the first of the `head_dim` channels of head `head`
+    of the token at `(block, offset)`, K if `kv == 0` else V, from the start of
+    the tensor that holds it (for "kv_tuple": the K or the V tensor; `kv` then
+    picks the tensor and does not enter the offset). `strides` are that
+    tensor's element strides; channel `c` is at `+ c * strides[-1]`."""
+    s = strides
+    if layout is PagedLayout.FLASH_ATTN:  # [2, NB, BS, H, D]
+        return kv * s[0] + block * s[1] + offset * s[2] + head * s[3]
+    if layout is PagedLayout.FLASHINFER:  # [NB, 2, BS, H, D]
+        return block * s[0] + kv * s[1] + offset * s[2] + head * s[3]
+    if layout is PagedLayout.VLLM:  # [NB, H, BS, 2*D]
+        return block * s[0] + head * s[1] + offset * s[2] + kv * head_dim * s[3]
+    if layout is PagedLayout.KV_TUPLE:  # K or V: [NB, BS, H, D]
+        return block * s[0] + offset * s[1] + head * s[2]
+    raise ConnectorError(f"unknown paged layout {layout!r}")
+
+
+# Which dim of the per-layer tensor (or of K/V for kv_tuple) indexes heads.
+HEAD_DIM_INDEX = {
+    PagedLayout.FLASH_ATTN: 3,
+    PagedLayout.FLASHINFER: 3,
+    PagedLayout.VLLM: 1,
+    PagedLayout.KV_TUPLE: 2,
+}
+
+
+@dataclass(frozen=True)
+class PagedGeometry:
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def hidden(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def layer_tensors(layer: LayerKV, layout: PagedLayout) -> tuple[torch.Tensor, ...]:
+    """The tensor(s) a layer entry holds: `(K, V)` for kv_tuple, `(T,)` otherwise."""
+    if layout is PagedLayout.KV_TUPLE:
+        if isinstance(layer, torch.Tensor) or not isinstance(layer, (tuple, list)) or len(layer) != 2:
+            raise ConnectorError("layout 'kv_tuple' needs each layer to be a (K, V) pair of tensors")
+        k, v = layer
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+            raise ConnectorError("layout 'kv_tuple' needs each layer to be a (K, V) pair of tensors")
+        if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+            raise ConnectorError(
+                f"K and V differ: {tuple(k.shape)}/{k.dtype}/{k.device} vs {tuple(v.shape)}/{v.dtype}/{v.device}"
+            )
+        return (k, v)
+    if not isinstance(layer, torch.Tensor):
+        raise ConnectorError(f"layout {layout.value!r} needs each layer to be one tensor, got {type(layer).__name__}")
+    return (layer,)
+
+
+def paged_geometry(layer: LayerKV, layout: PagedLayout) -> PagedGeometry:
+    """Read (num_blocks, block_size, H, D) off one layer's buffer, checking its rank."""
+    t = layer_tensors(layer, layout)[0]
+    shape = tuple(t.shape)
+    if layout is PagedLayout.FLASH_ATTN:
+        ok = len(shape) == 5 and shape[0] == 2
+        nb, bs, h, d = shape[1:] if ok else (0, 0, 0, 0)
+    elif layout is PagedLayout.FLASHINFER:
+        ok = len(shape) == 5 and shape[1] == 2
+        nb, _, bs, h, d = shape if ok else (0,) * 5
+    elif layout is PagedLayout.VLLM:
+        ok = len(shape) == 4 and shape[3] % 2 == 0
+        nb, h, bs, d2 = shape if ok else (0,) * 4
+        d = d2 // 2
+    else:
+        ok = len(shape) == 4
+        nb, bs, h, d = shape if ok else (0,) * 4
+    want = {
+        PagedLayout.FLASH_ATTN: "[2, num_blocks, block_size, H, D]",
+        PagedLayout.FLASHINFER: "[num_blocks, 2, block_size, H, D]",
+        PagedLayout.VLLM: "[num_blocks, H, block_size, 2*D]",
+        PagedLayout.KV_TUPLE: "(K, V), each [num_blocks, block_size, H, D]",
+    }[layout]
+    if not ok or min(nb, bs, h, d) < 1:
+        raise ConnectorError(f"layout {layout.value!r} expects {want} per layer, got shape {shape}")
+    return PagedGeometry(nb, bs, h, d)

@@ -1,0 +1,13 @@
+"""The operations: what kvtool's commands do, as functions that return typed results.
+
+This layer is kvtool's public Python API (re-exported as `kvtool.<name>`); the CLI
+only parses options, calls one of these and renders its result. Below it lie the
+engine, the connectors, the container format and the codecs; nothing below
+imports it.
+
+- `capture`, `capture_prompt` (capture.py): a model run's KV into a file
+- `replay` (replay.py): a file back into the engine, continued and compared
+- `verify` (verify.py), `inspect` (inspect.py): prove a file intact, show what it holds
+- `compress` (compress.py), `dump` (dump.py): re-encode, export
+- `info` (info.py): versions and backends
+"""

@@ -1,0 +1,95 @@
+"""`dump`: export decoded KV to safetensors or .npy.
+
+safetensors output holds, for the selected tokens T and each selected layer i:
+  layers.{i}.key    [T, num_kv_heads, head_dim]   (KV dtype)
+  layers.{i}.value  [T, num_kv_heads, head_dim]
+  token_ids         [T] int64
+  positions         [T] int64   (position of each exported token in the sequence)
+and the model name, fingerprint and source path in the metadata.
+.npy output holds one KV_BLOB array [2, layers, T, kv_heads * head_dim]; bf16 is
+widened to float32 (numpy has no bfloat16; the widening is exact).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..dtypes import to_float64
+from ..errors import OutputError, UsageError
+from ..format import ContainerReader
+from ..fsutil import atomic_write
+from .inputs import parse_index_set
+from .result import Result
+
+# dump holds the decoded selection about three times (chunks, their concatenation, the serialised
+# output); a small file may declare up to 1024x its size in KV (format-spec limits)
+DUMP_MEMORY_FACTOR = 3
+
+
+@dataclass
+class DumpResult(Result):
+    output: str
+    format: str
+    chunks: list[int]
+    layers: list[int]
+    num_tokens: int
+    bytes: int
+
+
+def dump(path: str | Path, output: str | Path, *, chunks: str | None = None,
+         layers: str | None = None) -> DumpResult:
+    """Export the selected chunks and layers ('0-3,7' forms; default all) of a file."""
+    output = Path(output)
+    suffix = output.suffix.lower()
+    if suffix not in (".safetensors", ".npy"):
+        raise UsageError(f"output must end in .safetensors or .npy, got {output.name!r}")
+    with ContainerReader(path) as reader:
+        m = reader.manifest
+        chunk_ids = parse_index_set(chunks, len(m.chunks), "chunks")
+        layer_ids = parse_index_set(layers, m.num_layers, "layers")
+        _check_memory(sum(m.chunks[i].decoded_bytes for i in chunk_ids) * len(layer_ids) // m.num_layers)
+        kv = np.concatenate([reader.read_chunk_array(i)[:, layer_ids] for i in chunk_ids], axis=2)  # [2, L', T, C]
+        positions = np.concatenate([np.arange(m.chunks[i].start, m.chunks[i].end) for i in chunk_ids])
+        if suffix == ".safetensors":
+            token_ids = reader.token_ids()[positions]
+            _write_safetensors(output, kv, token_ids, positions, layer_ids, m, str(path))
+        else:
+            array = to_float64(kv, m.kv_dtype).astype(np.float32) if m.kv_dtype == "bfloat16" else kv
+            atomic_write(output, lambda f: np.save(f, array))
+    return DumpResult(output=str(output), format=suffix[1:], chunks=chunk_ids, layers=layer_ids,
+                      num_tokens=int(kv.shape[2]), bytes=output.stat().st_size)
+
+
+def _write_safetensors(output: Path, kv: np.ndarray, token_ids: np.ndarray, positions: np.ndarray,
+                       layer_ids: list[int], m, source: str) -> None:
+    import torch
+    from safetensors.torch import save as safetensors_save
+
+    from ..dtypes import dtype_from_name
+
+    per_token = torch.from_numpy(kv).view(dtype_from_name(m.kv_dtype)).view(
+        2, len(layer_ids), kv.shape[2], m.num_kv_heads, m.head_dim)  # [2, L', T, H, D]
+    tensors = {"token_ids": torch.from_numpy(token_ids), "positions": torch.from_numpy(positions.astype(np.int64))}
+    for j, layer in enumerate(layer_ids):
+        tensors[f"layers.{layer}.key"] = per_token[0, j].contiguous()
+        tensors[f"layers.{layer}.value"] = per_token[1, j].contiguous()
+    meta = {"model": m.model["name"], "fingerprint": m.model["fingerprint"], "kv_dtype": m.kv_dtype,
+            "source": source}
+    data = safetensors_save(tensors, metadata=meta)
+    atomic_write(output, lambda f: f.write(data))
+
+
+def _check_memory(decoded: int) -> None:
+    """Refuse, in one line, a selection that cannot fit in this machine's memory."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    if decoded * DUMP_MEMORY_FACTOR > total:
+        raise OutputError(f"dumping {decoded / 2**30:.1f} GiB of decoded KV needs about "
+                          f"{decoded * DUMP_MEMORY_FACTOR / 2**30:.1f} GiB of memory; this machine has "
+                          f"{total / 2**30:.1f}: select fewer --chunks or --layers")

@@ -1,0 +1,66 @@
+"""`info`: versions, codecs, and the backends this install uses. Without `devices` it
+imports no torch (versions come from package metadata); with it, it asks torch about CUDA."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass, field
+from typing import Any
+
+from .result import Result
+
+
+@dataclass
+class InfoResult(Result):
+    kvtool: str
+    torch: str
+    writes_format: str
+    reads_formats: list[str]
+    codecs: list[dict[str, Any]]
+    backends: dict[str, str]
+    threads: int
+    default_model_installed: bool
+    model_cache: str
+    devices: dict[str, str] = field(default_factory=dict)
+
+
+def info(*, devices: bool = False) -> InfoResult:
+    from .. import codecs
+    from ..codecs.cachegen import native_available
+    from ..codecs.cachegen.native import default_threads
+    from ..engine.default_model import default_model_installed
+    from ..format import SUPPORTED_VERSIONS
+    from ..format.layout import VERSION_MAJOR, VERSION_MINOR
+    from ..fsutil import cache_root
+    from ..version import __version__
+
+    found = [codecs.get_codec(n) for n in codecs.codec_names()]
+    backends = {"cachegen": (f"native C coder, {default_threads()} threads" if native_available()
+                             else "pure-Python reference (native coder not built)")}
+    result = InfoResult(
+        kvtool=__version__, torch=_version("torch"), writes_format=f"{VERSION_MAJOR}.{VERSION_MINOR}",
+        reads_formats=list(SUPPORTED_VERSIONS),
+        codecs=[{"name": c.name, "id": c.codec_id, "lossless": c.lossless, "params_version": c.params_version}
+                for c in found],
+        backends=backends, threads=default_threads(), default_model_installed=default_model_installed(),
+        model_cache=str(cache_root()))
+    if devices:
+        result.devices = probe_devices()
+    return result
+
+
+def probe_devices() -> dict[str, str]:
+    """Ask torch what it sees: the CUDA kernels' state and where `--device auto` runs."""
+    from .. import cuda_build
+    from ..devices import describe, resolve_device
+
+    return {"paged copy": "fused CUDA kernel" if cuda_build.available() else "torch indexing (CPU)",
+            "cuda": cuda_build.backend_status(),
+            "engine": f"--device auto runs the model on {describe(resolve_device('auto'))}"}
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"

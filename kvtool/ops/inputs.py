@@ -1,0 +1,131 @@
+"""What users hand the operations, checked once: prompts and token files, token ids against
+a vocabulary, index sets, regions of interest, codec options, model dtypes and devices."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputFileError, PromptError, UnsupportedDtype, UsageError
+from ..fsutil import read_text_file
+
+MODEL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
+                "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def check_text(text: str, what: str) -> str:
+    """`text` if it is valid Unicode (a command-line argument of undecodable bytes is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PromptError(f"{what}: not valid UTF-8 text") from None
+    return text
+
+
+def check_vocabulary(token_ids, vocab_size: int | None, where: str = "") -> None:
+    """PromptError naming the first token id outside [0, vocab_size) (no check without a size)."""
+    if not isinstance(vocab_size, int):
+        return
+    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise PromptError(f"{where}token id {int(bad[0])} is outside the model's vocabulary [0, {vocab_size})")
+
+
+def read_token_file(path: Path) -> list[int]:
+    """Token ids from a file: a JSON list or whitespace-separated integers."""
+    text = read_text_file(path)
+    try:
+        ids = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.split()]
+    except (ValueError, RecursionError):
+        raise InputFileError(f"{path}: expected a JSON list or whitespace-separated integers") from None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise InputFileError(f"{path}: expected a list of integer token ids")
+    return ids
+
+
+def parse_index_set(spec: str | None, upper: int, what: str) -> list[int]:
+    """'0-3,7,9-' -> sorted unique indices below `upper`."""
+    if spec is None:
+        return list(range(upper))
+    chosen: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo_s, hi_s = part.split("-", 1)
+                lo = int(lo_s) if lo_s else 0
+                hi = int(hi_s) if hi_s else upper - 1
+            else:
+                lo = hi = int(part)
+        except ValueError:
+            raise UsageError(f"--{what}: cannot read {part!r} (use e.g. '0-3,7')") from None
+        if lo < 0 or hi >= upper or lo > hi:
+            raise UsageError(f"--{what}: {part!r} is outside 0..{upper - 1}")
+        chosen.update(range(lo, hi + 1))
+    return sorted(chosen)
+
+
+def parse_roi(spec: str) -> list[tuple[int, int]]:
+    """'0:16,40:64' -> [(0, 16), (40, 64)]: token ranges [start, end)."""
+    ranges = []
+    for part in spec.split(","):
+        try:
+            start, end = (int(x) for x in part.strip().split(":"))
+        except ValueError:
+            raise UsageError(f"--roi {spec!r}: expected START:END[,START:END...] token ranges") from None
+        if not 0 <= start < end:
+            raise UsageError(f"--roi range {start}:{end} is empty or negative")
+        ranges.append((start, end))
+    return ranges
+
+
+def codec_params(codec: str, *, level: int | None = None, shuffle: bool | None = None,
+                 bins: str | None = None) -> dict[str, Any]:
+    """Codec options (`--level`, `--shuffle`, `--bins`) -> parameters validated by the codec."""
+    from .. import codecs
+
+    impl = codecs.get_codec(codec)
+    params = impl.default_params()
+    if level is not None or shuffle is not None:
+        if "level" not in params:
+            raise UsageError("--level and --shuffle apply to the zstd codec only")
+        if level is not None:
+            params["level"] = level
+        if shuffle is not None:
+            params["shuffle"] = "byteplane" if shuffle else "none"
+    if bins is not None:
+        if "bins" not in params:
+            raise UsageError("--bins applies to the cachegen codec only")
+        params["bins"] = bins  # resolved against the model's layer count when a chunk is encoded
+    return impl.validate_params(params)
+
+
+def model_dtype_name(name: str) -> str:
+    """--model-dtype fp32|bf16|fp16 -> the dtype's name (a usage error when unknown)."""
+    if name not in MODEL_DTYPES:
+        raise UsageError(f"--model-dtype {name!r}: expected fp32, bf16 or fp16")
+    return MODEL_DTYPES[name]
+
+
+def kv_dtype_name(name: str) -> str:
+    """--dtype bf16|fp16|fp32 -> the KV dtype's name."""
+    from ..dtypes import canonical_name
+
+    try:
+        return canonical_name(name)
+    except UnsupportedDtype as err:
+        raise UsageError(f"--dtype: {err}") from None
+
+
+def non_negative(name: str, value: float | None) -> None:
+    if value is not None and not 0 <= value < float("inf"):
+        raise UsageError(f"{name} {value}: expected a finite number >= 0")
+
+
+def fraction(name: str, value: float | None) -> None:
+    if value is not None and not 0 <= value <= 1:
+        raise UsageError(f"{name} {value}: expected a fraction in [0, 1]")

@@ -1,0 +1,111 @@
+"""`inspect`: what a file holds, without decoding it (unless `stats`), and without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import codecs
+from ..dtypes import to_float64
+from ..format import ContainerReader
+from .result import Result
+
+
+@dataclass
+class FileSummary(Result):
+    path: str
+    file_size: int
+    format_version: str
+    alignment: int
+    model: dict[str, Any]
+    kv_dtype: str
+    num_tokens: int
+    chunk_size: int
+    num_chunks: int
+    tokens_checksum: str
+    chunks: list[dict[str, Any]]
+    totals: dict[str, Any]
+    extras: dict[str, Any]
+    metadata: dict[str, str]
+    stats: list[dict[str, Any]] | None = field(default=None)
+
+
+def inspect(path: str | Path, *, stats: bool = False) -> FileSummary:
+    """Header, model identity, chunk table and totals of a KV file; `stats` decodes every
+    chunk for per-layer K/V statistics."""
+    with ContainerReader(path) as reader:
+        summary = summarize(reader)
+        if stats:
+            summary.stats = layer_stats(reader)
+    return summary
+
+
+def summarize(reader: ContainerReader) -> FileSummary:
+    m = reader.manifest
+    values_per_token = 2 * m.num_layers * m.hidden_kv
+    rows = []
+    for c in m.chunks:
+        row = {"index": c.index, "start": c.start, "end": c.end, "codec": c.codec,
+               "stored_bytes": c.blob.length, "decoded_bytes": c.decoded_bytes,
+               "ratio": c.decoded_bytes / max(c.blob.length, 1),
+               "bits_per_value": 8 * c.blob.length / (c.num_tokens * values_per_token),
+               "checksum": "ok" if reader.blob_ok(c.blob) else "BAD",
+               "prefix_hash": c.prefix_hash, "codec_params": c.codec_params}
+        if row["checksum"] == "ok":
+            details = codecs.get_codec(c.codec_id).payload_stats(reader.chunk_payload(c.index, verify=False),
+                                                                 c.shape, c.codec_params)
+            if details is not None:
+                row["codec_stats"] = details
+        rows.append(row)
+    stored = sum(c.blob.length for c in m.chunks)
+    decoded = sum(c.decoded_bytes for c in m.chunks)
+    return FileSummary(
+        path=str(reader.path), file_size=reader.file_size, format_version=reader.version,
+        alignment=reader.header.alignment, model=m.model, kv_dtype=m.kv_dtype, num_tokens=m.num_tokens,
+        chunk_size=m.chunk_size, num_chunks=len(m.chunks),
+        tokens_checksum="ok" if reader.blob_ok(m.tokens) else "BAD", chunks=rows,
+        totals={"stored_bytes": stored, "decoded_bytes": decoded, "ratio": decoded / max(stored, 1),
+                "bits_per_value": 8 * stored / (m.num_tokens * values_per_token),
+                "file_bits_per_value": 8 * reader.file_size / (m.num_tokens * values_per_token),
+                "bad_checksums": sum(r["checksum"] == "BAD" for r in rows)},
+        extras={name: {"shape": list(e.shape), "dtype": e.dtype, "stored_bytes": e.blob.length}
+                for name, e in m.extras.items()},
+        metadata=m.metadata)
+
+
+def layer_stats(reader: ContainerReader) -> list[dict[str, Any]]:
+    """Per layer and K/V: min, max, mean, std, and channels far above the median max-abs."""
+    m = reader.manifest
+    shape = (2, m.num_layers)
+    count = 0
+    total = np.zeros(shape)
+    total_sq = np.zeros(shape)
+    lo = np.full(shape, np.inf)
+    hi = np.full(shape, -np.inf)
+    chan_absmax = np.zeros((2, m.num_layers, m.hidden_kv))
+    for c in m.chunks:
+        kv = to_float64(reader.read_chunk_array(c.index), c.dtype)  # [2, L, T, C]
+        count += kv.shape[2] * kv.shape[3]
+        total += kv.sum(axis=(2, 3))
+        total_sq += (kv * kv).sum(axis=(2, 3))
+        lo = np.minimum(lo, kv.min(axis=(2, 3)))
+        hi = np.maximum(hi, kv.max(axis=(2, 3)))
+        chan_absmax = np.maximum(chan_absmax, np.abs(kv).max(axis=2))
+    mean = total / count
+    std = np.sqrt(np.maximum(total_sq / count - mean * mean, 0))
+    lower_median = np.sort(chan_absmax, axis=2)[:, :, (m.hidden_kv - 1) // 2]  # the lower middle value
+    median = np.maximum(lower_median, 1e-30)  # [2, L]
+    out = []
+    for kind in range(2):
+        for layer in range(m.num_layers):
+            ratio = chan_absmax[kind, layer] / median[kind, layer]
+            top = np.argsort(-ratio, kind="stable")[:3]
+            out.append({"kind": "K" if kind == 0 else "V", "layer": layer,
+                        "min": float(lo[kind, layer]), "max": float(hi[kind, layer]),
+                        "mean": float(mean[kind, layer]), "std": float(std[kind, layer]),
+                        "outlier_channels": [{"channel": int(c), "absmax_over_median": float(ratio[c])}
+                                             for c in top if ratio[c] >= 4.0]})
+    return out

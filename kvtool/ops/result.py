@@ -1,0 +1,33 @@
+"""The typed result every operation returns: a dataclass, rendered by the CLI as rich text
+or, through `to_dict()`, as one JSON object that always says `ok`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+@dataclasses.dataclass
+class Result:
+    """Base of the operations' results. `ok` is False when the operation found problems
+    (verify) or a threshold failed (replay); an operation that cannot run raises instead."""
+
+    @property
+    def ok(self) -> bool:
+        return True
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data: `ok` first, then the fields; NaN and infinity become None."""
+        return {"ok": self.ok, **_json_safe(dataclasses.asdict(self))}
+
+
+def _json_safe(value: Any) -> Any:
+    """Standard JSON has no NaN or infinity: they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value

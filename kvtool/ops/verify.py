@@ -1,0 +1,185 @@
+"""`verify`: prove a file is intact (structure, every checksum, decoding, finiteness,
+prefix hashes, fingerprint), optionally against a reference file and by a replay.
+
+Everything but `replay` runs in numpy: verifying a file needs no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import count_nonfinite, to_float64
+from ..errors import DataError, KvtoolError, ModelMismatch, UsageError, VerificationFailed
+from ..format import ContainerReader
+from ..format.hashing import prefix_hashes
+from ..identity import model_fingerprint
+from .inputs import check_vocabulary, fraction, model_dtype_name, non_negative
+from .result import Result
+
+
+@dataclass
+class VerifyReport(Result):
+    path: str
+    num_chunks: int
+    num_tokens: int
+    checks: dict[str, str]
+    chunks: list[dict[str, Any]]
+    problems: list[str] = field(default_factory=list)
+    comparison: dict[str, Any] | None = None
+    replay: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(path: str | Path, *, against: str | Path | None = None, atol: float = 0.0, rtol: float = 0.0,
+           replay: bool = False, model: str | Path | None = None, min_top1: float = 0.9,
+           max_kl: float | None = None, continue_tokens: int = 16, device: str = "auto",
+           model_dtype: str = "fp32", check: bool = True) -> VerifyReport:
+    """Every check `kvtool verify` makes. With `check` (the default) problems raise
+    VerificationFailed carrying the report; without, the report says them (`.ok`, `.problems`)."""
+    from ..devices import check_device_spec
+
+    check_device_spec(device)  # a bad option is an error with or without --replay / --against
+    model_dtype_name(model_dtype)
+    non_negative("--atol", atol)
+    non_negative("--rtol", rtol)
+    fraction("--min-top1", min_top1)
+    non_negative("--max-kl", max_kl)
+    if continue_tokens < 1:
+        raise UsageError("--continue must be at least 1")
+    with ContainerReader(path) as reader:
+        report = check_file(reader)
+        if against is not None and not report.problems:  # a damaged file is not compared
+            with ContainerReader(against) as other:
+                try:
+                    report.comparison = compare_files(reader, other, atol=atol, rtol=rtol)
+                except DataError as err:  # the reference itself is damaged
+                    report.problems.append(f"{against}: {err}")
+            if report.comparison is not None and not report.comparison["ok"]:
+                report.problems.append(f"decoded KV differs from {against} beyond tolerance")
+    if replay and not report.problems:
+        report.replay, failures = _replay(path, model, continue_tokens, min_top1, max_kl, device, model_dtype)
+        report.problems += [f"replay: {f}" for f in failures]
+    if check and report.problems:
+        more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+        raise VerificationFailed(f"verify failed: {report.problems[0]}{more}", report=report,
+                                 problems=report.problems)
+    return report
+
+
+def _replay(path, model, continue_tokens, min_top1, max_kl, device, model_dtype) -> tuple[dict, list[str]]:
+    from ..errors import ToleranceExceeded
+    from .replay import replay
+
+    try:
+        result = replay(path, model, continue_tokens=continue_tokens, compare=True, min_top1=min_top1,
+                        max_kl=max_kl, device=device, model_dtype=model_dtype)
+    except ToleranceExceeded as err:
+        result = err.report
+    return result.to_dict(), list(result.failures)
+
+
+def check_file(reader: ContainerReader) -> VerifyReport:
+    """Run every check on an open file; collect problems instead of stopping at the first one."""
+    m = reader.manifest
+    problems: list[str] = []
+    checks = {"structure": "ok"}
+    tokens = None
+    try:
+        tokens = reader.token_ids()
+        checks["token_ids"] = "ok"
+        check_vocabulary(tokens, m.model.get("vocab_size"))
+    except KvtoolError as err:
+        checks["token_ids"] = "BAD"
+        problems.append(str(err))
+    if model_fingerprint({k: v for k, v in m.model.items() if k != "fingerprint"}) == m.model["fingerprint"]:
+        checks["fingerprint"] = "ok"
+    else:
+        checks["fingerprint"] = "BAD"
+        problems.append("model fingerprint does not match the recorded model identity")
+    expected_hashes = prefix_hashes(tokens, m.chunk_size) if tokens is not None else None
+    chunk_checks = []
+    for c in m.chunks:
+        status = {"index": c.index, "checksum": "ok", "decode": "ok", "finite": "ok", "prefix_hash": "ok"}
+        if expected_hashes is not None and expected_hashes[c.index] != c.prefix_hash:
+            status["prefix_hash"] = "BAD"
+            problems.append(f"chunk {c.index}: prefix hash does not match the token ids")
+        elif expected_hashes is None:
+            status["prefix_hash"] = "unchecked"
+        if not reader.blob_ok(c.blob):
+            status.update(checksum="BAD", decode="skipped", finite="skipped")
+            problems.append(f"chunk {c.index}: CRC-32C mismatch (stored bytes are corrupt)")
+        else:
+            try:
+                bad = count_nonfinite(reader.read_chunk_array(c.index, verify=False), c.dtype)
+                if bad:
+                    status["finite"] = "BAD"
+                    problems.append(f"chunk {c.index}: {bad} non-finite value(s)")
+            except KvtoolError as err:
+                status.update(decode="BAD", finite="skipped")
+                problems.append(str(err))
+        chunk_checks.append(status)
+    for name, e in m.extras.items():
+        if not reader.blob_ok(e.blob):
+            checks[f"extra:{name}"] = "BAD"
+            problems.append(f"extra {name}: CRC-32C mismatch")
+            continue
+        try:
+            values = reader.read_extra_array(name, verify=False)  # roi_mask: bytes other than 0/1 are a DecodeError
+            bad = 0 if values.dtype == np.bool_ else count_nonfinite(values, e.dtype)
+        except KvtoolError as err:
+            checks[f"extra:{name}"] = "BAD"
+            problems.append(f"extra {name}: {err}")
+            continue
+        checks[f"extra:{name}"] = "BAD" if bad else "ok"
+        if bad:
+            problems.append(f"extra {name}: {bad} non-finite value(s)")
+    return VerifyReport(path=str(reader.path), num_chunks=len(m.chunks), num_tokens=m.num_tokens, checks=checks,
+                        chunks=chunk_checks, problems=problems)
+
+
+def compare_files(reader: ContainerReader, other: ContainerReader, *, atol: float,
+                  rtol: float) -> dict[str, Any]:
+    """Per-layer max abs / relative error of `reader` against the reference `other`."""
+    a, b = reader.manifest, other.manifest
+    if (a.num_layers, a.hidden_kv) != (b.num_layers, b.hidden_kv):
+        raise ModelMismatch(f"cannot compare: {reader.path} has {a.num_layers} layers x {a.hidden_kv} "
+                            f"channels, {other.path} has {b.num_layers} x {b.hidden_kv}")
+    if a.num_tokens != b.num_tokens or not np.array_equal(reader.token_ids(), other.token_ids()):
+        raise ModelMismatch(f"cannot compare: {reader.path} and {other.path} hold different token sequences")
+    max_abs = np.zeros((2, a.num_layers))
+    ref_max = np.zeros((2, a.num_layers))
+    sq_err = np.zeros((2, a.num_layers))
+    for start in range(0, a.num_tokens, a.chunk_size):
+        end = min(start + a.chunk_size, a.num_tokens)
+        x = read_range_float64(reader, start, end)
+        y = read_range_float64(other, start, end)  # [2, L, T, C]
+        err = np.abs(x - y)
+        max_abs = np.maximum(max_abs, err.max(axis=(2, 3)))
+        ref_max = np.maximum(ref_max, np.abs(y).max(axis=(2, 3)))
+        sq_err += (err * err).sum(axis=(2, 3))
+    rmse = np.sqrt(sq_err / (a.num_tokens * a.hidden_kv))
+    rel = max_abs / np.maximum(ref_max, 1e-30)
+    within = max_abs <= atol + rtol * ref_max
+    layers = [{"kind": "KV"[k], "layer": l, "max_abs": float(max_abs[k, l]), "max_rel": float(rel[k, l]),
+               "rmse": float(rmse[k, l]), "ok": bool(within[k, l])}
+              for l in range(a.num_layers) for k in range(2)]
+    return {"against": str(other.path), "atol": atol, "rtol": rtol, "ok": bool(within.all()),
+            "max_abs": float(max_abs.max()), "max_rel": float(rel.max()), "layers": layers}
+
+
+def read_range_float64(reader: ContainerReader, start: int, end: int) -> np.ndarray:
+    """KV_BLOB [2, L, end - start, C] of tokens [start, end) as float64, decoding only the chunks it touches."""
+    size = reader.manifest.chunk_size
+    parts = []
+    for i in range(start // size, (end - 1) // size + 1):
+        c = reader.chunks[i]
+        values = to_float64(reader.read_chunk_array(i), c.dtype)
+        parts.append(values[:, :, max(start, c.start) - c.start:min(end, c.end) - c.start])
+    return np.concatenate(parts, axis=2)
