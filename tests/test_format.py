@@ -1,6 +1,6 @@
 """Container format v1: layout, round trips, hashes, the writer's state machine and atomicity.
 
-Hostile input lives in test_bad_input.py, the CLI in test_cli.py.
+Hostile input lives in test_bad_input.py (fuzzed: test_fuzz_container.py), the CLI in test_cli.py.
 """
 
 from __future__ import annotations
