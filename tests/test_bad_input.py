@@ -545,6 +545,20 @@ def test_codec_params_invalid(tmp_path, raw_file, zstd_file, codec, params):
     expect(tmp_path, mutated(f, _set("chunks.0.codec_params", params)), CodecParamsInvalid)
 
 
+def test_zstd_params_without_shuffle_are_rejected_not_guessed(tmp_path):
+    f = write_kv_file(tmp_path / "z.kvc", num_tokens=6, chunk_size=3, codec="zstd",
+                      params={"version": 1, "level": 1, "shuffle": "none"})
+
+    def drop(doc):
+        for c in doc["chunks"]:
+            del c["codec_params"]["shuffle"]
+
+    dropped = tmp_path / "drop.kvc"
+    dropped.write_bytes(rebuild(f.path, drop))
+    with pytest.raises(CodecParamsInvalid):
+        ContainerReader(dropped)
+
+
 @pytest.mark.parametrize("where,dtype", [
     ("kv", "float64"), ("kv", "bf16"), ("kv", "int8"), ("kv", "float8_e4m3fn"), ("kv", ""),
     ("hidden_states", "float64"), ("hidden_states", "int32"), ("roi_mask", "uint8"),
@@ -562,6 +576,25 @@ def test_unsupported_dtype(tmp_path, raw_file, where, dtype):
 
 def test_kv_dtype_not_a_string(tmp_path, raw_file):
     expect(tmp_path, mutated(raw_file, _set("kv.dtype", 2)), ManifestInvalid)
+
+
+def test_deep_nesting_foreign_chunk_dtype_and_huge_codec_id_get_the_spec_errors(tmp_path):
+    """Nesting over 64 levels, a chunk dtype outside the KV dtypes, and a huge unknown codec id
+    get the errors container.md section 5 names."""
+    from kvtool.errors import ManifestCorrupt, UnknownCodec, UnsupportedDtype
+
+    f = write_kv_file(tmp_path / "a.kvc", num_tokens=6, chunk_size=3)
+    cases = [
+        (lambda d: d["metadata"].__setitem__("x", "y") or d.__setitem__("deep", [[[[0]]]] * 1) or
+         d.__setitem__("deeper", json.loads("[" * 70 + "]" * 70)), ManifestCorrupt),
+        (lambda d: d["chunks"][0].__setitem__("dtype", "float64"), UnsupportedDtype),
+        (lambda d: d["chunks"][0].__setitem__("codec_id", 2**40), UnknownCodec),
+    ]
+    for i, (mutate, error) in enumerate(cases):
+        path = tmp_path / f"m{i}.kvc"
+        path.write_bytes(rebuild(f.path, mutate))
+        with pytest.raises(error):
+            ContainerReader(path)
 
 
 # --- data integrity ----------------------------------------------------------------------------------
