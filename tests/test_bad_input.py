@@ -81,6 +81,8 @@ def expect(tmp_path, data: bytes, cls: type[KvtoolError]) -> KvtoolError:
     """Opening and reading everything raises exactly `cls`, with a one-line message."""
     path = put(tmp_path, data)
     with time_limit(10):
+        # Any KvtoolError on purpose: the exact-type assert below then names the class that came
+        # instead of `cls`, and also refuses a subclass (MissingField where ManifestInvalid is meant).
         with pytest.raises(KvtoolError) as info:
             read_everything(path)
     err = info.value

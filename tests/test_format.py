@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from kvtool.errors import (
     CodecParamsInvalid,
-    KvtoolError,
+    TruncatedFile,
     UnknownCodec,
     UnsupportedDtype,
     UsageError,
@@ -653,7 +653,7 @@ def test_writer_killed_mid_write_leaves_old_target(tmp_path):
     leftovers = temp_files(tmp_path)
     assert all(name.startswith(".a.kvc.") for name in leftovers)
     for name in leftovers:
-        with pytest.raises(KvtoolError):
+        with pytest.raises(TruncatedFile):
             ContainerReader(tmp_path / name)
 
 
@@ -676,7 +676,7 @@ def test_failed_finish_in_with_leaves_no_temp_file(tmp_path):
 
 
 def test_invalid_extra_leaves_no_temp_file(tmp_path):
-    with pytest.raises(KvtoolError):
+    with pytest.raises(UsageError):
         with _writer(tmp_path / "a.kvc") as w:
             for c in _chunks(w):
                 w.write_chunk(c)
