@@ -633,7 +633,7 @@ def test_compress_records_the_source_path_and_its_creation_time(tmp_path):
         assert b.manifest.metadata["compressed_from"] == str(f.path)
 
 
-# --- rich markup in human output (bug) --------------------------------------------------------------
+# --- rich markup in human output: text from files and paths is printed literally ------------------
 
 
 def test_human_output_escapes_markup_from_the_file(cli, tmp_path):

@@ -665,7 +665,7 @@ def test_writer_killed_before_first_file_leaves_no_target(tmp_path):
     assert not target.exists()
 
 
-# --- writer bugs (see the report) ----------------------------------------------------------------
+# --- failed writes leave no temp file; token ids are u32; read_chunk_into ------------------------
 
 
 def test_failed_finish_in_with_leaves_no_temp_file(tmp_path):
