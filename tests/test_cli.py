@@ -164,6 +164,26 @@ def test_inspect_stats(cli, tmp_path):
     assert human.code == 0 and "per-layer statistics" in human.out
 
 
+def _strict_json(text: str):
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_inspect_stats_json_of_nan_kv_has_null_not_nan(tmp_path, capsys):
+    f = write_kv_file(tmp_path / "ok.kvc", num_tokens=6, chunk_size=3)
+    bad = tmp_path / "nan.kvc"
+    kv = torch.full((2, 2, 6, 16), float("nan"), dtype=torch.bfloat16)
+    with ContainerWriter(bad, make_identity(), f.token_ids, chunk_size=3, alignment=64) as w:
+        for s, e in w.chunk_ranges():
+            w.write_chunk(kv[:, :, s:e], "raw")
+    capsys.readouterr()
+    assert run(["inspect", str(bad), "--stats", "--json"]) == 0
+    doc = _strict_json(capsys.readouterr().out)
+    assert doc["stats"][0]["min"] is None
+
+
 def test_inspect_reports_bad_checksum_but_succeeds(cli, kv_file):
     _flip_chunk_byte(kv_file.path, 1)
     r = cli("inspect", kv_file.path, "--json")
@@ -406,6 +426,28 @@ def test_verify_exit_2(cli, kv_file, tmp_path):
     assert_error(cli("no-such-command"), 2)
 
 
+def test_verify_against_a_non_kvtool_file_names_that_file(tmp_path, capsys):
+    f = write_kv_file(tmp_path / "a.kvc")
+    other = tmp_path / "notes.txt"
+    other.write_text("hello, not a kv file at all, but long enough to have a header and trailer" * 3)
+    capsys.readouterr()
+    assert run(["verify", str(f.path), "--against", str(other)]) == 2
+    assert "notes.txt: not a kvtool file" in capsys.readouterr().err
+
+
+def test_verify_against_keeps_its_report_when_the_file_is_damaged(tmp_path, capsys):
+    good = write_kv_file(tmp_path / "good.kvc", num_tokens=6, chunk_size=3)
+    data = bytearray(good.path.read_bytes())
+    with ContainerReader(good.path) as r:
+        data[r.chunks[1].blob.offset] ^= 0xFF
+    bad = tmp_path / "bad.kvc"
+    bad.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert run(["verify", str(bad), "--against", str(good.path), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False and any("chunk 1" in p for p in doc["problems"])
+
+
 # --- compress ----------------------------------------------------------------------------------------
 
 
@@ -573,7 +615,25 @@ def test_compress_in_place(cli, kv_file):
         assert same_tensor(rd.read_range(0, 5), kv_file.kv)
 
 
-# --- rich markup in human output (bug) --------------------------------------------------------------
+def test_compress_to_a_directory_names_the_directory_not_a_temp_file(tmp_path, capsys):
+    f = write_kv_file(tmp_path / "a.kvc")
+    (tmp_path / "d").mkdir()
+    capsys.readouterr()
+    assert run(["compress", str(f.path), "-o", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a directory" in err and ".tmp" not in err
+
+
+def test_compress_records_the_source_path_and_its_creation_time(tmp_path):
+    f = write_kv_file(tmp_path / "a.kvc")
+    out = tmp_path / "b.kvc"
+    assert run(["compress", str(f.path), "-o", str(out), "--codec", "zstd"]) == 0
+    with ContainerReader(f.path) as a, ContainerReader(out) as b:
+        assert b.manifest.metadata["source_created_at"] == a.manifest.metadata["created_at"]
+        assert b.manifest.metadata["compressed_from"] == str(f.path)
+
+
+# --- rich markup in human output: text from files and paths is printed literally ------------------
 
 
 def test_human_output_escapes_markup_from_the_file(cli, tmp_path):
@@ -590,6 +650,18 @@ def test_human_output_escapes_markup_in_paths(cli, tmp_path):
     assert str(f.path).endswith("runs[/x].kvc")
     r = cli("verify", f.path)
     assert r.code == 0 and "runs[/x].kvc" in r.out
+
+
+def test_replay_human_output_prints_markup_in_the_continuation_and_path_literally(capsys):
+    from kvtool.cli.output import emit
+    from kvtool.cli.replay import render
+
+    result = {"file": "[b]x.kvc", "model": "m", "device": "cpu", "reused_tokens": 1, "num_tokens": 2, "chunks_loaded": 1,
+              "codecs": ["raw"], "computed_tokens": 1, "ttft_cached_s": 0.1, "load_s": 0.05,
+              "continuation": "[i]italic[/i], [u]under[/u], [link](http://x)", "failures": []}
+    emit(result, False, render)
+    out = capsys.readouterr().out.replace("\n", "")
+    assert "'[i]italic[/i], [u]under[/u], [link](http://x)'" in out and "[b]x.kvc" in out
 
 
 # --- the real entry point ----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Container format v1: layout, round trips, hashes, the writer's state machine and atomicity.
 
-Hostile input lives in test_bad_input.py, the CLI in test_cli.py.
+Hostile input lives in test_bad_input.py (fuzzed: test_fuzz_container.py), the CLI in test_cli.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from kvtool.errors import (
     CodecParamsInvalid,
-    KvtoolError,
+    TruncatedFile,
     UnknownCodec,
     UnsupportedDtype,
     UsageError,
@@ -653,7 +653,7 @@ def test_writer_killed_mid_write_leaves_old_target(tmp_path):
     leftovers = temp_files(tmp_path)
     assert all(name.startswith(".a.kvc.") for name in leftovers)
     for name in leftovers:
-        with pytest.raises(KvtoolError):
+        with pytest.raises(TruncatedFile):
             ContainerReader(tmp_path / name)
 
 
@@ -665,7 +665,7 @@ def test_writer_killed_before_first_file_leaves_no_target(tmp_path):
     assert not target.exists()
 
 
-# --- writer bugs (see the report) ----------------------------------------------------------------
+# --- failed writes leave no temp file; token ids are u32; read_chunk_into ------------------------
 
 
 def test_failed_finish_in_with_leaves_no_temp_file(tmp_path):
@@ -676,7 +676,7 @@ def test_failed_finish_in_with_leaves_no_temp_file(tmp_path):
 
 
 def test_invalid_extra_leaves_no_temp_file(tmp_path):
-    with pytest.raises(KvtoolError):
+    with pytest.raises(UsageError):
         with _writer(tmp_path / "a.kvc") as w:
             for c in _chunks(w):
                 w.write_chunk(c)

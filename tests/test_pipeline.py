@@ -192,6 +192,16 @@ def test_capture_bad_inputs(tmp_path, capsys, default_model):
         assert "Traceback" not in line
 
 
+def test_capture_rejects_huge_block_size_and_nested_token_files(tmp_path, capsys, default_model):
+    capsys.readouterr()
+    assert run(["capture", "--prompt", "hi", "-o", str(tmp_path / "x.kvc"), "--block-size", "100000000000"]) == 2
+    nested = tmp_path / "t.json"
+    nested.write_text("[" * 100000 + "]" * 100000)
+    assert run(["capture", "--tokens", str(nested), "-o", str(tmp_path / "x.kvc")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("kvtool: error:") == 2 and "Traceback" not in err
+
+
 def test_capture_with_a_local_model_folder(tmp_path, capsys, default_model):
     """--model takes any local HF folder: here a copy of the converted default model."""
     from kvtool.engine import default_model_path
