@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvtool.capture import capture  # noqa: E402
+from kvtool.ops.capture import capture  # noqa: E402
 from kvtool.codecs import codec_names  # noqa: E402
 from kvtool.devices import describe, resolve_device  # noqa: E402
 from kvtool.engine import load_model  # noqa: E402
@@ -47,10 +47,10 @@ def main() -> None:
         for n in args.tokens:
             for codec in codecs:
                 r = capture(model, ids[:n], Path(tmp) / f"{codec}.kvc", codec=codec)
-                t = r["timings"]
+                t = r.timings
                 print(f"| {n} | {codec} | {t['prefill_s']:.2f} | {t['connector_s'] * 1e3:.1f} | "
                       f"{t['writer_s'] * 1e3:.1f} | {100 * t['overhead_share']:.2f}% | "
-                      f"{r['file_bytes'] / 1e6:.2f} |", flush=True)
+                      f"{r.file_bytes / 1e6:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from kvtool.format import ContainerReader, ContainerWriter, ModelIdentity  # noq
 
 def model_kv(num_tokens: int, dtype: torch.dtype):
     """KV of the default model on offline text (Python's own stdlib source)."""
-    from kvtool.capture import capture_kv
+    from kvtool.ops.capture import capture_kv
 
     return capture_kv(None, _offline_text(), num_tokens, dtype)
 

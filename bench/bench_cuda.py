@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kvtool.connectors import PagedLayout  # noqa: E402
-from kvtool.connectors.paged_copy import _torch_gather, _torch_scatter  # noqa: E402
+from kvtool.connectors.paged_torch import torch_gather as _torch_gather, torch_scatter as _torch_scatter  # noqa: E402
 
 
 def cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
@@ -105,7 +105,7 @@ def make_caches(layout, L, NB, BS, H, D, dtype, dev):
 
 
 def bench_paged(args, results):
-    from kvtool.cuda import paged
+    from kvtool.connectors import paged_cuda as paged
 
     dev = torch.device("cuda")
     L, H, D, BS = args.layers, args.heads, args.head_dim, 16
@@ -165,7 +165,7 @@ def synthetic_chunk(L, T, C, seed, dev):
 def bench_cachegen(args, results):
     from kvtool.codecs.cachegen import cachegen_decode, cachegen_encode
     from kvtool.codecs.cachegen.native import default_threads
-    from kvtool.cuda import cachegen as gcg
+    from kvtool.codecs.cachegen import gpu as gcg
 
     dev = torch.device("cuda")
     L, T, C, n = args.cg_layers, 256, args.cg_channels, args.chunks
@@ -341,7 +341,7 @@ def main():
         return 0
     if args.quick:
         args.tokens, args.chunks = [2048], 8
-    import kvtool.cuda as kc
+    from kvtool import cuda_build as kc
 
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; {kc.backend_status(build=True)}")
     results = {"device": torch.cuda.get_device_name(0), "paged": [], "cachegen": {}}

@@ -93,13 +93,13 @@ if ARGS is not None:  # before torch starts its thread pool
 
 import torch  # noqa: E402
 
-from kvtool.capture import paged_connector  # noqa: E402
+from kvtool.ops.engine_io import paged_connector, write_kv  # noqa: E402
 from kvtool.codecs import get_codec  # noqa: E402
 from kvtool.codecs.cachegen import (  # noqa: E402
     LMCACHE_DEFAULT, cachegen_params, cachegen_reference_roundtrip, native_available)
 from kvtool.engine import PagedKVCache, Runner, load_model  # noqa: E402
 from kvtool.format import ContainerWriter  # noqa: E402
-from kvtool.replay import compare_logits, teacher_forced_eval, write_kv  # noqa: E402
+from kvtool.ops.compare import compare_logits, teacher_forced_eval  # noqa: E402
 
 # --------------------------------------------------------------------------- texts (offline only)
 LIB = pathlib.Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"

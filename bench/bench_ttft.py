@@ -66,13 +66,13 @@ if ARGS is not None:
 
 import torch  # noqa: E402
 
-from kvtool.capture import capture  # noqa: E402
-from kvtool.cli.compress import compress_file  # noqa: E402
+from kvtool.ops.capture import capture  # noqa: E402
+from kvtool.ops.compress import compress_file  # noqa: E402
 from kvtool.codecs.cachegen import canonical_bins_spec, cachegen_params, native_available  # noqa: E402
 from kvtool.devices import describe, resolve_device, synchronize  # noqa: E402
 from kvtool.engine import PagedKVCache, Runner, load_model  # noqa: E402
 from kvtool.format import ContainerReader  # noqa: E402
-from kvtool.replay import plan_reuse, replay  # noqa: E402
+from kvtool.ops.replay import plan_reuse, replay_plan  # noqa: E402
 
 LIB = pathlib.Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
 
@@ -100,9 +100,9 @@ def time_replay(model, path):
     c0, t0 = time.process_time(), time.perf_counter()
     with ContainerReader(path) as reader:
         plan = plan_reuse(reader)  # the file's own tokens; the last one is computed
-        res = replay(reader, model, plan, continue_tokens=1)
-    return (time.perf_counter() - t0, time.process_time() - c0, res["load_s"], res["continuation_tokens"][0],
-            res["reused_tokens"])
+        res = replay_plan(reader, model, plan, continue_tokens=1)
+    return (time.perf_counter() - t0, time.process_time() - c0, res.load_s, res.continuation_tokens[0],
+            res.reused_tokens)
 
 
 def main():
@@ -145,13 +145,13 @@ def main():
                 first[name] = tok
         row = {"n": n, **best, "cpu": cpu, "load_raw": load["raw"], "load_cg": load["cachegen"],
                "raw_mb": raw_path.stat().st_size / 1e6, "cg_mb": cg_path.stat().st_size / 1e6,
-               "cg_bits": comp["bits_per_value"], "capture_s": cap["seconds"],
+               "cg_bits": comp.bits_per_value, "capture_s": cap.seconds,
                "same_first": (first["raw"] == first["recompute"], first["cachegen"] == first["recompute"]),
                "recompute_runs": 1 if slow else args.repeat}
         rows.append(row)
         print(f"  {n:5d} tokens: recompute {best['recompute']:.3f} s, raw {best['raw']:.3f} s, "
               f"cachegen {best['cachegen']:.3f} s  (CPU s: {cpu['recompute']:.3f}, {cpu['raw']:.3f}, "
-              f"{cpu['cachegen']:.3f}; capture {cap['seconds']:.1f} s)", flush=True)
+              f"{cpu['cachegen']:.3f}; capture {cap.seconds:.1f} s)", flush=True)
     seconds = time.perf_counter() - t_all
     lines = ["| context tokens | recompute (s) | raw replay (s) [load] | cachegen replay (s) [load] "
              "| speedup raw | speedup cachegen | CPU-s recompute / raw / cg (speedups) "

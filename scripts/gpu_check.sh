@@ -44,7 +44,7 @@ fi
 
 echo "== CUDA backend (builds the kernels on first use)"
 t0=$(date +%s)
-$PY -c "import kvtool.cuda as k; print(k.backend_status(build=True))" || status=1
+$PY -c "from kvtool import cuda_build as k; print(k.backend_status(build=True))" || status=1
 echo "(build/load took $(( $(date +%s) - t0 )) s)"
 
 if [ -z "${SKIP_TESTS:-}" ]; then

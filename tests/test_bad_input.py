@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from kvtool.dtypes import dtype_from_name
 import zstandard
 
 from kvtool import codecs
@@ -754,11 +756,15 @@ class _MisbehavingCodec(Codec):
     def validate_params(self, params):
         return self._check_version(params)
 
-    def encode(self, kv, params):  # pragma: no cover - never used
+    def encode_host(self, kv, params):  # pragma: no cover - never used
         raise NotImplementedError
 
     def decode(self, payload, shape, dtype, params):
         return self.result(shape, dtype)
+
+    def decode_array(self, payload, shape, dtype, params):  # what verify and inspect read
+        tensor = self.result(shape, dtype_from_name(dtype))
+        return tensor.float().numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
 
 
 @pytest.mark.parametrize("result", [

@@ -654,12 +654,13 @@ def test_human_output_escapes_markup_in_paths(cli, tmp_path):
 
 def test_replay_human_output_prints_markup_in_the_continuation_and_path_literally(capsys):
     from kvtool.cli.output import emit
-    from kvtool.cli.replay import render
+    from kvtool.ops.replay import ReplayResult
 
-    result = {"file": "[b]x.kvc", "model": "m", "device": "cpu", "reused_tokens": 1, "num_tokens": 2, "chunks_loaded": 1,
-              "codecs": ["raw"], "computed_tokens": 1, "ttft_cached_s": 0.1, "load_s": 0.05,
-              "continuation": "[i]italic[/i], [u]under[/u], [link](http://x)", "failures": []}
-    emit(result, False, render)
+    result = ReplayResult(file="[b]x.kvc", model="m", num_tokens=2, reused_tokens=1, computed_tokens=1,
+                          chunks_loaded=1, codecs=["raw"], device="cpu", model_dtype="float32",
+                          first_token_from="prefill", load_s=0.05, ttft_cached_s=0.1, continue_tokens=1,
+                          continuation_tokens=[1], continuation="[i]italic[/i], [u]under[/u], [link](http://x)")
+    emit(result, False)
     out = capsys.readouterr().out.replace("\n", "")
     assert "'[i]italic[/i], [u]under[/u], [link](http://x)'" in out and "[b]x.kvc" in out
 
@@ -742,7 +743,7 @@ def test_verify_flags_token_ids_outside_the_recorded_vocabulary(cli, tmp_path):
 
 def test_dump_refuses_a_selection_larger_than_memory(cli, kv_file, tmp_path, monkeypatch):
     """A small file may declare up to 1024x its size in KV; dump says so instead of swapping."""
-    import kvtool.cli.dump as dump
+    import kvtool.ops.dump as dump
 
     pages = {"SC_PHYS_PAGES": 4, "SC_PAGE_SIZE": 64}  # a 256-byte machine
     monkeypatch.setattr(dump.os, "sysconf", lambda name: pages[name])

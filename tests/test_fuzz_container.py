@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtool.cli.inspect import describe
-from kvtool.cli.verify import verify_file
+from kvtool.ops.inspect import summarize
+from kvtool.ops.verify import check_file
 from kvtool.errors import (
     ChecksumMismatch,
     DecodeError,
@@ -208,9 +208,9 @@ def _exercise(path: Path) -> None:
                 call()
             except KvtoolError:
                 pass
-        json.dumps(describe(reader), default=str)
+        json.dumps(summarize(reader).to_dict(), default=str)
         try:
-            verify_file(reader)
+            check_file(reader)
         except KvtoolError:
             pass
 

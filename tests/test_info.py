@@ -15,12 +15,20 @@ from kvtool.cli.app import run
 def test_info_json_lists_codecs_and_backends(capsys):
     assert run(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
+    assert info["ok"] is True
     assert [c["name"] for c in info["codecs"]][:2] == ["raw", "zstd"]
     assert {c["id"] for c in info["codecs"]} >= {0, 1}
     assert info["writes_format"] == "1.0" and info["reads_formats"] == ["1.x"]
-    assert "cachegen" in info["backends"] and "cuda" in info["backends"]
+    assert "cachegen" in info["backends"] and info["devices"] == {}  # no torch without --devices
+    assert info["torch"].startswith("2.")
+
+
+def test_info_devices_asks_torch_about_cuda(capsys):
+    assert run(["info", "--devices", "--json"]) == 0
+    devices = json.loads(capsys.readouterr().out)["devices"]
+    assert "cuda" in devices and "paged copy" in devices
     expected = "cuda:" if torch.cuda.is_available() else "cpu"
-    assert info["backends"]["engine"].startswith("--device auto runs the model on " + expected)
+    assert devices["engine"].startswith("--device auto runs the model on " + expected)
 
 
 def test_info_human(capsys):

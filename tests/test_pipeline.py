@@ -287,8 +287,8 @@ def test_prefix_reuse_plan_and_loads_only_matching_chunks(captured, default_mode
         monkeypatch.setattr(ContainerReader, "read_chunk", spy)
         result = replay(reader, default_model, plan, continue_tokens=4, compare=True)
     assert decoded == [0, 1]
-    assert result["reused_tokens"] == 128 and result["computed_tokens"] == len(new) - 128
-    assert result["top1_agreement"] == 1.0
+    assert result.reused_tokens == 128 and result.computed_tokens == len(new) - 128
+    assert result.top1_agreement == 1.0
     # A prompt that differs inside the first chunk reuses nothing.
     with ContainerReader(captured) as reader:
         assert plan_reuse(reader, new_tokens=[ids[0] + 1] + ids[1:]).reused == 0
@@ -425,7 +425,7 @@ def test_prefix_prompt_of_a_hidden_states_file_computes_nothing(captured_with_hi
         plan = plan_reuse(r, new_tokens=prefix)
         assert (plan.reused, plan.chunks, plan.from_hidden) == (128, 2, True)
         res = replay(r, default_model, plan, continue_tokens=6, compare=True)
-    assert res["computed_tokens"] == 0 and res["top1_agreement"] == 1.0 and res["kl_mean"] < 1e-6
+    assert res.computed_tokens == 0 and res.top1_agreement == 1.0 and res.kl_mean < 1e-6
 
 
 def _copy_with(src, dst, *, model=None, tokens=None):
