@@ -31,6 +31,9 @@ class Codec(ABC):
     codec_id: ClassVar[int]  # stable numeric id, written to the manifest
     params_version: ClassVar[int]  # the newest parameter version this build writes
     lossless: ClassVar[bool]
+    # True when the payload is the tensor's bytes as they are (a reader may then read it
+    # straight into a tensor, or view it without a copy).
+    payload_is_tensor_bytes: ClassVar[bool] = False
 
     @abstractmethod
     def default_params(self) -> dict[str, Any]:

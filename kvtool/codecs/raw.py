@@ -21,6 +21,7 @@ class RawCodec(Codec):
     codec_id = 0
     params_version = 1
     lossless = True
+    payload_is_tensor_bytes = True
 
     def default_params(self) -> dict[str, Any]:
         return {"version": 1}

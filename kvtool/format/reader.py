@@ -249,7 +249,7 @@ class ContainerReader:
         if tuple(out.shape) != chunk.shape or out.dtype != dtype or not out.is_contiguous() \
                 or out.device.type != "cpu":
             raise UsageError(f"chunk {index} needs a contiguous CPU tensor {list(chunk.shape)} {chunk.dtype}")
-        if chunk.codec == "raw" and isinstance(self._source, MappedFile) and out.numel():
+        if self._is_tensor_bytes(chunk) and isinstance(self._source, MappedFile) and out.numel():
             target = memoryview(out.view(torch.uint8).reshape(-1).numpy())
             self._source.read_into(chunk.blob.offset, target)
             if verify and crc32(target) != chunk.blob.crc32:
@@ -262,7 +262,7 @@ class ContainerReader:
         import torch
 
         chunk = self._chunk(index)
-        if chunk.codec != "raw":
+        if not self._is_tensor_bytes(chunk):
             raise UsageError(f"chunk {index} is {chunk.codec}-encoded; only raw chunks can be viewed")
         if not isinstance(self._source, MappedFile):
             raise UsageError("zero-copy views need a local, memory-mapped file")
@@ -304,6 +304,10 @@ class ContainerReader:
             parts.append(self.read_chunk(i, verify=verify)[:, :, max(start, c.start) - c.start:
                                                             min(end, c.end) - c.start])
         return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def _is_tensor_bytes(chunk: ChunkEntry) -> bool:
+        return codecs.get_codec(chunk.codec_id).payload_is_tensor_bytes
 
     def _chunk(self, index: int) -> ChunkEntry:
         if not 0 <= index < len(self.chunks):

@@ -117,15 +117,17 @@ class ContainerWriter:
         kv = kv.detach().to(dtype=self.kv_dtype).contiguous()  # the codec encodes it where it is, or copies
         params = impl.validate_params(params if params is not None else impl.default_params())
         payload, recorded = impl.encode(kv, params)
-        return self.write_encoded_chunk(payload, impl.name, recorded)
+        return self._append_chunk(payload, impl, recorded)
 
     def write_encoded_chunk(self, payload, codec: str, params: dict[str, Any]) -> ChunkEntry:
         """Append an already-encoded payload (used by `compress` to copy chunks as they are)."""
         self._expect(WriterState.CHUNKS, "write_encoded_chunk")
-        index = len(self.chunks)
-        if index >= self.num_chunks:
+        if len(self.chunks) >= self.num_chunks:
             raise UsageError(f"all {self.num_chunks} chunks are already written")
-        impl = codecs.get_codec(codec)
+        return self._append_chunk(payload, codecs.get_codec(codec), params)
+
+    def _append_chunk(self, payload, impl: codecs.Codec, params: dict[str, Any]) -> ChunkEntry:
+        index = len(self.chunks)
         start, end = index * self.chunk_size, min((index + 1) * self.chunk_size, self.num_tokens)
         self._prev_hash = chain_hash(self._prev_hash, self.tokens[start:end])
         entry = ChunkEntry(index=index, start=start, end=end, prefix_hash=self._prev_hash.hex(),
