@@ -726,3 +726,14 @@ def test_read_chunk_into_fills_a_preallocated_tensor(tmp_path):
     with ContainerReader(bad) as r:
         with pytest.raises(E.ChecksumMismatch):
             r.read_chunk_into(1, torch.empty(r.chunks[1].shape, dtype=r.kv_dtype))
+
+
+def test_crc32c_is_the_castagnoli_crc_of_the_crc32c_package():
+    """hashing loads the package's C function without its __init__ (start-up): same function."""
+    import crc32c
+
+    from kvtool.format.hashing import crc32
+
+    assert crc32(b"123456789") == 0xE3069283  # the CRC-32C check value
+    data = bytes(range(256)) * 1000
+    assert crc32(data) == crc32c.crc32c(data) and crc32(memoryview(data)[3:]) == crc32c.crc32c(data[3:])
