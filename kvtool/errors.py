@@ -130,6 +130,10 @@ class NonFiniteValues(DataError):
     """Decoded KV holds NaN or infinity."""
 
 
+class PrefixHashMismatch(DataError):
+    """A chunk's recorded prefix hash differs from the hash of the token ids (`verify` reports it)."""
+
+
 class VerificationFailed(DataError):
     """`verify` found problems (checksums, decoding, prefix hashes, tolerances, replay thresholds).
 

@@ -815,6 +815,7 @@ def test_verify_prefix_hash_mismatch(tmp_path, raw_file, capsys):
     assert code == 1 and result["ok"] is False
     assert [c["prefix_hash"] for c in result["chunks"]] == ["ok", "BAD", "ok"]
     assert any("prefix hash" in p for p in result["problems"])
+    assert result["problem_types"] == ["PrefixHashMismatch"]  # format-spec/container.md section 5
 
 
 def test_verify_token_ids_changed_breaks_every_prefix_hash(tmp_path, raw_file, capsys):
@@ -841,6 +842,7 @@ def test_verify_non_finite_values(tmp_path, value, codec, capsys):
     assert code == 1 and result["ok"] is False
     assert [c["finite"] for c in result["chunks"]] == ["ok", "BAD", "ok"]
     assert any("non-finite" in p for p in result["problems"])
+    assert result["problem_types"] == ["NonFiniteValues"]
 
 
 def test_verify_nan_written_into_raw_chunk(tmp_path, raw_file, capsys):

@@ -751,3 +751,42 @@ def test_dump_refuses_a_selection_larger_than_memory(cli, kv_file, tmp_path, mon
     r = cli("dump", kv_file.path, "-o", out)
     assert r.code == 2 and "GiB of memory" in r.err and "select fewer --chunks or --layers" in r.err
     assert r.err.count("\n") == 1 and not out.exists()
+
+
+# --- the app itself ------------------------------------------------------------------------
+
+
+def test_every_command_is_registered_and_listed_in_help(cli):
+    """Command modules are imported, not tried: a broken one fails the start, never vanishes."""
+    from kvtool.cli.app import app
+
+    names = [c.name for c in app.registered_commands]
+    assert names == ["capture", "compress", "inspect", "verify", "replay", "dump", "info"]
+    r = cli("--help")
+    assert r.code == 0 and all(name in r.out for name in names)
+
+
+def test_version_prints_the_package_version(cli):
+    import kvtool
+
+    r = cli("--version")
+    assert (r.code, r.out, r.err) == (0, f"kvtool {kvtool.__version__}\n", "")
+
+
+def test_quiet_silences_notices_but_not_errors(cli, tmp_path, monkeypatch):
+    from kvtool import notices
+    from kvtool.codecs.cachegen import native
+
+    monkeypatch.setattr(native, "_loaded", True)  # the native coder "missing": a notice per process
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_error", "not built")
+    f = write_kv_file(tmp_path / "c.kvc", num_tokens=5, chunk_size=4, codec="cachegen")
+    notices.forget()
+    r = cli("verify", f.path)
+    assert r.code == 0 and r.err.count("kvtool: notice: native CacheGen coder unavailable") == 1
+    notices.forget()
+    r = cli("--quiet", "verify", f.path)
+    assert r.code == 0 and r.err == ""
+    r = cli("--quiet", "verify", tmp_path / "missing.kvc")
+    assert r.code == 2 and r.err.startswith("kvtool: error: ")
+    notices.set_quiet(False)

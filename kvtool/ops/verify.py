@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import count_nonfinite, to_float64
-from ..errors import DataError, KvtoolError, ModelMismatch, UsageError, VerificationFailed
+from ..errors import (ChecksumMismatch, DataError, KvtoolError, ManifestInvalid, ModelMismatch, NonFiniteValues,
+                      PrefixHashMismatch, ToleranceExceeded, UsageError, VerificationFailed)
 from ..format import ContainerReader
 from ..format.hashing import prefix_hashes
 from ..identity import model_fingerprint
@@ -29,12 +30,17 @@ class VerifyReport(Result):
     checks: dict[str, str]
     chunks: list[dict[str, Any]]
     problems: list[str] = field(default_factory=list)
+    problem_types: list[str] = field(default_factory=list)  # the error class of each problem
     comparison: dict[str, Any] | None = None
     replay: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def add(self, problem: KvtoolError) -> None:
+        self.problems.append(str(problem))
+        self.problem_types.append(type(problem).__name__)
 
 
 def verify(path: str | Path, *, against: str | Path | None = None, atol: float = 0.0, rtol: float = 0.0,
@@ -60,12 +66,13 @@ def verify(path: str | Path, *, against: str | Path | None = None, atol: float =
                 try:
                     report.comparison = compare_files(reader, other, atol=atol, rtol=rtol)
                 except DataError as err:  # the reference itself is damaged
-                    report.problems.append(f"{against}: {err}")
+                    report.add(type(err)(f"{against}: {err}"))
             if report.comparison is not None and not report.comparison["ok"]:
-                report.problems.append(f"decoded KV differs from {against} beyond tolerance")
+                report.add(ToleranceExceeded(f"decoded KV differs from {against} beyond tolerance"))
     if replay and not report.problems:
         report.replay, failures = _replay(path, model, continue_tokens, min_top1, max_kl, device, model_dtype)
-        report.problems += [f"replay: {f}" for f in failures]
+        for failure in failures:
+            report.add(ToleranceExceeded(f"replay: {failure}"))
     if check and report.problems:
         more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
         raise VerificationFailed(f"verify failed: {report.problems[0]}{more}", report=report,
@@ -88,8 +95,9 @@ def _replay(path, model, continue_tokens, min_top1, max_kl, device, model_dtype)
 def check_file(reader: ContainerReader) -> VerifyReport:
     """Run every check on an open file; collect problems instead of stopping at the first one."""
     m = reader.manifest
-    problems: list[str] = []
-    checks = {"structure": "ok"}
+    report = VerifyReport(path=str(reader.path), num_chunks=len(m.chunks), num_tokens=m.num_tokens,
+                          checks={"structure": "ok"}, chunks=[])
+    checks, problem = report.checks, report.add
     tokens = None
     try:
         tokens = reader.token_ids()
@@ -97,51 +105,49 @@ def check_file(reader: ContainerReader) -> VerifyReport:
         check_vocabulary(tokens, m.model.get("vocab_size"))
     except KvtoolError as err:
         checks["token_ids"] = "BAD"
-        problems.append(str(err))
+        problem(err)
     if model_fingerprint({k: v for k, v in m.model.items() if k != "fingerprint"}) == m.model["fingerprint"]:
         checks["fingerprint"] = "ok"
     else:
         checks["fingerprint"] = "BAD"
-        problems.append("model fingerprint does not match the recorded model identity")
+        problem(ManifestInvalid("model fingerprint does not match the recorded model identity"))
     expected_hashes = prefix_hashes(tokens, m.chunk_size) if tokens is not None else None
-    chunk_checks = []
     for c in m.chunks:
         status = {"index": c.index, "checksum": "ok", "decode": "ok", "finite": "ok", "prefix_hash": "ok"}
         if expected_hashes is not None and expected_hashes[c.index] != c.prefix_hash:
             status["prefix_hash"] = "BAD"
-            problems.append(f"chunk {c.index}: prefix hash does not match the token ids")
+            problem(PrefixHashMismatch(f"chunk {c.index}: prefix hash does not match the token ids"))
         elif expected_hashes is None:
             status["prefix_hash"] = "unchecked"
         if not reader.blob_ok(c.blob):
             status.update(checksum="BAD", decode="skipped", finite="skipped")
-            problems.append(f"chunk {c.index}: CRC-32C mismatch (stored bytes are corrupt)")
+            problem(ChecksumMismatch(f"chunk {c.index}: CRC-32C mismatch (stored bytes are corrupt)"))
         else:
             try:
                 bad = count_nonfinite(reader.read_chunk_array(c.index, verify=False), c.dtype)
                 if bad:
                     status["finite"] = "BAD"
-                    problems.append(f"chunk {c.index}: {bad} non-finite value(s)")
+                    problem(NonFiniteValues(f"chunk {c.index}: {bad} non-finite value(s)"))
             except KvtoolError as err:
                 status.update(decode="BAD", finite="skipped")
-                problems.append(str(err))
-        chunk_checks.append(status)
+                problem(err)
+        report.chunks.append(status)
     for name, e in m.extras.items():
         if not reader.blob_ok(e.blob):
             checks[f"extra:{name}"] = "BAD"
-            problems.append(f"extra {name}: CRC-32C mismatch")
+            problem(ChecksumMismatch(f"extra {name}: CRC-32C mismatch"))
             continue
         try:
             values = reader.read_extra_array(name, verify=False)  # roi_mask: bytes other than 0/1 are a DecodeError
             bad = 0 if values.dtype == np.bool_ else count_nonfinite(values, e.dtype)
         except KvtoolError as err:
             checks[f"extra:{name}"] = "BAD"
-            problems.append(f"extra {name}: {err}")
+            problem(type(err)(f"extra {name}: {err}"))
             continue
         checks[f"extra:{name}"] = "BAD" if bad else "ok"
         if bad:
-            problems.append(f"extra {name}: {bad} non-finite value(s)")
-    return VerifyReport(path=str(reader.path), num_chunks=len(m.chunks), num_tokens=m.num_tokens, checks=checks,
-                        chunks=chunk_checks, problems=problems)
+            problem(NonFiniteValues(f"extra {name}: {bad} non-finite value(s)"))
+    return report
 
 
 def compare_files(reader: ContainerReader, other: ContainerReader, *, atol: float,
