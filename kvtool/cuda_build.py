@@ -29,6 +29,7 @@ from pathlib import Path
 
 from .errors import CudaUnavailable
 from .fsutil import cache_root
+from .notices import notice
 
 _HERE = Path(__file__).resolve().parent
 KERNELS = ("paged_copy", "cachegen_cuda")
@@ -210,6 +211,17 @@ def _load_locked(name: str) -> Built:
     except OSError as exc:
         raise CudaUnavailable(f"cannot load {path.name}: {exc}") from None
     return Built(name, path, lib, arch, fresh)
+
+
+def usable_or_notice(wrapper, what: str, fallback: str):
+    """`wrapper` (a module whose `library()` loads its kernel, building it on first use) when
+    the kernel can run here; None after one notice saying what runs instead."""
+    try:
+        wrapper.library()
+    except CudaUnavailable as exc:
+        notice(f"CUDA {what} unavailable ({exc}); using {fallback}", key=what)
+        return None
+    return wrapper
 
 
 def load_error(name: str) -> str | None:

@@ -38,12 +38,12 @@ def no_silent_cpu_fallback(monkeypatch):
     a GPU test would pass without the GPU doing anything. In the tests a fallback is a failure."""
     if torch.cuda.is_available():
         import kvtool.codecs.cachegen
-        import kvtool.connectors.paged_copy
+        import kvtool.cuda_build
 
         def refuse(message, key=None):
             raise AssertionError(f"a CUDA path fell back to the CPU: {message}")
-        monkeypatch.setattr(kvtool.connectors.paged_copy, "notice", refuse)  # the paged copy kernel
-        monkeypatch.setattr(kvtool.codecs.cachegen, "notice", refuse)  # the CacheGen GPU coder
+        monkeypatch.setattr(kvtool.cuda_build, "notice", refuse)  # a kernel that cannot be loaded
+        monkeypatch.setattr(kvtool.codecs.cachegen, "notice", refuse)  # the CacheGen GPU coder failing at run time
 
 
 @pytest.fixture(scope="session")

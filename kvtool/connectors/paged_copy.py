@@ -13,8 +13,7 @@ from typing import Sequence
 
 import torch
 
-from ..errors import CudaUnavailable
-from ..notices import notice
+from ..cuda_build import usable_or_notice
 from . import paged_torch
 from .paged_layout import LayerKV, PagedLayout, layer_tensors
 
@@ -62,9 +61,4 @@ def load_cuda_kernel():
     """`paged_cuda` with its library loaded, or None after a one-line notice (also a warm-up)."""
     from . import paged_cuda
 
-    try:
-        paged_cuda.library()
-    except CudaUnavailable as exc:
-        notice(f"CUDA paged copy kernel unavailable ({exc}); using the torch path", key="paged_cuda")
-        return None
-    return paged_cuda
+    return usable_or_notice(paged_cuda, "paged copy kernel", "the torch path")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import CudaUnavailable
+from ...cuda_build import usable_or_notice
 from ...notices import notice
 from .. import register
 from ..base import Codec
@@ -110,12 +110,7 @@ class CacheGenCodec(Codec):
         """The GPU coder with its kernels loaded (built on first use), or None after a notice."""
         from . import gpu
 
-        try:
-            gpu.library()
-        except CudaUnavailable as exc:
-            notice(f"CUDA CacheGen coder unavailable ({exc}); using the CPU coder", key="cachegen_gpu")
-            return None
-        return gpu
+        return usable_or_notice(gpu, "CacheGen coder", "the CPU coder")
 
     def _on_gpu(self, work):
         """`work(gpu)`, or None when the GPU coder cannot run it: not loadable, or a runtime
@@ -128,7 +123,7 @@ class CacheGenCodec(Codec):
             return work(gpu)
         except RuntimeError as exc:
             notice(f"CUDA CacheGen coder failed ({str(exc).splitlines()[0]}); using the CPU coder",
-                   key="cachegen_gpu")
+                   key="CacheGen coder")
             return None
 
 
