@@ -93,9 +93,10 @@ def test_inspect_human(cli, kv_file):
     assert "synthetic-tiny" in text and "LlamaForCausalLM" in text
     assert "kvtool format 1.0" in text
     assert "5 tokens in 3 chunks of 2" in text
-    assert kv_file.identity.fingerprint() in text
-    assert "extra hidden_states bfloat16 [5, 32]" in text
-    assert "extra roi_mask bool [5]" in text
+    fingerprint = kv_file.identity.fingerprint()
+    assert f"fingerprint {fingerprint[:23]}…{fingerprint[-8:]}" in text  # in full with --wide
+    assert "extra hidden_states: bfloat16 [5 x 32], 320 B" in text
+    assert "extra roi_mask: bool [5], 5 B" in text
     assert "BAD" not in text
 
 
@@ -790,3 +791,46 @@ def test_quiet_silences_notices_but_not_errors(cli, tmp_path, monkeypatch):
     r = cli("--quiet", "verify", tmp_path / "missing.kvc")
     assert r.code == 2 and r.err.startswith("kvtool: error: ")
     notices.set_quiet(False)
+
+
+# --- human output at terminal widths -----------------------------------------------------------
+
+
+def human_output(*argv, columns: int) -> list[str]:
+    """A command's human output as a pipe of `columns` columns would show it (a fresh process)."""
+    env = {**os.environ, "COLUMNS": str(columns), "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "kvtool", *map(str, argv)], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_inspect_fits_the_width_with_one_line_per_chunk(tmp_path, columns):
+    f = write_kv_file(tmp_path / "many.kvc", num_tokens=40, chunk_size=3, codec="zstd", extras=True)
+    lines = human_output("inspect", f.path, columns=columns)
+    assert max(len(line) for line in lines) <= columns
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "tokens"])
+    rows = lines[header + 1:header + 15]
+    assert [row.split()[0] for row in rows] == [str(i) for i in range(14)]  # no row wraps in two
+    assert all(row.split()[2] == "zstd" and row.split()[-2] == "ok" for row in rows)
+    assert any(line.strip().startswith("fingerprint sha256:") and "…" in line for line in lines)
+    assert not any("{" in line for line in lines)  # rope is words, not a Python dict
+    assert any("rope theta 10000" in line for line in lines)
+
+
+def test_inspect_wide_prints_hashes_and_parameters_in_full(tmp_path):
+    f = write_kv_file(tmp_path / "w.kvc", num_tokens=7, chunk_size=3, codec="zstd")
+    lines = human_output("inspect", "--wide", f.path, columns=80)
+    with ContainerReader(f.path) as reader:
+        hashes, fingerprint = [c.prefix_hash for c in reader.chunks], reader.fingerprint
+    text = "\n".join(lines)
+    assert all(h in text for h in hashes) and fingerprint in text
+    assert "level=1, shuffle=byteplane" in text
+
+
+def test_inspect_stats_fits_80_columns(tmp_path):
+    f = write_kv_file(tmp_path / "s.kvc", num_tokens=9, chunk_size=4)
+    lines = human_output("inspect", "--stats", f.path, columns=80)
+    assert max(len(line) for line in lines) <= 80
+    assert "per-layer statistics (outliers: channel, absmax / median)" in lines

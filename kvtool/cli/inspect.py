@@ -9,59 +9,114 @@ from rich.console import Console
 from rich.table import Table
 
 from .options import InputPath, JsonOpt
-from .output import emit, human_bytes, renders
+from .output import emit, escaped, human_bytes, renders
 
 StatsOpt = Annotated[bool, typer.Option("--stats", help="Decode and show per-layer K/V statistics.")]
+WideOpt = Annotated[bool, typer.Option("--wide", help="Everything in full: hashes, fingerprint, codec parameters.")]
 
 
-def command(path: InputPath, stats: StatsOpt = False, json: JsonOpt = False) -> None:
+def command(path: InputPath, stats: StatsOpt = False, wide: WideOpt = False, json: JsonOpt = False) -> None:
     """Show the header, model identity, chunk table and totals of a KV file."""
     from ..ops.inspect import inspect
 
-    emit(inspect(path, stats=stats), json)
+    summary = inspect(path, stats=stats)
+    if wide and not json:  # as wide as the lines are: full hashes never wrap, whatever the terminal
+        render(Console(highlight=False, width=4096), escaped(summary.to_dict()), wide=True)
+    else:
+        emit(summary, json)
 
 
 @renders("FileSummary")
-def render(console: Console, r: dict[str, Any]) -> None:
+def render(console: Console, r: dict[str, Any], wide: bool = False) -> None:
+    """Designed for 80 columns (a pipe, a CI log): short hashes and one line per chunk;
+    `--wide` prints them in full."""
     model = r["model"]
-    console.print(f"[bold]{r['path']}[/bold]  kvtool format {r['format_version']}, "
-                  f"{human_bytes(r['file_size'])}, blob alignment {r['alignment']}")
-    console.print(f"model  {model['name']} ({model['architecture']}), {model['num_layers']} layers, "
-                  f"{model['num_kv_heads']} KV heads x {model['head_dim']}, rope {model.get('rope')}")
-    console.print(f"       fingerprint {model['fingerprint']}")
-    console.print(f"KV     {r['kv_dtype']}, {r['num_tokens']} tokens in {r['num_chunks']} chunks of "
-                  f"{r['chunk_size']}; token ids checksum {r['tokens_checksum']}")
-    table = Table(show_edge=False, header_style="bold")
-    for col in ("#", "tokens", "codec", "stored", "ratio", "bits/value", "checksum", "prefix hash"):
-        table.add_column(col, justify="right" if col in ("#", "stored", "ratio", "bits/value") else "left")
-    for c in r["chunks"]:
-        table.add_row(str(c["index"]), f"{c['start']}-{c['end']}", c["codec"],
-                      human_bytes(c["stored_bytes"]), f"{c['ratio']:.2f}x",
-                      f"{c['bits_per_value']:.2f}",
-                      "[green]ok[/green]" if c["checksum"] == "ok" else "[red]BAD[/red]",
-                      c["prefix_hash"][:16])
-    console.print(table)
+    console.print(f"[bold]{r['path']}[/bold]", overflow="fold")
+    console.print(f"file   kvtool format {r['format_version']}, {human_bytes(r['file_size'])}, "
+                  f"blobs aligned to {r['alignment']}")
+    console.print(f"model  {model['name']} ({model['architecture']})", overflow="fold")
+    console.print(f"       {model['num_layers']} layers, {model['num_kv_heads']} KV heads x {model['head_dim']}, "
+                  f"{rope_text(model.get('rope'))}")
+    print_fingerprint(console, model["fingerprint"], wide)
+    console.print(f"KV     {r['kv_dtype']}, {r['num_tokens']} tokens in {plural(r['num_chunks'], 'chunk')} of "
+                  f"{r['chunk_size']}; token ids {checksum_text(r['tokens_checksum'])}")
+    console.print(chunk_table(r["chunks"], wide))
     t = r["totals"]
-    console.print(f"total  {human_bytes(t['stored_bytes'])} stored for {human_bytes(t['decoded_bytes'])} "
-                  f"of KV: {t['ratio']:.2f}x, {t['bits_per_value']:.2f} bits/value "
-                  f"({t['file_bits_per_value']:.2f} with container overhead)"
-                  + (f", [red]{t['bad_checksums']} bad checksum(s)[/red]" if t["bad_checksums"] else ""))
-    shares = [c["codec_stats"] for c in r["chunks"] if "codec_stats" in c]
-    if shares:  # bits per value by part, weighted by each chunk's number of values
-        keys = [k for k in shares[0] if k.startswith("bpv_")]
-        weights = [c["decoded_bytes"] for c in r["chunks"] if "codec_stats" in c]
-        parts = {k[4:].replace("_", " "): sum(s[k] * w for s, w in zip(shares, weights)) / sum(weights)
-                 for k in keys}
+    console.print(f"total  {human_bytes(t['stored_bytes'])} for {human_bytes(t['decoded_bytes'])} of KV: "
+                  f"{t['ratio']:.2f}x, {t['bits_per_value']:.2f} bits/value "
+                  f"({t['file_bits_per_value']:.2f} in the file)")
+    if t["bad_checksums"]:
+        console.print(f"[red]{plural(t['bad_checksums'], 'bad checksum')}[/red]: verify names them")
+    parts = bits_by_part(r["chunks"])
+    if parts:
         console.print("bits/value by part: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if v >= 0.0005))
     for name, e in r["extras"].items():
-        console.print(f"extra  {name} {e['dtype']} {e['shape']}")
+        console.print(f"extra  {name}: {e['dtype']} [{' x '.join(str(n) for n in e['shape'])}], "
+                      f"{human_bytes(e['stored_bytes'])}")
     if r.get("stats"):
-        st = Table(show_edge=False, header_style="bold", title="per-layer statistics")
-        for col in ("layer", "K/V", "min", "max", "mean", "std", "outlier channels (absmax/median)"):
-            st.add_column(col, justify="left" if col.startswith("outlier") else "right")
-        for s in sorted(r["stats"], key=lambda s: (s["layer"], s["kind"])):
-            st.add_row(str(s["layer"]), s["kind"], f"{s['min']:.3f}", f"{s['max']:.3f}",
-                       f"{s['mean']:.3f}", f"{s['std']:.3f}",
-                       ", ".join(f"{o['channel']} ({o['absmax_over_median']:.1f}x)"
-                                 for o in s["outlier_channels"]))
-        console.print(st)
+        console.print("per-layer statistics (outliers: channel, absmax / median)")
+        console.print(stats_table(r["stats"]))
+
+
+def chunk_table(chunks: list[dict[str, Any]], wide: bool) -> Table:
+    table = Table(box=None, header_style="bold", pad_edge=False, show_edge=False)
+    for col, justify in (("#", "right"), ("tokens", "left"), ("codec", "left"), ("stored", "right"),
+                         ("ratio", "right"), ("bits/v", "right"), ("crc", "left"), ("prefix hash", "left")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    if wide:
+        table.add_column("codec parameters", no_wrap=True)
+    for c in chunks:
+        row = [str(c["index"]), f"{c['start']}-{c['end']}", c["codec"], human_bytes(c["stored_bytes"]),
+               f"{c['ratio']:.2f}x", f"{c['bits_per_value']:.2f}", checksum_text(c["checksum"]),
+               c["prefix_hash"] if wide else c["prefix_hash"][:12]]
+        if wide:
+            row.append(", ".join(f"{k}={v}" for k, v in c["codec_params"].items() if k != "version"))
+        table.add_row(*row)
+    return table
+
+
+def stats_table(stats: list[dict[str, Any]]) -> Table:
+    table = Table(box=None, header_style="bold", pad_edge=False, show_edge=False)
+    for col in ("layer", "K/V", "min", "max", "mean", "std", "outliers"):
+        table.add_column(col, justify="left" if col == "outliers" else "right", no_wrap=col != "outliers")
+    for s in sorted(stats, key=lambda s: (s["layer"], s["kind"])):
+        table.add_row(str(s["layer"]), s["kind"], f"{s['min']:.3f}", f"{s['max']:.3f}", f"{s['mean']:.3f}",
+                      f"{s['std']:.3f}", ", ".join(f"{o['channel']} ({o['absmax_over_median']:.1f}x)"
+                                                    for o in s["outlier_channels"]))
+    return table
+
+
+def bits_by_part(chunks: list[dict[str, Any]]) -> dict[str, float]:
+    """A codec's bits per value by part, weighted by each chunk's number of values."""
+    shares = [c["codec_stats"] for c in chunks if "codec_stats" in c]
+    if not shares:
+        return {}
+    keys = [k for k in shares[0] if k.startswith("bpv_")]
+    weights = [c["decoded_bytes"] for c in chunks if "codec_stats" in c]
+    return {k[4:].replace("_", " "): sum(s[k] * w for s, w in zip(shares, weights)) / sum(weights) for k in keys}
+
+
+def print_fingerprint(console: Console, fingerprint: str, wide: bool) -> None:
+    short = fingerprint if wide or len(fingerprint) <= 40 else f"{fingerprint[:23]}…{fingerprint[-8:]}"
+    console.print(f"       fingerprint {short}", overflow="fold")
+
+
+def rope_text(rope: Any) -> str:
+    """{'rope_theta': 100000.0, 'rope_scaling': None} -> 'rope theta 100000'."""
+    if not isinstance(rope, dict) or "rope_theta" not in rope:
+        return "rope ?"
+    text = f"rope theta {rope['rope_theta']:g}"
+    scaling = rope.get("rope_scaling")
+    if isinstance(scaling, dict):
+        kind = scaling.get("rope_type") or scaling.get("type") or "scaled"
+        factor = scaling.get("factor")
+        text += f", {kind} scaling" + (f" x{factor:g}" if isinstance(factor, (int, float)) else "")
+    return text
+
+
+def checksum_text(status: str) -> str:
+    return "[green]ok[/green]" if status == "ok" else "[red]BAD[/red]"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")

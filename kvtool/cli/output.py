@@ -37,16 +37,17 @@ def emit(result, json_mode: bool) -> None:
         sys.stdout.write(json.dumps(data, indent=2, default=str, allow_nan=False) + "\n")
         sys.stdout.flush()
     else:  # strings come from files and arguments: never let them act as rich markup
-        _RENDERERS[type(result).__name__](stdout_console, _escaped(data))
+        _RENDERERS[type(result).__name__](stdout_console, escaped(data))
 
 
-def _escaped(value: Any) -> Any:
+def escaped(value: Any) -> Any:
+    """Strings from files and arguments made literal for rich (no markup)."""
     if isinstance(value, str):
         return escape(value)
     if isinstance(value, dict):
-        return {k: _escaped(v) for k, v in value.items()}
+        return {k: escaped(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_escaped(v) for v in value]
+        return [escaped(v) for v in value]
     return value
 
 
