@@ -4,11 +4,15 @@ one clear error, and atomic outputs (temp file beside the target, fsync, rename)
 from __future__ import annotations
 
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
 
 from .errors import InputFileError, OutputError
+from .notices import notice
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def cache_root() -> Path:
@@ -37,6 +41,8 @@ def input_error(path: str | os.PathLike, err: OSError, what: str = "a file") -> 
 def open_regular_file(path: str | os.PathLike, what: str = "a file"):
     """`open(path, "rb")` of a regular file; a FIFO or a device (which would block open() or
     never end) and every OSError are an InputFileError naming the path."""
+    if isinstance(path, str) and _URL.match(path):
+        raise InputFileError(f"{path}: a URL; kvtool reads local files (download it first)")
     try:
         mode = os.stat(path).st_mode
         if stat.S_ISDIR(mode):
@@ -74,7 +80,9 @@ def open_temp_beside(path: Path) -> tuple[int, str]:
     if path.exists() and not path.is_file():  # a device, FIFO or socket: never replace it
         raise OutputError(f"{path}: is not a regular file")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.exists():
+            path.parent.mkdir(parents=True)
+            notice(f"created the folder {path.parent} for {path.name}")
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as err:
         raise OutputError(f"{path}: cannot write here ({err.strerror})") from None

@@ -220,8 +220,8 @@ def test_dump_safetensors_everything(cli, tmp_path, dtype):
     f = write_kv_file(tmp_path / "in.kvc", num_tokens=5, chunk_size=2, dtype=dtype, codec="zstd")
     out = tmp_path / "out" / "kv.safetensors"
     r = cli("dump", f.path, "-o", out)
-    assert r.code == 0 and r.err == ""
-    assert "wrote" in r.out and "5 tokens from 3 chunk(s), 2 layer(s)" in " ".join(r.out.split())
+    assert r.code == 0 and r.err == f"kvtool: notice: created the folder {out.parent} for kv.safetensors\n"
+    assert "wrote" in r.out and "5 tokens from 3 chunks, 2 layers" in " ".join(r.out.split())
     tensors = load_file(out)
     assert set(tensors) == {"token_ids", "positions", "layers.0.key", "layers.0.value",
                             "layers.1.key", "layers.1.value"}
@@ -834,3 +834,41 @@ def test_inspect_stats_fits_80_columns(tmp_path):
     lines = human_output("inspect", "--stats", f.path, columns=80)
     assert max(len(line) for line in lines) <= 80
     assert "per-layer statistics (outliers: channel, absmax / median)" in lines
+
+
+def test_a_url_is_named_as_given_and_refused_in_one_line(cli):
+    r = cli("inspect", "https://example.com/runs/x.kvc")
+    assert_error(r, 2, "InputFileError")
+    assert "https://example.com/runs/x.kvc: a URL" in r.err
+
+
+def test_an_output_folder_that_does_not_exist_is_created_and_said(cli, kv_file, tmp_path):
+    out = tmp_path / "new" / "dir" / "z.kvc"
+    r = cli("compress", kv_file.path, "-o", out)
+    assert r.code == 0 and out.is_file()
+    assert r.err == f"kvtool: notice: created the folder {out.parent} for z.kvc\n"
+
+
+def test_layers_written_backwards_say_the_range_is_empty(cli, kv_file, tmp_path):
+    r = cli("dump", kv_file.path, "-o", tmp_path / "d.npy", "--layers", "1-0")
+    assert_error(r, 2, "UsageError")
+    assert "'1-0' is an empty range" in r.err
+
+
+def test_npy_dump_says_which_layers_chunks_and_tokens_it_holds(cli, kv_file, tmp_path):
+    out = tmp_path / "d.npy"
+    r = cli("dump", kv_file.path, "-o", out, "--layers", "1", "--chunks", "1-2")
+    assert r.code == 0
+    about = json.loads(Path(f"{out}.json").read_text())
+    assert about["layers"] == [1] and about["chunks"] == [1, 2] and about["positions"] == [2, 3, 4]
+    assert about["token_ids"] == list(kv_file.token_ids[2:5]) and about["kv_dtype"] == "bfloat16"
+    assert np.load(out).shape == (2, 1, 3, 16)
+
+
+def test_compress_summary_counts_the_whole_file(cli, kv_file, tmp_path):
+    r = cli("compress", kv_file.path, "-o", tmp_path / "z.kvc", "--level", "19", "--json")
+    doc = json.loads(r.out)
+    assert doc["output_file_bytes"] == (tmp_path / "z.kvc").stat().st_size
+    assert doc["input_file_bytes"] == Path(kv_file.path).stat().st_size and doc["extras_bytes"] > 0
+    human = cli("compress", kv_file.path, "-o", tmp_path / "z2.kvc", "--level", "19").out
+    assert "extras" in human and " 0 MB/s" not in human and "3 chunks as zstd" in " ".join(human.split())

@@ -10,19 +10,19 @@ from rich.console import Console
 
 from .options import (BinsOpt, CodecOpt, DeviceOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt, OutputPath,
                       ShuffleOpt)
-from .output import emit, human_bytes, progress, renders
+from .output import emit, human_bytes, plural, progress, renders
 
-PromptOpt = Annotated[Optional[str], typer.Option("--prompt", help="Prompt text.")]
-PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", help="File with the prompt (UTF-8).")]
+PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", help="Prompt text.")]
+PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", metavar="FILE", help="File with the prompt (UTF-8).")]
 TokensOpt = Annotated[Optional[Path], typer.Option(
-    "--tokens", help="File of token ids (JSON list or whitespace-separated).")]
-ChunkSizeOpt = Annotated[int, typer.Option("--chunk-size", help="Tokens per chunk.")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="KV dtype: bf16, fp16 or fp32.")]
-BlockSizeOpt = Annotated[int, typer.Option("--block-size", help="Tokens per paged-KV block.")]
+    "--tokens", metavar="FILE", help="File of token ids (JSON list or whitespace-separated).")]
+ChunkSizeOpt = Annotated[int, typer.Option("--chunk-size", metavar="N", help="Tokens per chunk.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="KV dtype: bf16, fp16 or fp32.")]
+BlockSizeOpt = Annotated[int, typer.Option("--block-size", metavar="N", help="Tokens per paged-KV block.")]
 HiddenOpt = Annotated[bool, typer.Option(
     "--hidden-states", help="Also store the final hidden states (replay then computes nothing for the first new token).")]
 RoiOpt = Annotated[Optional[str], typer.Option(
-    "--roi", help="Store a roi_mask marking these token ranges, e.g. '0:16,40:64' ([start, end)).")]
+    "--roi", metavar="RANGES", help="Store a roi_mask marking these token ranges, e.g. '0:16,40:64' ([start, end)).")]
 
 
 def command(output: OutputPath, model: ModelOpt = None, prompt: PromptOpt = None,
@@ -48,7 +48,7 @@ def render(console: Console, r: dict[str, Any]) -> None:
     t = r["timings"]
     extras = f" + {', '.join(r['extras'])}" if r["extras"] else ""
     console.print(f"wrote {r['output']}: {r['num_tokens']} tokens of {r['model']} KV ({r['kv_dtype']}) in "
-                  f"{r['num_chunks']} {r['codec']} chunks{extras}, {human_bytes(r['file_bytes'])}")
+                  f"{plural(r['num_chunks'], r['codec'] + ' chunk')}{extras}, {human_bytes(r['file_bytes'])}")
     console.print(f"prefill on {r['device']} {t['prefill_s']:.2f} s ({r['prefill_tokens_per_s']:.0f} tokens/s); connector "
                   f"{t['connector_s'] * 1e3:.0f} ms, writer {t['writer_s'] * 1e3:.0f} ms "
                   f"({100 * t['overhead_share']:.1f}% of prefill)")

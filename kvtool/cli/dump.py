@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 
 from .options import ChunksOpt, InputPath, JsonOpt, LayersOpt, OutputPath
-from .output import emit, human_bytes, renders
+from .output import emit, human_bytes, plural, renders
 
 
 def command(path: InputPath, output: OutputPath, chunks: ChunksOpt = None, layers: LayersOpt = None,
@@ -21,4 +21,7 @@ def command(path: InputPath, output: OutputPath, chunks: ChunksOpt = None, layer
 @renders("DumpResult")
 def render(console: Console, r: dict[str, Any]) -> None:
     console.print(f"wrote {r['output']} ({r['format']}, {human_bytes(r['bytes'])}): "
-                  f"{r['num_tokens']} tokens from {len(r['chunks'])} chunk(s), {len(r['layers'])} layer(s)")
+                  f"{plural(r['num_tokens'], 'token')} from {plural(len(r['chunks']), 'chunk')}, "
+                  f"{plural(len(r['layers']), 'layer')}")
+    if r.get("sidecar"):
+        console.print(f"and {r['sidecar']}: which layers, chunks, positions and token ids it holds")

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .options import InputPath, JsonOpt
-from .output import emit, escaped, human_bytes, renders
+from .output import emit, escaped, human_bytes, plural, renders
 
 StatsOpt = Annotated[bool, typer.Option("--stats", help="Decode and show per-layer K/V statistics.")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Everything in full: hashes, fingerprint, codec parameters.")]
@@ -118,5 +118,3 @@ def checksum_text(status: str) -> str:
     return "[green]ok[/green]" if status == "ok" else "[red]BAD[/red]"
 
 
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")

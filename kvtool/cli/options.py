@@ -8,21 +8,22 @@ from typing import Annotated, Optional
 import typer
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for machines.")]
-InputPath = Annotated[Path, typer.Argument(help="A kvtool file (.kvc).", show_default=False)]
-OutputPath = Annotated[Path, typer.Option("-o", "--output", help="Output path.", show_default=False)]
-CodecOpt = Annotated[str, typer.Option("--codec", help="Chunk codec: raw, zstd or cachegen.")]
-LevelOpt = Annotated[Optional[int], typer.Option("--level", help="zstd level (default 1: on shuffled KV it beats 3 in ratio and speed).")]
+# str, not Path: a Path would turn "https://host/f.kvc" into "https:/host/f.kvc" in messages
+InputPath = Annotated[str, typer.Argument(metavar="FILE", help="A kvtool file (.kvc).", show_default=False)]
+OutputPath = Annotated[Path, typer.Option("-o", "--output", metavar="OUT", help="Output path.", show_default=False)]
+CodecOpt = Annotated[str, typer.Option("--codec", metavar="CODEC", help="Chunk codec: raw, zstd or cachegen.")]
+LevelOpt = Annotated[Optional[int], typer.Option("--level", metavar="N", help="zstd level (default 1: on shuffled KV it beats 3 in ratio and speed).")]
 ShuffleOpt = Annotated[Optional[bool], typer.Option(
     "--shuffle/--no-shuffle", help="zstd: byte-plane shuffle before compression (default on).")]
 BinsOpt = Annotated[Optional[str], typer.Option(
-    "--bins", help="cachegen: per-layer bins, e.g. 'k:0-10=32,10-=16;v:0-2=32,2-=16'.")]
+    "--bins", metavar="SPEC", help="cachegen: per-layer bins, e.g. 'k:0-10=32,10-=16;v:0-2=32,2-=16'.")]
 ModelOpt = Annotated[Optional[Path], typer.Option(
-    "--model", help="Local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct).")]
+    "--model", metavar="DIR", help="Local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct).")]
 DeviceOpt = Annotated[str, typer.Option(
-    "--device", help="Where the model runs: auto (the GPU if torch sees one), cpu, cuda or cuda:N.")]
+    "--device", metavar="DEVICE", help="Where the model runs: auto (the GPU if torch sees one), cpu, cuda or cuda:N.")]
 ModelDtypeOpt = Annotated[str, typer.Option(
-    "--model-dtype", help="Weights and arithmetic of the model: fp32, bf16 or fp16 (bf16 for big models on a GPU).")]
+    "--model-dtype", metavar="DTYPE", help="Weights and arithmetic of the model: fp32, bf16 or fp16 (bf16 for big models on a GPU).")]
 ChunksOpt = Annotated[Optional[str], typer.Option(
-    "--chunks", help="Chunk indices, e.g. '0-3,7' (default: all).")]
+    "--chunks", metavar="LIST", help="Chunk indices, e.g. '0-3,7' (default: all).")]
 LayersOpt = Annotated[Optional[str], typer.Option(
-    "--layers", help="Layer indices, e.g. '0,5-9' (default: all).")]
+    "--layers", metavar="LIST", help="Layer indices, e.g. '0,5-9' (default: all).")]

@@ -66,6 +66,16 @@ def progress(label: str, unit: str, enabled: bool) -> Iterator[Callable[[int, in
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
+def plural(n: int, word: str) -> str:
+    """'1 chunk', '2 chunks'."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def human_rate(mb_per_s: float) -> str:
+    """Three significant digits: a slow level-19 zstd is '2.31 MB/s', not '0 MB/s'."""
+    return f"{mb_per_s:.3g} MB/s" if mb_per_s < 1000 else f"{mb_per_s:.0f} MB/s"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":

@@ -12,19 +12,19 @@ from rich.text import Text
 from .options import DeviceOpt, InputPath, JsonOpt, ModelDtypeOpt, ModelOpt
 from .output import emit, renders
 
-ContinueOpt = Annotated[int, typer.Option("--continue", help="Tokens to generate (or teacher-force with --compare).")]
-SuffixOpt = Annotated[Optional[str], typer.Option("--suffix", help="Text to append after the cached tokens.")]
-SuffixFileOpt = Annotated[Optional[Path], typer.Option("--suffix-file", help="File with text to append.")]
+ContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help="Tokens to generate (or teacher-force with --compare).")]
+SuffixOpt = Annotated[Optional[str], typer.Option("--suffix", metavar="TEXT", help="Text to append after the cached tokens.")]
+SuffixFileOpt = Annotated[Optional[Path], typer.Option("--suffix-file", metavar="FILE", help="File with text to append.")]
 PromptOpt = Annotated[Optional[str], typer.Option(
-    "--prompt", help="A new prompt: reuse the file's chunks whose prefix hashes match, compute the rest.")]
-PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", help="A new prompt, from a file.")]
+    "--prompt", metavar="TEXT", help="A new prompt: reuse the file's chunks whose prefix hashes match, compute the rest.")]
+PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", metavar="FILE", help="A new prompt, from a file.")]
 CompareOpt = Annotated[bool, typer.Option("--compare", help="Also run the full recompute and compare.")]
 NoHiddenOpt = Annotated[bool, typer.Option(
     "--no-hidden-states", help="Ignore stored hidden states: compute the last cached token (measures the KV alone).")]
 MinTop1Opt = Annotated[Optional[float], typer.Option(
-    "--min-top1", help="Exit 1 if top-1 agreement with the recompute is below this (implies --compare).")]
+    "--min-top1", metavar="X", help="Exit 1 if top-1 agreement with the recompute is below this (implies --compare).")]
 MaxKlOpt = Annotated[Optional[float], typer.Option(
-    "--max-kl", help="Exit 1 if the mean KL divergence exceeds this (implies --compare).")]
+    "--max-kl", metavar="X", help="Exit 1 if the mean KL divergence exceeds this (implies --compare).")]
 
 
 def command(path: InputPath, model: ModelOpt = None, continue_tokens: ContinueOpt = 32,

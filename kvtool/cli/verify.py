@@ -13,15 +13,15 @@ from .output import emit, renders
 from .replay import render as render_replay
 
 AgainstOpt = Annotated[Optional[Path], typer.Option(
-    "--against", help="Compare decoded KV with this file (e.g. the raw original of a lossy file).")]
-AtolOpt = Annotated[float, typer.Option("--atol", help="Allowed absolute error per value.")]
+    "--against", metavar="FILE", help="Compare decoded KV with this file (e.g. the raw original of a lossy file).")]
+AtolOpt = Annotated[float, typer.Option("--atol", metavar="X", help="Allowed absolute error per value.")]
 RtolOpt = Annotated[float, typer.Option(
-    "--rtol", help="Allowed error relative to the layer's largest reference magnitude.")]
+    "--rtol", metavar="X", help="Allowed error relative to the layer's largest reference magnitude.")]
 ReplayOpt = Annotated[bool, typer.Option(
     "--replay", help="Also replay the file into the model and compare with a full recompute.")]
-ReplayTop1Opt = Annotated[float, typer.Option("--min-top1", help="With --replay: minimum top-1 agreement.")]
-ReplayKlOpt = Annotated[Optional[float], typer.Option("--max-kl", help="With --replay: maximum mean KL.")]
-ReplayContinueOpt = Annotated[int, typer.Option("--continue", help="With --replay: teacher-forced tokens.")]
+ReplayTop1Opt = Annotated[float, typer.Option("--min-top1", metavar="X", help="With --replay: minimum top-1 agreement.")]
+ReplayKlOpt = Annotated[Optional[float], typer.Option("--max-kl", metavar="X", help="With --replay: maximum mean KL.")]
+ReplayContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help="With --replay: teacher-forced tokens.")]
 
 
 def command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 0.0, rtol: RtolOpt = 0.0,

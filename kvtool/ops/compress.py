@@ -21,8 +21,11 @@ class CompressResult(Result):
     codec_params: dict[str, Any]
     num_chunks: int
     chunks_copied: int
-    input_bytes: int
+    input_bytes: int  # the chunks' stored bytes
     output_bytes: int
+    input_file_bytes: int  # whole files: chunks, extras, token ids, manifest
+    output_file_bytes: int
+    extras_bytes: int
     decoded_bytes: int
     ratio_vs_decoded: float
     bits_per_value: float
@@ -66,7 +69,9 @@ def compress_file(reader: ContainerReader, output: str | Path, codec: str, param
     values = m.num_tokens * 2 * m.num_layers * m.hidden_kv
     return CompressResult(
         input=str(reader.path), output=str(output), codec=codec, codec_params=params, num_chunks=len(m.chunks),
-        chunks_copied=copied, input_bytes=stored_in, output_bytes=stored_out, decoded_bytes=decoded,
+        chunks_copied=copied, input_bytes=stored_in, output_bytes=stored_out, input_file_bytes=reader.file_size,
+        output_file_bytes=Path(output).stat().st_size, extras_bytes=sum(e.blob.length for e in m.extras.values()),
+        decoded_bytes=decoded,
         ratio_vs_decoded=decoded / max(stored_out, 1), bits_per_value=8 * stored_out / values, seconds=seconds,
         mb_per_s=decoded / 1e6 / max(seconds, 1e-9))
 

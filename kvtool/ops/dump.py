@@ -7,13 +7,16 @@ safetensors output holds, for the selected tokens T and each selected layer i:
   positions         [T] int64   (position of each exported token in the sequence)
 and the model name, fingerprint and source path in the metadata.
 .npy output holds one KV_BLOB array [2, layers, T, kv_heads * head_dim]; bf16 is
-widened to float32 (numpy has no bfloat16; the widening is exact).
+widened to float32 (numpy has no bfloat16; the widening is exact). What it holds is
+said beside it, in OUT.npy.json: the source, model, fingerprint, KV dtype, the
+layers and chunks selected (axis 1 and 2 of the array), each token's position and id.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +41,7 @@ class DumpResult(Result):
     layers: list[int]
     num_tokens: int
     bytes: int
+    sidecar: str | None = field(default=None)  # .npy: what the array holds, as JSON
 
 
 def dump(path: str | Path, output: str | Path, *, chunks: str | None = None,
@@ -59,7 +63,16 @@ def dump(path: str | Path, output: str | Path, *, chunks: str | None = None,
             _write_safetensors(output, kv, token_ids, positions, layer_ids, m, str(path))
         else:
             array = to_float64(kv, m.kv_dtype).astype(np.float32) if m.kv_dtype == "bfloat16" else kv
+            sidecar = Path(f"{output}.json")
+            about = {"source": str(path), "model": m.model["name"], "fingerprint": m.model["fingerprint"],
+                     "kv_dtype": m.kv_dtype, "array_dtype": str(array.dtype),
+                     "shape": "[2 (K, V), layers, tokens, kv_heads * head_dim]", "layers": layer_ids,
+                     "chunks": chunk_ids, "positions": positions.tolist(),
+                     "token_ids": reader.token_ids()[positions].tolist()}
             atomic_write(output, lambda f: np.save(f, array))
+            atomic_write(sidecar, lambda f: f.write(json.dumps(about, indent=1).encode()))
+            return DumpResult(output=str(output), format="npy", chunks=chunk_ids, layers=layer_ids,
+                              num_tokens=int(kv.shape[2]), bytes=output.stat().st_size, sidecar=str(sidecar))
     return DumpResult(output=str(output), format=suffix[1:], chunks=chunk_ids, layers=layer_ids,
                       num_tokens=int(kv.shape[2]), bytes=output.stat().st_size)
 

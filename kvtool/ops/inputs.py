@@ -63,7 +63,9 @@ def parse_index_set(spec: str | None, upper: int, what: str) -> list[int]:
                 lo = hi = int(part)
         except ValueError:
             raise UsageError(f"--{what}: cannot read {part!r} (use e.g. '0-3,7')") from None
-        if lo < 0 or hi >= upper or lo > hi:
+        if lo > hi:
+            raise UsageError(f"--{what}: {part!r} is an empty range (write the smaller index first, e.g. '{hi}-{lo}')")
+        if lo < 0 or hi >= upper:
             raise UsageError(f"--{what}: {part!r} is outside 0..{upper - 1}")
         chosen.update(range(lo, hi + 1))
     return sorted(chosen)
