@@ -22,6 +22,15 @@ import pytest
 import torch
 
 
+def pytest_sessionstart(session):
+    """Convert the default model (first use only) before any test captures output: its one
+    notice would otherwise land in whichever test happens to load the model first."""
+    from kvtool.engine.default_model import default_model_installed, default_model_path
+
+    if default_model_installed():
+        default_model_path()
+
+
 def _require_default_model() -> None:
     from kvtool.engine.default_model import default_model_installed
 

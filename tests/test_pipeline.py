@@ -511,3 +511,40 @@ def test_sigterm_leaves_no_temp_file_and_the_old_output_intact(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted" in err
     assert out.read_bytes() == b"the old output" and not list(tmp_path.glob(".*.tmp"))
+
+
+# ---- verify --replay's default threshold and replay --compare's two continuations -------------
+
+
+def test_verify_replay_default_threshold_follows_the_codec(captured, tmp_path, capsys):
+    """A default round trip passes its own default check: lossless is held to the recompute
+    exactly, cachegen to its bins' expectation from the RD benchmark; the report says which."""
+    code, v, _ = cli(capsys, "verify", str(captured), "--replay", "--device", "cpu", "--json")
+    assert code == 0 and v["replay_threshold"] == {"min_top1": 1.0, "why": "lossless: the recompute exactly"}
+    assert v["replay"]["top1_agreement"] == 1.0
+    small = tmp_path / "small.kvc"
+    assert run(["compress", str(captured), "-o", str(small), "--codec", "cachegen"]) == 0
+    code, v, _ = cli(capsys, "verify", str(small), "--replay", "--device", "cpu", "--json")
+    assert v["replay_threshold"]["min_top1"] == 0.70
+    assert v["replay_threshold"]["why"].startswith("cachegen with 16 bins")
+    assert code == (0 if v["replay"]["top1_agreement"] >= 0.70 else 1)
+    code, out, _ = cli(capsys, "verify", str(small), "--replay", "--device", "cpu", "--min-top1", "1.0")
+    assert code == 1 and "replay threshold: top-1 >= 1.00 (given (--min-top1))" in " ".join(out.split())
+
+
+def test_replay_compare_shows_both_continuations_and_where_they_part(captured, tmp_path, capsys):
+    small = tmp_path / "small.kvc"
+    assert run(["compress", str(captured), "-o", str(small), "--codec", "cachegen", "--bins", "4"]) == 0
+    code, r, _ = cli(capsys, "replay", str(small), "--compare", "--continue", "16", "--device", "cpu", "--json")
+    assert code == 0
+    same, ref, own = r["greedy_identical_tokens"], r["continuation_tokens"], r["cached_continuation_tokens"]
+    assert len(own) == len(ref) == 16 and own[:same] == ref[:same]
+    assert same == 16 or own[same] != ref[same]  # the cache's own choice where they part
+    assert r["continuation"].startswith(r["agreed_continuation"])
+    assert r["cached_continuation"].startswith(r["agreed_continuation"])
+    code, out, _ = cli(capsys, "replay", str(small), "--compare", "--continue", "16", "--device", "cpu")
+    text = " ".join(out.split())
+    if same < 16:
+        assert f"alike for {same} of 16 tokens" in text and "then the recompute:" in text and "then the cache:" in text
+    code, r, _ = cli(capsys, "replay", str(captured), "--compare", "--continue", "8", "--device", "cpu", "--json")
+    assert r["cached_continuation_tokens"] == r["continuation_tokens"] and r["greedy_identical_tokens"] == 8

@@ -63,7 +63,7 @@ def progress(label: str, unit: str, enabled: bool) -> Iterator[Callable[[int, in
     with Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total} " + unit),
                   TimeElapsedColumn(), console=stderr_console, transient=True) as bar:
         task = bar.add_task(label, total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
+        yield lambda done, total: bar.update(task, completed=done, total=total or None)  # 0: not known yet
 
 
 def plural(n: int, word: str) -> str:
@@ -74,6 +74,17 @@ def plural(n: int, word: str) -> str:
 def human_rate(mb_per_s: float) -> str:
     """Three significant digits: a slow level-19 zstd is '2.31 MB/s', not '0 MB/s'."""
     return f"{mb_per_s:.3g} MB/s" if mb_per_s < 1000 else f"{mb_per_s:.0f} MB/s"
+
+
+@contextmanager
+def stages(enabled: bool) -> Iterator[Callable[[str], None]]:
+    """A spinner on a terminal's stderr saying what a long operation is doing, or nothing
+    (not a terminal, `--json`): yields `stage(text)`."""
+    if not enabled or not stderr_console.is_terminal:
+        yield lambda text: None
+        return
+    with stderr_console.status("starting") as status:
+        yield lambda text: status.update(text)
 
 
 def human_bytes(n: float) -> str:

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.text import Text
 
 from .options import DeviceOpt, InputPath, JsonOpt, ModelDtypeOpt, ModelOpt
-from .output import emit, renders
+from .output import emit, renders, stages
 
 ContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help="Tokens to generate (or teacher-force with --compare).")]
 SuffixOpt = Annotated[Optional[str], typer.Option("--suffix", metavar="TEXT", help="Text to append after the cached tokens.")]
@@ -35,9 +35,12 @@ def command(path: InputPath, model: ModelOpt = None, continue_tokens: ContinueOp
     """Load a KV file into a fresh paged KV buffer, continue from it, and (--compare) check it."""
     from ..ops.replay import replay
 
-    emit(replay(path, model, continue_tokens=continue_tokens, suffix=suffix, suffix_file=suffix_file,
-                prompt=prompt, prompt_file=prompt_file, compare=compare, min_top1=min_top1, max_kl=max_kl,
-                device=device, model_dtype=weights_dtype, use_hidden_states=not no_hidden_states), json)
+    with stages(enabled=not json) as stage:
+        result = replay(path, model, continue_tokens=continue_tokens, suffix=suffix, suffix_file=suffix_file,
+                        prompt=prompt, prompt_file=prompt_file, compare=compare, min_top1=min_top1, max_kl=max_kl,
+                        device=device, model_dtype=weights_dtype, use_hidden_states=not no_hidden_states,
+                        on_stage=stage)
+    emit(result, json)
 
 
 @renders("ReplayResult")
@@ -56,7 +59,23 @@ def render(console: Console, r: dict[str, Any]) -> None:
                       f"greedy identical for {r['greedy_identical_tokens']}/{r['continue_tokens']} tokens, "
                       f"KL mean {r['kl_mean']:.3g} max {r['kl_max']:.3g}, ΔNLL {r['delta_nll']:+.4f}")
     # r holds markup-escaped strings; recover the literal text, then print it as plain Text.
-    continuation = Text.from_markup(r["continuation"]).plain
-    console.print(Text(f"continuation: {continuation!r}"), soft_wrap=True)
+    def text(key: str) -> str:
+        return Text.from_markup(r[key]).plain
+
+    if r.get("cached_continuation") is None:
+        console.print(Text(f"continuation: {text('continuation')!r}"), soft_wrap=True)
+        return _failures(console, r)
+    agreed, same, total = text("agreed_continuation"), r["greedy_identical_tokens"], r["continue_tokens"]
+    if same == total:
+        console.print(Text(f"continuation (recompute and cache alike, {total} tokens): {agreed!r}"), soft_wrap=True)
+        return _failures(console, r)
+    console.print(Text(f"alike for {same} of {total} tokens: {agreed!r}"), soft_wrap=True)
+    for label, key in (("then the recompute:", "continuation"), ("then the cache:   ", "cached_continuation")):
+        full = text(key)
+        console.print(Text(f"{label} {full[len(agreed):] if full.startswith(agreed) else full!r}"), soft_wrap=True)
+    _failures(console, r)
+
+
+def _failures(console: Console, r: dict[str, Any]) -> None:
     for f in r.get("failures", []):
         console.print(f"[red]FAIL[/red] {f}")

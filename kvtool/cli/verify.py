@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from .options import DeviceOpt, InputPath, JsonOpt, ModelDtypeOpt, ModelOpt
-from .output import emit, renders
+from .output import emit, renders, stages
 from .replay import render as render_replay
 
 AgainstOpt = Annotated[Optional[Path], typer.Option(
@@ -19,20 +19,25 @@ RtolOpt = Annotated[float, typer.Option(
     "--rtol", metavar="X", help="Allowed error relative to the layer's largest reference magnitude.")]
 ReplayOpt = Annotated[bool, typer.Option(
     "--replay", help="Also replay the file into the model and compare with a full recompute.")]
-ReplayTop1Opt = Annotated[float, typer.Option("--min-top1", metavar="X", help="With --replay: minimum top-1 agreement.")]
+ReplayTop1Opt = Annotated[Optional[float], typer.Option("--min-top1", metavar="X", help=(
+    "With --replay: minimum top-1 agreement (default: what the file's codec promises: 1.0 lossless, "
+    "0.70-0.88 cachegen by its bins)."))]
 ReplayKlOpt = Annotated[Optional[float], typer.Option("--max-kl", metavar="X", help="With --replay: maximum mean KL.")]
 ReplayContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help="With --replay: teacher-forced tokens.")]
 
 
 def command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 0.0, rtol: RtolOpt = 0.0,
-            replay: ReplayOpt = False, model: ModelOpt = None, min_top1: ReplayTop1Opt = 0.9,
+            replay: ReplayOpt = False, model: ModelOpt = None, min_top1: ReplayTop1Opt = None,
             max_kl: ReplayKlOpt = None, continue_tokens: ReplayContinueOpt = 16, device: DeviceOpt = "auto",
             weights_dtype: ModelDtypeOpt = "fp32", json: JsonOpt = False) -> None:
     """Check structure, checksums, decoding, finiteness and prefix hashes (exit 1 if any fails)."""
     from ..ops.verify import verify
 
-    emit(verify(path, against=against, atol=atol, rtol=rtol, replay=replay, model=model, min_top1=min_top1,
-                max_kl=max_kl, continue_tokens=continue_tokens, device=device, model_dtype=weights_dtype), json)
+    with stages(enabled=replay and not json) as stage:
+        report = verify(path, against=against, atol=atol, rtol=rtol, replay=replay, model=model,
+                        min_top1=min_top1, max_kl=max_kl, continue_tokens=continue_tokens, device=device,
+                        model_dtype=weights_dtype, on_stage=stage)
+    emit(report, json)
 
 
 @renders("VerifyReport")
@@ -51,6 +56,8 @@ def render(console: Console, r: dict[str, Any]) -> None:
                           + ("" if w["ok"] else "  [red]over tolerance[/red]"))
     if r.get("replay"):
         render_replay(console, {**r["replay"], "failures": []})
+        limit = r["replay_threshold"]
+        console.print(f"replay threshold: top-1 >= {limit['min_top1']:.2f} ({limit['why']})")
     for p in r["problems"]:
         console.print(f"[red]FAIL[/red] {p}")
     console.print("[green]OK[/green]" if r["ok"] else f"[red]{len(r['problems'])} problem(s)[/red]")

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ..errors import ModelError
 from ..fsutil import cache_root
+from ..notices import notice
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -99,6 +100,7 @@ def default_model_path() -> Path:
         if _is_complete(final):  # another process converted it while we waited
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=final.parent))
+        notice(f"converting the default model {MODEL_NAME} once, into {final} (about 15 s)")
         try:
             with _hub_offline():
                 convert_gguf(gguf_path, tmp)

@@ -98,6 +98,8 @@ def capture_prompt(output: str | Path, *, prompt: str | None = None, prompt_file
     params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
     weights = dtype_from_name(model_dtype_name(model_dtype))
     where = resolve_device(device)
+    if on_chunk is not None:
+        on_chunk(0, 0, 0)  # the model is loading
     loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=where)
     ids = read_tokens(loaded, prompt, prompt_file, tokens_file)
     progress = None if on_chunk is None else (lambda index, end: on_chunk(index, end, len(ids)))

@@ -18,6 +18,7 @@ against a full recompute of the same tokens:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ class ReplayResult(Result):
     load_s: float
     ttft_cached_s: float
     continue_tokens: int
-    continuation_tokens: list[int]
+    continuation_tokens: list[int]  # with compare: the recompute's greedy continuation (the reference)
     continuation: str
     # with compare: the recompute's time to first token, and how the cached run agrees with it
     ttft_recompute_s: float | None = None
@@ -76,6 +77,11 @@ class ReplayResult(Result):
     nll_cached: float | None = None
     delta_nll: float | None = None
     max_abs_logit_diff: float | None = None
+    # with compare: the cached run's own greedy continuation; it equals the recompute's up to
+    # `greedy_identical_tokens`, then goes its own way
+    cached_continuation_tokens: list[int] | None = None
+    cached_continuation: str | None = None
+    agreed_continuation: str | None = None  # the text both produce before they diverge
     thresholds: dict[str, float | None] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     notice: str | None = None
@@ -169,12 +175,14 @@ def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, c
            suffix: str | None = None, suffix_file: Path | None = None, prompt: str | None = None,
            prompt_file: Path | None = None, compare: bool = False, min_top1: float | None = None,
            max_kl: float | None = None, device: str = "auto", model_dtype: str = "fp32",
-           use_hidden_states: bool = True) -> ReplayResult:
+           use_hidden_states: bool = True, on_stage: Callable[[str], None] | None = None) -> ReplayResult:
     """Load a KV file into a fresh paged buffer and continue from it (`kvtool replay`).
 
     `suffix` continues the file's own tokens; `prompt` reuses the file's chunks that a new
     prompt shares. `min_top1` / `max_kl` (each implies `compare`) raise ToleranceExceeded,
-    carrying the result, when the cached run falls outside them."""
+    carrying the result, when the cached run falls outside them. `on_stage(text)` says what
+    it is doing (a progress display)."""
+    stage = on_stage or (lambda _text: None)
     if sum(x is not None for x in (suffix, suffix_file, prompt, prompt_file)) > 1:
         raise UsageError("give at most one of --suffix, --suffix-file, --prompt, --prompt-file")
     fraction("--min-top1", min_top1)
@@ -185,6 +193,7 @@ def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, c
     weights = dtype_from_name(model_dtype_name(model_dtype))
     where = resolve_device(device)
     with ContainerReader(path) as reader:
+        stage("loading the model")
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=where)
         check_model(reader, loaded)
         if suffix_file is not None:
@@ -195,7 +204,8 @@ def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, c
         plan = plan_reuse(reader, new_tokens=encode(check_text(prompt, "--prompt")) if prompt is not None else None,
                           suffix_tokens=encode(check_text(suffix, "--suffix")) if suffix is not None else None,
                           use_hidden_states=use_hidden_states)
-        result = replay_plan(reader, loaded, plan, continue_tokens=continue_tokens, compare=compare)
+        result = replay_plan(reader, loaded, plan, continue_tokens=continue_tokens, compare=compare,
+                             on_stage=stage)
     result.thresholds = {"min_top1": min_top1, "max_kl": max_kl}
     if min_top1 is not None and not result.top1_agreement >= min_top1:  # (NaN fails too)
         result.failures.append(f"top-1 agreement {result.top1_agreement:.3f} < {min_top1}")
@@ -207,7 +217,8 @@ def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, c
 
 
 def replay_plan(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, continue_tokens: int = 32,
-                compare: bool = False, block_size: int = 16) -> ReplayResult:
+                compare: bool = False, block_size: int = 16,
+                on_stage: Callable[[str], None] | None = None) -> ReplayResult:
     """Run `plan` (from `plan_reuse`) on an open file: load its reused chunks, compute the rest,
     continue greedily, and with `compare` measure against a full recompute."""
     check_model(reader, model)
@@ -221,9 +232,13 @@ def replay_plan(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *,
         raise UsageError("--continue must be at least 1")
     kv_dtype = reader.kv_dtype
     prefill_chunk = reader.manifest.chunk_size
+    stage = on_stage or (lambda _text: None)
     warm_up(model, reader)
+    if compare:
+        stage(f"recomputing {n} tokens and {continue_tokens} more (the reference)")
     reference = recompute(model, tokens, continue_tokens, kv_dtype, block_size, prefill_chunk) if compare else None
 
+    stage(f"loading {plan.reused} tokens from the file and continuing")
     cache, seq = new_cache(model, total, kv_dtype, block_size, seed=1)
     slot_mapping = seq.slot_mapping(total, device=model.device)
     runner = Runner(model, cache)
@@ -257,14 +272,33 @@ def replay_plan(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *,
         ref_logits, generated, ttft_recompute = reference
         rest = runner.prefill(seq, generated[:-1], start_pos=n, prefill_chunk=prefill_chunk, logits="all") \
             if continue_tokens > 1 else first[:0]
+        cached_logits = torch.cat([first, rest])  # [N, V]
         measured = {"ttft_recompute_s": ttft_recompute, "speedup": ttft_recompute / max(ttft_cached, 1e-9),
-                    **compare_logits(ref_logits, torch.cat([first, rest]), generated)}
+                    **compare_logits(ref_logits, cached_logits, generated)}
+        own = free_run_after(runner, seq, n, generated, cached_logits, measured["greedy_identical_tokens"])
+        same = measured["greedy_identical_tokens"]
+        measured.update(cached_continuation_tokens=own, cached_continuation=model.tokenizer.decode(own),
+                        agreed_continuation=model.tokenizer.decode(generated[:same]))
     return ReplayResult(
         file=str(reader.path), model=model.name, num_tokens=n, reused_tokens=reused, computed_tokens=n - reused,
         chunks_loaded=plan.chunks, codecs=sorted({c.codec for c in reader.chunks}), device=describe(model.device),
         model_dtype=str(model.dtype).removeprefix("torch."), first_token_from=first_from, load_s=load_s,
         ttft_cached_s=ttft_cached, continue_tokens=continue_tokens, continuation_tokens=generated,
         continuation=model.tokenizer.decode(generated), notice=why, **measured)
+
+
+def free_run_after(runner: Runner, seq, n: int, forced: list[int], cached_logits: torch.Tensor,
+                   same: int) -> list[int]:
+    """The cached run's own greedy continuation: the forced tokens up to the first position
+    whose top-1 differs, then its own choice there, then greedy decoding from that point
+    (the teacher-forced slots after it are written over)."""
+    if same >= len(forced):
+        return list(forced)
+    own = forced[:same] + [int(cached_logits[same].argmax())]
+    seq.num_tokens = n + same  # forget the forced tokens from the first difference on
+    while len(own) < len(forced):
+        own.append(int(runner.decode_step(seq, own[-1]).argmax()))
+    return own
 
 
 def recompute(model: LoadedModel, tokens: list[int], continue_tokens: int, kv_dtype: torch.dtype,
