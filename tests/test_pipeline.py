@@ -548,3 +548,30 @@ def test_replay_compare_shows_both_continuations_and_where_they_part(captured, t
         assert f"alike for {same} of 16 tokens" in text and "then the recompute:" in text and "then the cache:" in text
     code, r, _ = cli(capsys, "replay", str(captured), "--compare", "--continue", "8", "--device", "cpu", "--json")
     assert r["cached_continuation_tokens"] == r["continuation_tokens"] and r["greedy_identical_tokens"] == 8
+
+
+def test_chat_prompts_use_the_models_template_as_transformers_does(tmp_path, capsys, default_model):
+    """--chat: the prompt becomes a user message in the model's chat template; the token ids equal
+    transformers' apply_chat_template, the file records it, replay --chat reuses its chunks."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from kvtool.engine import default_model_path
+
+    question = "What does a KV cache hold?"
+    path = tmp_path / "chat.kvc"
+    code, r, _ = cli(capsys, "capture", "--prompt", question, "--chat", "-o", str(path), "--device", "cpu",
+                     "--chunk-size", "16", "--json")
+    assert code == 0
+    hf = AutoTokenizer.from_pretrained(default_model_path())
+    want = hf(hf.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                     add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    with ContainerReader(path) as reader:
+        assert reader.token_ids().tolist() == want
+        assert reader.manifest.metadata["prompt_format"] == "chat template, user message"
+    assert default_model.tokenizer.decode(want).endswith("<|im_start|>assistant\n")
+    code, r, _ = cli(capsys, "replay", str(path), "--prompt", question, "--chat", "--continue", "4",
+                     "--device", "cpu", "--json")
+    assert code == 0 and r["reused_tokens"] == len(want) - 1  # every chunk reused; the last token computes
+    code, _, err = cli(capsys, "capture", "--tokens", str(path), "--chat", "-o", str(tmp_path / "x.kvc"))
+    assert code == 2 and "--chat formats a prompt" in err

@@ -21,6 +21,8 @@ DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="KV dtyp
 BlockSizeOpt = Annotated[int, typer.Option("--block-size", metavar="N", help="Tokens per paged-KV block.")]
 HiddenOpt = Annotated[bool, typer.Option(
     "--hidden-states", help="Also store the final hidden states (replay then computes nothing for the first new token).")]
+ChatOpt = Annotated[bool, typer.Option(
+    "--chat", help="The prompt is a user message: apply the model's chat template (as transformers does).")]
 RoiOpt = Annotated[Optional[str], typer.Option(
     "--roi", metavar="RANGES", help="Store a roi_mask marking these token ranges, e.g. '0:16,40:64' ([start, end)).")]
 
@@ -30,7 +32,7 @@ def command(output: OutputPath, model: ModelOpt = None, prompt: PromptOpt = None
             codec: CodecOpt = "raw", level: LevelOpt = None, shuffle: ShuffleOpt = None,
             bins: BinsOpt = None, dtype: DtypeOpt = "bf16", block_size: BlockSizeOpt = 16,
             hidden_states: HiddenOpt = False, roi: RoiOpt = None, device: DeviceOpt = "auto",
-            weights_dtype: ModelDtypeOpt = "fp32", json: JsonOpt = False) -> None:
+            weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False, json: JsonOpt = False) -> None:
     """Run a model on a prompt through a paged KV buffer and write its KV cache."""
     from ..ops.capture import capture_prompt
 
@@ -38,7 +40,7 @@ def command(output: OutputPath, model: ModelOpt = None, prompt: PromptOpt = None
         result = capture_prompt(output, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, model=model,
                                 codec=codec, level=level, shuffle=shuffle, bins=bins, kv_dtype=dtype,
                                 chunk_size=chunk_size, block_size=block_size, hidden_states=hidden_states,
-                                roi=roi, device=device, model_dtype=weights_dtype,
+                                roi=roi, device=device, model_dtype=weights_dtype, chat=chat,
                                 on_chunk=lambda _index, done, total: update(done, total))
     emit(result, json)
 

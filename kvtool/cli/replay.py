@@ -21,6 +21,8 @@ PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", metavar=
 CompareOpt = Annotated[bool, typer.Option("--compare", help="Also run the full recompute and compare.")]
 NoHiddenOpt = Annotated[bool, typer.Option(
     "--no-hidden-states", help="Ignore stored hidden states: compute the last cached token (measures the KV alone).")]
+ChatOpt = Annotated[bool, typer.Option(
+    "--chat", help="The new --prompt is a user message: apply the model's chat template.")]
 MinTop1Opt = Annotated[Optional[float], typer.Option(
     "--min-top1", metavar="X", help="Exit 1 if top-1 agreement with the recompute is below this (implies --compare).")]
 MaxKlOpt = Annotated[Optional[float], typer.Option(
@@ -31,14 +33,14 @@ def command(path: InputPath, model: ModelOpt = None, continue_tokens: ContinueOp
             suffix: SuffixOpt = None, suffix_file: SuffixFileOpt = None, prompt: PromptOpt = None,
             prompt_file: PromptFileOpt = None, compare: CompareOpt = False, min_top1: MinTop1Opt = None,
             max_kl: MaxKlOpt = None, no_hidden_states: NoHiddenOpt = False, device: DeviceOpt = "auto",
-            weights_dtype: ModelDtypeOpt = "fp32", json: JsonOpt = False) -> None:
+            weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False, json: JsonOpt = False) -> None:
     """Load a KV file into a fresh paged KV buffer, continue from it, and (--compare) check it."""
     from ..ops.replay import replay
 
     with stages(enabled=not json) as stage:
         result = replay(path, model, continue_tokens=continue_tokens, suffix=suffix, suffix_file=suffix_file,
                         prompt=prompt, prompt_file=prompt_file, compare=compare, min_top1=min_top1, max_kl=max_kl,
-                        device=device, model_dtype=weights_dtype, use_hidden_states=not no_hidden_states,
+                        device=device, model_dtype=weights_dtype, use_hidden_states=not no_hidden_states, chat=chat,
                         on_stage=stage)
     emit(result, json)
 

@@ -33,6 +33,14 @@ class Tokenizer:
             self._tok = _Tok.from_file(str(path))
         except Exception as err:
             raise ModelError(f"cannot read {path}: {err}") from None
+        self.folder = Path(path).parent
+        config = self.folder / "tokenizer_config.json"
+        try:
+            self._config = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+        except (OSError, ValueError) as err:
+            raise ModelError(f"cannot read {config}: {err}") from None
+        if not isinstance(self._config, dict):
+            self._config = {}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) match."""
@@ -43,6 +51,39 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The model's chat template (its folder's chat_template.jinja or tokenizer_config.json)
+        rendered as transformers renders it: a sandboxed Jinja environment, blocks trimmed."""
+        template = self.chat_template
+        if template is None:
+            raise ModelError(f"{self.folder} has no chat template (chat_template.jinja or tokenizer_config.json)")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                    **self.special_tokens)
+        except TemplateError as err:
+            raise ModelError(f"{self.folder}: the chat template failed: {err}") from None
+
+    @property
+    def chat_template(self) -> str | None:
+        jinja = self.folder / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+        template = self._config.get("chat_template")
+        return template if isinstance(template, str) else None
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token, ... as tokenizer_config.json names them (templates use them)."""
+        return {k: v for k, v in self._config.items() if k.endswith("_token") and isinstance(v, str)}
 
     @property
     def vocab_size(self) -> int:

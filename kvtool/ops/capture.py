@@ -63,17 +63,20 @@ class CaptureResult(Result):
 
 
 def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path | None = None,
-                tokens_file: Path | None = None) -> list[int]:
-    """Token ids from exactly one of: a prompt, a prompt file, or a token-id file."""
+                tokens_file: Path | None = None, chat: bool = False) -> list[int]:
+    """Token ids from exactly one of: a prompt, a prompt file, or a token-id file. With `chat`,
+    the prompt is a user message in the model's chat template (as transformers applies it)."""
     given = [x is not None for x in (prompt, prompt_file, tokens_file)]
     if sum(given) != 1:
         raise UsageError("give exactly one of --prompt, --prompt-file or --tokens")
     if tokens_file is not None:
+        if chat:
+            raise UsageError("--chat formats a prompt; --tokens are token ids already")
         ids = read_token_file(tokens_file)
         check_vocabulary(ids, model.config.vocab_size)
     else:
-        text = prompt if prompt is not None else read_text_file(prompt_file)
-        ids = model.tokenizer.encode(check_text(text, "--prompt"))
+        text = check_text(prompt if prompt is not None else read_text_file(prompt_file), "--prompt")
+        ids = encode_prompt(model, text, chat)
     if not ids:
         raise PromptError("the prompt is empty")
     if len(ids) > model.max_position_embeddings:
@@ -82,12 +85,19 @@ def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path
     return ids
 
 
+def encode_prompt(model: LoadedModel, text: str, chat: bool) -> list[int]:
+    """Token ids of `text`, as plain text or (chat) as a user message in the model's chat template."""
+    if chat:
+        text = model.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return model.tokenizer.encode(text)
+
+
 def capture_prompt(output: str | Path, *, prompt: str | None = None, prompt_file: Path | None = None,
                    tokens_file: Path | None = None, model: str | Path | LoadedModel | None = None,
                    codec: str = "raw", level: int | None = None, shuffle: bool | None = None,
                    bins: str | None = None, kv_dtype: str = "bf16", chunk_size: int = 256,
                    block_size: int = 16, hidden_states: bool = False, roi: str | None = None,
-                   device: str = "auto", model_dtype: str = "fp32",
+                   device: str = "auto", model_dtype: str = "fp32", chat: bool = False,
                    on_chunk: Callable[[int, int, int], None] | None = None) -> CaptureResult:
     """`kvtool capture` as a function: options as the command line gives them, every one
     checked before the model loads; `on_chunk(index, tokens_done, tokens_total)` reports progress."""
@@ -101,17 +111,20 @@ def capture_prompt(output: str | Path, *, prompt: str | None = None, prompt_file
     if on_chunk is not None:
         on_chunk(0, 0, 0)  # the model is loading
     loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=where)
-    ids = read_tokens(loaded, prompt, prompt_file, tokens_file)
+    ids = read_tokens(loaded, prompt, prompt_file, tokens_file, chat=chat)
     progress = None if on_chunk is None else (lambda index, end: on_chunk(index, end, len(ids)))
     return capture(loaded, ids, output, chunk_size=chunk_size, codec=codec, params=params, kv_dtype=kv,
-                   block_size=block_size, hidden_states=hidden_states, roi=ranges, on_chunk=progress)
+                   block_size=block_size, hidden_states=hidden_states, roi=ranges, on_chunk=progress,
+                   metadata={"prompt_format": "chat template, user message" if chat else "plain text"}
+                   if tokens_file is None else None)
 
 
 def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chunk_size: int = 256,
             codec: str = "raw", params: dict[str, Any] | None = None,
             kv_dtype: torch.dtype = torch.bfloat16, block_size: int = 16, shuffle_seed: int | None = 0,
             hidden_states: bool = False, roi: list[tuple[int, int]] | None = None,
-            on_chunk: Callable[[int, int], None] | None = None) -> CaptureResult:
+            on_chunk: Callable[[int, int], None] | None = None,
+            metadata: dict[str, str] | None = None) -> CaptureResult:
     """Prefill `token_ids` chunk by chunk and write each chunk's KV as soon as it exists.
 
     The paged buffers live where the model does (`model.device`). On a GPU the
@@ -136,7 +149,7 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chu
     timings = CaptureTimings()
     started = time.perf_counter()
     metadata = {"engine": "kvtool paged runner", "block_size": str(block_size), "device": describe(device),
-                "model_dtype": str(model.dtype).removeprefix("torch.")}
+                "model_dtype": str(model.dtype).removeprefix("torch."), **(metadata or {})}
     hidden: list[torch.Tensor] = []
     with ContainerWriter(output, model.identity, token_ids, kv_dtype=kv_dtype, chunk_size=chunk_size,
                          metadata=metadata) as writer:

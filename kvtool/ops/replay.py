@@ -175,7 +175,7 @@ def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, c
            suffix: str | None = None, suffix_file: Path | None = None, prompt: str | None = None,
            prompt_file: Path | None = None, compare: bool = False, min_top1: float | None = None,
            max_kl: float | None = None, device: str = "auto", model_dtype: str = "fp32",
-           use_hidden_states: bool = True, on_stage: Callable[[str], None] | None = None) -> ReplayResult:
+           use_hidden_states: bool = True, chat: bool = False, on_stage: Callable[[str], None] | None = None) -> ReplayResult:
     """Load a KV file into a fresh paged buffer and continue from it (`kvtool replay`).
 
     `suffix` continues the file's own tokens; `prompt` reuses the file's chunks that a new
@@ -185,6 +185,8 @@ def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, c
     stage = on_stage or (lambda _text: None)
     if sum(x is not None for x in (suffix, suffix_file, prompt, prompt_file)) > 1:
         raise UsageError("give at most one of --suffix, --suffix-file, --prompt, --prompt-file")
+    if chat and prompt is None and prompt_file is None:
+        raise UsageError("--chat formats a new prompt: give --prompt or --prompt-file")
     fraction("--min-top1", min_top1)
     non_negative("--max-kl", max_kl)
     if continue_tokens < 1:
@@ -200,9 +202,12 @@ def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, c
             suffix = read_text_file(suffix_file)
         if prompt_file is not None:
             prompt = read_text_file(prompt_file)
-        encode = loaded.tokenizer.encode
-        plan = plan_reuse(reader, new_tokens=encode(check_text(prompt, "--prompt")) if prompt is not None else None,
-                          suffix_tokens=encode(check_text(suffix, "--suffix")) if suffix is not None else None,
+        from .capture import encode_prompt
+
+        new = encode_prompt(loaded, check_text(prompt, "--prompt"), chat) if prompt is not None else None
+        plan = plan_reuse(reader, new_tokens=new,
+                          suffix_tokens=loaded.tokenizer.encode(check_text(suffix, "--suffix")) if suffix is not None
+                          else None,
                           use_hidden_states=use_hidden_states)
         result = replay_plan(reader, loaded, plan, continue_tokens=continue_tokens, compare=compare,
                              on_stage=stage)
