@@ -8,6 +8,9 @@ full recompute.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import shutil
 
 import pytest
@@ -575,3 +578,34 @@ def test_chat_prompts_use_the_models_template_as_transformers_does(tmp_path, cap
     assert code == 0 and r["reused_tokens"] == len(want) - 1  # every chunk reused; the last token computes
     code, _, err = cli(capsys, "capture", "--tokens", str(path), "--chat", "-o", str(tmp_path / "x.kvc"))
     assert code == 2 and "--chat formats a prompt" in err
+
+
+def test_a_hub_id_resolves_from_the_local_hugging_face_cache(tmp_path, default_model):
+    """--model org/name: found in a real Hugging Face cache layout (refs/main -> snapshot) by
+    huggingface_hub's own resolution, local files only; a missing id names where it looked."""
+    pytest.importorskip("huggingface_hub")
+    from kvtool.engine import default_model_path
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--SomeOrg--tiny-chat"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for f in default_model_path().iterdir():
+        if not f.name.startswith("kvtool-"):
+            (snapshot / f.name).symlink_to(f)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    run_kvtool = [sys.executable, "-m", "kvtool"]
+    out = subprocess.run([*run_kvtool, "capture", "--model", "SomeOrg/tiny-chat", "--prompt", "Hello there",
+                          "-o", str(tmp_path / "h.kvc"), "--device", "cpu", "--json"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["model"] == "tiny-chat"
+    with ContainerReader(tmp_path / "h.kvc") as reader:
+        assert reader.fingerprint == default_model.identity.fingerprint()  # the same weights and config
+    out = subprocess.run([*run_kvtool, "capture", "--model", "SomeOrg/absent", "--prompt", "x", "-o",
+                          str(tmp_path / "a.kvc")], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "'SomeOrg/absent' is neither a folder nor in the Hugging Face cache" in out.stderr
+    assert str(tmp_path / "hub") in out.stderr and "never downloads" in out.stderr

@@ -18,7 +18,9 @@ ShuffleOpt = Annotated[Optional[bool], typer.Option(
 BinsOpt = Annotated[Optional[str], typer.Option(
     "--bins", metavar="SPEC", help="cachegen: per-layer bins, e.g. 'k:0-10=32,10-=16;v:0-2=32,2-=16'.")]
 ModelOpt = Annotated[Optional[Path], typer.Option(
-    "--model", metavar="DIR", help="Local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct).")]
+    "--model", metavar="DIR|ID", help=(
+        "A local Hugging Face model folder, or a Hub id (org/name) already in the local Hugging Face cache: "
+        "nothing is downloaded (default: the embedded SmolLM2-135M-Instruct)."))]
 DeviceOpt = Annotated[str, typer.Option(
     "--device", metavar="DEVICE", help="Where the model runs: auto (the GPU if torch sees one), cpu, cuda or cuda:N.")]
 ModelDtypeOpt = Annotated[str, typer.Option(

@@ -8,6 +8,7 @@ package). No transformers import, nothing fetched from any hub.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,14 +116,17 @@ class LoadedModel:
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> LoadedModel:
-    """Load a Llama-family HF folder; `None` loads the embedded default model."""
+    """Load a Llama-family model: a local HF folder, a Hub id already in the local Hugging Face
+    cache (never downloaded), or `None`: the embedded default model."""
     if path is None:
         from .default_model import MODEL_NAME, default_model_path
 
         path, name = default_model_path(), MODEL_NAME
-    else:
+    elif Path(path).expanduser().exists() or not HUB_ID.fullmatch(str(path)):
         path = Path(path).expanduser()
         name = path.resolve().name if path.exists() else path.name
+    else:
+        path, name = hub_cache_folder(str(path)), str(path).split("/")[-1]
     path = Path(path)
     if not path.is_dir():
         raise ModelError(f"model folder not found: {path}")
@@ -134,6 +138,27 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
         raise ModelError(f"{path}: no tokenizer.json (only fast tokenizers are supported)")
     return LoadedModel(path=path, config=config, weights=weights, tokenizer=Tokenizer(tok_path),
                        identity=identity_from_config(config, name), dtype=dtype)
+
+
+# "org/name": a Hugging Face Hub id (a local folder of that name wins).
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def hub_cache_folder(repo_id: str) -> Path:
+    """The snapshot folder of a Hub model in the local Hugging Face cache, found by
+    huggingface_hub's own resolution with local files only: nothing is downloaded."""
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        raise ModelError(f"{repo_id!r} is not a folder here, and finding a Hub id in the Hugging Face cache "
+                         f"needs huggingface_hub: pip install 'kvtool[model]'") from None
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        raise ModelError(f"model {repo_id!r} is neither a folder nor in the Hugging Face cache "
+                         f"({constants.HF_HUB_CACHE}); kvtool never downloads: fetch it first "
+                         f"(hf download {repo_id}) or give its folder") from None
 
 
 def _read_json(path: Path) -> dict:
