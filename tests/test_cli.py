@@ -350,7 +350,7 @@ def test_verify_checksum_mismatch(cli, kv_file):
     r = cli("verify", kv_file.path)
     assert r.code == 1
     text = " ".join(r.out.split())
-    assert "FAIL chunk 1" in text and "1 problem(s)" in text and "2/3 chunks intact" in text
+    assert "FAIL chunk 1" in text and "1 problem" in text and "2/3 chunks intact" in text
     doc = cli("verify", kv_file.path, "--json").json()
     assert doc["ok"] is False and len(doc["problems"]) == 1
     assert doc["chunks"][1]["checksum"] == "BAD"
@@ -872,3 +872,21 @@ def test_compress_summary_counts_the_whole_file(cli, kv_file, tmp_path):
     assert doc["input_file_bytes"] == Path(kv_file.path).stat().st_size and doc["extras_bytes"] > 0
     human = cli("compress", kv_file.path, "-o", tmp_path / "z2.kvc", "--level", "19").out
     assert "extras" in human and " 0 MB/s" not in human and "3 chunks as zstd" in " ".join(human.split())
+
+
+@pytest.mark.parametrize("argv", [["verify"], ["inspect", "--stats"], ["compress", "-o", "{tmp}/z.kvc"],
+                                  ["dump", "-o", "{tmp}/d.npy"]], ids=lambda a: a[0])
+def test_progress_on_a_terminal_never_breaks_a_command(tmp_path, argv):
+    """On a terminal's stderr the long waits show progress (rich); the command's result is the same.
+    Off a terminal nothing is shown: every other test here checks stderr is empty."""
+    import pty
+
+    f = write_kv_file(tmp_path / "p.kvc", num_tokens=40, chunk_size=4, codec="zstd", token_ids=list(range(40)))
+    args = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    master, slave = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TERM": "xterm"}
+    proc = subprocess.run([sys.executable, "-m", "kvtool", args[0], str(f.path), *args[1:]], stdout=subprocess.PIPE,
+                          stderr=slave, env=env, timeout=120)
+    os.close(slave)
+    os.close(master)
+    assert proc.returncode == 0 and proc.stdout

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .options import InputPath, JsonOpt
-from .output import emit, escaped, human_bytes, plural, renders
+from .output import emit, escaped, human_bytes, plural, progress, renders
 
 StatsOpt = Annotated[bool, typer.Option("--stats", help="Decode and show per-layer K/V statistics.")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Everything in full: hashes, fingerprint, codec parameters.")]
@@ -19,7 +19,8 @@ def command(path: InputPath, stats: StatsOpt = False, wide: WideOpt = False, jso
     """Show the header, model identity, chunk table and totals of a KV file."""
     from ..ops.inspect import inspect
 
-    summary = inspect(path, stats=stats)
+    with progress("decoding", "chunks", enabled=stats and not json) as update:
+        summary = inspect(path, stats=stats, on_chunk=update)
     if wide and not json:  # as wide as the lines are: full hashes never wrap, whatever the terminal
         render(Console(highlight=False, width=4096), escaped(summary.to_dict()), wide=True)
     else:

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from .options import DeviceOpt, InputPath, JsonOpt, ModelDtypeOpt, ModelOpt
-from .output import emit, renders, stages
+from .output import emit, plural, renders, stages
 from .replay import render as render_replay
 
 AgainstOpt = Annotated[Optional[Path], typer.Option(
@@ -33,10 +33,11 @@ def command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 0.0, rt
     """Check structure, checksums, decoding, finiteness and prefix hashes (exit 1 if any fails)."""
     from ..ops.verify import verify
 
-    with stages(enabled=replay and not json) as stage:
+    with stages(enabled=not json) as stage:  # one live display: the chunks checked, then the replay's stages
         report = verify(path, against=against, atol=atol, rtol=rtol, replay=replay, model=model,
                         min_top1=min_top1, max_kl=max_kl, continue_tokens=continue_tokens, device=device,
-                        model_dtype=weights_dtype, on_stage=stage)
+                        model_dtype=weights_dtype, on_stage=stage,
+                        on_chunk=lambda done, total: stage(f"checking chunk {done} of {total}"))
     emit(report, json)
 
 
@@ -60,4 +61,4 @@ def render(console: Console, r: dict[str, Any]) -> None:
         console.print(f"replay threshold: top-1 >= {limit['min_top1']:.2f} ({limit['why']})")
     for p in r["problems"]:
         console.print(f"[red]FAIL[/red] {p}")
-    console.print("[green]OK[/green]" if r["ok"] else f"[red]{len(r['problems'])} problem(s)[/red]")
+    console.print("[green]OK[/green]" if r["ok"] else f"[red]{plural(len(r['problems']), 'problem')}[/red]")

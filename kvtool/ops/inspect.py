@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,13 +34,14 @@ class FileSummary(Result):
     stats: list[dict[str, Any]] | None = field(default=None)
 
 
-def inspect(path: str | Path, *, stats: bool = False) -> FileSummary:
+def inspect(path: str | Path, *, stats: bool = False,
+            on_chunk: Callable[[int, int], None] | None = None) -> FileSummary:
     """Header, model identity, chunk table and totals of a KV file; `stats` decodes every
     chunk for per-layer K/V statistics."""
     with ContainerReader(path) as reader:
         summary = summarize(reader)
         if stats:
-            summary.stats = layer_stats(reader)
+            summary.stats = layer_stats(reader, on_chunk=on_chunk)
     return summary
 
 
@@ -76,7 +78,7 @@ def summarize(reader: ContainerReader) -> FileSummary:
         metadata=m.metadata)
 
 
-def layer_stats(reader: ContainerReader) -> list[dict[str, Any]]:
+def layer_stats(reader: ContainerReader, on_chunk: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
     """Per layer and K/V: min, max, mean, std, and channels far above the median max-abs."""
     m = reader.manifest
     shape = (2, m.num_layers)
@@ -94,6 +96,8 @@ def layer_stats(reader: ContainerReader) -> list[dict[str, Any]]:
         lo = np.minimum(lo, kv.min(axis=(2, 3)))
         hi = np.maximum(hi, kv.max(axis=(2, 3)))
         chan_absmax = np.maximum(chan_absmax, np.abs(kv).max(axis=2))
+        if on_chunk is not None:
+            on_chunk(c.index + 1, len(m.chunks))
     mean = total / count
     std = np.sqrt(np.maximum(total_sq / count - mean * mean, 0))
     lower_median = np.sort(chan_absmax, axis=2)[:, :, (m.hidden_kv - 1) // 2]  # the lower middle value

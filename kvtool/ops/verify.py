@@ -49,7 +49,8 @@ def verify(path: str | Path, *, against: str | Path | None = None, atol: float =
            replay: bool = False, model: str | Path | None = None, min_top1: float | None = None,
            max_kl: float | None = None, continue_tokens: int = 16, device: str = "auto",
            model_dtype: str = "fp32", check: bool = True,
-           on_stage: Callable[[str], None] | None = None) -> VerifyReport:
+           on_stage: Callable[[str], None] | None = None,
+           on_chunk: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Every check `kvtool verify` makes. With `check` (the default) problems raise
     VerificationFailed carrying the report; without, the report says them (`.ok`, `.problems`)."""
     from ..devices import check_device_spec
@@ -63,7 +64,7 @@ def verify(path: str | Path, *, against: str | Path | None = None, atol: float =
     if continue_tokens < 1:
         raise UsageError("--continue must be at least 1")
     with ContainerReader(path) as reader:
-        report = check_file(reader)
+        report = check_file(reader, on_chunk=on_chunk)
         if against is not None and not report.problems:  # a damaged file is not compared
             with ContainerReader(against) as other:
                 try:
@@ -143,8 +144,9 @@ def _replay(path, model, continue_tokens, min_top1, max_kl, device, model_dtype,
     return result.to_dict(), list(result.failures)
 
 
-def check_file(reader: ContainerReader) -> VerifyReport:
-    """Run every check on an open file; collect problems instead of stopping at the first one."""
+def check_file(reader: ContainerReader, on_chunk: Callable[[int, int], None] | None = None) -> VerifyReport:
+    """Run every check on an open file; collect problems instead of stopping at the first one.
+    `on_chunk(done, total)` reports progress."""
     m = reader.manifest
     report = VerifyReport(path=str(reader.path), num_chunks=len(m.chunks), num_tokens=m.num_tokens,
                           checks={"structure": "ok"}, chunks=[])
@@ -183,6 +185,8 @@ def check_file(reader: ContainerReader) -> VerifyReport:
                 status.update(decode="BAD", finite="skipped")
                 problem(err)
         report.chunks.append(status)
+        if on_chunk is not None:
+            on_chunk(c.index + 1, len(m.chunks))
     for name, e in m.extras.items():
         if not reader.blob_ok(e.blob):
             checks[f"extra:{name}"] = "BAD"
