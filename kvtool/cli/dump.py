@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 
 from .options import ChunksOpt, InputPath, JsonOpt, LayersOpt, OutputPath
-from .output import emit, human_bytes, plural, renders
+from .output import emit, human_bytes, plural, progress, renders
 
 
 def command(path: InputPath, output: OutputPath, chunks: ChunksOpt = None, layers: LayersOpt = None,
@@ -15,7 +15,9 @@ def command(path: InputPath, output: OutputPath, chunks: ChunksOpt = None, layer
     """Export decoded KV to safetensors (one tensor per layer and K/V) or .npy."""
     from ..ops.dump import dump
 
-    emit(dump(path, output, chunks=chunks, layers=layers), json)
+    with progress("decoding", "chunks", enabled=not json) as update:
+        result = dump(path, output, chunks=chunks, layers=layers, on_chunk=update)
+    emit(result, json)
 
 
 @renders("DumpResult")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,9 +45,10 @@ class DumpResult(Result):
     sidecar: str | None = field(default=None)  # .npy: what the array holds, as JSON
 
 
-def dump(path: str | Path, output: str | Path, *, chunks: str | None = None,
-         layers: str | None = None) -> DumpResult:
-    """Export the selected chunks and layers ('0-3,7' forms; default all) of a file."""
+def dump(path: str | Path, output: str | Path, *, chunks: str | None = None, layers: str | None = None,
+         on_chunk: Callable[[int, int], None] | None = None) -> DumpResult:
+    """Export the selected chunks and layers ('0-3,7' forms; default all) of a file;
+    `on_chunk(done, total)` reports progress."""
     output = Path(output)
     suffix = output.suffix.lower()
     if suffix not in (".safetensors", ".npy"):
@@ -56,7 +58,12 @@ def dump(path: str | Path, output: str | Path, *, chunks: str | None = None,
         chunk_ids = parse_index_set(chunks, len(m.chunks), "chunks")
         layer_ids = parse_index_set(layers, m.num_layers, "layers")
         _check_memory(sum(m.chunks[i].decoded_bytes for i in chunk_ids) * len(layer_ids) // m.num_layers)
-        kv = np.concatenate([reader.read_chunk_array(i)[:, layer_ids] for i in chunk_ids], axis=2)  # [2, L', T, C]
+        parts = []
+        for done, i in enumerate(chunk_ids, 1):
+            parts.append(reader.read_chunk_array(i)[:, layer_ids])  # [2, L', T_i, C]
+            if on_chunk is not None:
+                on_chunk(done, len(chunk_ids))
+        kv = np.concatenate(parts, axis=2)  # [2, L', T, C]
         positions = np.concatenate([np.arange(m.chunks[i].start, m.chunks[i].end) for i in chunk_ids])
         if suffix == ".safetensors":
             token_ids = reader.token_ids()[positions]
