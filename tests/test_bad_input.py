@@ -951,3 +951,58 @@ def test_huge_declared_sizes_allocate_nothing(tmp_path, raw_file, zstd_file):
                                [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
     assert probe.returncode == 0 and probe.stdout.strip() == "ok", f"a hostile file made the reader allocate: " \
         f"{probe.stderr.strip().splitlines()[-1:] }"
+
+
+@pytest.mark.parametrize("bins", ["²", "k:²=16;v:*=16", "k:0-" + "9" * 5000 + "=16;v:*=16", "9" * 5000,
+                                  "k:٣-=16;v:*=16"])
+def test_bins_of_other_digits_or_thousands_of_digits_are_one_line_errors(bins, tmp_path, raw_file, capsys):
+    """str.isdigit() accepts '²' and Arabic-Indic digits, which int() refuses; 5,000 digits hit Python's
+    integer-string limit: both were tracebacks, from --bins and from a file's recorded bins alike."""
+    from kvtool.codecs.cachegen import CacheGenCodec
+    from kvtool.errors import CodecParamsInvalid, UsageError
+
+    with pytest.raises(CodecParamsInvalid):
+        CacheGenCodec().validate_params({"version": 1, "bins": bins, "prob_bits": 14, "lanes": 32})
+    code = run(["compress", str(raw_file.path), "-o", str(tmp_path / "c.kvc"), "--codec", "cachegen", "--bins", bins])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("kvtool: error: bins spec") and err.count("\n") == 1
+    assert issubclass(CodecParamsInvalid, Exception) and issubclass(UsageError, Exception)
+
+
+def test_an_empty_file_names_its_path_once(tmp_path, capsys):
+    empty = tmp_path / "empty.kvc"
+    empty.write_bytes(b"")
+    assert run(["inspect", str(empty)]) == 2
+    assert capsys.readouterr().err == f"kvtool: error: {empty}: file is empty\n"
+
+
+def test_a_negative_chunk_index_is_refused_not_read_as_a_range(tmp_path, raw_file, capsys):
+    assert run(["dump", str(raw_file.path), "-o", str(tmp_path / "d.npy"), "--chunks", "-1"]) == 2
+    assert "--chunks: cannot read '-1'" in capsys.readouterr().err
+
+
+def test_a_full_disk_names_the_output_not_the_temp_file(tmp_path, raw_file, monkeypatch, capsys):
+    import errno
+
+    from kvtool.format import writer as writer_module
+
+    class FillsUp:  # the temp file: the header fits, then the disk is full
+        def __init__(self, f):
+            self.f, self.writes = f, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    real_fdopen = writer_module.os.fdopen
+    monkeypatch.setattr(writer_module.os, "fdopen", lambda *a, **k: FillsUp(real_fdopen(*a, **k)))
+    out = tmp_path / "z.kvc"
+    assert run(["compress", str(raw_file.path), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvtool: error: {out}: cannot write (No space left on device)\n"
+    assert not out.exists() and not list(tmp_path.glob(".z.kvc.*"))  # the temp file is gone

@@ -113,7 +113,7 @@ class ContainerReader:
     def _open(self) -> None:
         self.file_size = self._source.size
         if self.file_size == 0:
-            raise TruncatedFile(f"{self.path}: file is empty")
+            raise TruncatedFile("file is empty")  # __init__ puts the path before every format error
         self.header = layout.Header.unpack(bytes(self._source.read(0, layout.HEADER_SIZE)))
         self.trailer = layout.Trailer.unpack(
             bytes(self._source.read(max(0, self.file_size - layout.TRAILER_SIZE), layout.TRAILER_SIZE)),

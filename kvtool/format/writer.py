@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import codecs
 from ..dtypes import dtype_name
-from ..errors import UsageError
+from ..errors import OutputError, UsageError
 from ..fsutil import open_temp_beside, replace_atomically
 from ..version import __version__
 from . import layout
@@ -86,7 +86,7 @@ class ContainerWriter:
         fd, tmp = open_temp_beside(self.path)
         self._tmp_path = Path(tmp)
         self._file = os.fdopen(fd, "wb")
-        self._file.write(layout.Header(alignment=alignment).pack())
+        self._write(layout.Header(alignment=alignment).pack())
         self._pos = layout.HEADER_SIZE
         self.state = WriterState.CHUNKS
 
@@ -188,10 +188,13 @@ class ContainerWriter:
         manifest_offset = layout.align_up(self._pos, layout.MANIFEST_ALIGNMENT)
         parse_manifest(raw, data_end=manifest_offset, alignment=self.alignment)
         self._pad_to(manifest_offset)
-        self._file.write(raw)
-        self._file.write(layout.Trailer(manifest_offset, len(raw), crc32(raw)).pack())
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self._write(raw)
+        self._write(layout.Trailer(manifest_offset, len(raw), crc32(raw)).pack())
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as err:  # a full disk surfaces here as often as in write()
+            raise OutputError(f"{self.path}: cannot write ({err.strerror})") from None
         self._file.close()
         replace_atomically(self._tmp_path, self.path)
         self.state = WriterState.FINISHED
@@ -229,15 +232,22 @@ class ContainerWriter:
         if len(self.chunks) != self.num_chunks:
             raise UsageError(f"only {len(self.chunks)} of {self.num_chunks} chunks were written")
 
+    def _write(self, data) -> None:
+        """Write to the temp file; a full disk or an I/O error names the output, not the temp file."""
+        try:
+            self._file.write(data)
+        except OSError as err:
+            raise OutputError(f"{self.path}: cannot write ({err.strerror})") from None
+
     def _pad_to(self, offset: int) -> None:
         if offset > self._pos:
-            self._file.write(bytes(offset - self._pos))
+            self._write(bytes(offset - self._pos))
             self._pos = offset
 
     def _append_blob(self, payload) -> BlobRef:
         self._pad_to(layout.align_up(self._pos, self.alignment))
         view = memoryview(payload).cast("B")
         ref = BlobRef(offset=self._pos, length=view.nbytes, crc32=crc32(view))
-        self._file.write(view)
+        self._write(view)
         self._pos += view.nbytes
         return ref

@@ -55,14 +55,16 @@ def parse_index_set(spec: str | None, upper: int, what: str) -> list[int]:
     for part in spec.split(","):
         part = part.strip()
         try:
+            if part.startswith("-"):  # "-1" is not "the last one" here, nor "0-1"
+                raise ValueError
             if "-" in part:
                 lo_s, hi_s = part.split("-", 1)
-                lo = int(lo_s) if lo_s else 0
+                lo = int(lo_s)
                 hi = int(hi_s) if hi_s else upper - 1
             else:
                 lo = hi = int(part)
         except ValueError:
-            raise UsageError(f"--{what}: cannot read {part!r} (use e.g. '0-3,7')") from None
+            raise UsageError(f"--{what}: cannot read {part!r} (indices from 0: e.g. '0-3,7' or '5-' to the end)") from None
         if lo > hi:
             raise UsageError(f"--{what}: {part!r} is an empty range (write the smaller index first, e.g. '{hi}-{lo}')")
         if lo < 0 or hi >= upper:

@@ -31,11 +31,14 @@ BINS_MAX = 256
 LMCACHE_DEFAULT = "k:0-10=32,10-=16;v:0-2=32,2-=16"
 LMCACHE_SHALLOW = "kv:*=32"  # fewer than 10 layers
 
-_RANGE = re.compile(r"^(?:(\*)|(\d+)(?:(-)(\d*))?)$")
+# ASCII digits only (str.isdigit and \d accept '²' and other scripts' digits, which int() refuses),
+# and few of them (a 5,000-digit layer number would hit Python's integer-string limit)
+_NUMBER = re.compile(r"[0-9]{1,6}")
+_RANGE = re.compile(r"^(?:(\*)|([0-9]{1,6})(?:(-)([0-9]{0,6}))?)$")
 
 
 def _int(text: str, what: str, spec: str) -> int:
-    if not text.isdigit():
+    if not _NUMBER.fullmatch(text):
         raise UsageError(f"bins spec {spec!r}: {what} {text!r} is not a non-negative integer")
     return int(text)
 
@@ -58,7 +61,7 @@ def parse_bins_spec(spec: str) -> list[tuple[str, int, int | None, int]]:
         raise UsageError("bins spec is empty; try 'default' or e.g. 'k:0-10=32,10-=16;v:0-2=32,2-=16'")
     if s == "default":
         return [("default", 0, None, 0)]
-    if s.isdigit():
+    if _NUMBER.fullmatch(s):
         b = _bins_value(s, spec)
         return [("k", 0, None, b), ("v", 0, None, b)]
     out: list[tuple[str, int, int | None, int]] = []
