@@ -3,6 +3,8 @@ one clear error, and atomic outputs (temp file beside the target, fsync, rename)
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import os
 import re
 import stat
@@ -72,7 +74,11 @@ def read_text_file(path: str | os.PathLike) -> str:
 
 def open_temp_beside(path: Path) -> tuple[int, str]:
     """A new temporary file in `path`'s directory, readable as the umask allows (mkstemp's
-    0600 would hide the result from others), or an OutputError that names `path`."""
+    0600 would hide the result from others), or an OutputError that names `path`.
+
+    The temp file is named `.NAME.XXXXXXXX.tmp` and locked (flock) while its writer lives;
+    the lock dies with the writer, even by SIGKILL. Temp files of that naming whose lock
+    can be taken are left-overs of a killed writer: they are removed first."""
     if path.is_dir():
         raise OutputError(f"{path}: is a directory; give a file name")
     if path.is_symlink():  # the rename would replace the link, not write where it points
@@ -83,13 +89,37 @@ def open_temp_beside(path: Path) -> tuple[int, str]:
         if not path.parent.exists():
             path.parent.mkdir(parents=True)
             notice(f"created the folder {path.parent} for {path.name}")
+        remove_stale_temps(path)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held until the writer closes the file or dies
     except OSError as err:
         raise OutputError(f"{path}: cannot write here ({err.strerror})") from None
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(fd, 0o666 & ~mask)
     return fd, tmp
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Remove `.NAME.*.tmp` files beside `path` whose writer is gone (their lock is free)."""
+    removed = []
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        try:
+            fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live writer holds it
+            os.close(fd)
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                tmp.unlink(missing_ok=True)
+                removed.append(tmp)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def replace_atomically(tmp: str | os.PathLike, path: Path) -> None:

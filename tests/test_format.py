@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -737,3 +738,48 @@ def test_crc32c_is_the_castagnoli_crc_of_the_crc32c_package():
     assert crc32(b"123456789") == 0xE3069283  # the CRC-32C check value
     data = bytes(range(256)) * 1000
     assert crc32(data) == crc32c.crc32c(data) and crc32(memoryview(data)[3:]) == crc32c.crc32c(data[3:])
+
+
+WRITER_THAT_HANGS = """
+import sys, time, torch
+sys.path.insert(0, sys.argv[3])
+from fixtures import make_identity, make_kv
+from kvtool.format import ContainerWriter
+ident = make_identity()
+w = ContainerWriter(sys.argv[1], ident, list(range(8)), chunk_size=4)
+w.write_chunk(make_kv(ident, 4, torch.bfloat16, seed=1), "raw")
+open(sys.argv[2], "w").write("ready")
+time.sleep(600)
+"""
+
+
+def start_hanging_writer(path, tmp_path):
+    ready = tmp_path / f"{path.name}.{len(list(tmp_path.glob('*.ready')))}.ready"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER_THAT_HANGS, str(path), str(ready),
+                             str(Path(__file__).parent)])
+    deadline = time.time() + 60
+    while not ready.exists():
+        assert proc.poll() is None and time.time() < deadline, "the writer did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def test_a_killed_writers_temp_file_is_removed_by_the_next_write_and_a_live_ones_kept(tmp_path):
+    import signal
+
+    target = tmp_path / "out.kvc"
+    killed = start_hanging_writer(target, tmp_path)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    stale = list(tmp_path.glob(".out.kvc.*.tmp"))
+    assert len(stale) == 1  # kill -9 leaves it (the target was never touched)
+    live = start_hanging_writer(target, tmp_path)
+    try:
+        ours = [p for p in tmp_path.glob(".out.kvc.*.tmp") if p not in stale]
+        write_kv_file(target, num_tokens=5, chunk_size=2)  # the next write to the same path
+        assert not stale[0].exists()  # the dead writer's left-over is gone (the next writer removed it)
+        assert all(p.exists() for p in ours) and len(ours) == 1  # the live writer's is untouched
+        assert target.is_file()
+    finally:
+        live.kill()
+        live.wait()
