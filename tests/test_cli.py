@@ -275,9 +275,12 @@ def test_dump_selection(cli, kv_file, tmp_path, chunks, layers, positions, layer
     assert doc["layers"] == layer_ids and doc["num_tokens"] == len(positions)
     assert doc["bytes"] == out.stat().st_size
     tensors = load_file(out)
-    assert set(tensors) == {"token_ids", "positions"} | {
+    assert set(tensors) == {"token_ids", "positions", "hidden_states", "roi_mask"} | {
         f"layers.{i}.{kind}" for i in layer_ids for kind in ("key", "value")}
     assert tensors["positions"].tolist() == positions
+    # the file's extras come out at the same tokens, in their own dtypes
+    assert same_tensor(tensors["hidden_states"], kv_file.extras["hidden_states"][positions])
+    assert tensors["roi_mask"].tolist() == kv_file.extras["roi_mask"][positions].tolist()
     assert tensors["token_ids"].tolist() == [kv_file.token_ids[p] for p in positions]
     for i in layer_ids:
         expected = kv_file.kv[0, i][positions].reshape(len(positions), 2, 8)
@@ -863,6 +866,12 @@ def test_npy_dump_says_which_layers_chunks_and_tokens_it_holds(cli, kv_file, tmp
     assert about["layers"] == [1] and about["chunks"] == [1, 2] and about["positions"] == [2, 3, 4]
     assert about["token_ids"] == list(kv_file.token_ids[2:5]) and about["kv_dtype"] == "bfloat16"
     assert np.load(out).shape == (2, 1, 3, 16)
+    hidden = np.load(tmp_path / "d.hidden_states.npy")  # bf16 widened to float32, exactly
+    assert hidden.dtype == np.float32 and torch.equal(torch.from_numpy(hidden),
+                                                      kv_file.extras["hidden_states"][2:5].float())
+    assert np.load(tmp_path / "d.roi_mask.npy").tolist() == kv_file.extras["roi_mask"][2:5].tolist()
+    assert about["extras"]["hidden_states"] == {"file": "d.hidden_states.npy", "dtype": "bfloat16",
+                                                "array_dtype": "float32"}
 
 
 def test_compress_summary_counts_the_whole_file(cli, kv_file, tmp_path):

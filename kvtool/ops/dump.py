@@ -5,11 +5,14 @@ safetensors output holds, for the selected tokens T and each selected layer i:
   layers.{i}.value  [T, num_kv_heads, head_dim]
   token_ids         [T] int64
   positions         [T] int64   (position of each exported token in the sequence)
+  hidden_states     [T, hidden]  (when the file has them; their dtype)
+  roi_mask          [T] bool     (when the file has one)
 and the model name, fingerprint and source path in the metadata.
 .npy output holds one KV_BLOB array [2, layers, T, kv_heads * head_dim]; bf16 is
 widened to float32 (numpy has no bfloat16; the widening is exact). What it holds is
 said beside it, in OUT.npy.json: the source, model, fingerprint, KV dtype, the
-layers and chunks selected (axis 1 and 2 of the array), each token's position and id.
+layers and chunks selected (axis 1 and 2 of the array), each token's position and id;
+the file's extras at the same tokens go to OUT.hidden_states.npy and OUT.roi_mask.npy.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class DumpResult(Result):
 
 def dump(path: str | Path, output: str | Path, *, chunks: str | None = None, layers: str | None = None,
          on_chunk: Callable[[int, int], None] | None = None) -> DumpResult:
-    """Export the selected chunks and layers ('0-3,7' forms; default all) of a file;
+    """Export the selected chunks and layers ('0-3,7' forms; default all) of a file, with the
+    file's extras (hidden states, region-of-interest mask) at the selected tokens;
     `on_chunk(done, total)` reports progress."""
     output = Path(output)
     suffix = output.suffix.lower()
@@ -65,27 +69,42 @@ def dump(path: str | Path, output: str | Path, *, chunks: str | None = None, lay
                 on_chunk(done, len(chunk_ids))
         kv = np.concatenate(parts, axis=2)  # [2, L', T, C]
         positions = np.concatenate([np.arange(m.chunks[i].start, m.chunks[i].end) for i in chunk_ids])
-        if suffix == ".safetensors":
-            token_ids = reader.token_ids()[positions]
-            _write_safetensors(output, kv, token_ids, positions, layer_ids, m, str(path))
-        else:
-            array = to_float64(kv, m.kv_dtype).astype(np.float32) if m.kv_dtype == "bfloat16" else kv
-            sidecar = Path(f"{output}.json")
-            about = {"source": str(path), "model": m.model["name"], "fingerprint": m.model["fingerprint"],
-                     "kv_dtype": m.kv_dtype, "array_dtype": str(array.dtype),
-                     "shape": "[2 (K, V), layers, tokens, kv_heads * head_dim]", "layers": layer_ids,
-                     "chunks": chunk_ids, "positions": positions.tolist(),
-                     "token_ids": reader.token_ids()[positions].tolist()}
-            atomic_write(output, lambda f: np.save(f, array))
-            atomic_write(sidecar, lambda f: f.write(json.dumps(about, indent=1).encode()))
-            return DumpResult(output=str(output), format="npy", chunks=chunk_ids, layers=layer_ids,
-                              num_tokens=int(kv.shape[2]), bytes=output.stat().st_size, sidecar=str(sidecar))
-    return DumpResult(output=str(output), format=suffix[1:], chunks=chunk_ids, layers=layer_ids,
-                      num_tokens=int(kv.shape[2]), bytes=output.stat().st_size)
+        token_ids = reader.token_ids()[positions]
+        extras = {name: reader.read_extra_array(name)[positions] for name in m.extras}  # at the selected tokens
+    if suffix == ".safetensors":
+        _write_safetensors(output, kv, token_ids, positions, extras, layer_ids, m, str(path))
+        return DumpResult(output=str(output), format="safetensors", chunks=chunk_ids, layers=layer_ids,
+                          num_tokens=int(kv.shape[2]), bytes=output.stat().st_size)
+    sidecar = _write_npy(output, kv, token_ids, positions, extras, layer_ids, chunk_ids, m, str(path))
+    return DumpResult(output=str(output), format="npy", chunks=chunk_ids, layers=layer_ids,
+                      num_tokens=int(kv.shape[2]), bytes=output.stat().st_size, sidecar=str(sidecar))
+
+
+def _write_npy(output: Path, kv: np.ndarray, token_ids: np.ndarray, positions: np.ndarray,
+               extras: dict[str, np.ndarray], layer_ids: list[int], chunk_ids: list[int], m, source: str) -> Path:
+    """OUT.npy, each extra as OUT.NAME.npy, and OUT.npy.json saying what they hold."""
+    def numpy_values(array: np.ndarray, dtype: str) -> np.ndarray:  # numpy has no bfloat16: widen, exactly
+        return to_float64(array, dtype).astype(np.float32) if dtype == "bfloat16" else array
+
+    written = {}
+    for name, values in extras.items():
+        extra_path = output.with_name(f"{output.stem}.{name}.npy")
+        array = values if values.dtype == np.bool_ else numpy_values(values, m.extras[name].dtype)
+        atomic_write(extra_path, lambda f, a=array: np.save(f, a))
+        written[name] = {"file": extra_path.name, "dtype": m.extras[name].dtype, "array_dtype": str(array.dtype)}
+    array = numpy_values(kv, m.kv_dtype)
+    atomic_write(output, lambda f: np.save(f, array))
+    about = {"source": source, "model": m.model["name"], "fingerprint": m.model["fingerprint"],
+             "kv_dtype": m.kv_dtype, "array_dtype": str(array.dtype),
+             "shape": "[2 (K, V), layers, tokens, kv_heads * head_dim]", "layers": layer_ids, "chunks": chunk_ids,
+             "positions": positions.tolist(), "token_ids": token_ids.tolist(), "extras": written}
+    sidecar = Path(f"{output}.json")
+    atomic_write(sidecar, lambda f: f.write(json.dumps(about, indent=1).encode()))
+    return sidecar
 
 
 def _write_safetensors(output: Path, kv: np.ndarray, token_ids: np.ndarray, positions: np.ndarray,
-                       layer_ids: list[int], m, source: str) -> None:
+                       extras: dict[str, np.ndarray], layer_ids: list[int], m, source: str) -> None:
     import torch
     from safetensors.torch import save as safetensors_save
 
@@ -97,6 +116,9 @@ def _write_safetensors(output: Path, kv: np.ndarray, token_ids: np.ndarray, posi
     for j, layer in enumerate(layer_ids):
         tensors[f"layers.{layer}.key"] = per_token[0, j].contiguous()
         tensors[f"layers.{layer}.value"] = per_token[1, j].contiguous()
+    for name, values in extras.items():  # hidden_states [T, E] in its dtype, roi_mask [T] bool
+        tensor = torch.from_numpy(np.ascontiguousarray(values))
+        tensors[name] = tensor if values.dtype == np.bool_ else tensor.view(dtype_from_name(m.extras[name].dtype))
     meta = {"model": m.model["name"], "fingerprint": m.model["fingerprint"], "kv_dtype": m.kv_dtype,
             "source": source}
     data = safetensors_save(tensors, metadata=meta)
