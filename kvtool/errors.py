@@ -130,6 +130,10 @@ class NonFiniteValues(DataError):
     """Decoded KV holds NaN or infinity."""
 
 
+class PaddingNotZero(DataError):
+    """Bytes that no blob covers are not zero (format-spec/container.md section 2.3; `verify` reports it)."""
+
+
 class PrefixHashMismatch(DataError):
     """A chunk's recorded prefix hash differs from the hash of the token ids (`verify` reports it)."""
 

@@ -342,7 +342,7 @@ def test_verify_ok(cli, kv_file):
     doc = r.json()
     assert doc["ok"] is True and doc["problems"] == []
     assert doc["num_chunks"] == 3 and doc["num_tokens"] == 5
-    assert doc["checks"] == {"structure": "ok", "token_ids": "ok", "fingerprint": "ok",
+    assert doc["checks"] == {"structure": "ok", "padding": "ok", "token_ids": "ok", "fingerprint": "ok",
                              "extra:hidden_states": "ok", "extra:roi_mask": "ok"}
     assert all(c == {"index": i, "checksum": "ok", "decode": "ok", "finite": "ok", "prefix_hash": "ok"}
                for i, c in enumerate(doc["chunks"]))

@@ -305,6 +305,22 @@ class ContainerReader:
                                                             min(end, c.end) - c.start])
         return torch.cat(parts, dim=2)
 
+    def nonzero_padding(self) -> list[tuple[int, int]]:
+        """The ranges of `[64, manifest_offset)` that no blob covers and that hold a non-zero
+        byte: each `(start, end)` of such a gap (the spec requires zeros there)."""
+        m = self.manifest
+        blobs = sorted([(c.blob.offset, c.blob.offset + c.blob.length) for c in m.chunks]
+                       + [(e.blob.offset, e.blob.offset + e.blob.length) for e in m.extras.values()]
+                       + [(m.tokens.offset, m.tokens.offset + m.tokens.length)])
+        bad, position = [], layout.HEADER_SIZE
+        for start, end in blobs + [(self.trailer.manifest_offset, self.trailer.manifest_offset)]:
+            if start > position:
+                gap = np.frombuffer(self._source.read(position, start - position), dtype=np.uint8)
+                if gap.any():
+                    bad.append((position, start))
+            position = max(position, end)
+        return bad
+
     @staticmethod
     def _is_tensor_bytes(chunk: ChunkEntry) -> bool:
         return codecs.get_codec(chunk.codec_id).payload_is_tensor_bytes

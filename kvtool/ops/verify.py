@@ -15,7 +15,9 @@ import numpy as np
 
 from ..dtypes import count_nonfinite, to_float64
 from ..errors import (ChecksumMismatch, DataError, KvtoolError, ManifestInvalid, ModelMismatch, NonFiniteValues,
-                      PrefixHashMismatch, ToleranceExceeded, UsageError, VerificationFailed)
+                      PaddingNotZero, PrefixHashMismatch, ToleranceExceeded, UnsupportedVersion, UsageError,
+                      VerificationFailed)
+from ..format.layout import VERSION_MAJOR, VERSION_MINOR
 from ..format import ContainerReader
 from ..format.hashing import prefix_hashes
 from ..identity import model_fingerprint
@@ -151,6 +153,14 @@ def check_file(reader: ContainerReader, on_chunk: Callable[[int, int], None] | N
     report = VerifyReport(path=str(reader.path), num_chunks=len(m.chunks), num_tokens=m.num_tokens,
                           checks={"structure": "ok"}, chunks=[])
     checks, problem = report.checks, report.add
+    if (reader.header.major, reader.header.minor) > (VERSION_MAJOR, VERSION_MINOR):
+        checks["version"] = "NEWER"
+        problem(UnsupportedVersion(f"format {reader.version} is newer than this verifier's "
+                                   f"{VERSION_MAJOR}.{VERSION_MINOR}: it may hold what kvtool cannot check"))
+    padding = reader.nonzero_padding()
+    checks["padding"] = "BAD" if padding else "ok"
+    for start, end in padding[:3]:
+        problem(PaddingNotZero(f"bytes [{start}, {end}) cover no blob and are not zero"))
     tokens = None
     try:
         tokens = reader.token_ids()
