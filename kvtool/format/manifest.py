@@ -173,11 +173,35 @@ def _check_strings(obj: Any, depth: int = 0) -> None:
             _check_strings(value, depth + 1)
 
 
+# A valid manifest spends far more than 16 bytes on each object and array (a chunk entry: ~300
+# bytes for 4 of them); a hostile one of 20 million `{}` would take 30x its size in memory and 20 s
+# to parse. The spec's limit (container.md section 5), checked before parsing.
+BYTES_PER_CONTAINER = 16
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, the loop unrolled (fast on long ones)
+
+
+def container_budget(size: int) -> int:
+    return size // BYTES_PER_CONTAINER + 64
+
+
+def _check_container_count(text: str) -> None:
+    """At most `container_budget(len)` objects and arrays; brackets inside strings do not count."""
+    budget = container_budget(len(text))
+    if text.count("{") + text.count("[") <= budget:  # an upper bound, in C: the usual case ends here
+        return
+    outside = _STRING.sub("", text)
+    count = outside.count("{") + outside.count("[")
+    if count > budget:
+        raise ManifestCorrupt(f"manifest holds {count} JSON objects and arrays in {len(text)} bytes; "
+                              f"the format allows {budget}")
+
+
 def load_json(raw: bytes) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ManifestCorrupt("manifest is not valid UTF-8") from None
+    _check_container_count(text)
     try:
         doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant,
                          parse_float=_finite_float, parse_int=_bounded_int)
