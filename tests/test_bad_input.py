@@ -1021,3 +1021,17 @@ def test_a_manifest_of_millions_of_empty_objects_is_refused_before_it_is_parsed(
     at_the_limit = b"[" + b",".join([b"[]"] * (container_budget(10_000) - 1)) + b"]"
     at_the_limit += b" " * (10_000 - len(at_the_limit))
     assert len(load_json(at_the_limit)) == container_budget(10_000) - 1
+
+
+@pytest.mark.parametrize("offset,message", [(4093, "is not a multiple of 8"), (8, "lies inside the 64-byte header")])
+def test_a_bad_manifest_offset_is_named_for_what_is_wrong(tmp_path, raw_file, offset, message, capsys):
+    from kvtool.format import layout
+
+    data = bytearray(Path(raw_file.path).read_bytes())
+    trailer = layout.Trailer.unpack(bytes(data[-32:]), len(data))
+    data[-32:] = layout.Trailer(offset, trailer.manifest_length, trailer.manifest_crc32).pack()
+    path = tmp_path / "t.kvc"
+    path.write_bytes(bytes(data))
+    assert run(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"manifest offset {offset} {message}" in err and err.count("\n") == 1

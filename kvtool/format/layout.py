@@ -108,8 +108,11 @@ class Trailer:
 
             raise ManifestTooLarge(
                 f"manifest of {length} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
-        if offset % MANIFEST_ALIGNMENT or offset < HEADER_SIZE or \
-                offset + length + TRAILER_SIZE != file_size:
+        if offset < HEADER_SIZE:
+            raise BadTrailer(f"manifest offset {offset} lies inside the {HEADER_SIZE}-byte header")
+        if offset % MANIFEST_ALIGNMENT:
+            raise BadTrailer(f"manifest offset {offset} is not a multiple of {MANIFEST_ALIGNMENT}")
+        if offset + length + TRAILER_SIZE != file_size:
             raise BadTrailer(
                 f"manifest range [{offset}, {offset + length}) does not end where the trailer "
                 f"begins ({file_size - TRAILER_SIZE})")
