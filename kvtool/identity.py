@@ -30,14 +30,20 @@ class ModelIdentity:
     # {"rope_theta": float, "rope_scaling": dict | None}; kept as a dict so new
     # scaling schemes need no format change.
     rope: dict[str, Any] = field(default_factory=dict)
-    # Extra hashed facts (e.g. a digest of the weights) for stricter matching.
+    # Extra hashed facts for stricter matching.
     extra: dict[str, Any] = field(default_factory=dict)
+    # Which weights (format-spec/container.md §3.1): not fingerprinted, so a file records it
+    # without changing what "the same model" means for files written before it existed.
+    weights_digest: str | None = None
 
     def fingerprint(self) -> str:
         return model_fingerprint(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["weights_digest"] is None:
+            del d["weights_digest"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelIdentity":
@@ -50,6 +56,9 @@ def canonical_json(obj: Any) -> bytes:
                       allow_nan=False).encode("utf-8")
 
 
+NOT_FINGERPRINTED = ("name", "fingerprint", "weights_digest")
+
+
 def model_fingerprint(identity: dict[str, Any]) -> str:
-    hashed = {k: v for k, v in identity.items() if k != "name"}
+    hashed = {k: v for k, v in identity.items() if k not in NOT_FINGERPRINTED}
     return "sha256:" + hashlib.sha256(canonical_json(hashed)).hexdigest()

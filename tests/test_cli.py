@@ -662,7 +662,7 @@ def test_replay_human_output_prints_markup_in_the_continuation_and_path_literall
 
     result = ReplayResult(file="[b]x.kvc", model="m", num_tokens=2, reused_tokens=1, computed_tokens=1,
                           chunks_loaded=1, codecs=["raw"], device="cpu", model_dtype="float32",
-                          first_token_from="prefill", load_s=0.05, ttft_cached_s=0.1, continue_tokens=1,
+                          first_token_from="prefill", weights="same weights", load_s=0.05, ttft_cached_s=0.1, continue_tokens=1,
                           continuation_tokens=[1], continuation="[i]italic[/i], [u]under[/u], [link](http://x)")
     emit(result, False)
     out = capsys.readouterr().out.replace("\n", "")

@@ -609,3 +609,50 @@ def test_a_hub_id_resolves_from_the_local_hugging_face_cache(tmp_path, default_m
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "'SomeOrg/absent' is neither a folder nor in the Hugging Face cache" in out.stderr
     assert str(tmp_path / "hub") in out.stderr and "never downloads" in out.stderr
+
+
+def test_a_cache_is_not_replayed_into_other_weights(captured, tmp_path, capsys, default_model):
+    """Same config, one weight tensor scaled by 1.01, another name: the fingerprint matches, the
+    weights digest does not; replay and verify --replay refuse in one line naming both models,
+    unless --allow-other-weights, which the report records."""
+    from safetensors.torch import load_file, save_file
+
+    from kvtool.engine import default_model_path
+
+    source = default_model_path()
+    tuned = tmp_path / "my-finetune"
+    tuned.mkdir()
+    for f in source.iterdir():
+        if f.name != "model.safetensors" and not f.name.startswith("kvtool-"):
+            (tuned / f.name).symlink_to(f)
+    weights = load_file(source / "model.safetensors")
+    name = next(k for k in weights if k.endswith("layers.0.mlp.down_proj.weight"))
+    weights[name] = weights[name] * 1.01
+    save_file(weights, tuned / "model.safetensors", metadata={"format": "pt"})
+    with ContainerReader(captured) as reader:
+        assert reader.model["weights_digest"] == default_model.identity.weights_digest
+    code, _, err = cli(capsys, "replay", str(captured), "--model", str(tuned), "--device", "cpu", "--continue", "2")
+    assert code == 2 and err.count("\n") == 1 and "other weights than the loaded model's" in err
+    assert "'SmolLM2-135M-Instruct'" in err and "'my-finetune'" in err
+    code, _, err = cli(capsys, "verify", str(captured), "--replay", "--model", str(tuned), "--device", "cpu")
+    assert code == 2 and "--allow-other-weights" in err
+    code, r, _ = cli(capsys, "replay", str(captured), "--model", str(tuned), "--device", "cpu", "--continue", "2",
+                     "--allow-other-weights", "--json")
+    assert code == 0 and r["weights"] == "other weights (allowed by --allow-other-weights)"
+    code, r, _ = cli(capsys, "replay", str(captured), "--device", "cpu", "--continue", "2", "--json")
+    assert code == 0 and r["weights"] == "same weights"
+
+
+def test_a_file_without_a_weights_digest_stays_readable(captured, tmp_path, capsys):
+    from kvtool.format import ModelIdentity
+
+    old = tmp_path / "old.kvc"
+    with ContainerReader(captured) as r:
+        model = {k: v for k, v in r.model.items() if k != "weights_digest"}
+        with ContainerWriter(old, model, r.token_ids().tolist(), kv_dtype=r.kv_dtype,
+                             chunk_size=r.manifest.chunk_size) as w:
+            for c in r.chunks:
+                w.write_chunk(r.read_chunk(c.index), "raw")
+    assert ModelIdentity.from_dict(model).weights_digest is None
+    code, r, _ = cli(capsys, "replay", str(old), "--device", "cpu", "--continue", "2", "--json")
+    assert code == 0 and r["weights"] == "not recorded in the file"

@@ -25,6 +25,8 @@ DeviceOpt = Annotated[str, typer.Option(
     "--device", metavar="DEVICE", help="Where the model runs: auto (the GPU if torch sees one), cpu, cuda or cuda:N.")]
 ModelDtypeOpt = Annotated[str, typer.Option(
     "--model-dtype", metavar="DTYPE", help="Weights and arithmetic of the model: fp32, bf16 or fp16 (bf16 for big models on a GPU).")]
+OtherWeightsOpt = Annotated[bool, typer.Option(
+    "--allow-other-weights", help="Replay a file computed with other weights than the model's (recorded in the report).")]
 ChunksOpt = Annotated[Optional[str], typer.Option(
     "--chunks", metavar="LIST", help="Chunk indices, e.g. '0-3,7' (default: all).")]
 LayersOpt = Annotated[Optional[str], typer.Option(

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from .options import DeviceOpt, InputPath, JsonOpt, ModelDtypeOpt, ModelOpt
+from .options import DeviceOpt, InputPath, JsonOpt, ModelDtypeOpt, ModelOpt, OtherWeightsOpt
 from .output import emit, renders, stages
 
 ContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help="Tokens to generate (or teacher-force with --compare).")]
@@ -33,7 +33,8 @@ def command(path: InputPath, model: ModelOpt = None, continue_tokens: ContinueOp
             suffix: SuffixOpt = None, suffix_file: SuffixFileOpt = None, prompt: PromptOpt = None,
             prompt_file: PromptFileOpt = None, compare: CompareOpt = False, min_top1: MinTop1Opt = None,
             max_kl: MaxKlOpt = None, no_hidden_states: NoHiddenOpt = False, device: DeviceOpt = "auto",
-            weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False, json: JsonOpt = False) -> None:
+            weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False,
+            allow_other_weights: OtherWeightsOpt = False, json: JsonOpt = False) -> None:
     """Load a KV file into a fresh paged KV buffer, continue from it, and (--compare) check it."""
     from ..ops.replay import replay
 
@@ -41,6 +42,7 @@ def command(path: InputPath, model: ModelOpt = None, continue_tokens: ContinueOp
         result = replay(path, model, continue_tokens=continue_tokens, suffix=suffix, suffix_file=suffix_file,
                         prompt=prompt, prompt_file=prompt_file, compare=compare, min_top1=min_top1, max_kl=max_kl,
                         device=device, model_dtype=weights_dtype, use_hidden_states=not no_hidden_states, chat=chat,
+                        allow_other_weights=allow_other_weights,
                         on_stage=stage)
     emit(result, json)
 
@@ -52,6 +54,8 @@ def render(console: Console, r: dict[str, Any]) -> None:
                   f"{r['computed_tokens']} computed"
                   + ("; the first new token from the stored hidden states" if r.get("first_token_from") == "hidden_states"
                      else ""))
+    if r.get("weights", "").startswith("other"):
+        console.print(f"[yellow]{r['weights']}[/yellow]")
     line = f"time to first token {r['ttft_cached_s'] * 1e3:.0f} ms with the cache (load {r['load_s'] * 1e3:.0f} ms)"
     if r.get("ttft_recompute_s") is not None:
         line += f" vs {r['ttft_recompute_s'] * 1e3:.0f} ms recomputed: {r['speedup']:.1f}x"

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 
-from .options import DeviceOpt, InputPath, JsonOpt, ModelDtypeOpt, ModelOpt
+from .options import DeviceOpt, InputPath, JsonOpt, ModelDtypeOpt, ModelOpt, OtherWeightsOpt
 from .output import emit, plural, renders, stages
 from .replay import render as render_replay
 
@@ -29,14 +29,15 @@ ReplayContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help=
 def command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 0.0, rtol: RtolOpt = 0.0,
             replay: ReplayOpt = False, model: ModelOpt = None, min_top1: ReplayTop1Opt = None,
             max_kl: ReplayKlOpt = None, continue_tokens: ReplayContinueOpt = 16, device: DeviceOpt = "auto",
-            weights_dtype: ModelDtypeOpt = "fp32", json: JsonOpt = False) -> None:
+            weights_dtype: ModelDtypeOpt = "fp32", allow_other_weights: OtherWeightsOpt = False,
+            json: JsonOpt = False) -> None:
     """Check structure, checksums, decoding, finiteness and prefix hashes (exit 1 if any fails)."""
     from ..ops.verify import verify
 
     with stages(enabled=not json) as stage:  # one live display: the chunks checked, then the replay's stages
         report = verify(path, against=against, atol=atol, rtol=rtol, replay=replay, model=model,
                         min_top1=min_top1, max_kl=max_kl, continue_tokens=continue_tokens, device=device,
-                        model_dtype=weights_dtype, on_stage=stage,
+                        model_dtype=weights_dtype, allow_other_weights=allow_other_weights, on_stage=stage,
                         on_chunk=lambda done, total: stage(f"checking chunk {done} of {total}"))
     emit(report, json)
 

@@ -17,6 +17,7 @@ import torch
 from ..errors import ModelError
 from ..identity import ModelIdentity
 from .model import LayerWeights, ModelConfig, Weights, rope_inv_freq
+from .weights_digest import weights_digest
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -137,7 +138,8 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     if not tok_path.is_file():
         raise ModelError(f"{path}: no tokenizer.json (only fast tokenizers are supported)")
     return LoadedModel(path=path, config=config, weights=weights, tokenizer=Tokenizer(tok_path),
-                       identity=identity_from_config(config, name), dtype=dtype)
+                       identity=identity_from_config(config, name, weights_digest(path, weights_files(path))),
+                       dtype=dtype)
 
 
 # "org/name": a Hugging Face Hub id (a local folder of that name wins).
@@ -245,8 +247,9 @@ def config_from_hf(hf: dict, path: Path | str = "") -> ModelConfig:
     return cfg
 
 
-def identity_from_config(config: ModelConfig, name: str) -> ModelIdentity:
+def identity_from_config(config: ModelConfig, name: str, weights_digest: str | None = None) -> ModelIdentity:
     return ModelIdentity(
+        weights_digest=weights_digest,
         name=name,
         architecture=config.architecture,
         num_layers=config.num_layers,
@@ -262,10 +265,8 @@ def identity_from_config(config: ModelConfig, name: str) -> ModelIdentity:
     )
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+def weights_files(path: Path) -> list[str]:
+    """The safetensors files a folder's weights are in, by name (sharded: as its index says)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(_read_json(index).get("weight_map", {}).values()))
@@ -273,6 +274,14 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise ModelError(f"{path}: no *.safetensors weights (other formats are not supported)")
+    return files
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = weights_files(path)
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         try:

@@ -270,6 +270,9 @@ def parse_manifest(raw: bytes, *, data_end: int, alignment: int) -> Manifest:
     fingerprint = _get(model, "fingerprint", str, "model")
     if not re.fullmatch(r"sha256:[0-9a-f]{64}", fingerprint):
         raise ManifestInvalid("manifest: model.fingerprint must be 'sha256:' and 64 hex digits")
+    if "weights_digest" in model and not (isinstance(model["weights_digest"], str)
+                                          and re.fullmatch(r"sha256:[0-9a-f]{64}", model["weights_digest"])):
+        raise ManifestInvalid("manifest: model.weights_digest must be 'sha256:' and 64 hex digits")
 
     kv = _get(doc, "kv", dict, "manifest")
     kv_dtype = _get(kv, "dtype", str, "kv")

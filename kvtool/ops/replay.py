@@ -61,6 +61,7 @@ class ReplayResult(Result):
     device: str
     model_dtype: str
     first_token_from: str  # "hidden_states" (nothing recomputed) or "prefill"
+    weights: str  # "same weights", "not recorded in the file", or "other weights (allowed ...)"
     load_s: float
     ttft_cached_s: float
     continue_tokens: int
@@ -99,9 +100,10 @@ class ReusePlan:
     from_hidden: bool = False  # every token is reused; the first new token's logits come from the file's hidden states
 
 
-def check_model(reader: ContainerReader, model: LoadedModel) -> None:
-    """The file was made by this model: same fingerprint, and (since a fingerprint is only a
-    claim) KV of this model's shape and token ids inside its vocabulary."""
+def check_model(reader: ContainerReader, model: LoadedModel, allow_other_weights: bool = False) -> str:
+    """The file was made by this model: same fingerprint, the same weights when the file records
+    their digest, and (since a fingerprint is only a claim) KV of this model's shape and token ids
+    inside its vocabulary. Returns what was found of the weights, for the report."""
     if reader.fingerprint != model.identity.fingerprint():
         raise ModelMismatch(
             f"{reader.path} was made by {reader.model.get('name')!r} ({reader.fingerprint[:19]}...), "
@@ -111,6 +113,16 @@ def check_model(reader: ContainerReader, model: LoadedModel) -> None:
         raise ModelMismatch(f"{reader.path} holds {m.num_layers} layers x {m.hidden_kv} KV channels, the model "
                             f"has {cfg.num_layers} x {cfg.num_kv_heads * cfg.head_dim} (its fingerprint is forged)")
     check_vocabulary(reader.token_ids(), cfg.vocab_size, where=f"{reader.path}: ")
+    recorded, loaded = reader.model.get("weights_digest"), model.identity.weights_digest
+    if recorded is None or loaded is None:
+        return "not recorded in the file"
+    if recorded == loaded:
+        return "same weights"
+    if not allow_other_weights:
+        raise ModelMismatch(f"{reader.path} was computed with other weights than the loaded model's: "
+                            f"{reader.model.get('name')!r} {recorded[:19]}... vs {model.name!r} {loaded[:19]}... "
+                            f"(--allow-other-weights to replay it anyway)")
+    return "other weights (allowed by --allow-other-weights)"
 
 
 def plan_reuse(reader: ContainerReader, new_tokens: list[int] | None = None,
@@ -175,7 +187,7 @@ def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, c
            suffix: str | None = None, suffix_file: Path | None = None, prompt: str | None = None,
            prompt_file: Path | None = None, compare: bool = False, min_top1: float | None = None,
            max_kl: float | None = None, device: str = "auto", model_dtype: str = "fp32",
-           use_hidden_states: bool = True, chat: bool = False, on_stage: Callable[[str], None] | None = None) -> ReplayResult:
+           use_hidden_states: bool = True, chat: bool = False, allow_other_weights: bool = False, on_stage: Callable[[str], None] | None = None) -> ReplayResult:
     """Load a KV file into a fresh paged buffer and continue from it (`kvtool replay`).
 
     `suffix` continues the file's own tokens; `prompt` reuses the file's chunks that a new
@@ -197,7 +209,7 @@ def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, c
     with ContainerReader(path) as reader:
         stage("loading the model")
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=where)
-        check_model(reader, loaded)
+        check_model(reader, loaded, allow_other_weights)
         if suffix_file is not None:
             suffix = read_text_file(suffix_file)
         if prompt_file is not None:
@@ -210,7 +222,7 @@ def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, c
                           else None,
                           use_hidden_states=use_hidden_states)
         result = replay_plan(reader, loaded, plan, continue_tokens=continue_tokens, compare=compare,
-                             on_stage=stage)
+                             on_stage=stage, allow_other_weights=allow_other_weights)
     result.thresholds = {"min_top1": min_top1, "max_kl": max_kl}
     if min_top1 is not None and not result.top1_agreement >= min_top1:  # (NaN fails too)
         result.failures.append(f"top-1 agreement {result.top1_agreement:.3f} < {min_top1}")
@@ -222,11 +234,11 @@ def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, c
 
 
 def replay_plan(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, continue_tokens: int = 32,
-                compare: bool = False, block_size: int = 16,
-                on_stage: Callable[[str], None] | None = None) -> ReplayResult:
+                compare: bool = False, block_size: int = 16, on_stage: Callable[[str], None] | None = None,
+                allow_other_weights: bool = False) -> ReplayResult:
     """Run `plan` (from `plan_reuse`) on an open file: load its reused chunks, compute the rest,
     continue greedily, and with `compare` measure against a full recompute."""
-    check_model(reader, model)
+    weights = check_model(reader, model, allow_other_weights)
     tokens = plan.tokens
     n = len(tokens)
     total = n + continue_tokens
@@ -287,7 +299,8 @@ def replay_plan(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *,
     return ReplayResult(
         file=str(reader.path), model=model.name, num_tokens=n, reused_tokens=reused, computed_tokens=n - reused,
         chunks_loaded=plan.chunks, codecs=sorted({c.codec for c in reader.chunks}), device=describe(model.device),
-        model_dtype=str(model.dtype).removeprefix("torch."), first_token_from=first_from, load_s=load_s,
+        model_dtype=str(model.dtype).removeprefix("torch."), first_token_from=first_from, weights=weights,
+        load_s=load_s,
         ttft_cached_s=ttft_cached, continue_tokens=continue_tokens, continuation_tokens=generated,
         continuation=model.tokenizer.decode(generated), notice=why, **measured)
 

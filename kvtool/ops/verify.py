@@ -50,7 +50,7 @@ class VerifyReport(Result):
 def verify(path: str | Path, *, against: str | Path | None = None, atol: float = 0.0, rtol: float = 0.0,
            replay: bool = False, model: str | Path | None = None, min_top1: float | None = None,
            max_kl: float | None = None, continue_tokens: int = 16, device: str = "auto",
-           model_dtype: str = "fp32", check: bool = True,
+           model_dtype: str = "fp32", allow_other_weights: bool = False, check: bool = True,
            on_stage: Callable[[str], None] | None = None,
            on_chunk: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Every check `kvtool verify` makes. With `check` (the default) problems raise
@@ -86,7 +86,7 @@ def verify(path: str | Path, *, against: str | Path | None = None, atol: float =
             why = "given (--min-top1)"
         report.replay_threshold = {"min_top1": min_top1, "why": why}
         report.replay, failures = _replay(path, model, continue_tokens, min_top1, max_kl, device, model_dtype,
-                                          on_stage)
+                                          on_stage, allow_other_weights)
         for failure in failures:
             report.add(ToleranceExceeded(f"replay: {failure}"))
     if check and report.problems:
@@ -134,13 +134,14 @@ def expected_top1(reader: ContainerReader, device: str | None = None,
 
 
 def _replay(path, model, continue_tokens, min_top1, max_kl, device, model_dtype,
-            on_stage) -> tuple[dict, list[str]]:
+            on_stage, allow_other_weights) -> tuple[dict, list[str]]:
     from ..errors import ToleranceExceeded
     from .replay import replay
 
     try:
         result = replay(path, model, continue_tokens=continue_tokens, compare=True, min_top1=min_top1,
-                        max_kl=max_kl, device=device, model_dtype=model_dtype, on_stage=on_stage)
+                        max_kl=max_kl, device=device, model_dtype=model_dtype, on_stage=on_stage,
+                        allow_other_weights=allow_other_weights)
     except ToleranceExceeded as err:
         result = err.report
     return result.to_dict(), list(result.failures)
