@@ -91,12 +91,19 @@ def open_temp_beside(path: Path) -> tuple[int, str]:
             notice(f"created the folder {path.parent} for {path.name}")
         remove_stale_temps(path)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held until the writer closes the file or dies
     except OSError as err:
         raise OutputError(f"{path}: cannot write here ({err.strerror})") from None
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(fd, 0o666 & ~mask)
+    try:  # a signal (SIGTERM unwinds like Ctrl-C) may land here: leave no temp file behind
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held until the writer closes the file or dies
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(fd, 0o666 & ~mask)
+    except BaseException as err:
+        os.close(fd)
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise OutputError(f"{path}: cannot write here ({err.strerror})") from None
+        raise
     return fd, tmp
 
 

@@ -84,11 +84,17 @@ class ContainerWriter:
         self.extras: dict[str, ExtraEntry] = {}
         self._prev_hash = ZERO_HASH
         fd, tmp = open_temp_beside(self.path)
-        self._tmp_path = Path(tmp)
-        self._file = os.fdopen(fd, "wb")
+        try:  # until the state is set, abort() cannot clean up: a signal here must not leave the file
+            self._tmp_path = Path(tmp)
+            self._file = os.fdopen(fd, "wb")
+            self._pos = 0
+            self.state = WriterState.CHUNKS
+        except BaseException:
+            os.close(fd)
+            Path(tmp).unlink(missing_ok=True)
+            raise
         self._write(layout.Header(alignment=alignment).pack())
         self._pos = layout.HEADER_SIZE
-        self.state = WriterState.CHUNKS
 
     # --- sections, in order ------------------------------------------------
 
