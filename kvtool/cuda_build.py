@@ -215,7 +215,10 @@ def _load_locked(name: str) -> Built:
 
 def usable_or_notice(wrapper, what: str, fallback: str):
     """`wrapper` (a module whose `library()` loads its kernel, building it on first use) when
-    the kernel can run here; None after one notice saying what runs instead."""
+    the kernel can run here; None after one notice saying what runs instead (none when the user
+    turned the kernels off with KVTOOL_CUDA=0)."""
+    if disabled():
+        return None
     try:
         wrapper.library()
     except CudaUnavailable as exc:

@@ -899,3 +899,26 @@ def test_progress_on_a_terminal_never_breaks_a_command(tmp_path, argv):
     os.close(slave)
     os.close(master)
     assert proc.returncode == 0 and proc.stdout
+
+
+def test_nan_and_inf_kv_render_for_people_without_warnings(cli, tmp_path):
+    """Human output of a file holding NaN and inf: the numbers print as such (JSON has null),
+    with no traceback and no numpy warning on stderr."""
+    from fixtures import make_identity, make_kv
+
+    ident = make_identity()
+    kv = make_kv(ident, 5, torch.bfloat16, seed=3)
+    kv[0, 0, 1, 2], kv[1, 1, 3, 0] = float("nan"), float("inf")
+    bad = write_kv_file(tmp_path / "nan.kvc", num_tokens=5, chunk_size=2, kv=kv, codec="zstd")
+    good = write_kv_file(tmp_path / "ok.kvc", num_tokens=5, chunk_size=2, codec="zstd")
+    r = cli("inspect", "--stats", bad.path)
+    assert r.code == 0 and r.err == "" and "nan" in r.out and "inf" in r.out
+    r = cli("verify", good.path, "--against", bad.path)
+    assert r.code == 1 and r.err.count("\n") == 1 and "Traceback" not in r.out
+    r = cli("inspect", "--stats", bad.path, "--json")
+    assert r.code == 0 and r.err == "" and r.json()["stats"][0]["max"] is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_verify_device_cuda_without_cuda_is_a_usage_error(cli, kv_file):
+    assert_error(cli("verify", kv_file.path, "--device", "cuda"), 2)

@@ -418,14 +418,14 @@ def _gpu_copies_equal_cpu(cpu, gpu, layout, slots, hidden, blob_dtype, gen, scal
     want = torch.empty(shape, dtype=blob_dtype)
     gather_paged(cpu, layout, slots, want)
     got = torch.full(shape, float("nan"), dtype=blob_dtype, device="cuda")
-    paged.gather(gpu, layout, slots.cuda(), got)
+    assert paged.gather(gpu, layout, slots.cuda(), got)
     torch.cuda.synchronize()
     assert _same_bits(got, want)
     if vec_bytes is not None:
         assert paged.last_vec_bytes() == vec_bytes
     blob = (torch.randn(shape, generator=gen) * scale).to(blob_dtype)
     scatter_paged(blob, cpu, layout, slots)
-    paged.scatter(blob.cuda(), gpu, layout, slots.cuda())
+    assert paged.scatter(blob.cuda(), gpu, layout, slots.cuda())
     torch.cuda.synchronize()
     assert _layers_equal(_to(gpu, "cpu"), cpu)
 
@@ -478,12 +478,12 @@ def test_gpu_pinned_host_blob(layout):
     want = torch.empty(2, L, T, H * D, dtype=torch.bfloat16)
     gather_paged(cpu, layout, slots, want)
     host = torch.empty(2, L, T, H * D, dtype=torch.bfloat16, pin_memory=True)
-    paged.gather(gpu, layout, slots.cuda(), host)
+    assert paged.gather(gpu, layout, slots.cuda(), host)
     torch.cuda.synchronize()
     assert _same_bits(host, want)
     blob = torch.randn(2, L, T, H * D, generator=g).to(torch.bfloat16).pin_memory()
     scatter_paged(blob, cpu, layout, slots)
-    paged.scatter(blob, gpu, layout, slots.cuda())
+    assert paged.scatter(blob, gpu, layout, slots.cuda())
     torch.cuda.synchronize()
     assert _layers_equal(_to(gpu, "cpu"), cpu)
     with pytest.raises(Exception, match="pinned"):
@@ -505,7 +505,7 @@ def test_gpu_odd_geometry_and_raw_dtypes():
             want = torch.empty(2, L, T, H * D, dtype=dt)
             gather_paged(cpu, layout, slots, want)
             got = torch.empty(2, L, T, H * D, dtype=dt, device="cuda")
-            paged.gather(gpu, layout, slots.cuda(), got)
+            assert paged.gather(gpu, layout, slots.cuda(), got)
             assert _same_bits(got, want), (L, NB, BS, H, D, T, dt, layout)
 
 
@@ -521,7 +521,7 @@ def test_gpu_repeated_slots_gather():
         want = torch.empty(2, L, T, H * D, dtype=torch.bfloat16)
         gather_paged(cpu, layout, slots, want)
         got = torch.empty_like(want, device="cuda")
-        paged.gather(_to(cpu, "cuda"), layout, slots.cuda(), got)
+        assert paged.gather(_to(cpu, "cuda"), layout, slots.cuda(), got)
         assert _same_bits(got, want)
 
 
@@ -860,3 +860,13 @@ def test_writer_encodes_cuda_chunks_on_the_gpu_to_the_cpu_bytes(tmp_path):
                 w.write_chunk(kv[:, :, s:e].to(device), "cachegen")
         paths.append(path)
     assert paths[0].read_bytes() == paths[1].read_bytes()
+
+
+def test_kernels_turned_off_by_the_user_fall_back_without_a_notice(monkeypatch, capsys):
+    from kvtool import notices
+    from kvtool.connectors.paged_copy import load_cuda_kernel
+
+    monkeypatch.setenv("KVTOOL_CUDA", "0")
+    notices.forget()
+    assert load_cuda_kernel() is None
+    assert capsys.readouterr().err == ""  # the user asked for it: nothing to tell

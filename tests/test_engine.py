@@ -379,3 +379,11 @@ def test_tiny_architectures_match_transformers(tmp_path, kind):
         torch.testing.assert_close(k, hk, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v, hv, atol=1e-5, rtol=1e-5)
     assert model.identity.rope["rope_scaling"] == model.config.rope_scaling
+
+
+def test_a_cpu_cache_larger_than_memory_is_refused_before_allocating(default_model):
+    from kvtool.engine import PagedKVCache
+    from kvtool.errors import OutOfMemory
+
+    with pytest.raises(OutOfMemory, match="does not fit in this machine"):
+        PagedKVCache(default_model.config, num_blocks=1 << 28, block_size=16)

@@ -83,7 +83,8 @@ def _out_of_memory_types() -> tuple[type[BaseException], ...]:
     """Python's MemoryError (numpy's too) and, once torch is loaded, its OutOfMemoryError (a
     device allocation). Sizes that come from files are checked before they are allocated."""
     torch = sys.modules.get("torch")
-    return (MemoryError,) + ((torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ())
+    found = {getattr(torch, "OutOfMemoryError", None), getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)}
+    return (MemoryError, *sorted((t for t in found if isinstance(t, type)), key=str))
 
 
 def run(argv: list[str] | None = None) -> int:

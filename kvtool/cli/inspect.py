@@ -22,7 +22,7 @@ def command(path: InputPath, stats: StatsOpt = False, wide: WideOpt = False, jso
     with progress("decoding", "chunks", enabled=stats and not json) as update:
         summary = inspect(path, stats=stats, on_chunk=update)
     if wide and not json:  # as wide as the lines are: full hashes never wrap, whatever the terminal
-        render(Console(highlight=False, width=4096), escaped(summary.to_dict()), wide=True)
+        render(Console(highlight=False, width=4096), escaped(summary.to_dict(json_safe=False)), wide=True)
     else:
         emit(summary, json)
 

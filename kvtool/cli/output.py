@@ -32,12 +32,11 @@ def renders(result_type: str) -> Callable[[Renderer], Renderer]:
 
 def emit(result, json_mode: bool) -> None:
     """Print a result: one JSON object (with `ok`) or its registered human rendering."""
-    data = result.to_dict()
     if json_mode:
-        sys.stdout.write(json.dumps(data, indent=2, default=str, allow_nan=False) + "\n")
+        sys.stdout.write(json.dumps(result.to_dict(), indent=2, default=str, allow_nan=False) + "\n")
         sys.stdout.flush()
     else:  # strings come from files and arguments: never let them act as rich markup
-        _RENDERERS[type(result).__name__](stdout_console, escaped(data))
+        _RENDERERS[type(result).__name__](stdout_console, escaped(result.to_dict(json_safe=False)))
 
 
 def escaped(value: Any) -> Any:

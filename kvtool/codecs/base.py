@@ -96,6 +96,11 @@ class Codec(ABC):
         """A breakdown of a payload's bits by part, for `inspect`; None when the codec has none."""
         return None
 
+    def expected_top1(self, params: dict[str, Any], num_layers: int) -> tuple[float, str] | None:
+        """What a lossy codec promises a replay (top-1 agreement with a recompute, and why), for
+        `verify --replay`'s default threshold; None when it documents no expectation."""
+        return None
+
     def warm_up(self, device: "torch.device") -> None:
         """Pay one-time costs (kernel builds and loads) before anything is timed on `device`."""
 

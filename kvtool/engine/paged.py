@@ -12,12 +12,14 @@ the flattened `[2, num_blocks * block_size, num_kv_heads, head_dim]` view.
 
 from __future__ import annotations
 
+import math
+import os
 import random
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import UsageError
+from ..errors import OutOfMemory, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .model import ModelConfig
@@ -97,6 +99,20 @@ class Sequence:
         self.num_tokens = 0
 
 
+def _check_host_memory(nbytes: int, device: torch.device) -> None:
+    """Refuse, in one line, a CPU cache larger than the machine's memory: torch reports a failed
+    host allocation only as a RuntimeError with a message, which kvtool never parses."""
+    if device.type != "cpu":
+        return  # a device allocation fails as torch.OutOfMemoryError, a type the CLI knows
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    if nbytes > total:
+        raise OutOfMemory(f"a paged KV cache of {nbytes / 2**30:.1f} GiB does not fit in this machine's "
+                          f"{total / 2**30:.1f} GiB")
+
+
 class PagedKVCache:
     """Per-layer paged K/V buffers plus the allocator that owns their blocks."""
 
@@ -113,6 +129,8 @@ class PagedKVCache:
         self.kv_dtype = kv_dtype
         self.device = torch.device(device)
         shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        _check_host_memory(config.num_layers * math.prod(shape) * torch.empty((), dtype=kv_dtype).element_size(),
+                           self.device)
         self.kv_caches: list[torch.Tensor] = [
             torch.zeros(shape, dtype=kv_dtype, device=self.device)
             for _ in range(config.num_layers)

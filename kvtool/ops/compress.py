@@ -47,6 +47,7 @@ def compress_file(reader: ContainerReader, output: str | Path, codec: str, param
     """Write every chunk of an open file to `output` with `codec`; chunks already in that
     encoding are copied as they are. `on_chunk(done, total)` reports progress."""
     m = reader.manifest
+    reader.kv_dtype  # imports torch (the chunks are tensors) before the clock starts
     started = time.perf_counter()
     copied = 0
     with ContainerWriter(output, m.model, reader.token_ids(), kv_dtype=m.kv_dtype, chunk_size=m.chunk_size,

@@ -78,6 +78,7 @@ def summarize(reader: ContainerReader) -> FileSummary:
         metadata=m.metadata)
 
 
+@np.errstate(invalid="ignore", over="ignore", divide="ignore")  # NaN/inf KV: reported as such, not warned
 def layer_stats(reader: ContainerReader, on_chunk: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
     """Per layer and K/V: min, max, mean, std, and channels far above the median max-abs."""
     m = reader.manifest
@@ -89,7 +90,7 @@ def layer_stats(reader: ContainerReader, on_chunk: Callable[[int, int], None] | 
     hi = np.full(shape, -np.inf)
     chan_absmax = np.zeros((2, m.num_layers, m.hidden_kv))
     for c in m.chunks:
-        kv = to_float64(reader.read_chunk_array(c.index), c.dtype)  # [2, L, T, C]
+        kv = to_float64(reader.read_chunk_array(c.index), c.dtype)  # [2, L, T, C]; NaN/inf stay as they are
         count += kv.shape[2] * kv.shape[3]
         total += kv.sum(axis=(2, 3))
         total_sq += (kv * kv).sum(axis=(2, 3))

@@ -17,9 +17,11 @@ class Result:
     def ok(self) -> bool:
         return True
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data: `ok` first, then the fields; NaN and infinity become None."""
-        return {"ok": self.ok, **_json_safe(dataclasses.asdict(self))}
+    def to_dict(self, json_safe: bool = True) -> dict[str, Any]:
+        """Plain data: `ok` first, then the fields; for JSON (the default) NaN and infinity become
+        None, for people they stay numbers ("nan", "inf" in a table say what is in the file)."""
+        data = {"ok": self.ok, **dataclasses.asdict(self)}
+        return _json_safe(data) if json_safe else data
 
 
 def _json_safe(value: Any) -> Any:

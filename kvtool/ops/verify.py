@@ -57,7 +57,10 @@ def verify(path: str | Path, *, against: str | Path | None = None, atol: float =
     VerificationFailed carrying the report; without, the report says them (`.ok`, `.problems`)."""
     from ..devices import check_device_spec
 
-    check_device_spec(device)  # a bad option is an error with or without --replay / --against
+    if check_device_spec(device).group(1) == "cuda":  # a bad option is an error with or without --replay
+        from ..devices import resolve_device
+
+        resolve_device(device)  # (imports torch: only when CUDA is asked for)
     model_dtype_name(model_dtype)
     non_negative("--atol", atol)
     non_negative("--rtol", rtol)
@@ -96,12 +99,9 @@ def verify(path: str | Path, *, against: str | Path | None = None, atol: float =
     return report
 
 
-# The top-1 agreement `verify --replay` expects by default of a CacheGen file, by the fewest bins
-# any layer has. bench/RD_RESULTS.md (the RD benchmark, SmolLM2-135M, 100 teacher-forced tokens
-# per window) measured 84.7% / 92.0% / 96.3% on prose for 16 / 32 / 64 bins (88.7 / 94.2 / 97.2%
-# over prose and code); a 16-token check of a file varies by sqrt(p(1-p)/16), 6-9 points, so the
-# thresholds sit about 1.5 of those below the prose means.
-CACHEGEN_TOP1 = ((64, 0.88), (32, 0.80), (0, 0.70))
+# A lossless file replayed on another device or dtype than it was captured with: the model's last
+# bits differ, so near-ties may flip; held to the level of CacheGen's finest bins.
+LOSSLESS_ELSEWHERE_TOP1 = 0.88
 
 
 def expected_top1(reader: ContainerReader, device: str | None = None,
@@ -116,20 +116,17 @@ def expected_top1(reader: ContainerReader, device: str | None = None,
     if (device, model_dtype) == (made.get("device", device), made.get("model_dtype", model_dtype)):
         expected, why = 1.0, "lossless: the recompute exactly"
     else:
-        expected, why = CACHEGEN_TOP1[0][1], (f"lossless, but captured on {made.get('device')} "
+        expected, why = LOSSLESS_ELSEWHERE_TOP1, (f"lossless, but captured on {made.get('device')} "
                                               f"({made.get('model_dtype')}): the model's last bits differ")
     for chunk in reader.chunks:
         codec = codecs.get_codec(chunk.codec_id)
         if codec.lossless:
             continue
-        if codec.name != "cachegen":  # a lossy codec this table does not know: no promise to hold it to
+        promise = codec.expected_top1(chunk.codec_params, reader.manifest.num_layers)
+        if promise is None:  # a lossy codec that documents no expectation: nothing to hold it to
             return 0.0, f"{codec.name}: no documented expectation"
-        from ..codecs.cachegen import resolve_bins
-
-        bins = min(resolve_bins(chunk.codec_params["bins"], reader.manifest.num_layers))
-        top1 = next(t for least, t in CACHEGEN_TOP1 if bins >= least)
-        if top1 < expected:
-            expected, why = top1, f"cachegen with {bins} bins: the RD benchmark's expectation"
+        if promise[0] < expected:
+            expected, why = promise
     return expected, why
 
 
@@ -216,6 +213,7 @@ def check_file(reader: ContainerReader, on_chunk: Callable[[int, int], None] | N
     return report
 
 
+@np.errstate(invalid="ignore", over="ignore", divide="ignore")  # NaN/inf KV: compared as such, not warned
 def compare_files(reader: ContainerReader, other: ContainerReader, *, atol: float,
                   rtol: float) -> dict[str, Any]:
     """Per-layer max abs / relative error of `reader` against the reference `other`."""
