@@ -99,3 +99,30 @@ def test_vector_extras():
     with ContainerReader(VECTORS_DIR / "raw_bf16.kvc") as r:
         for name, tensor in make_vectors.extras().items():
             assert torch.equal(r.read_extra(name), tensor)
+
+
+def test_the_spec_prints_the_phi_table_the_coders_use():
+    """cachegen.md section 5: PHI is normative data in format-spec/cachegen_phi.txt, with its SHA-256."""
+    import hashlib
+    import struct
+
+    from kvtool.codecs.cachegen import _tables
+
+    spec = Path(__file__).resolve().parents[1] / "format-spec"
+    values = [int(line) for line in (spec / "cachegen_phi.txt").read_text().split()]
+    assert values == list(_tables.PHI) and len(values) == 513
+    digest = hashlib.sha256(struct.pack("<513I", *values)).hexdigest()
+    assert digest == "21d0f44bb1fb044363be6a83132dfccdcad5c46d648d5fce1ae7e8d1e5cc3380"
+    assert digest in (spec / "cachegen.md").read_text()
+
+
+def test_the_bins_grammar_rules_the_spec_states():
+    from kvtool.codecs.cachegen import resolve_bins
+    from kvtool.errors import UsageError
+
+    assert resolve_bins("24", 3) == [24] * 6  # a bare INT: every K and V layer
+    assert resolve_bins("default", 9) == [32] * 18  # fewer than 10 layers: 32 everywhere
+    assert resolve_bins("default", 10) == [32] * 10 + [32, 32] + [16] * 8
+    for bad in ("k:3-3=16;v:*=16", "k:5-3=16;v:*=16", "k:*=16,0=32;v:*=16", "k:0=16;v:*=16"):
+        with pytest.raises(UsageError):
+            resolve_bins(bad, 4)

@@ -100,9 +100,12 @@ def regions(path: Path) -> list[tuple[int, int, str]]:
                     f"crc32 {t.manifest_crc32:#010x}, end magic"))
     out.sort()
     filled, pos = [], 0
+    manifest_offset = r.trailer.manifest_offset
     for off, length, what in out:
-        if off > pos:
-            filled.append((pos, off - pos, "zero padding up to the next aligned offset"))
+        if off > pos:  # padding MUST be zero (container.md section 2.3): say which rule makes it
+            why = ("the manifest starts at a multiple of 8 (container.md section 2.2)" if off == manifest_offset
+                   else f"blobs start at multiples of the alignment, {r.header.alignment}")
+            filled.append((pos, off - pos, f"zero padding: {why}"))
         filled.append((off, length, what))
         pos = off + length
     return filled
