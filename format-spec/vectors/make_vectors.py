@@ -33,7 +33,14 @@ CHUNK_SIZE = 2
 ALIGNMENT = 64
 METADATA = {"created_by": "kvtool format-spec vectors", "created_at": "2026-11-22T00:00:00Z"}
 
-# name: (codec, params or None for defaults, dtype, with extras)
+# The long vectors: 96 tokens in chunks of 64 and 32, enough symbols that the rANS lanes
+# renormalise (words in every section, odd counts too), with a loud channel setting every token's scale
+# near 48, then a token 256x louder and one 4096x quieter, so the Rice blocks take escapes; fp16 and fp32
+# scales; other P, N and M than the short vector's.
+LONG_TOKENS = [(i * 37 + 11) % 1000 for i in range(96)]
+LONG_CHUNK_SIZE = 64
+
+# name: (codec, params or None for defaults, dtype, with extras[, long])
 VECTORS = {
     "raw_bf16": ("raw", None, torch.bfloat16, True),
     "raw_fp16": ("raw", None, torch.float16, False),
@@ -41,6 +48,10 @@ VECTORS = {
     "zstd_bf16": ("zstd", {"version": 1, "level": 3, "shuffle": "byteplane"}, torch.bfloat16, False),
     "zstd_fp32_noshuffle": ("zstd", {"version": 1, "level": 3, "shuffle": "none"}, torch.float32, False),
     "cachegen_bf16": ("cachegen", None, torch.bfloat16, False),
+    "cachegen_fp16_long": ("cachegen", {"version": 1, "bins": "k:0=32,1=16;v:*=16", "prob_bits": 12, "lanes": 3},
+                           torch.float16, False, True),
+    "cachegen_fp32_long": ("cachegen", {"version": 1, "bins": "kv:*=64", "prob_bits": 15, "lanes": 8},
+                           torch.float32, False, True),
 }
 
 
@@ -50,6 +61,18 @@ def source_kv(dtype: torch.dtype) -> torch.Tensor:
     i = torch.arange(n, dtype=torch.int64)
     grid = (i * 2654435761 + 12345) % 65536 - 32768  # [n]
     return (grid.to(torch.float32) / 4096).view(2, 2, len(TOKENS), 8).to(dtype)
+
+
+def long_source_kv(dtype: torch.dtype) -> torch.Tensor:
+    """KV_BLOB [2, 2, 96, 8]: the short vector's hash grid, with a loud and a quiet token and a loud channel."""
+    n = 2 * 2 * len(LONG_TOKENS) * 8
+    i = torch.arange(n, dtype=torch.int64)
+    grid = ((i * 2654435761 + 12345) % 65536 - 32768).to(torch.float32) / 4096
+    kv = grid.view(2, 2, len(LONG_TOKENS), 8)
+    kv[..., 3] = 48 + kv[..., 3] / 64  # a loud channel, as real K caches have: every token's scale ~48,
+    kv[:, :, 5] *= 256  # so the Rice codes are short, and the scale of a loud token escapes them
+    kv[:, :, 9] /= 4096  # and of a quiet one (fp16 stays finite: 48.2 x 256 < 65504)
+    return kv.to(dtype)
 
 
 def extras() -> dict[str, torch.Tensor]:
@@ -65,9 +88,11 @@ def available() -> dict[str, tuple]:
 
 
 def build(name: str, path: Path) -> None:
-    codec, params, dtype, with_extras = VECTORS[name]
-    kv = source_kv(dtype)
-    with ContainerWriter(path, IDENTITY, TOKENS, kv_dtype=dtype, chunk_size=CHUNK_SIZE,
+    codec, params, dtype, with_extras = VECTORS[name][:4]
+    long = len(VECTORS[name]) > 4 and VECTORS[name][4]
+    kv = long_source_kv(dtype) if long else source_kv(dtype)
+    tokens, chunk_size = (LONG_TOKENS, LONG_CHUNK_SIZE) if long else (TOKENS, CHUNK_SIZE)
+    with ContainerWriter(path, IDENTITY, tokens, kv_dtype=dtype, chunk_size=chunk_size,
                          alignment=ALIGNMENT, metadata=METADATA) as writer:
         for start, end in writer.chunk_ranges():
             writer.write_chunk(kv[:, :, start:end], codec, params)

@@ -63,6 +63,7 @@ class Header:
     half_ranges: list[int]
     offsets: list[int]
     lengths: list[int]
+    words: list[int] | None = None  # per section, once a decoder has counted them
 
 
 def parse_header(p: bytes | memoryview, layers: int, tokens: int, channels: int,

@@ -288,6 +288,7 @@ def decode_symbols(payload: bytes | memoryview, dtype_code: int, layers: int, to
         want_pad = 2 if used & 1 else 0
         if len(wb) - 2 * used != want_pad or any(wb[2 * used :]):
             raise DecodeError(f"cachegen: layer {li}: rANS stream has trailing bytes")
+    h.words = [int(p) for p in ptr]  # renormalisation words each section held (the spec derives them so)
     return out[:, :, :C], scales, h
 
 
