@@ -1035,3 +1035,26 @@ def test_a_bad_manifest_offset_is_named_for_what_is_wrong(tmp_path, raw_file, of
     assert run(["inspect", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"manifest offset {offset} {message}" in err and err.count("\n") == 1
+
+
+def test_the_number_and_nesting_limits_are_those_the_spec_states():
+    """container.md section 3: 40 digits for integers, the sign not counted, no digit limit for
+    numbers with a fraction or exponent (they must be finite); a value of depth 65 is rejected,
+    whether the containers are objects or arrays."""
+    from kvtool.format.manifest import load_json
+
+    assert load_json(b"1" * 40) == int("1" * 40) and load_json(b"-" + b"1" * 40) == -int("1" * 40)
+    with pytest.raises(ManifestCorrupt, match="41 digits"):
+        load_json(b"1" * 41)
+    assert load_json(b"1." + b"1" * 60) > 1 and load_json(b"1" * 60 + b".5") > 1
+    with pytest.raises(ManifestCorrupt, match="not finite"):
+        load_json(b"1e400")
+    for depth, ok in ((64, True), (65, False)):
+        arrays = b"[" * depth + b"1" + b"]" * depth  # the 1 has depth `depth`
+        objects = b'{"a":' * depth + b"1" + b"}" * depth
+        for doc in (arrays, objects):
+            if ok:
+                load_json(doc)
+            else:
+                with pytest.raises(ManifestCorrupt, match="nested deeper"):
+                    load_json(doc)

@@ -455,3 +455,25 @@ def test_scalar_and_simd_decoders_agree(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True).stdout
     assert out == bits(here).numpy().tobytes()
     assert same_bits(here, cachegen_reference_roundtrip(kv, params))
+
+
+def test_a_scale_of_minus_zero_is_a_negative_scale():
+    """cachegen.md section 4: a scale with its sign bit set, -0.0 included, is rejected."""
+    from kvtool.codecs.cachegen.payload import _scale_ok
+
+    assert _scale_ok(np.array([0x0000, 0x3C00], dtype=np.uint16), 1)  # +0.0 and 1.0 in fp16
+    assert not _scale_ok(np.array([0x8000], dtype=np.uint16), 1)  # -0.0 in fp16
+    assert not _scale_ok(np.array([0x8000], dtype=np.uint16), 0)  # -0.0 in bf16
+    assert not _scale_ok(np.array([0x80000000], dtype=np.uint32), 2)  # -0.0 in fp32
+
+
+def test_the_fingerprints_number_form_is_the_spec_s():
+    """container.md section 3.1: integers in decimal; other numbers in the shortest round-trip digits,
+    positional for decimal exponents -4..15 with at least one fraction digit, else d[.ddd]e±XX."""
+    from kvtool.identity import canonical_json
+
+    cases = {1e-05: "1e-05", 0.0001: "0.0001", 100000.0: "100000.0", 1.5e16: "1.5e+16",
+             1e15: "1000000000000000.0", 0.1: "0.1", -0.0: "-0.0", 123456789012345680.0: "1.2345678901234568e+17"}
+    for value, text in cases.items():
+        assert canonical_json(value).decode() == text
+    assert canonical_json({"b": 1, "a": "é\n"}).decode() == '{"a":"é\\n","b":1}'
