@@ -22,20 +22,8 @@ with atheris.instrument_imports(include=["kvtool"]):
     from kvtool.format import ContainerReader
     from kvtool.format.hashing import crc32
     from kvtool.format.layout import TRAILER_SIZE, TRAILER_STRUCT
+    from kvtool.format.reader import BytesSource
     from kvtool.ops.verify import check_file
-
-
-class InMemory:
-    """A ByteSource over the fuzzer's bytes."""
-
-    def __init__(self, data: bytes):
-        self.data, self.name, self.size = data, "fuzz.kvc", len(data)
-
-    def read(self, offset: int, length: int) -> bytes:
-        return self.data[offset:offset + length]
-
-    def close(self) -> None:
-        pass
 
 
 def with_manifest_crc_fixed(data: bytes) -> bytes | None:
@@ -59,7 +47,7 @@ def one_input(data: bytes) -> None:
 
 def read(data: bytes) -> None:
     try:
-        with ContainerReader(InMemory(data)) as reader:
+        with ContainerReader(BytesSource(data, "fuzz.kvc")) as reader:
             check_file(reader)  # structure, CRCs, decoding, finiteness, hashes, padding, extras
             for chunk in reader.chunks:
                 reader.read_chunk_array(chunk.index, verify=False)  # decoders on unchecked bytes too

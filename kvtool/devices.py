@@ -10,6 +10,7 @@ tensors and bytes as on the CPU.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,14 @@ def resolve_device(spec: "str | torch.device | None") -> "torch.device":
     if i >= n:
         raise UsageError(f"--device {spec}: this machine has {n} CUDA device(s)")
     return torch.device("cuda", i)
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the OS does not say (then nothing is refused)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def synchronize(device: "torch.device") -> None:

@@ -747,10 +747,8 @@ def test_verify_flags_token_ids_outside_the_recorded_vocabulary(cli, tmp_path):
 
 def test_dump_refuses_a_selection_larger_than_memory(cli, kv_file, tmp_path, monkeypatch):
     """A small file may declare up to 1024x its size in KV; dump says so instead of swapping."""
-    import kvtool.ops.dump as dump
-
     pages = {"SC_PHYS_PAGES": 4, "SC_PAGE_SIZE": 64}  # a 256-byte machine
-    monkeypatch.setattr(dump.os, "sysconf", lambda name: pages[name])
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
     out = tmp_path / "d.npy"
     r = cli("dump", kv_file.path, "-o", out)
     assert r.code == 2 and "GiB of memory" in r.err and "select fewer --chunks or --layers" in r.err

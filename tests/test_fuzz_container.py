@@ -256,34 +256,22 @@ def test_fuzz_swapped_chunk_fields(fast_dir, raw_file, zstd_file, i, j, field):
         _outcome(path, read_everything(f.path))  # what reads back at all reads back unchanged
 
 
-class _InMemory:
-    """A ByteSource over bytes: every mutant read without touching the disk."""
-
-    def __init__(self, data: bytes, name: str):
-        self.data, self.name, self.size = data, name, len(data)
-
-    def read(self, offset: int, length: int) -> bytes:
-        return self.data[offset:offset + length]
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.mark.parametrize("vector", ["raw_bf16.kvc", "cachegen_bf16.kvc"])
 def test_every_single_byte_change_fails_verify(vector):
     """Every byte is CRC-covered, checked by a rule, or required to be zero (container.md §2.3): so
     any one changed byte, anywhere, makes verify report a problem or the reader refuse the file."""
     from kvtool.format import ContainerReader
+    from kvtool.format.reader import BytesSource  # every mutant read without touching the disk
 
     original = (Path(__file__).resolve().parents[1] / "format-spec" / "vectors" / vector).read_bytes()
-    with ContainerReader(_InMemory(original, vector)) as reader:
+    with ContainerReader(BytesSource(original, vector)) as reader:
         assert check_file(reader).ok
     clean = []
     for offset in range(len(original)):
         mutant = bytearray(original)
         mutant[offset] ^= 0x01 if offset % 2 else 0x80
         try:
-            with ContainerReader(_InMemory(bytes(mutant), vector)) as reader:
+            with ContainerReader(BytesSource(bytes(mutant), vector)) as reader:
                 if check_file(reader).ok:
                     clean.append(offset)
         except KvtoolError:

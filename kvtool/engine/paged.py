@@ -13,12 +13,12 @@ the flattened `[2, num_blocks * block_size, num_kv_heads, head_dim]` view.
 from __future__ import annotations
 
 import math
-import os
 import random
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..devices import host_memory_bytes
 from ..errors import OutOfMemory, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,11 +104,8 @@ def _check_host_memory(nbytes: int, device: torch.device) -> None:
     host allocation only as a RuntimeError with a message, which kvtool never parses."""
     if device.type != "cpu":
         return  # a device allocation fails as torch.OutOfMemoryError, a type the CLI knows
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return
-    if nbytes > total:
+    total = host_memory_bytes()
+    if total is not None and nbytes > total:
         raise OutOfMemory(f"a paged KV cache of {nbytes / 2**30:.1f} GiB does not fit in this machine's "
                           f"{total / 2**30:.1f} GiB")
 

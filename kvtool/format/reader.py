@@ -50,6 +50,19 @@ class ByteSource(Protocol):
     def close(self) -> None: ...
 
 
+class BytesSource:
+    """A ByteSource over bytes already in memory (a download, a fuzzer's input)."""
+
+    def __init__(self, data: bytes, name: str = "<bytes>"):
+        self.data, self.name, self.size = bytes(data), name, len(data)
+
+    def read(self, offset: int, length: int) -> memoryview:
+        return memoryview(self.data)[offset:offset + length]
+
+    def close(self) -> None:
+        pass
+
+
 class MappedFile:
     """A local file, memory-mapped copy-on-write: views into it are writable tensors
     that never write to the file."""

@@ -18,13 +18,13 @@ the file's extras at the same tokens go to OUT.hidden_states.npy and OUT.roi_mas
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from ..devices import host_memory_bytes
 from ..dtypes import to_float64
 from ..errors import OutputError, UsageError
 from ..format import ContainerReader
@@ -127,11 +127,8 @@ def _write_safetensors(output: Path, kv: np.ndarray, token_ids: np.ndarray, posi
 
 def _check_memory(decoded: int) -> None:
     """Refuse, in one line, a selection that cannot fit in this machine's memory."""
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return
-    if decoded * DUMP_MEMORY_FACTOR > total:
+    total = host_memory_bytes()
+    if total is not None and decoded * DUMP_MEMORY_FACTOR > total:
         raise OutputError(f"dumping {decoded / 2**30:.1f} GiB of decoded KV needs about "
                           f"{decoded * DUMP_MEMORY_FACTOR / 2**30:.1f} GiB of memory; this machine has "
                           f"{total / 2**30:.1f}: select fewer --chunks or --layers")
