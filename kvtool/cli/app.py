@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from ..errors import Interrupted, KvtoolError, OutOfMemory
+from ..errors import Interrupted, KvtoolError, OutOfMemory, OutputError, UsageError
 from ..version import __version__
 from . import capture, compress, dump, info, inspect, replay, verify
 from .output import emit
@@ -62,12 +62,6 @@ def _fail(err: KvtoolError, json_mode: bool) -> int:
     return err.exit_code
 
 
-def _usage_error(message: str, json_mode: bool) -> int:
-    from ..errors import UsageError
-
-    return _fail(UsageError(message), json_mode)
-
-
 def _unwind_on_termination() -> None:
     """SIGTERM and SIGHUP (timeout, a closed terminal, a container stop) unwind the stack like
     Ctrl-C, so a writer still removes its temp file and the old output stays as it was."""
@@ -107,11 +101,9 @@ def run(argv: list[str] | None = None) -> int:
         message = err.format_message() if hasattr(err, "format_message") else str(err)
         if not message:  # no arguments at all: help was already printed
             return 2
-        return _usage_error(message, json_mode)
+        return _fail(UsageError(message), json_mode)
     except OSError as err:  # a disk that fills or fails mid-write: name the file when known
         where = f"{err.filename}: " if getattr(err, "filename", None) else ""
-        from ..errors import OutputError
-
         return _fail(OutputError(f"{where}{err.strerror or err}"), json_mode)
     except _out_of_memory_types() as err:
         detail = str(err).splitlines()[0][:120] if str(err) else ""
