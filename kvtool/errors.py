@@ -184,3 +184,33 @@ class ConnectorError(KvtoolError, ValueError):
 class CudaUnavailable(KvtoolError):
     """A CUDA kernel cannot be used here (no GPU, no nvcc, a failed build); the reason is
     the message. Code that has a CPU path catches it and says so in one notice."""
+
+
+# --- the chunk store (format-spec/store.md) ----------------------------------------
+
+
+class StoreError(KvtoolError):
+    """Base for the chunk store's failures."""
+
+
+class StoreUrlInvalid(StoreError):
+    """A --store URL kvtool does not understand (not a path, file:// or redis://)."""
+
+
+class NotAStore(StoreError):
+    """A folder given as a store holds other files and no kvtool store marker."""
+
+
+class StoreUnavailable(StoreError):
+    """The store's server cannot be reached, or went away and did not come back in time."""
+
+
+class NotCached(StoreError):
+    """Nothing the store holds covers the request (e.g. `store get` of a prompt never stored)."""
+
+    exit_code = 1
+
+
+class ObjectRefused(DataError):
+    """A stored object failed a check of format-spec/store.md §5 (damaged, foreign, truncated,
+    hostile). The store never returns it: it counts as a miss, and `fsck` removes it."""

@@ -109,3 +109,35 @@ def zstd_file(fast_dir):
     return write_kv_file(fast_dir / "zstd.kvc", num_tokens=5, chunk_size=2, dtype=torch.float32,
                          codec="zstd", params={"version": 1, "level": 3, "shuffle": "byteplane"},
                          extras=True, seed=3)
+
+
+# --- the chunk store's Redis backend -------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One real redis-server for the session (tests/redis_server.py). Missing redis-server or
+    redis-py skips locally; in CI (which installs both) it fails: these tests must run there."""
+    from redis_server import RedisServer, redis_server_path
+
+    missing = None if redis_server_path() else "redis-server is not installed (apt-get install redis-server)"
+    if missing is None and importlib.util.find_spec("redis") is None:
+        missing = "redis-py is not installed (pip install redis)"
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(missing)
+        pytest.skip(missing)
+    server = RedisServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """The session's Redis, emptied for this test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url

@@ -29,6 +29,7 @@ from . import layout
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 EXTRA_DTYPES = {**ITEMSIZE, "bool": 1}
 KNOWN_EXTRAS = {"hidden_states", "roi_mask"}
+KNOWN_TOP_LEVEL = ("model", "kv", "sequence", "chunks", "extras", "metadata")
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ class Manifest:
     chunks: list[ChunkEntry]
     extras: dict[str, ExtraEntry] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    # Top-level keys this reader does not define, kept as they are: the store's `store` key
+    # (format-spec/store.md) or a later minor version's. Written after the known keys.
+    extensions: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
@@ -115,6 +119,7 @@ class Manifest:
             "chunks": [c.to_json() for c in self.chunks],
             "extras": {name: e.to_json() for name, e in self.extras.items()},
             "metadata": self.metadata,
+            **{k: v for k, v in self.extensions.items() if k not in KNOWN_TOP_LEVEL},
         }
 
     def to_bytes(self) -> bytes:
@@ -310,7 +315,8 @@ def parse_manifest(raw: bytes, *, data_end: int, alignment: int) -> Manifest:
         [(f"extra {e.name}", e.blob) for e in extras.values()]
     _check_blob_placement(blobs, data_end=data_end, alignment=alignment)
     return Manifest(model=model, kv_dtype=kv_dtype, num_tokens=num_tokens, chunk_size=chunk_size,
-                    tokens=tokens, chunks=chunks, extras=extras, metadata=metadata)
+                    tokens=tokens, chunks=chunks, extras=extras, metadata=metadata,
+                    extensions={k: v for k, v in doc.items() if k not in KNOWN_TOP_LEVEL})
 
 
 def _chunk(i: int, c: Any, chunk_size: int, num_tokens: int, num_layers: int, hidden_kv: int,

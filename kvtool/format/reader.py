@@ -54,7 +54,9 @@ class BytesSource:
     """A ByteSource over bytes already in memory (a download, a fuzzer's input)."""
 
     def __init__(self, data: bytes, name: str = "<bytes>"):
-        self.data, self.name, self.size = bytes(data), name, len(data)
+        # bytes and bytearrays are kept as they are (a store object is read without a copy)
+        self.data = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+        self.name, self.size = name, len(self.data)
 
     def read(self, offset: int, length: int) -> memoryview:
         return memoryview(self.data)[offset:offset + length]

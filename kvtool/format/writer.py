@@ -10,6 +10,7 @@ leaves either the old file or the new one, never a mix.
 from __future__ import annotations
 
 import enum
+import io
 import os
 import time
 from pathlib import Path
@@ -47,10 +48,13 @@ class ContainerWriter:
     ... # leaving the block calls finish(); an exception aborts instead
     """
 
-    def __init__(self, path: str | os.PathLike, identity: ModelIdentity | dict[str, Any],
+    def __init__(self, path: str | os.PathLike | None, identity: ModelIdentity | dict[str, Any],
                  token_ids, *, kv_dtype: "torch.dtype | str" = "bfloat16", chunk_size: int = 256,
-                 alignment: int = layout.DEFAULT_ALIGNMENT, metadata: dict[str, str] | None = None):
-        self.path = Path(path)
+                 alignment: int = layout.DEFAULT_ALIGNMENT, metadata: dict[str, str] | None = None,
+                 extensions: dict[str, Any] | None = None):
+        """`path=None` writes into memory (`getvalue()` after `finish()`): the chunk store's
+        objects. `extensions` are further top-level manifest keys (format-spec/store.md)."""
+        self.path = Path(path) if path is not None else None
         if isinstance(identity, ModelIdentity):
             model = {**identity.to_dict(), "fingerprint": identity.fingerprint()}
         else:  # a manifest's model object, copied from another file (compress)
@@ -83,6 +87,15 @@ class ContainerWriter:
         self.chunks: list[ChunkEntry] = []
         self.extras: dict[str, ExtraEntry] = {}
         self._prev_hash = ZERO_HASH
+        self.extensions = dict(extensions or {})
+        if self.path is None:
+            self._tmp_path = None
+            self._file = io.BytesIO()
+            self._pos = 0
+            self.state = WriterState.CHUNKS
+            self._write(layout.Header(alignment=alignment).pack())
+            self._pos = layout.HEADER_SIZE
+            return
         fd, tmp = open_temp_beside(self.path)
         try:  # until the state is set, abort() cannot clean up: a signal here must not leave the file
             self._tmp_path = Path(tmp)
@@ -186,7 +199,8 @@ class ContainerWriter:
         tokens = self._append_blob(tokens_to_bytes(self.tokens))
         manifest = Manifest(model=self.model, kv_dtype=self.kv_dtype_name,
                             num_tokens=self.num_tokens, chunk_size=self.chunk_size, tokens=tokens,
-                            chunks=self.chunks, extras=self.extras, metadata=self.metadata)
+                            chunks=self.chunks, extras=self.extras, metadata=self.metadata,
+                            extensions=self.extensions)
         # Validate what we are about to write with the reader's own rules.
         from .manifest import parse_manifest
 
@@ -196,6 +210,9 @@ class ContainerWriter:
         self._pad_to(manifest_offset)
         self._write(raw)
         self._write(layout.Trailer(manifest_offset, len(raw), crc32(raw)).pack())
+        if self.path is None:
+            self.state = WriterState.FINISHED
+            return manifest
         try:
             self._file.flush()
             os.fsync(self._file.fileno())
@@ -206,6 +223,12 @@ class ContainerWriter:
         self.state = WriterState.FINISHED
         return manifest
 
+    def getvalue(self) -> bytes:
+        """The finished container's bytes, for a writer made with `path=None`."""
+        if self.path is not None or self.state is not WriterState.FINISHED:
+            raise UsageError("getvalue() is for a finished in-memory writer")
+        return self._file.getvalue()
+
     def abort(self) -> None:
         if self.state in (WriterState.FINISHED, WriterState.ABORTED):
             return
@@ -213,7 +236,8 @@ class ContainerWriter:
         try:
             self._file.close()
         finally:
-            self._tmp_path.unlink(missing_ok=True)
+            if self._tmp_path is not None:
+                self._tmp_path.unlink(missing_ok=True)
 
     def __enter__(self) -> "ContainerWriter":
         return self

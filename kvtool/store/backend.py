@@ -1,0 +1,83 @@
+"""What every backend of the chunk store does: named immutable objects (bytes), put once.
+
+Backends know nothing of chunks: `kvtool.store.objects` names and checks the bytes, and the
+store above decides. Every backend runs the same contract suite (tests/test_store_contract.py).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    name: str
+    size: int
+    last_used: float  # seconds since the epoch (the LRU clock); 0 where the backend cannot tell
+
+
+class Backend(ABC):
+    """Named objects. `put` is atomic and put-once: a reader sees the whole object or nothing,
+    and a second put of a name already stored writes nothing (content addressing makes the two
+    equal)."""
+
+    url: str
+
+    @abstractmethod
+    def get(self, name: str) -> bytes | None:
+        """The object's bytes, or None when it is not stored. Counts as a use (LRU)."""
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """`get` of each name; backends with a network batch them into one round trip."""
+        return [self.get(n) for n in names]
+
+    @abstractmethod
+    def put(self, name: str, data: bytes, *, replace: bool = False) -> bool:
+        """Store `data` under `name`; False when the name was already stored (nothing written).
+        `replace=True` swaps the object atomically instead (the key/value buffer's `put`)."""
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        return [self.put(n, d) for n, d in items]
+
+    @abstractmethod
+    def exists(self, name: str) -> bool:
+        """Whether `name` is stored (without reading it, and without counting as a use)."""
+
+    def exists_many(self, names: Sequence[str]) -> list[bool]:
+        return [self.exists(n) for n in names]
+
+    @abstractmethod
+    def delete(self, name: str) -> bool:
+        """Remove `name`; False when it was not stored."""
+
+    @abstractmethod
+    def scan(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every stored object whose name starts with `prefix`, in no particular order."""
+
+    def evict(self, max_bytes: int) -> list[ObjectInfo]:
+        """Remove least recently used objects until at most `max_bytes` are stored; the removed."""
+        objects = sorted(self.scan(), key=lambda o: o.last_used)
+        total = sum(o.size for o in objects)
+        removed = []
+        for info in objects:
+            if total <= max_bytes:
+                break
+            if self.delete(info.name):
+                removed.append(info)
+            total -= info.size
+        return removed
+
+    def sweep(self) -> int:
+        """Remove what a killed writer left behind (temp files); how many. Nothing by default."""
+        return 0
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,313 @@
+"""The content-addressed chunk store (format-spec/store.md): many sequences' chunks, keyed by
+(model, chunk size, chained prefix hash), deduplicated by prefix, checked on every read.
+
+>>> store = open_store("~/.cache/kvtool/store")            # or "redis://host:6379/0"
+>>> cache = store.for_model(identity, chunk_size=256)
+>>> cache.put_sequence(token_ids, kv)                       # kv: KV_BLOB [2, L, T, C]
+>>> cache.lookup(token_ids)                                 # tokens covered by stored whole chunks
+>>> hit = cache.get_prefix(token_ids)                       # hit.kv(): [2, L, hit.num_tokens, C]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import ObjectRefused, StoreUrlInvalid, UsageError
+from ..format.hashing import ZERO_HASH, chain_hash
+from ..identity import ModelIdentity
+from ..notices import notice
+from . import objects
+from .backend import Backend, ObjectInfo
+from .local import LocalBackend
+from .memory import MemoryBackend
+from .tiers import TieredBackend
+
+if TYPE_CHECKING:
+    import torch
+
+#: Chunks fetched per batch (one round trip to Redis): enough to hide latency, few enough
+#: that a long prefix never sits in memory twice.
+FETCH_BATCH = 8
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def open_store(url: str | os.PathLike, *, memory_bytes: int = 0, max_bytes: int | None = None,
+               create: bool = True) -> "ChunkStore":
+    """A store from a URL: a folder path, `file://PATH`, `redis://host:port/db`, or `memory://`.
+    `memory_bytes` > 0 puts an in-process LRU memory tier of that size in front (write-through);
+    `max_bytes` caps a local store (least recently used objects are evicted past it)."""
+    text = os.fspath(url)
+    m = _SCHEME.match(text)
+    scheme = m.group(1).lower() if m else None
+    if scheme in ("redis", "rediss", "unix"):
+        from .redis_backend import RedisBackend
+
+        if max_bytes is not None:
+            raise UsageError("a Redis store is capped by the server: set its maxmemory and "
+                             "maxmemory-policy allkeys-lru (format-spec/store.md §6)")
+        backend: Backend = RedisBackend(text)
+    elif scheme == "memory":
+        backend = MemoryBackend(max_bytes or (1 << 30))
+    elif scheme == "file" or scheme is None:
+        path = text[len("file://"):] if scheme == "file" else text
+        if not path:
+            raise StoreUrlInvalid(f"{text}: give the store's folder")
+        backend = LocalBackend(path, max_bytes=max_bytes, create=create)
+    else:
+        raise StoreUrlInvalid(f"{text}: a store is a folder, file://PATH or redis://HOST:PORT/DB")
+    if memory_bytes > 0:
+        backend = TieredBackend([MemoryBackend(memory_bytes), backend])
+    return ChunkStore(backend)
+
+
+@dataclass
+class StoreCounters:
+    """What this process saw of the store (reads check every object)."""
+
+    hits: int = 0  # chunks returned
+    misses: int = 0  # chunks asked for and not stored
+    refused: int = 0  # chunks stored but refused by a check (§5): they count as misses too
+    stored: int = 0  # chunks written
+    deduplicated: int = 0  # chunks already stored, not written again
+    refusals: list[str] = field(default_factory=list)  # the first few refusals, one line each
+
+
+@dataclass
+class PrefixHit:
+    """What `get_prefix` found: the longest run of stored whole chunks from token 0."""
+
+    num_tokens: int
+    chunks: list[Any]  # KV_BLOB tensors [2, L, S, C], one per chunk (empty when written into buffers)
+    codecs: list[str]
+    refused: list[str]  # a refused object ended the run early: why
+    stored_bytes: int
+
+    def kv(self) -> "torch.Tensor":
+        """The prefix as one KV_BLOB `[2, L, num_tokens, C]`."""
+        import torch
+
+        if not self.chunks:
+            raise UsageError("no chunks to join: the prefix is empty or went into paged buffers")
+        return torch.cat(self.chunks, dim=2)
+
+
+@dataclass
+class PutResult:
+    chunks: int  # whole chunks of the sequence
+    stored: int  # written now
+    present: int  # already stored (deduplicated)
+    stored_bytes: int  # bytes written now
+
+
+class ChunkStore:
+    """A backend (one, or tiers) plus the object rules; `for_model` gives the prefix API."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.url = backend.url
+        self.counters = StoreCounters()
+
+    def for_model(self, model: ModelIdentity | dict[str, Any], chunk_size: int = 256) -> "ModelCache":
+        return ModelCache(self, model, chunk_size)
+
+    def refuse(self, name: str, err: ObjectRefused) -> None:
+        """A stored object failed a check: a miss, reported once; `fsck` removes it."""
+        self.counters.refused += 1
+        if len(self.counters.refusals) < 16:
+            self.counters.refusals.append(str(err))
+        notice(f"store: refused a damaged or foreign object ({err}); `kvtool store fsck` removes it")
+        for tier in getattr(self.backend, "tiers", [])[:-1]:  # never serve it from memory again
+            tier.delete(name)
+
+    def scan(self, prefix: str = "") -> list[ObjectInfo]:
+        return list(self.backend.scan(prefix))
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> "ChunkStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ModelCache:
+    """The chunks of one model at one chunk size: the prefix API engines use."""
+
+    def __init__(self, store: ChunkStore, model: ModelIdentity | dict[str, Any], chunk_size: int):
+        if not isinstance(chunk_size, int) or not 1 <= chunk_size <= 65536:
+            raise UsageError(f"chunk size must be in [1, 65536], got {chunk_size}")
+        self.store = store
+        if isinstance(model, ModelIdentity):
+            model = {**model.to_dict(), "fingerprint": model.fingerprint()}
+        self.model = dict(model)
+        self.key = objects.model_key(self.model)
+        self.chunk_size = chunk_size
+
+    @property
+    def backend(self) -> Backend:
+        return self.store.backend
+
+    def _chain(self, token_ids, limit: int | None = None) -> list[tuple[int, bytes, str]]:
+        """(start, parent hash, prefix hash) of each whole chunk of `token_ids` (up to `limit` tokens)."""
+        tokens = _as_token_array(token_ids)
+        n = len(tokens) if limit is None else min(len(tokens), limit)
+        chain, parent = [], ZERO_HASH
+        for start in range(0, n - self.chunk_size + 1, self.chunk_size):
+            h = chain_hash(parent, tokens[start:start + self.chunk_size])
+            chain.append((start, parent, h.hex()))
+            parent = h
+        return chain
+
+    def name(self, prefix_hash: str) -> str:
+        return objects.chunk_name(self.key, self.chunk_size, prefix_hash)
+
+    # --- reads -----------------------------------------------------------------------
+
+    def lookup(self, token_ids) -> int:
+        """How many leading tokens stored whole chunks cover (a multiple of the chunk size).
+        Existence only: `get_prefix` checks each object and may return fewer."""
+        chain = self._chain(token_ids)
+        if not chain:
+            return 0
+        found = self.backend.exists_many([self.name(h) for _, _, h in chain])
+        hits = next((i for i, f in enumerate(found) if not f), len(found))
+        return hits * self.chunk_size
+
+    def contains(self, token_ids) -> bool:
+        """Whether every whole chunk of `token_ids` is stored (and there is at least one)."""
+        chain = self._chain(token_ids)
+        return bool(chain) and self.lookup(token_ids) == len(chain) * self.chunk_size
+
+    def get_prefix(self, token_ids, *, device: "torch.device | str | None" = None,
+                   max_tokens: int | None = None, connector=None, **connector_kwargs) -> PrefixHit:
+        """Decode the longest run of stored, intact whole chunks from token 0.
+
+        Without `connector`, each chunk is a KV_BLOB tensor on `device` (CacheGen chunks decode
+        on the GPU when it is one). With a connector (`kvtool.connectors`), each chunk goes
+        straight into the engine's paged buffers: `connector.to_gpu(memory, start, end,
+        **connector_kwargs)` (e.g. `kvcaches=`, `slot_mapping=`). A damaged or foreign object
+        ends the run there: it is never returned."""
+        import torch
+
+        chain = self._chain(token_ids, max_tokens)
+        hit = PrefixHit(num_tokens=0, chunks=[], codecs=[], refused=[], stored_bytes=0)
+        target = torch.device(device) if device is not None else None
+        for first in range(0, len(chain), FETCH_BATCH):
+            batch = chain[first:first + FETCH_BATCH]
+            names = [self.name(h) for _, _, h in batch]
+            for (start, _parent, prefix), name, data in zip(batch, names, self.backend.get_many(names)):
+                if data is None:
+                    self.store.counters.misses += len(chain) - start // self.chunk_size
+                    return hit
+                try:
+                    obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
+                                              prefix_hash=prefix, start=start)
+                    kv = obj.decode(target)
+                except ObjectRefused as err:
+                    self.store.refuse(name, err)
+                    self.store.counters.misses += len(chain) - start // self.chunk_size
+                    hit.refused.append(str(err))
+                    return hit
+                if connector is not None:
+                    memory = connector.allocate(self.chunk_size, kv.dtype, kv.device)
+                    memory.tensor.copy_(kv)
+                    connector.to_gpu(memory, start, start + self.chunk_size, **connector_kwargs)
+                else:
+                    hit.chunks.append(kv)
+                hit.codecs.append(obj.codec)
+                hit.stored_bytes += len(data)
+                hit.num_tokens = start + self.chunk_size
+                self.store.counters.hits += 1
+                obj.reader.close()
+        return hit
+
+    # --- writes ----------------------------------------------------------------------
+
+    def put_sequence(self, token_ids, kv: "torch.Tensor", codec: str = "raw",
+                     params: dict[str, Any] | None = None) -> PutResult:
+        """Store the whole chunks of a sequence's KV_BLOB `kv` `[2, L, T, C]` (T >= the tokens
+        given; a last partial chunk is not stored: only the same tokens to the end could reuse
+        it). Chunks already stored, by any codec, are not encoded again."""
+        from ..dtypes import dtype_name
+
+        chain = self._chain(token_ids)
+        tokens = _as_token_array(token_ids)
+        if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[2] < len(chain) * self.chunk_size:
+            raise UsageError(f"kv must be a KV_BLOB [2, L, T, C] covering the tokens, got {list(kv.shape)}")
+        kv_dtype = dtype_name(kv.dtype)
+        present = self.backend.exists_many([self.name(h) for _, _, h in chain])
+        result = PutResult(chunks=len(chain), stored=0, present=0, stored_bytes=0)
+        items: list[tuple[str, bytes]] = []
+        for (start, parent, prefix), stored in zip(chain, present):
+            if stored:
+                result.present += 1
+                self.store.counters.deduplicated += 1
+                continue
+            end = start + self.chunk_size
+            data = objects.encode_chunk(self.model, kv_dtype, parent, start, tokens[start:end],
+                                        kv=kv[:, :, start:end], codec=codec, params=params)
+            items.append((self.name(prefix), data))
+            if len(items) >= FETCH_BATCH:
+                self._put(items, result)
+        self._put(items, result)
+        return result
+
+    def put_encoded(self, token_ids, payloads: Sequence[tuple[Any, str, dict[str, Any]]],
+                    kv_dtype: str) -> PutResult:
+        """Store already-encoded whole chunks as they are (`store put` of a container):
+        `payloads[i]` is chunk i's (payload, codec name, codec params)."""
+        chain = self._chain(token_ids)[:len(payloads)]
+        tokens = _as_token_array(token_ids)
+        present = self.backend.exists_many([self.name(h) for _, _, h in chain])
+        result = PutResult(chunks=len(chain), stored=0, present=0, stored_bytes=0)
+        items: list[tuple[str, bytes]] = []
+        for (start, parent, prefix), stored, (payload, codec, params) in zip(chain, present, payloads):
+            if stored:
+                result.present += 1
+                self.store.counters.deduplicated += 1
+                continue
+            data = objects.encode_chunk(self.model, kv_dtype, parent, start, tokens[start:start + self.chunk_size],
+                                        payload=payload, codec=codec, params=params)
+            items.append((self.name(prefix), data))
+            if len(items) >= FETCH_BATCH:
+                self._put(items, result)
+        self._put(items, result)
+        return result
+
+    def _put(self, items: list[tuple[str, bytes]], result: PutResult) -> None:
+        for (_name, data), created in zip(items, self.backend.put_many(items)):
+            if created:
+                result.stored += 1
+                result.stored_bytes += len(data)
+                self.store.counters.stored += 1
+            else:  # another process stored it between our check and our write
+                result.present += 1
+                self.store.counters.deduplicated += 1
+        items.clear()
+
+    def delete(self, token_ids) -> int:
+        """Remove the stored whole chunks of `token_ids`; how many were removed."""
+        return sum(self.backend.delete(self.name(h)) for _, _, h in self._chain(token_ids))
+
+
+def _as_token_array(token_ids) -> np.ndarray:
+    try:
+        if hasattr(token_ids, "detach"):  # a torch tensor
+            token_ids = token_ids.detach().cpu().numpy()
+        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError):
+        raise UsageError("token ids must be integers in [0, 2^32)") from None
+    if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
+        raise UsageError("token ids must be integers in [0, 2^32)")
+    return tokens
+
+
+__all__ = ["ChunkStore", "ModelCache", "PrefixHit", "PutResult", "StoreCounters", "open_store"]

@@ -1,0 +1,197 @@
+"""The local-directory backend: one file per object, the embedded default (no server).
+
+The folder is the index: an object is stored exactly when its file exists, so a restart loses
+nothing and any number of processes share it. Objects appear atomically: written to a locked
+temp file beside the target, fsynced, then hard-linked to their name (two writers of one chunk
+leave one object; a reader sees the whole file or none). A killed writer leaves only a temp
+file, whose lock died with it; `sweep` removes those. The last-access time is the LRU clock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import NotAStore, ObjectRefused, OutputError, StoreError
+from ..fsutil import fsync_dir
+from .backend import Backend, ObjectInfo
+from .objects import MAX_OBJECT_BYTES
+
+MARKER = "kvtool-store.json"
+NAMESPACES = ("chunks", "entries", "tensors")
+
+
+class LocalBackend(Backend):
+    def __init__(self, root: str | os.PathLike, *, max_bytes: int | None = None, create: bool = True):
+        self.root = Path(root).expanduser()
+        self.url = f"file://{self.root.absolute()}"
+        self.max_bytes = max_bytes
+        self._open(create)
+        self._bytes: int | None = None
+        if max_bytes is not None:  # the cap needs the total: rebuilt from the folder now
+            self._bytes = sum(o.size for o in self.scan())
+
+    def _open(self, create: bool) -> None:
+        marker = self.root / MARKER
+        try:
+            if marker.is_file():
+                doc = json.loads(marker.read_text())
+                if not (isinstance(doc, dict) and doc.get("format") == "kvtool-store"):
+                    raise NotAStore(f"{self.root}: {MARKER} is not a kvtool store marker")
+                if doc.get("version") != 1:
+                    raise StoreError(f"{self.root}: store version {doc.get('version')!r}; this kvtool reads 1")
+                return
+            if self.root.exists() and (not self.root.is_dir() or any(self.root.iterdir())):
+                raise NotAStore(f"{self.root}: not a kvtool store (no {MARKER}); give an empty or new folder")
+            if not create:
+                raise NotAStore(f"{self.root}: no such store")
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._write_new(marker, json.dumps({"format": "kvtool-store", "version": 1}).encode() + b"\n")
+        except (OSError, ValueError) as err:
+            raise StoreError(f"{self.root}: cannot open the store ({getattr(err, 'strerror', None) or err})") from None
+
+    def _path(self, name: str) -> Path:
+        return self.root / name
+
+    # --- reads -----------------------------------------------------------------------
+
+    def get(self, name: str) -> bytes | None:
+        path = self._path(name)
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_size > MAX_OBJECT_BYTES:
+                    raise ObjectRefused(f"{name}: {st.st_size} bytes, more than an object may hold")
+                data = f.read(st.st_size + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            raise StoreError(f"{path}: cannot read ({err.strerror})") from None
+        try:  # the LRU clock; a store shared by several users may not let us set it
+            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
+        except OSError:
+            pass
+        return data
+
+    def exists(self, name: str) -> bool:
+        return self._path(name).is_file()
+
+    def scan(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        for namespace in NAMESPACES:
+            if prefix and not (namespace.startswith(prefix) or prefix.startswith(namespace)):
+                continue
+            yield from self._scan_dir(self.root / namespace, namespace, prefix)
+
+    def _scan_dir(self, directory: Path, rel: str, prefix: str) -> Iterator[ObjectInfo]:
+        try:
+            entries = list(os.scandir(directory))
+        except OSError:
+            return
+        for entry in entries:
+            name = f"{rel}/{entry.name}"
+            if entry.name.startswith("."):  # temp files of writers
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                if name.startswith(prefix) or prefix.startswith(name):
+                    yield from self._scan_dir(Path(entry.path), name, prefix)
+            elif entry.is_file(follow_symlinks=False) and name.startswith(prefix):
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:  # removed meanwhile
+                    continue
+                yield ObjectInfo(name, st.st_size, st.st_atime)
+
+    # --- writes ----------------------------------------------------------------------
+
+    def put(self, name: str, data: bytes, *, replace: bool = False) -> bool:
+        path = self._path(name)
+        if path.exists() and not replace:
+            return False
+        if not self._write_new(path, data, replace=replace):
+            return False
+        if self._bytes is not None:
+            self._bytes += len(data)
+            if self._bytes > self.max_bytes:
+                removed = self.evict(self.max_bytes * 9 // 10)  # some room, so not every put evicts
+                self._bytes = sum(o.size for o in self.scan())
+                del removed
+        return True
+
+    def _write_new(self, path: Path, data, replace: bool = False) -> bool:
+        """Write `path` atomically, unless it appears meanwhile (False) and `replace` is off."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        except OSError as err:
+            raise OutputError(f"{path.parent}: cannot write to the store ({err.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held until closed or the writer dies: sweep sees it
+            os.fchmod(fd, 0o644)
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+            created = True
+            if replace:  # rename over the old object, atomically
+                os.replace(tmp, path)
+            else:
+                try:
+                    os.link(tmp, path)  # fails when another writer got there first: one object stays
+                except FileExistsError:
+                    created = False
+                except OSError:  # a file system without hard links: rename (equal contents)
+                    os.replace(tmp, path)
+        except OSError as err:
+            raise OutputError(f"{path}: cannot write to the store ({err.strerror})") from None
+        finally:
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        if created:
+            fsync_dir(path.parent)
+        return created
+
+    def delete(self, name: str) -> bool:
+        try:
+            os.unlink(self._path(name))
+        except FileNotFoundError:
+            return False
+        except OSError as err:
+            raise StoreError(f"{self._path(name)}: cannot remove ({err.strerror})") from None
+        return True
+
+    def sweep(self) -> int:
+        """Remove temp files whose writer is gone (their lock is free)."""
+        removed = 0
+        for namespace in NAMESPACES:
+            for directory, _dirs, files in os.walk(self.root / namespace):
+                for file in files:
+                    if file.startswith(".") and file.endswith(".tmp"):
+                        removed += _remove_if_unlocked(os.path.join(directory, file))
+        return removed
+
+
+def _remove_if_unlocked(path: str) -> int:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return 0
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a live writer holds it
+        os.close(fd)
+        return 0
+    try:
+        os.unlink(path)
+        return 1
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)

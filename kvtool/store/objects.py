@@ -1,0 +1,294 @@
+"""Store objects and their names (format-spec/store.md §2-§5).
+
+A chunk object is a version 1.0 container holding one whole chunk, with one more top-level
+manifest key, `store`, that places the chunk in its sequence (its start and its parent's prefix
+hash). Any kvtool reader opens it; `check_*` here add the store's own checks, so a damaged,
+truncated or foreign object is refused with `ObjectRefused` and never reaches a model.
+Lookup-buffer entries are containers too; the tensors of the key/value buffer are safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import KvtoolError, ObjectRefused
+from ..format.hashing import ZERO_HASH, crc32, tokens_to_bytes
+from ..format.reader import BytesSource, ContainerReader
+from ..format.writer import ContainerWriter
+from ..identity import ModelIdentity
+
+if TYPE_CHECKING:
+    import torch
+
+STORE_VERSION = 1
+#: Objects are containers with blobs aligned to 64 bytes: small for Redis and memory tiers.
+OBJECT_ALIGNMENT = 64
+#: No object is read past this size (a hostile size never becomes an allocation).
+MAX_OBJECT_BYTES = 1 << 30
+CHUNK_SUFFIX = ".kvc"
+TENSOR_SUFFIX = ".safetensors"
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_CHUNK_NAME = re.compile(r"chunks/([0-9a-f]{32})/([1-9][0-9]{0,4})/([0-9a-f]{2})/([0-9a-f]{64})\.kvc\Z")
+_ENTRY_NAME = re.compile(r"entries/([0-9a-f]{32})/([0-9a-f]{64})\.kvc\Z")
+_TENSOR_NAME = re.compile(r"tensors/([0-9a-f]{2})/([0-9a-f]{64})\.safetensors\Z")
+
+
+# --- keys and names (§3) ------------------------------------------------------------------
+
+
+def model_key(model: ModelIdentity | dict[str, Any]) -> str:
+    """32 hex digits naming a model in the store: its fingerprint and, when known, its weights
+    digest (a fine-tune's chunks never mix with its base model's)."""
+    if isinstance(model, ModelIdentity):
+        fingerprint, digest = model.fingerprint(), model.weights_digest
+    else:
+        fingerprint, digest = model["fingerprint"], model.get("weights_digest")
+    text = b"kvtool-store/1\0" + fingerprint.encode() + b"\0" + (digest or "").encode()
+    return hashlib.sha256(text).hexdigest()[:32]
+
+
+def chunk_name(model: str, chunk_size: int, prefix_hash: str) -> str:
+    return f"chunks/{model}/{chunk_size}/{prefix_hash[:2]}/{prefix_hash}{CHUNK_SUFFIX}"
+
+
+def entry_name(model: str, key: str) -> str:
+    return f"entries/{model}/{key}{CHUNK_SUFFIX}"
+
+
+def tensor_name(key: str) -> str:
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"tensors/{digest[:2]}/{digest}{TENSOR_SUFFIX}"
+
+
+def entry_key(model: str, tokens: np.ndarray, roi: np.ndarray) -> str:
+    """A lookup-buffer entry's key: the model, the token ids and the roi mask (§3)."""
+    data = b"kvtool-entry/1\0" + model.encode() + tokens_to_bytes(tokens) + roi.astype(np.uint8).tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+def parse_name(name: str) -> tuple[str, re.Match] | None:
+    """("chunk" | "entry" | "tensor", match) for a well-formed object name, else None."""
+    for kind, pattern in (("chunk", _CHUNK_NAME), ("entry", _ENTRY_NAME), ("tensor", _TENSOR_NAME)):
+        m = pattern.match(name)
+        if m:
+            return kind, m
+    return None
+
+
+# --- chunk objects (§4.1) -----------------------------------------------------------------
+
+
+@dataclass
+class ChunkObject:
+    """A checked chunk object: an open container over its bytes, and where the chunk sits."""
+
+    reader: ContainerReader
+    start: int
+    parent_hash: str
+    prefix_hash: str
+    tokens: np.ndarray
+    payload_checked: bool = False  # its CRC-32C was checked on these bytes: decode need not again
+
+    @property
+    def codec(self) -> str:
+        return self.reader.chunks[0].codec
+
+    def decode(self, device: "torch.device | str | None" = None) -> "torch.Tensor":
+        """The chunk's KV_BLOB `[2, L, S, C]`; a failure to decode is an ObjectRefused."""
+        try:
+            return self.reader.read_chunk(0, device=device, verify=not self.payload_checked)
+        except KvtoolError as err:
+            raise ObjectRefused(f"chunk does not decode ({err})") from None
+
+
+def encode_chunk(model: dict[str, Any], kv_dtype: str, parent_hash: bytes, start: int, tokens,
+                 *, kv: "torch.Tensor | None" = None, payload=None, codec: str = "raw",
+                 params: dict[str, Any] | None = None) -> bytes:
+    """One chunk object's bytes, from a KV_BLOB `kv` (encoded with `codec`) or an already
+    encoded `payload` (copied as it is: `store put` of a container)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    prefix = hashlib.sha256(parent_hash + tokens_to_bytes(tokens)).hexdigest()
+    extension = {"version": STORE_VERSION, "kind": "chunk", "start": int(start),
+                 "parent_hash": parent_hash.hex(), "prefix_hash": prefix}
+    writer = ContainerWriter(None, model, tokens, kv_dtype=kv_dtype, chunk_size=len(tokens),
+                             alignment=OBJECT_ALIGNMENT, extensions={"store": extension})
+    if payload is not None:
+        writer.write_encoded_chunk(payload, codec, params or {})
+    else:
+        writer.write_chunk(kv, codec=codec, params=params)
+    writer.finish()
+    return writer.getvalue()
+
+
+def open_object(data, name: str) -> ContainerReader:
+    """The container reader of an object's bytes; any format error is an ObjectRefused."""
+    if len(data) > MAX_OBJECT_BYTES:
+        raise ObjectRefused(f"{name}: {len(data)} bytes, more than an object may hold")
+    try:
+        return ContainerReader(BytesSource(data, name))
+    except KvtoolError as err:
+        raise ObjectRefused(str(err)) from None
+
+
+def check_chunk(data, name: str, *, model: str | None = None, chunk_size: int | None = None,
+                prefix_hash: str | None = None, start: int | None = None,
+                verify_payload: bool = True) -> ChunkObject:
+    """Every check of §5 on a chunk object's bytes, against what its name promises; the
+    expected model key, chunk size, prefix hash and start when the caller knows them."""
+    reader = open_object(data, name)
+    try:
+        return _check_chunk(reader, name, model, chunk_size, prefix_hash, start, verify_payload)
+    except KvtoolError as err:
+        reader.close()
+        if isinstance(err, ObjectRefused):
+            raise
+        raise ObjectRefused(f"{name}: {err}") from None
+
+
+def _check_chunk(reader: ContainerReader, name: str, model: str | None, chunk_size: int | None,
+                 prefix_hash: str | None, start: int | None, verify_payload: bool) -> ChunkObject:
+    m = reader.manifest
+    ext = _extension(m.extensions, "chunk", name)
+    position, parent, prefix = ext.get("start"), ext.get("parent_hash"), ext.get("prefix_hash")
+    if not (isinstance(position, int) and not isinstance(position, bool) and position >= 0):
+        raise ObjectRefused(f"{name}: store.start must be a non-negative integer")
+    if not (isinstance(parent, str) and _HEX64.match(parent) and isinstance(prefix, str) and _HEX64.match(prefix)):
+        raise ObjectRefused(f"{name}: store.parent_hash and store.prefix_hash must be 64 hex digits")
+    if len(m.chunks) != 1 or m.num_tokens != m.chunk_size:
+        raise ObjectRefused(f"{name}: a chunk object holds exactly one whole chunk")
+    if position % m.chunk_size or (position == 0) != (parent == ZERO_HASH.hex()):
+        raise ObjectRefused(f"{name}: store.start {position} does not fit chunk size {m.chunk_size} "
+                            f"and its parent hash")
+    tokens = reader.token_ids()  # checks the tokens' CRC-32C
+    if hashlib.sha256(bytes.fromhex(parent) + tokens_to_bytes(tokens)).hexdigest() != prefix:
+        raise ObjectRefused(f"{name}: the prefix hash does not match the parent hash and the tokens")
+    own = model_key(m.model)
+    expected = {"model": (model, own), "chunk size": (chunk_size, m.chunk_size),
+                "prefix hash": (prefix_hash, prefix), "start": (start, position)}
+    for what, (want, got) in expected.items():
+        if want is not None and want != got:
+            raise ObjectRefused(f"{name}: holds another {what} than asked for ({got} vs {want})")
+    parsed = parse_name(name)
+    if parsed is not None and parsed[0] == "chunk":
+        g = parsed[1]
+        if (g.group(1), int(g.group(2)), g.group(4)) != (own, m.chunk_size, prefix):
+            raise ObjectRefused(f"{name}: the object's contents do not belong under its name")
+    if verify_payload:
+        reader.chunk_payload(0)  # checks the payload's CRC-32C
+    return ChunkObject(reader=reader, start=position, parent_hash=parent, prefix_hash=prefix, tokens=tokens,
+                       payload_checked=verify_payload)
+
+
+def _extension(extensions: dict[str, Any], kind: str, name: str) -> dict[str, Any]:
+    ext = extensions.get("store")
+    if not isinstance(ext, dict):
+        raise ObjectRefused(f"{name}: not a store object (no 'store' key in its manifest)")
+    if ext.get("version") != STORE_VERSION:
+        raise ObjectRefused(f"{name}: store object version {ext.get('version')!r} is not {STORE_VERSION}")
+    if ext.get("kind") != kind:
+        raise ObjectRefused(f"{name}: a {ext.get('kind')!r} object where a {kind} was expected")
+    return ext
+
+
+# --- lookup-buffer entries (§4.2) -------------------------------------------------------
+
+
+def encode_entry(model: dict[str, Any], kv_dtype: str, tokens: np.ndarray, roi: np.ndarray,
+                 kv: "torch.Tensor", hidden: "torch.Tensor | None", chunk_size: int) -> bytes:
+    import torch
+
+    key = entry_key(model_key(model), tokens, roi)
+    writer = ContainerWriter(None, model, tokens, kv_dtype=kv_dtype, chunk_size=chunk_size,
+                             alignment=OBJECT_ALIGNMENT,
+                             extensions={"store": {"version": STORE_VERSION, "kind": "entry", "key": key}})
+    for s, e in writer.chunk_ranges():
+        writer.write_chunk(kv[:, :, s:e], codec="raw")
+    writer.write_extra("roi_mask", torch.from_numpy(roi.astype(bool)))
+    if hidden is not None:
+        writer.write_extra("hidden_states", hidden)
+    writer.finish()
+    return writer.getvalue()
+
+
+def check_entry(data, name: str, model: str | None = None) -> ContainerReader:
+    """A lookup-buffer entry's checks: a container, of this model, whose key matches its tokens
+    and roi, every blob's CRC-32C intact."""
+    reader = open_object(data, name)
+    try:
+        m = reader.manifest
+        ext = _extension(m.extensions, "entry", name)
+        own = model_key(m.model)
+        if model is not None and own != model:
+            raise ObjectRefused(f"{name}: holds another model's entry")
+        if "roi_mask" not in m.extras:
+            raise ObjectRefused(f"{name}: an entry without its roi mask")
+        tokens, roi = reader.token_ids(), reader.read_extra_array("roi_mask")
+        key = entry_key(own, tokens, roi)
+        if ext.get("key") != key:
+            raise ObjectRefused(f"{name}: the entry's key does not match its tokens and roi")
+        parsed = parse_name(name)
+        if parsed is not None and parsed[0] == "entry" and (parsed[1].group(1), parsed[1].group(2)) != (own, key):
+            raise ObjectRefused(f"{name}: the entry's contents do not belong under its name")
+        for chunk in m.chunks:
+            reader.chunk_payload(chunk.index)
+        for extra in m.extras:
+            reader.read_extra_array(extra)
+        return reader
+    except KvtoolError as err:
+        reader.close()
+        if isinstance(err, ObjectRefused):
+            raise
+        raise ObjectRefused(f"{name}: {err}") from None
+
+
+# --- key/value tensors (§4.3) -----------------------------------------------------------
+
+
+def encode_tensor(key: str, value: "torch.Tensor") -> bytes:
+    """A safetensors file of one tensor, `value`, whose metadata names the key and the
+    CRC-32C of the data section."""
+    from safetensors.torch import save
+
+    tensor = value.detach().cpu().contiguous()
+    plain = save({"value": tensor})
+    (header_len,) = struct.unpack_from("<Q", plain, 0)
+    crc = crc32(memoryview(plain)[8 + header_len:])
+    meta = {"kvtool.store": str(STORE_VERSION), "kind": "tensor", "key": key, "crc32c": f"{crc:08x}"}
+    return save({"value": tensor}, metadata=meta)
+
+
+def check_tensor(data, name: str, key: str | None = None) -> "torch.Tensor":
+    """The tensor of a key/value object, after §5's checks (header bounds, key, CRC-32C)."""
+    from safetensors.torch import load
+
+    if len(data) > MAX_OBJECT_BYTES or len(data) < 8:
+        raise ObjectRefused(f"{name}: {len(data)} bytes is not a tensor object")
+    (header_len,) = struct.unpack_from("<Q", data, 0)
+    if header_len > min(len(data) - 8, 1 << 20):
+        raise ObjectRefused(f"{name}: its header length {header_len} is out of bounds")
+    try:
+        meta = json.loads(bytes(data[8:8 + header_len])).get("__metadata__") or {}
+        if not isinstance(meta, dict) or meta.get("kvtool.store") != str(STORE_VERSION) or meta.get("kind") != "tensor":
+            raise ObjectRefused(f"{name}: not a store tensor object")
+        if key is not None and meta.get("key") != key:
+            raise ObjectRefused(f"{name}: holds the tensor of another key")
+        if meta.get("crc32c") != f"{crc32(memoryview(data)[8 + header_len:]):08x}":
+            raise ObjectRefused(f"{name}: CRC-32C mismatch (stored bytes are corrupt)")
+        parsed = parse_name(name)
+        if parsed is not None and parsed[0] == "tensor" and tensor_name(str(meta.get("key"))) != name:
+            raise ObjectRefused(f"{name}: the tensor's key does not belong under its name")
+        tensors = load(bytes(data))
+    except ObjectRefused:
+        raise
+    except Exception as err:  # safetensors raises its own SafetensorError, json ValueError
+        raise ObjectRefused(f"{name}: not a readable safetensors object ({type(err).__name__})") from None
+    if set(tensors) != {"value"}:
+        raise ObjectRefused(f"{name}: a tensor object holds exactly one tensor, 'value'")
+    return tensors["value"]

@@ -1,0 +1,131 @@
+"""The Redis backend: the store many hosts share (format-spec/store.md §6).
+
+Each object is one Redis string under `kvtool:1:<name>`, written with `SET ... NX` (put-once,
+atomic). Batches go in one pipeline (one round trip). Eviction is Redis' own: run the server
+with `maxmemory` and `maxmemory-policy allkeys-lru`. A server that is unreachable, or goes away
+mid-run, is retried with backoff for a few seconds, then reported in one line; the next call
+reconnects by itself when the server is back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from ..errors import StoreError, StoreUnavailable, UsageError
+from .backend import Backend, ObjectInfo
+
+KEY_PREFIX = "kvtool:1:"
+#: How long a command keeps retrying a lost server before it reports it (seconds, about).
+RETRY_SECONDS = 5.0
+
+
+class RedisBackend(Backend):
+    def __init__(self, url: str, *, retry_seconds: float = RETRY_SECONDS):
+        try:
+            import redis
+            from redis.backoff import ExponentialBackoff
+            from redis.retry import Retry
+        except ImportError:
+            raise UsageError("a redis:// store needs redis-py: pip install 'redis>=5'") from None
+        self._errors = redis.exceptions
+        self.url = url
+        # backoff 0.05, 0.1, 0.2, 0.4, 0.5, 0.5, ... s: about `retry_seconds` in all
+        retries = max(1, int(retry_seconds / 0.5) + 4)
+        try:
+            self.client = redis.Redis.from_url(
+                url, socket_connect_timeout=1.0, socket_timeout=10.0,
+                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+                retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError])
+        except ValueError as err:
+            raise StoreError(f"{url}: not a Redis URL ({err})") from None
+        with self._talking():
+            self.client.ping()
+
+    @contextmanager
+    def _talking(self):
+        """Redis' exceptions become one line naming the server."""
+        try:
+            yield
+        except (self._errors.ConnectionError, self._errors.TimeoutError) as err:
+            raise StoreUnavailable(f"{self.url}: the Redis server cannot be reached ({_first_line(err)})") from None
+        except self._errors.RedisError as err:
+            raise StoreError(f"{self.url}: Redis refused the command ({_first_line(err)})") from None
+
+    # --- reads -----------------------------------------------------------------------
+
+    def get(self, name: str) -> bytes | None:
+        with self._talking():
+            return self.client.get(KEY_PREFIX + name)
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        if not names:
+            return []
+        with self._talking():
+            return self.client.mget([KEY_PREFIX + n for n in names])
+
+    def exists(self, name: str) -> bool:
+        with self._talking():
+            return bool(self.client.exists(KEY_PREFIX + name))
+
+    def exists_many(self, names: Sequence[str]) -> list[bool]:
+        if not names:
+            return []
+        with self._talking():
+            pipe = self.client.pipeline(transaction=False)
+            for n in names:
+                pipe.exists(KEY_PREFIX + n)
+            return [bool(x) for x in pipe.execute()]
+
+    def scan(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        now = time.time()
+        with self._talking():
+            keys = list(self.client.scan_iter(match=_glob_escape(KEY_PREFIX + prefix) + "*", count=1000))
+            for start in range(0, len(keys), 1000):
+                batch = keys[start:start + 1000]
+                pipe = self.client.pipeline(transaction=False)
+                for key in batch:
+                    pipe.strlen(key)
+                    pipe.object("idletime", key)
+                replies = pipe.execute(raise_on_error=False)
+                for i, key in enumerate(batch):
+                    size, idle = replies[2 * i], replies[2 * i + 1]
+                    if not isinstance(size, int) or size == 0:  # removed meanwhile
+                        continue
+                    idle = idle if isinstance(idle, int) else 0
+                    yield ObjectInfo(key.decode()[len(KEY_PREFIX):], size, now - idle)
+
+    # --- writes ----------------------------------------------------------------------
+
+    def put(self, name: str, data: bytes, *, replace: bool = False) -> bool:
+        with self._talking():
+            return bool(self.client.set(KEY_PREFIX + name, bytes(data), nx=not replace))
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        if not items:
+            return []
+        with self._talking():
+            pipe = self.client.pipeline(transaction=False)
+            for name, data in items:
+                pipe.set(KEY_PREFIX + name, bytes(data), nx=True)
+            return [bool(x) for x in pipe.execute()]
+
+    def delete(self, name: str) -> bool:
+        with self._talking():
+            return bool(self.client.delete(KEY_PREFIX + name))
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # closing a connection to a server that is gone
+            pass
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]

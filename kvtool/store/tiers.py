@@ -1,0 +1,92 @@
+"""Tiers: a fast backend in front of a slower one, write-through; a lookup walks them in order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from .backend import Backend, ObjectInfo
+
+
+class TieredBackend(Backend):
+    """`tiers[0]` is the fastest (the memory tier), `tiers[-1]` the durable one. Puts go to
+    every tier; a get that misses a tier and hits a lower one copies the object up."""
+
+    def __init__(self, tiers: Sequence[Backend]):
+        self.tiers = list(tiers)
+        self.url = " + ".join(t.url for t in self.tiers)
+
+    @property
+    def durable(self) -> Backend:
+        return self.tiers[-1]
+
+    def get(self, name: str) -> bytes | None:
+        for i, tier in enumerate(self.tiers):
+            data = tier.get(name)
+            if data is not None:
+                for upper in self.tiers[:i]:
+                    upper.put(name, data)
+                return data
+        return None
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        found: list[bytes | None] = [None] * len(names)
+        missing = list(range(len(names)))
+        for i, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            got = tier.get_many([names[j] for j in missing])
+            still = []
+            for j, data in zip(missing, got):
+                if data is None:
+                    still.append(j)
+                else:
+                    found[j] = data
+                    for upper in self.tiers[:i]:
+                        upper.put(names[j], data)
+            missing = still
+        return found
+
+    def put(self, name: str, data: bytes, *, replace: bool = False) -> bool:
+        created = self.durable.put(name, data, replace=replace)
+        for tier in self.tiers[:-1]:
+            tier.put(name, data, replace=replace)
+        return created
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        created = self.durable.put_many(items)
+        for tier in self.tiers[:-1]:
+            tier.put_many(items)
+        return created
+
+    def exists(self, name: str) -> bool:
+        return any(t.exists(name) for t in self.tiers)
+
+    def exists_many(self, names: Sequence[str]) -> list[bool]:
+        found = [False] * len(names)
+        for tier in self.tiers:
+            missing = [j for j, f in enumerate(found) if not f]
+            if not missing:
+                break
+            for j, hit in zip(missing, tier.exists_many([names[j] for j in missing])):
+                found[j] = hit
+        return found
+
+    def delete(self, name: str) -> bool:
+        return any([t.delete(name) for t in self.tiers])  # a list: every tier forgets it
+
+    def scan(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.durable.scan(prefix)
+
+    def evict(self, max_bytes: int) -> list[ObjectInfo]:
+        removed = self.durable.evict(max_bytes)
+        for info in removed:
+            for tier in self.tiers[:-1]:
+                tier.delete(info.name)
+        return removed
+
+    def sweep(self) -> int:
+        return sum(t.sweep() for t in self.tiers)
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
