@@ -16,7 +16,7 @@ import typer
 
 from ..errors import Interrupted, KvtoolError, OutOfMemory, OutputError, UsageError
 from ..version import __version__
-from . import capture, compress, dump, info, inspect, replay, verify
+from . import capture, compress, dump, info, inspect, replay, store, verify
 from .output import emit
 
 app = typer.Typer(
@@ -29,6 +29,7 @@ app = typer.Typer(
 for _name, _module in (("capture", capture), ("compress", compress), ("inspect", inspect), ("verify", verify),
                        ("replay", replay), ("dump", dump), ("info", info)):
     app.command(_name)(_module.command)
+app.add_typer(store.app, name="store")
 
 
 def _print_version(value: bool) -> None:

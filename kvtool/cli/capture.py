@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 
-from .options import (BinsOpt, CodecOpt, DeviceOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt, OutputPath,
+from .options import (BinsOpt, CodecOpt, DeviceOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt, OptionalStoreOpt,
                       ShuffleOpt)
 from .output import emit, human_bytes, plural, progress, renders
 
@@ -27,7 +27,11 @@ RoiOpt = Annotated[Optional[str], typer.Option(
     "--roi", metavar="RANGES", help="Store a roi_mask marking these token ranges, e.g. '0:16,40:64' ([start, end)).")]
 
 
-def command(output: OutputPath, model: ModelOpt = None, prompt: PromptOpt = None,
+OutputOpt = Annotated[Optional[Path], typer.Option(
+    "-o", "--output", metavar="OUT", help="Output path (optional with --store).", show_default=False)]
+
+
+def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: ModelOpt = None, prompt: PromptOpt = None,
             prompt_file: PromptFileOpt = None, tokens: TokensOpt = None, chunk_size: ChunkSizeOpt = 256,
             codec: CodecOpt = "raw", level: LevelOpt = None, shuffle: ShuffleOpt = None,
             bins: BinsOpt = None, dtype: DtypeOpt = "bf16", block_size: BlockSizeOpt = 16,
@@ -40,7 +44,7 @@ def command(output: OutputPath, model: ModelOpt = None, prompt: PromptOpt = None
         result = capture_prompt(output, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, model=model,
                                 codec=codec, level=level, shuffle=shuffle, bins=bins, kv_dtype=dtype,
                                 chunk_size=chunk_size, block_size=block_size, hidden_states=hidden_states,
-                                roi=roi, device=device, model_dtype=weights_dtype, chat=chat,
+                                roi=roi, device=device, model_dtype=weights_dtype, chat=chat, store=store,
                                 on_chunk=lambda _index, done, total: update(done, total))
     emit(result, json)
 
@@ -49,8 +53,13 @@ def command(output: OutputPath, model: ModelOpt = None, prompt: PromptOpt = None
 def render(console: Console, r: dict[str, Any]) -> None:
     t = r["timings"]
     extras = f" + {', '.join(r['extras'])}" if r["extras"] else ""
-    console.print(f"wrote {r['output']}: {r['num_tokens']} tokens of {r['model']} KV ({r['kv_dtype']}) in "
+    where = f"wrote {r['output']}" if r["output"] else "captured"
+    console.print(f"{where}: {r['num_tokens']} tokens of {r['model']} KV ({r['kv_dtype']}) in "
                   f"{plural(r['num_chunks'], r['codec'] + ' chunk')}{extras}, {human_bytes(r['file_bytes'])}")
     console.print(f"prefill on {r['device']} {t['prefill_s']:.2f} s ({r['prefill_tokens_per_s']:.0f} tokens/s); connector "
                   f"{t['connector_s'] * 1e3:.0f} ms, writer {t['writer_s'] * 1e3:.0f} ms "
                   f"({100 * t['overhead_share']:.1f}% of prefill)")
+    if r.get("store"):
+        s = r["store"]
+        console.print(f"{s['store']}: {s['stored']} of {plural(s['chunks'], 'whole chunk')} stored, "
+                      f"{s['present']} already there")

@@ -31,3 +31,7 @@ ChunksOpt = Annotated[Optional[str], typer.Option(
     "--chunks", metavar="LIST", help="Chunk indices, e.g. '0-3,7' (default: all).")]
 LayersOpt = Annotated[Optional[str], typer.Option(
     "--layers", metavar="LIST", help="Layer indices, e.g. '0,5-9' (default: all).")]
+StoreOpt = Annotated[str, typer.Option(
+    "--store", metavar="URL", help="The chunk store: a folder, file://PATH or redis://HOST:PORT/DB.", show_default=False)]
+OptionalStoreOpt = Annotated[Optional[str], typer.Option(
+    "--store", metavar="URL", help="The chunk store: a folder, file://PATH or redis://HOST:PORT/DB.", show_default=False)]

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from .options import DeviceOpt, InputPath, JsonOpt, ModelDtypeOpt, ModelOpt, OtherWeightsOpt
+from .options import DeviceOpt, JsonOpt, ModelDtypeOpt, ModelOpt, OptionalStoreOpt, OtherWeightsOpt
 from .output import emit, renders, stages
 
 ContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help="Tokens to generate (or teacher-force with --compare).")]
@@ -29,7 +29,13 @@ MaxKlOpt = Annotated[Optional[float], typer.Option(
     "--max-kl", metavar="X", help="Exit 1 if the mean KL divergence exceeds this (implies --compare).")]
 
 
-def command(path: InputPath, model: ModelOpt = None, continue_tokens: ContinueOpt = 32,
+PathArg = Annotated[Optional[str], typer.Argument(
+    metavar="[FILE]", help="A kvtool file (.kvc); or --store URL with --prompt/--prompt-file.", show_default=False)]
+ChunkSizeOpt = Annotated[int, typer.Option("--chunk-size", metavar="N", help="With --store: the stored chunks' size.")]
+
+
+def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: ChunkSizeOpt = 256,
+            model: ModelOpt = None, continue_tokens: ContinueOpt = 32,
             suffix: SuffixOpt = None, suffix_file: SuffixFileOpt = None, prompt: PromptOpt = None,
             prompt_file: PromptFileOpt = None, compare: CompareOpt = False, min_top1: MinTop1Opt = None,
             max_kl: MaxKlOpt = None, no_hidden_states: NoHiddenOpt = False, device: DeviceOpt = "auto",
@@ -42,7 +48,7 @@ def command(path: InputPath, model: ModelOpt = None, continue_tokens: ContinueOp
         result = replay(path, model, continue_tokens=continue_tokens, suffix=suffix, suffix_file=suffix_file,
                         prompt=prompt, prompt_file=prompt_file, compare=compare, min_top1=min_top1, max_kl=max_kl,
                         device=device, model_dtype=weights_dtype, use_hidden_states=not no_hidden_states, chat=chat,
-                        allow_other_weights=allow_other_weights,
+                        allow_other_weights=allow_other_weights, store=store, chunk_size=chunk_size,
                         on_stage=stage)
     emit(result, json)
 

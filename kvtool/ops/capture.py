@@ -21,7 +21,10 @@ from ..devices import describe, resolve_device, synchronize
 from ..dtypes import dtype_from_name
 from ..engine import LoadedModel, PagedKVCache, Runner, load_model
 from ..errors import PromptError, UsageError
-from ..format import ContainerWriter
+from ..format import ContainerReader, ContainerWriter
+from ..format.reader import BytesSource
+from ..store import open_store
+from ..store.containers import ingest
 from ..format.layout import MAX_CHUNK_SIZE
 from ..fsutil import read_text_file
 from .engine_io import paged_connector
@@ -42,7 +45,7 @@ class CaptureTimings:
 
 @dataclass
 class CaptureResult(Result):
-    output: str
+    output: str | None  # None: only into the store
     model: str
     fingerprint: str
     num_tokens: int
@@ -60,6 +63,8 @@ class CaptureResult(Result):
     seconds: float
     prefill_tokens_per_s: float
     timings: dict[str, float] = field(default_factory=dict)
+    # with a store: {"store": url, "chunks": whole chunks, "stored": written, "present": already there}
+    store: dict[str, Any] | None = None
 
 
 def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path | None = None,
@@ -92,15 +97,19 @@ def encode_prompt(model: LoadedModel, text: str, chat: bool) -> list[int]:
     return model.tokenizer.encode(text)
 
 
-def capture_prompt(output: str | Path, *, prompt: str | None = None, prompt_file: Path | None = None,
+def capture_prompt(output: str | Path | None, *, prompt: str | None = None, prompt_file: Path | None = None,
                    tokens_file: Path | None = None, model: str | Path | LoadedModel | None = None,
                    codec: str = "raw", level: int | None = None, shuffle: bool | None = None,
                    bins: str | None = None, kv_dtype: str = "bf16", chunk_size: int = 256,
                    block_size: int = 16, hidden_states: bool = False, roi: str | None = None,
                    device: str = "auto", model_dtype: str = "fp32", chat: bool = False,
+                   store: str | None = None,
                    on_chunk: Callable[[int, int, int], None] | None = None) -> CaptureResult:
     """`kvtool capture` as a function: options as the command line gives them, every one
-    checked before the model loads; `on_chunk(index, tokens_done, tokens_total)` reports progress."""
+    checked before the model loads; `on_chunk(index, tokens_done, tokens_total)` reports progress.
+    `store` (a URL) also puts the whole chunks into the chunk store; without `output`, only there."""
+    if output is None and store is None:
+        raise UsageError("give -o OUT, --store URL, or both")
     kv = dtype_from_name(kv_dtype_name(kv_dtype))
     if not 1 <= chunk_size <= MAX_CHUNK_SIZE or not 1 <= block_size <= MAX_CHUNK_SIZE:
         raise UsageError(f"--chunk-size and --block-size must be in 1..{MAX_CHUNK_SIZE}")
@@ -108,23 +117,25 @@ def capture_prompt(output: str | Path, *, prompt: str | None = None, prompt_file
     params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
     weights = dtype_from_name(model_dtype_name(model_dtype))
     where = resolve_device(device)
+    if store is not None:  # an unreachable store fails before the model loads
+        open_store(store).close()
     if on_chunk is not None:
         on_chunk(0, 0, 0)  # the model is loading
     loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=where)
     ids = read_tokens(loaded, prompt, prompt_file, tokens_file, chat=chat)
     progress = None if on_chunk is None else (lambda index, end: on_chunk(index, end, len(ids)))
     return capture(loaded, ids, output, chunk_size=chunk_size, codec=codec, params=params, kv_dtype=kv,
-                   block_size=block_size, hidden_states=hidden_states, roi=ranges, on_chunk=progress,
+                   block_size=block_size, hidden_states=hidden_states, roi=ranges, on_chunk=progress, store=store,
                    metadata={"prompt_format": "chat template, user message" if chat else "plain text"}
                    if tokens_file is None else None)
 
 
-def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chunk_size: int = 256,
+def capture(model: LoadedModel, token_ids: list[int], output: str | Path | None, *, chunk_size: int = 256,
             codec: str = "raw", params: dict[str, Any] | None = None,
             kv_dtype: torch.dtype = torch.bfloat16, block_size: int = 16, shuffle_seed: int | None = 0,
             hidden_states: bool = False, roi: list[tuple[int, int]] | None = None,
             on_chunk: Callable[[int, int], None] | None = None,
-            metadata: dict[str, str] | None = None) -> CaptureResult:
+            metadata: dict[str, str] | None = None, store: str | None = None) -> CaptureResult:
     """Prefill `token_ids` chunk by chunk and write each chunk's KV as soon as it exists.
 
     The paged buffers live where the model does (`model.device`). On a GPU the
@@ -135,7 +146,12 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chu
     Extras (format-spec/container.md): `hidden_states` stores the final hidden
     states [n, hidden] (after the final norm, in the model's dtype: vLLM's
     lookup-buffer value; replay then needs no compute for the first new token);
-    `roi` marks token ranges [start, end) in a `roi_mask`."""
+    `roi` marks token ranges [start, end) in a `roi_mask`.
+
+    `store` (a URL, format-spec/store.md) also puts the whole chunks into the chunk store, as
+    encoded; with `output` None the container is built in memory for that alone."""
+    if output is None and store is None:
+        raise UsageError("give an output path, a store, or both")
     n = len(token_ids)
     mask = roi_mask(n, roi) if roi is not None else None
     device = model.device
@@ -178,17 +194,23 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path, *, chu
         if mask is not None:
             writer.write_extra("roi_mask", mask)
     timings.writer_s += time.perf_counter() - t_finish
-    out = Path(output)
+    stored_in = None
+    if store is not None:
+        with open_store(store) as chunk_store, \
+                ContainerReader(output if output is not None else BytesSource(writer.getvalue())) as reader:
+            put = ingest(reader, chunk_store)
+            stored_in = {"store": chunk_store.url, "chunks": put.chunks, "stored": put.stored, "present": put.present}
+    file_bytes = Path(output).stat().st_size if output is not None else len(writer.getvalue())
     decoded = sum(c.decoded_bytes for c in writer.chunks)
     stored = sum(c.blob.length for c in writer.chunks)
     return CaptureResult(
-        output=str(out), model=model.name, fingerprint=model.identity.fingerprint(), num_tokens=n,
+        output=str(output) if output is not None else None, model=model.name, fingerprint=model.identity.fingerprint(), num_tokens=n,
         num_chunks=len(writer.chunks), chunk_size=chunk_size, codec=codec,
         kv_dtype=str(kv_dtype).removeprefix("torch."), device=describe(device),
         model_dtype=str(model.dtype).removeprefix("torch."), block_size=block_size, extras=sorted(writer.extras),
-        file_bytes=out.stat().st_size, decoded_bytes=decoded, stored_bytes=stored,
+        file_bytes=file_bytes, decoded_bytes=decoded, stored_bytes=stored,
         seconds=time.perf_counter() - started, prefill_tokens_per_s=n / max(timings.prefill_s, 1e-9),
-        timings={**asdict(timings), "overhead_share": timings.overhead_share})
+        timings={**asdict(timings), "overhead_share": timings.overhead_share}, store=stored_in)
 
 
 def roi_mask(num_tokens: int, ranges: list[tuple[int, int]]) -> torch.Tensor:

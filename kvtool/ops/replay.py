@@ -32,6 +32,7 @@ from ..engine import LoadedModel, PagedKVCache, Runner, load_model, logits_from_
 from ..errors import (DataError, ModelMismatch, NonFiniteValues, PromptError, ShapeMismatch, ToleranceExceeded,
                       UsageError)
 from ..format import ContainerReader
+from ..format.reader import BytesSource
 from ..format.hashing import prefix_hashes
 from ..fsutil import read_text_file
 from ..notices import notice
@@ -183,18 +184,25 @@ def load_prefix(reader: ContainerReader, model: LoadedModel, cache: PagedKVCache
     return time.perf_counter() - t0
 
 
-def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, continue_tokens: int = 32,
+def replay(path: str | Path | None, model: str | Path | LoadedModel | None = None, *, continue_tokens: int = 32,
            suffix: str | None = None, suffix_file: Path | None = None, prompt: str | None = None,
            prompt_file: Path | None = None, compare: bool = False, min_top1: float | None = None,
            max_kl: float | None = None, device: str = "auto", model_dtype: str = "fp32",
-           use_hidden_states: bool = True, chat: bool = False, allow_other_weights: bool = False, on_stage: Callable[[str], None] | None = None) -> ReplayResult:
+           use_hidden_states: bool = True, chat: bool = False, allow_other_weights: bool = False,
+           store: str | None = None, chunk_size: int = 256,
+           on_stage: Callable[[str], None] | None = None) -> ReplayResult:
     """Load a KV file into a fresh paged buffer and continue from it (`kvtool replay`).
 
     `suffix` continues the file's own tokens; `prompt` reuses the file's chunks that a new
     prompt shares. `min_top1` / `max_kl` (each implies `compare`) raise ToleranceExceeded,
     carrying the result, when the cached run falls outside them. `on_stage(text)` says what
-    it is doing (a progress display)."""
+    it is doing (a progress display).
+
+    With `store` (a URL) instead of `path`, the longest cached prefix of the prompt comes from
+    the chunk store (format-spec/store.md) at `chunk_size`, and the rest is computed."""
     stage = on_stage or (lambda _text: None)
+    if (path is None) == (store is None):
+        raise UsageError("give a KV file or --store URL, not both" if path is not None else "give a KV file or --store URL")
     if sum(x is not None for x in (suffix, suffix_file, prompt, prompt_file)) > 1:
         raise UsageError("give at most one of --suffix, --suffix-file, --prompt, --prompt-file")
     if chat and prompt is None and prompt_file is None:
@@ -206,6 +214,11 @@ def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, c
     compare = compare or min_top1 is not None or max_kl is not None
     weights = dtype_from_name(model_dtype_name(model_dtype))
     where = resolve_device(device)
+    if store is not None:
+        result = replay_from_store(store, model, weights=weights, where=where, prompt=prompt, prompt_file=prompt_file,
+                                   chat=chat, chunk_size=chunk_size, continue_tokens=continue_tokens, compare=compare,
+                                   on_stage=stage, allow_other_weights=allow_other_weights)
+        return _check_thresholds(result, min_top1, max_kl)
     with ContainerReader(path) as reader:
         stage("loading the model")
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=where)
@@ -223,6 +236,10 @@ def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, c
                           use_hidden_states=use_hidden_states)
         result = replay_plan(reader, loaded, plan, continue_tokens=continue_tokens, compare=compare,
                              on_stage=stage, allow_other_weights=allow_other_weights)
+    return _check_thresholds(result, min_top1, max_kl)
+
+
+def _check_thresholds(result: ReplayResult, min_top1: float | None, max_kl: float | None) -> ReplayResult:
     result.thresholds = {"min_top1": min_top1, "max_kl": max_kl}
     if min_top1 is not None and not result.top1_agreement >= min_top1:  # (NaN fails too)
         result.failures.append(f"top-1 agreement {result.top1_agreement:.3f} < {min_top1}")
@@ -233,12 +250,51 @@ def replay(path: str | Path, model: str | Path | LoadedModel | None = None, *, c
     return result
 
 
-def replay_plan(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *, continue_tokens: int = 32,
+def replay_from_store(store: str, model, *, weights, where, prompt: str | None, prompt_file: Path | None,
+                      chat: bool, chunk_size: int, continue_tokens: int, compare: bool,
+                      on_stage: Callable[[str], None], allow_other_weights: bool) -> ReplayResult:
+    """`replay --store URL --prompt-file F`: the prompt's longest cached prefix from the store
+    (checked object by object), gathered as an in-memory container, then `replay_plan`."""
+    from ..store import open_store
+    from ..store.containers import prefix_container
+    from .capture import encode_prompt
+
+    if prompt is None and prompt_file is None:
+        raise UsageError("replay --store needs the prompt: --prompt or --prompt-file")
+    with open_store(store, create=False) as chunk_store:
+        on_stage("loading the model")
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=where)
+        text = read_text_file(prompt_file) if prompt_file is not None else prompt
+        tokens = encode_prompt(loaded, check_text(text, "--prompt"), chat)
+        if not tokens:
+            raise PromptError("the prompt is empty")
+        check_vocabulary(tokens, loaded.config.vocab_size)
+        on_stage("reading the cached prefix from the store")
+        t0 = time.perf_counter()
+        cached, _codecs, writer = prefix_container(chunk_store, loaded.identity, tokens, chunk_size, None)
+        fetch_s = time.perf_counter() - t0  # part of the time to first token: added below
+        if writer is None:
+            plan = ReusePlan(tokens=tokens, reused=0, chunks=0)
+            return replay_plan(None, loaded, plan, continue_tokens=continue_tokens, compare=compare,
+                               on_stage=on_stage, source=chunk_store.url, chunk_size=chunk_size)
+        with ContainerReader(BytesSource(writer.getvalue(), chunk_store.url)) as reader:
+            plan = plan_reuse(reader, new_tokens=tokens)
+            result = replay_plan(reader, loaded, plan, continue_tokens=continue_tokens, compare=compare,
+                                 on_stage=on_stage, allow_other_weights=allow_other_weights, source=chunk_store.url)
+    result.load_s += fetch_s
+    result.ttft_cached_s += fetch_s
+    if result.ttft_recompute_s is not None:
+        result.speedup = result.ttft_recompute_s / max(result.ttft_cached_s, 1e-9)
+    return result
+
+
+def replay_plan(reader: ContainerReader | None, model: LoadedModel, plan: ReusePlan, *, continue_tokens: int = 32,
                 compare: bool = False, block_size: int = 16, on_stage: Callable[[str], None] | None = None,
-                allow_other_weights: bool = False) -> ReplayResult:
+                allow_other_weights: bool = False, source: str | None = None, chunk_size: int = 256) -> ReplayResult:
     """Run `plan` (from `plan_reuse`) on an open file: load its reused chunks, compute the rest,
-    continue greedily, and with `compare` measure against a full recompute."""
-    weights = check_model(reader, model, allow_other_weights)
+    continue greedily, and with `compare` measure against a full recompute. `reader` None runs
+    a plan that reuses nothing; `source` names where the KV came from (a store's URL)."""
+    weights = check_model(reader, model, allow_other_weights) if reader is not None else "nothing reused"
     tokens = plan.tokens
     n = len(tokens)
     total = n + continue_tokens
@@ -247,10 +303,12 @@ def replay_plan(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *,
                           f"{model.max_position_embeddings}")
     if continue_tokens < 1:
         raise UsageError("--continue must be at least 1")
-    kv_dtype = reader.kv_dtype
-    prefill_chunk = reader.manifest.chunk_size
+    # no reader: nothing was cached (replay --store of a new prompt): everything is computed
+    kv_dtype = reader.kv_dtype if reader is not None else torch.bfloat16
+    prefill_chunk = reader.manifest.chunk_size if reader is not None else chunk_size
     stage = on_stage or (lambda _text: None)
-    warm_up(model, reader)
+    if reader is not None:
+        warm_up(model, reader)
     if compare:
         stage(f"recomputing {n} tokens and {continue_tokens} more (the reference)")
     reference = recompute(model, tokens, continue_tokens, kv_dtype, block_size, prefill_chunk) if compare else None
@@ -262,7 +320,7 @@ def replay_plan(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *,
     reused, first_from, why = plan.reused, "hidden_states" if plan.from_hidden else "prefill", None
     synchronize(model.device)
     t0 = time.perf_counter()
-    load_s = load_prefix(reader, model, cache, seq, plan.reused, slot_mapping)
+    load_s = load_prefix(reader, model, cache, seq, plan.reused, slot_mapping) if reader is not None else 0.0
     hidden = None
     if plan.from_hidden:
         try:
@@ -297,8 +355,9 @@ def replay_plan(reader: ContainerReader, model: LoadedModel, plan: ReusePlan, *,
         measured.update(cached_continuation_tokens=own, cached_continuation=model.tokenizer.decode(own),
                         agreed_continuation=model.tokenizer.decode(generated[:same]))
     return ReplayResult(
-        file=str(reader.path), model=model.name, num_tokens=n, reused_tokens=reused, computed_tokens=n - reused,
-        chunks_loaded=plan.chunks, codecs=sorted({c.codec for c in reader.chunks}), device=describe(model.device),
+        file=source or str(reader.path), model=model.name, num_tokens=n, reused_tokens=reused, computed_tokens=n - reused,
+        chunks_loaded=plan.chunks, codecs=sorted({c.codec for c in reader.chunks}) if reader is not None else [],
+        device=describe(model.device),
         model_dtype=str(model.dtype).removeprefix("torch."), first_token_from=first_from, weights=weights,
         load_s=load_s,
         ttft_cached_s=ttft_cached, continue_tokens=continue_tokens, continuation_tokens=generated,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -186,6 +186,34 @@ class ModelCache:
         chain = self._chain(token_ids)
         return bool(chain) and self.lookup(token_ids) == len(chain) * self.chunk_size
 
+    def checked_objects(self, token_ids, max_tokens: int | None = None,
+                        refused: list[str] | None = None) -> Iterator[tuple[int, objects.ChunkObject, int]]:
+        """(start, checked object, stored bytes) of each stored whole chunk from token 0, in
+        order, until the first chunk that is missing or refused (its reason goes to `refused`).
+        The objects are not decoded: `store get` copies their payloads as they are."""
+        chain = self._chain(token_ids, max_tokens)
+        for first in range(0, len(chain), FETCH_BATCH):
+            batch = chain[first:first + FETCH_BATCH]
+            names = [self.name(h) for _, _, h in batch]
+            for (start, _parent, prefix), name, data in zip(batch, names, self.backend.get_many(names)):
+                if data is None:
+                    self.store.counters.misses += len(chain) - start // self.chunk_size
+                    return
+                try:
+                    obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
+                                              prefix_hash=prefix, start=start)
+                except ObjectRefused as err:
+                    self._refused(name, err, chain, start, refused)
+                    return
+                self.store.counters.hits += 1
+                yield start, obj, len(data)
+
+    def _refused(self, name: str, err: ObjectRefused, chain: list, start: int, refused: list[str] | None) -> None:
+        self.store.refuse(name, err)
+        self.store.counters.misses += len(chain) - start // self.chunk_size
+        if refused is not None:
+            refused.append(str(err))
+
     def get_prefix(self, token_ids, *, device: "torch.device | str | None" = None,
                    max_tokens: int | None = None, connector=None, **connector_kwargs) -> PrefixHit:
         """Decode the longest run of stored, intact whole chunks from token 0.
@@ -197,36 +225,27 @@ class ModelCache:
         ends the run there: it is never returned."""
         import torch
 
-        chain = self._chain(token_ids, max_tokens)
         hit = PrefixHit(num_tokens=0, chunks=[], codecs=[], refused=[], stored_bytes=0)
         target = torch.device(device) if device is not None else None
-        for first in range(0, len(chain), FETCH_BATCH):
-            batch = chain[first:first + FETCH_BATCH]
-            names = [self.name(h) for _, _, h in batch]
-            for (start, _parent, prefix), name, data in zip(batch, names, self.backend.get_many(names)):
-                if data is None:
-                    self.store.counters.misses += len(chain) - start // self.chunk_size
-                    return hit
-                try:
-                    obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
-                                              prefix_hash=prefix, start=start)
-                    kv = obj.decode(target)
-                except ObjectRefused as err:
-                    self.store.refuse(name, err)
-                    self.store.counters.misses += len(chain) - start // self.chunk_size
-                    hit.refused.append(str(err))
-                    return hit
-                if connector is not None:
-                    memory = connector.allocate(self.chunk_size, kv.dtype, kv.device)
-                    memory.tensor.copy_(kv)
-                    connector.to_gpu(memory, start, start + self.chunk_size, **connector_kwargs)
-                else:
-                    hit.chunks.append(kv)
-                hit.codecs.append(obj.codec)
-                hit.stored_bytes += len(data)
-                hit.num_tokens = start + self.chunk_size
-                self.store.counters.hits += 1
+        for start, obj, size in self.checked_objects(token_ids, max_tokens, hit.refused):
+            name = self.name(obj.prefix_hash)
+            try:
+                kv = obj.decode(target)
+            except ObjectRefused as err:
+                self.store.counters.hits -= 1
+                self._refused(name, err, self._chain(token_ids, max_tokens), start, hit.refused)
+                break
+            finally:
                 obj.reader.close()
+            if connector is not None:
+                memory = connector.allocate(self.chunk_size, kv.dtype, kv.device)
+                memory.tensor.copy_(kv)
+                connector.to_gpu(memory, start, start + self.chunk_size, **connector_kwargs)
+            else:
+                hit.chunks.append(kv)
+            hit.codecs.append(obj.codec)
+            hit.stored_bytes += size
+            hit.num_tokens = start + self.chunk_size
         return hit
 
     # --- writes ----------------------------------------------------------------------

@@ -46,7 +46,10 @@ class LocalBackend(Backend):
                 if doc.get("version") != 1:
                     raise StoreError(f"{self.root}: store version {doc.get('version')!r}; this kvtool reads 1")
                 return
-            if self.root.exists() and (not self.root.is_dir() or any(self.root.iterdir())):
+            if self.root.exists() and (not self.root.is_dir()
+                                       or any(not _marker_temp(p.name) for p in self.root.iterdir())):
+                if marker.is_file():  # another process made the folder a store meanwhile
+                    return self._open(create)
                 raise NotAStore(f"{self.root}: not a kvtool store (no {MARKER}); give an empty or new folder")
             if not create:
                 raise NotAStore(f"{self.root}: no such store")
@@ -176,6 +179,11 @@ class LocalBackend(Backend):
                     if file.startswith(".") and file.endswith(".tmp"):
                         removed += _remove_if_unlocked(os.path.join(directory, file))
         return removed
+
+
+def _marker_temp(name: str) -> bool:
+    """The temp file of another process writing the marker of a new store (it is new still)."""
+    return name.startswith(f".{MARKER}.") and name.endswith(".tmp")
 
 
 def _remove_if_unlocked(path: str) -> int:

@@ -22,7 +22,7 @@ from ..errors import KvtoolError, ObjectRefused
 from ..format.hashing import ZERO_HASH, crc32, tokens_to_bytes
 from ..format.reader import BytesSource, ContainerReader
 from ..format.writer import ContainerWriter
-from ..identity import ModelIdentity
+from ..identity import ModelIdentity, model_fingerprint
 
 if TYPE_CHECKING:
     import torch
@@ -166,6 +166,7 @@ def _check_chunk(reader: ContainerReader, name: str, model: str | None, chunk_si
     if position % m.chunk_size or (position == 0) != (parent == ZERO_HASH.hex()):
         raise ObjectRefused(f"{name}: store.start {position} does not fit chunk size {m.chunk_size} "
                             f"and its parent hash")
+    _check_fingerprint(m.model, name)
     tokens = reader.token_ids()  # checks the tokens' CRC-32C
     if hashlib.sha256(bytes.fromhex(parent) + tokens_to_bytes(tokens)).hexdigest() != prefix:
         raise ObjectRefused(f"{name}: the prefix hash does not match the parent hash and the tokens")
@@ -186,6 +187,12 @@ def _check_chunk(reader: ContainerReader, name: str, model: str | None, chunk_si
                        payload_checked=verify_payload)
 
 
+def _check_fingerprint(model: dict[str, Any], name: str) -> None:
+    """The model's fingerprint is recomputed: a forged one would file chunks under another model."""
+    if model_fingerprint(model) != model.get("fingerprint"):
+        raise ObjectRefused(f"{name}: the model's fingerprint does not match its configuration")
+
+
 def _extension(extensions: dict[str, Any], kind: str, name: str) -> dict[str, Any]:
     ext = extensions.get("store")
     if not isinstance(ext, dict):
@@ -201,13 +208,18 @@ def _extension(extensions: dict[str, Any], kind: str, name: str) -> dict[str, An
 
 
 def encode_entry(model: dict[str, Any], kv_dtype: str, tokens: np.ndarray, roi: np.ndarray,
-                 kv: "torch.Tensor", hidden: "torch.Tensor | None", chunk_size: int) -> bytes:
+                 kv: "torch.Tensor", hidden: "torch.Tensor | None", chunk_size: int,
+                 key_shape: list[int] | None = None) -> bytes:
+    """A lookup-buffer entry: the request's tokens, its KV `[2, L, N, C]` (raw), the roi mask
+    and the hidden states; `key_shape` is the shape the caller's key tensor had."""
     import torch
 
     key = entry_key(model_key(model), tokens, roi)
+    ext = {"version": STORE_VERSION, "kind": "entry", "key": key}
+    if key_shape is not None:
+        ext["key_shape"] = [int(d) for d in key_shape]
     writer = ContainerWriter(None, model, tokens, kv_dtype=kv_dtype, chunk_size=chunk_size,
-                             alignment=OBJECT_ALIGNMENT,
-                             extensions={"store": {"version": STORE_VERSION, "kind": "entry", "key": key}})
+                             alignment=OBJECT_ALIGNMENT, extensions={"store": ext})
     for s, e in writer.chunk_ranges():
         writer.write_chunk(kv[:, :, s:e], codec="raw")
     writer.write_extra("roi_mask", torch.from_numpy(roi.astype(bool)))
@@ -224,6 +236,7 @@ def check_entry(data, name: str, model: str | None = None) -> ContainerReader:
     try:
         m = reader.manifest
         ext = _extension(m.extensions, "entry", name)
+        _check_fingerprint(m.model, name)
         own = model_key(m.model)
         if model is not None and own != model:
             raise ObjectRefused(f"{name}: holds another model's entry")

@@ -85,12 +85,12 @@ class RedisBackend(Backend):
             for start in range(0, len(keys), 1000):
                 batch = keys[start:start + 1000]
                 pipe = self.client.pipeline(transaction=False)
-                for key in batch:
-                    pipe.strlen(key)
+                for key in batch:  # the idle time first: STRLEN counts as a use and zeroes it
                     pipe.object("idletime", key)
+                    pipe.strlen(key)
                 replies = pipe.execute(raise_on_error=False)
                 for i, key in enumerate(batch):
-                    size, idle = replies[2 * i], replies[2 * i + 1]
+                    idle, size = replies[2 * i], replies[2 * i + 1]
                     if not isinstance(size, int) or size == 0:  # removed meanwhile
                         continue
                     idle = idle if isinstance(idle, int) else 0

@@ -78,10 +78,21 @@ class TieredBackend(Backend):
         return self.durable.scan(prefix)
 
     def evict(self, max_bytes: int) -> list[ObjectInfo]:
-        removed = self.durable.evict(max_bytes)
-        for info in removed:
-            for tier in self.tiers[:-1]:
-                tier.delete(info.name)
+        """The durable tier's least recently used objects go, from every tier. A use is its
+        latest in any tier: a get served by the memory tier never reaches the durable one."""
+        used: dict[str, float] = {}
+        for tier in self.tiers[:-1]:
+            for info in tier.scan():
+                used[info.name] = max(used.get(info.name, 0.0), info.last_used)
+        objects = sorted(self.durable.scan(), key=lambda o: max(o.last_used, used.get(o.name, 0.0)))
+        total = sum(o.size for o in objects)
+        removed = []
+        for info in objects:
+            if total <= max_bytes:
+                break
+            if self.delete(info.name):
+                removed.append(info)
+            total -= info.size
         return removed
 
     def sweep(self) -> int:

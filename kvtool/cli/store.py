@@ -1,0 +1,171 @@
+"""`kvtool store put|get|ls|stats|gc|fsck|rm`: the chunk store (format-spec/store.md)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .options import JsonOpt, ModelOpt, OutputPath, StoreOpt
+from .output import emit, human_bytes, plural, renders
+
+app = typer.Typer(help="The chunk store: many sequences' chunks, by prefix; a folder or Redis.",
+                  no_args_is_help=True, add_completion=False)
+
+FilesArg = Annotated[list[str], typer.Argument(metavar="FILE.kvc...", help="kvtool files whose chunks to store.",
+                                               show_default=False)]
+PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", help="Prompt text.")]
+PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", metavar="FILE", help="File with the prompt (UTF-8).")]
+TokensOpt = Annotated[Optional[Path], typer.Option(
+    "--tokens", metavar="FILE", help="File of token ids (JSON list or whitespace-separated).")]
+ChunkSizeOpt = Annotated[int, typer.Option("--chunk-size", metavar="N", help="Tokens per chunk of the stored KV.")]
+ChatOpt = Annotated[bool, typer.Option("--chat", help="The prompt is a user message: apply the chat template.")]
+MaxBytesOpt = Annotated[str, typer.Option("--max-bytes", metavar="SIZE", help="Keep at most this much, e.g. 10G.",
+                                          show_default=False)]
+
+
+@app.command("put")
+def put_command(files: FilesArg, store: StoreOpt, json: JsonOpt = False) -> None:
+    """Store the whole chunks of kvtool files (copied as encoded; chunks already stored are skipped)."""
+    from ..ops import store as ops
+
+    emit(ops.put(files, store), json)
+
+
+@app.command("get")
+def get_command(store: StoreOpt, output: OutputPath, prompt: PromptOpt = None, prompt_file: PromptFileOpt = None,
+                tokens: TokensOpt = None, model: ModelOpt = None, chunk_size: ChunkSizeOpt = 256,
+                chat: ChatOpt = False, json: JsonOpt = False) -> None:
+    """Write the longest cached prefix of a prompt as a kvtool file (exit 1 when nothing is cached)."""
+    from ..ops import store as ops
+
+    emit(ops.get(store, output, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, model=model,
+                 chat=chat, chunk_size=chunk_size), json)
+
+
+@app.command("ls")
+def ls_command(store: StoreOpt, kind: Annotated[Optional[str], typer.Option(
+                   "--kind", metavar="KIND", help="Only chunk, entry, tensor or foreign objects.")] = None,
+               model: Annotated[Optional[str], typer.Option(
+                   "--model", metavar="KEY", help="Only this model key (or its first digits).")] = None,
+               limit: Annotated[Optional[int], typer.Option("--limit", metavar="N", help="At most N rows.")] = None,
+               json: JsonOpt = False) -> None:
+    """List stored objects, most recently used first."""
+    from ..ops import store as ops
+
+    emit(ops.ls(store, kind=kind, model=model, limit=limit), json)
+
+
+@app.command("stats")
+def stats_command(store: StoreOpt, json: JsonOpt = False) -> None:
+    """How many objects and bytes, per kind and per model."""
+    from ..ops import store as ops
+
+    emit(ops.stats(store), json)
+
+
+@app.command("gc")
+def gc_command(store: StoreOpt, max_bytes: MaxBytesOpt, json: JsonOpt = False) -> None:
+    """Evict least recently used objects down to --max-bytes; remove dead writers' temp files."""
+    from ..ops import store as ops
+
+    emit(ops.gc(store, max_bytes), json)
+
+
+@app.command("fsck")
+def fsck_command(store: StoreOpt, repair: Annotated[bool, typer.Option(
+                     "--repair/--no-repair", help="Remove damaged and foreign objects (default) or only report.")] = True,
+                 json: JsonOpt = False) -> None:
+    """Check every object; exit 1 when damage is found and left in place."""
+    from ..ops import store as ops
+
+    emit(ops.fsck(store, repair=repair), json)
+
+
+@app.command("rm")
+def rm_command(store: StoreOpt, names: Annotated[Optional[list[str]], typer.Argument(
+                   metavar="[NAME...]", help="Object names (from `store ls`).", show_default=False)] = None,
+               model: Annotated[Optional[str], typer.Option("--model", metavar="KEY", help="Every object of this model key.")] = None,
+               everything: Annotated[bool, typer.Option("--all", help="Every object.")] = False,
+               json: JsonOpt = False) -> None:
+    """Remove objects by name, by model, or all of them."""
+    from ..ops import store as ops
+
+    emit(ops.rm(store, names, model=model, everything=everything), json)
+
+
+# --- rendering ---------------------------------------------------------------------------
+
+
+@renders("StorePutResult")
+def render_put(console: Console, r: dict[str, Any]) -> None:
+    for f in r["files"]:
+        console.print(f"{f['file']}: {plural(f['chunks'], 'whole chunk')} of {f['model']} (chunk size "
+                      f"{f['chunk_size']}): {f['stored']} stored, {f['present']} already there")
+    t = r["totals"]
+    console.print(f"{r['store']}: {t['stored']} of {plural(t['chunks'], 'chunk')} stored "
+                  f"({human_bytes(t['stored_bytes'])}), {t['present']} deduplicated")
+
+
+@renders("StoreGetResult")
+def render_get(console: Console, r: dict[str, Any]) -> None:
+    console.print(f"wrote {r['output']}: {r['cached_tokens']} of the prompt's {r['prompt_tokens']} tokens cached "
+                  f"({plural(r['chunks'], 'chunk')}, {', '.join(r['codecs'])}), {human_bytes(r['file_bytes'])}")
+    for why in r["refused"]:
+        console.print(f"[yellow]refused: {why}[/yellow]")
+
+
+@renders("StoreListing")
+def render_ls(console: Console, r: dict[str, Any]) -> None:
+    table = Table(box=None, header_style="bold")
+    for col in ("kind", "model", "chunk", "bytes", "last used", "name"):
+        table.add_column(col, justify="right" if col in ("chunk", "bytes") else "left")
+    now = time.time()
+    for o in r["objects"]:
+        table.add_row(o["kind"], o.get("model", "")[:12], str(o.get("chunk_size", "")), human_bytes(o["bytes"]),
+                      _ago(now - o["last_used"]), o["name"])
+    console.print(table)
+    console.print(f"{plural(len(r['objects']), 'object')} in {r['store']}")
+
+
+@renders("StoreStats")
+def render_stats(console: Console, r: dict[str, Any]) -> None:
+    kinds = ", ".join(plural(n, k) for k, n in sorted(r["by_kind"].items())) or "nothing"
+    console.print(f"{r['store']}: {plural(r['objects'], 'object')}, {human_bytes(r['bytes'])} ({kinds})")
+    for key, m in sorted(r["models"].items()):
+        console.print(f"  model {key}: {plural(m['chunks'], 'chunk')}, {human_bytes(m['bytes'])}, chunk size "
+                      f"{', '.join(map(str, m['chunk_sizes']))}")
+    if r["foreign"]:
+        console.print(f"[yellow]{plural(r['foreign'], 'foreign file')}: `kvtool store fsck` removes them[/yellow]")
+
+
+@renders("StoreGcResult")
+def render_gc(console: Console, r: dict[str, Any]) -> None:
+    console.print(f"{r['store']}: removed {plural(r['removed'], 'object')} ({human_bytes(r['removed_bytes'])}) "
+                  f"and {plural(r['temps_removed'], 'temp file')}; {human_bytes(r['remaining_bytes'])} remain "
+                  f"(cap {human_bytes(r['max_bytes'])})")
+
+
+@renders("StoreFsckResult")
+def render_fsck(console: Console, r: dict[str, Any]) -> None:
+    for d in r["damaged"]:
+        console.print(f"[red]damaged[/red] {d['reason']}")
+    what = f", removed {r['removed']}" if r["repair"] else " (left in place: --no-repair)"
+    console.print(f"{r['store']}: {plural(r['checked'], 'object')} checked, {r['intact']} intact, "
+                  f"{len(r['damaged'])} damaged{what}; {plural(r['temps_removed'], 'temp file')} removed")
+
+
+@renders("StoreRmResult")
+def render_rm(console: Console, r: dict[str, Any]) -> None:
+    console.print(f"{r['store']}: removed {plural(r['removed'], 'object')} ({human_bytes(r['removed_bytes'])})")
+
+
+def _ago(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return f"{max(seconds, 0):.0f} s ago"

@@ -1,0 +1,229 @@
+"""`kvtool store ...`: the chunk store's operations (format-spec/store.md).
+
+put (containers' whole chunks, copied as encoded), get (the longest cached prefix of a prompt
+as a container), ls, stats, gc, fsck, rm.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import NotCached, UsageError
+from ..format import ContainerReader
+from ..store import ChunkStore, open_store, upkeep
+from ..store.containers import ingest, prefix_container  # noqa: F401  (public here too)
+from .result import Result
+
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*\Z", re.IGNORECASE)
+
+
+def parse_size(text: str | int | None, option: str = "--max-bytes") -> int | None:
+    """`10G`, `512MiB`, `1.5g`, `1000000` -> bytes (K/M/G/T are powers of 1024)."""
+    if text is None or isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if not m:
+        raise UsageError(f"{option}: {text!r} is not a size (e.g. 512M, 10G, 1000000)")
+    scale = 1024 ** " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * scale)
+
+
+def connect(url: str, *, memory_bytes: int | str | None = None, max_bytes: int | str | None = None,
+            create: bool = True) -> ChunkStore:
+    return open_store(url, memory_bytes=parse_size(memory_bytes, "--memory") or 0,
+                      max_bytes=parse_size(max_bytes), create=create)
+
+
+# --- put ---------------------------------------------------------------------------------
+
+
+@dataclass
+class IngestedFile:
+    file: str
+    model: str
+    chunk_size: int
+    chunks: int  # whole chunks in the file
+    stored: int
+    present: int
+    stored_bytes: int
+
+
+@dataclass
+class StorePutResult(Result):
+    store: str
+    files: list[IngestedFile]
+
+    @property
+    def totals(self) -> dict[str, int]:
+        return {k: sum(getattr(f, k) for f in self.files) for k in ("chunks", "stored", "present", "stored_bytes")}
+
+    def to_dict(self, json_safe: bool = True) -> dict[str, Any]:
+        return {**super().to_dict(json_safe), "totals": self.totals}
+
+
+def put(files: list[str | Path], store: str) -> StorePutResult:
+    """`kvtool store put FILE... --store URL`."""
+    if not files:
+        raise UsageError("give at least one .kvc file")
+    rows = []
+    with connect(store) as s:
+        for path in files:
+            with ContainerReader(path) as reader:
+                r = ingest(reader, s)
+                rows.append(IngestedFile(file=str(path), model=str(reader.model.get("name")),
+                                         chunk_size=reader.manifest.chunk_size, chunks=r.chunks, stored=r.stored,
+                                         present=r.present, stored_bytes=r.stored_bytes))
+        return StorePutResult(store=s.url, files=rows)
+
+
+# --- get ---------------------------------------------------------------------------------
+
+
+@dataclass
+class StoreGetResult(Result):
+    store: str
+    output: str
+    model: str
+    prompt_tokens: int
+    cached_tokens: int
+    chunks: int
+    codecs: list[str]
+    file_bytes: int
+    refused: list[str] = field(default_factory=list)
+
+
+def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_file: Path | None = None,
+        tokens_file: Path | None = None, model: str | Path | None = None, chat: bool = False,
+        chunk_size: int = 256) -> StoreGetResult:
+    """`kvtool store get --prompt-file F --store URL -o OUT`: the longest cached prefix of the
+    prompt, as a container."""
+    from ..engine import load_model
+    from .capture import read_tokens
+
+    with connect(store, create=False) as s:
+        loaded = load_model(model)
+        ids = read_tokens(loaded, prompt, prompt_file, tokens_file, chat)
+        refused: list[str] = []
+        n, codecs_used, _writer = prefix_container(s, loaded.identity, ids, chunk_size, output, refused)
+        if n == 0:
+            why = f" ({refused[0]})" if refused else ""
+            raise NotCached(f"{s.url}: no whole chunk of this prompt's {len(ids)} tokens is stored "
+                            f"for {loaded.name} at chunk size {chunk_size}{why}")
+        return StoreGetResult(store=s.url, output=str(output), model=loaded.name, prompt_tokens=len(ids),
+                              cached_tokens=n, chunks=len(codecs_used), codecs=sorted(set(codecs_used)),
+                              file_bytes=os.path.getsize(output), refused=refused)
+
+
+# --- upkeep ------------------------------------------------------------------------------
+
+
+@dataclass
+class StoreListing(Result):
+    store: str
+    objects: list[dict[str, Any]]
+
+
+def ls(store: str, *, kind: str | None = None, model: str | None = None, limit: int | None = None) -> StoreListing:
+    """`kvtool store ls`: the stored objects, most recently used first."""
+    if kind not in (None, "chunk", "entry", "tensor", "foreign"):
+        raise UsageError(f"--kind: {kind!r} is not one of chunk, entry, tensor, foreign")
+    with connect(store, create=False) as s:
+        rows = [upkeep.describe(o) for o in s.backend.scan()]
+        rows = [r for r in rows if (kind is None or r["kind"] == kind)
+                and (model is None or r.get("model", "").startswith(model))]
+        rows.sort(key=lambda r: -r["last_used"])
+        return StoreListing(store=s.url, objects=rows[:limit] if limit else rows)
+
+
+@dataclass
+class StoreStats(Result):
+    store: str
+    objects: int
+    bytes: int
+    by_kind: dict[str, int]
+    models: dict[str, dict]
+    foreign: int
+
+
+def stats(store: str) -> StoreStats:
+    with connect(store, create=False) as s:
+        inv = upkeep.inventory(s)
+        return StoreStats(store=s.url, objects=inv.objects, bytes=inv.bytes, by_kind=inv.by_kind,
+                          models=inv.models, foreign=inv.foreign)
+
+
+@dataclass
+class StoreGcResult(Result):
+    store: str
+    max_bytes: int
+    removed: int
+    removed_bytes: int
+    temps_removed: int
+    remaining_bytes: int
+
+
+def gc(store: str, max_bytes: int | str) -> StoreGcResult:
+    """`kvtool store gc --max-bytes 10G`: evict least recently used objects down to the cap."""
+    cap = parse_size(max_bytes)
+    if cap is None or cap < 0:
+        raise UsageError("--max-bytes: give the size the store may keep, e.g. 10G")
+    with connect(store, create=False) as s:
+        r = upkeep.gc(s, cap)
+        return StoreGcResult(store=s.url, max_bytes=cap, removed=r.removed, removed_bytes=r.removed_bytes,
+                             temps_removed=r.temps_removed, remaining_bytes=r.remaining_bytes)
+
+
+@dataclass
+class StoreFsckResult(Result):
+    store: str
+    repair: bool
+    checked: int
+    intact: int
+    damaged: list[dict]
+    removed: int
+    temps_removed: int
+
+    @property
+    def ok(self) -> bool:  # damage found and left in place fails; damage removed is repaired
+        return not self.damaged or (self.repair and self.removed == len(self.damaged))
+
+
+def fsck(store: str, *, repair: bool = True) -> StoreFsckResult:
+    """`kvtool store fsck`: check every object (§5); remove the damaged and foreign ones."""
+    with connect(store, create=False) as s:
+        r = upkeep.fsck(s, repair=repair)
+        return StoreFsckResult(store=s.url, repair=repair, checked=r.checked, intact=r.intact, damaged=r.damaged,
+                               removed=r.removed, temps_removed=r.temps_removed)
+
+
+@dataclass
+class StoreRmResult(Result):
+    store: str
+    removed: int
+    removed_bytes: int
+
+
+def rm(store: str, names: list[str] | None = None, *, model: str | None = None, everything: bool = False) -> StoreRmResult:
+    """`kvtool store rm NAME... | --model KEY | --all`."""
+    if sum(bool(x) for x in (names, model, everything)) != 1:
+        raise UsageError("give object names, or --model KEY, or --all")
+    with connect(store, create=False) as s:
+        infos = list(s.backend.scan())
+        if names:
+            wanted = set(names)
+            targets = [o for o in infos if o.name in wanted]
+        elif model:
+            targets = [o for o in infos if upkeep.describe(o).get("model", "").startswith(model)]
+        else:
+            targets = infos
+        removed = [o for o in targets if s.backend.delete(o.name)]
+        return StoreRmResult(store=s.url, removed=len(removed), removed_bytes=sum(o.size for o in removed))
+
+
+__all__ = ["StoreFsckResult", "StoreGcResult", "StoreGetResult", "StoreListing", "StorePutResult",
+           "StoreRmResult", "StoreStats", "connect", "fsck", "gc", "get", "ingest", "ls", "parse_size",
+           "prefix_container", "put", "rm", "stats"]

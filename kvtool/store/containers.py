@@ -1,0 +1,57 @@
+"""Between containers and the store: a file's whole chunks into the store (`ingest`: `store
+put`, `capture --store`), and the longest cached prefix of a sequence out as a container
+(`prefix_container`: `store get`, `replay --store`). Payloads are copied as encoded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelMismatch
+from ..format import ContainerReader, ContainerWriter
+from ..identity import model_fingerprint
+from .chunk_store import ChunkStore, PutResult
+
+
+def ingest(reader: ContainerReader, store: ChunkStore) -> PutResult:
+    """Store a container's whole chunks, each payload checked (CRC-32C) and copied as it is."""
+    m = reader.manifest
+    if model_fingerprint(m.model) != m.model["fingerprint"]:
+        raise ModelMismatch(f"{reader.path}: its model fingerprint does not match the model it describes "
+                            f"(forged or damaged): not stored")
+    cache = store.for_model(m.model, m.chunk_size)
+    whole = [c for c in m.chunks if c.num_tokens == m.chunk_size]
+    payloads = [(reader.chunk_payload(c.index), c.codec, c.codec_params) for c in whole]
+    return cache.put_encoded(reader.token_ids(), payloads, m.kv_dtype)
+
+
+def prefix_container(store: ChunkStore, identity, token_ids: list[int], chunk_size: int,
+                     output: str | Path | None, refused: list[str] | None = None) -> tuple[int, list[str], Any]:
+    """Write the longest cached prefix of `token_ids` as a container (in memory when `output`
+    is None): (cached tokens, codecs, the writer). Payloads are copied as stored; chunks of
+    another KV dtype than the first are decoded and written raw in the first's dtype."""
+    cache = store.for_model(identity, chunk_size)
+    found = list(cache.checked_objects(token_ids, refused=refused))
+    if not found:
+        return 0, [], None
+    n = found[-1][0] + chunk_size
+    first = found[0][1].reader
+    writer = ContainerWriter(output, first.model, list(token_ids)[:n], kv_dtype=first.manifest.kv_dtype,
+                             chunk_size=chunk_size)
+    codecs_used = []
+    try:
+        for _start, obj, _size in found:
+            chunk = obj.reader.chunks[0]
+            if chunk.dtype == writer.kv_dtype_name:
+                writer.write_encoded_chunk(obj.reader.chunk_payload(0, verify=False), chunk.codec, chunk.codec_params)
+                codecs_used.append(chunk.codec)
+            else:
+                writer.write_chunk(obj.decode(), codec="raw")
+                codecs_used.append("raw")
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return n, codecs_used, writer
+
+

@@ -1,0 +1,115 @@
+"""Keeping a store: what it holds (`inventory`), a size cap (`gc`), and finding and removing
+damaged or foreign objects (`fsck`). Every check is §5 of format-spec/store.md, from the
+objects alone: no index is trusted, so any index can be rebuilt from what `fsck` passes."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from ..errors import ObjectRefused
+from . import objects
+from .backend import ObjectInfo
+from .chunk_store import ChunkStore
+
+
+@dataclass
+class Inventory:
+    objects: int
+    bytes: int
+    by_kind: dict[str, int]
+    # model key -> {"chunks": n, "bytes": b, "chunk_sizes": [..]}
+    models: dict[str, dict] = field(default_factory=dict)
+    foreign: int = 0  # names that are not store objects
+
+
+def describe(info: ObjectInfo) -> dict:
+    """What an object's name says: kind, model key, chunk size, prefix hash."""
+    parsed = objects.parse_name(info.name)
+    row = {"name": info.name, "bytes": info.size, "last_used": info.last_used, "kind": "foreign"}
+    if parsed is None:
+        return row
+    kind, m = parsed
+    row["kind"] = kind
+    if kind == "chunk":
+        row.update(model=m.group(1), chunk_size=int(m.group(2)), prefix_hash=m.group(4))
+    elif kind == "entry":
+        row.update(model=m.group(1), key=m.group(2))
+    return row
+
+
+def inventory(store: ChunkStore) -> Inventory:
+    kinds: Counter = Counter()
+    models: dict[str, dict] = defaultdict(lambda: {"chunks": 0, "bytes": 0, "chunk_sizes": set()})
+    total = count = 0
+    for info in store.backend.scan():
+        row = describe(info)
+        kinds[row["kind"]] += 1
+        count += 1
+        total += info.size
+        if row["kind"] == "chunk":
+            entry = models[row["model"]]
+            entry["chunks"] += 1
+            entry["bytes"] += info.size
+            entry["chunk_sizes"].add(row["chunk_size"])
+    return Inventory(objects=count, bytes=total, by_kind=dict(kinds), foreign=kinds.get("foreign", 0),
+                     models={k: {**v, "chunk_sizes": sorted(v["chunk_sizes"])} for k, v in models.items()})
+
+
+@dataclass
+class GcReport:
+    removed: int
+    removed_bytes: int
+    temps_removed: int
+    remaining_bytes: int
+
+
+def gc(store: ChunkStore, max_bytes: int) -> GcReport:
+    """Evict least recently used objects until at most `max_bytes` remain; sweep temp files."""
+    temps = store.backend.sweep()
+    removed = store.backend.evict(max_bytes)
+    remaining = sum(o.size for o in store.backend.scan())
+    return GcReport(removed=len(removed), removed_bytes=sum(o.size for o in removed), temps_removed=temps,
+                    remaining_bytes=remaining)
+
+
+@dataclass
+class FsckReport:
+    checked: int
+    intact: int
+    damaged: list[dict]  # {"name", "reason"}
+    removed: int
+    temps_removed: int
+
+
+def check_object(name: str, data: bytes | None) -> None:
+    """§5's checks of one object by its name alone; raises ObjectRefused."""
+    if data is None:
+        raise ObjectRefused(f"{name}: vanished while being checked")
+    parsed = objects.parse_name(name)
+    if parsed is None:
+        raise ObjectRefused(f"{name}: not a store object's name")
+    kind = parsed[0]
+    if kind == "chunk":
+        obj = objects.check_chunk(data, name)
+        obj.decode()  # the payload decodes to the declared shape
+        obj.reader.close()
+    elif kind == "entry":
+        objects.check_entry(data, name).close()
+    else:
+        objects.check_tensor(data, name)
+
+
+def fsck(store: ChunkStore, *, repair: bool = True) -> FsckReport:
+    """Check every object; with `repair`, remove those that fail (and temp files of dead writers)."""
+    temps = store.backend.sweep() if repair else 0
+    damaged, checked = [], 0
+    for info in list(store.backend.scan()):
+        checked += 1
+        try:
+            check_object(info.name, store.backend.get(info.name))
+        except ObjectRefused as err:
+            damaged.append({"name": info.name, "reason": str(err)})
+    removed = sum(store.backend.delete(d["name"]) for d in damaged) if repair else 0
+    return FsckReport(checked=checked, intact=checked - len(damaged), damaged=damaged, removed=removed,
+                      temps_removed=temps)
