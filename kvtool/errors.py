@@ -214,3 +214,12 @@ class NotCached(StoreError):
 class ObjectRefused(DataError):
     """A stored object failed a check of format-spec/store.md §5 (damaged, foreign, truncated,
     hostile). The store never returns it: it counts as a miss, and `fsck` removes it."""
+
+
+class StoreDamaged(DataError):
+    """`store fsck --no-repair` found damaged or foreign objects and left them; `report` is
+    the fsck result (rendered before the error line)."""
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report

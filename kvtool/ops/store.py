@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import NotCached, UsageError
+from ..errors import NotCached, StoreDamaged, UsageError
 from ..format import ContainerReader
 from ..store import ChunkStore, open_store, upkeep
 from ..store.containers import ingest, prefix_container  # noqa: F401  (public here too)
@@ -196,8 +196,12 @@ def fsck(store: str, *, repair: bool = True) -> StoreFsckResult:
     """`kvtool store fsck`: check every object (§5); remove the damaged and foreign ones."""
     with connect(store, create=False) as s:
         r = upkeep.fsck(s, repair=repair)
-        return StoreFsckResult(store=s.url, repair=repair, checked=r.checked, intact=r.intact, damaged=r.damaged,
-                               removed=r.removed, temps_removed=r.temps_removed)
+        result = StoreFsckResult(store=s.url, repair=repair, checked=r.checked, intact=r.intact, damaged=r.damaged,
+                                 removed=r.removed, temps_removed=r.temps_removed)
+    if not result.ok:
+        raise StoreDamaged(f"{result.store}: {len(result.damaged)} damaged or foreign objects "
+                           f"({result.removed} removed)", report=result)
+    return result
 
 
 @dataclass

@@ -192,21 +192,44 @@ class ModelCache:
         order, until the first chunk that is missing or refused (its reason goes to `refused`).
         The objects are not decoded: `store get` copies their payloads as they are."""
         chain = self._chain(token_ids, max_tokens)
+        # existence first (a stat, or one pipelined round trip): nothing past a miss is read
+        found = self.backend.exists_many([self.name(h) for _, _, h in chain]) if chain else []
+        stored = next((i for i, f in enumerate(found) if not f), len(found))
+        if stored < len(chain):
+            self.store.counters.misses += len(chain) - stored
+        chain, whole = chain[:stored], chain
         for first in range(0, len(chain), FETCH_BATCH):
             batch = chain[first:first + FETCH_BATCH]
             names = [self.name(h) for _, _, h in batch]
-            for (start, _parent, prefix), name, data in zip(batch, names, self.backend.get_many(names)):
-                if data is None:
-                    self.store.counters.misses += len(chain) - start // self.chunk_size
+            for (start, _parent, prefix), name, data in zip(batch, names, self._fetch(names)):
+                if isinstance(data, ObjectRefused):  # refused before it was read (its size)
+                    self._refused(name, data, whole, start, refused)
+                    return
+                if data is None:  # removed since the existence check
+                    self.store.counters.misses += len(whole) - start // self.chunk_size
                     return
                 try:
                     obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
                                               prefix_hash=prefix, start=start)
                 except ObjectRefused as err:
-                    self._refused(name, err, chain, start, refused)
+                    self._refused(name, err, whole, start, refused)
                     return
                 self.store.counters.hits += 1
                 yield start, obj, len(data)
+
+    def _fetch(self, names: list[str]) -> list:
+        """The objects' bytes (None: not stored), one batch; an object the backend refuses to
+        read (a hostile size) is its ObjectRefused, in its place."""
+        try:
+            return self.backend.get_many(names)
+        except ObjectRefused:
+            out: list = []
+            for name in names:
+                try:
+                    out.append(self.backend.get(name))
+                except ObjectRefused as err:
+                    out.append(err)
+            return out
 
     def _refused(self, name: str, err: ObjectRefused, chain: list, start: int, refused: list[str] | None) -> None:
         self.store.refuse(name, err)

@@ -40,7 +40,10 @@ class LocalBackend(Backend):
         marker = self.root / MARKER
         try:
             if marker.is_file():
-                doc = json.loads(marker.read_text())
+                try:
+                    doc = json.loads(marker.read_text())
+                except ValueError:  # not JSON (nor UTF-8): not our marker
+                    doc = None
                 if not (isinstance(doc, dict) and doc.get("format") == "kvtool-store"):
                     raise NotAStore(f"{self.root}: {MARKER} is not a kvtool store marker")
                 if doc.get("version") != 1:
@@ -59,6 +62,9 @@ class LocalBackend(Backend):
             raise StoreError(f"{self.root}: cannot open the store ({getattr(err, 'strerror', None) or err})") from None
 
     def _path(self, name: str) -> Path:
+        parts = name.split("/")
+        if not name or any(p in ("", ".", "..") or p.startswith(".") for p in parts) or parts[0] not in NAMESPACES:
+            raise StoreError(f"{name!r}: not an object name of this store")
         return self.root / name
 
     # --- reads -----------------------------------------------------------------------
@@ -186,8 +192,14 @@ def _marker_temp(name: str) -> bool:
     return name.startswith(f".{MARKER}.") and name.endswith(".tmp")
 
 
+#: A temp file younger than this is never swept: its writer may not have locked it yet.
+STALE_TEMP_SECONDS = 60
+
+
 def _remove_if_unlocked(path: str) -> int:
     try:
+        if time.time() - os.stat(path, follow_symlinks=False).st_mtime < STALE_TEMP_SECONDS:
+            return 0
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return 0

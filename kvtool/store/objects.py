@@ -69,7 +69,7 @@ def tensor_name(key: str) -> str:
 
 def entry_key(model: str, tokens: np.ndarray, roi: np.ndarray) -> str:
     """A lookup-buffer entry's key: the model, the token ids and the roi mask (§3)."""
-    data = b"kvtool-entry/1\0" + model.encode() + tokens_to_bytes(tokens) + roi.astype(np.uint8).tobytes()
+    data = b"kvtool-entry/1\0" + model.encode() + tokens_to_bytes(tokens) + roi.astype(bool).astype(np.uint8).tobytes()
     return hashlib.sha256(data).hexdigest()
 
 
@@ -161,8 +161,8 @@ def _check_chunk(reader: ContainerReader, name: str, model: str | None, chunk_si
         raise ObjectRefused(f"{name}: store.start must be a non-negative integer")
     if not (isinstance(parent, str) and _HEX64.match(parent) and isinstance(prefix, str) and _HEX64.match(prefix)):
         raise ObjectRefused(f"{name}: store.parent_hash and store.prefix_hash must be 64 hex digits")
-    if len(m.chunks) != 1 or m.num_tokens != m.chunk_size:
-        raise ObjectRefused(f"{name}: a chunk object holds exactly one whole chunk")
+    if len(m.chunks) != 1 or m.num_tokens != m.chunk_size or m.extras:
+        raise ObjectRefused(f"{name}: a chunk object holds exactly one whole chunk and no extras")
     if position % m.chunk_size or (position == 0) != (parent == ZERO_HASH.hex()):
         raise ObjectRefused(f"{name}: store.start {position} does not fit chunk size {m.chunk_size} "
                             f"and its parent hash")
@@ -197,7 +197,7 @@ def _extension(extensions: dict[str, Any], kind: str, name: str) -> dict[str, An
     ext = extensions.get("store")
     if not isinstance(ext, dict):
         raise ObjectRefused(f"{name}: not a store object (no 'store' key in its manifest)")
-    if ext.get("version") != STORE_VERSION:
+    if type(ext.get("version")) is not int or ext.get("version") != STORE_VERSION:  # not true, not 1.0
         raise ObjectRefused(f"{name}: store object version {ext.get('version')!r} is not {STORE_VERSION}")
     if ext.get("kind") != kind:
         raise ObjectRefused(f"{name}: a {ext.get('kind')!r} object where a {kind} was expected")
@@ -273,7 +273,9 @@ def encode_tensor(key: str, value: "torch.Tensor") -> bytes:
     plain = save({"value": tensor})
     (header_len,) = struct.unpack_from("<Q", plain, 0)
     crc = crc32(memoryview(plain)[8 + header_len:])
-    meta = {"kvtool.store": str(STORE_VERSION), "kind": "tensor", "key": key, "crc32c": f"{crc:08x}"}
+    # the CRC covers the data; the shape and dtype are repeated so a damaged header is caught too
+    meta = {"kvtool.store": str(STORE_VERSION), "kind": "tensor", "key": key, "crc32c": f"{crc:08x}",
+            "shape": json.dumps(list(tensor.shape)), "dtype": str(tensor.dtype).removeprefix("torch.")}
     return save({"value": tensor}, metadata=meta)
 
 
@@ -304,4 +306,7 @@ def check_tensor(data, name: str, key: str | None = None) -> "torch.Tensor":
         raise ObjectRefused(f"{name}: not a readable safetensors object ({type(err).__name__})") from None
     if set(tensors) != {"value"}:
         raise ObjectRefused(f"{name}: a tensor object holds exactly one tensor, 'value'")
-    return tensors["value"]
+    value = tensors["value"]
+    if meta.get("shape") != json.dumps(list(value.shape)) or meta.get("dtype") != str(value.dtype).removeprefix("torch."):
+        raise ObjectRefused(f"{name}: the tensor's header does not match its recorded shape and dtype")
+    return value

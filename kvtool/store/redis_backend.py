@@ -17,7 +17,7 @@ from ..errors import StoreError, StoreUnavailable, UsageError
 from .backend import Backend, ObjectInfo
 
 KEY_PREFIX = "kvtool:1:"
-#: How long a command keeps retrying a lost server before it reports it (seconds, about).
+#: How long a command keeps retrying a lost server before it reports it (seconds of backoff).
 RETRY_SECONDS = 5.0
 
 
@@ -31,11 +31,12 @@ class RedisBackend(Backend):
             raise UsageError("a redis:// store needs redis-py: pip install 'redis>=5'") from None
         self._errors = redis.exceptions
         self.url = url
-        # backoff 0.05, 0.1, 0.2, 0.4, 0.5, 0.5, ... s: about `retry_seconds` in all
-        retries = max(1, int(retry_seconds / 0.5) + 4)
+        # redis-py waits 0.1, 0.2, 0.4, then 0.5 s between tries: about `retry_seconds` of waiting
+        # for a refused connection, plus up to 1 s per try for a host that does not answer
+        retries = max(1, int((retry_seconds - 0.7) / 0.5) + 3)
         try:
             self.client = redis.Redis.from_url(
-                url, socket_connect_timeout=1.0, socket_timeout=10.0,
+                url, socket_connect_timeout=1.0, socket_timeout=5.0,
                 retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
                 retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError])
         except ValueError as err:

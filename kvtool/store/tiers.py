@@ -48,14 +48,16 @@ class TieredBackend(Backend):
 
     def put(self, name: str, data: bytes, *, replace: bool = False) -> bool:
         created = self.durable.put(name, data, replace=replace)
-        for tier in self.tiers[:-1]:
-            tier.put(name, data, replace=replace)
+        if created:  # else the durable tier holds another writer's object: never cache ours over it
+            for tier in self.tiers[:-1]:
+                tier.put(name, data, replace=replace)
         return created
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         created = self.durable.put_many(items)
+        kept = [item for item, c in zip(items, created) if c]
         for tier in self.tiers[:-1]:
-            tier.put_many(items)
+            tier.put_many(kept)
         return created
 
     def exists(self, name: str) -> bool:

@@ -1,0 +1,272 @@
+"""The chunk store's user-facing parts: vLLM's lookup/store buffer API over it (seed 003),
+`kvtool store put|get|ls|stats|gc|fsck|rm`, `capture --store` and `replay --store`.
+The backends' own contract and the stress runs are in test_store_contract.py / test_store_stress.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvtool.cli.app import run
+from kvtool.errors import UsageError
+from kvtool.format import ContainerReader
+from kvtool.store import open_store
+from kvtool.store.buffers import (KVLookupBufferBase, KVStoreBufferBase, StoreKeyValueBuffer,
+                                  StoreLookupBuffer)
+
+from fixtures import make_identity, write_kv_file
+
+
+@pytest.fixture(params=["local", "redis"])
+def store_url(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("redis_url")
+
+
+def call(capsys, *args):
+    capsys.readouterr()
+    code = run([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# --- the seed's API ------------------------------------------------------------------
+
+
+def test_the_seed_base_classes_are_abstract():
+    for cls in (KVLookupBufferBase, KVStoreBufferBase):
+        with pytest.raises(TypeError):
+            cls()
+    assert {"insert", "drop_select", "close"} <= set(KVLookupBufferBase.__abstractmethods__)
+    assert {"put", "get", "close"} <= set(KVStoreBufferBase.__abstractmethods__)
+
+
+def test_lookup_buffer_insert_then_drop_select(store_url):
+    identity = make_identity()
+    store = open_store(store_url)
+    buffer = StoreLookupBuffer(store, identity, chunk_size=4, owns_store=True)
+    tokens = torch.arange(10, 20)
+    roi = torch.ones(10, dtype=torch.bool)
+    g = torch.Generator().manual_seed(0)
+    key = torch.randn(2, 10, 2, 8, generator=g)  # [layers, tokens, kv heads, head dim], vLLM's stack
+    value = torch.randn(2, 10, 2, 8, generator=g)
+    hidden = torch.randn(10, identity.hidden_size, generator=g)
+    buffer.insert(tokens, roi, key, value, hidden)
+    # the whole chunks of the roi prefix also went into the prefix store: others reuse them
+    assert store.for_model(identity, 4).lookup(tokens.tolist() + [1, 2, 3]) == 8
+
+    assert buffer.drop_select(torch.arange(11, 21), roi) == [None] * 5  # other tokens: a miss
+    got = buffer.drop_select(tokens, roi)
+    assert torch.equal(got[0], tokens) and torch.equal(got[1], roi)
+    assert torch.equal(got[2], key) and torch.equal(got[3], value) and torch.equal(got[4], hidden)
+    assert buffer.drop_select(tokens, roi) == [None] * 5  # selected means removed
+    buffer.close()
+
+
+def test_lookup_buffer_drop_select_none_takes_any_entry_once(store_url):
+    identity = make_identity()
+    store = open_store(store_url)
+    buffer = StoreLookupBuffer(store, identity, chunk_size=4)
+    inserted = set()
+    for i in range(3):
+        tokens = torch.arange(i * 100, i * 100 + 6)
+        kv = torch.full((2, 6, 16), float(i))
+        buffer.insert(tokens, torch.ones(6, dtype=torch.bool), kv, kv, None)
+        inserted.add(tuple(tokens.tolist()))
+    taken = set()
+    for _ in range(3):
+        tokens, roi, key, value, hidden = buffer.drop_select(None, None)
+        assert hidden is None and key.shape == (2, 6, 16)
+        assert torch.all(key == key.flatten()[0])  # an entry's own KV, not a mix
+        taken.add(tuple(tokens.tolist()))
+    assert taken == inserted
+    assert buffer.drop_select(None, None) == [None] * 5
+    # another model's buffer over the same store sees none of them
+    buffer.insert(torch.arange(6), torch.ones(6, dtype=torch.bool), kv, kv, None)
+    other = StoreLookupBuffer(store, make_identity(num_layers=3), chunk_size=4)
+    assert other.drop_select(None, None) == [None] * 5
+    store.close()
+
+
+def test_lookup_buffer_a_partial_roi_stores_only_its_leading_whole_chunks(tmp_path):
+    identity = make_identity()
+    store = open_store(tmp_path / "s")
+    buffer = StoreLookupBuffer(store, identity, chunk_size=4)
+    tokens = torch.arange(12)
+    roi = torch.tensor([True] * 6 + [False] * 6)
+    kv = torch.randn(2, 12, 16)
+    buffer.insert(tokens, roi, kv, kv, None)
+    assert store.for_model(identity, 4).lookup(tokens) == 4  # tokens 4-7 are not all of interest
+    assert buffer.drop_select(tokens, torch.ones(12, dtype=torch.bool)) == [None] * 5  # roi is part of the key
+    got = buffer.drop_select(tokens, roi)
+    assert torch.equal(got[1], roi) and torch.equal(got[2], kv)
+
+
+def test_lookup_buffer_rejects_wrong_shapes(tmp_path):
+    buffer = StoreLookupBuffer(open_store(tmp_path / "s"), make_identity(), chunk_size=4)
+    tokens, roi = torch.arange(5), torch.ones(5, dtype=torch.bool)
+    with pytest.raises(UsageError, match="key must be"):
+        buffer.insert(tokens, roi, torch.zeros(2, 4, 16), torch.zeros(2, 5, 16), None)
+    with pytest.raises(UsageError, match="roi must be"):
+        buffer.insert(tokens, torch.ones(4, dtype=torch.bool), torch.zeros(2, 5, 16), torch.zeros(2, 5, 16), None)
+    with pytest.raises(UsageError, match="both"):
+        buffer.drop_select(tokens, None)
+
+
+def test_key_value_buffer_put_get_replace_delete(store_url):
+    store = open_store(store_url)
+    buffer = StoreKeyValueBuffer(store, owns_store=True)
+    assert buffer.get("layer0/key") is None
+    first = torch.randn(3, 4).to(torch.bfloat16)
+    buffer.put("layer0/key", first)
+    assert torch.equal(buffer.get("layer0/key"), first)
+    second = torch.arange(6, dtype=torch.int32)
+    buffer.put("layer0/key", second)  # put replaces
+    assert torch.equal(buffer.get("layer0/key"), second)
+    buffer.put("layer0/key", None)  # a None value deletes
+    assert buffer.get("layer0/key") is None
+    # a damaged tensor object is never returned
+    buffer.put("k", first)
+    from kvtool.store.objects import tensor_name
+
+    name = tensor_name("k")
+    data = bytearray(store.backend.get(name))
+    data[-1] ^= 0x40
+    store.backend.put(name, bytes(data), replace=True)
+    assert buffer.get("k") is None and store.counters.refused == 1
+    buffer.close()
+
+
+# --- the commands --------------------------------------------------------------------
+
+
+def test_store_put_ls_stats_rm_json(tmp_path, capsys, store_url):
+    identity = make_identity()
+    a = write_kv_file(tmp_path / "a.kvc", identity=identity, num_tokens=18, chunk_size=4, codec="zstd")
+    b = write_kv_file(tmp_path / "b.kvc", identity=identity, num_tokens=10, chunk_size=4,
+                      token_ids=a.token_ids[:8] + [7, 7], kv=a.kv[:, :, :10])
+    code, out, _ = call(capsys, "store", "put", a.path, b.path, "--store", store_url, "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["ok"] and [f["chunks"] for f in doc["files"]] == [4, 2]
+    assert [f["stored"] for f in doc["files"]] == [4, 0] and doc["files"][1]["present"] == 2  # shared prefix
+    code, out, _ = call(capsys, "store", "ls", "--store", store_url, "--json")
+    rows = json.loads(out)["objects"]
+    assert len(rows) == 4 and {r["kind"] for r in rows} == {"chunk"} and {r["chunk_size"] for r in rows} == {4}
+    code, out, _ = call(capsys, "store", "stats", "--store", store_url, "--json")
+    stats = json.loads(out)
+    assert stats["objects"] == 4 and stats["by_kind"] == {"chunk": 4} and len(stats["models"]) == 1
+    code, out, _ = call(capsys, "store", "stats", "--store", store_url)
+    assert code == 0 and "4 chunks" in out
+    code, out, _ = call(capsys, "store", "rm", rows[0]["name"], "--store", store_url, "--json")
+    assert code == 0 and json.loads(out)["removed"] == 1
+    code, out, _ = call(capsys, "store", "rm", "--all", "--store", store_url, "--json")
+    assert json.loads(out)["removed"] == 3
+
+
+def test_store_fsck_finds_and_removes_damage(tmp_path, capsys):
+    identity = make_identity()
+    f = write_kv_file(tmp_path / "a.kvc", identity=identity, num_tokens=16, chunk_size=4)
+    url = str(tmp_path / "store")
+    assert call(capsys, "store", "put", f.path, "--store", url)[0] == 0
+    store = open_store(url)
+    names = sorted(o.name for o in store.backend.scan())
+    path = tmp_path / "store" / names[1]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    (tmp_path / "store" / "chunks" / "stray.txt").write_text("not an object")
+    code, out, _ = call(capsys, "store", "fsck", "--store", url, "--no-repair", "--json")
+    report = json.loads(out)
+    assert code == 1 and not report["ok"] and report["checked"] == 5 and len(report["damaged"]) == 2
+    assert {d["name"] for d in report["damaged"]} == {names[1], "chunks/stray.txt"}
+    code, out, _ = call(capsys, "store", "fsck", "--store", url)
+    assert code == 0 and "2 damaged, removed 2" in out
+    assert not path.exists()
+    # the store still serves the intact chunks before the removed one, and nothing refused
+    cache = store.for_model(identity, 4)
+    hit = cache.get_prefix(f.token_ids)
+    assert hit.num_tokens == cache.lookup(f.token_ids) < 16 and not hit.refused
+    assert torch.equal(torch.cat(hit.chunks, dim=2), f.kv[:, :, :hit.num_tokens]) if hit.chunks else True
+
+
+def test_store_gc_caps_the_store(tmp_path, capsys):
+    identity = make_identity()
+    f = write_kv_file(tmp_path / "a.kvc", identity=identity, num_tokens=40, chunk_size=4)
+    url = str(tmp_path / "store")
+    call(capsys, "store", "put", f.path, "--store", url)
+    sizes = [o.size for o in open_store(url).backend.scan()]
+    code, out, _ = call(capsys, "store", "gc", "--store", url, "--max-bytes", str(sum(sizes) // 2), "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["removed"] >= len(sizes) // 2 and doc["remaining_bytes"] <= sum(sizes) // 2
+    code, _, err = call(capsys, "store", "gc", "--store", url, "--max-bytes", "lots")
+    assert code == 2 and "not a size" in err
+
+
+@pytest.mark.parametrize("url, message", [
+    ("ftp://host/x", "a store is a folder"),
+    ("redis://127.0.0.1:1/0", "cannot be reached"),
+])
+def test_store_errors_are_one_line(tmp_path, capsys, url, message):
+    code, out, err = call(capsys, "store", "stats", "--store", url)
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err + out
+
+
+def test_a_folder_with_other_files_is_not_a_store(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    code, _, err = call(capsys, "store", "put", write_kv_file(tmp_path / "a.kvc").path, "--store", tmp_path)
+    assert code == 2 and "not a kvtool store" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.kvc", "notes.txt"]  # nothing written there
+
+
+def test_store_put_refuses_a_forged_fingerprint(tmp_path, capsys):
+    from fixtures import rebuild
+
+    f = write_kv_file(tmp_path / "a.kvc", num_tokens=8, chunk_size=4)
+    forged = rebuild(f.path, lambda doc: doc["model"].__setitem__("rms_norm_eps", 0.5) or doc)
+    bad = tmp_path / "forged.kvc"
+    bad.write_bytes(forged)
+    code, _, err = call(capsys, "store", "put", bad, "--store", tmp_path / "s")
+    assert code != 0 and "fingerprint" in err
+
+
+# --- with the default model ----------------------------------------------------------
+
+
+@pytest.mark.model
+def test_capture_store_get_and_replay_store(tmp_path, capsys, default_model, store_url):
+    prompt = ("The chunk store keeps the KV cache of many prompts, one object per chunk, so that a prompt "
+              "which shares a prefix with one seen before loads those chunks instead of computing them. ") * 6
+    code, out, err = call(capsys, "capture", "--prompt", prompt, "--store", store_url, "--chunk-size", "32",
+                          "--codec", "zstd", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    whole = doc["num_tokens"] // 32
+    assert doc["output"] is None and doc["store"]["stored"] == whole and whole >= 3
+
+    longer = prompt + "What does the store do with damaged objects?"
+    out_file = tmp_path / "prefix.kvc"
+    code, out, err = call(capsys, "store", "get", "--store", store_url, "--prompt", longer, "--chunk-size", "32",
+                          "-o", out_file, "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["cached_tokens"] == whole * 32 and got["codecs"] == ["zstd"]
+    with ContainerReader(out_file) as reader:
+        assert reader.num_tokens == whole * 32 and len(reader.chunks) == whole
+    assert call(capsys, "verify", out_file)[0] == 0
+
+    code, out, err = call(capsys, "replay", "--store", store_url, "--chunk-size", "32", "--prompt", longer,
+                          "--compare", "--continue", "4", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["reused_tokens"] == whole * 32 and r["codecs"] == ["zstd"] and r["top1_agreement"] >= 0.75
+
+    code, _, err = call(capsys, "store", "get", "--store", store_url, "--prompt", "Nothing like it.", "-o",
+                        tmp_path / "none.kvc")
+    assert code == 1 and "no whole chunk" in err and not (tmp_path / "none.kvc").exists()
+    code, out, err = call(capsys, "replay", "--store", store_url, "--prompt", "Nothing like it.", "--continue", "2",
+                          "--json")
+    assert code == 0 and json.loads(out)["reused_tokens"] == 0
