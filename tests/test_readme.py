@@ -29,3 +29,22 @@ def test_readme_python_api_example_runs(tmp_path, default_model):
     assert lines[2].startswith("intact: True | bits/value: ")
     assert re.match(r"top-1 agreement (0\.\d\d|1\.00); continuation '", lines[3])
     assert (tmp_path / "notes.kvc").is_file() and (tmp_path / "copy.kvc").is_file()
+
+
+def store_example() -> str:
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## The chunk store"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.model
+def test_readme_store_example_runs(tmp_path, default_model):
+    out = subprocess.run([sys.executable, "-c", store_example()], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    m = re.fullmatch(r"cached: (\d+) of (\d+) tokens", lines[0])
+    assert m and int(m.group(1)) > 0 and int(m.group(1)) % 64 == 0
+    assert lines[1] == f"loaded {m.group(1)} tokens as (2, 30, {m.group(1)}, 192)"
+    assert lines[2] == "selected: torch.Size([30, 80, 3, 64])"
+    assert (tmp_path / "kvstore" / "kvtool-store.json").is_file()
