@@ -270,3 +270,46 @@ def test_capture_store_get_and_replay_store(tmp_path, capsys, default_model, sto
     code, out, err = call(capsys, "replay", "--store", store_url, "--prompt", "Nothing like it.", "--continue", "2",
                           "--json")
     assert code == 0 and json.loads(out)["reused_tokens"] == 0
+
+
+def test_redis_evicts_by_its_own_lru_policy(redis_server):
+    """A Redis capped with maxmemory and allkeys-lru keeps what was used last (its LRU clock ticks
+    once a second); what was evicted is a miss, and nothing returned is damaged."""
+    import time
+
+    from redis_server import RedisServer
+
+    identity = make_identity(num_layers=4, num_kv_heads=4, head_dim=64)
+    with RedisServer(maxmemory="4mb") as server:
+        store = open_store(server.url)
+        cache = store.for_model(identity, chunk_size=64)
+        sequences = []
+
+        def put(i):
+            tokens = [i * 1000 + t for t in range(64)]
+            kv = torch.randn(2, 4, 64, 256).to(torch.bfloat16)  # 128 KiB a chunk
+            cache.put_sequence(tokens, kv)
+            sequences.append((tokens, kv))
+
+        import redis
+
+        client = redis.Redis.from_url(server.url)
+        while len(sequences) < 100 and client.dbsize() == len(sequences):  # fill it: until one is evicted
+            put(len(sequences))
+        assert 3 <= client.dbsize() < len(sequences)
+        time.sleep(1.2)
+        hot = next(i for i, (t, _) in enumerate(sequences) if cache.lookup(t))
+        assert torch.equal(cache.get_prefix(sequences[hot][0]).kv(), sequences[hot][1])  # used: now the newest
+        time.sleep(1.2)
+        for _ in range(2):  # two more: two of the others go
+            put(len(sequences))
+        client.close()
+        kept = [cache.lookup(t) == 64 for t, _ in sequences]
+        assert kept[hot] and kept[-1] and kept[-2] and not all(kept), (hot, kept)
+        for (tokens, kv), present in zip(sequences, kept):
+            hit = cache.get_prefix(tokens)
+            assert hit.num_tokens == (64 if present else 0)
+            if present:
+                assert torch.equal(hit.kv(), kv)
+        assert store.counters.refused == 0
+        store.close()
