@@ -313,3 +313,29 @@ def test_redis_evicts_by_its_own_lru_policy(redis_server):
                 assert torch.equal(hit.kv(), kv)
         assert store.counters.refused == 0
         store.close()
+
+
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer", "vllm", "kv_tuple"])
+def test_get_prefix_writes_straight_into_paged_buffers(tmp_path, layout):
+    """get_prefix through the paged connector: each checked chunk lands in the engine's blocks
+    at the sequence's (shuffled) slots; reading them back gives the stored KV."""
+    from kvtool.connectors import PagedMemConnectorV2
+
+    from test_connectors import make_buffers
+
+    identity = make_identity()  # 2 layers, 2 kv heads, head_dim 8
+    cache = open_store(tmp_path / "s").for_model(identity, chunk_size=4)
+    tokens = list(range(100, 114))
+    kv = torch.randn(2, 2, 14, 16).to(torch.bfloat16)
+    cache.put_sequence(tokens, kv, codec="zstd")
+    block, blocks = 4, 6
+    gen = torch.Generator().manual_seed(0)
+    buffers = make_buffers(layout, 2, blocks, block, 2, 8, torch.bfloat16, gen, fill="zeros")
+    order = torch.randperm(blocks, generator=gen)
+    slots = torch.cat([order[i // block] * block + torch.arange(block) for i in range(0, 16, block)])[:14]
+    connector = PagedMemConnectorV2(16, 2, layout=layout)
+    hit = cache.get_prefix(tokens, connector=connector, kvcaches=buffers, slot_mapping=slots)
+    assert hit.num_tokens == 12 and hit.chunks == [] and hit.codecs == ["zstd"] * 3
+    back = connector.allocate(12, torch.bfloat16)
+    connector.from_gpu(back, 0, 12, kvcaches=buffers, slot_mapping=slots)
+    assert torch.equal(back.tensor, kv[:, :, :12])
