@@ -14,7 +14,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ObjectInfo:
     name: str
-    size: int
+    size: int  # bytes spent on it: the length (files, memory); Redis' MEMORY USAGE (a little more)
     last_used: float  # seconds since the epoch (the LRU clock); 0 where the backend cannot tell
 
 

@@ -86,9 +86,9 @@ class RedisBackend(Backend):
             for start in range(0, len(keys), 1000):
                 batch = keys[start:start + 1000]
                 pipe = self.client.pipeline(transaction=False)
-                for key in batch:  # the idle time first: STRLEN counts as a use and zeroes it
+                for key in batch:  # neither counts as a use (STRLEN would: it resets the LRU clock)
                     pipe.object("idletime", key)
-                    pipe.strlen(key)
+                    pipe.memory_usage(key)
                 replies = pipe.execute(raise_on_error=False)
                 for i, key in enumerate(batch):
                     idle, size = replies[2 * i], replies[2 * i + 1]
