@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import ObjectRefused, StoreUrlInvalid, UsageError
-from ..format.hashing import ZERO_HASH, chain_hash
+from ..format.hashing import ZERO_HASH
 from ..identity import ModelIdentity
 from ..notices import notice
 from . import objects
@@ -159,9 +160,10 @@ class ModelCache:
         """(start, parent hash, prefix hash) of each whole chunk of `token_ids` (up to `limit` tokens)."""
         tokens = _as_token_array(token_ids)
         n = len(tokens) if limit is None else min(len(tokens), limit)
-        chain, parent = [], ZERO_HASH
+        raw = tokens[:n].astype("<u4").tobytes()  # u32le once (checked above): each chunk is a slice
+        chain, parent, step = [], ZERO_HASH, 4 * self.chunk_size
         for start in range(0, n - self.chunk_size + 1, self.chunk_size):
-            h = chain_hash(parent, tokens[start:start + self.chunk_size])
+            h = hashlib.sha256(parent + raw[4 * start:4 * start + step]).digest()  # container.md §4
             chain.append((start, parent, h.hex()))
             parent = h
         return chain

@@ -95,13 +95,26 @@ class ChunkObject:
     prefix_hash: str
     tokens: np.ndarray
     payload_checked: bool = False  # its CRC-32C was checked on these bytes: decode need not again
+    owned: bool = False  # the bytes are a buffer no one else holds (a bytearray read for us)
 
     @property
     def codec(self) -> str:
         return self.reader.chunks[0].codec
 
     def decode(self, device: "torch.device | str | None" = None) -> "torch.Tensor":
-        """The chunk's KV_BLOB `[2, L, S, C]`; a failure to decode is an ObjectRefused."""
+        """The chunk's KV_BLOB `[2, L, S, C]`; a failure to decode is an ObjectRefused. A raw
+        chunk read into a buffer of our own (a bytearray: the local backend's) is a view of it,
+        not a copy; shared bytes (a memory tier's, Redis') are copied by the codec."""
+        chunk = self.reader.chunks[0]
+        if chunk.codec == "raw" and self.owned and (device is None or str(device) == "cpu"):
+            import torch
+
+            from ..dtypes import dtype_from_name
+
+            payload = self.reader.chunk_payload(0, verify=not self.payload_checked)
+            dtype = dtype_from_name(chunk.dtype)
+            if payload.nbytes == chunk.decoded_bytes:
+                return torch.frombuffer(payload, dtype=dtype).reshape(chunk.shape)
         try:
             return self.reader.read_chunk(0, device=device, verify=not self.payload_checked)
         except KvtoolError as err:
@@ -144,7 +157,9 @@ def check_chunk(data, name: str, *, model: str | None = None, chunk_size: int | 
     expected model key, chunk size, prefix hash and start when the caller knows them."""
     reader = open_object(data, name)
     try:
-        return _check_chunk(reader, name, model, chunk_size, prefix_hash, start, verify_payload)
+        obj = _check_chunk(reader, name, model, chunk_size, prefix_hash, start, verify_payload)
+        obj.owned = isinstance(data, bytearray)
+        return obj
     except KvtoolError as err:
         reader.close()
         if isinstance(err, ObjectRefused):

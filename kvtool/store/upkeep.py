@@ -107,6 +107,8 @@ def fsck(store: ChunkStore, *, repair: bool = True) -> FsckReport:
     for info in list(store.backend.scan()):
         checked += 1
         try:
+            if objects.parse_name(info.name) is None:  # a foreign file: never read as an object
+                raise ObjectRefused(f"{info.name}: not a store object's name")
             check_object(info.name, store.backend.get(info.name))
         except ObjectRefused as err:
             damaged.append({"name": info.name, "reason": str(err)})
