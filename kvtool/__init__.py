@@ -12,6 +12,8 @@ The Python API, loaded on first use (so `import kvtool` is cheap and imports no 
     kvtool.verify("notes.kvc")                                  # -> VerifyReport; VerificationFailed if not intact
     kvtool.inspect("notes.kvc").totals                          # -> FileSummary
     kvtool.replay("notes.kvc", model, continue_tokens=8).continuation   # -> ReplayResult
+    store = kvtool.open_store("kvstore")                        # a folder, or "redis://host:6379/0"
+    store.for_model(model.identity).lookup(ids)                 # tokens covered by stored chunks
 
 Every failure is a `kvtool.errors.KvtoolError` subclass.
 """
@@ -39,6 +41,8 @@ _EXPORTS = {
     "compress": ("kvtool.ops.compress", "compress"),
     "dump": ("kvtool.ops.dump", "dump"),
     "info": ("kvtool.ops.info", "info"),
+    # the chunk store (format-spec/store.md)
+    "open_store": ("kvtool.store", "open_store"),
     # errors
     "KvtoolError": ("kvtool.errors", "KvtoolError"),
 }
