@@ -504,7 +504,7 @@ def test_hostile_object_is_never_returned(store, variant, tmp_path, foreign_obje
     cache.put_sequence(tokens, kv)
     names = chunk_names(cache, tokens)
     ctx = HostileContext(tmp_path=tmp_path, tokens=tokens, kv=kv,
-                         good=[store.backend.get(n) for n in names], **foreign_objects)
+                         good=[bytes(store.backend.get(n)) for n in names], **foreign_objects)
     bad = HOSTILE[variant](ctx)
     assert bad != ctx.good[BAD_AT]
     assert store.backend.put(names[BAD_AT], bad, replace=True)

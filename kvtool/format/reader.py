@@ -54,8 +54,12 @@ class BytesSource:
     """A ByteSource over bytes already in memory (a download, a fuzzer's input)."""
 
     def __init__(self, data: bytes, name: str = "<bytes>"):
-        # bytes and bytearrays are kept as they are (a store object is read without a copy)
-        self.data = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+        # bytes, bytearrays and byte memoryviews are kept as they are (a store object is read
+        # without a copy); other buffers are copied
+        if isinstance(data, memoryview) and data.format == "B" and data.ndim == 1:
+            self.data = data
+        else:
+            self.data = data if isinstance(data, (bytes, bytearray)) else bytes(data)
         self.name, self.size = name, len(self.data)
 
     def read(self, offset: int, length: int) -> memoryview:

@@ -26,8 +26,10 @@ class Backend(ABC):
     url: str
 
     @abstractmethod
-    def get(self, name: str) -> bytes | None:
-        """The object's bytes, or None when it is not stored. Counts as a use (LRU)."""
+    def get(self, name: str) -> bytes | memoryview | None:
+        """The object's bytes, or None when it is not stored. Counts as a use (LRU). A backend
+        that reads into a fresh buffer returns it as a writable memoryview the caller owns (a
+        raw chunk then decodes without a copy); `bytes(...)` of it when bytes are needed."""
 
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         """`get` of each name; backends with a network batch them into one round trip."""

@@ -95,7 +95,7 @@ class ChunkObject:
     prefix_hash: str
     tokens: np.ndarray
     payload_checked: bool = False  # its CRC-32C was checked on these bytes: decode need not again
-    owned: bool = False  # the bytes are a buffer no one else holds (a bytearray read for us)
+    owned: bool = False  # the bytes are a writable buffer no one else holds (read for us)
 
     @property
     def codec(self) -> str:
@@ -103,7 +103,7 @@ class ChunkObject:
 
     def decode(self, device: "torch.device | str | None" = None) -> "torch.Tensor":
         """The chunk's KV_BLOB `[2, L, S, C]`; a failure to decode is an ObjectRefused. A raw
-        chunk read into a buffer of our own (a bytearray: the local backend's) is a view of it,
+        chunk read into a writable buffer of our own (the local backend's) is a view of it,
         not a copy; shared bytes (a memory tier's, Redis') are copied by the codec."""
         chunk = self.reader.chunks[0]
         if chunk.codec == "raw" and self.owned and (device is None or str(device) == "cpu"):
@@ -158,7 +158,7 @@ def check_chunk(data, name: str, *, model: str | None = None, chunk_size: int | 
     reader = open_object(data, name)
     try:
         obj = _check_chunk(reader, name, model, chunk_size, prefix_hash, start, verify_payload)
-        obj.owned = isinstance(data, bytearray)
+        obj.owned = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
         return obj
     except KvtoolError as err:
         reader.close()
