@@ -249,7 +249,7 @@ def test_capture_store_get_and_replay_store(tmp_path, capsys, default_model, sto
 
     longer = prompt + "What does the store do with damaged objects?"
     out_file = tmp_path / "prefix.kvc"
-    code, out, err = call(capsys, "store", "get", "--store", store_url, "--prompt", longer, "--chunk-size", "32",
+    code, out, err = call(capsys, "store", "get", "--store", store_url, "--prompt", longer,
                           "-o", out_file, "--json")
     assert code == 0, err
     got = json.loads(out)
@@ -258,7 +258,7 @@ def test_capture_store_get_and_replay_store(tmp_path, capsys, default_model, sto
         assert reader.num_tokens == whole * 32 and len(reader.chunks) == whole
     assert call(capsys, "verify", out_file)[0] == 0
 
-    code, out, err = call(capsys, "replay", "--store", store_url, "--chunk-size", "32", "--prompt", longer,
+    code, out, err = call(capsys, "replay", "--store", store_url, "--prompt", longer,
                           "--compare", "--continue", "4", "--json")
     assert code == 0, err
     r = json.loads(out)
@@ -339,3 +339,19 @@ def test_get_prefix_writes_straight_into_paged_buffers(tmp_path, layout):
     back = connector.allocate(12, torch.bfloat16)
     connector.from_gpu(back, 0, 12, kvcaches=buffers, slot_mapping=slots)
     assert torch.equal(back.tensor, kv[:, :, :12])
+
+
+def test_the_stored_chunk_size_is_found(store_url):
+    """Without a chunk size, the store's reads use the stored size that covers the most."""
+    identity = make_identity()
+    store = open_store(store_url)
+    tokens = list(range(300, 340))
+    store.for_model(identity, 8).put_sequence(tokens[:16], torch.zeros(2, 2, 16, 16))
+    store.for_model(identity, 12).put_sequence(tokens, torch.zeros(2, 2, 40, 16))
+    assert store.chunk_sizes(identity) == [8, 12]
+    assert store.best_cache(identity, tokens).chunk_size == 12  # 36 tokens at 12 beat 16 at 8
+    assert store.best_cache(identity, tokens[:17]).chunk_size == 8  # 16 at 8 beat 12 at 12
+    assert store.best_cache(identity, tokens, chunk_size=8).chunk_size == 8
+    assert store.chunk_sizes(make_identity(num_layers=3)) == []
+    assert store.best_cache(make_identity(num_layers=3), tokens).chunk_size == 256
+    store.close()

@@ -31,10 +31,11 @@ MaxKlOpt = Annotated[Optional[float], typer.Option(
 
 PathArg = Annotated[Optional[str], typer.Argument(
     metavar="[FILE]", help="A kvtool file (.kvc); or --store URL with --prompt/--prompt-file.", show_default=False)]
-ChunkSizeOpt = Annotated[int, typer.Option("--chunk-size", metavar="N", help="With --store: the stored chunks' size.")]
+ChunkSizeOpt = Annotated[Optional[int], typer.Option(
+    "--chunk-size", metavar="N", help="With --store: the stored chunks' size (default: the one that covers the most).")]
 
 
-def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: ChunkSizeOpt = 256,
+def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: ChunkSizeOpt = None,
             model: ModelOpt = None, continue_tokens: ContinueOpt = 32,
             suffix: SuffixOpt = None, suffix_file: SuffixFileOpt = None, prompt: PromptOpt = None,
             prompt_file: PromptFileOpt = None, compare: CompareOpt = False, min_top1: MinTop1Opt = None,

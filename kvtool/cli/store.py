@@ -22,7 +22,8 @@ PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", he
 PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", metavar="FILE", help="File with the prompt (UTF-8).")]
 TokensOpt = Annotated[Optional[Path], typer.Option(
     "--tokens", metavar="FILE", help="File of token ids (JSON list or whitespace-separated).")]
-ChunkSizeOpt = Annotated[int, typer.Option("--chunk-size", metavar="N", help="Tokens per chunk of the stored KV.")]
+ChunkSizeOpt = Annotated[Optional[int], typer.Option(
+    "--chunk-size", metavar="N", help="Tokens per chunk of the stored KV (default: the stored size that covers the most).")]
 ChatOpt = Annotated[bool, typer.Option("--chat", help="The prompt is a user message: apply the chat template.")]
 MaxBytesOpt = Annotated[str, typer.Option("--max-bytes", metavar="SIZE", help="Keep at most this much, e.g. 10G.",
                                           show_default=False)]
@@ -38,7 +39,7 @@ def put_command(files: FilesArg, store: StoreOpt, json: JsonOpt = False) -> None
 
 @app.command("get")
 def get_command(store: StoreOpt, output: OutputPath, prompt: PromptOpt = None, prompt_file: PromptFileOpt = None,
-                tokens: TokensOpt = None, model: ModelOpt = None, chunk_size: ChunkSizeOpt = 256,
+                tokens: TokensOpt = None, model: ModelOpt = None, chunk_size: ChunkSizeOpt = None,
                 chat: ChatOpt = False, json: JsonOpt = False) -> None:
     """Write the longest cached prefix of a prompt as a kvtool file (exit 1 when nothing is cached)."""
     from ..ops import store as ops

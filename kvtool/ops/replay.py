@@ -189,7 +189,7 @@ def replay(path: str | Path | None, model: str | Path | LoadedModel | None = Non
            prompt_file: Path | None = None, compare: bool = False, min_top1: float | None = None,
            max_kl: float | None = None, device: str = "auto", model_dtype: str = "fp32",
            use_hidden_states: bool = True, chat: bool = False, allow_other_weights: bool = False,
-           store: str | None = None, chunk_size: int = 256,
+           store: str | None = None, chunk_size: int | None = None,
            on_stage: Callable[[str], None] | None = None) -> ReplayResult:
     """Load a KV file into a fresh paged buffer and continue from it (`kvtool replay`).
 
@@ -199,7 +199,8 @@ def replay(path: str | Path | None, model: str | Path | LoadedModel | None = Non
     it is doing (a progress display).
 
     With `store` (a URL) instead of `path`, the longest cached prefix of the prompt comes from
-    the chunk store (format-spec/store.md) at `chunk_size`, and the rest is computed."""
+    the chunk store (format-spec/store.md) at `chunk_size` (None: the stored size that covers
+    the most), and the rest is computed."""
     stage = on_stage or (lambda _text: None)
     if (path is None) == (store is None):
         raise UsageError("give a KV file or --store URL, not both" if path is not None else "give a KV file or --store URL")
@@ -251,7 +252,7 @@ def _check_thresholds(result: ReplayResult, min_top1: float | None, max_kl: floa
 
 
 def replay_from_store(store: str, model, *, weights, where, prompt: str | None, prompt_file: Path | None,
-                      chat: bool, chunk_size: int, continue_tokens: int, compare: bool,
+                      chat: bool, chunk_size: int | None, continue_tokens: int, compare: bool,
                       on_stage: Callable[[str], None], allow_other_weights: bool) -> ReplayResult:
     """`replay --store URL --prompt-file F`: the prompt's longest cached prefix from the store
     (checked object by object), gathered as an in-memory container, then `replay_plan`."""
@@ -276,7 +277,7 @@ def replay_from_store(store: str, model, *, weights, where, prompt: str | None, 
         if writer is None:
             plan = ReusePlan(tokens=tokens, reused=0, chunks=0)
             return replay_plan(None, loaded, plan, continue_tokens=continue_tokens, compare=compare,
-                               on_stage=on_stage, source=chunk_store.url, chunk_size=chunk_size)
+                               on_stage=on_stage, source=chunk_store.url, chunk_size=chunk_size or 256)
         with ContainerReader(BytesSource(writer.getvalue(), chunk_store.url)) as reader:
             plan = plan_reuse(reader, new_tokens=tokens)
             result = replay_plan(reader, loaded, plan, continue_tokens=continue_tokens, compare=compare,

@@ -98,9 +98,9 @@ class StoreGetResult(Result):
 
 def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_file: Path | None = None,
         tokens_file: Path | None = None, model: str | Path | None = None, chat: bool = False,
-        chunk_size: int = 256) -> StoreGetResult:
+        chunk_size: int | None = None) -> StoreGetResult:
     """`kvtool store get --prompt-file F --store URL -o OUT`: the longest cached prefix of the
-    prompt, as a container."""
+    prompt, as a container (at `chunk_size`, or the stored chunk size that covers the most)."""
     from ..engine import load_model
     from .capture import read_tokens
 
@@ -111,8 +111,10 @@ def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_fil
         n, codecs_used, _writer = prefix_container(s, loaded.identity, ids, chunk_size, output, refused)
         if n == 0:
             why = f" ({refused[0]})" if refused else ""
+            sizes = [chunk_size] if chunk_size is not None else s.chunk_sizes(loaded.identity)
+            at = f"at chunk size {', '.join(map(str, sizes))}" if sizes else "at any chunk size"
             raise NotCached(f"{s.url}: no whole chunk of this prompt's {len(ids)} tokens is stored "
-                            f"for {loaded.name} at chunk size {chunk_size}{why}")
+                            f"for {loaded.name} {at}{why}")
         return StoreGetResult(store=s.url, output=str(output), model=loaded.name, prompt_tokens=len(ids),
                               cached_tokens=n, chunks=len(codecs_used), codecs=sorted(set(codecs_used)),
                               file_bytes=os.path.getsize(output), refused=refused)

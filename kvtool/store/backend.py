@@ -58,6 +58,11 @@ class Backend(ABC):
     def scan(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every stored object whose name starts with `prefix`, in no particular order."""
 
+    def children(self, prefix: str) -> set[str]:
+        """The next name parts under `prefix` (which ends with "/"): e.g. the chunk sizes stored
+        for a model under "chunks/<model key>/". From `scan` here; a folder lists one directory."""
+        return {info.name[len(prefix):].split("/", 1)[0] for info in self.scan(prefix)}
+
     def evict(self, max_bytes: int) -> list[ObjectInfo]:
         """Remove least recently used objects until at most `max_bytes` are stored; the removed."""
         objects = sorted(self.scan(), key=lambda o: o.last_used)

@@ -117,6 +117,20 @@ class ChunkStore:
     def for_model(self, model: ModelIdentity | dict[str, Any], chunk_size: int = 256) -> "ModelCache":
         return ModelCache(self, model, chunk_size)
 
+    def chunk_sizes(self, model: ModelIdentity | dict[str, Any]) -> list[int]:
+        """The chunk sizes this store holds chunks of `model` at."""
+        key = ModelCache(self, model, 1).key
+        return sorted(int(c) for c in self.backend.children(f"chunks/{key}/") if c.isdigit())
+
+    def best_cache(self, model: ModelIdentity | dict[str, Any], token_ids,
+                   chunk_size: int | None = None) -> "ModelCache":
+        """The model's cache at `chunk_size`, or (None) at the stored chunk size that covers the
+        most of `token_ids` (256 when nothing is stored)."""
+        if chunk_size is not None:
+            return self.for_model(model, chunk_size)
+        caches = [self.for_model(model, s) for s in self.chunk_sizes(model)] or [self.for_model(model, 256)]
+        return max(caches, key=lambda c: (c.lookup(token_ids), -c.chunk_size))
+
     def refuse(self, name: str, err: ObjectRefused) -> None:
         """A stored object failed a check: a miss, reported once; `fsck` removes it."""
         self.counters.refused += 1

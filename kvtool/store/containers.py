@@ -25,12 +25,14 @@ def ingest(reader: ContainerReader, store: ChunkStore) -> PutResult:
     return cache.put_encoded(reader.token_ids(), payloads, m.kv_dtype)
 
 
-def prefix_container(store: ChunkStore, identity, token_ids: list[int], chunk_size: int,
+def prefix_container(store: ChunkStore, identity, token_ids: list[int], chunk_size: int | None,
                      output: str | Path | None, refused: list[str] | None = None) -> tuple[int, list[str], Any]:
     """Write the longest cached prefix of `token_ids` as a container (in memory when `output`
-    is None): (cached tokens, codecs, the writer). Payloads are copied as stored; chunks of
+    is None): (cached tokens, codecs, the writer). `chunk_size` None: the stored chunk size that
+    covers the most of the tokens. Payloads are copied as stored; chunks of
     another KV dtype than the first are decoded and written raw in the first's dtype."""
-    cache = store.for_model(identity, chunk_size)
+    cache = store.best_cache(identity, token_ids, chunk_size)
+    chunk_size = cache.chunk_size
     found = list(cache.checked_objects(token_ids, refused=refused))
     if not found:
         return 0, [], None

@@ -115,6 +115,14 @@ class LocalBackend(Backend):
     def exists(self, name: str) -> bool:
         return os.path.isfile(self._path(name))
 
+    def children(self, prefix: str) -> set[str]:
+        if not _SCANNED.fullmatch(prefix.rstrip("/")):
+            return set()
+        try:
+            return {e.name for e in os.scandir(f"{self._root}/{prefix}") if not e.name.startswith(".")}
+        except OSError:
+            return set()
+
     def scan(self, prefix: str = "") -> Iterator[ObjectInfo]:
         for namespace in NAMESPACES:
             if prefix and not (namespace.startswith(prefix) or prefix.startswith(namespace)):

@@ -79,6 +79,9 @@ class TieredBackend(Backend):
     def scan(self, prefix: str = "") -> Iterator[ObjectInfo]:
         return self.durable.scan(prefix)
 
+    def children(self, prefix: str) -> set[str]:
+        return self.durable.children(prefix)
+
     def evict(self, max_bytes: int) -> list[ObjectInfo]:
         """The durable tier's least recently used objects go, from every tier. A use is its
         latest in any tier: a get served by the memory tier never reaches the durable one."""
