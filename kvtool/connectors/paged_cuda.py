@@ -147,6 +147,10 @@ def scatter(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: PagedLayou
 
 def _copy(direction: int, kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor,
           blob: torch.Tensor) -> bool:
+    if layout not in LAYOUT_CODES:  # a layout the kernel does not know (vllm_cpu): the torch path
+        if blob.device.type != "cuda":
+            raise ConnectorError(f"layout {layout.value!r} has no CUDA kernel: its blob must be on the buffers' device")
+        return False
     if slots.shape[0] == 0:
         return True
     prep = _prepare(kv_caches, layout, slots, blob)

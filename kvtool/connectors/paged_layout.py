@@ -14,6 +14,9 @@ layout         per-layer buffer                            used by
 "vllm"         one tensor ``[NB, H, BS, 2*D]``             vLLM 0.32 (K = first D
                                                            channels, V = last D)
 "kv_tuple"     tuple ``(K, V)``, each ``[NB, BS, H, D]``   vLLM V1-style
+"vllm_cpu"     one tensor ``[NB, H, BS, 2*D]``, each       vLLM 0.32's CPU backend
+               (block, head) page holding K transposed     (docs/vllm-cpu-0.32-notes.md)
+               ``[D, BS]``, then V ``[BS, D]``
 =============  ==========================================  =========================
 
 Token `t` lives in slot `slot_mapping[t]`; ``slot = block * BS + offset``.
@@ -21,8 +24,11 @@ Token `t` lives in slot `slot_mapping[t]`; ``slot = block * BS + offset``.
 Index arithmetic (mirror these two functions in the C header): a slot gives
 `(block, offset)`; then the D channels of head `h` of K (kv=0) or V (kv=1)
 start at element `run_offset(...)` of the tensor that holds them and follow at
-the tensor's last-dim stride. Strides are in elements, so the same formula
-serves contiguous and permuted buffers.
+`channel_stride(...)`: the tensor's last-dim stride, except for K in "vllm_cpu"
+(transposed: one channel every BS elements; its pages must be contiguous).
+Strides are in elements, so the same formula serves contiguous and permuted
+buffers. The CUDA kernel knows the first four layouts; "vllm_cpu" runs the
+torch path (its buffers are host memory).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class PagedLayout(str, enum.Enum):
     FLASHINFER = "flashinfer"
     VLLM = "vllm"
     KV_TUPLE = "kv_tuple"
+    VLLM_CPU = "vllm_cpu"
 
     @classmethod
     def parse(cls, value: "PagedLayout | str") -> "PagedLayout":
@@ -80,7 +87,19 @@ def run_offset(layout: PagedLayout, kv, block, offset, head, strides: Sequence[i
         return block * s[0] + head * s[1] + offset * s[2] + kv * head_dim * s[3]
     if layout is PagedLayout.KV_TUPLE:  # K or V: [NB, BS, H, D]
         return block * s[0] + offset * s[1] + head * s[2]
+    if layout is PagedLayout.VLLM_CPU:  # [NB, H, BS, 2*D]; a page: K^T [D, BS], then V [BS, D]
+        block_size = s[1] // (2 * head_dim * s[3])
+        if kv == 0:
+            return block * s[0] + head * s[1] + offset * s[3]
+        return block * s[0] + head * s[1] + (block_size * head_dim + offset * head_dim) * s[3]
     raise ConnectorError(f"unknown paged layout {layout!r}")
+
+
+def channel_stride(layout: PagedLayout, kv: int, strides: Sequence[int], block_size: int) -> int:
+    """Elements between consecutive channels of one head's K (kv=0) or V (kv=1)."""
+    if layout is PagedLayout.VLLM_CPU and kv == 0:
+        return block_size * strides[3]
+    return strides[-1]
 
 
 # Which dim of the per-layer tensor (or of K/V for kv_tuple) indexes heads.
@@ -89,6 +108,7 @@ HEAD_DIM_INDEX = {
     PagedLayout.FLASHINFER: 3,
     PagedLayout.VLLM: 1,
     PagedLayout.KV_TUPLE: 2,
+    PagedLayout.VLLM_CPU: 1,
 }
 
 
@@ -136,10 +156,13 @@ def paged_geometry(layer: LayerKV, layout: PagedLayout) -> PagedGeometry:
     elif layout is PagedLayout.FLASHINFER:
         ok = len(shape) == 5 and shape[1] == 2
         nb, _, bs, h, d = shape if ok else (0,) * 5
-    elif layout is PagedLayout.VLLM:
+    elif layout in (PagedLayout.VLLM, PagedLayout.VLLM_CPU):
         ok = len(shape) == 4 and shape[3] % 2 == 0
         nb, h, bs, d2 = shape if ok else (0,) * 4
         d = d2 // 2
+        st = t.stride()
+        if ok and layout is PagedLayout.VLLM_CPU and not (st[3] == 1 and st[2] == d2 and st[1] == bs * d2):
+            raise ConnectorError("layout 'vllm_cpu' needs each (block, head) page contiguous, as vLLM allocates it")
     else:
         ok = len(shape) == 4
         nb, bs, h, d = shape if ok else (0,) * 4
@@ -148,6 +171,7 @@ def paged_geometry(layer: LayerKV, layout: PagedLayout) -> PagedGeometry:
         PagedLayout.FLASHINFER: "[num_blocks, 2, block_size, H, D]",
         PagedLayout.VLLM: "[num_blocks, H, block_size, 2*D]",
         PagedLayout.KV_TUPLE: "(K, V), each [num_blocks, block_size, H, D]",
+        PagedLayout.VLLM_CPU: "[num_blocks, H, block_size, 2*D]",
     }[layout]
     if not ok or min(nb, bs, h, d) < 1:
         raise ConnectorError(f"layout {layout.value!r} expects {want} per layer, got shape {shape}")

@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 
-from .paged_layout import (HEAD_DIM_INDEX, LayerKV, PagedGeometry, PagedLayout, layer_tensors, paged_geometry,
-                           run_offset, slot_to_block_offset)
+from .paged_layout import (HEAD_DIM_INDEX, LayerKV, PagedGeometry, PagedLayout, channel_stride, layer_tensors,
+                           paged_geometry, run_offset, slot_to_block_offset)
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,12 @@ def _plan(t: torch.Tensor, layout: PagedLayout, kv: int, block, offset, geo: Pag
     (element-wise; strided channels)."""
     H, D = geo.num_kv_heads, geo.head_dim
     strides = t.stride()
+    if layout is PagedLayout.VLLM_CPU:  # K is transposed in its page: element by element
+        heads = torch.arange(H, device=block.device)
+        start = run_offset(layout, kv, block[:, None], offset[:, None], heads[None, :], strides, D)  # [T, H]
+        chan = torch.arange(D, device=block.device) * channel_stride(layout, kv, strides, geo.block_size)
+        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, strides))
+        return _Plan((start[..., None] + chan).reshape(-1), 1, span)
     s_last = strides[-1]
     s_head = strides[HEAD_DIM_INDEX[layout]]
     heads_adjacent = layout is not PagedLayout.VLLM and (H == 1 or s_head == D)
