@@ -126,7 +126,7 @@ def bench_paged(args, results):
         t_d2h = cuda_time(lambda: host.copy_(dblob, non_blocking=True), reps=10)
         t_h2d = cuda_time(lambda: dblob.copy_(host, non_blocking=True), reps=10)
         del src, dst
-        for layout in PagedLayout:
+        for layout in paged.LAYOUT_CODES:  # the kernel's layouts (vllm_cpu is a host layout)
             caches = make_caches(layout, L, NB, BS, H, D, dt, dev)
             slots = torch.randperm(NB * BS, device=dev)[:T]
             blob = torch.empty(2, L, T, H * D, dtype=dt, device=dev)
