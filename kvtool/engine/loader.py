@@ -142,6 +142,16 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
                        dtype=dtype)
 
 
+def model_identity(path: str | Path) -> ModelIdentity:
+    """A model folder's identity (fingerprint and weights digest) without loading its weights:
+    what an engine serving that folder records, e.g. the vLLM connector."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ModelError(f"model folder not found: {path}")
+    config = config_from_hf(_read_json(path / "config.json"), path)
+    return identity_from_config(config, path.resolve().name, weights_digest(path, weights_files(path)))
+
+
 # "org/name": a Hugging Face Hub id (a local folder of that name wins).
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 

@@ -290,13 +290,17 @@ class ModelCache:
     # --- writes ----------------------------------------------------------------------
 
     def put_sequence(self, token_ids, kv: "torch.Tensor", codec: str = "raw",
-                     params: dict[str, Any] | None = None) -> PutResult:
+                     params: dict[str, Any] | None = None, *, start: int = 0) -> PutResult:
         """Store the whole chunks of a sequence's KV_BLOB `kv` `[2, L, T, C]` (T >= the tokens
         given; a last partial chunk is not stored: only the same tokens to the end could reuse
-        it). Chunks already stored, by any codec, are not encoded again."""
+        it). Chunks already stored, by any codec, are not encoded again. With `start` (a
+        multiple of the chunk size), `kv` holds tokens `[start, ...)` and only the chunks from
+        there are stored (an engine saving what a step completed)."""
         from ..dtypes import dtype_name
 
-        chain = self._chain(token_ids)
+        if start % self.chunk_size:
+            raise UsageError(f"start {start} is not a multiple of the chunk size {self.chunk_size}")
+        chain = [link for link in self._chain(token_ids) if link[0] >= start]
         tokens = _as_token_array(token_ids)
         if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[2] < len(chain) * self.chunk_size:
             raise UsageError(f"kv must be a KV_BLOB [2, L, T, C] covering the tokens, got {list(kv.shape)}")
@@ -304,14 +308,14 @@ class ModelCache:
         present = self.backend.exists_many([self.name(h) for _, _, h in chain])
         result = PutResult(chunks=len(chain), stored=0, present=0, stored_bytes=0)
         items: list[tuple[str, bytes]] = []
-        for (start, parent, prefix), stored in zip(chain, present):
+        for (first, parent, prefix), stored in zip(chain, present):
             if stored:
                 result.present += 1
                 self.store.counters.deduplicated += 1
                 continue
-            end = start + self.chunk_size
-            data = objects.encode_chunk(self.model, kv_dtype, parent, start, tokens[start:end],
-                                        kv=kv[:, :, start:end], codec=codec, params=params)
+            end = first + self.chunk_size
+            data = objects.encode_chunk(self.model, kv_dtype, parent, first, tokens[first:end],
+                                        kv=kv[:, :, first - start:end - start], codec=codec, params=params)
             items.append((self.name(prefix), data))
             if len(items) >= FETCH_BATCH:
                 self._put(items, result)
