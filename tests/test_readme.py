@@ -12,18 +12,23 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def python_api_example() -> str:
+def python_example(heading: str) -> str:
+    """The first Python block after a README heading."""
     text = (REPO / "README.md").read_text()
-    section = text[text.index("## Python API"):]
+    section = text[text.index(heading):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def run_example(heading: str, cwd: Path) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", python_example(heading)], cwd=cwd, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
 
 
 @pytest.mark.model
 def test_readme_python_api_example_runs(tmp_path, default_model):
-    out = subprocess.run([sys.executable, "-c", python_api_example()], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    lines = run_example("## Python API", tmp_path)
     assert re.fullmatch(r"\d+ chunks, \d+ bytes", lines[0])
     assert re.fullmatch(r"\d+ tokens; chunk 0: \(2, 30, 64, 192\) torch.bfloat16", lines[1])
     assert lines[2].startswith("intact: True | bits/value: ")
@@ -31,18 +36,9 @@ def test_readme_python_api_example_runs(tmp_path, default_model):
     assert (tmp_path / "notes.kvc").is_file() and (tmp_path / "copy.kvc").is_file()
 
 
-def store_example() -> str:
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## The chunk store"):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
 @pytest.mark.model
 def test_readme_store_example_runs(tmp_path, default_model):
-    out = subprocess.run([sys.executable, "-c", store_example()], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    lines = run_example("## The chunk store", tmp_path)
     m = re.fullmatch(r"cached: (\d+) of (\d+) tokens", lines[0])
     assert m and int(m.group(1)) > 0 and int(m.group(1)) % 64 == 0
     assert lines[1] == f"loaded {m.group(1)} tokens as (2, 30, {m.group(1)}, 192)"

@@ -355,3 +355,17 @@ def test_the_stored_chunk_size_is_found(store_url):
     assert store.chunk_sizes(make_identity(num_layers=3)) == []
     assert store.best_cache(make_identity(num_layers=3), tokens).chunk_size == 256
     store.close()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["store", "ls", "--limit", "0"], "--limit must be at least 1"),
+    (["store", "ls", "--kind", "blob"], "is not one of chunk"),
+    (["store", "rm"], "give object names"),
+    (["store", "gc", "--max-bytes", "-1G"], "not a size"),
+])
+def test_store_bad_arguments_are_one_line(tmp_path, capsys, args, message):
+    url = str(tmp_path / "store")
+    open_store(url).close()
+    code, out, err = call(capsys, *args, "--store", url)
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in out + err
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["kvtool-store.json"]  # nothing written

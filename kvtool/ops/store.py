@@ -133,6 +133,8 @@ def ls(store: str, *, kind: str | None = None, model: str | None = None, limit: 
     """`kvtool store ls`: the stored objects, most recently used first."""
     if kind not in (None, "chunk", "entry", "tensor", "foreign"):
         raise UsageError(f"--kind: {kind!r} is not one of chunk, entry, tensor, foreign")
+    if limit is not None and limit < 1:
+        raise UsageError(f"--limit must be at least 1, got {limit}")
     with connect(store, create=False) as s:
         rows = [upkeep.describe(o) for o in s.backend.scan()]
         rows = [r for r in rows if (kind is None or r["kind"] == kind)

@@ -65,7 +65,10 @@ class Backend(ABC):
 
     def evict(self, max_bytes: int) -> list[ObjectInfo]:
         """Remove least recently used objects until at most `max_bytes` are stored; the removed."""
-        objects = sorted(self.scan(), key=lambda o: o.last_used)
+        return self.evict_in_order(sorted(self.scan(), key=lambda o: o.last_used), max_bytes)
+
+    def evict_in_order(self, objects: list[ObjectInfo], max_bytes: int) -> list[ObjectInfo]:
+        """Delete `objects` (oldest first) until the rest weigh at most `max_bytes`; the removed."""
         total = sum(o.size for o in objects)
         removed = []
         for info in objects:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..dtypes import dtype_name
 from ..errors import ObjectRefused, UsageError
 from ..identity import ModelIdentity
 from . import objects
@@ -96,7 +97,7 @@ class StoreLookupBuffer(KVLookupBufferBase):
         blob = torch.stack(kv)  # [2, L, N, C]
         if blob.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             blob = blob.float()
-        data = objects.encode_entry(model, _dtype_name(blob.dtype), tokens, mask, blob,
+        data = objects.encode_entry(model, dtype_name(blob.dtype), tokens, mask, blob,
                                     None if hidden is None else hidden.detach(),
                                     self.cache.chunk_size, key_shape=list(key.shape))
         self.store.backend.put(self._name(tokens, mask), data, replace=True)
@@ -198,8 +199,3 @@ def _as_mask(roi, n: int) -> np.ndarray:
         raise UsageError(f"roi must be a mask of the {n} input tokens, got shape {list(mask.shape)}")
     return mask.astype(bool)
 
-
-def _dtype_name(dtype) -> str:
-    from ..dtypes import dtype_name
-
-    return dtype_name(dtype)

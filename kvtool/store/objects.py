@@ -13,6 +13,7 @@ import hashlib
 import json
 import re
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -156,10 +157,17 @@ def check_chunk(data, name: str, *, model: str | None = None, chunk_size: int | 
     """Every check of §5 on a chunk object's bytes, against what its name promises; the
     expected model key, chunk size, prefix hash and start when the caller knows them."""
     reader = open_object(data, name)
-    try:
+    with _refusing(reader, name):
         obj = _check_chunk(reader, name, model, chunk_size, prefix_hash, start, verify_payload)
-        obj.owned = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
-        return obj
+    obj.owned = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
+    return obj
+
+
+@contextmanager
+def _refusing(reader: ContainerReader, name: str):
+    """A failed check closes the object's reader and is an ObjectRefused naming the object."""
+    try:
+        yield
     except KvtoolError as err:
         reader.close()
         if isinstance(err, ObjectRefused):
@@ -248,7 +256,7 @@ def check_entry(data, name: str, model: str | None = None) -> ContainerReader:
     """A lookup-buffer entry's checks: a container, of this model, whose key matches its tokens
     and roi, every blob's CRC-32C intact."""
     reader = open_object(data, name)
-    try:
+    with _refusing(reader, name):
         m = reader.manifest
         ext = _extension(m.extensions, "entry", name)
         _check_fingerprint(m.model, name)
@@ -268,12 +276,7 @@ def check_entry(data, name: str, model: str | None = None) -> ContainerReader:
             reader.chunk_payload(chunk.index)
         for extra in m.extras:
             reader.read_extra_array(extra)
-        return reader
-    except KvtoolError as err:
-        reader.close()
-        if isinstance(err, ObjectRefused):
-            raise
-        raise ObjectRefused(f"{name}: {err}") from None
+    return reader
 
 
 # --- key/value tensors (§4.3) -----------------------------------------------------------

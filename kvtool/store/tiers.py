@@ -90,15 +90,7 @@ class TieredBackend(Backend):
             for info in tier.scan():
                 used[info.name] = max(used.get(info.name, 0.0), info.last_used)
         objects = sorted(self.durable.scan(), key=lambda o: max(o.last_used, used.get(o.name, 0.0)))
-        total = sum(o.size for o in objects)
-        removed = []
-        for info in objects:
-            if total <= max_bytes:
-                break
-            if self.delete(info.name):
-                removed.append(info)
-            total -= info.size
-        return removed
+        return self.evict_in_order(objects, max_bytes)  # self.delete: every tier forgets each
 
     def sweep(self) -> int:
         return sum(t.sweep() for t in self.tiers)
