@@ -9,6 +9,10 @@ allocation past -rss_limit_mb. Seeds: the files of format-spec/vectors (every co
     python fuzz/fuzz_reader.py -max_total_time=60 ...      (CI: tests/test_fuzz_standing.py)
 
 The corpus directory (first argument) collects the inputs that found new coverage.
+
+-rss_limit_mb is checked against the process's peak RSS (getrusage ru_maxrss), which Linux carries
+over execve: started by a large process (Python's subprocess vfork + exec), the fuzzer begins at its
+parent's peak. Start it from a shell or through a small launcher (tests/test_fuzz_standing.py).
 """
 
 from __future__ import annotations
