@@ -122,6 +122,11 @@ class DecodeError(DataError):
     """A codec could not decode a blob (corrupt or truncated stream)."""
 
 
+class DecoderMemoryExceeded(DecodeError):
+    """A payload declares more decoder working memory than its stored length allows
+    (format-spec/cachegen.md section 8: the frequency tables' budget); refused before decoding."""
+
+
 class ShapeMismatch(DataError):
     """A blob decoded to a shape or dtype other than the one declared."""
 

@@ -17,7 +17,7 @@ from ...errors import CodecParamsInvalid, DecodeError, NonFiniteValues, Unsuppor
 from .bins import canonical_bins_spec, resolve_bins
 from .native import default_threads, native_module
 from .params import check_chunk, check_shape, default_params, validate_params
-from .payload import DTYPE_CODE_OF
+from .payload import DTYPE_CODE_OF, check_table_budget, parse_header
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +38,9 @@ def cachegen_encode(kv: "torch.Tensor", params: dict | None = None, *, threads: 
     if mod is None:
         from . import reference
 
-        return reference.encode_chunk(x, bins, p["prob_bits"], p["lanes"]), p
+        payload = reference.encode_chunk(x, bins, p["prob_bits"], p["lanes"])
+        check_table_budget(len(payload), C, [b // 2 - 1 for b in bins], writing=True)
+        return payload, p
     code = DTYPE_CODE_OF[str(x.dtype).removeprefix("torch.")]
     arr = x.view(_torch_view(x.element_size())).numpy()
     try:
@@ -46,6 +48,7 @@ def cachegen_encode(kv: "torch.Tensor", params: dict | None = None, *, threads: 
                              np.array(bins, dtype="<u2").tobytes(), p["prob_bits"], p["lanes"], _threads(threads))
     except mod.NonFiniteError:
         raise NonFiniteValues("cachegen: the KV input holds NaN or infinity") from None
+    check_table_budget(len(payload), C, [b // 2 - 1 for b in bins], writing=True)
     return payload, p
 
 
@@ -68,6 +71,8 @@ def decode_array(payload: bytes | memoryview, shape: Any, dtype: str, params: di
         out = _reference_decode(payload, dtype, L, T, C, bins)
         P, N = payload[4], payload[5]
     else:
+        # the header, and the tables' budget (section 8), before the C decoder allocates anything
+        parse_header(payload, 2 * L, T, C, DTYPE_CODE_OF[dtype], [b // 2 - 1 for b in bins])
         out = np.empty((2 * L, T, C), dtype=NUMPY_STORAGE[dtype])
         try:
             P, N = mod.decode(payload, out.view(_NATIVE_VIEW[out.itemsize]), DTYPE_CODE_OF[dtype], 2 * L, T, C,

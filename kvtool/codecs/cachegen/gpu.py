@@ -21,7 +21,7 @@ from ...dtypes import itemsize
 from ...errors import CodecParamsInvalid, DecodeError, NonFiniteValues, UsageError
 from .bins import canonical_bins_spec, resolve_bins
 from .params import check_chunk, check_shape, default_params, validate_params
-from .payload import DTYPE_CODE_OF, build_header, parse_header
+from .payload import DTYPE_CODE_OF, build_header, check_table_budget, parse_header
 
 SECTION_DTYPE = np.dtype([("src", "<u8"), ("dst", "<u8"), ("scratch", "<u8"), ("src_len", "<u8"), ("T", "<u4"),
                           ("C", "<u4"), ("M", "<i4"), ("P", "<i4"), ("N", "<i4"), ("dtype", "<i4"), ("r0", "<u4"),
@@ -133,6 +133,8 @@ def encode_chunks(kvs: Sequence[torch.Tensor], params: dict | None = None) -> tu
                 j += 1
             out += _encode_batch(lib, chunks[i:j], dc, es, P, p["lanes"], dev)
             i = j
+    for payload, (_, _, _, C, bins) in zip(out, chunks):  # as the CPU encoder (cachegen.md section 8)
+        check_table_budget(len(payload), C, [b // 2 - 1 for b in bins], writing=True)
     return out, p
 
 

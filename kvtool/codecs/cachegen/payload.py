@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...errors import DecodeError
+from ...errors import DecodeError, DecoderMemoryExceeded, UsageError
 from . import _tables as TB
 
 FORMAT_VERSION = 1
@@ -50,6 +50,43 @@ def build_header(dtype_code: int, prob_bits: int, lanes: int, tokens: int, chann
     hdr[HEADER_FIXED:HEADER_FIXED + layers] = bytes(int(m) for m in half_ranges)
     struct.pack_into(f"<{layers}I", hdr, HEADER_FIXED + ((layers + 3) & ~3), *lengths)
     return bytes(hdr)
+
+
+# The decoders' frequency tables (format-spec/cachegen.md section 8): per channel at most
+# 2*S + 72 bytes (S entries of u16 cumulative frequencies, S the smallest power of two >= nsym + 1,
+# a 64-byte bucket table, the u32 mean and sigma codes), bounded like decoded bytes
+# (container.md section 5): <= 1024 x the chunk's stored length + 1 MiB.
+TABLE_EXPANSION = 1024
+TABLE_SLACK = 1 << 20
+
+
+def table_size(half_range: int) -> int:
+    """S: entries of one channel's padded cumulative table (a power of two >= 2M + 2)."""
+    s = 2
+    while s < 2 * half_range + 2:
+        s <<= 1
+    return s
+
+
+def table_bytes(channels: int, half_ranges: list[int]) -> int:
+    """The tables' budget of a chunk: sum over coded layers of C * (2S + 72) bytes."""
+    return sum(channels * (2 * table_size(m) + 72) for m in half_ranges)
+
+
+def check_table_budget(payload_len: int, channels: int, half_ranges: list[int], *, writing: bool = False) -> None:
+    """DecoderMemoryExceeded when the chunk's tables exceed 1024 x its stored length + 1 MiB
+    (checked by the CPU and GPU decoders); UsageError when `writing` (the encoders, on what they
+    produced: such a payload would be unreadable)."""
+    need = table_bytes(channels, half_ranges)
+    if need <= TABLE_EXPANSION * payload_len + TABLE_SLACK:
+        return
+    if writing:
+        raise UsageError(
+            f"cachegen: this chunk compresses to {payload_len} bytes, too few for the {need} bytes of tables "
+            f"its decoder needs (format-spec/cachegen.md section 8); use at most 64 bins or longer chunks")
+    raise DecoderMemoryExceeded(
+            f"cachegen: {len(half_ranges)} layers of {channels} channels need {need} bytes of decoder "
+            f"tables, more than the format allows for a {payload_len}-byte payload")
 
 
 @dataclass
@@ -110,6 +147,7 @@ def parse_header(p: bytes | memoryview, layers: int, tokens: int, channels: int,
             raise DecodeError(f"cachegen: layer {i}: section runs past the payload")
     if pos != n:
         raise DecodeError("cachegen: payload has trailing bytes")
+    check_table_budget(n, channels, hr)
     return Header(dc, P, N, layers, tokens, channels, hr, offs, lens)
 
 
