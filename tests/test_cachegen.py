@@ -477,3 +477,65 @@ def test_the_fingerprints_number_form_is_the_spec_s():
     for value, text in cases.items():
         assert canonical_json(value).decode() == text
     assert canonical_json({"b": 1, "a": "é\n"}).decode() == '{"a":"é\\n","b":1}'
+
+
+# --------------------------------------------------------------------------- table budget (spec section 8)
+def _hostile_payload(layers: int, T: int, C: int, M: int, N: int = 1) -> bytes:
+    """Valid header, all-zero side information (2 bits per channel: the cheapest there is),
+    lane states at 2^16 and one word: the C decoder used to build every channel's tables for it."""
+    side = ((16 + 5 + T + 10 + 5 + C + 5 + 5 + C + 31) // 32) * 4
+    sec = bytes(side) + struct.pack("<I", 1 << 16) * N + bytes(4)
+    hdr = bytearray(20 + ((layers + 3) & ~3) + 4 * layers)
+    hdr[0:6] = bytes([0x43, 0x47, 1, 0, 14, N])
+    struct.pack_into("<III", hdr, 8, layers, T, C)
+    hdr[20:20 + layers] = bytes([M]) * layers
+    struct.pack_into(f"<{layers}I", hdr, 20 + ((layers + 3) & ~3), *[len(sec)] * layers)
+    return bytes(hdr) + sec * layers
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decoder_tables_beyond_the_budget_are_refused_before_decoding(impl):
+    """1 token x 65,536 channels, 256 bins: a 33 KB payload whose tables would take 77 MB
+    (2,300x) is DecoderMemoryExceeded, at once, on every decoder path."""
+    import time
+
+    from kvtool.errors import DecoderMemoryExceeded
+
+    C = 1 << 16
+    payload = _hostile_payload(2, 1, C, 127)
+    params = {"version": 1, "bins": "256", "prob_bits": 14, "lanes": 1}
+    t0 = time.perf_counter()
+    with pytest.raises(DecoderMemoryExceeded, match="decoder tables"):
+        cachegen_decode(payload, (2, 1, 1, C), torch.bfloat16, params, impl=impl)
+    assert time.perf_counter() - t0 < 2.0  # refused from the header: no side information read
+    assert issubclass(DecoderMemoryExceeded, DecodeError)
+    # the same geometry with 32 bins fits the budget: it gets past the check and fails as corrupt
+    with pytest.raises(DecodeError) as info:
+        cachegen_decode(_hostile_payload(2, 1, C, 15), (2, 1, 1, C), torch.bfloat16,
+                        dict(params, bins="32"), impl=impl)
+    assert not isinstance(info.value, DecoderMemoryExceeded)
+
+
+@pytest.mark.parametrize("bins", ["default", "256"])
+def test_many_channel_one_token_chunks_still_decode(bins):
+    """A 1-token tail chunk of 8 KV heads x 128 (1,024 channels per K/V) of real-like KV, at the
+    default and at the largest bins, and an all-zero 1-token chunk of 8,192 channels at 64 bins
+    (the cheapest payload there is), are within the budget and decode exactly."""
+    impl = IMPLS[-1]
+    params = cachegen_params(bins)
+    for kv in (kv_like((2, 4, 1, 1024), torch.bfloat16, seed=3),
+               torch.zeros((2, 2, 1, 8192), dtype=torch.bfloat16) if bins == "default" else None):
+        if kv is None:
+            continue
+        p = params if kv.abs().sum() else cachegen_params("64")
+        payload, rec = cachegen_encode(kv, p, impl=impl)
+        out = cachegen_decode(payload, kv.shape, kv.dtype, rec, impl=impl)
+        assert same_bits(out, cachegen_reference_roundtrip(kv, rec))
+
+
+def test_encoder_will_not_write_a_chunk_beyond_the_table_budget():
+    """The writer follows the spec too: an all-zero 1-token chunk of 8,192 channels at 256 bins
+    compresses to ~2 bits per value, too little for its tables: UsageError, nothing written."""
+    kv = torch.zeros((2, 2, 1, 8192), dtype=torch.bfloat16)
+    with pytest.raises(UsageError, match="tables"):
+        cachegen_encode(kv, cachegen_params("256"), impl=IMPLS[-1])
