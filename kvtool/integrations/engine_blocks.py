@@ -1,0 +1,79 @@
+"""An engine's per-layer paged KV buffers, addressed by block ids: what the vLLM connector's worker
+side reads and writes. Kept free of vLLM imports so that it is tested everywhere, on the CPU and,
+where one is present, on a GPU (tests/test_engine_blocks.py).
+
+vLLM 0.32 hands a connector one tensor per attention layer (`register_kv_caches`); which layout it
+is follows from the backend, and is read here off the tensor itself:
+
+    CPU backend (cpu_attn)        [NB, H, BS, 2*D]    kvtool layout "vllm_cpu"  (torch path)
+    CUDA FlashAttention           [2, NB, BS, H, D]   kvtool layout "flash_attn" (fused CUDA kernel)
+    CUDA FlashInfer               [NB, 2, BS, H, D]   kvtool layout "flashinfer" (fused CUDA kernel)
+
+Token t of a request whose blocks are `block_ids` lives in slot
+`block_ids[t // BS] * BS + t % BS`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..connectors import PagedLayout, PagedMemConnectorV2
+
+
+class UnsupportedKVLayout(ValueError):
+    """The engine's KV tensors are in a layout kvtool does not know."""
+
+
+def detect_layout(tensor: torch.Tensor) -> PagedLayout:
+    """The kvtool paged layout of one of vLLM's per-layer KV tensors."""
+    shape = tuple(tensor.shape)
+    if tensor.device.type == "cpu" and len(shape) == 4 and shape[3] % 2 == 0:
+        return PagedLayout.VLLM_CPU
+    if len(shape) == 5 and shape[0] == 2:
+        return PagedLayout.FLASH_ATTN
+    if len(shape) == 5 and shape[1] == 2:
+        return PagedLayout.FLASHINFER
+    raise UnsupportedKVLayout(f"kvtool does not know vLLM's KV layout {shape} on {tensor.device} "
+                              "(supported: the CPU backend's, FlashAttention's, FlashInfer's)")
+
+
+def heads_and_dim(tensor: torch.Tensor, layout: PagedLayout) -> tuple[int, int]:
+    shape = tuple(tensor.shape)
+    if layout is PagedLayout.VLLM_CPU:
+        return shape[1], shape[3] // 2
+    return shape[3], shape[4]  # [2, NB, BS, H, D] and [NB, 2, BS, H, D] alike
+
+
+class EngineBlocks:
+    """The engine's KV buffers (one tensor per layer, in model order) as block-addressed storage."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], block_size: int):
+        self.layers = list(layers)
+        self.block_size = block_size
+        self.layout = detect_layout(self.layers[0])
+        heads, head_dim = heads_and_dim(self.layers[0], self.layout)
+        self.dtype = self.layers[0].dtype
+        on_gpu = self.layers[0].device.type == "cuda"  # the fused kernels do the copies
+        self.paged = PagedMemConnectorV2(heads * head_dim, len(self.layers), layout=self.layout, use_gpu=on_gpu,
+                                         num_kv_heads=heads, head_dim=head_dim)
+
+    def slots(self, block_ids: Sequence[int], end: int) -> torch.Tensor:
+        """Slot of each token in [0, end) of a request holding `block_ids`."""
+        t = torch.arange(end)
+        return torch.as_tensor(list(block_ids), dtype=torch.int64)[t // self.block_size] * self.block_size \
+            + t % self.block_size
+
+    def write(self, kv: torch.Tensor, block_ids: Sequence[int], start: int) -> None:
+        """Put tokens [start, start + T) of a request into its blocks; `kv` is [2, L, T, H*D] (KV_BLOB)."""
+        end = start + kv.shape[2]
+        memory = self.paged.allocate(kv.shape[2], self.dtype)
+        memory.tensor.copy_(kv)
+        self.paged.to_gpu(memory, start, end, kvcaches=self.layers, slot_mapping=self.slots(block_ids, end))
+
+    def read(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) of a request from its blocks, as a host [2, L, end - start, H*D] tensor."""
+        memory = self.paged.allocate(end - start, self.dtype)
+        self.paged.from_gpu(memory, start, end, kvcaches=self.layers, slot_mapping=self.slots(block_ids, end))
+        return memory.tensor

@@ -1,0 +1,51 @@
+"""kvtool.integrations.engine_blocks: the vLLM connector's worker-side copies, without vLLM. Every
+layout vLLM 0.32 hands a connector round-trips through a request's block ids; on a GPU the fused
+kernels give the same tensors as the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtool.integrations.engine_blocks import EngineBlocks, UnsupportedKVLayout, detect_layout
+
+L, H, D, NB, BS = 3, 2, 8, 12, 16
+SHAPES = {"vllm_cpu": (NB, H, BS, 2 * D), "flash_attn": (2, NB, BS, H, D), "flashinfer": (NB, 2, BS, H, D)}
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def engine(layout: str, device: str) -> list[torch.Tensor]:
+    return [torch.zeros(SHAPES[layout], device=device) for _ in range(L)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["vllm_cpu", "flash_attn", "flashinfer"])
+def test_tokens_round_trip_through_a_requests_blocks(layout, device):
+    if layout == "vllm_cpu" and device == "cuda":
+        pytest.skip("vLLM's CPU layout lives in host memory")
+    blocks = EngineBlocks(engine(layout, device), BS)
+    assert blocks.layout.value == layout
+    block_ids = [7, 2, 9, 0, 5]  # a request's blocks, in token order, not in memory order
+    kv = torch.randn(2, L, 70, H * D)
+    blocks.write(kv[:, :, :40], block_ids, 0)
+    blocks.write(kv[:, :, 40:], block_ids, 40)  # a later step continues where the first stopped
+    assert torch.equal(blocks.read(block_ids, 0, 70), kv)
+    assert torch.equal(blocks.read(block_ids, 33, 51), kv[:, :, 33:51])
+    untouched = [b for b in range(NB) if b not in block_ids]
+    assert torch.equal(blocks.read(untouched, 0, BS * len(untouched)), torch.zeros(2, L, BS * len(untouched), H * D))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])
+def test_the_gpu_copies_leave_the_same_buffers_as_the_cpu(layout):
+    kv = torch.randn(2, L, 50, H * D)
+    cpu, gpu = EngineBlocks(engine(layout, "cpu"), BS), EngineBlocks(engine(layout, "cuda"), BS)
+    for blocks in (cpu, gpu):
+        blocks.write(kv, [3, 1, 10, 4], 0)
+    for a, b in zip(cpu.layers, gpu.layers):
+        assert torch.equal(a, b.cpu())
+
+
+def test_an_unknown_layout_is_refused_in_one_line():
+    with pytest.raises(UnsupportedKVLayout, match="does not know vLLM's KV layout"):
+        detect_layout(torch.zeros(4, 4, 4))
