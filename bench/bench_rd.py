@@ -51,6 +51,7 @@ import os
 import pathlib
 import shlex
 import sys
+import sysconfig
 import tempfile
 import time
 
@@ -102,7 +103,7 @@ from kvtool.format import ContainerWriter  # noqa: E402
 from kvtool.ops.compare import compare_logits, teacher_forced_eval  # noqa: E402
 
 # --------------------------------------------------------------------------- texts (offline only)
-LIB = pathlib.Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+LIB = pathlib.Path(sysconfig.get_paths()["stdlib"])  # not sys.prefix: the stdlib may live elsewhere
 LICENSES = pathlib.Path("/usr/share/common-licenses")
 
 

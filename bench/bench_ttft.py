@@ -30,6 +30,7 @@ import os
 import pathlib
 import shlex
 import sys
+import sysconfig
 import tempfile
 import time
 
@@ -74,7 +75,7 @@ from kvtool.engine import PagedKVCache, Runner, load_model  # noqa: E402
 from kvtool.format import ContainerReader  # noqa: E402
 from kvtool.ops.replay import plan_reuse, replay_plan  # noqa: E402
 
-LIB = pathlib.Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+LIB = pathlib.Path(sysconfig.get_paths()["stdlib"])  # not sys.prefix: the stdlib may live elsewhere
 
 
 def context_tokens(model, n):
