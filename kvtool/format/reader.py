@@ -256,6 +256,11 @@ class ContainerReader:
                 pass  # decode one by one below: read_chunk's error names the file's chunk
         return [self.read_chunk(c.index, verify=verify, device=target) for c in chunks]
 
+    def reads_into(self, index: int) -> bool:
+        """Whether `read_chunk_into` reads chunk `index` straight from the file (a raw chunk of a
+        local file: one pread, no decode)."""
+        return self._is_tensor_bytes(self._chunk(index)) and isinstance(self._source, MappedFile)
+
     def read_chunk_into(self, index: int, out: "torch.Tensor", *, verify: bool = True) -> "torch.Tensor":
         """Decode chunk `index` into the preallocated contiguous CPU tensor `out` (its shape and dtype).
 

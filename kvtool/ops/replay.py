@@ -28,6 +28,7 @@ import torch
 from .. import codecs
 from ..devices import describe, resolve_device, synchronize
 from ..dtypes import dtype_from_name
+from ..connectors import MemoryObj
 from ..engine import LoadedModel, PagedKVCache, Runner, load_model, logits_from_hidden
 from ..errors import (DataError, ModelMismatch, NonFiniteValues, PromptError, ShapeMismatch, ToleranceExceeded,
                       UsageError)
@@ -35,6 +36,7 @@ from ..format import ContainerReader
 from ..format.reader import BytesSource
 from ..format.hashing import prefix_hashes
 from ..fsutil import read_text_file
+from ..load import file_tasks, load_chunks
 from ..notices import notice
 from .compare import compare_logits
 from .engine_io import new_cache, paged_connector
@@ -163,22 +165,27 @@ def load_prefix(reader: ContainerReader, model: LoadedModel, cache: PagedKVCache
                 slot_mapping: torch.Tensor) -> float:
     """Decode the file's chunks covering [0, num_tokens) into the paged cache; returns seconds.
 
-    Chunks decode where the cache is (CacheGen on the GPU when the cache is
-    there; the other codecs on the CPU, then one copy) and go into the paged
-    buffers through the connector's scatter."""
+    On the CPU this is kvtool.load's pipeline: chunks read, checked and decoded on worker threads,
+    each scattered into the paged buffers as soon as it is ready. On a GPU, chunks decode there
+    in batches (CacheGen in one launch per batch) and go in through the fused scatter."""
     t0 = time.perf_counter()
     connector = paged_connector(model)
-    needed = [c.index for c in reader.chunks if c.start < num_tokens]
-    group = LOAD_BATCH_CHUNKS if cache.device.type == "cuda" else 1
-    for g in range(0, len(needed), group):
-        batch = needed[g:g + group]
-        for index, decoded in zip(batch, reader.read_chunks(batch, device=cache.device)):
-            chunk = reader.chunks[index]
-            end = min(chunk.end, num_tokens)
-            kv = decoded[:, :, : end - chunk.start]  # [2, L, T, C]
-            memory = connector.allocate(end - chunk.start, kv.dtype, cache.device)
-            memory.tensor.copy_(kv)
-            connector.to_gpu(memory, chunk.start, end, kvcaches=cache.kv_caches, slot_mapping=slot_mapping)
+
+    def scatter(kv: torch.Tensor, start: int, end: int) -> None:
+        connector.to_gpu(MemoryObj.from_tensor(kv), start, end, kvcaches=cache.kv_caches, slot_mapping=slot_mapping)
+
+    if cache.device.type != "cuda":
+        outcome = load_chunks(file_tasks(reader, num_tokens), scatter)
+        if outcome.error is not None:
+            raise outcome.error
+    else:
+        needed = [c.index for c in reader.chunks if c.start < num_tokens]
+        for g in range(0, len(needed), LOAD_BATCH_CHUNKS):
+            batch = needed[g:g + LOAD_BATCH_CHUNKS]
+            for index, decoded in zip(batch, reader.read_chunks(batch, device=cache.device)):
+                chunk = reader.chunks[index]
+                end = min(chunk.end, num_tokens)
+                scatter(decoded[:, :, : end - chunk.start].contiguous(), chunk.start, end)
     seq.num_tokens = num_tokens
     synchronize(cache.device)
     return time.perf_counter() - t0

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ObjectRefused, StoreUrlInvalid, UsageError
+from ..errors import NotCached, ObjectRefused, StoreUrlInvalid, UsageError
 from ..format.hashing import ZERO_HASH
 from ..identity import ModelIdentity
 from ..notices import notice
@@ -31,6 +31,10 @@ from .tiers import TieredBackend
 
 if TYPE_CHECKING:
     import torch
+
+class _Gone(NotCached):
+    """An object removed between the existence check and its read (a miss, not damage)."""
+
 
 #: Chunks fetched per batch (one round trip to Redis): enough to hide latency, few enough
 #: that a long prefix never sits in memory twice.
@@ -254,16 +258,26 @@ class ModelCache:
             refused.append(str(err))
 
     def get_prefix(self, token_ids, *, device: "torch.device | str | None" = None,
-                   max_tokens: int | None = None, connector=None, **connector_kwargs) -> PrefixHit:
+                   max_tokens: int | None = None, connector=None, from_token: int = 0,
+                   **connector_kwargs) -> PrefixHit:
         """Decode the longest run of stored, intact whole chunks from token 0.
 
         Without `connector`, each chunk is a KV_BLOB tensor on `device` (CacheGen chunks decode
         on the GPU when it is one). With a connector (`kvtool.connectors`), each chunk goes
-        straight into the engine's paged buffers: `connector.to_gpu(memory, start, end,
-        **connector_kwargs)` (e.g. `kvcaches=`, `slot_mapping=`). A damaged or foreign object
-        ends the run there: it is never returned."""
+        straight into the engine's paged buffers through kvtool.load's pipeline (fetch, check,
+        decode and scatter of several chunks at once): `connector.to_gpu(memory, start, end,
+        **connector_kwargs)` (e.g. `kvcaches=`, `slot_mapping=`); tokens before `from_token`
+        (which the engine holds already) are not written. A damaged or foreign object ends the
+        run there: it is never returned."""
         import torch
 
+        if connector is not None:
+            from ..connectors import MemoryObj
+
+            def scatter(kv: "torch.Tensor", start: int, end: int) -> None:
+                connector.to_gpu(MemoryObj.from_tensor(kv), start, end, **connector_kwargs)
+
+            return self.load_prefix(token_ids, scatter, max_tokens=max_tokens, from_token=from_token)
         hit = PrefixHit(num_tokens=0, chunks=[], codecs=[], refused=[], stored_bytes=0)
         target = torch.device(device) if device is not None else None
         for start, obj, size in self.checked_objects(token_ids, max_tokens, hit.refused):
@@ -276,15 +290,65 @@ class ModelCache:
                 break
             finally:
                 obj.reader.close()
-            if connector is not None:
-                memory = connector.allocate(self.chunk_size, kv.dtype, kv.device)
-                memory.tensor.copy_(kv)
-                connector.to_gpu(memory, start, start + self.chunk_size, **connector_kwargs)
-            else:
-                hit.chunks.append(kv)
+            hit.chunks.append(kv)
             hit.codecs.append(obj.codec)
             hit.stored_bytes += size
             hit.num_tokens = start + self.chunk_size
+        return hit
+
+    def load_prefix(self, token_ids, scatter, *, max_tokens: int | None = None, from_token: int = 0) -> PrefixHit:
+        """The longest run of stored, intact whole chunks from token 0 into an engine's buffers:
+        `scatter(kv, start, end)` gets each chunk's tokens [start, end) (those from `from_token`
+        on) as a contiguous CPU KV_BLOB, from kvtool.load's worker threads, each chunk fetched,
+        checked and decoded on the thread that scatters it. The run ends at the first missing or
+        refused chunk; chunks past it may have been scattered but are not part of the hit."""
+        from ..load import ChunkTask, load_chunks
+
+        hit = PrefixHit(num_tokens=0, chunks=[], codecs=[], refused=[], stored_bytes=0)
+        chain = self._chain(token_ids, max_tokens)
+        found = self.backend.exists_many([self.name(h) for _, _, h in chain]) if chain else []
+        stored = next((i for i, f in enumerate(found) if not f), len(found))
+        if stored < len(chain):
+            self.store.counters.misses += len(chain) - stored
+        seen: dict[int, tuple[str, int]] = {}  # task index -> codec, stored bytes
+
+        def fetch(index: int, start: int, prefix: str) -> "torch.Tensor":
+            name = self.name(prefix)
+            data = self.backend.get(name)
+            if data is None:
+                raise _Gone(name)
+            obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
+                                      prefix_hash=prefix, start=start)
+            try:
+                kv = obj.decode(None)
+            finally:
+                obj.reader.close()
+            seen[index] = (obj.codec, len(data))
+            return kv
+
+        tasks, first_task = [], None
+        for index, (start, _parent, prefix) in enumerate(chain[:stored]):
+            if start + self.chunk_size <= from_token:
+                hit.num_tokens = start + self.chunk_size  # the engine holds these; nothing to write
+                continue
+            first_task = index if first_task is None else first_task
+            tasks.append(ChunkTask(max(start, from_token), start + self.chunk_size,
+                                   lambda i=index, s=start, h=prefix: fetch(i, s, h), origin=start))
+        outcome = load_chunks(tasks, scatter)
+        if tasks:
+            hit.num_tokens = max(hit.num_tokens, outcome.loaded_tokens)
+        for index in range(first_task or 0, (first_task or 0) + outcome.chunks):
+            codec, size = seen[index]
+            hit.codecs.append(codec)
+            hit.stored_bytes += size
+        self.store.counters.hits += outcome.chunks
+        if isinstance(outcome.error, ObjectRefused):
+            failed = (first_task or 0) + outcome.failed
+            self._refused(self.name(chain[failed][2]), outcome.error, chain, chain[failed][0], hit.refused)
+        elif isinstance(outcome.error, _Gone):  # removed since the existence check
+            self.store.counters.misses += len(chain) - outcome.loaded_tokens // self.chunk_size
+        elif outcome.error is not None:  # e.g. the store became unreachable: not a miss to hide
+            raise outcome.error
         return hit
 
     # --- writes ----------------------------------------------------------------------

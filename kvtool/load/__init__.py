@@ -1,0 +1,13 @@
+"""The one load path: chunks of KV from a file or the chunk store into an engine's paged buffers.
+
+`load_chunks` runs a list of `ChunkTask`s (read, check and decode one chunk: each source says how)
+on a few worker threads and scatters each decoded chunk into the paged buffers from the thread
+that decoded it, so reading, CRC-32C, decoding and scattering of different chunks overlap. The
+steps that cost release the GIL (pread, crc32c, zstd, the CacheGen coder, the native paged copy).
+Callers: `ops.replay` (a file), `store.ModelCache.get_prefix` (store objects), and through it the
+vLLM connector.
+"""
+
+from .pipeline import ChunkTask, LoadOutcome, file_tasks, load_chunks, load_threads
+
+__all__ = ["ChunkTask", "LoadOutcome", "file_tasks", "load_chunks", "load_threads"]

@@ -1,0 +1,143 @@
+"""`load_chunks`: decode chunks on worker threads and scatter each where it was decoded.
+
+    tasks:   ChunkTask(start, end, decode) in token order; decode() -> KV_BLOB [2, L, T, C] on the
+             CPU with T >= end - start (it reads, checks and decodes one chunk)
+    scatter: scatter(kv [2, L, end - start, C] contiguous, start, end): into the paged buffers
+
+At most `threads` chunks are in flight, so memory stays at `threads` decoded chunks (each thread
+reuses one staging buffer for raw chunks of a file). The first chunk that fails ends the load:
+tokens [0, its start) are loaded and reported; chunks after it may have been scattered already
+but lie past the loaded prefix (an engine computes those slots again).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..errors import KvtoolError, ShapeMismatch
+
+
+@dataclass(frozen=True)
+class ChunkTask:
+    start: int
+    end: int  # tokens [start, end) of this chunk are loaded
+    decode: Callable[[], torch.Tensor]  # the chunk's KV_BLOB; its token 0 is `origin`
+    origin: int | None = None  # default: start
+
+    @property
+    def first_row(self) -> int:
+        return 0 if self.origin is None else self.start - self.origin
+
+
+@dataclass
+class LoadOutcome:
+    loaded_tokens: int  # tokens [0, loaded_tokens) are in the paged buffers
+    chunks: int  # chunks loaded, from the first
+    error: KvtoolError | None = None  # why the load stopped early (None: every task loaded)
+    failed: int | None = field(default=None)  # index of the task that failed
+
+
+def load_threads(tasks: int) -> int:
+    """Worker threads: KVTOOL_LOAD_THREADS, else the usable cores (at most 8), never more than tasks."""
+    env = os.environ.get("KVTOOL_LOAD_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        wanted = int(env)
+    else:
+        try:
+            wanted = min(8, len(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):  # pragma: no cover - non-Linux
+            wanted = min(8, os.cpu_count() or 1)
+    return max(1, min(wanted, tasks))
+
+
+def _as_blob(kv: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Tokens [first, first + count) of a decoded chunk, contiguous (a view when the chunk is whole)."""
+    if first < 0 or first + count > kv.shape[2]:
+        raise ShapeMismatch(f"a chunk of {kv.shape[2]} tokens has no tokens [{first}, {first + count})")
+    part = kv if (first, count) == (0, kv.shape[2]) else kv[:, :, first:first + count]
+    return part if part.is_contiguous() else part.contiguous()
+
+
+def load_chunks(tasks: Sequence[ChunkTask], scatter: Callable[[torch.Tensor, int, int], None], *,
+                threads: int | None = None) -> LoadOutcome:
+    tasks = list(tasks)
+    if not tasks:
+        return LoadOutcome(loaded_tokens=0, chunks=0)
+    threads = threads or load_threads(len(tasks))
+
+    def run(task: ChunkTask) -> None:
+        scatter(_as_blob(task.decode(), task.first_row, task.end - task.start), task.start, task.end)
+
+    if threads == 1:  # no pool: the same steps in order
+        for i, task in enumerate(tasks):
+            try:
+                run(task)
+            except KvtoolError as err:
+                return LoadOutcome(loaded_tokens=task.start, chunks=i, error=err, failed=i)
+        return LoadOutcome(loaded_tokens=tasks[-1].end, chunks=len(tasks))
+
+    done: dict[int, BaseException | None] = {}
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtool-load") as pool:
+        running: dict[Future, int] = {}
+        following = 0  # the next task to submit
+        stop = False
+        while running or (following < len(tasks) and not stop):
+            while not stop and following < len(tasks) and len(running) < threads:
+                running[pool.submit(run, tasks[following])] = following
+                following += 1
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                index = running.pop(future)
+                done[index] = future.exception()
+                if done[index] is not None:
+                    stop = True  # nothing new starts past a failure; in-flight chunks finish
+    for i, task in enumerate(tasks):
+        err = done.get(i)
+        if i not in done or err is not None:
+            if err is not None and not isinstance(err, KvtoolError):
+                raise err  # a bug, not bad input: never swallowed
+            return LoadOutcome(loaded_tokens=task.start, chunks=i, error=err, failed=i)
+    return LoadOutcome(loaded_tokens=tasks[-1].end, chunks=len(tasks))
+
+
+_staging = threading.local()
+
+
+def _staging_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """This thread's reusable buffer for one raw chunk (no page faults after the first chunk)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    buf = getattr(_staging, "buffer", None)
+    if buf is None or buf.dtype != dtype or buf.numel() < numel:
+        buf = _staging.buffer = torch.empty(numel, dtype=dtype)
+    return buf[:numel].view(shape)
+
+
+def file_tasks(reader, num_tokens: int, *, verify: bool = True) -> list[ChunkTask]:
+    """Tasks for a container file's chunks covering tokens [0, num_tokens) (a `ContainerReader`).
+    Raw chunks are read with one pread into the thread's staging buffer and checked there; other
+    codecs decode from the mapped file."""
+    from ..dtypes import dtype_from_name
+
+    tasks = []
+    for chunk in reader.chunks:
+        if chunk.start >= num_tokens:
+            break
+        end = min(chunk.end, num_tokens)
+        if reader.reads_into(chunk.index):
+            shape, dtype = tuple(chunk.shape), dtype_from_name(chunk.dtype)
+
+            def decode(index=chunk.index, shape=shape, dtype=dtype):
+                return reader.read_chunk_into(index, _staging_buffer(shape, dtype), verify=verify)
+        else:
+            def decode(index=chunk.index):
+                return reader.read_chunk(index, verify=verify)
+        tasks.append(ChunkTask(chunk.start, end, decode))
+    return tasks

@@ -1,0 +1,128 @@
+"""kvtool.load: the one load path (chunks read, checked, decoded on worker threads and scattered
+into paged buffers), from files and from the chunk store."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures import make_identity, make_kv, write_kv_file
+from kvtool.connectors import MemoryObj, PagedMemConnectorV2
+from kvtool.errors import ChecksumMismatch, DecodeError
+from kvtool.format import ContainerReader
+from kvtool.load import ChunkTask, file_tasks, load_chunks
+
+L, H, D, BS = 2, 2, 8, 4
+
+
+def paged_target(num_tokens: int, seed: int = 0):
+    """Zeroed flash_attn buffers, a shuffled slot mapping and a scatter into them."""
+    num_blocks = num_tokens // BS + 2
+    caches = [torch.zeros(2, num_blocks, BS, H, D) for _ in range(L)]
+    blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    t = torch.arange(num_tokens)
+    slots = blocks[t // BS] * BS + t % BS
+    connector = PagedMemConnectorV2(H * D, L, layout="flash_attn", num_kv_heads=H, head_dim=D)
+
+    def scatter(kv, start, end):
+        connector.to_gpu(MemoryObj.from_tensor(kv), start, end, kvcaches=caches, slot_mapping=slots)
+
+    def read(start, end):
+        out = connector.allocate(end - start, torch.float32)
+        connector.from_gpu(out, start, end, kvcaches=caches, slot_mapping=slots)
+        return out.tensor
+
+    return scatter, read
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_first_failure_ends_the_load_and_earlier_chunks_stay(threads):
+    kv = torch.randn(2, L, 40, H * D)
+    scatter, read = paged_target(40)
+
+    def ok(i):
+        return lambda: kv[:, :, 8 * i:8 * i + 8]
+
+    def bad():
+        raise DecodeError("chunk 2: broken on purpose")
+
+    tasks = [ChunkTask(8 * i, 8 * i + 8, bad if i == 2 else ok(i)) for i in range(5)]
+    outcome = load_chunks(tasks, scatter, threads=threads)
+    assert (outcome.loaded_tokens, outcome.chunks, outcome.failed) == (16, 2, 2)
+    assert isinstance(outcome.error, DecodeError)
+    assert torch.equal(read(0, 16), kv[:, :, :16])
+
+
+def test_a_bug_is_raised_never_reported_as_bad_input():
+    def bug():
+        raise RuntimeError("not a KvtoolError")
+
+    for threads in (1, 2):
+        with pytest.raises(RuntimeError):
+            load_chunks([ChunkTask(0, 4, bug)], lambda *a: None, threads=threads)
+
+
+def test_tokens_inside_a_chunk_start_where_asked():
+    kv = torch.randn(2, L, 16, H * D)
+    scatter, read = paged_target(16)
+    outcome = load_chunks([ChunkTask(5, 16, lambda: kv, origin=0)], scatter)
+    assert outcome.loaded_tokens == 16
+    assert torch.equal(read(5, 16), kv[:, :, 5:])
+    assert not read(0, 5).any()  # the engine's own tokens are not written
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd", "cachegen"])
+@pytest.mark.parametrize("num_tokens", [37, 40])
+def test_a_file_loads_into_paged_buffers_as_it_reads(tmp_path, codec, num_tokens):
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=45, chunk_size=8, codec=codec,
+                      dtype=torch.float32)
+    scatter, read = paged_target(num_tokens)
+    with ContainerReader(f.path) as reader:
+        tasks = file_tasks(reader, num_tokens)
+        assert len(tasks) == (num_tokens + 7) // 8
+        outcome = load_chunks(tasks, scatter, threads=3)
+        assert outcome.error is None and outcome.loaded_tokens == num_tokens
+        assert torch.equal(read(0, num_tokens), reader.read_range(0, num_tokens))
+
+
+def test_a_damaged_chunk_of_a_file_stops_the_load_there(tmp_path):
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=32, chunk_size=8, dtype=torch.float32)
+    with ContainerReader(f.path) as reader:
+        offset = reader.chunks[2].blob.offset
+    data = bytearray(f.path.read_bytes())
+    data[offset + 3] ^= 0x40
+    f.path.write_bytes(bytes(data))
+    scatter, read = paged_target(32)
+    with ContainerReader(f.path) as reader:
+        outcome = load_chunks(file_tasks(reader, 32), scatter, threads=2)
+    assert isinstance(outcome.error, ChecksumMismatch) and outcome.loaded_tokens == 16
+    assert torch.equal(read(0, 16), f.kv[:, :, :16])
+
+
+def test_the_store_loads_from_a_token_on_and_refuses_damage(tmp_path):
+    from kvtool.store import open_store
+
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    tokens = list(range(100, 140))
+    kv = make_kv(identity, 40, torch.float32)
+    cache = open_store(tmp_path / "store").for_model(identity, chunk_size=8)
+    cache.put_sequence(tokens, kv)
+    scatter, read = paged_target(40)
+    hit = cache.load_prefix(tokens, scatter, from_token=12)
+    assert hit.num_tokens == 40 and hit.codecs == ["raw"] * 4 and not hit.refused
+    assert torch.equal(read(12, 40), kv[:, :, 12:40]) and not read(0, 12).any()
+    victim = sorted((tmp_path / "store").glob("chunks/**/*.kvc"))
+    names = {p.name: p for p in victim}
+    third = names[cache._chain(tokens)[2][2] + ".kvc"]
+    with ContainerReader(third) as reader:
+        offset = reader.chunks[0].blob.offset
+    data = bytearray(third.read_bytes())
+    data[offset + 5] ^= 0x01  # the payload: its CRC no longer matches
+    third.write_bytes(bytes(data))
+    scatter, read = paged_target(40, seed=1)
+    hit = cache.load_prefix(tokens, scatter)
+    assert hit.num_tokens == 16 and len(hit.refused) == 1
+    assert torch.equal(read(0, 16), kv[:, :, :16])
+    assert "CRC-32C" in hit.refused[0] and cache.store.counters.refused == 1
