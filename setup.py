@@ -1,4 +1,5 @@
-"""Build script for kvtool's native CacheGen coder (kernels/ -> kvtool._cachegen_native).
+"""Build script for kvtool's native code: the CacheGen coder (kernels/ -> kvtool._cachegen_native)
+and the CPU paged gather/scatter (kernels/paged_copy_cpu.c -> kvtool._paged_native).
 
 Project metadata lives in pyproject.toml; this file only declares the C
 extension. It needs a C compiler and nothing else (no torch headers). When the
@@ -38,8 +39,8 @@ class OptionalBuildExt(build_ext):
     @staticmethod
     def _warn(exc):
         sys.stderr.write(
-            "WARNING: kvtool's native CacheGen coder could not be built (%s); "
-            "the pure-Python fallback will be used.\n" % (exc,)
+            "WARNING: a kvtool native extension could not be built (%s); "
+            "its pure-Python/torch fallback will be used.\n" % (exc,)
         )
 
 
@@ -58,6 +59,14 @@ native = Extension(
     extra_compile_args=extra_compile,
     extra_link_args=extra_link,
 )
+# The CPU paged gather/scatter (connectors/paged_native.py); optional the same way.
+paged = Extension(
+    "kvtool._paged_native",
+    sources=["kernels/paged_copy_cpu.c"],
+    extra_compile_args=extra_compile,
+    extra_link_args=extra_link,
+)
+
 
 class BuildPyWithKernels(build_py):
     """Ship kernels/*.cu and *.h inside the package (kvtool/_kernels), so a wheel
@@ -72,4 +81,4 @@ class BuildPyWithKernels(build_py):
                 shutil.copy2(source, target)
 
 
-setup(ext_modules=[native], cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithKernels})
+setup(ext_modules=[native, paged], cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithKernels})

@@ -509,24 +509,28 @@ def test_run_offset_matches_tensor_addressing(layout):
 
 
 def test_connectors_copy_through_the_one_dispatch(monkeypatch):
-    """Connectors go through gather_paged/scatter_paged, which run the torch reference for CPU buffers."""
-    from kvtool.connectors import paged_torch
+    """Connectors go through gather_paged/scatter_paged, which run the native row copy for CPU
+    buffers (the torch reference where it is not built)."""
+    from kvtool.connectors import paged_native, paged_torch
 
     calls = []
-    gather, scatter = paged_torch.torch_gather, paged_torch.torch_scatter
 
-    def g(kv, layout, slots, out):
-        calls.append("gather")
-        gather(kv, layout, slots, out)
+    def recording(module, name):
+        original = getattr(module, name)
 
-    def s(blob, kv, layout, slots):
-        calls.append("scatter")
-        scatter(blob, kv, layout, slots)
+        def call(*args):
+            calls.append(name)
+            return original(*args)
+        monkeypatch.setattr(module, name, call)
 
-    monkeypatch.setattr(paged_torch, "torch_gather", g)
-    monkeypatch.setattr(paged_torch, "torch_scatter", s)
+    for module, name in ((paged_torch, "torch_gather"), (paged_torch, "torch_scatter"),
+                         (paged_native, "native_gather"), (paged_native, "native_scatter")):
+        recording(module, name)
     paged_round_trip("vllm", torch.float32, 20, 4, 0, 20)
-    assert calls == ["gather", "scatter"]
+    if paged_native.native_module() is not None:
+        assert calls == ["native_gather", "native_scatter"]
+    else:
+        assert calls == ["native_gather", "torch_gather", "native_scatter", "torch_scatter"]
     # and the functions are usable directly
     gen = torch.Generator().manual_seed(9)
     bufs = make_buffers("flashinfer", 2, 4, 4, 2, 4, torch.float16, gen)

@@ -2,7 +2,8 @@
 between paged engine buffers and KV_BLOB tensors.
 
 Buffers on a CUDA device go through the fused kernel (`paged_cuda`, built on
-first use) when it takes the case; everything else, and a GPU whose kernel
+first use) when it takes the case; host buffers through the native row copy
+(`paged_native`, built at install); everything else, and a GPU whose kernel
 cannot be built, runs the torch reference (`paged_torch`), which gives the same
 bytes. A kernel that cannot be used is said once, as a notice.
 """
@@ -14,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..cuda_build import usable_or_notice
-from . import paged_torch
+from . import paged_native, paged_torch
 from .paged_layout import LayerKV, PagedLayout, layer_tensors
 
 
@@ -33,6 +34,8 @@ def gather_paged(kv_caches: Sequence[LayerKV], layout: PagedLayout | str, slots:
     kernel = _cuda_kernel(kv_caches, layout)
     if kernel is not None and kernel.gather(kv_caches, layout, slots, out_blob):
         return
+    if kernel is None and paged_native.native_gather(kv_caches, layout, slots, out_blob):
+        return
     paged_torch.torch_gather(kv_caches, layout, slots, out_blob)
 
 
@@ -45,6 +48,8 @@ def scatter_paged(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: Page
     layout = PagedLayout.parse(layout)
     kernel = _cuda_kernel(kv_caches, layout)
     if kernel is not None and kernel.scatter(blob, kv_caches, layout, slots):
+        return
+    if kernel is None and paged_native.native_scatter(blob, kv_caches, layout, slots):
         return
     paged_torch.torch_scatter(blob, kv_caches, layout, slots)
 

@@ -1,0 +1,91 @@
+"""The native CPU paged gather/scatter (`kvtool._paged_native`, kernels/paged_copy_cpu.c).
+
+It takes the torch reference's plan (`paged_torch._plans_for`: each tensor as `[num_rows, run]`
+rows and the row indices the tokens touch) and moves the rows with memcpy on a few threads, the
+GIL released, instead of one `index_copy_` per tensor. Same contract and bytes as the reference
+(tests/test_connectors.py compares them on every layout). `paged_copy` picks it for CPU buffers;
+when the extension was not built, or KVTOOL_PAGED_NATIVE=0, the torch reference runs.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from types import ModuleType
+from typing import Sequence
+
+import torch
+
+from .paged_layout import LayerKV, PagedLayout, layer_tensors
+from .paged_torch import _plans_for
+
+_module: ModuleType | None = None
+_loaded = False
+MIN_BYTES_PER_THREAD = 1 << 20  # below this a thread costs more than it copies
+
+
+def native_module() -> ModuleType | None:
+    global _module, _loaded
+    if os.environ.get("KVTOOL_PAGED_NATIVE", "1").strip() in ("0", "false", "no", "off"):
+        return None
+    if not _loaded:
+        _loaded = True
+        try:
+            from .. import _paged_native as m  # type: ignore[attr-defined]
+
+            _module = m
+        except ImportError:  # not built (no compiler at install): the torch path runs
+            _module = None
+    return _module
+
+
+def _threads(total_bytes: int) -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        cores = os.cpu_count() or 1
+    wanted = int(os.environ.get("KVTOOL_THREADS", "0") or 0) or cores
+    return max(1, min(wanted, 16, total_bytes // MIN_BYTES_PER_THREAD))
+
+
+def _copy(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor, blob: torch.Tensor,
+          scatter: bool) -> bool:
+    module = native_module()
+    if module is None or slots.numel() == 0:
+        return False
+    blobs = [b.unbind(0) for b in blob.unbind(0)]  # blobs[kv][layer]: [T, H*D], contiguous
+    itemsize = blob.element_size()
+    groups: dict[int, tuple[object, list[int]]] = {}  # plan -> (plan, flattened quadruples)
+    for li, entry in enumerate(_plans_for(kv_caches, layout, slots)):
+        for kv, (rows, plan) in enumerate(entry):
+            part = blobs[kv][li]
+            quad = [rows.data_ptr(), plan.num_rows, part.data_ptr(), part.numel() // plan.run]
+            groups.setdefault(id(plan), (plan, []))[1].extend(quad)
+    for plan, quads in groups.values():
+        run_bytes = plan.run * itemsize
+        pairs = struct.pack(f"<{len(quads)}Q", *quads)
+        index = plan.rows.contiguous()
+        total = (len(quads) // 4) * index.numel() * run_bytes
+        module.copy_rows(pairs, memoryview(index.numpy()).cast("B"), run_bytes, int(scatter), _threads(total))
+    return True
+
+
+def native_gather(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor,
+                  out_blob: torch.Tensor) -> bool:
+    """`paged_torch.torch_gather` natively; False (nothing done) when this case is not taken."""
+    first = layer_tensors(kv_caches[0], layout)[0]
+    if first.device.type != "cpu" or out_blob.device.type != "cpu" or out_blob.dtype != first.dtype \
+            or not out_blob.is_contiguous():
+        return False
+    return _copy(kv_caches, layout, slots, out_blob, scatter=False)
+
+
+def native_scatter(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: PagedLayout,
+                   slots: torch.Tensor) -> bool:
+    """`paged_torch.torch_scatter` natively; False (nothing done) when this case is not taken."""
+    first = layer_tensors(kv_caches[0], layout)[0]
+    if first.device.type != "cpu" or blob.device.type != "cpu":
+        return False
+    if blob.dtype != first.dtype:
+        blob = blob.to(first.dtype)  # rounding as the reference does
+    return _copy(kv_caches, layout, slots, blob.contiguous(), scatter=True)
