@@ -17,7 +17,7 @@ JOB.json:
     max_num_batched_tokens, enable_prefix_caching   passed to vLLM    (defaults: vLLM's, off)
     model        a HF model folder (default: kvtool's default model, converted)
 
-Prints `RESULT {"engine_seconds": s, "requests": [{prompt_tokens, prompt_token_ids,
+Prints `RESULT {"engine_seconds": s, "requests": [{request_id, prompt_tokens, prompt_token_ids,
 num_cached_tokens, token_ids, text, seconds, ttft_seconds}, ...]}`: `seconds` is the wall time of generate() for that prompt
 alone, `ttft_seconds` vLLM's own time to its first token (`first_token_latency`).
 """
@@ -72,7 +72,7 @@ def main() -> None:
         prompt = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - began
-        requests.append({"prompt_tokens": len(out.prompt_token_ids), "prompt_token_ids": list(out.prompt_token_ids),
+        requests.append({"request_id": out.request_id, "prompt_tokens": len(out.prompt_token_ids), "prompt_token_ids": list(out.prompt_token_ids),
                          "num_cached_tokens": out.num_cached_tokens,
                          "token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text,
                          "seconds": seconds, "ttft_seconds": getattr(out.metrics, "first_token_latency", None)})

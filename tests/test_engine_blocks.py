@@ -49,3 +49,22 @@ def test_the_gpu_copies_leave_the_same_buffers_as_the_cpu(layout):
 def test_an_unknown_layout_is_refused_in_one_line():
     with pytest.raises(UnsupportedKVLayout, match="does not know vLLM's KV layout"):
         detect_layout(torch.zeros(4, 4, 4))
+
+
+def test_the_store_loads_into_a_requests_blocks_from_a_token_on(tmp_path):
+    """The vLLM connector's load: ModelCache.load_prefix through EngineBlocks.scatter_into, from
+    the first token vLLM does not hold; its own blocks before that are never written."""
+    from fixtures import make_identity
+    from kvtool.store import open_store
+
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    tokens = list(range(500, 564))
+    kv = torch.randn(2, L, 64, H * D)
+    cache = open_store(tmp_path / "store").for_model(identity, chunk_size=32)
+    cache.put_sequence(tokens, kv)
+    blocks = EngineBlocks(engine("vllm_cpu", "cpu"), BS)
+    block_ids = [9, 4, 0, 11]
+    hit = cache.load_prefix(tokens, blocks.scatter_into(block_ids, 64), max_tokens=64, from_token=BS)
+    assert hit.num_tokens == 64
+    assert torch.equal(blocks.read(block_ids, BS, 64), kv[:, :, BS:])
+    assert not blocks.read(block_ids, 0, BS).any()

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from ..connectors import PagedLayout, PagedMemConnectorV2
+from ..connectors import MemoryObj, PagedLayout, PagedMemConnectorV2
 
 
 class UnsupportedKVLayout(ValueError):
@@ -71,6 +71,15 @@ class EngineBlocks:
         memory = self.paged.allocate(kv.shape[2], self.dtype)
         memory.tensor.copy_(kv)
         self.paged.to_gpu(memory, start, end, kvcaches=self.layers, slot_mapping=self.slots(block_ids, end))
+
+    def scatter_into(self, block_ids: Sequence[int], end: int):
+        """A `scatter(kv, start, stop)` for kvtool.load: tokens [start, stop) of a request holding
+        `block_ids` (stop <= end) into its blocks; safe to call from several threads at once."""
+        slots = self.slots(block_ids, end)
+
+        def scatter(kv: torch.Tensor, start: int, stop: int) -> None:
+            self.paged.to_gpu(MemoryObj.from_tensor(kv), start, stop, kvcaches=self.layers, slot_mapping=slots)
+        return scatter
 
     def read(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """Tokens [start, end) of a request from its blocks, as a host [2, L, end - start, H*D] tensor."""

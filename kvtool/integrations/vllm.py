@@ -166,10 +166,12 @@ class KVToolConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         for load in getattr(meta, "loads", []):
             began = time.perf_counter()
-            hit = self.cache.get_prefix(load.token_ids, max_tokens=load.end)
+            # kvtool.load's pipeline: fetch, check, decode and scatter chunk by chunk, into blocks
+            # from load.start on (vLLM's own blocks before it, perhaps shared, are never written)
+            hit = self.cache.load_prefix(load.token_ids, self._blocks.scatter_into(load.block_ids, load.end),
+                                         max_tokens=load.end, from_token=load.start)
             done = min(hit.num_tokens, load.end)
             if done > load.start:
-                self._blocks.write(hit.kv()[:, :, load.start:done], load.block_ids, load.start)
                 self.stats["loaded_tokens"] += done - load.start
             self.stats["load_seconds"] += time.perf_counter() - began
             if done < load.end:  # missing or refused: never wrong KV; vLLM's policy decides
@@ -194,8 +196,11 @@ class KVToolConnector(KVConnectorBase_V1):
             began = time.perf_counter()
             kv = self._blocks.read(save.block_ids, save.start, save.end)
             result = self.cache.put_sequence(save.token_ids, kv, codec=self.codec, start=save.start)
+            seconds = time.perf_counter() - began
             self.stats["saved_chunks"] += result.stored
-            self.stats["save_seconds"] += time.perf_counter() - began
+            self.stats["save_seconds"] += seconds
+            log.info("kvtool: request %s: saved %d chunks (%d bytes) in %.1f ms", save.req_id, result.stored,
+                     result.stored_bytes, 1e3 * seconds)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None

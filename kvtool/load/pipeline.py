@@ -122,8 +122,11 @@ def _staging_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def file_tasks(reader, num_tokens: int, *, verify: bool = True) -> list[ChunkTask]:
     """Tasks for a container file's chunks covering tokens [0, num_tokens) (a `ContainerReader`).
-    Raw chunks are read with one pread into the thread's staging buffer and checked there; other
-    codecs decode from the mapped file."""
+
+    Raw chunks of a local file are read with one pread into the thread's staging buffer, checked
+    there and scattered from there: the bytes checked are the bytes loaded (scattering from the
+    mapped file after checking it would leave a window for a writer to change them). Other codecs
+    decode from the mapped file."""
     from ..dtypes import dtype_from_name
 
     tasks = []
