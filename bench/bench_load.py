@@ -1,0 +1,195 @@
+"""Loading KV into paged buffers: kvtool's load path next to its peers and the machine's limits.
+
+    python bench/bench_load.py [--quick] [--rounds 5] [--json OUT] [--dir TMP]
+
+No model weights: random KV in the geometry of the default model (SmolLM2-135M: 30 layers x 3 KV
+heads x 64) and of an 8B model (Llama-3-8B: 32 x 8 x 128), bf16, 2,048 and 8,192 tokens
+(--quick: 2,048 only), in raw, zstd and cachegen files of 256-token chunks and in a local chunk
+store (raw), all in the page cache. Each is loaded into kvtool's own paged buffers (flash_attn
+layout, block size 16, shuffled blocks), every chunk CRC-checked, side by side in one run:
+
+  before      the path before kvtool.load: chunk by chunk, read_chunk (a copy), then a staging
+              copy, then the torch scatter (KVTOOL_PAGED_NATIVE=0, one thread)
+  pipeline    kvtool.load: worker threads read (pread into a reused buffer), check, decode and
+              scatter (the native row copy) chunk by chunk
+  store       ModelCache.load_prefix from a local store (the same pipeline over store objects)
+  safetensors safetensors.torch.load_file of the same KV as one tensor, then the same scatter
+              into the paged buffers (what a user of safetensors would do; no CRC)
+  limits      a plain copy of the same bytes (torch, dst.copy_(src)); preads of the raw file into
+              one buffer (page cache -> memory, one thread)
+
+GB/s are of decoded KV bytes; "vs copy" divides by the plain copy. On a GPU (when torch sees one)
+the same files load into buffers on the device, next to a pinned host-to-device copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from kvtool.connectors import MemoryObj, PagedMemConnectorV2  # noqa: E402
+from kvtool.format import ContainerReader, ContainerWriter  # noqa: E402
+from kvtool.identity import ModelIdentity  # noqa: E402
+from kvtool.load import file_tasks, load_chunks  # noqa: E402
+from kvtool.store import open_store  # noqa: E402
+
+SHAPES = {"SmolLM2-135M": (30, 3, 64), "8B (Llama-3-8B)": (32, 8, 128)}
+CHUNK, BLOCK = 256, 16
+
+
+def identity(name: str, layers: int, heads: int, head_dim: int) -> ModelIdentity:
+    return ModelIdentity(name=name, architecture="LlamaForCausalLM", num_layers=layers,
+                         num_attention_heads=heads * 4, num_kv_heads=heads, head_dim=head_dim,
+                         hidden_size=heads * 4 * head_dim, intermediate_size=8 * heads * head_dim,
+                         vocab_size=32000, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         rope={"rope_theta": 500000.0, "rope_scaling": None})
+
+
+def best_of(fns: dict, rounds: int) -> dict:
+    """Best seconds of each function, all taking turns, so other load hits each alike."""
+    for fn in fns.values():
+        fn()
+    best = {k: float("inf") for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
+
+
+class Paged:
+    """kvtool engine-style paged buffers (flash_attn) for `tokens` tokens, shuffled blocks."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int, tokens: int, device: str = "cpu"):
+        blocks = tokens // BLOCK + 1
+        self.caches = [torch.zeros(2, blocks, BLOCK, heads, head_dim, dtype=torch.bfloat16, device=device)
+                       for _ in range(layers)]
+        order = torch.randperm(blocks, generator=torch.Generator().manual_seed(0))
+        t = torch.arange(tokens)
+        self.slots = (order[t // BLOCK] * BLOCK + t % BLOCK).to(device)
+        self.connector = PagedMemConnectorV2(heads * head_dim, layers, layout="flash_attn", num_kv_heads=heads,
+                                             head_dim=head_dim, use_gpu=device != "cpu")
+
+    def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
+        self.connector.to_gpu(MemoryObj.from_tensor(kv), start, end, kvcaches=self.caches, slot_mapping=self.slots)
+
+    def gather(self, tokens: int) -> torch.Tensor:
+        out = self.connector.allocate(tokens, torch.bfloat16)
+        self.connector.from_gpu(out, 0, tokens, kvcaches=self.caches, slot_mapping=self.slots)
+        return out.tensor
+
+
+def before(reader: ContainerReader, paged: Paged, tokens: int) -> None:
+    """The load path before kvtool.load (ops.replay's loop): one chunk at a time, torch scatter."""
+    previous = os.environ.get("KVTOOL_PAGED_NATIVE")
+    os.environ["KVTOOL_PAGED_NATIVE"] = "0"
+    try:
+        for chunk in reader.chunks:
+            decoded = reader.read_chunk(chunk.index)
+            end = min(chunk.end, tokens)
+            memory = paged.connector.allocate(end - chunk.start, decoded.dtype)
+            memory.tensor.copy_(decoded[:, :, :end - chunk.start])
+            paged.connector.to_gpu(memory, chunk.start, end, kvcaches=paged.caches, slot_mapping=paged.slots)
+    finally:
+        if previous is None:
+            del os.environ["KVTOOL_PAGED_NATIVE"]
+        else:
+            os.environ["KVTOOL_PAGED_NATIVE"] = previous
+
+
+def pipeline(path: Path, paged: Paged, tokens: int) -> None:
+    with ContainerReader(path) as reader:
+        outcome = load_chunks(file_tasks(reader, tokens), paged.scatter)
+    assert outcome.error is None and outcome.loaded_tokens == tokens, outcome
+
+
+def preads(path: Path, buffer: torch.Tensor) -> None:
+    view = memoryview(buffer.view(torch.uint8).numpy())
+    with open(path, "rb", buffering=0) as f:
+        f.readinto(view)
+
+
+def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int, tmp: Path, rounds: int) -> list[dict]:
+    ident = identity(name, layers, heads, head_dim)
+    gen = torch.Generator().manual_seed(tokens)
+    kv = (torch.randn(2, layers, tokens, heads * head_dim, generator=gen) * 2).to(torch.bfloat16)
+    token_ids = [(7 * i + 3) % 32000 for i in range(tokens)]
+    nbytes = kv.numel() * kv.element_size()
+    files = {}
+    for codec in ("raw", "zstd", "cachegen"):
+        files[codec] = tmp / f"{codec}.kvc"
+        with ContainerWriter(files[codec], ident, token_ids, kv_dtype=torch.bfloat16, chunk_size=CHUNK) as w:
+            for s, e in w.chunk_ranges():
+                w.write_chunk(kv[:, :, s:e], codec)
+    save_file({"kv": kv}, str(tmp / "kv.safetensors"))
+    store_cache = open_store(tmp / "store").for_model(ident, CHUNK)
+    store_cache.put_sequence(token_ids, kv)
+    whole = tokens // CHUNK * CHUNK
+    paged = Paged(layers, heads, head_dim, tokens)
+    src, dst, buffer = kv.clone(), torch.empty_like(kv), torch.empty(files["raw"].stat().st_size, dtype=torch.uint8)
+    fns = {"limit: copy of the same bytes": lambda: dst.copy_(src),
+           "limit: pread of the raw file": lambda: preads(files["raw"], buffer),
+           "safetensors load_file + scatter": lambda: paged.scatter(load_file(str(tmp / "kv.safetensors"))["kv"], 0, tokens)}
+    for codec, path in files.items():
+        reader = ContainerReader(path)
+        fns[f"{codec}: before"] = lambda r=reader: before(r, paged, tokens)
+        fns[f"{codec}: pipeline"] = lambda p=path: pipeline(p, paged, tokens)
+    fns["raw: store load_prefix"] = lambda: store_cache.load_prefix(token_ids, paged.scatter)
+    best = best_of(fns, rounds)
+    pipeline(files["raw"], paged, tokens)
+    assert torch.equal(paged.gather(tokens), kv), "the pipeline loaded different KV"
+    copy = best["limit: copy of the same bytes"]
+    rows = []
+    for what, seconds in best.items():
+        moved = whole if "store" in what else tokens  # the store holds whole chunks only
+        gbps = nbytes * moved / tokens / seconds / 1e9
+        rows.append({"geometry": name, "tokens": tokens, "what": what, "seconds": seconds, "GBps": gbps,
+                     "vs_copy": copy / seconds * moved / tokens, "bytes": nbytes})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2,048 tokens only")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--dir", type=Path)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="kvtool-bench-load-", dir=args.dir))
+    rows = []
+    try:
+        for name, (layers, heads, head_dim) in SHAPES.items():
+            for tokens in ([2048] if args.quick else [2048, 8192]):
+                print(f"… {name}, {tokens} tokens", file=sys.stderr, flush=True)
+                rows += run_geometry(name, layers, heads, head_dim, tokens, tmp, args.rounds)
+                for p in tmp.iterdir():
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads); bf16 KV, chunks of {CHUNK}, best of {args.rounds}\n")
+    print("| geometry | tokens | what | MB | ms | GB/s | vs copy |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['geometry']} | {r['tokens']} | {r['what']} | {r['bytes'] / 1e6:,.0f} | {1e3 * r['seconds']:.1f} | "
+              f"{r['GBps']:.2f} | {r['vs_copy']:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
