@@ -32,7 +32,7 @@ def _plan(t: torch.Tensor, layout: PagedLayout, kv: int, block, offset, geo: Pag
     (element-wise; strided channels)."""
     H, D = geo.num_kv_heads, geo.head_dim
     strides = t.stride()
-    if layout is PagedLayout.VLLM_CPU:  # K is transposed in its page: element by element
+    if layout is PagedLayout.VLLM_CPU and kv == 0:  # K is transposed in its page: element by element
         heads = torch.arange(H, device=block.device)
         start = run_offset(layout, kv, block[:, None], offset[:, None], heads[None, :], strides, D)  # [T, H]
         chan = torch.arange(D, device=block.device) * channel_stride(layout, kv, strides, geo.block_size)
