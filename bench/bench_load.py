@@ -18,7 +18,8 @@ layout, block size 16, shuffled blocks), every chunk CRC-checked, side by side i
   limits      a plain copy of the same bytes (torch, dst.copy_(src)); preads of the raw file into
               one buffer (page cache -> memory, one thread)
 
-GB/s are of decoded KV bytes; "vs copy" divides by the plain copy. On a GPU (when torch sees one)
+GB/s are of decoded KV bytes; "vs copy" divides by the plain copy. A last table times the vLLM
+connector's copies into and out of vLLM's CPU layout, native vs the torch reference. On a GPU (when torch sees one)
 the same files load into buffers on the device, next to a pinned host-to-device copy.
 """
 
@@ -162,6 +163,43 @@ def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int,
     return rows
 
 
+def vllm_cpu_layout(rounds: int) -> list[dict]:
+    """The vLLM connector's copies: 1,024 tokens (4 chunks) of the default model's float32 KV into
+    and out of vLLM's CPU layout (integrations.engine_blocks), the native row copy vs the torch
+    reference, next to a plain copy of the same bytes."""
+    from kvtool.integrations.engine_blocks import EngineBlocks
+
+    layers, heads, head_dim, block, tokens = 30, 3, 64, 128, 1024
+    blocks = EngineBlocks([torch.zeros(182, heads, block, 2 * head_dim) for _ in range(layers)], block)
+    block_ids = [5, 77, 12, 140, 33, 9, 100, 150]
+    kv = torch.randn(2, layers, CHUNK, heads * head_dim)
+    src, dst = torch.randn(2, layers, tokens, heads * head_dim), torch.empty(2, layers, tokens, heads * head_dim)
+
+    def write():
+        for c in range(tokens // CHUNK):
+            blocks.write(kv, block_ids, c * CHUNK)
+
+    def read():
+        for c in range(tokens // CHUNK):
+            blocks.read(block_ids, c * CHUNK, (c + 1) * CHUNK)
+
+    def torch_path(fn):
+        def run():
+            os.environ["KVTOOL_PAGED_NATIVE"] = "0"
+            try:
+                fn()
+            finally:
+                del os.environ["KVTOOL_PAGED_NATIVE"]
+        return run
+
+    best = best_of({"limit: copy of the same bytes": lambda: dst.copy_(src), "write (load), native": write,
+                    "write (load), torch reference": torch_path(write), "read (save), native": read,
+                    "read (save), torch reference": torch_path(read)}, rounds)
+    nbytes = src.numel() * 4
+    return [{"what": k, "seconds": v, "GBps": nbytes / v / 1e9, "vs_copy": best["limit: copy of the same bytes"] / v}
+            for k, v in best.items()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2,048 tokens only")
@@ -187,8 +225,15 @@ def main() -> None:
     for r in rows:
         print(f"| {r['geometry']} | {r['tokens']} | {r['what']} | {r['bytes'] / 1e6:,.0f} | {1e3 * r['seconds']:.1f} | "
               f"{r['GBps']:.2f} | {r['vs_copy']:.2f} |")
+    cpu_rows = vllm_cpu_layout(args.rounds)
+    print("\nvLLM's CPU layout (the vLLM connector's copies): 1,024 tokens of SmolLM2-135M float32 KV, "
+          "4 chunks, 8 blocks of 128\n")
+    print("| what | ms | GB/s | vs copy |")
+    print("|---|---:|---:|---:|")
+    for r in cpu_rows:
+        print(f"| {r['what']} | {1e3 * r['seconds']:.1f} | {r['GBps']:.2f} | {r['vs_copy']:.2f} |")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps({"load": rows, "vllm_cpu": cpu_rows}, indent=1))
 
 
 if __name__ == "__main__":
