@@ -63,6 +63,17 @@ def host_memory_bytes() -> int | None:
         return None
 
 
+def host_threads() -> int:
+    """Threads kvtool's own CPU work may use: KVTOOL_THREADS, else the cores this process may run on."""
+    env = os.environ.get("KVTOOL_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def synchronize(device: "torch.device") -> None:
     """Wait for the device's queued work, so a wall-clock timing covers it."""
     if device.type == "cuda":

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from ..devices import host_threads
 from .paged_layout import LayerKV, PagedLayout, layer_tensors
 from .paged_torch import _plans_for
 
@@ -40,12 +41,7 @@ def native_module() -> ModuleType | None:
 
 
 def _threads(total_bytes: int) -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        cores = os.cpu_count() or 1
-    wanted = int(os.environ.get("KVTOOL_THREADS", "0") or 0) or cores
-    return max(1, min(wanted, 16, total_bytes // MIN_BYTES_PER_THREAD))
+    return max(1, min(host_threads(), 16, total_bytes // MIN_BYTES_PER_THREAD))
 
 
 def _copy(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor, blob: torch.Tensor,

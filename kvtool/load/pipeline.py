@@ -12,7 +12,6 @@ but lie past the loaded prefix (an engine computes those slots again).
 
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..devices import host_threads
 from ..errors import KvtoolError, ShapeMismatch
 
 
@@ -44,16 +44,8 @@ class LoadOutcome:
 
 
 def load_threads(tasks: int) -> int:
-    """Worker threads: KVTOOL_LOAD_THREADS, else the usable cores (at most 8), never more than tasks."""
-    env = os.environ.get("KVTOOL_LOAD_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        wanted = int(env)
-    else:
-        try:
-            wanted = min(8, len(os.sched_getaffinity(0)))
-        except (AttributeError, OSError):  # pragma: no cover - non-Linux
-            wanted = min(8, os.cpu_count() or 1)
-    return max(1, min(wanted, tasks))
+    """Worker threads: KVTOOL_THREADS or the usable cores, at most 8, never more than tasks."""
+    return max(1, min(host_threads(), 8, tasks))
 
 
 def _as_blob(kv: torch.Tensor, first: int, count: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
+from ...devices import host_threads
 from ...notices import notice
 
 _module: ModuleType | None = None
@@ -46,13 +47,4 @@ def native_available() -> bool:
 
 
 def default_threads() -> int:
-    env = os.environ.get("KVTOOL_THREADS")
-    if env:
-        try:
-            return max(1, int(env))
-        except ValueError:
-            pass
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        return max(1, os.cpu_count() or 1)
+    return host_threads()
