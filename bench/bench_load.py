@@ -47,6 +47,9 @@ from kvtool.identity import ModelIdentity  # noqa: E402
 from kvtool.load import file_tasks, load_chunks  # noqa: E402
 from kvtool.store import open_store  # noqa: E402
 
+sys.path.insert(0, str(REPO / "bench"))
+from bench_connectors import time_round_robin  # noqa: E402
+
 SHAPES = {"SmolLM2-135M": (30, 3, 64), "8B (Llama-3-8B)": (32, 8, 128)}
 CHUNK, BLOCK = 256, 16
 
@@ -57,19 +60,6 @@ def identity(name: str, layers: int, heads: int, head_dim: int) -> ModelIdentity
                          hidden_size=heads * 4 * head_dim, intermediate_size=8 * heads * head_dim,
                          vocab_size=32000, rms_norm_eps=1e-5, tie_word_embeddings=False,
                          rope={"rope_theta": 500000.0, "rope_scaling": None})
-
-
-def best_of(fns: dict, rounds: int) -> dict:
-    """Best seconds of each function, all taking turns, so other load hits each alike."""
-    for fn in fns.values():
-        fn()
-    best = {k: float("inf") for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[k] = min(best[k], time.perf_counter() - t0)
-    return best
 
 
 class Paged:
@@ -150,7 +140,7 @@ def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int,
         fns[f"{codec}: before"] = lambda r=reader: before(r, paged, tokens)
         fns[f"{codec}: pipeline"] = lambda p=path: pipeline(p, paged, tokens)
     fns["raw: store load_prefix"] = lambda: store_cache.load_prefix(token_ids, paged.scatter)
-    best = best_of(fns, rounds)
+    best = time_round_robin(fns, rounds)
     pipeline(files["raw"], paged, tokens)
     assert torch.equal(paged.gather(tokens), kv), "the pipeline loaded different KV"
     copy = best["limit: copy of the same bytes"]
@@ -192,7 +182,7 @@ def vllm_cpu_layout(rounds: int) -> list[dict]:
                 del os.environ["KVTOOL_PAGED_NATIVE"]
         return run
 
-    best = best_of({"limit: copy of the same bytes": lambda: dst.copy_(src), "write (load), native": write,
+    best = time_round_robin({"limit: copy of the same bytes": lambda: dst.copy_(src), "write (load), native": write,
                     "write (load), torch reference": torch_path(write), "read (save), native": read,
                     "read (save), torch reference": torch_path(read)}, rounds)
     nbytes = src.numel() * 4
