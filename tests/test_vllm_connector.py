@@ -185,3 +185,17 @@ def test_generated_tokens_are_saved_when_configured(tmp_path, reference):
     follow_up = first["prompt_token_ids"] + first["token_ids"]
     second = serve(tmp_path / "second", [follow_up], store=store, codec="raw", max_tokens=4)["requests"][0]
     assert second["num_cached_tokens"] == (len(follow_up) - 1) // CHUNK * CHUNK == 4 * CHUNK
+
+
+
+def test_an_unreachable_store_is_named_when_the_engine_starts(tmp_path):
+    """A Redis store that does not answer when the engine starts: vLLM refuses to start, and the
+    log names the store and why (not a hang, not a half-working server). Once started, an outage
+    is a miss and a skipped save with a warning (the connector catches kvtool's errors)."""
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps({"prompts": [PROMPT], "connector": "kvtool", "store": "redis://127.0.0.1:1/0"}))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    out = subprocess.run([PYTHON, str(REPO / "scripts" / "vllm_serve.py"), str(spec)], capture_output=True,
+                         text=True, timeout=600, env=env, cwd=tmp_path)
+    assert out.returncode != 0
+    assert "redis://127.0.0.1:1/0: the Redis server cannot be reached" in out.stdout + out.stderr

@@ -33,7 +33,9 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                   KVConnectorRole)
 
+from .. import codecs
 from ..engine.loader import model_identity
+from ..errors import KvtoolError
 from ..store import open_store
 from .engine_blocks import EngineBlocks
 
@@ -72,6 +74,8 @@ class KVToolConnector(KVConnectorBase_V1):
         if not url:
             raise ValueError("KVToolConnector needs kv_connector_extra_config.store: a folder or redis://...")
         self.codec = config.get_from_extra_config("codec", "raw")
+        if self.codec not in codecs.codec_names():
+            raise ValueError(f"KVToolConnector: unknown codec {self.codec!r} (one of {', '.join(codecs.codec_names())})")
         self.chunk_size = int(config.get_from_extra_config("chunk_size", 256))
         self.save_generated = bool(config.get_from_extra_config("save_generated", False))
         self.block_size = vllm_config.cache_config.block_size
@@ -94,7 +98,11 @@ class KVToolConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         tokens = list(request.prompt_token_ids)
-        stored = self.cache.lookup(tokens)
+        try:
+            stored = self.cache.lookup(tokens)
+        except KvtoolError as err:  # an unreachable store is a miss: the request is computed
+            log.warning("kvtool: request %s: store %s not consulted (%s)", request.request_id, self.store.url, err)
+            stored = 0
         usable = min(stored, (len(tokens) - 1) // self.block_size * self.block_size)  # one token is computed
         self._matched[request.request_id] = num_computed_tokens  # where our tokens would start
         return max(0, usable - num_computed_tokens), False
@@ -168,9 +176,12 @@ class KVToolConnector(KVConnectorBase_V1):
             began = time.perf_counter()
             # kvtool.load's pipeline: fetch, check, decode and scatter chunk by chunk, into blocks
             # from load.start on (vLLM's own blocks before it, perhaps shared, are never written)
-            hit = self.cache.load_prefix(load.token_ids, self._blocks.scatter_into(load.block_ids, load.end),
-                                         max_tokens=load.end, from_token=load.start)
-            done = min(hit.num_tokens, load.end)
+            try:
+                hit = self.cache.load_prefix(load.token_ids, self._blocks.scatter_into(load.block_ids, load.end),
+                                             max_tokens=load.end, from_token=load.start)
+                done, why = min(hit.num_tokens, load.end), "; ".join(hit.refused) or "missing"
+            except KvtoolError as err:  # e.g. the store went away: a load failure, never a crash
+                done, why = load.start, str(err)
             if done > load.start:
                 self.stats["loaded_tokens"] += done - load.start
             self.stats["load_seconds"] += time.perf_counter() - began
@@ -179,7 +190,7 @@ class KVToolConnector(KVConnectorBase_V1):
                 self._load_errors.update(load.block_ids[first:last + 1])
                 self.stats["load_failures"] += 1
                 log.warning("kvtool: request %s: only %d of %d tokens could be loaded from %s (%s)", load.req_id,
-                            done, load.end, self.store.url, "; ".join(hit.refused) or "missing")
+                            done, load.end, self.store.url, why)
             else:
                 log.debug("kvtool: request %s: loaded tokens %d..%d in %.1f ms", load.req_id, load.start, done,
                           1e3 * (time.perf_counter() - began))
@@ -195,7 +206,12 @@ class KVToolConnector(KVConnectorBase_V1):
         for save in getattr(meta, "saves", []):
             began = time.perf_counter()
             kv = self._blocks.read(save.block_ids, save.start, save.end)
-            result = self.cache.put_sequence(save.token_ids, kv, codec=self.codec, start=save.start)
+            try:
+                result = self.cache.put_sequence(save.token_ids, kv, codec=self.codec, start=save.start)
+            except KvtoolError as err:  # the store is unreachable or full: serving goes on, unsaved
+                log.warning("kvtool: request %s: tokens %d..%d not saved to %s (%s)", save.req_id, save.start,
+                            save.end, self.store.url, err)
+                continue
             seconds = time.perf_counter() - began
             self.stats["saved_chunks"] += result.stored
             self.stats["save_seconds"] += seconds
