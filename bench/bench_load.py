@@ -10,8 +10,10 @@ layout, block size 16, shuffled blocks), every chunk CRC-checked, side by side i
 
   before      the path before kvtool.load: chunk by chunk, read_chunk (a copy), then a staging
               copy, then the torch scatter (KVTOOL_PAGED_NATIVE=0, one thread)
-  pipeline    kvtool.load: worker threads read (pread into a reused buffer), check, decode and
-              scatter (the native row copy) chunk by chunk
+  pipeline    kvtool.load: worker threads check, decode and scatter chunk by chunk; raw chunks
+              go from the mapped file into the paged buffers in one pass, CRC-32C computed as
+              they are copied ("pread + CRC + scatter": the earlier three passes: a pread into
+              a reused buffer, the CRC, the native row copy)
   store       ModelCache.load_prefix from a local store (the same pipeline over store objects)
   safetensors safetensors.torch.load_file of the same KV as one tensor, then the same scatter
               into the paged buffers (what a user of safetensors would do; no CRC)
@@ -75,8 +77,14 @@ class Paged:
         self.connector = PagedMemConnectorV2(heads * head_dim, layers, layout="flash_attn", num_kv_heads=heads,
                                              head_dim=head_dim, use_gpu=device != "cpu")
 
-    def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
-        self.connector.to_gpu(MemoryObj.from_tensor(kv), start, end, kvcaches=self.caches, slot_mapping=self.slots)
+    def scatter(self, kv: torch.Tensor, start: int, end: int, check=None) -> None:
+        """Takes stored bytes unchecked (`check`): raw chunks are CRC-checked as they are copied."""
+        self.connector.to_gpu(MemoryObj.from_tensor(kv, check=check), start, end, kvcaches=self.caches,
+                              slot_mapping=self.slots)
+
+    def scatter_checked_first(self, kv: torch.Tensor, start: int, end: int) -> None:
+        """Gets checked tensors only: raw chunks are pread into a staging buffer and CRC-checked first."""
+        self.scatter(kv, start, end)
 
     def gather(self, tokens: int) -> torch.Tensor:
         out = self.connector.allocate(tokens, torch.bfloat16)
@@ -102,9 +110,9 @@ def before(reader: ContainerReader, paged: Paged, tokens: int) -> None:
             os.environ["KVTOOL_PAGED_NATIVE"] = previous
 
 
-def pipeline(path: Path, paged: Paged, tokens: int) -> None:
+def pipeline(path: Path, paged: Paged, tokens: int, fused: bool = True) -> None:
     with ContainerReader(path) as reader:
-        outcome = load_chunks(file_tasks(reader, tokens), paged.scatter)
+        outcome = load_chunks(file_tasks(reader, tokens), paged.scatter if fused else paged.scatter_checked_first)
     assert outcome.error is None and outcome.loaded_tokens == tokens, outcome
 
 
@@ -139,6 +147,7 @@ def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int,
         reader = ContainerReader(path)
         fns[f"{codec}: before"] = lambda r=reader: before(r, paged, tokens)
         fns[f"{codec}: pipeline"] = lambda p=path: pipeline(p, paged, tokens)
+    fns["raw: pipeline, pread + CRC + scatter"] = lambda: pipeline(files["raw"], paged, tokens, fused=False)
     fns["raw: store load_prefix"] = lambda: store_cache.load_prefix(token_ids, paged.scatter)
     best = time_round_robin(fns, rounds)
     pipeline(files["raw"], paged, tokens)

@@ -15,8 +15,9 @@ from kvtool.load import ChunkTask, file_tasks, load_chunks
 L, H, D, BS = 2, 2, 8, 4
 
 
-def paged_target(num_tokens: int, seed: int = 0):
-    """Zeroed flash_attn buffers, a shuffled slot mapping and a scatter into them."""
+def paged_target(num_tokens: int, seed: int = 0, checking: bool = False):
+    """Zeroed flash_attn buffers, a shuffled slot mapping and a scatter into them (`checking`: one
+    that takes stored bytes unchecked and checks them as it copies)."""
     num_blocks = num_tokens // BS + 2
     caches = [torch.zeros(2, num_blocks, BS, H, D) for _ in range(L)]
     blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
@@ -27,12 +28,15 @@ def paged_target(num_tokens: int, seed: int = 0):
     def scatter(kv, start, end):
         connector.to_gpu(MemoryObj.from_tensor(kv), start, end, kvcaches=caches, slot_mapping=slots)
 
+    def checking_scatter(kv, start, end, check=None):
+        connector.to_gpu(MemoryObj.from_tensor(kv, check=check), start, end, kvcaches=caches, slot_mapping=slots)
+
     def read(start, end):
         out = connector.allocate(end - start, torch.float32)
         connector.from_gpu(out, start, end, kvcaches=caches, slot_mapping=slots)
         return out.tensor
 
-    return scatter, read
+    return (checking_scatter if checking else scatter), read
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -71,13 +75,14 @@ def test_tokens_inside_a_chunk_start_where_asked():
     assert not read(0, 5).any()  # the engine's own tokens are not written
 
 
+@pytest.mark.parametrize("checking", [False, True])
 @pytest.mark.parametrize("codec", ["raw", "zstd", "cachegen"])
 @pytest.mark.parametrize("num_tokens", [37, 40])
-def test_a_file_loads_into_paged_buffers_as_it_reads(tmp_path, codec, num_tokens):
+def test_a_file_loads_into_paged_buffers_as_it_reads(tmp_path, codec, num_tokens, checking):
     identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
     f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=45, chunk_size=8, codec=codec,
                       dtype=torch.float32)
-    scatter, read = paged_target(num_tokens)
+    scatter, read = paged_target(num_tokens, checking=checking)
     with ContainerReader(f.path) as reader:
         tasks = file_tasks(reader, num_tokens)
         assert len(tasks) == (num_tokens + 7) // 8
@@ -86,7 +91,10 @@ def test_a_file_loads_into_paged_buffers_as_it_reads(tmp_path, codec, num_tokens
         assert torch.equal(read(0, num_tokens), reader.read_range(0, num_tokens))
 
 
-def test_a_damaged_chunk_of_a_file_stops_the_load_there(tmp_path):
+@pytest.mark.parametrize("checking", [False, True, "torch"])
+def test_a_damaged_chunk_of_a_file_stops_the_load_there(tmp_path, checking, monkeypatch):
+    if checking == "torch":  # no native checked copy: the payload is copied and checked first
+        monkeypatch.setenv("KVTOOL_PAGED_NATIVE", "0")
     identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
     f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=32, chunk_size=8, dtype=torch.float32)
     with ContainerReader(f.path) as reader:
@@ -94,14 +102,15 @@ def test_a_damaged_chunk_of_a_file_stops_the_load_there(tmp_path):
     data = bytearray(f.path.read_bytes())
     data[offset + 3] ^= 0x40
     f.path.write_bytes(bytes(data))
-    scatter, read = paged_target(32)
+    scatter, read = paged_target(32, checking=bool(checking))
     with ContainerReader(f.path) as reader:
         outcome = load_chunks(file_tasks(reader, 32), scatter, threads=2)
     assert isinstance(outcome.error, ChecksumMismatch) and outcome.loaded_tokens == 16
     assert torch.equal(read(0, 16), f.kv[:, :, :16])
 
 
-def test_the_store_loads_from_a_token_on_and_refuses_damage(tmp_path):
+@pytest.mark.parametrize("checking", [False, True])
+def test_the_store_loads_from_a_token_on_and_refuses_damage(tmp_path, checking):
     from kvtool.store import open_store
 
     identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
@@ -109,7 +118,7 @@ def test_the_store_loads_from_a_token_on_and_refuses_damage(tmp_path):
     kv = make_kv(identity, 40, torch.float32)
     cache = open_store(tmp_path / "store").for_model(identity, chunk_size=8)
     cache.put_sequence(tokens, kv)
-    scatter, read = paged_target(40)
+    scatter, read = paged_target(40, checking=checking)
     hit = cache.load_prefix(tokens, scatter, from_token=12)
     assert hit.num_tokens == 40 and hit.codecs == ["raw"] * 4 and not hit.refused
     assert torch.equal(read(12, 40), kv[:, :, 12:40]) and not read(0, 12).any()
@@ -121,8 +130,58 @@ def test_the_store_loads_from_a_token_on_and_refuses_damage(tmp_path):
     data = bytearray(third.read_bytes())
     data[offset + 5] ^= 0x01  # the payload: its CRC no longer matches
     third.write_bytes(bytes(data))
-    scatter, read = paged_target(40, seed=1)
+    scatter, read = paged_target(40, seed=1, checking=checking)
     hit = cache.load_prefix(tokens, scatter)
     assert hit.num_tokens == 16 and len(hit.refused) == 1
     assert torch.equal(read(0, 16), kv[:, :, :16])
     assert "CRC-32C" in hit.refused[0] and cache.store.counters.refused == 1
+
+
+def test_raw_chunks_are_checked_as_they_are_scattered_not_before(tmp_path, monkeypatch):
+    """A scatter that checks gets a raw file's whole chunks as views of the mapped file (no
+    pread, no separate CRC pass) and the native checked copy moves them; a partial last chunk
+    and other codecs take the staging path."""
+    from kvtool.connectors import paged_native
+
+    if paged_native.native_module() is None:
+        pytest.skip("kvtool._paged_native is not built")
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=45, chunk_size=8, dtype=torch.float32)
+    calls = {"checked": 0, "pread": 0}
+    checked, pread = paged_native.native_scatter_checked, ContainerReader.read_chunk_into
+
+    def count_checked(*args):
+        calls["checked"] += 1
+        return checked(*args)
+
+    def count_pread(self, *args, **kwargs):
+        calls["pread"] += 1
+        return pread(self, *args, **kwargs)
+
+    monkeypatch.setattr(paged_native, "native_scatter_checked", count_checked)
+    monkeypatch.setattr(ContainerReader, "read_chunk_into", count_pread)
+    scatter, read = paged_target(45, checking=True)
+    with ContainerReader(f.path) as reader:
+        outcome = load_chunks(file_tasks(reader, 43), scatter, threads=2)
+    assert outcome.error is None and outcome.loaded_tokens == 43
+    assert calls == {"checked": 5, "pread": 1}  # 5 whole chunks mapped; tokens 40..43 of the last read
+    assert torch.equal(read(0, 43), f.kv[:, :, :43])
+
+
+def test_unchecked_bytes_through_the_nested_connector_are_checked_first():
+    from kvtool.checksum import PayloadCheck, crc32
+    from kvtool.connectors import NestedTupleConnector
+
+    kv = torch.randn(2, L, 8, H * D)
+    payload = bytearray(kv.view(torch.uint8).reshape(-1).numpy().tobytes())
+    view = torch.frombuffer(payload, dtype=torch.float32).view(kv.shape)
+    check = PayloadCheck(memoryview(payload), crc32(payload), "chunk 0")
+    caches = [(torch.zeros(8, H, D), torch.zeros(8, H, D)) for _ in range(L)]
+    connector = NestedTupleConnector(H * D, L)
+    connector.to_gpu(MemoryObj.from_tensor(view, check=check), 0, 8, kvcaches=caches)
+    assert torch.equal(caches[1][1], kv[1, 1].view(8, H, D))
+    payload[9] ^= 1
+    fresh = [(torch.zeros(8, H, D), torch.zeros(8, H, D)) for _ in range(L)]
+    with pytest.raises(ChecksumMismatch, match="chunk 0"):
+        connector.to_gpu(MemoryObj.from_tensor(view, check=check), 0, 8, kvcaches=fresh)
+    assert not any(t.any() for pair in fresh for t in pair)

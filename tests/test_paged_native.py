@@ -76,3 +76,99 @@ def test_rows_out_of_range_are_refused_before_any_write():
     with pytest.raises(IndexError):
         native.copy_rows(short, memoryview(torch.tensor([0, 1, 2]).numpy()).cast("B"), 32, 1, 1)
     assert not paged.any()
+
+
+# --- CRC-32C while copying (kernels/crc32c_cpu.c) and the checked scatter ---------------------
+
+@needs_native
+@pytest.mark.parametrize("portable", [False, True])
+def test_crc32c_matches_the_crc32c_package(portable):
+    import crc32c
+
+    native.crc32c_force_portable(portable)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        for n in (0, 1, 2, 3, 7, 8, 9, 31, 32, 33, 255, 4096, 100_003):
+            data = bytes(torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8).tolist())
+            assert native.crc32c(data) == crc32c.crc32c(data), n
+            for cut in {0, n // 3, n}:
+                a, b = crc32c.crc32c(data[:cut]), crc32c.crc32c(data[cut:])
+                assert native.crc32c_combine(a, b, n - cut) == crc32c.crc32c(data), (n, cut)
+    finally:
+        native.crc32c_force_portable(False)
+
+
+def _payload_blob(shape, dtype, gen):
+    """A KV_BLOB living in a bytearray (as a mapped chunk lives in its file) and its CRC."""
+    from kvtool.checksum import PayloadCheck, crc32
+
+    values = torch.randn(*shape, generator=gen).to(dtype)
+    payload = bytearray(values.view(torch.uint8).reshape(-1).numpy().tobytes())
+    view = torch.frombuffer(payload, dtype=dtype).view(shape)
+    return payload, view, PayloadCheck(memoryview(payload), crc32(payload), "chunk 7")
+
+
+@needs_native
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("portable", [False, True])
+def test_checked_scatter_writes_the_reference_bytes(layout, dtype, portable, monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    T, BS, L, H, D, NB = 133, 16, 3, 2, 8, 12
+    bufs = make_buffers(layout, L, NB, BS, H, D, dtype, gen)
+    slots = shuffled_slots(T, NB, BS, gen)
+    _, view, check = _payload_blob((2, L, T, H * D), dtype, gen)
+    ref, out = clone_buffers(bufs, layout), clone_buffers(bufs, layout)
+    paged_torch.torch_scatter(view.clone(), ref, PagedLayout(layout), slots)
+    native.crc32c_force_portable(portable)
+    try:
+        for threads in ("1", "3"):
+            monkeypatch.setenv("KVTOOL_THREADS", threads)
+            assert paged_native.native_scatter_checked(view, out, PagedLayout(layout), slots, check)
+            assert buffers_equal(ref, out, layout), threads
+    finally:
+        native.crc32c_force_portable(False)
+
+
+@needs_native
+def test_checked_scatter_on_strided_buffers():
+    gen = torch.Generator().manual_seed(4)
+    T, BS, L, H, D = 77, 8, 2, 3, 8
+    for name, layout, bufs in _strided_cases(L, 10, BS, H, D, gen):
+        slots = shuffled_slots(T, 10, BS, gen)
+        _, view, check = _payload_blob((2, L, T, H * D), torch.float32, gen)
+        ref, out = clone_buffers(bufs, layout), clone_buffers(bufs, layout)
+        paged_torch.torch_scatter(view.clone(), ref, PagedLayout(layout), slots)
+        assert paged_native.native_scatter_checked(view, out, PagedLayout(layout), slots, check), name
+        assert buffers_equal(ref, out, layout), name
+
+
+@needs_native
+@pytest.mark.parametrize("where", [0, 1, -1])
+def test_checked_scatter_refuses_a_changed_byte_anywhere(where, monkeypatch):
+    from kvtool.errors import ChecksumMismatch
+
+    monkeypatch.setenv("KVTOOL_THREADS", "2")
+    gen = torch.Generator().manual_seed(6)
+    T, BS, L, H, D, NB = 64, 16, 2, 2, 8, 6
+    bufs = make_buffers("flash_attn", L, NB, BS, H, D, torch.float32, gen)
+    slots = shuffled_slots(T, NB, BS, gen)
+    payload, view, check = _payload_blob((2, L, T, H * D), torch.float32, gen)
+    payload[where * (len(payload) // 2) if where != -1 else -1] ^= 0x10  # first, middle or last byte
+    with pytest.raises(ChecksumMismatch, match="chunk 7: CRC-32C mismatch"):
+        paged_native.native_scatter_checked(view, bufs, PagedLayout("flash_attn"), slots, check)
+
+
+@needs_native
+def test_checked_scatter_refuses_segments_outside_the_payload_before_any_write():
+    paged, rows = torch.zeros(4, 8), torch.tensor([0, 1, 2], dtype=torch.int64)
+    payload = bytearray(3 * 32)
+    base = torch.frombuffer(payload, dtype=torch.uint8).data_ptr()
+    seg = lambda blob, n, rs=rows: struct.pack("<6Q", paged.data_ptr(), 4, blob, n, 32, rs.data_ptr())  # noqa: E731
+    for segments in (seg(base + 32, 3),  # runs past the payload's end
+                     seg(base - 32, 1),  # starts before it
+                     seg(base, 3, torch.tensor([0, 1, 4])),  # a row past the paged tensor
+                     seg(base + 64, 1) + seg(base, 1)):  # out of order
+        with pytest.raises(IndexError):
+            native.scatter_checked(segments, payload, 2)
+    assert not paged.any()

@@ -90,6 +90,8 @@ class NestedTupleConnector(GPUConnectorInterface):
         views, total = self._token_views(kwargs)
         start, end = self._check_range(start, end, total)
         blob = self._check_memory_obj(memory_obj, end - start, views[0][0].device, reading=True)
+        if memory_obj.metadata.check is not None:  # unchecked stored bytes: copy, check, then load
+            blob = memory_obj.metadata.check.verified(blob)
         n = end - start
         for li, pair in enumerate(views):
             for kv in (0, 1):

@@ -146,11 +146,14 @@ class _PagedConnector(GPUConnectorInterface):
         start, end = self._check_range(start, end)
         slots = self._check_slots(kwargs, start, end, geo, first.device, distinct=True)
         blob = self._check_memory_obj(memory_obj, end - start, first.device, reading=True)
+        check = memory_obj.metadata.check
         if blob.device != first.device:
+            if check is not None:  # unchecked stored bytes: check a private copy before it moves
+                blob, check = check.verified(blob), None
             tmp = self._device_blob(end - start, first.dtype, first.device)
             tmp.copy_(blob, non_blocking=blob.is_pinned())
             blob = tmp
-        scatter_paged(blob, kvcaches, self.layout, slots)
+        scatter_paged(blob, kvcaches, self.layout, slots, check=check)
 
 
 class PagedMemConnectorV2(_PagedConnector):

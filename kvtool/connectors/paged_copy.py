@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from ..checksum import PayloadCheck
 from ..cuda_build import usable_or_notice
 from . import paged_native, paged_torch
 from .paged_layout import LayerKV, PagedLayout, layer_tensors
@@ -40,13 +41,22 @@ def gather_paged(kv_caches: Sequence[LayerKV], layout: PagedLayout | str, slots:
 
 
 def scatter_paged(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: PagedLayout | str,
-                  slots: torch.Tensor) -> None:
+                  slots: torch.Tensor, *, check: PayloadCheck | None = None) -> None:
     """The inverse of `gather_paged`: write `blob[kv, l, t]` into slot `slots[t]`
     of layer l. Same contract; additionally the slots are distinct. Slots not
     in `slots` are left untouched. A dtype difference is converted (rounding
-    to nearest as `Tensor.to` does)."""
+    to nearest as `Tensor.to` does).
+
+    `check`: `blob` views stored bytes not checked yet. Host buffers get them through the native
+    checked scatter (one pass: checked as copied); any other path copies the payload privately
+    and checks the copy first. A mismatch raises ChecksumMismatch; slots written before the
+    mismatch was known hold no loaded tokens (the caller reports the load as ending there)."""
     layout = PagedLayout.parse(layout)
     kernel = _cuda_kernel(kv_caches, layout)
+    if check is not None:
+        if kernel is None and paged_native.native_scatter_checked(blob, kv_caches, layout, slots, check):
+            return
+        blob = check.verified(blob)
     if kernel is not None and kernel.scatter(blob, kv_caches, layout, slots):
         return
     if kernel is None and paged_native.native_scatter(blob, kv_caches, layout, slots):

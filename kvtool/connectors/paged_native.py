@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from ..checksum import PayloadCheck
 from ..devices import host_threads
 from .paged_layout import LayerKV, PagedLayout, layer_tensors
 from .paged_torch import _plans_for
@@ -66,6 +67,37 @@ def _copy(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor
         index = plan.rows.contiguous()
         total = (len(quads) // 4) * index.numel() * run_bytes
         module.copy_rows(pairs, memoryview(index.numpy()).cast("B"), run_bytes, int(scatter), _threads(total))
+    return True
+
+
+def native_scatter_checked(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: PagedLayout,
+                           slots: torch.Tensor, check: PayloadCheck) -> bool:
+    """`native_scatter` of a blob viewing unchecked stored bytes (`check.payload`), CRC-32C
+    checked as it is copied (`scatter_checked`): one read of the bytes. Raises ChecksumMismatch
+    after the copy when the payload does not match. False (nothing done) when not taken."""
+    module = native_module()
+    first = layer_tensors(kv_caches[0], layout)[0]
+    if module is None or first.device.type != "cpu" or blob.device.type != "cpu" \
+            or blob.dtype != first.dtype or not blob.is_contiguous() or slots.numel() == 0:
+        return False
+    blobs = [b.unbind(0) for b in blob.unbind(0)]  # blobs[kv][layer]: [T, H*D], contiguous
+    itemsize = blob.element_size()
+    segments, keep = [], []  # keep: the row-index tensors the kernel reads through raw pointers
+    for li, entry in enumerate(_plans_for(kv_caches, layout, slots)):
+        for kv, (rows, plan) in enumerate(entry):
+            part = blobs[kv][li]
+            index = plan.rows if plan.rows.is_contiguous() else plan.rows.contiguous()
+            keep.append(index)
+            segments.append((part.data_ptr(), rows.data_ptr(), plan.num_rows, part.numel() // plan.run,
+                             plan.run * itemsize, index.data_ptr()))
+    segments.sort()  # payload order: K of every layer, then V
+    quads = [v for blob_ptr, paged, paged_rows, nrows, run, rows in segments
+             for v in (paged, paged_rows, blob_ptr, nrows, run, rows)]
+    crc = module.scatter_checked(struct.pack(f"<{len(quads)}Q", *quads), check.payload,
+                                 _threads(blob.numel() * itemsize))
+    del keep
+    if crc != check.crc32c:
+        raise check.mismatch()
     return True
 
 

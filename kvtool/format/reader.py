@@ -8,6 +8,7 @@ files (mmap, zero-copy) and object storage (range requests).
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ from ..errors import (
     UsageError,
 )
 from . import layout
+from ..checksum import PayloadCheck
 from .hashing import crc32
 from .manifest import BlobRef, ChunkEntry, Manifest, parse_manifest
 
@@ -280,6 +282,23 @@ class ContainerReader:
                 raise ChecksumMismatch(f"chunk {index}: CRC-32C mismatch (stored bytes are corrupt)")
             return out
         return out.copy_(self.read_chunk(index, verify=verify))
+
+    def mapped_chunk(self, index: int) -> "tuple[torch.Tensor, PayloadCheck] | None":
+        """A raw chunk of a local file as a zero-copy tensor over its mapped bytes, NOT checked
+        yet, with the `PayloadCheck` whoever copies it must apply (the native checked scatter
+        checks while it copies: one read of the bytes). None for other chunks and sources."""
+        import torch
+
+        chunk = self._chunk(index)
+        dtype = dtype_from_name(chunk.dtype)
+        if not (self._is_tensor_bytes(chunk) and isinstance(self._source, MappedFile)) or not chunk.blob.length \
+                or chunk.blob.length != math.prod(chunk.shape) * dtype.itemsize:
+            return None  # read_chunk names what is wrong with it
+        payload = self._source.read(chunk.blob.offset, chunk.blob.length)
+        if payload.nbytes != chunk.blob.length:
+            raise TruncatedFile(f"{self.path}: chunk {index} lies past the end of the file")
+        view = torch.frombuffer(payload, dtype=dtype).view(chunk.shape)
+        return view, PayloadCheck(payload, chunk.blob.crc32, f"chunk {index}")
 
     def chunk_view(self, index: int, *, verify: bool = True) -> "torch.Tensor":
         """Zero-copy tensor over a raw chunk's mapped bytes (valid until close())."""

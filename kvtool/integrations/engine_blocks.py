@@ -77,8 +77,9 @@ class EngineBlocks:
         `block_ids` (stop <= end) into its blocks; safe to call from several threads at once."""
         slots = self.slots(block_ids, end)
 
-        def scatter(kv: torch.Tensor, start: int, stop: int) -> None:
-            self.paged.to_gpu(MemoryObj.from_tensor(kv), start, stop, kvcaches=self.layers, slot_mapping=slots)
+        def scatter(kv: torch.Tensor, start: int, stop: int, check=None) -> None:
+            self.paged.to_gpu(MemoryObj.from_tensor(kv, check=check), start, stop, kvcaches=self.layers,
+                              slot_mapping=slots)
         return scatter
 
     def read(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:

@@ -4,10 +4,12 @@
 on a few worker threads and scatters each decoded chunk into the paged buffers from the thread
 that decoded it, so reading, CRC-32C, decoding and scattering of different chunks overlap. The
 steps that cost release the GIL (pread, crc32c, zstd, the CacheGen coder, the native paged copy).
+A raw chunk's stored bytes go to a scatter that can check them (`check=`) unchecked, and are
+CRC-checked as they are copied into the paged buffers: one pass over the bytes instead of three.
 Callers: `ops.replay` (a file), `store.ModelCache.get_prefix` (store objects), and through it the
 vLLM connector.
 """
 
-from .pipeline import ChunkTask, LoadOutcome, file_tasks, load_chunks, load_threads
+from .pipeline import ChunkTask, LoadOutcome, file_tasks, load_chunks, load_threads, takes_check
 
-__all__ = ["ChunkTask", "LoadOutcome", "file_tasks", "load_chunks", "load_threads"]
+__all__ = ["ChunkTask", "LoadOutcome", "file_tasks", "load_chunks", "load_threads", "takes_check"]

@@ -4,6 +4,13 @@
              CPU with T >= end - start (it reads, checks and decodes one chunk)
     scatter: scatter(kv [2, L, end - start, C] contiguous, start, end): into the paged buffers
 
+A task may also offer `mapped()`: its stored bytes as a zero-copy tensor, not checked yet, with
+the `PayloadCheck` that goes with them. When `scatter` takes a `check` keyword it gets those
+(`scatter(kv, start, end, check=...)`) and must check while it copies, or copy and check first
+(the connectors do: `MemoryObj.from_tensor(kv, check=check)`): the bytes are then read once
+instead of three times (pread, CRC, scatter). A scatter without the keyword gets decode()'s
+checked tensor.
+
 At most `threads` chunks are in flight, so memory stays at `threads` decoded chunks (each thread
 reuses one staging buffer for raw chunks of a file). The first chunk that fails ends the load:
 tokens [0, its start) are loaded and reported; chunks after it may have been scattered already
@@ -12,6 +19,7 @@ but lie past the loaded prefix (an engine computes those slots again).
 
 from __future__ import annotations
 
+import inspect
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -19,6 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..checksum import PayloadCheck
 from ..devices import host_threads
 from ..errors import KvtoolError, ShapeMismatch
 
@@ -29,6 +38,8 @@ class ChunkTask:
     end: int  # tokens [start, end) of this chunk are loaded
     decode: Callable[[], torch.Tensor]  # the chunk's KV_BLOB; its token 0 is `origin`
     origin: int | None = None  # default: start
+    # the whole chunk's stored bytes, unchecked, and their check (tokens [start, end) exactly)
+    mapped: Callable[[], tuple[torch.Tensor, PayloadCheck] | None] | None = None
 
     @property
     def first_row(self) -> int:
@@ -62,9 +73,14 @@ def load_chunks(tasks: Sequence[ChunkTask], scatter: Callable[[torch.Tensor, int
     if not tasks:
         return LoadOutcome(loaded_tokens=0, chunks=0)
     threads = threads or load_threads(len(tasks))
+    checks = takes_check(scatter)
 
     def run(task: ChunkTask) -> None:
-        scatter(_as_blob(task.decode(), task.first_row, task.end - task.start), task.start, task.end)
+        mapped = task.mapped() if checks and task.mapped is not None else None
+        if mapped is not None:
+            scatter(mapped[0], task.start, task.end, check=mapped[1])
+        else:
+            scatter(_as_blob(task.decode(), task.first_row, task.end - task.start), task.start, task.end)
 
     if threads == 1:  # no pool: the same steps in order
         for i, task in enumerate(tasks):
@@ -98,6 +114,15 @@ def load_chunks(tasks: Sequence[ChunkTask], scatter: Callable[[torch.Tensor, int
     return LoadOutcome(loaded_tokens=tasks[-1].end, chunks=len(tasks))
 
 
+def takes_check(scatter: Callable) -> bool:
+    """Whether `scatter` takes the `check` keyword (stored bytes checked as it copies them)."""
+    try:
+        params = inspect.signature(scatter).parameters
+    except (TypeError, ValueError):
+        return False
+    return "check" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 _staging = threading.local()
 
 
@@ -115,10 +140,11 @@ def _staging_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def file_tasks(reader, num_tokens: int, *, verify: bool = True) -> list[ChunkTask]:
     """Tasks for a container file's chunks covering tokens [0, num_tokens) (a `ContainerReader`).
 
-    Raw chunks of a local file are read with one pread into the thread's staging buffer, checked
-    there and scattered from there: the bytes checked are the bytes loaded (scattering from the
-    mapped file after checking it would leave a window for a writer to change them). Other codecs
-    decode from the mapped file."""
+    Raw chunks of a local file loaded whole are offered `mapped` (checked as they are scattered
+    from the map); otherwise (and for a scatter that does not check) they are read with one pread
+    into the thread's staging buffer, checked there and scattered from there: the bytes checked
+    are the bytes loaded (scattering from the mapped file after checking it would leave a window
+    for a writer to change them). Other codecs decode from the mapped file."""
     from ..dtypes import dtype_from_name
 
     tasks = []
@@ -134,5 +160,9 @@ def file_tasks(reader, num_tokens: int, *, verify: bool = True) -> list[ChunkTas
         else:
             def decode(index=chunk.index):
                 return reader.read_chunk(index, verify=verify)
-        tasks.append(ChunkTask(chunk.start, end, decode))
+        mapped = None
+        if verify and end == chunk.end and reader.reads_into(chunk.index):
+            def mapped(index=chunk.index):
+                return reader.mapped_chunk(index)
+        tasks.append(ChunkTask(chunk.start, end, decode, mapped=mapped))
     return tasks

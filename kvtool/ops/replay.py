@@ -171,8 +171,9 @@ def load_prefix(reader: ContainerReader, model: LoadedModel, cache: PagedKVCache
     t0 = time.perf_counter()
     connector = paged_connector(model)
 
-    def scatter(kv: torch.Tensor, start: int, end: int) -> None:
-        connector.to_gpu(MemoryObj.from_tensor(kv), start, end, kvcaches=cache.kv_caches, slot_mapping=slot_mapping)
+    def scatter(kv: torch.Tensor, start: int, end: int, check=None) -> None:
+        connector.to_gpu(MemoryObj.from_tensor(kv, check=check), start, end, kvcaches=cache.kv_caches,
+                         slot_mapping=slot_mapping)
 
     if cache.device.type != "cuda":
         outcome = load_chunks(file_tasks(reader, num_tokens), scatter)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import NotCached, ObjectRefused, StoreUrlInvalid, UsageError
+from ..errors import ChecksumMismatch, NotCached, ObjectRefused, StoreUrlInvalid, UsageError
 from ..format.hashing import ZERO_HASH
 from ..identity import ModelIdentity
 from ..notices import notice
@@ -274,8 +274,8 @@ class ModelCache:
         if connector is not None:
             from ..connectors import MemoryObj
 
-            def scatter(kv: "torch.Tensor", start: int, end: int) -> None:
-                connector.to_gpu(MemoryObj.from_tensor(kv), start, end, **connector_kwargs)
+            def scatter(kv: "torch.Tensor", start: int, end: int, check=None) -> None:
+                connector.to_gpu(MemoryObj.from_tensor(kv, check=check), start, end, **connector_kwargs)
 
             return self.load_prefix(token_ids, scatter, max_tokens=max_tokens, from_token=from_token)
         hit = PrefixHit(num_tokens=0, chunks=[], codecs=[], refused=[], stored_bytes=0)
@@ -302,7 +302,7 @@ class ModelCache:
         on) as a contiguous CPU KV_BLOB, from kvtool.load's worker threads, each chunk fetched,
         checked and decoded on the thread that scatters it. The run ends at the first missing or
         refused chunk; chunks past it may have been scattered but are not part of the hit."""
-        from ..load import ChunkTask, load_chunks
+        from ..load import ChunkTask, load_chunks, takes_check
 
         hit = PrefixHit(num_tokens=0, chunks=[], codecs=[], refused=[], stored_bytes=0)
         chain = self._chain(token_ids, max_tokens)
@@ -312,29 +312,45 @@ class ModelCache:
             self.store.counters.misses += len(chain) - stored
         seen: dict[int, tuple[str, int]] = {}  # task index -> codec, stored bytes
 
-        def fetch(index: int, start: int, prefix: str) -> "torch.Tensor":
+        def fetch(index: int, start: int, prefix: str, unchecked: bool = False):
+            """The chunk's KV; `unchecked`: a raw payload read for us comes back as a view with
+            its PayloadCheck (the scatter checks it as it copies: one pass fewer)."""
             name = self.name(prefix)
             data = self.backend.get(name)
             if data is None:
                 raise _Gone(name)
             obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
-                                      prefix_hash=prefix, start=start)
+                                      prefix_hash=prefix, start=start, verify_payload=not unchecked)
+            seen[index] = (obj.codec, len(data))
             try:
+                if unchecked:
+                    viewed = obj.unchecked_view()
+                    if viewed is not None:
+                        return viewed
                 kv = obj.decode(None)
             finally:
                 obj.reader.close()
-            seen[index] = (obj.codec, len(data))
-            return kv
+            return (kv, None) if unchecked else kv
 
+        def checking_scatter(kv: "torch.Tensor", start: int, end: int, check=None) -> None:
+            try:
+                scatter(kv, start, end, check=check)
+            except ChecksumMismatch as err:  # only a PayloadCheck (named by the object) says so
+                raise ObjectRefused(str(err)) from None
+
+        checking = takes_check(scatter)
         tasks, first_task = [], None
         for index, (start, _parent, prefix) in enumerate(chain[:stored]):
             if start + self.chunk_size <= from_token:
                 hit.num_tokens = start + self.chunk_size  # the engine holds these; nothing to write
                 continue
             first_task = index if first_task is None else first_task
+            whole = start >= from_token
             tasks.append(ChunkTask(max(start, from_token), start + self.chunk_size,
-                                   lambda i=index, s=start, h=prefix: fetch(i, s, h), origin=start))
-        outcome = load_chunks(tasks, scatter)
+                                   lambda i=index, s=start, h=prefix: fetch(i, s, h), origin=start,
+                                   mapped=(lambda i=index, s=start, h=prefix: fetch(i, s, h, True))
+                                   if whole and checking else None))
+        outcome = load_chunks(tasks, checking_scatter if checking else scatter)
         if tasks:
             hit.num_tokens = max(hit.num_tokens, outcome.loaded_tokens)
         for index in range(first_task or 0, (first_task or 0) + outcome.chunks):

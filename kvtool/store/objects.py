@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..checksum import PayloadCheck
 from ..errors import KvtoolError, ObjectRefused
 from ..format.hashing import ZERO_HASH, crc32, tokens_to_bytes
 from ..format.reader import BytesSource, ContainerReader
@@ -97,10 +98,28 @@ class ChunkObject:
     tokens: np.ndarray
     payload_checked: bool = False  # its CRC-32C was checked on these bytes: decode need not again
     owned: bool = False  # the bytes are a writable buffer no one else holds (read for us)
+    name: str = ""  # the object's name, for messages
 
     @property
     def codec(self) -> str:
         return self.reader.chunks[0].codec
+
+    def unchecked_view(self) -> "tuple[torch.Tensor, PayloadCheck] | None":
+        """A raw chunk read into a buffer of our own, as a view whose payload is NOT checked yet,
+        with the `PayloadCheck` whoever copies it applies (the native scatter checks as it
+        copies). None for other chunks: `decode` them."""
+        chunk = self.reader.chunks[0]
+        if chunk.codec != "raw" or not self.owned or self.payload_checked:
+            return None
+        import torch
+
+        from ..dtypes import dtype_from_name
+
+        payload = self.reader.chunk_payload(0, verify=False)
+        if payload.nbytes != chunk.decoded_bytes or not payload.nbytes:
+            return None
+        view = torch.frombuffer(payload, dtype=dtype_from_name(chunk.dtype)).reshape(chunk.shape)
+        return view, PayloadCheck(payload, chunk.blob.crc32, self.name or "chunk object")
 
     def decode(self, device: "torch.device | str | None" = None) -> "torch.Tensor":
         """The chunk's KV_BLOB `[2, L, S, C]`; a failure to decode is an ObjectRefused. A raw
@@ -160,6 +179,7 @@ def check_chunk(data, name: str, *, model: str | None = None, chunk_size: int | 
     with _refusing(reader, name):
         obj = _check_chunk(reader, name, model, chunk_size, prefix_hash, start, verify_payload)
     obj.owned = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
+    obj.name = name
     return obj
 
 
