@@ -63,19 +63,43 @@ def test_same_bytes_on_strided_buffers():
         assert torch.equal(want, got), name
 
 
+def _segment(paged, blob, rows, run=32, unit=32, stride=0, elem=4, paged_bytes=None):
+    """One segment for kernels/paged_copy_cpu.c: 9 uint64."""
+    return struct.pack("<9Q", paged.data_ptr(), paged.numel() * 4 if paged_bytes is None else paged_bytes,
+                       blob if isinstance(blob, int) else blob.data_ptr(), rows.numel(), run, rows.data_ptr(),
+                       unit, stride, elem)
+
+
 @needs_native
 def test_rows_out_of_range_are_refused_before_any_write():
     paged, blob = torch.zeros(4, 8), torch.ones(3, 8)
-    pairs = struct.pack("<4Q", paged.data_ptr(), 4, blob.data_ptr(), 3)
     for rows in ([0, 1, 4], [0, -1, 2]):
         index = torch.tensor(rows, dtype=torch.int64)
         with pytest.raises(IndexError, match="out of range"):
-            native.copy_rows(pairs, memoryview(index.numpy()).cast("B"), 32, 1, 2)
+            native.copy_segments(_segment(paged, blob, index), 1, 2)
         assert not paged.any()
-    short = struct.pack("<4Q", paged.data_ptr(), 4, blob.data_ptr(), 2)  # a blob of 2 rows for 3 indices
+    index = torch.tensor([0, 1, 3], dtype=torch.int64)
+    # a strided row reaching past the tensor: row 3 at element 24, 8 elements 2 apart, end at 40 > 32
     with pytest.raises(IndexError):
-        native.copy_rows(short, memoryview(torch.tensor([0, 1, 2]).numpy()).cast("B"), 32, 1, 1)
+        native.copy_segments(_segment(paged, blob, index, unit=32, stride=8, elem=4), 1, 1)
+    with pytest.raises(IndexError):  # a stride that is not a whole number of elements apart
+        native.copy_segments(_segment(paged, blob, index, stride=2, elem=4), 1, 1)
     assert not paged.any()
+
+
+@needs_native
+def test_strided_rows_land_one_element_per_stride():
+    """A transposed page (vLLM's CPU K): row i's 4 elements go to paged[rows[i] + 4 * j]."""
+    paged, blob = torch.zeros(16), torch.arange(8, dtype=torch.float32).view(2, 4)
+    rows = torch.tensor([1, 2], dtype=torch.int64)
+    native.copy_segments(_segment(paged, blob, rows, run=16, unit=4, stride=16, elem=4), 1, 1)
+    want = torch.zeros(16)
+    want[[1, 5, 9, 13]] = blob[0]
+    want[[2, 6, 10, 14]] = blob[1]
+    assert torch.equal(paged, want)
+    back = torch.zeros(2, 4)
+    native.copy_segments(_segment(paged, back, rows, run=16, unit=4, stride=16, elem=4), 0, 1)
+    assert torch.equal(back, blob)
 
 
 # --- CRC-32C while copying (kernels/crc32c_cpu.c) and the checked scatter ---------------------
@@ -164,11 +188,11 @@ def test_checked_scatter_refuses_segments_outside_the_payload_before_any_write()
     paged, rows = torch.zeros(4, 8), torch.tensor([0, 1, 2], dtype=torch.int64)
     payload = bytearray(3 * 32)
     base = torch.frombuffer(payload, dtype=torch.uint8).data_ptr()
-    seg = lambda blob, n, rs=rows: struct.pack("<6Q", paged.data_ptr(), 4, blob, n, 32, rs.data_ptr())  # noqa: E731
-    for segments in (seg(base + 32, 3),  # runs past the payload's end
-                     seg(base - 32, 1),  # starts before it
-                     seg(base, 3, torch.tensor([0, 1, 4])),  # a row past the paged tensor
-                     seg(base + 64, 1) + seg(base, 1)):  # out of order
+    one = torch.tensor([0], dtype=torch.int64)
+    for segments in (_segment(paged, base + 32, rows),  # runs past the payload's end
+                     _segment(paged, base - 32, one),  # starts before it
+                     _segment(paged, base, torch.tensor([0, 1, 4])),  # a row past the paged tensor
+                     _segment(paged, base + 64, one) + _segment(paged, base, one)):  # out of order
         with pytest.raises(IndexError):
             native.scatter_checked(segments, payload, 2)
     assert not paged.any()
