@@ -91,59 +91,28 @@ __attribute__((target("sse4.2"))) static uint32_t hard_copy(uint32_t s, uint8_t 
 #endif
 
 #ifdef CRC32C_X86
-/* Rows of one element (a 2, 4 or 8-byte copy each) and strided rows (one element at a time). */
-#define HARD_ROWS(T, INSTR)                                                                       \
-    for (size_t i = 0; i < nrows; i++) {                                                          \
+#define HARD_GATHER(T, INSTR)                                                                     \
+    for (size_t j = 0; j < len / sizeof(T); j++) {                                                \
         T v;                                                                                      \
-        memcpy(&v, blob + i * sizeof(T), sizeof(T));                                              \
+        memcpy(&v, src + j * stride, sizeof(T));                                                  \
         c = INSTR(c, v);                                                                          \
-        memcpy(paged + (size_t)rows[i] * unit, &v, sizeof(T));                                    \
-    }
-#define HARD_STRIDED(T, INSTR)                                                                    \
-    for (size_t i = 0; i < nrows; i++) {                                                          \
-        uint8_t *dst = paged + (size_t)rows[i] * unit;                                            \
-        const uint8_t *src = blob + i * run;                                                      \
-        for (size_t j = 0; j < run / sizeof(T); j++) {                                            \
-            T v;                                                                                  \
-            memcpy(&v, src + j * sizeof(T), sizeof(T));                                           \
-            c = INSTR(c, v);                                                                      \
-            memcpy(dst + j * stride, &v, sizeof(T));                                              \
-        }                                                                                         \
     }
 
-__attribute__((target("sse4.2"))) static uint32_t hard_rows(uint32_t c, const crc32c_rows *r) {
-    uint8_t *paged = r->paged;
-    const int64_t *rows = r->rows;
-    const uint8_t *blob = r->blob;
-    size_t nrows = r->nrows, unit = r->unit, run = r->run, stride = r->stride;
-    if (stride == 0) {
-        if (run == 2) { HARD_ROWS(uint16_t, _mm_crc32_u16); return c; }
-        if (run == 4) { HARD_ROWS(uint32_t, _mm_crc32_u32); return c; }
-        for (size_t i = 0; i < nrows; i++) c = hard_copy(c, paged + (size_t)rows[i] * unit, blob + i * run, run);
-        return c;
-    }
-    if (r->elem == 2) { HARD_STRIDED(uint16_t, _mm_crc32_u16); return c; }
-    if (r->elem == 4) { HARD_STRIDED(uint32_t, _mm_crc32_u32); return c; }
-    for (size_t i = 0; i < nrows; i++)
-        for (size_t j = 0; j < run / r->elem; j++)
-            c = hard_copy(c, paged + (size_t)rows[i] * unit + j * stride, blob + i * run + j * r->elem, r->elem);
+__attribute__((target("sse4.2"))) static uint32_t hard_gather(uint32_t c, const uint8_t *src, size_t stride,
+                                                               size_t len, size_t elem) {
+    if (elem == 2) { HARD_GATHER(uint16_t, _mm_crc32_u16); return c; }
+    if (elem == 4) { HARD_GATHER(uint32_t, _mm_crc32_u32); return c; }
+    for (size_t j = 0; j < len / elem; j++) c = hard_copy(c, NULL, src + j * stride, elem);
     return c;
 }
 #endif
 
-crc32c_state crc32c_scatter_rows(crc32c_state s, const crc32c_rows *r) {
+crc32c_state crc32c_update_strided(crc32c_state s, const void *src, size_t stride, size_t len, size_t elem) {
     if (use_hardware < 0) crc32c_init(0);
 #ifdef CRC32C_X86
-    if (use_hardware) return hard_rows(s, r);
+    if (use_hardware) return hard_gather(s, (const uint8_t *)src, stride, len, elem);
 #endif
-    for (size_t i = 0; i < r->nrows; i++) {
-        uint8_t *dst = r->paged + (size_t)r->rows[i] * r->unit;
-        const uint8_t *src = r->blob + i * r->run;
-        if (r->stride == 0)
-            s = soft_copy(s, dst, src, r->run);
-        else
-            for (size_t j = 0; j < r->run / r->elem; j++) s = soft_copy(s, dst + j * r->stride, src + j * r->elem, r->elem);
-    }
+    for (size_t j = 0; j < len / elem; j++) s = soft_copy(s, NULL, (const uint8_t *)src + j * stride, elem);
     return s;
 }
 

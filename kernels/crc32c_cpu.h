@@ -29,18 +29,8 @@ crc32c_state crc32c_update(crc32c_state s, const void *p, size_t len);
  * (a memory-mapped file another process writes). */
 crc32c_state crc32c_copy(crc32c_state s, void *dst, const void *src, size_t len);
 
-/* Rows of a KV blob going to scattered places of a paged tensor: blob row i (`run` bytes at
- * blob + i * run) goes to paged + rows[i] * unit, contiguous (stride 0) or as elements of `elem`
- * bytes `stride` bytes apart (a transposed page). */
-typedef struct {
-    uint8_t *paged;
-    const int64_t *rows;
-    size_t nrows, unit, run, stride, elem;
-    const uint8_t *blob;
-} crc32c_rows;
-
-/* Copy the rows, returning the state after the blob's nrows * run bytes (in blob order). */
-crc32c_state crc32c_scatter_rows(crc32c_state s, const crc32c_rows *r);
+/* The state after `len / elem` elements of `elem` bytes read `stride` bytes apart from src. */
+crc32c_state crc32c_update_strided(crc32c_state s, const void *src, size_t stride, size_t len, size_t elem);
 
 /* CRC of A||B from crc(A), crc(B) and len(B) (finished CRCs). */
 uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);

@@ -1,17 +1,21 @@
 /* CPU paged gather/scatter: kvtool._paged_native (connectors/paged_native.py calls it).
  *
- * connectors/paged_native.py reduces every layout to "segments": one per (layer, K/V) tensor, the
- * blob's rows for that tensor in blob order, and where each row lives in the paged tensor. A row
- * is `run` bytes of the blob (a token's H*D channels, or one head's D channels); in the paged
- * tensor it starts at paged + rows[i] * unit and is contiguous (stride 0) or made of elements of
- * `elem` bytes `stride` bytes apart (vLLM's CPU K pages are transposed: one channel every
- * block_size elements). There are no torch headers: tensors come as pointers and byte counts,
- * and every row of every segment is checked against its tensor's extent before anything is
- * copied, so a bad index is an error, never a stray or partial write. Threads take whole
- * segments, the GIL released.
+ * connectors/paged_native.py reduces every layout to "segments", one per (layer, K/V) tensor: the
+ * blob's [T, H*D] part for that tensor, the tokens' slots, and the tensor's address map. Token
+ * t's slot gives (block, offset) = (slot / block_size, slot % block_size); the tensor holds its
+ * `groups` rows (1: a token's H*D channels are one stretch; H: one row per head) at byte
+ *     a + block * sb + offset * so + group * sh
+ * from the tensor's data pointer, each row `run` bytes of the blob, contiguous (stride 0) or as
+ * elements of `elem` bytes `stride` bytes apart (vLLM's CPU K pages are transposed: one channel
+ * every block_size elements). The same arithmetic as connectors/paged_layout.run_offset, done
+ * here per token so no index tensors are built. There are no torch headers: tensors come as
+ * pointers and byte counts, and every slot of every segment is checked against its tensor's
+ * extent before anything is copied, so a bad slot is an error, never a stray or partial write.
+ * Threads take whole segments, the GIL released.
  *
- * A segment: 9 uint64 (paged_ptr, paged_bytes, blob_ptr, nrows, run, rows_ptr, unit, stride, elem),
- * rows_ptr pointing to nrows int64.
+ * A segment: 14 uint64 (paged_ptr, paged_bytes, blob_ptr, tokens, slots_ptr, block_size, groups,
+ * a, sb, so, sh, run, stride, elem), slots_ptr pointing to `tokens` int64. Blob row
+ * (t * groups + g) is at blob_ptr + (t * groups + g) * run.
  *
  * copy_segments(segments, scatter, threads) -> None
  *   scatter: 1 = blob -> paged, 0 = paged -> blob
@@ -37,76 +41,97 @@
 #include "crc32c_cpu.h"
 
 typedef struct {
-    uint64_t paged, paged_bytes, blob, nrows, run, rows, unit, stride, elem;
+    uint64_t paged, paged_bytes, blob, tokens, slots, block_size, groups, a, sb, so, sh, run, stride, elem;
 } segment_t;
 
 #define MAX_THREADS 64
 
+static inline size_t row_at(const segment_t *g, int64_t slot, size_t group) {
+    uint64_t block = (uint64_t)slot / g->block_size, offset = (uint64_t)slot % g->block_size;
+    return (size_t)(g->a + block * g->sb + offset * g->so + group * g->sh);
+}
+
 /* ---- checks ------------------------------------------------------------------------------- */
 
-/* Every row of every segment inside its paged tensor; sane sizes. Rows lists are mostly shared
- * by many segments, so their extremes are computed once per list. */
+/* Every slot of every segment inside its paged tensor; sane sizes. Strides are non-negative, so
+ * the farthest byte is reached by the largest block, the last offset and the last group. Slot
+ * lists are shared by all segments, so their extremes are computed once per list. */
 static int segments_ok(const segment_t *seg, size_t n) {
-    uint64_t last_rows = 0;
+    uint64_t last_slots = 0;
     int64_t lo = 0, hi = -1;
     for (size_t k = 0; k < n; k++) {
         const segment_t *g = &seg[k];
-        if (!g->paged || !g->blob || !g->rows || !g->run || !g->unit) return 0;
+        if (!g->paged || !g->blob || !g->slots || !g->run || !g->block_size || !g->groups) return 0;
         if (g->stride && (!g->elem || g->run % g->elem || g->stride < g->elem)) return 0;
-        if (g->rows != last_rows) {
-            const int64_t *r = (const int64_t *)(uintptr_t)g->rows;
+        if (g->slots != last_slots) {
+            const int64_t *r = (const int64_t *)(uintptr_t)g->slots;
             lo = 0, hi = -1;
-            for (uint64_t i = 0; i < g->nrows; i++) {
+            for (uint64_t i = 0; i < g->tokens; i++) {
                 if (i == 0 || r[i] < lo) lo = r[i];
                 if (i == 0 || r[i] > hi) hi = r[i];
             }
-            last_rows = g->rows;
+            last_slots = g->slots;
         }
-        if (!g->nrows) continue;
-        /* the last byte a row touches, from its start */
+        if (!g->tokens) continue;
+        if (lo < 0) return 0;
         uint64_t reach = g->stride ? (g->run / g->elem - 1) * g->stride + g->elem : g->run;
-        if (lo < 0 || reach > g->paged_bytes || (uint64_t)hi > (g->paged_bytes - reach) / g->unit) return 0;
+        /* in 128 bits: a forged stride must not wrap around */
+        unsigned __int128 far = (unsigned __int128)g->a + (unsigned __int128)((uint64_t)hi / g->block_size) * g->sb +
+                                (unsigned __int128)(g->block_size - 1) * g->so +
+                                (unsigned __int128)(g->groups - 1) * g->sh + reach;
+        if (far > g->paged_bytes) return 0;
     }
     return 1;
 }
 
 /* ---- plain copies ------------------------------------------------------------------------- */
 
-#define COPY_FIXED(N)                                                                   \
-    for (size_t i = 0; i < nrows; i++) {                                                \
-        char *p = paged + (size_t)rows[i] * unit, *b = blob + i * (N);                  \
-        if (scatter) memcpy(p, b, (N)); else memcpy(b, p, (N));                         \
-    }
-#define COPY_STRIDED(T)                                                                 \
-    for (size_t i = 0; i < nrows; i++) {                                                \
-        char *p = paged + (size_t)rows[i] * unit, *b = blob + i * run;                  \
-        for (size_t j = 0; j < run / sizeof(T); j++)                                    \
-            if (scatter) memcpy(p + j * stride, b + j * sizeof(T), sizeof(T));          \
-            else memcpy(b + j * sizeof(T), p + j * stride, sizeof(T));                  \
+#define COPY_ROWS(N)                                                                      \
+    for (size_t t = 0; t < tokens; t++)                                                   \
+        for (size_t gi = 0; gi < groups; gi++, b += (N)) {                                \
+            char *p = paged + row_at(g, slots[t], gi);                                    \
+            if (scatter) memcpy(p, b, (N)); else memcpy(b, p, (N));                       \
+        }
+/* Strided rows (a transposed page) move a tile at a time: the tokens of a run of consecutive
+ * slots in one block, one channel of one group at a time, so the paged side (where offsets are
+ * adjacent: so == elem) is read or written contiguously and each of its cache lines is filled
+ * once, not one element per row. */
+static size_t slot_run(const segment_t *g, const int64_t *slots, size_t t, size_t tokens) {
+    size_t n = 1;
+    uint64_t room = g->block_size - (uint64_t)slots[t] % g->block_size; /* slots left in the block */
+    while (t + n < tokens && n < room && slots[t + n] == slots[t] + (int64_t)n) n++;
+    return n;
+}
+
+#define COPY_TILES(T)                                                                               \
+    for (size_t t = 0; t < tokens;) {                                                               \
+        size_t n = slot_run(g, slots, t, tokens);                                                   \
+        for (size_t gi = 0; gi < groups; gi++) {                                                    \
+            char *p = paged + row_at(g, slots[t], gi), *b0 = b + (t * groups + gi) * run;           \
+            for (size_t j = 0; j < run / sizeof(T); j++)                                            \
+                for (size_t k = 0; k < n; k++) {                                                    \
+                    char *pk = p + k * so + j * stride, *bk = b0 + k * groups * run + j * sizeof(T);   \
+                    if (scatter) memcpy(pk, bk, sizeof(T)); else memcpy(bk, pk, sizeof(T));         \
+                }                                                                                   \
+        }                                                                                           \
+        t += n;                                                                                     \
     }
 
 static void copy_segment(const segment_t *g, int scatter) {
-    char *paged = (char *)(uintptr_t)g->paged, *blob = (char *)(uintptr_t)g->blob;
-    const int64_t *rows = (const int64_t *)(uintptr_t)g->rows;
-    size_t nrows = g->nrows, unit = g->unit, run = g->run, stride = g->stride;
+    char *paged = (char *)(uintptr_t)g->paged, *b = (char *)(uintptr_t)g->blob;
+    const int64_t *slots = (const int64_t *)(uintptr_t)g->slots;
+    size_t tokens = g->tokens, groups = g->groups, run = g->run, stride = g->stride, so = g->so;
     if (stride) {
         switch (g->elem) {
-        case 2: COPY_STRIDED(uint16_t); return;
-        case 4: COPY_STRIDED(uint32_t); return;
-        default:
-            for (size_t i = 0; i < nrows; i++)
-                for (size_t j = 0; j < run / g->elem; j++) {
-                    char *p = paged + (size_t)rows[i] * unit + j * stride, *b = blob + i * run + j * g->elem;
-                    if (scatter) memcpy(p, b, g->elem); else memcpy(b, p, g->elem);
-                }
-            return;
+        case 2: COPY_TILES(uint16_t); return;
+        case 4: COPY_TILES(uint32_t); return;
+        default: COPY_TILES(uint8_t); return; /* byte by byte: any element size */
         }
     }
-    switch (run) { /* one element per row: a fixed-size copy the compiler inlines */
-    case 2: COPY_FIXED(2); return;
-    case 4: COPY_FIXED(4); return;
-    case 8: COPY_FIXED(8); return;
-    default: COPY_FIXED(run); return;
+    switch (run) { /* fixed sizes the compiler inlines (the common head and token sizes) */
+    case 128: COPY_ROWS(128); return;
+    case 256: COPY_ROWS(256); return;
+    default: COPY_ROWS(run); return;
     }
 }
 
@@ -152,7 +177,7 @@ static PyObject *py_copy_segments(PyObject *self, PyObject *args) {
     size_t n = (size_t)segs.len / sizeof(segment_t);
     const segment_t *seg = (const segment_t *)segs.buf;
     if (segs.len % sizeof(segment_t) || !segments_ok(seg, n)) {
-        PyErr_SetString(PyExc_IndexError, "copy_segments: a row index is out of range or a segment is malformed");
+        PyErr_SetString(PyExc_IndexError, "copy_segments: a slot is out of range or a segment is malformed");
         goto done;
     }
     threads = clamp_threads(threads, n);
@@ -183,12 +208,24 @@ static void *check_part(void *arg) {
     const uint8_t *pos = p->begin;
     for (size_t k = p->first; k < p->last; k++) {
         const segment_t *g = &p->seg[k];
-        const uint8_t *blob = (const uint8_t *)(uintptr_t)g->blob;
-        s = crc32c_update(s, pos, (size_t)(blob - pos)); /* bytes between segments */
-        crc32c_rows r = {(uint8_t *)(uintptr_t)g->paged, (const int64_t *)(uintptr_t)g->rows, (size_t)g->nrows,
-                         (size_t)g->unit, (size_t)g->run, (size_t)g->stride, (size_t)g->elem, blob};
-        s = crc32c_scatter_rows(s, &r);
-        pos = blob + g->nrows * g->run;
+        const uint8_t *b = (const uint8_t *)(uintptr_t)g->blob;
+        uint8_t *paged = (uint8_t *)(uintptr_t)g->paged;
+        const int64_t *slots = (const int64_t *)(uintptr_t)g->slots;
+        s = crc32c_update(s, pos, (size_t)(b - pos)); /* bytes between segments */
+        if (g->stride) {
+            /* transposed rows: copy in tiles, then checksum what was written, in blob order (the
+             * bytes checked are still the bytes loaded; the paged side is private to this load) */
+            copy_segment(g, 1);
+            for (size_t t = 0; t < g->tokens; t++)
+                for (size_t gi = 0; gi < g->groups; gi++, b += g->run)
+                    s = crc32c_update_strided(s, paged + row_at(g, slots[t], gi), (size_t)g->stride,
+                                              (size_t)g->run, (size_t)g->elem);
+        } else {
+            for (size_t t = 0; t < g->tokens; t++)
+                for (size_t gi = 0; gi < g->groups; gi++, b += g->run)
+                    s = crc32c_copy(s, paged + row_at(g, slots[t], gi), b, (size_t)g->run);
+        }
+        pos = b;
     }
     s = crc32c_update(s, pos, (size_t)(p->end - pos));
     p->crc = crc32c_end(s);
@@ -200,8 +237,9 @@ static int inside_payload(const segment_t *seg, size_t n, const uint8_t *lo, con
     const uint8_t *pos = lo;
     for (size_t k = 0; k < n; k++) {
         const uint8_t *blob = (const uint8_t *)(uintptr_t)seg[k].blob;
-        if (blob < pos || blob > hi || seg[k].nrows > (uint64_t)(hi - blob) / seg[k].run) return 0;
-        pos = blob + seg[k].nrows * seg[k].run;
+        unsigned __int128 bytes = (unsigned __int128)seg[k].tokens * seg[k].groups * seg[k].run;
+        if (blob < pos || blob > hi || bytes > (unsigned __int128)(hi - blob)) return 0;
+        pos = blob + (size_t)bytes;
     }
     return 1;
 }
@@ -217,7 +255,7 @@ static PyObject *py_scatter_checked(PyObject *self, PyObject *args) {
     const uint8_t *lo = (const uint8_t *)payload.buf, *hi = lo + payload.len;
     if (segs.len % sizeof(segment_t) || !segments_ok(seg, n) || !inside_payload(seg, n, lo, hi)) {
         PyErr_SetString(PyExc_IndexError, "scatter_checked: a segment lies outside the payload, out of order, "
-                                          "or has a row index out of range");
+                                          "or has a slot out of range");
         goto done;
     }
     threads = clamp_threads(threads, n);

@@ -63,42 +63,48 @@ def test_same_bytes_on_strided_buffers():
         assert torch.equal(want, got), name
 
 
-def _segment(paged, blob, rows, run=32, unit=32, stride=0, elem=4, paged_bytes=None):
-    """One segment for kernels/paged_copy_cpu.c: 9 uint64."""
-    return struct.pack("<9Q", paged.data_ptr(), paged.numel() * 4 if paged_bytes is None else paged_bytes,
-                       blob if isinstance(blob, int) else blob.data_ptr(), rows.numel(), run, rows.data_ptr(),
-                       unit, stride, elem)
+def _segment(paged, blob, slots, *, block_size=1, groups=1, a=0, sb=32, so=0, sh=0, run=32, stride=0, elem=4,
+             paged_bytes=None):
+    """One segment for kernels/paged_copy_cpu.c: 14 uint64 (byte offsets)."""
+    return struct.pack("<14Q", paged.data_ptr(), paged.numel() * 4 if paged_bytes is None else paged_bytes,
+                       blob if isinstance(blob, int) else blob.data_ptr(), slots.numel(), slots.data_ptr(),
+                       block_size, groups, a, sb, so, sh, run, stride, elem)
 
 
 @needs_native
-def test_rows_out_of_range_are_refused_before_any_write():
-    paged, blob = torch.zeros(4, 8), torch.ones(3, 8)
-    for rows in ([0, 1, 4], [0, -1, 2]):
-        index = torch.tensor(rows, dtype=torch.int64)
+def test_slots_out_of_range_are_refused_before_any_write():
+    paged, blob = torch.zeros(4, 8), torch.ones(3, 8)  # 4 rows of 32 bytes
+    for slots in ([0, 1, 4], [0, -1, 2]):
+        index = torch.tensor(slots, dtype=torch.int64)
         with pytest.raises(IndexError, match="out of range"):
             native.copy_segments(_segment(paged, blob, index), 1, 2)
         assert not paged.any()
     index = torch.tensor([0, 1, 3], dtype=torch.int64)
-    # a strided row reaching past the tensor: row 3 at element 24, 8 elements 2 apart, end at 40 > 32
+    # strided rows of 8 floats 16 bytes apart: slot 3's row at byte 96 reaches byte 96 + 7*16 + 4 > 128
     with pytest.raises(IndexError):
-        native.copy_segments(_segment(paged, blob, index, unit=32, stride=8, elem=4), 1, 1)
-    with pytest.raises(IndexError):  # a stride that is not a whole number of elements apart
+        native.copy_segments(_segment(paged, blob, index, stride=16, elem=4), 1, 1)
+    with pytest.raises(IndexError):  # elements closer than their size
         native.copy_segments(_segment(paged, blob, index, stride=2, elem=4), 1, 1)
+    with pytest.raises(IndexError):  # a second group past the end
+        native.copy_segments(_segment(paged, torch.ones(6, 8), index, groups=2, sh=24, run=16), 1, 1)
+    with pytest.raises(IndexError):  # a stride so large that the address would wrap around
+        native.copy_segments(_segment(paged, blob, index, sb=2**63), 1, 1)
     assert not paged.any()
 
 
 @needs_native
 def test_strided_rows_land_one_element_per_stride():
-    """A transposed page (vLLM's CPU K): row i's 4 elements go to paged[rows[i] + 4 * j]."""
+    """A transposed page (vLLM's CPU K): slot s's 4 channels go to paged[s + 4 * j]."""
     paged, blob = torch.zeros(16), torch.arange(8, dtype=torch.float32).view(2, 4)
-    rows = torch.tensor([1, 2], dtype=torch.int64)
-    native.copy_segments(_segment(paged, blob, rows, run=16, unit=4, stride=16, elem=4), 1, 1)
+    slots = torch.tensor([1, 2], dtype=torch.int64)
+    segment = _segment(paged, blob, slots, sb=4, run=16, stride=16, elem=4)
+    native.copy_segments(segment, 1, 1)
     want = torch.zeros(16)
     want[[1, 5, 9, 13]] = blob[0]
     want[[2, 6, 10, 14]] = blob[1]
     assert torch.equal(paged, want)
     back = torch.zeros(2, 4)
-    native.copy_segments(_segment(paged, back, rows, run=16, unit=4, stride=16, elem=4), 0, 1)
+    native.copy_segments(_segment(paged, back, slots, sb=4, run=16, stride=16, elem=4), 0, 1)
     assert torch.equal(back, blob)
 
 
@@ -185,14 +191,42 @@ def test_checked_scatter_refuses_a_changed_byte_anywhere(where, monkeypatch):
 
 @needs_native
 def test_checked_scatter_refuses_segments_outside_the_payload_before_any_write():
-    paged, rows = torch.zeros(4, 8), torch.tensor([0, 1, 2], dtype=torch.int64)
+    paged, slots = torch.zeros(4, 8), torch.tensor([0, 1, 2], dtype=torch.int64)
     payload = bytearray(3 * 32)
     base = torch.frombuffer(payload, dtype=torch.uint8).data_ptr()
     one = torch.tensor([0], dtype=torch.int64)
-    for segments in (_segment(paged, base + 32, rows),  # runs past the payload's end
+    for segments in (_segment(paged, base + 32, slots),  # runs past the payload's end
                      _segment(paged, base - 32, one),  # starts before it
-                     _segment(paged, base, torch.tensor([0, 1, 4])),  # a row past the paged tensor
+                     _segment(paged, base, torch.tensor([0, 1, 4])),  # a slot past the paged tensor
                      _segment(paged, base + 64, one) + _segment(paged, base, one)):  # out of order
         with pytest.raises(IndexError):
             native.scatter_checked(segments, payload, 2)
     assert not paged.any()
+
+
+@needs_native
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_any_slot_order_gives_the_reference_bytes(layout):
+    """Slots in no order at all (runs of consecutive slots broken anywhere, blocks half used):
+    the tiled copies of transposed pages and the checked scatter still match the reference."""
+    from kvtool.checksum import PayloadCheck, crc32
+
+    gen = torch.Generator().manual_seed(8)
+    T, BS, L, H, D, NB = 90, 16, 2, 2, 8, 8
+    bufs = make_buffers(layout, L, NB, BS, H, D, torch.float32, gen)
+    others = torch.randperm(NB * BS, generator=gen)
+    others = others[(others < 40) | (others >= 60)]
+    slots = torch.cat([others[:10], torch.arange(40, 60), others[10:T - 20]])  # one run across a block boundary
+    blob = torch.randn(2, L, T, H * D, generator=gen)
+    ref, out, checked = (clone_buffers(bufs, layout) for _ in range(3))
+    paged_torch.torch_scatter(blob, ref, PagedLayout(layout), slots)
+    assert paged_native.native_scatter(blob, out, PagedLayout(layout), slots)
+    assert buffers_equal(ref, out, layout)
+    payload = bytearray(blob.view(torch.uint8).reshape(-1).numpy().tobytes())
+    view = torch.frombuffer(payload, dtype=torch.float32).view(blob.shape)
+    check = PayloadCheck(memoryview(payload), crc32(payload), "chunk 0")
+    assert paged_native.native_scatter_checked(view, checked, PagedLayout(layout), slots, check)
+    assert buffers_equal(ref, checked, layout)
+    got = torch.empty_like(blob)
+    assert paged_native.native_gather(ref, PagedLayout(layout), slots, got)
+    assert torch.equal(got, blob)

@@ -1,9 +1,10 @@
 """The native CPU paged gather/scatter (`kvtool._paged_native`, kernels/paged_copy_cpu.c).
 
-It takes the torch reference's plan (`paged_torch._plan`: each tensor as `[num_rows, run]` rows
-and the row indices the tokens touch), or where that goes element by element a row per (token,
-head) with strided channels, and moves the rows on a few threads, the GIL released, instead of
-one `index_copy_` per tensor. Same contract and bytes as the reference
+Each (layer, K/V) tensor becomes a segment: its address map (where a slot's K or V starts, as
+byte strides read off the tensor: paged_layout's arithmetic) and the slots; the kernel computes
+each row's place per token and copies on a few threads, the GIL released, instead of one
+`index_copy_` per tensor over an index tensor. vLLM's transposed CPU K pages move a row per
+(token, head) with strided channels. Same contract and bytes as the reference
 (tests/test_connectors.py compares them on every layout). `paged_copy` picks it for CPU buffers;
 when the extension was not built, or KVTOOL_PAGED_NATIVE=0, the torch reference runs.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Sequence
 
@@ -20,9 +20,7 @@ import torch
 
 from ..checksum import PayloadCheck
 from ..devices import host_threads
-from .paged_layout import (LayerKV, PagedLayout, channel_stride, layer_tensors, paged_geometry, run_offset,
-                           slot_to_block_offset)
-from .paged_torch import _plan
+from .paged_layout import LayerKV, PagedLayout, channel_stride, layer_tensors, paged_geometry, run_offset
 
 _module: ModuleType | None = None
 _loaded = False
@@ -48,61 +46,53 @@ def _threads(total_bytes: int) -> int:
     return max(1, min(host_threads(), 16, total_bytes // MIN_BYTES_PER_THREAD))
 
 
-@dataclass(frozen=True)
-class _NativePlan:
-    """Where the blob's rows for one paged tensor go: row i starts at byte rows[i] * unit of the
-    tensor and is `run` bytes, contiguous (stride 0) or elements `stride` bytes apart."""
+def _address_map(t: torch.Tensor, layout: PagedLayout, kv: int, geo) -> tuple[int, ...]:
+    """Where tensor `t` keeps K (kv=0) or V of a slot, in bytes, for kernels/paged_copy_cpu.c:
+    (groups, a, sb, so, sh, run, stride, elem): row g of a token in (block, offset) starts at
+    a + block*sb + offset*so + g*sh and is `run` bytes, contiguous (stride 0) or elements
+    `stride` bytes apart. The arithmetic of paged_layout.run_offset, read off `t`'s strides."""
+    size, strides, H, D = t.element_size(), t.stride(), geo.num_kv_heads, geo.head_dim
 
-    rows: torch.Tensor  # int64, contiguous
-    unit: int
-    run: int
-    stride: int
-    elem: int
-    span: int  # bytes of the tensor reachable from its data pointer
+    def at(block: int, offset: int, head: int) -> int:  # run_offset is affine in each of them
+        return int(run_offset(layout, kv, block, offset, head, strides, D)) * size
+
+    a = at(0, 0, 0)
+    sb, so, sh = at(1, 0, 0) - a, at(0, 1, 0) - a, at(0, 0, 1) - a
+    step = channel_stride(layout, kv, strides, geo.block_size) * size
+    if step == size and (H == 1 or sh == D * size):  # a token's heads and channels are one stretch
+        return (1, a, sb, so, sh, H * D * size, 0, size)
+    return (H, a, sb, so, sh, D * size, 0 if step == size else step, size)
 
 
-def _native_plan(t: torch.Tensor, layout: PagedLayout, kv: int, block, offset, geo) -> _NativePlan:
-    """The torch reference's rows where they are runs; a row per (token, head) with its channels
-    at their stride where the reference goes element by element (vLLM's transposed CPU K pages,
-    permuted buffers): one index per D channels instead of one per channel."""
-    size, strides = t.element_size(), t.stride()
-    span = (1 + sum((n - 1) * s for n, s in zip(t.shape, strides))) * size
-    if not (layout is PagedLayout.VLLM_CPU and kv == 0):
-        plan = _plan(t, layout, kv, block, offset, geo)
-        if plan.run > 1:
-            return _NativePlan(plan.rows.contiguous(), plan.run * size, plan.run * size, 0, size, span)
-    heads = torch.arange(geo.num_kv_heads)
-    starts = run_offset(layout, kv, block[:, None], offset[:, None], heads[None, :], strides, geo.head_dim)  # [T, H]
-    step = channel_stride(layout, kv, strides, geo.block_size)
-    run = geo.head_dim * size
-    return _NativePlan(starts.reshape(-1).contiguous(), size, run, 0 if step == 1 else step * size, size, span)
+def _span(t: torch.Tensor) -> int:
+    """Bytes of `t`'s storage reachable from its data pointer."""
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def _segments(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor, blob: torch.Tensor):
-    """One segment (9 uint64: see kernels/paged_copy_cpu.c) per (layer, K/V) tensor, in blob order
-    (K of every layer, then V), and the plans whose row lists they point into (keep them alive)."""
+    """One segment (14 uint64: see kernels/paged_copy_cpu.c) per (layer, K/V) tensor, in blob
+    order (K of every layer, then V), and the slot tensor they point into (keep it alive)."""
     geo = paged_geometry(kv_caches[0], layout)
-    block, offset = slot_to_block_offset(slots.to(torch.int64), geo.block_size)
-    blobs = [b.unbind(0) for b in blob.unbind(0)]  # blobs[kv][layer]: [T, H*D], contiguous
+    index = slots.to(torch.int64).contiguous()
+    tokens, num_layers = index.numel(), len(kv_caches)
+    part_bytes = blob.numel() * blob.element_size() // (2 * num_layers)  # one [T, H*D] of the contiguous blob
+    if part_bytes != tokens * geo.num_kv_heads * geo.head_dim * blob.element_size():
+        raise ValueError("paged_native: the blob does not match the slots")  # a bug, not bad input
+    base, head = blob.data_ptr(), (index.data_ptr(), geo.block_size)
     tuple_layout = layout is PagedLayout.KV_TUPLE
-    plans: dict[tuple, _NativePlan] = {}
+    maps: dict[tuple, tuple[int, ...]] = {}  # (shape, strides, kv) -> (span, address map)
     segments: list[list[int]] = [[], []]
-    for li, layer in enumerate(kv_caches):
-        ts = layer_tensors(layer, layout)
+    for li, layer in enumerate(kv_caches):  # a hot loop: a microsecond per tensor counts at 256 tokens
         for kv in (0, 1):
-            t = ts[kv] if tuple_layout else ts[0]
-            key = (t.stride(), 0 if tuple_layout else kv)
-            plan = plans.get(key)
-            if plan is None:
-                plan = plans[key] = _native_plan(t, layout, kv, block, offset, geo)
-            part = blobs[kv][li]
-            nrows = plan.rows.numel()
-            if part.numel() * part.element_size() != nrows * plan.run:
-                raise ValueError("paged_native: the blob does not match the plan")  # a bug, not bad input
-            segments[kv].extend((t.data_ptr(), plan.span, part.data_ptr(), nrows, plan.run, plan.rows.data_ptr(),
-                                 plan.unit, plan.stride, plan.elem))
+            t = layer[kv] if tuple_layout else layer
+            key = (t.shape, t.stride(), 0 if tuple_layout else kv)
+            known = maps.get(key)
+            if known is None:
+                known = maps[key] = (_span(t), *_address_map(t, layout, kv, geo))
+            segments[kv].extend((t.data_ptr(), known[0], base + (kv * num_layers + li) * part_bytes, tokens,
+                                 *head, *known[1:]))
     flat = segments[0] + segments[1]
-    return struct.pack(f"<{len(flat)}Q", *flat), list(plans.values())
+    return struct.pack(f"<{len(flat)}Q", *flat), index
 
 
 def _copy(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor, blob: torch.Tensor,
