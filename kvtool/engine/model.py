@@ -126,6 +126,24 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.addcmul(x * cos, swapped, sin)
 
 
+def rerotate_keys(k: Tensor, inv_freq: Tensor, old_pos: Tensor, new_pos: Tensor) -> Tensor:
+    """Re-encode keys k [n, h, D], RoPE'd at positions old_pos [n], to positions new_pos [n].
+
+    RoPE turns each pair (i, i + D/2) by pos * inv_freq[i], and two turns of one pair add
+    their angles: turning by (new - old) * inv_freq moves a key exactly (in exact arithmetic)
+    for every variant `rope_inv_freq` builds, since linear and llama3 scaling only change
+    inv_freq. The angles are formed in float64 from the integer delta, the turn is applied in
+    float32, and the result has k's dtype. h may be anything (e.g. layers * KV heads): the
+    turn depends on the position and the dim only. Any device.
+    """
+    delta = new_pos.to(torch.float64) - old_pos.to(torch.float64)  # [n]
+    angles = delta[:, None] * inv_freq.to(torch.float64)[None, :]  # [n, D/2]
+    cos = angles.cos().float().repeat(1, 2)[:, None, :]  # [n, 1, D]: (cos, cos)
+    sin = angles.sin().float()
+    sin = torch.cat([-sin, sin], dim=-1)[:, None, :]  # [n, 1, D]: (-sin, sin)
+    return apply_rope(k.float(), cos, sin).to(k.dtype)  # [n, h, D]
+
+
 def write_kv(kv_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
     """THE place the KV cache changes: store K/V of n tokens at their slots.
 
