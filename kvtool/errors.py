@@ -173,6 +173,11 @@ class ModelMismatch(KvtoolError):
     """A KV file was made by a different model than the one given."""
 
 
+class RopeMismatch(ModelMismatch):
+    """Cached keys were rotated with other RoPE settings (theta, scaling) than the model's:
+    re-encoding them to new positions would give wrong keys, so a blend refuses them."""
+
+
 class PromptError(KvtoolError):
     """Empty prompt, one longer than the model's context, or token ids outside the vocabulary."""
 

@@ -1,16 +1,23 @@
-"""RoPE re-encoding of cached keys (issue 16, CacheBlend).
+"""kvtool.engine.blend and RoPE re-encoding (issue 16, CacheBlend).
 
-Against float64 ground truth for the default, linear and llama3 variants, and on the real
-default model (layer 0 inside a longer prompt; every layer for the same text run at another
-offset).
+RoPE re-encoding against float64 ground truth for the default, linear and llama3 variants,
+and on the real default model (layer 0 inside a longer prompt; every layer for the same
+text run at another offset). The blended prefill on the real model: ratio 1.0 is a full
+prefill, ratio 0 is naive reuse built here without the blend code, a first segment at
+position 0 is plain prefix reuse bit for bit, selective recompute at 15% is closer to the
+full prefill than naive reuse, and foreign segments are refused by name.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvtool.engine import PagedKVCache, Runner
+from kvtool.engine.blend import BlendResult, Segment, blend_prefill, capture_segment
 from kvtool.engine.model import (
     ModelConfig,
     apply_rope,
@@ -20,7 +27,16 @@ from kvtool.engine.model import (
     rerotate_keys,
     rope_cos_sin,
     rope_inv_freq,
+    write_kv,
 )
+from kvtool.errors import (
+    ModelMismatch,
+    PromptError,
+    RopeMismatch,
+    ShapeMismatch,
+    UsageError,
+)
+from kvtool.identity import ModelIdentity
 
 DOCS = [
     ("Alice lives in Paris. She works as a baker and her favourite colour is green. Every morning "
@@ -30,6 +46,8 @@ DOCS = [
     ("Carol lives in Lima. She is a marine biologist who studies whales, and her favourite colour "
      "is purple. She has two cats named Pixel and Byte.\n"),
 ]
+QUESTION = "\nQuestion: What is Bob's favourite colour, and where does Carol live?\nAnswer:"
+ANSWER_STEPS = 12  # teacher-forced positions compared after the prompt
 
 
 def _config(scaling: dict | None, theta: float = 10000.0, head_dim: int = 64) -> ModelConfig:
@@ -162,3 +180,223 @@ def test_every_layers_keys_rerotated_equal_the_same_text_run_at_the_new_offset(d
         assert rel < 1e-4, f"layer {layer}: relative error {rel:.3g}"
         vrel = ((kv[1, layer].view_as(v_at_s) - v_at_s).norm() / v_at_s.norm()).item()
         assert vrel < 1e-4, f"V of layer {layer}: relative error {vrel:.3g}"
+
+
+# --- the blended prefill -------------------------------------------------------------
+
+
+def _full_prefill(model, tokens, extra: int = ANSWER_STEPS, seed: int = 1):
+    cache = PagedKVCache.for_tokens(model.config, len(tokens) + extra, block_size=16, shuffle_seed=seed)
+    seq = cache.new_sequence()
+    runner = Runner(model, cache)
+    logits = runner.prefill(seq, tokens, logits="last")[0]
+    return runner, seq, logits
+
+
+def _blend(model, segments, question, ratio, check_layer=1, extra: int = ANSWER_STEPS, seed: int = 2):
+    n = sum(len(s.tokens) for s in segments) + len(question)
+    cache = PagedKVCache.for_tokens(model.config, n + extra, block_size=16, shuffle_seed=seed)
+    seq = cache.new_sequence()
+    runner = Runner(model, cache)
+    result = blend_prefill(runner, seq, segments, question, recompute_ratio=ratio, check_layer=check_layer)
+    return runner, seq, result
+
+
+def _teacher_forced(runner, seq, first_logits, answer) -> torch.Tensor:
+    """Logits [len(answer), V]: the prompt's last position, then each answer token but the last fed."""
+    out = [first_logits]
+    for token in answer[:-1]:
+        out.append(runner.decode_step(seq, token))
+    return torch.stack(out)
+
+
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """Mean over positions of KL(ref || got), in nats."""
+    return F.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="batchmean").item()
+
+
+@pytest.fixture(scope="module")
+def rag(default_model, captured):
+    """Three documents as segments, the question, the full prefill's greedy answer, its
+    teacher-forced logits [ANSWER_STEPS, V] and its KV."""
+    segments = [capture_segment(default_model, tokens) for tokens, _ in captured[0]]
+    question = default_model.tokenizer.encode(QUESTION)
+    prompt = [t for s in segments for t in s.tokens] + question
+    runner, seq, logits = _full_prefill(default_model, prompt)
+    answer, step = [], logits
+    for _ in range(ANSWER_STEPS):
+        answer.append(int(step.argmax()))
+        step = runner.decode_step(seq, answer[-1])
+    full_kv = _segment_kv(runner.cache, seq, 0, len(prompt))
+    ref = _teacher_forced(*_full_prefill(default_model, prompt), answer)
+    return segments, question, prompt, answer, ref, full_kv
+
+
+@pytest.mark.model
+def test_capture_segment_is_the_segment_prefilled_alone(default_model, captured):
+    tokens, kv = captured[0][0]
+    seg = capture_segment(default_model, tokens)
+    assert seg.tokens == tokens and seg.stored_start == 0 and seg.identity == default_model.identity
+    assert seg.kv.shape == kv.shape and seg.kv.dtype == torch.float32
+    assert torch.equal(seg.kv, kv)
+    assert capture_segment(default_model, tokens, kv_dtype=torch.bfloat16).kv.dtype == torch.bfloat16
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("check_layer", [1, 3])
+def test_ratio_one_is_a_full_prefill(default_model, rag, check_layer):
+    segments, question, prompt, answer, ref, full_kv = rag
+    runner, seq, result = _blend(default_model, segments, question, 1.0, check_layer)
+    assert isinstance(result, BlendResult) and result.tokens == prompt and seq.num_tokens == len(prompt)
+    assert result.prefix == len(segments[0].tokens)  # the first segment is exact: never recomputed
+    assert result.recomputed.tolist() == list(range(result.prefix, len(prompt)))
+    assert result.recompute_fraction == 1.0
+    torch.testing.assert_close(result.logits, ref[0], atol=2e-3, rtol=1e-4)
+    torch.testing.assert_close(_segment_kv(runner.cache, seq, 0, len(prompt)), full_kv, atol=2e-3, rtol=1e-4)
+    got = _teacher_forced(runner, seq, result.logits, answer)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert _kl(ref, got) < 1e-6
+
+
+@pytest.mark.model
+def test_ratio_one_with_uncached_text_between_segments_is_a_full_prefill(default_model, rag):
+    segments, question, _, _, ref, _ = rag
+    middle = Segment(segments[1].tokens)  # no cache: computed in every layer
+    _, _, result = _blend(default_model, [segments[0], middle, segments[2]], question, 1.0)
+    torch.testing.assert_close(result.logits, ref[0], atol=2e-3, rtol=1e-4)
+    assert result.cached.tolist() == [s.kv is not None for s in (segments[0], middle, segments[2])
+                                      for _ in s.tokens] + [False] * len(question)
+
+
+@pytest.mark.model
+def test_ratio_zero_is_naive_reuse(default_model, rag):
+    """Naive reuse built without the blend code: each segment's KV written at its new positions
+    with re-rotated keys, then the question prefilled after it."""
+    segments, question, prompt, answer, ref, _ = rag
+    cfg = default_model.config
+    inv_freq = rope_inv_freq(cfg)
+    n_ctx = len(prompt) - len(question)
+    cache = PagedKVCache.for_tokens(cfg, len(prompt) + ANSWER_STEPS, block_size=16, shuffle_seed=7)
+    seq = cache.new_sequence(n_ctx)
+    start = 0
+    for seg in segments:
+        t = len(seg.tokens)
+        slots = seq.slot_mapping(start + t, start)
+        pos = torch.arange(t)
+        for layer, kv_cache in enumerate(cache.kv_caches):
+            k = seg.kv[0, layer].view(t, cfg.num_kv_heads, cfg.head_dim)
+            v = seg.kv[1, layer].view(t, cfg.num_kv_heads, cfg.head_dim)
+            write_kv(kv_cache, slots, rerotate_keys(k, inv_freq, pos, pos + start), v)
+        start += t
+    seq.num_tokens = n_ctx
+    naive_runner = Runner(default_model, cache)
+    naive_logits = naive_runner.prefill(seq, question, start_pos=n_ctx, logits="last")[0]
+    naive = _teacher_forced(naive_runner, seq, naive_logits, answer)
+
+    runner, bseq, result = _blend(default_model, segments, question, 0.0)
+    assert result.recomputed.tolist() == list(range(n_ctx, len(prompt)))  # the question only
+    assert result.recomputed_cached == 0
+    torch.testing.assert_close(result.logits, naive_logits, atol=2e-3, rtol=1e-4)
+    torch.testing.assert_close(_segment_kv(runner.cache, bseq, 0, len(prompt)),
+                               _segment_kv(cache, seq, 0, len(prompt)), atol=2e-3, rtol=1e-4)
+    got = _teacher_forced(runner, bseq, result.logits, answer)
+    assert torch.equal(got.argmax(-1), naive.argmax(-1))
+    assert _kl(naive, got) < 1e-6
+    assert _kl(ref, naive) > 1e-2  # naive reuse really is different from the full prefill
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("ratio", [0.0, 0.15, 1.0])
+def test_one_segment_at_position_zero_is_plain_prefix_reuse(default_model, rag, ratio):
+    segments, question, _, _, _, _ = rag
+    seg = segments[0]
+    cfg, t = default_model.config, len(seg.tokens)
+    # Plain prefix reuse: the segment's KV copied in as it is, then the question after it.
+    cache = PagedKVCache.for_tokens(cfg, t + len(question) + 4, block_size=16, shuffle_seed=2)
+    seq = cache.new_sequence(t)
+    slots = seq.slot_mapping(t)
+    for layer, kv_cache in enumerate(cache.kv_caches):
+        write_kv(kv_cache, slots, seg.kv[0, layer].view(t, cfg.num_kv_heads, cfg.head_dim),
+                 seg.kv[1, layer].view(t, cfg.num_kv_heads, cfg.head_dim))
+    seq.num_tokens = t
+    plain = Runner(default_model, cache)
+    want = plain.prefill(seq, question, start_pos=t, logits="last")[0]
+
+    runner, bseq, result = _blend(default_model, [seg], question, ratio, extra=4)
+    assert result.prefix == t and result.recomputed.tolist() == list(range(t, t + len(question)))
+    assert torch.equal(result.logits, want)
+    n = t + len(question)
+    assert torch.equal(_segment_kv(runner.cache, bseq, 0, n), _segment_kv(cache, seq, 0, n))
+    for token in (int(want.argmax()), 42, 7):  # decoding goes on identically
+        assert torch.equal(runner.decode_step(bseq, token), plain.decode_step(seq, token))
+
+
+@pytest.mark.model
+def test_selective_recompute_is_closer_to_the_full_prefill_than_naive_reuse(default_model, rag):
+    segments, question, _, answer, ref, _ = rag
+    kls = {}
+    for ratio in (0.0, 0.15, 1.0):
+        runner, seq, result = _blend(default_model, segments, question, ratio)
+        kls[ratio] = _kl(ref, _teacher_forced(runner, seq, result.logits, answer))
+        cached_after_prefix = sum(len(s.tokens) for s in segments[1:])
+        assert result.recomputed_cached == round(ratio * cached_after_prefix)
+        measured = result.deviation[result.cached & ~torch.isnan(result.deviation)]
+        assert measured.numel() == cached_after_prefix and (measured >= 0).all()
+    print(f"teacher-forced KL over {ANSWER_STEPS} positions vs full prefill: "
+          + ", ".join(f"ratio {r}: {v:.4g}" for r, v in kls.items()))
+    assert kls[1.0] < 1e-6
+    assert kls[0.15] < kls[0.0]
+
+
+@pytest.mark.model
+def test_the_recompute_picks_the_tokens_whose_keys_deviate_most(default_model, rag):
+    segments, question, _, _, _, _ = rag
+    _, _, result = _blend(default_model, segments, question, 0.15)
+    dev = result.deviation
+    chosen = torch.zeros(len(dev), dtype=torch.bool)
+    chosen[result.recomputed] = True
+    measured = ~torch.isnan(dev)
+    assert dev[chosen & measured].min() >= dev[~chosen & measured].max()
+
+
+@pytest.mark.model
+def test_foreign_segments_and_bad_arguments_are_refused_by_name(default_model, rag):
+    segments, question, _, _, _, _ = rag
+    seg = segments[1]
+    mine = default_model.identity
+    other_rope = ModelIdentity.from_dict({**mine.to_dict(), "rope": {"rope_theta": 10000.0, "rope_scaling": None}})
+    scaled = ModelIdentity.from_dict({**mine.to_dict(), "rope": {
+        "rope_theta": mine.rope["rope_theta"], "rope_scaling": {"rope_type": "linear", "factor": 2.0}}})
+    other_model = ModelIdentity.from_dict({**mine.to_dict(), "num_layers": 24})
+    other_weights = ModelIdentity.from_dict({**mine.to_dict(), "weights_digest": "sha256:" + "0" * 64})
+    cases = [
+        ([Segment(seg.tokens, seg.kv, identity=other_rope)], RopeMismatch, "RoPE"),
+        ([Segment(seg.tokens, seg.kv, identity=scaled)], RopeMismatch, "RoPE"),
+        ([Segment(seg.tokens, seg.kv, identity=other_model)], ModelMismatch, "not by the loaded model"),
+        ([Segment(seg.tokens, seg.kv[:, :20])], ModelMismatch, "shape"),
+        ([Segment(seg.tokens[:-1], seg.kv)], ShapeMismatch, "token ids"),
+        ([Segment([], None)], PromptError, "no tokens"),
+    ]
+    if mine.weights_digest is not None:
+        cases.append(([Segment(seg.tokens, seg.kv, identity=other_weights)], ModelMismatch, "other weights"))
+    for segs, error, words in cases:
+        with pytest.raises(error, match=words):
+            _blend(default_model, segs, question, 0.15)
+    assert issubclass(RopeMismatch, ModelMismatch)
+    for kwargs, words in (({"ratio": 1.5}, "recompute_ratio"), ({"ratio": -0.1}, "recompute_ratio"),
+                          ({"ratio": 0.1, "check_layer": 30}, "check_layer"),
+                          ({"ratio": 0.1, "check_layer": -1}, "check_layer")):
+        with pytest.raises(UsageError, match=words):
+            _blend(default_model, [seg], question, **kwargs)
+    with pytest.raises(PromptError, match="nothing to prefill"):
+        _blend(default_model, [], [], 0.15)
+
+
+@pytest.mark.model
+def test_blend_without_a_question_recomputes_the_last_token(default_model, rag):
+    segments = rag[0]
+    runner, seq, result = _blend(default_model, segments[1:], [], 0.0)
+    n = result.num_tokens
+    assert result.prefix == len(segments[1].tokens)  # exact: cached from 0, placed at 0
+    assert result.recomputed.tolist() == [n - 1] and seq.num_tokens == n
+    assert torch.isfinite(result.logits).all() and math.isfinite(runner.decode_step(seq, 5).sum().item())

@@ -28,6 +28,17 @@ Public API::
         .generate(seq, prompt_tokens, max_new_tokens, prefill_chunk=2048,
                   stop_tokens=None, start_pos=0) -> list[int]   (greedy)
 
+Blended prefill (CacheBlend; kvtool/engine/blend.py)::
+
+    Segment(tokens, kv=None, stored_start=0, identity=None)
+        kv: KV_BLOB [2, L, T, C] of the tokens computed alone from stored_start; None = uncached
+    capture_segment(model, tokens, kv_dtype=torch.float32) -> Segment
+    blend_prefill(runner, seq, segments, question_tokens=(), recompute_ratio=0.15,
+                  check_layer=1) -> BlendResult
+        .logits [V] (the last position; Runner.decode_step continues), .tokens, .cached [n],
+        .prefix, .recomputed (positions run from the check layer on), .deviation [n],
+        .recomputed_cached, .recompute_fraction
+
 Typical capture::
 
     model = load_model(None)
@@ -47,6 +58,7 @@ _EXPORTS = {
     "ModelConfig": "model", "logits_from_hidden": "model",
     "BlockAllocator": "paged", "PagedKVCache": "paged", "Sequence": "paged",
     "Runner": "runner",
+    "BlendResult": "blend", "Segment": "blend", "blend_prefill": "blend", "capture_segment": "blend",
 }
 
 

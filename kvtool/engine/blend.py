@@ -1,0 +1,305 @@
+"""Blended prefill (CacheBlend): a prompt made of separately cached text segments.
+
+Each cached segment's KV was computed with the segment alone (positions from
+`stored_start`, normally 0). Placed in a new prompt, its keys sit at the wrong
+positions and none of its tokens has seen the text before it. The blended prefill:
+
+1. writes every cached segment's KV into the sequence's paged cache at its new
+   positions, keys re-rotated there (`rerotate_keys`);
+2. runs layers 0..check_layer-1 for every token (a full prefill of those layers: their
+   fresh K/V replace the cached ones);
+3. at `check_layer`, computes fresh Q/K/V for every token and measures each cached
+   token's *deviation*: the L2 norm, over all KV heads and dims, of fresh K minus cached
+   (re-rotated) K, in float32. (Rotations keep lengths, so this is also the deviation
+   before RoPE.) The `recompute_ratio` fraction of cached tokens with the largest
+   deviation is chosen, round(ratio * candidates) tokens; uncached tokens (the question)
+   and the prompt's last token are always chosen;
+4. from `check_layer` on, runs the chosen tokens only: their fresh K/V overwrite the
+   cached ones, and they attend causally over the blended K/V of the whole prompt.
+   The other tokens keep their cached (re-rotated) K/V in those layers.
+
+One exception, with no loss: a first segment cached from position 0 and placed at 0 is
+a true prefix, exactly what a full prefill computes, so it is used as it is and
+never recomputed (the blend then matches plain prefix reuse). The ratio counts the
+cached tokens after it.
+
+So ratio 1.0 is a full prefill (every token recomputed in every layer), and with
+check_layer 1 ratio 0 is naive reuse (cached KV at new positions, only uncached tokens
+computed): layer 0's K/V depend on nothing but the token and its position, so layer
+0's fresh K/V of cached tokens equal their re-rotated cached K/V. With a deeper check
+layer, layers below it are fully recomputed at every ratio.
+
+Afterwards the paged cache holds the blended KV of the whole prompt and
+`seq.num_tokens` is its length: `Runner.decode_step` continues from there.
+
+The whole prompt runs in one chunk (activations of [n, E] and masks of [chosen, n]);
+RoPE re-encoding is exact for the default, linear and llama3 variants the engine runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import ModelMismatch, PromptError, RopeMismatch, ShapeMismatch, UsageError
+from ..identity import ModelIdentity
+from .loader import LoadedModel
+from .model import (
+    LayerWeights,
+    ModelConfig,
+    apply_rope,
+    attention,
+    attention_mask,
+    layer_forward,
+    logits_from_hidden,
+    mlp,
+    read_kv,
+    rerotate_keys,
+    rms_norm,
+    rope_cos_sin,
+    write_kv,
+)
+from .paged import PagedKVCache, Sequence
+from .runner import Runner
+
+DEFAULT_RECOMPUTE_RATIO = 0.15  # LMCache's defaults
+DEFAULT_CHECK_LAYER = 1
+
+
+@dataclass
+class Segment:
+    """One part of a blended prompt.
+
+    tokens: its token ids. kv: its KV_BLOB [2, L, T, C] (C = KV heads * head dim, K at
+    index 0), computed with the segment alone at positions stored_start..stored_start+T-1,
+    any dtype and device; None for text without a cache (computed in every layer).
+    identity: the model that computed kv, when known; it must be the runner's model, and a
+    different RoPE setting is refused by name (RopeMismatch).
+    """
+
+    tokens: list[int]
+    kv: Tensor | None = None
+    stored_start: int = 0
+    identity: ModelIdentity | None = None
+
+
+@dataclass
+class BlendResult:
+    """What `blend_prefill` did. Positions index the whole prompt (all segments, then the question)."""
+
+    logits: Tensor  # [V] float32, the prompt's last position
+    tokens: list[int]  # the whole prompt
+    cached: Tensor  # [n] bool (CPU): the token's KV came from a segment's cache
+    prefix: int  # leading positions taken exactly (a first segment cached from 0), never recomputed
+    recomputed: Tensor  # [k] long (CPU), sorted: positions run from the check layer on
+    deviation: Tensor = field(repr=False)  # [n] float32 (CPU): check-layer K deviation; NaN where not measured
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def recomputed_cached(self) -> int:
+        """Cached tokens recomputed from the check layer on (the ratio's share)."""
+        return int(self.cached[self.recomputed].sum())
+
+    @property
+    def recompute_fraction(self) -> float:
+        """recomputed_cached over the cached tokens the ratio applies to (after the prefix)."""
+        candidates = int(self.cached[self.prefix:].sum())
+        return self.recomputed_cached / candidates if candidates else 0.0
+
+
+# --- segments -----------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def capture_segment(model: LoadedModel, tokens, kv_dtype: torch.dtype = torch.float32) -> Segment:
+    """A Segment of `tokens` computed alone from position 0 (its own scratch cache)."""
+    tokens = [int(t) for t in tokens]
+    if not tokens:
+        raise PromptError("a segment needs at least one token")
+    cfg = model.config
+    cache = PagedKVCache.for_tokens(cfg, len(tokens), kv_dtype=kv_dtype, device=model.device)
+    seq = cache.new_sequence(len(tokens))
+    Runner(model, cache).prefill(seq, tokens, logits="none")
+    slots = seq.slot_mapping(len(tokens), device=model.device)
+    k, v = zip(*(read_kv(layer, slots, kv_dtype) for layer in cache.kv_caches))  # L x [T, Hkv, D]
+    kv = torch.stack([torch.stack(k), torch.stack(v)])  # [2, L, T, Hkv, D]
+    return Segment(tokens, kv.flatten(3), 0, model.identity)  # [2, L, T, C]
+
+
+def check_segment(segment: Segment, model: LoadedModel, index: int) -> None:
+    """Refuse a segment whose KV cannot be blended into this model's prompt."""
+    cfg, name = model.config, f"segment {index}"
+    if not segment.tokens:
+        raise PromptError(f"{name} has no tokens")
+    if segment.kv is None:
+        return
+    if segment.identity is not None:
+        mine = model.identity
+        if segment.identity.rope != mine.rope:
+            raise RopeMismatch(f"{name} was cached with RoPE {segment.identity.rope}, the model uses {mine.rope}")
+        if segment.identity.fingerprint() != mine.fingerprint():
+            raise ModelMismatch(f"{name} was cached by {segment.identity.name!r} "
+                                f"({segment.identity.fingerprint()[:19]}...), not by the loaded model "
+                                f"{mine.name!r} ({mine.fingerprint()[:19]}...)")
+        theirs, ours = segment.identity.weights_digest, mine.weights_digest
+        if theirs is not None and ours is not None and theirs != ours:
+            raise ModelMismatch(f"{name} was cached with other weights than the loaded model's")
+    shape = tuple(segment.kv.shape)
+    channels = cfg.num_kv_heads * cfg.head_dim
+    if len(shape) != 4 or shape[0] != 2 or (shape[1], shape[3]) != (cfg.num_layers, channels):
+        raise ModelMismatch(f"{name}'s KV has shape {list(shape)}; the model needs "
+                            f"[2, {cfg.num_layers}, T, {channels}]")
+    if shape[2] != len(segment.tokens):
+        raise ShapeMismatch(f"{name} holds KV of {shape[2]} tokens for {len(segment.tokens)} token ids")
+    if segment.stored_start < 0:
+        raise UsageError(f"{name}: stored_start must be >= 0, got {segment.stored_start}")
+
+
+def place_segment(runner: Runner, segment: Segment, slots: Tensor, start: int) -> None:
+    """Write a cached segment into the paged cache at positions start.., keys re-rotated there."""
+    cfg, device = runner.config, runner.inv_freq.device
+    n = len(segment.tokens)
+    kv = segment.kv.to(device)  # [2, L, T, C]
+    k = kv[0].transpose(0, 1).reshape(n, cfg.num_layers * cfg.num_kv_heads, cfg.head_dim)  # [T, L*Hkv, D]
+    if start != segment.stored_start:
+        old = torch.arange(segment.stored_start, segment.stored_start + n, device=device)  # [T]
+        k = rerotate_keys(k, runner.inv_freq, old, old + (start - segment.stored_start))
+    k = k.view(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)  # [T, L, Hkv, D]
+    v = kv[1].reshape(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)  # [L, T, Hkv, D]
+    for layer, kv_cache in enumerate(runner.cache.kv_caches):
+        write_kv(kv_cache, slots, k[:, layer], v[layer])
+
+
+# --- the blended pass: one layer split at the point where tokens are chosen ----------
+
+
+def qkv_rope(x: Tensor, w: LayerWeights, config: ModelConfig, cos: Tensor,
+             sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The first half of `layer_forward`: q [n, H, D], k [n, Hkv, D] (RoPE'd) and v [n, Hkv, D]."""
+    n = x.shape[0]
+    h, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    qkv = F.linear(rms_norm(x, w.attn_norm, config.rms_norm_eps), w.wqkv, w.bqkv)  # [n, (H+2Hkv)*D]
+    qk, v = qkv.split([(h + hkv) * d, hkv * d], dim=-1)
+    qk = apply_rope(qk.view(n, h + hkv, d), cos, sin)  # [n, H+Hkv, D]
+    q, k = qk.split([h, hkv], dim=1)  # [n, H, D], [n, Hkv, D]
+    return q, k, v.view(n, hkv, d)
+
+
+def attend_mlp(x: Tensor, q: Tensor, w: LayerWeights, config: ModelConfig, kv_cache: Tensor,
+               read_slots: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """The second half of `layer_forward`: attention over the cache, then the MLP. x [n, E] -> [n, E]."""
+    k_all, v_all = read_kv(kv_cache, read_slots, x.dtype)  # [T, Hkv, D] each
+    attn = attention(q, k_all, v_all, mask, causal)  # [n, H*D]
+    x.add_(F.linear(attn, w.wo, w.bo))  # [n, E]
+    return x.add_(mlp(rms_norm(x, w.mlp_norm, config.rms_norm_eps), w))  # [n, E]
+
+
+def key_deviation(fresh_k: Tensor, cached_k: Tensor) -> Tensor:
+    """[n] float32: L2 norm over KV heads and dims of fresh minus cached K ([n, Hkv, D] each)."""
+    return (fresh_k.float() - cached_k.float()).flatten(1).norm(dim=1)
+
+
+def choose_tokens(deviation: Tensor, candidate: Tensor, forced: Tensor, ratio: float) -> Tensor:
+    """Sorted indices [k]: every `forced` row, and the round(ratio * candidates) `candidate`
+    rows of largest deviation (deviation, candidate, forced: [n])."""
+    count = round(ratio * int(candidate.sum()))
+    score = deviation.masked_fill(~candidate, float("-inf"))  # [n]
+    top = torch.topk(score, count).indices if count else score.new_empty(0, dtype=torch.long)
+    chosen = forced.clone()
+    chosen[top] = True
+    return chosen.nonzero().flatten()  # [k], ascending
+
+
+def blend_mask(q_pos: Tensor, num_keys: int, config: ModelConfig, dtype: torch.dtype,
+               square: bool) -> tuple[Tensor | None, bool]:
+    """(mask, causal) for queries at q_pos (the last one at num_keys - 1) over keys
+    0..num_keys-1, as `forward` picks them."""
+    window = config.sliding_window if config.sliding_window and config.sliding_window < num_keys else None
+    if q_pos.shape[0] == 1 and window is None:
+        return None, False  # one query, the last position: it sees every key
+    if square and window is None:
+        return None, True  # the queries are positions 0..num_keys-1: SDPA's causal path
+    return attention_mask(q_pos, torch.arange(num_keys, device=q_pos.device), window, dtype), False
+
+
+@torch.inference_mode()
+def blend_prefill(runner: Runner, seq: Sequence, segments: list[Segment], question_tokens=(),
+                  recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
+                  check_layer: int = DEFAULT_CHECK_LAYER) -> BlendResult:
+    """Prefill `segments` then `question_tokens` (uncached) into the empty sequence `seq`, reusing
+    the segments' cached KV with CacheBlend's selective recompute (see the module docstring).
+
+    Returns the last position's logits and which positions were recomputed; the paged cache
+    holds the blended KV of the whole prompt and `seq.num_tokens` is its length.
+    """
+    model, cfg = runner.model, runner.config
+    if not 0.0 <= recompute_ratio <= 1.0:
+        raise UsageError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
+    if not 0 <= check_layer < cfg.num_layers:
+        raise UsageError(f"check_layer must be in [0, {cfg.num_layers - 1}], got {check_layer}")
+    if seq.num_tokens:
+        raise UsageError("blend_prefill needs an empty sequence")
+    parts = list(segments) + ([Segment([int(t) for t in question_tokens])] if len(question_tokens) else [])
+    if not parts:
+        raise PromptError("nothing to prefill: no segments and no question")
+    for i, part in enumerate(parts):
+        check_segment(part, model, i)
+    tokens = [int(t) for part in parts for t in part.tokens]
+    n = len(tokens)
+    if n > cfg.max_position_embeddings:
+        raise PromptError(f"{n} tokens exceed the model's context of {cfg.max_position_embeddings}")
+
+    device = runner.inv_freq.device
+    seq.reserve(n)
+    slots = seq.slot_mapping(n, device=device)  # [n]
+    cached = torch.zeros(n, dtype=torch.bool, device=device)  # [n]
+    start = 0
+    for part in parts:
+        end = start + len(part.tokens)
+        if part.kv is not None:
+            place_segment(runner, part, slots[start:end], start)
+            cached[start:end] = True
+        start = end
+    first = parts[0]
+    exact = len(first.tokens) if first.kv is not None and first.stored_start == 0 else 0
+    prefix = min(exact, n - 1)  # the last token always runs: its logits are the result
+
+    weights, dtype = model.weights, model.weights.embed.dtype
+    kv_caches = runner.cache.kv_caches
+    rows = torch.arange(prefix, n, device=device)  # [m] positions run in layers < check_layer
+    x = weights.embed[torch.tensor(tokens[prefix:], dtype=torch.long, device=device)]  # [m, E]
+    cos, sin = rope_cos_sin(runner.inv_freq, rows, dtype)  # [m, 1, D] each
+    mask, causal = blend_mask(rows, n, cfg, dtype, square=prefix == 0)
+    for w, kv_cache in zip(weights.layers[:check_layer], kv_caches):
+        x = layer_forward(x, w, cfg, cos, sin, kv_cache, slots[rows], slots, mask, causal)
+
+    # The check layer: fresh K of every row against the cached K still in the cache.
+    w, kv_cache = weights.layers[check_layer], kv_caches[check_layer]
+    q, k, v = qkv_rope(x, w, cfg, cos, sin)
+    old_k, _ = read_kv(kv_cache, slots[rows], torch.float32)  # [m, Hkv, D]
+    deviation = key_deviation(k, old_k)  # [m]; meaningless where the row is uncached
+    forced = ~cached[rows]
+    forced[-1] = True
+    keep = choose_tokens(deviation, cached[rows], forced, recompute_ratio)  # [k] indices into rows
+    if keep.shape[0] != rows.shape[0]:
+        rows, x, q, k, v = rows[keep], x[keep], q[keep], k[keep], v[keep]
+        cos, sin = cos[keep], sin[keep]
+        mask, causal = blend_mask(rows, n, cfg, dtype, square=False)
+    write_kv(kv_cache, slots[rows], k, v)
+    x = attend_mlp(x, q, w, cfg, kv_cache, slots, mask, causal)
+    for w, kv_cache in zip(weights.layers[check_layer + 1:], kv_caches[check_layer + 1:]):
+        x = layer_forward(x, w, cfg, cos, sin, kv_cache, slots[rows], slots, mask, causal)
+    seq.num_tokens = n
+
+    logits = logits_from_hidden(weights, rms_norm(x[-1:], weights.norm, cfg.rms_norm_eps))[0]  # [V]
+    dev = torch.full((n,), float("nan"))
+    measured = cached.cpu().clone()
+    measured[:prefix] = False
+    dev[measured] = deviation.cpu()[measured[prefix:]]
+    return BlendResult(logits, tokens, cached.cpu(), prefix, rows.cpu(), dev)
