@@ -400,3 +400,36 @@ def test_blend_without_a_question_recomputes_the_last_token(default_model, rag):
     assert result.prefix == len(segments[1].tokens)  # exact: cached from 0, placed at 0
     assert result.recomputed.tolist() == [n - 1] and seq.num_tokens == n
     assert torch.isfinite(result.logits).all() and math.isfinite(runner.decode_step(seq, 5).sum().item())
+
+
+@pytest.mark.model
+def test_a_segment_stored_at_other_positions_is_moved_from_there(default_model, rag):
+    """stored_start says where the segment's keys were rotated: the same keys stored at 500.. blend
+    as the ones stored at 0.."""
+    segments, question, _, _, _, _ = rag
+    cfg, b = default_model.config, segments[1]
+    t = len(b.tokens)
+    pos = torch.arange(t)
+    k = b.kv[0].transpose(0, 1).reshape(t, -1, cfg.head_dim)  # [T, L*Hkv, D]
+    k500 = rerotate_keys(k, rope_inv_freq(cfg), pos, pos + 500).view(t, cfg.num_layers, -1).transpose(0, 1)
+    b500 = Segment(b.tokens, torch.stack([k500, b.kv[1]]), stored_start=500, identity=b.identity)
+    _, _, want = _blend(default_model, segments, question, 0.15)
+    _, _, got = _blend(default_model, [segments[0], b500, segments[2]], question, 0.15)
+    assert torch.equal(got.recomputed, want.recomputed)
+    torch.testing.assert_close(got.logits, want.logits, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.model
+def test_bf16_segments_blend_into_a_bf16_cache(default_model, rag):
+    segments, question, prompt, _, _, _ = rag
+    segs16 = [capture_segment(default_model, s.tokens, kv_dtype=torch.bfloat16) for s in segments]
+    cfg = default_model.config
+    cache = PagedKVCache.for_tokens(cfg, len(prompt), block_size=16, kv_dtype=torch.bfloat16, shuffle_seed=9)
+    seq = cache.new_sequence()
+    want = Runner(default_model, cache).prefill(seq, prompt, logits="last")[0]
+    cache = PagedKVCache.for_tokens(cfg, len(prompt), block_size=16, kv_dtype=torch.bfloat16, shuffle_seed=9)
+    seq = cache.new_sequence()
+    result = blend_prefill(Runner(default_model, cache), seq, segs16, question, recompute_ratio=1.0)
+    assert cache.kv_caches[0].dtype == torch.bfloat16
+    assert int(result.logits.argmax()) == int(want.argmax())
+    assert _kl(want[None], result.logits[None]) < 1e-3
