@@ -282,7 +282,7 @@ def test_prefix_reuse_plan_and_loads_only_matching_chunks(captured, default_mode
         assert (plan.reused, plan.chunks) == (128, 2)
         decoded = []
 
-        def spying(name):  # the load reads raw chunks with read_chunk_into, others with read_chunk
+        def spying(name):  # raw chunks: mapped_chunk (or read_chunk_into); others: read_chunk
             original = getattr(ContainerReader, name)
 
             def spy(self, index, *args, **kw):
@@ -292,6 +292,7 @@ def test_prefix_reuse_plan_and_loads_only_matching_chunks(captured, default_mode
 
         spying("read_chunk")
         spying("read_chunk_into")
+        spying("mapped_chunk")
         result = replay(reader, default_model, plan, continue_tokens=4, compare=True)
     assert sorted(decoded) == [0, 1]  # worker threads may finish in either order
     assert result.reused_tokens == 128 and result.computed_tokens == len(new) - 128

@@ -57,8 +57,8 @@ def render(console: Console, r: dict[str, Any]) -> None:
     console.print(f"{where}: {r['num_tokens']} tokens of {r['model']} KV ({r['kv_dtype']}) in "
                   f"{plural(r['num_chunks'], r['codec'] + ' chunk')}{extras}, {human_bytes(r['file_bytes'])}")
     console.print(f"prefill on {r['device']} {t['prefill_s']:.2f} s ({r['prefill_tokens_per_s']:.0f} tokens/s); connector "
-                  f"{t['connector_s'] * 1e3:.0f} ms, writer {t['writer_s'] * 1e3:.0f} ms "
-                  f"({100 * t['overhead_share']:.1f}% of prefill)")
+                  f"{t['connector_s'] * 1e3:.0f} ms, writer {t['writer_s'] * 1e3:.0f} ms beside the prefill, "
+                  f"waited {t['waiting_s'] * 1e3:.0f} ms ({100 * t['overhead_share']:.1f}% of prefill)")
     if r.get("store"):
         s = r["store"]
         console.print(f"{s['store']}: {s['stored']} of {plural(s['chunks'], 'whole chunk')} stored, "

@@ -6,10 +6,14 @@ that decoded it, so reading, CRC-32C, decoding and scattering of different chunk
 steps that cost release the GIL (pread, crc32c, zstd, the CacheGen coder, the native paged copy).
 A raw chunk's stored bytes go to a scatter that can check them (`check=`) unchecked, and are
 CRC-checked as they are copied into the paged buffers: one pass over the bytes instead of three.
+
+The save side's mirror, `SavePipeline`: the caller gathers a chunk, a background thread encodes,
+checksums and writes it while the caller goes on (capture's next prefill step, vLLM's next step).
 Callers: `ops.replay` (a file), `store.ModelCache.get_prefix` (store objects), and through it the
 vLLM connector.
 """
 
+from .saving import SavePipeline
 from .pipeline import ChunkTask, LoadOutcome, file_tasks, load_chunks, load_threads, takes_check
 
-__all__ = ["ChunkTask", "LoadOutcome", "file_tasks", "load_chunks", "load_threads", "takes_check"]
+__all__ = ["SavePipeline", "ChunkTask", "LoadOutcome", "file_tasks", "load_chunks", "load_threads", "takes_check"]
