@@ -241,94 +241,152 @@ static int rice_block_get(cg_bitreader *br, uint32_t *v, size_t n, int w, uint32
 }
 
 #define FAIL(msg) do { snprintf(err, errlen, "%s", msg); rc = CG_ERR_CORRUPT; goto done; } while (0)
-
-/* Symbol search. Each stream has a cum table padded to S = 2^k entries
- * (entries past nsym hold 2^P) and a 64-entry bucket table: lut[b] is the
- * symbol that holds slot b * 2^(P-6). One branchless step resolves a bucket
- * with one boundary inside; the loop runs only for buckets holding several
- * boundaries (tails of the distribution, rarely hit). */
-#define CG_LUT_BITS 6
 #define UNLIKELY(x) __builtin_expect(!!(x), 0)
 
-/* Decode one token row of C symbols. FAST: at least 2*C word bytes remain, so
- * reads need no bounds checks (each symbol reads at most one word). */
-#define DECODE_ROW(FAST, OUT_T, VALS)                                                          \
-    do {                                                                                       \
-        OUT_T *o_ = (OUT_T *)orow;                                                             \
-        const uint16_t *cm = cum;                                                              \
-        const uint8_t *lt = lut;                                                               \
-        uint32_t c_ = 0;                                                                       \
-        while (c_ < C) {                                                                       \
-            const uint32_t g_ = C - c_ < (uint32_t)N ? C - c_ : (uint32_t)N;                   \
-            for (uint32_t j_ = 0; j_ < g_; j_++) {                                             \
-                uint32_t xx = x[j_];                                                           \
-                const uint32_t slot = xx & mask;                                               \
-                uint32_t s = lt[slot >> bshift];                                               \
-                uint32_t pr = get_u32((const uint8_t *)(cm + s));      /* cum[s] | cum[s+1] << 16 */ \
-                const uint32_t pr1 = get_u32((const uint8_t *)(cm + s + 1));                   \
-                const uint32_t adj = (pr >> 16) <= slot;                                       \
-                s += adj;                                                                      \
-                pr ^= (pr ^ pr1) & (0u - adj);           /* branch-free select */              \
-                if (UNLIKELY((pr >> 16) <= slot)) {                                            \
-                    do s++; while (cm[s + 1] <= slot);                                         \
-                    pr = get_u32((const uint8_t *)(cm + s));                                   \
-                }                                                                              \
-                const uint32_t st = pr & 0xFFFFu;                                              \
-                xx = ((pr >> 16) - st) * (xx >> P) + slot - st;                                \
-                if (FAST) {                                                                    \
-                    const uint32_t t2 = (xx << 16) | get_u16(wp);                              \
-                    const uint32_t need = xx < CG_RANS_L;                                      \
-                    xx ^= (xx ^ t2) & (0u - need);                                             \
-                    wp += need << 1;                                                           \
-                } else if (xx < CG_RANS_L) {                                                   \
-                    if (wend - wp < 2) goto fail;                                              \
-                    xx = cg_dec_push_word(xx, get_u16(wp));                                    \
-                    wp += 2;                                                                   \
-                }                                                                              \
-                x[j_] = xx;                                                                    \
-                o_[j_] = VALS[s];                                                              \
-                cm += S;                                                                       \
-                lt += 1u << CG_LUT_BITS;                                                       \
-            }                                                                                  \
-            o_ += g_;                                                                          \
-            c_ += g_;                                                                          \
-        }                                                                                      \
-    } while (0)
+/* ------------------------------------------------------------------------ */
+/* symbol search tables                                                      */
+/* Each stream (channel) has its cum table padded to S = 2^k >= nsym + 1
+ * entries (entries past nsym hold 2^P), and a bucket table of 2^B entries
+ * over the 2^P slots, B = 6 (B = 7 for P = 15), so that a bucket spans
+ * W = 2^(P-B) <= 256 slots. Bucket b's entry is
+ *     sym | (rel - 1) << 8
+ * sym: the symbol holding the bucket's first slot b*W; rel = min(cum[sym+1] -
+ * b*W, W): where the first boundary inside the bucket lies (W: there is none).
+ * sym + ((slot & (W-1)) >= rel) is then the symbol of any slot of a bucket
+ * holding at most one boundary: one load and one compare, no search. Buckets
+ * with several boundaries (the thin tails, ~1% of the symbols of real KV) are
+ * finished by stepping up the cum row. */
+typedef struct {
+    uint32_t S;      /* cum row stride */
+    int bbits;       /* B */
+    uint16_t *cum;   /* C rows of S entries */
+    uint16_t *bkt;   /* C rows of 2^B entries */
+} dec_tables;
 
-#define DEFINE_DECODE_ROW(NAME, PEXPR)                                                         \
-    static int NAME(const uint16_t *cum, const uint8_t *lut, uint32_t S, uint32_t *x, int N,      \
-                    uint32_t C, int Pin, int fast, size_t es, const uint16_t *v16,                \
-                    const uint32_t *v32, uint8_t *orow, const uint8_t **wpp, const uint8_t *wend) { \
-        const int P = PEXPR;                                                                      \
-        const uint32_t mask = (1u << P) - 1u;                                                     \
-        const int bshift = P - CG_LUT_BITS;                                                       \
-        const uint8_t *wp = *wpp;                                                                 \
-        if (fast && es == 2) DECODE_ROW(1, uint16_t, v16);                                        \
-        else if (fast) DECODE_ROW(1, uint32_t, v32);                                              \
-        else if (es == 2) DECODE_ROW(0, uint16_t, v16);                                           \
-        else DECODE_ROW(0, uint32_t, v32);                                                        \
-        *wpp = wp;                                                                                \
-        return 1;                                                                                 \
-    fail:                                                                                         \
-        *wpp = wp;                                                                                \
-        return 0;                                                                                 \
+static int dec_bucket_bits(int P) { return P > 14 ? P - 8 : 6; }
+
+/* 0 on out of memory; free with dec_tables_free */
+static int dec_tables_alloc(dec_tables *tb, uint32_t C, int nsym, int P) {
+    tb->S = 2;
+    while (tb->S < (uint32_t)nsym + 1u) tb->S <<= 1;
+    tb->bbits = dec_bucket_bits(P);
+    /* +2 entries each: pair and 4-byte gather loads at a row's last entry */
+    tb->cum = (uint16_t *)malloc(((size_t)C * tb->S + 2u) * sizeof(uint16_t));
+    tb->bkt = (uint16_t *)malloc((((size_t)C << tb->bbits) + 2u) * sizeof(uint16_t));
+    return tb->cum && tb->bkt;
+}
+
+static void dec_tables_free(dec_tables *tb) { free(tb->cum); free(tb->bkt); }
+
+static void dec_tables_build(const dec_tables *tb, uint32_t C, int nsym, int P, const uint32_t *mq,
+                             const uint32_t *sq) {
+    const uint32_t nb = 1u << tb->bbits, W = 1u << (P - tb->bbits);
+    for (uint32_t c = 0; c < C; c++) {
+        uint16_t *cm = tb->cum + (size_t)c * tb->S;
+        cg_build_cum(nsym, mq[c], sq[c], P, cm);
+        for (uint32_t k = (uint32_t)nsym + 1u; k < tb->S; k++) cm[k] = (uint16_t)(1u << P);
+        uint16_t *bk = tb->bkt + ((size_t)c << tb->bbits);
+        uint32_t s = 0;
+        for (uint32_t b = 0; b < nb; b++) {
+            const uint32_t lo = b * W;
+            while (cm[s + 1] <= lo) s++;   /* cum[nsym] = 2^P ends it */
+            const uint32_t rel = cm[s + 1] - lo < W ? cm[s + 1] - lo : W;
+            bk[b] = (uint16_t)(s | (rel - 1u) << 8);
+        }
     }
-/* the default precision gets constant shifts; any other takes the generic one */
-DEFINE_DECODE_ROW(decode_row_p14, 14)
-DEFINE_DECODE_ROW(decode_row_any, Pin)
+    tb->cum[(size_t)C * tb->S] = tb->cum[(size_t)C * tb->S + 1] = 0;
+    tb->bkt[(size_t)C << tb->bbits] = tb->bkt[((size_t)C << tb->bbits) + 1] = 0;
+}
+
+/* The symbol of `slot` in a stream (cm, bk: its rows); *pair = cum[s] | cum[s+1] << 16. */
+static inline uint32_t dec_find(const uint16_t *cm, const uint16_t *bk, uint32_t slot, int bshift,
+                                uint32_t wmask, uint32_t *pair) {
+    const uint32_t e = bk[slot >> bshift];
+    uint32_t s = (e & 0xFFu) + ((slot & wmask) > (e >> 8));
+    uint32_t pr = get_u32((const uint8_t *)(cm + s));
+    while (UNLIKELY((pr >> 16) <= slot)) pr = get_u32((const uint8_t *)(cm + ++s));
+    *pair = pr;
+    return s;
+}
+
+/* Value of symbol s in a token of scale `scale`, stored in the KV dtype. */
+static inline void dec_store(uint8_t *orow, uint32_t c, int dtype, const float *unit, uint32_t s, float scale) {
+    const float v = cg_dequant(unit[s], scale);
+    if (dtype == CG_DTYPE_BF16) ((uint16_t *)orow)[c] = cg_f32_to_bf16(v);
+    else if (dtype == CG_DTYPE_F16) ((uint16_t *)orow)[c] = cg_f32_to_f16(v);
+    else ((uint32_t *)orow)[c] = cg_bits_from_f32(v);
+}
 
 /* ------------------------------------------------------------------------ */
-/* AVX2 row decoder (x86-64, chosen at run time): 8 lanes per step with       */
-/* gathers; the shared word pointer advances by a prefix count of the lanes   */
-/* that need a word (a permutation table indexed by the 8-bit need mask).     */
-/* Same arithmetic, same bytes consumed, same output as the scalar loop;      */
-/* KVTOOL_CACHEGEN_SIMD=0 forces the scalar loop.                             */
+/* portable row decoder                                                      */
+/* Decodes one token row of C symbols. FAST: at least 2*C word bytes remain, so
+ * word reads need no bounds check (a symbol reads at most one word) and take no
+ * branch. Values come from `vals`, the row's value of each symbol (es bytes
+ * each). Returns 0 if the words run out. */
+static inline __attribute__((always_inline)) int decode_row_generic(
+    const dec_tables *tb, uint32_t *x, int N, uint32_t C, int P, int fast, size_t es, const void *vals,
+    uint8_t *orow, const uint8_t **wpp, const uint8_t *wend) {
+    const uint32_t mask = (1u << P) - 1u;
+    const int bshift = P - tb->bbits;
+    const uint32_t wmask = (1u << bshift) - 1u;
+    const uint16_t *cm = tb->cum, *bk = tb->bkt;
+    const uint8_t *wp = *wpp;
+    uint32_t c = 0;
+    while (c < C) {
+        const uint32_t g = C - c < (uint32_t)N ? C - c : (uint32_t)N;
+        for (uint32_t j = 0; j < g; j++, c++, cm += tb->S, bk += (size_t)1 << tb->bbits) {
+            uint32_t xx = x[j], pr;
+            const uint32_t slot = xx & mask;
+            const uint32_t s = dec_find(cm, bk, slot, bshift, wmask, &pr);
+            const uint32_t st = pr & 0xFFFFu;
+            xx = ((pr >> 16) - st) * (xx >> P) + slot - st;
+            if (fast) {
+                const uint32_t t2 = (xx << 16) | get_u16(wp);
+                const uint32_t need = xx < CG_RANS_L;
+                xx ^= (xx ^ t2) & (0u - need);
+                wp += need << 1;
+            } else if (xx < CG_RANS_L) {
+                if (wend - wp < 2) { *wpp = wp; return 0; }
+                xx = cg_dec_push_word(xx, get_u16(wp));
+                wp += 2;
+            }
+            x[j] = xx;
+            if (es == 2) ((uint16_t *)orow)[c] = ((const uint16_t *)vals)[s];
+            else ((uint32_t *)orow)[c] = ((const uint32_t *)vals)[s];
+        }
+    }
+    *wpp = wp;
+    return 1;
+}
+
+/* the default precision gets constant shifts; any other takes the generic one */
+static int decode_row_scalar(const dec_tables *tb, uint32_t *x, int N, uint32_t C, int P, int fast, size_t es,
+                             const void *vals, uint8_t *orow, const uint8_t **wpp, const uint8_t *wend) {
+#define ROW(PP, F, E) decode_row_generic(tb, x, N, C, PP, F, E, vals, orow, wpp, wend)
+    if (P == 14) {
+        if (fast) return es == 2 ? ROW(14, 1, 2) : ROW(14, 1, 4);
+        return es == 2 ? ROW(14, 0, 2) : ROW(14, 0, 4);
+    }
+    if (fast) return es == 2 ? ROW(P, 1, 2) : ROW(P, 1, 4);
+    return es == 2 ? ROW(P, 0, 2) : ROW(P, 0, 4);
+#undef ROW
+}
+
+/* ------------------------------------------------------------------------ */
+/* AVX2 row decoder (x86-64, chosen at run time): 8 lanes per step. Two      */
+/* gathers per step (bucket entry, cum pair); the value is computed, not     */
+/* looked up: fp32 (s - M) / M * scale, rounded to the KV dtype in-register  */
+/* (F16C's vcvtps2ph for float16: IEEE round-to-nearest-even, subnormals     */
+/* included, as cg_f32_to_f16). The shared word pointer advances by a prefix */
+/* count of the lanes that need a word (a permutation table indexed by the   */
+/* 8-bit need mask). Same arithmetic, same bytes consumed, same output as    */
+/* the portable loop; KVTOOL_CACHEGEN_SIMD=0 forces the portable loop.       */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define CG_HAVE_AVX2_PATH 1
 #include <immintrin.h>
 
 static int32_t g_perm[256][8];
-static pthread_once_t g_perm_once = PTHREAD_ONCE_INIT;
+static pthread_once_t g_simd_once = PTHREAD_ONCE_INIT;
 static int g_use_avx2 = 0;
 
 static void init_simd(void) {
@@ -342,72 +400,72 @@ static void init_simd(void) {
     const char *env = getenv("KVTOOL_CACHEGEN_SIMD");
     int off = env && (env[0] == '0' || env[0] == 'n' || env[0] == 'N' || env[0] == 'f' || env[0] == 'F');
     __builtin_cpu_init();
-    g_use_avx2 = !off && __builtin_cpu_supports("avx2");
+    g_use_avx2 = !off && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
 }
 
 /* Decodes lanes [0, g) of one group, g a multiple of 8, in FAST mode (at least
- * 2*g word bytes remain). cm/lt point at the group's first channel. */
-__attribute__((target("avx2"))) static void decode_group_avx2(
-    const uint16_t *cm, const uint8_t *lt, uint32_t S, uint32_t *x, uint32_t g, int P,
-    size_t es, const uint16_t *v16, const uint32_t *v32, uint8_t *o, const uint8_t **wpp) {
+ * 2*g word bytes remain). cm/bk point at the group's first channel's rows, o at
+ * its first output element. */
+__attribute__((target("avx2,f16c"))) static void decode_group_avx2(
+    const dec_tables *tb, const uint16_t *cm, const uint16_t *bk, uint32_t *x, uint32_t g, int P, int M,
+    int dtype, float scale, uint8_t *o, const uint8_t **wpp) {
     const uint8_t *wp = *wpp;
+    const int bbits = tb->bbits;
     const __m256i mask = _mm256_set1_epi32((int)((1u << P) - 1u));
+    const __m256i wmask = _mm256_set1_epi32((int)((1u << (P - bbits)) - 1u));
     const __m128i pcount = _mm_cvtsi32_si128(P);
-    const __m128i bcount = _mm_cvtsi32_si128(P - CG_LUT_BITS);
+    const __m128i bcount = _mm_cvtsi32_si128(P - bbits);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i lutoff = _mm256_slli_epi32(lane, CG_LUT_BITS);
-    const __m256i cumoff = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)S));
+    const __m256i bkoff = _mm256_sll_epi32(lane, _mm_cvtsi32_si128(bbits));
+    const __m256i cumoff = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)tb->S));
     const __m256i ff = _mm256_set1_epi32(0xFF), ffff = _mm256_set1_epi32(0xFFFF), one = _mm256_set1_epi32(1);
+    const __m256i mi = _mm256_set1_epi32(M), bias = _mm256_set1_epi32(0x7FFF);
+    const __m256 mf = _mm256_set1_ps((float)M), sc = _mm256_set1_ps(scale);
     for (uint32_t j = 0; j < g; j += 8) {
-        const uint16_t *cmj = cm + (size_t)j * S;
-        const uint8_t *ltj = lt + ((size_t)j << CG_LUT_BITS);
+        const int *cmj = (const int *)(cm + (size_t)j * tb->S);
+        const int *bkj = (const int *)(bk + ((size_t)j << bbits));
         __m256i X = _mm256_loadu_si256((const __m256i *)(x + j));
-        __m256i slot = _mm256_and_si256(X, mask);
-        __m256i bk = _mm256_add_epi32(lutoff, _mm256_srl_epi32(slot, bcount));
-        __m256i s = _mm256_and_si256(_mm256_i32gather_epi32((const int *)ltj, bk, 1), ff);
+        const __m256i slot = _mm256_and_si256(X, mask);
+        /* bucket entry -> symbol, resolving the bucket's first boundary */
+        const __m256i bi = _mm256_add_epi32(bkoff, _mm256_srl_epi32(slot, bcount));
+        const __m256i e = _mm256_i32gather_epi32(bkj, bi, 2);
+        const __m256i past = _mm256_cmpgt_epi32(_mm256_and_si256(slot, wmask),
+                                                _mm256_and_si256(_mm256_srli_epi32(e, 8), ff));
+        __m256i s = _mm256_sub_epi32(_mm256_and_si256(e, ff), past);
+        /* cum pair; lanes whose bucket held more boundaries step on */
         __m256i ci = _mm256_add_epi32(cumoff, s);
-        __m256i pr = _mm256_i32gather_epi32((const int *)cmj, ci, 2);
-        __m256i pr1 = _mm256_i32gather_epi32((const int *)cmj, _mm256_add_epi32(ci, one), 2);
-        /* adj: cum[s+1] <= slot  <=>  slot + 1 > cum[s+1]  (all values < 2^16) */
-        __m256i slot1 = _mm256_add_epi32(slot, one);
-        __m256i adj = _mm256_cmpgt_epi32(slot1, _mm256_srli_epi32(pr, 16));
-        s = _mm256_sub_epi32(s, adj);
-        pr = _mm256_blendv_epi8(pr, pr1, adj);
-        __m256i more = _mm256_cmpgt_epi32(slot1, _mm256_srli_epi32(pr, 16));
-        if (UNLIKELY(!_mm256_testz_si256(more, more))) {
-            uint32_t sa[8], pa[8], sl[8];
-            _mm256_storeu_si256((__m256i *)sa, s);
-            _mm256_storeu_si256((__m256i *)pa, pr);
-            _mm256_storeu_si256((__m256i *)sl, slot);
-            for (int k = 0; k < 8; k++) {
-                const uint16_t *row = cmj + (size_t)k * S;
-                if ((pa[k] >> 16) <= sl[k]) {
-                    uint32_t ss = sa[k];
-                    do ss++; while (row[ss + 1] <= sl[k]);
-                    sa[k] = ss;
-                    pa[k] = get_u32((const uint8_t *)(row + ss));
-                }
-            }
-            s = _mm256_loadu_si256((const __m256i *)sa);
-            pr = _mm256_loadu_si256((const __m256i *)pa);
+        __m256i pr = _mm256_i32gather_epi32(cmj, ci, 2);
+        const __m256i slot1 = _mm256_add_epi32(slot, one);
+        __m256i more = _mm256_cmpgt_epi32(slot1, _mm256_srli_epi32(pr, 16));   /* cum[s+1] <= slot */
+        while (UNLIKELY(!_mm256_testz_si256(more, more))) {
+            s = _mm256_sub_epi32(s, more);
+            ci = _mm256_sub_epi32(ci, more);
+            pr = _mm256_mask_i32gather_epi32(pr, cmj, ci, more, 2);
+            more = _mm256_and_si256(more, _mm256_cmpgt_epi32(slot1, _mm256_srli_epi32(pr, 16)));
         }
-        __m256i st = _mm256_and_si256(pr, ffff);
-        __m256i fr = _mm256_sub_epi32(_mm256_srli_epi32(pr, 16), st);
+        /* state update and renormalisation */
+        const __m256i st = _mm256_and_si256(pr, ffff);
+        const __m256i fr = _mm256_sub_epi32(_mm256_srli_epi32(pr, 16), st);
         X = _mm256_add_epi32(_mm256_mullo_epi32(fr, _mm256_srl_epi32(X, pcount)), _mm256_sub_epi32(slot, st));
-        __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(X, 16), _mm256_setzero_si256());
-        int m = _mm256_movemask_ps(_mm256_castsi256_ps(need));
+        const __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(X, 16), _mm256_setzero_si256());
+        const int m = _mm256_movemask_ps(_mm256_castsi256_ps(need));
         __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)wp));
         w = _mm256_permutevar8x32_epi32(w, _mm256_loadu_si256((const __m256i *)g_perm[m]));
         X = _mm256_blendv_epi8(X, _mm256_or_si256(_mm256_slli_epi32(X, 16), w), need);
         wp += 2 * __builtin_popcount((unsigned)m);
         _mm256_storeu_si256((__m256i *)(x + j), X);
-        if (es == 2) {
-            __m256i v = _mm256_and_si256(_mm256_i32gather_epi32((const int *)v16, s, 2), ffff);
-            __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-            _mm_storeu_si128((__m128i *)(o + 2u * j), packed);
+        /* value = fp32(fp32((s - M) / M) * scale), in the KV dtype */
+        const __m256 v = _mm256_mul_ps(_mm256_div_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s, mi)), mf), sc);
+        if (dtype == CG_DTYPE_BF16) {
+            __m256i u = _mm256_castps_si256(v);
+            u = _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+            u = _mm256_srli_epi32(u, 16);
+            _mm_storeu_si128((__m128i *)(o + 2u * j),
+                             _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+        } else if (dtype == CG_DTYPE_F16) {
+            _mm_storeu_si128((__m128i *)(o + 2u * j), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         } else {
-            __m256i v = _mm256_i32gather_epi32((const int *)v32, s, 4);
-            _mm256_storeu_si256((__m256i *)(o + 4u * j), v);
+            _mm256_storeu_ps((float *)(o + 4u * j), v);
         }
     }
     *wpp = wp;
@@ -415,52 +473,48 @@ __attribute__((target("avx2"))) static void decode_group_avx2(
 
 /* One token row through the AVX2 groups (FAST mode only); lanes past the last
  * multiple of 8 of a group go through the scalar step. */
-static int decode_row_avx2(const uint16_t *cum, const uint8_t *lut, uint32_t S, uint32_t *x, int N,
-                           uint32_t C, int P, size_t es, const uint16_t *v16, const uint32_t *v32,
-                           uint8_t *orow, const uint8_t **wpp) {
+static void decode_row_avx2(const dec_tables *tb, uint32_t *x, int N, uint32_t C, int P, int M, int dtype,
+                            const float *unit, float scale, uint8_t *orow, const uint8_t **wpp) {
     const uint8_t *wp = *wpp;
     const uint32_t mask = (1u << P) - 1u;
-    const int bshift = P - CG_LUT_BITS;
+    const int bshift = P - tb->bbits;
+    const uint32_t wmask = (1u << bshift) - 1u;
+    const size_t es = cg_esize(dtype);
     uint32_t c = 0;
     while (c < C) {
         const uint32_t g = C - c < (uint32_t)N ? C - c : (uint32_t)N;
         const uint32_t g8 = g & ~7u;
-        const uint16_t *cm = cum + (size_t)c * S;
-        const uint8_t *lt = lut + ((size_t)c << CG_LUT_BITS);
-        if (g8) decode_group_avx2(cm, lt, S, x, g8, P, es, v16, v32, orow + es * c, &wp);
+        const uint16_t *cm = tb->cum + (size_t)c * tb->S;
+        const uint16_t *bk = tb->bkt + ((size_t)c << tb->bbits);
+        if (g8) decode_group_avx2(tb, cm, bk, x, g8, P, M, dtype, scale, orow + es * c, &wp);
         for (uint32_t j = g8; j < g; j++) {
-            const uint16_t *row = cm + (size_t)j * S;
-            uint32_t xx = x[j];
+            uint32_t xx = x[j], pr;
             const uint32_t slot = xx & mask;
-            uint32_t s = lt[((size_t)j << CG_LUT_BITS) + (slot >> bshift)];
-            while (row[s + 1] <= slot) s++;
-            const uint32_t st = row[s];
-            xx = ((uint32_t)row[s + 1] - st) * (xx >> P) + slot - st;
+            const uint32_t s = dec_find(cm + (size_t)j * tb->S, bk + ((size_t)j << tb->bbits), slot, bshift,
+                                        wmask, &pr);
+            const uint32_t st = pr & 0xFFFFu;
+            xx = ((pr >> 16) - st) * (xx >> P) + slot - st;
             if (xx < CG_RANS_L) { xx = (xx << 16) | get_u16(wp); wp += 2; }
             x[j] = xx;
-            if (es == 2) ((uint16_t *)orow)[c + j] = v16[s];
-            else ((uint32_t *)orow)[c + j] = v32[s];
+            dec_store(orow, c + j, dtype, unit, s, scale);
         }
         c += g;
     }
     *wpp = wp;
-    return 1;
 }
 #endif
 
 static int decode_layer(const uint8_t *sec, size_t seclen, int dtype, uint32_t T, uint32_t C,
                         int M, int P, int N, uint8_t *dst, char *err, size_t errlen) {
     const int nsym = 2 * M + 1;
-    uint32_t S = 2;
-    while (S < (uint32_t)nsym + 1u) S <<= 1;
     int rc = CG_ERR_NOMEM;
+    dec_tables tb;
     uint32_t *scales = (uint32_t *)malloc((size_t)T * sizeof(uint32_t));
     uint32_t *mq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
     uint32_t *sq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
-    uint16_t *cum = (uint16_t *)malloc(((size_t)C * S + 2u) * sizeof(uint16_t)) /* +2: pair loads may touch cum[S+1] of the last row */;
-    uint8_t *lut = (uint8_t *)malloc(((size_t)C << CG_LUT_BITS) + 4u); /* +4: 4-byte gathers */
+    const int tables_ok = dec_tables_alloc(&tb, C, nsym, P);
     snprintf(err, errlen, "out of memory");
-    if (!scales || !mq || !sq || !cum || !lut) goto done;
+    if (!scales || !mq || !sq || !tables_ok) goto done;
 
     cg_bitreader br = {sec, (uint64_t)seclen * 8u, 0, 0};
     const int ws = cg_wscale(dtype);
@@ -486,18 +540,7 @@ static int decode_layer(const uint8_t *sec, size_t seclen, int dtype, uint32_t T
     const uint8_t *w0 = sec + side_bytes + 4u * (size_t)N;
     const uint8_t *wp = w0, *wend = sec + seclen;
 
-    for (uint32_t c = 0; c < C; c++) {
-        uint16_t *cm = cum + (size_t)c * S;
-        cg_build_cum(nsym, mq[c], sq[c], P, cm);
-        for (uint32_t k = (uint32_t)nsym + 1u; k < S; k++) cm[k] = (uint16_t)(1u << P);
-        uint8_t *lt = lut + ((size_t)c << CG_LUT_BITS);
-        uint32_t s = 0;
-        for (uint32_t b = 0; b < (1u << CG_LUT_BITS); b++) {
-            const uint32_t lo = b << (P - CG_LUT_BITS);
-            while (cm[s + 1] <= lo) s++;
-            lt[b] = (uint8_t)s;
-        }
-    }
+    dec_tables_build(&tb, C, nsym, P, mq, sq);
 
     float unit[CG_NSYM_MAX];
     for (int s = 0; s < nsym; s++) unit[s] = cg_dequant_unit(s, M);
@@ -506,24 +549,23 @@ static int decode_layer(const uint8_t *sec, size_t seclen, int dtype, uint32_t T
     uint32_t v32[CG_NSYM_MAX + 1];
     for (uint32_t t = 0; t < T; t++) {
         const float scale = bits_to_f32(scales[t], dtype);
-        if (dtype == CG_DTYPE_F32) {
-            for (int s = 0; s < nsym; s++) v32[s] = cg_bits_from_f32(cg_dequant(unit[s], scale));
-        } else if (dtype == CG_DTYPE_BF16) {
-            for (int s = 0; s < nsym; s++) v16[s] = cg_f32_to_bf16(cg_dequant(unit[s], scale));
-        } else {
-            for (int s = 0; s < nsym; s++) v16[s] = cg_f32_to_f16(cg_dequant(unit[s], scale));
-        }
         const int fast = (size_t)(wend - wp) >= 2u * (size_t)C;
         uint8_t *orow = dst + (size_t)t * C * es;
 #ifdef CG_HAVE_AVX2_PATH
         if (fast && g_use_avx2 && N >= 8) {
-            decode_row_avx2(cum, lut, S, x, N, C, P, es, v16, v32, orow, &wp);
+            decode_row_avx2(&tb, x, N, C, P, M, dtype, unit, scale, orow, &wp);
             continue;
         }
 #endif
-        int ok = P == 14 ? decode_row_p14(cum, lut, S, x, N, C, P, fast, es, v16, v32, orow, &wp, wend)
-                         : decode_row_any(cum, lut, S, x, N, C, P, fast, es, v16, v32, orow, &wp, wend);
-        if (!ok) FAIL("rANS stream ends early");
+        /* the row's value of each symbol */
+        for (int s = 0; s < nsym; s++) {
+            const float v = cg_dequant(unit[s], scale);
+            if (dtype == CG_DTYPE_F32) v32[s] = cg_bits_from_f32(v);
+            else v16[s] = dtype == CG_DTYPE_BF16 ? cg_f32_to_bf16(v) : cg_f32_to_f16(v);
+        }
+        if (!decode_row_scalar(&tb, x, N, C, P, fast, es, es == 2 ? (const void *)v16 : (const void *)v32, orow,
+                               &wp, wend))
+            FAIL("rANS stream ends early");
     }
     for (int j = 0; j < N; j++)
         if (x[j] != CG_RANS_L) FAIL("rANS stream does not end in its initial state");
@@ -536,7 +578,8 @@ static int decode_layer(const uint8_t *sec, size_t seclen, int dtype, uint32_t T
     }
     rc = CG_OK;
 done:
-    free(scales); free(mq); free(sq); free(cum); free(lut);
+    free(scales); free(mq); free(sq);
+    dec_tables_free(&tb);
     return rc;
 }
 
@@ -699,7 +742,7 @@ int cg_encode_chunk(const void *kv, const cg_chunk *ck, int threads, uint8_t **o
 int cg_decode_chunk(const uint8_t *p, size_t len, cg_chunk *ck, void *out, int threads, char *err,
                     size_t errlen) {
 #ifdef CG_HAVE_AVX2_PATH
-    pthread_once(&g_perm_once, init_simd);
+    pthread_once(&g_simd_once, init_simd);
 #endif
     if (!check_chunk(ck, err, errlen)) return CG_ERR_PARAM;
     if (len < CG_HEADER_FIXED) { snprintf(err, errlen, "payload shorter than its header"); return CG_ERR_CORRUPT; }
