@@ -31,62 +31,119 @@ static size_t header_size(uint32_t layers) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* run-time SIMD dispatch                                                    */
+/* The AVX2 paths (x86-64, chosen at run time when the CPU has AVX2 and F16C)  */
+/* compute exactly what the portable code computes: same bytes, same values.  */
+/* KVTOOL_CACHEGEN_SIMD=0 (or n/f...) forces the portable code; the tests run */
+/* both and compare.                                                          */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define CG_HAVE_AVX2_PATH 1
+#include <immintrin.h>
+
+static int32_t g_perm[256][8];   /* decoder: word i of a block goes to the i-th lane needing one */
+static pthread_once_t g_simd_once = PTHREAD_ONCE_INIT;
+static int g_use_avx2 = 0;
+
+static void init_simd(void) {
+    for (int m = 0; m < 256; m++) {
+        int k = 0;
+        for (int lane = 0; lane < 8; lane++) {
+            g_perm[m][lane] = (m >> lane) & 1 ? k : 0;
+            k += (m >> lane) & 1;
+        }
+    }
+    const char *env = getenv("KVTOOL_CACHEGEN_SIMD");
+    int off = env && (env[0] == '0' || env[0] == 'n' || env[0] == 'N' || env[0] == 'f' || env[0] == 'F');
+    __builtin_cpu_init();
+    g_use_avx2 = !off && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+#define CG_INIT_SIMD() pthread_once(&g_simd_once, init_simd)
+#else
+#define CG_INIT_SIMD() ((void)0)
+#endif
+
+/* ------------------------------------------------------------------------ */
 /* bit writer (LSB-first)                                                    */
 typedef struct {
     uint8_t *p;
-    size_t cap;     /* bytes */
+    size_t cap;     /* bytes; at least 8 past the last byte any field reaches */
     uint64_t pos;   /* bits written */
 } bitwriter;
 
+/* the low n (0..32) bits of v, with one 8-byte read-modify-write (the buffer
+ * starts zeroed and has 8 bytes of slack: see encode_layer's sidecap) */
 static void bw_put(bitwriter *bw, uint64_t v, int n) {
-    for (int i = 0; i < n; i++) {
-        uint64_t b = bw->pos + (uint64_t)i;
-        if ((v >> i) & 1u) bw->p[b >> 3] |= (uint8_t)(1u << (b & 7));
-    }
+    uint8_t *p = bw->p + (bw->pos >> 3);
+    uint64_t cur;
+    memcpy(&cur, p, 8);
+    cur |= (v & ((1ull << n) - 1u)) << (bw->pos & 7u);
+    memcpy(p, &cur, 8);
     bw->pos += (uint64_t)n;
 }
 
-static void bw_ones(bitwriter *bw, uint64_t n) {
-    for (uint64_t i = 0; i < n; i++) {
-        uint64_t b = bw->pos + i;
-        bw->p[b >> 3] |= (uint8_t)(1u << (b & 7));
+/* The k-th smallest (0-based) of v[0..n), all < 2^w: a radix select, one
+ * counting pass per byte from the top, O(n) whatever the values. */
+static uint32_t select_kth(const uint32_t *v, size_t n, size_t k, int w) {
+    uint32_t prefix = 0, pmask = 0;
+    for (int shift = (w - 1) / 8 * 8; shift >= 0; shift -= 8) {
+        size_t cnt[256] = {0};
+        for (size_t i = 0; i < n; i++)
+            if ((v[i] & pmask) == prefix) cnt[(v[i] >> shift) & 255u]++;
+        uint32_t b = 0;
+        while (k >= cnt[b]) k -= cnt[b++];
+        prefix |= b << shift;
+        pmask |= 255u << shift;
     }
-    bw->pos += n;
+    return prefix;
 }
 
-static int cmp_u32(const void *a, const void *b) {
-    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
-    return (x > y) - (x < y);
+/* The k in 0..min(w,31) of the fewest bits for these values (smallest on
+ * ties). z: scratch of n entries. */
+static int rice_best_k(const uint32_t *v, size_t n, uint32_t base, int w, uint32_t *z) {
+    const int kmax = w < 31 ? w : 31;
+    int bestk = 0;
+    uint64_t best = UINT64_MAX;
+    if (w >= 32) {   /* zigzag values need 33 bits: the generic cost */
+        for (int k = 0; k <= kmax; k++) {
+            uint64_t c = 0;
+            for (size_t i = 0; i < n; i++) c += cg_rice_cost(v[i], base, k, w);
+            if (c < best) { best = c; bestk = k; }
+        }
+        return bestk;
+    }
+    /* w <= 16: zigzag values < 2^17 and sums < 2^24 * 48 fit 32 bits; the
+     * inner loop vectorises */
+    for (size_t i = 0; i < n; i++) z[i] = v[i] >= base ? 2u * (v[i] - base) : 2u * (base - v[i]) - 1u;
+    for (int k = 0; k <= kmax; k++) {
+        const uint32_t esc = CG_RICE_ESCAPE + (uint32_t)w, kk = (uint32_t)k + 1u;
+        uint32_t c = 0;
+        for (size_t i = 0; i < n; i++) {
+            const uint32_t q = z[i] >> k;
+            c += q < CG_RICE_ESCAPE ? q + kk : esc;
+        }
+        if (c < best) { best = c; bestk = k; }
+    }
+    return bestk;
 }
 
 /* Rice block: base (w bits, lower median), k (5 bits, minimal cost, smallest
  * on ties), then one code per value. */
 static int rice_block_put(bitwriter *bw, const uint32_t *v, size_t n, int w) {
-    uint32_t *tmp = (uint32_t *)malloc(n * sizeof(uint32_t));
-    if (!tmp) return CG_ERR_NOMEM;
-    memcpy(tmp, v, n * sizeof(uint32_t));
-    qsort(tmp, n, sizeof(uint32_t), cmp_u32);
-    uint32_t base = tmp[(n - 1) / 2];
-    free(tmp);
-    int kmax = w < 31 ? w : 31;
-    int bestk = 0;
-    uint64_t best = UINT64_MAX;
-    for (int k = 0; k <= kmax; k++) {
-        uint64_t c = 0;
-        for (size_t i = 0; i < n; i++) c += cg_rice_cost(v[i], base, k, w);
-        if (c < best) { best = c; bestk = k; }
-    }
+    uint32_t *z = (uint32_t *)malloc(n * sizeof(uint32_t));
+    if (!z) return CG_ERR_NOMEM;
+    const uint32_t base = select_kth(v, n, (n - 1) / 2, w);
+    const int bestk = rice_best_k(v, n, base, w, z);
+    free(z);
     bw_put(bw, base, w);
     bw_put(bw, (uint64_t)bestk, CG_W_K);
     for (size_t i = 0; i < n; i++) {
-        uint64_t z = v[i] >= base ? 2u * (uint64_t)(v[i] - base) : 2u * (uint64_t)(base - v[i]) - 1u;
-        uint64_t q = z >> bestk;
+        uint64_t zz = v[i] >= base ? 2u * (uint64_t)(v[i] - base) : 2u * (uint64_t)(base - v[i]) - 1u;
+        uint64_t q = zz >> bestk;
         if (q < CG_RICE_ESCAPE) {
-            bw_ones(bw, q);
-            bw->pos += 1; /* zero bit */
-            bw_put(bw, z & ((1ull << bestk) - 1u), bestk);
+            bw_put(bw, (1ull << q) - 1u, (int)q + 1);   /* q ones, a zero */
+            bw_put(bw, zz, bestk);
         } else {
-            bw_ones(bw, CG_RICE_ESCAPE);
+            bw_put(bw, (1ull << CG_RICE_ESCAPE) - 1u, CG_RICE_ESCAPE);
             bw_put(bw, v[i], w);
         }
     }
@@ -101,7 +158,14 @@ typedef struct {
     int rc;
 } layer_out;
 
-static int load_row_absmax(const uint8_t *row, int dtype, uint32_t C, uint32_t *maxbits) {
+static float bits_to_f32(uint32_t b, int dtype) {
+    if (dtype == CG_DTYPE_F32) return cg_f32_from_bits(b);
+    if (dtype == CG_DTYPE_BF16) return cg_bf16_to_f32((uint16_t)b);
+    return cg_f16_to_f32((uint16_t)b);
+}
+
+/* bit pattern of the largest |x| of a row; 1 if the row holds a NaN or infinity */
+static int row_absmax(const uint8_t *row, int dtype, uint32_t C, uint32_t *maxbits) {
     uint32_t m = 0;
     if (dtype == CG_DTYPE_F32) {
         const uint32_t *r = (const uint32_t *)row;
@@ -115,63 +179,219 @@ static int load_row_absmax(const uint8_t *row, int dtype, uint32_t C, uint32_t *
     return dtype == CG_DTYPE_BF16 ? m >= 0x7F80u : m >= 0x7C00u;
 }
 
-static float bits_to_f32(uint32_t b, int dtype) {
-    if (dtype == CG_DTYPE_F32) return cg_f32_from_bits(b);
-    if (dtype == CG_DTYPE_BF16) return cg_bf16_to_f32((uint16_t)b);
-    return cg_f16_to_f32((uint16_t)b);
+/* Quantizes channels [c0, C) of one row (scalar): symbols into qr, per-channel
+ * sums of q and q^2 into s1/s2. */
+static void quantize_tail(const uint8_t *row, int dtype, uint32_t c0, uint32_t C, float pre, float factor, int M,
+                          uint8_t *qr, uint32_t *s1, uint32_t *s2) {
+    for (uint32_t c = c0; c < C; c++) {
+        float x;
+        if (dtype == CG_DTYPE_F32) x = cg_f32_from_bits(((const uint32_t *)row)[c]);
+        else if (dtype == CG_DTYPE_BF16) x = cg_bf16_to_f32(((const uint16_t *)row)[c]);
+        else x = cg_f16_to_f32(((const uint16_t *)row)[c]);
+        const int s = cg_quantize(x, pre, factor, M);
+        qr[c] = (uint8_t)s;
+        s1[c] += (uint32_t)s;
+        s2[c] += (uint32_t)(s * s);
+    }
+}
+
+#ifdef CG_HAVE_AVX2_PATH
+/* row_absmax, 16 (8 for fp32) values per step */
+__attribute__((target("avx2"))) static int row_absmax_avx2(const uint8_t *row, int dtype, uint32_t C,
+                                                           uint32_t *maxbits) {
+    uint32_t m = 0, c = 0;
+    if (dtype == CG_DTYPE_F32) {
+        const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF);
+        __m256i acc = _mm256_setzero_si256();
+        for (; c + 8 <= C; c += 8)
+            acc = _mm256_max_epu32(acc, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(row + 4u * c)), abs));
+        uint32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, acc);
+        for (int k = 0; k < 8; k++) m = lanes[k] > m ? lanes[k] : m;
+    } else {
+        const __m256i abs = _mm256_set1_epi16(0x7FFF);
+        __m256i acc = _mm256_setzero_si256();
+        for (; c + 16 <= C; c += 16)
+            acc = _mm256_max_epu16(acc, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(row + 2u * c)), abs));
+        uint16_t lanes[16];
+        _mm256_storeu_si256((__m256i *)lanes, acc);
+        for (int k = 0; k < 16; k++) m = lanes[k] > m ? lanes[k] : m;
+    }
+    uint32_t tail;
+    if (c < C) {
+        row_absmax(row + cg_esize(dtype) * c, dtype, C - c, &tail);
+        m = tail > m ? tail : m;
+    }
+    *maxbits = m;
+    if (dtype == CG_DTYPE_F32) return m >= 0x7F800000u;
+    return dtype == CG_DTYPE_BF16 ? m >= 0x7F80u : m >= 0x7C00u;
+}
+
+/* The symbols of one row, 8 channels per step: the same fp32 operations as
+ * cg_quantize (two multiplies, an add, round-to-nearest-even, clamp), and the
+ * per-channel sums of q and q^2. Returns the first channel left to the scalar
+ * tail. */
+__attribute__((target("avx2,f16c"))) static uint32_t quantize_row_avx2(
+    const uint8_t *row, int dtype, uint32_t C, float pre, float factor, int M, uint8_t *qr, uint32_t *s1,
+    uint32_t *s2) {
+    const __m256 vpre = _mm256_set1_ps(pre), vfac = _mm256_set1_ps(factor), vm = _mm256_set1_ps((float)M);
+    const __m256i lo = _mm256_setzero_si256(), hi = _mm256_set1_epi32(2 * M);
+    const __m128i pack8 = _mm_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    uint32_t c = 0;
+    for (; c + 8 <= C; c += 8) {
+        __m256 x;
+        if (dtype == CG_DTYPE_BF16)
+            x = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2u * c))), 16));
+        else if (dtype == CG_DTYPE_F16)
+            x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2u * c)));
+        else
+            x = _mm256_loadu_ps((const float *)(row + 4u * c));
+        __m256 y = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(x, vpre), vfac), vm);
+        __m256i q = _mm256_cvtps_epi32(y);   /* rounds as rintf: the current mode, nearest-even */
+        q = _mm256_min_epi32(_mm256_max_epi32(q, lo), hi);
+        __m256i a1 = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(s1 + c)), q);
+        __m256i a2 = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(s2 + c)), _mm256_mullo_epi32(q, q));
+        _mm256_storeu_si256((__m256i *)(s1 + c), a1);
+        _mm256_storeu_si256((__m256i *)(s2 + c), a2);
+        const __m128i b0 = _mm_shuffle_epi8(_mm256_castsi256_si128(q), pack8);
+        const __m128i b1 = _mm_shuffle_epi8(_mm256_extracti128_si256(q, 1), pack8);
+        const uint64_t bytes = (uint64_t)(uint32_t)_mm_cvtsi128_si32(b0) | (uint64_t)(uint32_t)_mm_cvtsi128_si32(b1) << 32;
+        memcpy(qr + c, &bytes, 8);
+    }
+    return c;
+}
+#endif
+
+/* Step 1 of a layer: per-token scales (bit patterns), symbols q [T, C] and the
+ * per-channel sums of q and q^2 (S: 2 per channel). Per-channel sums are
+ * gathered in 32 bits (a token adds at most 254^2 < 2^16) and flushed to 64
+ * bits every 2^15 tokens. Returns CG_ERR_NONFINITE on a NaN or infinity. */
+static int quantize_layer(const uint8_t *src, int dtype, uint32_t T, uint32_t C, int M, uint32_t *scales,
+                          uint8_t *q, uint64_t *S, uint32_t *s1, uint32_t *s2) {
+    const size_t es = cg_esize(dtype);
+    memset(s1, 0, (size_t)C * sizeof(uint32_t));
+    memset(s2, 0, (size_t)C * sizeof(uint32_t));
+    for (uint32_t t = 0; t < T; t++) {
+        const uint8_t *r = src + (size_t)t * C * es;
+        uint8_t *qr = q + (size_t)t * C;
+        uint32_t mb, c0 = 0;
+        int bad;
+#ifdef CG_HAVE_AVX2_PATH
+        if (g_use_avx2) bad = row_absmax_avx2(r, dtype, C, &mb);
+        else
+#endif
+            bad = row_absmax(r, dtype, C, &mb);
+        if (bad) return CG_ERR_NONFINITE;
+        scales[t] = mb;
+        const float maxf = bits_to_f32(mb, dtype);
+        const float factor = cg_quant_factor(M, maxf);
+        const float pre = cg_quant_prescale(maxf);
+#ifdef CG_HAVE_AVX2_PATH
+        if (g_use_avx2) c0 = quantize_row_avx2(r, dtype, C, pre, factor, M, qr, s1, s2);
+#endif
+        quantize_tail(r, dtype, c0, C, pre, factor, M, qr, s1, s2);
+        if ((t & 0x7FFFu) == 0x7FFFu || t == T - 1u) {
+            for (uint32_t c = 0; c < C; c++) {
+                S[2u * c] += s1[c];
+                S[2u * c + 1u] += s2[c];
+            }
+            memset(s1, 0, (size_t)C * sizeof(uint32_t));
+            memset(s2, 0, (size_t)C * sizeof(uint32_t));
+        }
+    }
+    return CG_OK;
+}
+
+/* One symbol's encoder entry: x -> x + start + floor(x / freq) * (2^P - freq)
+ * (= cg_enc_put), after emitting a word when x >= xmax (= cg_enc_must_emit).
+ * floor(x / freq) = mulhi64(x, rcp), rcp = floor(2^64 / freq) + 1: with
+ * 2^64 = a*freq + r, x*rcp / 2^64 = x/freq + x*(freq - r) / (freq*2^64), and
+ * that extra term is < 2^-32 < 1/freq, too small to reach the next integer
+ * for every x < 2^32 (the encoder's states) and freq < 2^16. freq = 1 (whose
+ * rcp would need 65 bits) has rcp = 0 and takes q = x. */
+typedef struct {
+    uint64_t rcp;
+    uint32_t xmax;     /* freq << (32 - P) */
+    uint16_t start;    /* cum[s] */
+    uint16_t cmpl;     /* 2^P - freq */
+} enc_sym;
+
+static void enc_syms_build(enc_sym *es, const uint16_t *cum, int nsym, int P) {
+    for (int s = 0; s < nsym; s++) {
+        const uint32_t f = (uint32_t)cum[s + 1] - cum[s];
+        /* floor((2^64-1)/f) + 1: floor(2^64/f) + 1, or exactly 2^64/f when f is a power of two (also exact) */
+        es[s].rcp = f > 1u ? UINT64_MAX / f + 1u : 0u;
+        es[s].xmax = f << (32 - P);
+        es[s].start = cum[s];
+        es[s].cmpl = (uint16_t)((1u << P) - f);
+    }
+}
+
+/* Step 4 of a layer: rANS over the interleaved lanes, in the reverse of the
+ * decoding order. Words go down from wend; returns the first word written.
+ * Branch-free: a word slot is written on every step and kept when x moves. */
+static uint16_t *rans_encode_layer(const uint8_t *q, uint32_t T, uint32_t C, int N, int P, const enc_sym *tab,
+                                   uint32_t stride, uint32_t *x, uint16_t *wend) {
+    uint16_t *wp = wend;
+    for (int j = 0; j < N; j++) x[j] = CG_RANS_L;
+    const int jlast = (int)((C - 1u) % (uint32_t)N);
+    for (int64_t t = (int64_t)T - 1; t >= 0; t--) {
+        const uint8_t *qr = q + (size_t)t * C;
+        int j = jlast;
+        for (int64_t c = (int64_t)C - 1; c >= 0; c--) {
+            const enc_sym *e = tab + (size_t)c * stride + qr[c];
+            uint32_t xx = x[j];
+            const uint32_t emit = xx >= e->xmax;
+            wp[-1] = (uint16_t)xx;
+            wp -= emit;
+            xx = emit ? xx >> 16 : xx;
+#ifdef __SIZEOF_INT128__
+            uint32_t qd = (uint32_t)(((unsigned __int128)xx * e->rcp) >> 64);
+            qd = e->rcp ? qd : xx;
+#else
+            const uint32_t qd = xx / (e->xmax >> (32 - P));
+#endif
+            x[j] = xx + e->start + qd * e->cmpl;
+            j = j == 0 ? N - 1 : j - 1;
+        }
+    }
+    return wp;
 }
 
 static void encode_layer(const uint8_t *src, int dtype, uint32_t T, uint32_t C, int M,
                          int P, int N, layer_out *lo) {
     const int nsym = 2 * M + 1;
-    const size_t es = cg_esize(dtype);
     const size_t TC = (size_t)T * C;
+    uint32_t stride = 1;   /* encoder table row: nsym entries, padded to a power of two */
+    while (stride < (uint32_t)nsym) stride <<= 1;
     uint8_t *q = (uint8_t *)malloc(TC);
     uint32_t *scales = (uint32_t *)malloc((size_t)T * sizeof(uint32_t));
     uint64_t *S = (uint64_t *)calloc((size_t)C * 2u, sizeof(uint64_t));
+    uint32_t *part = (uint32_t *)malloc((size_t)C * 2u * sizeof(uint32_t));
     uint32_t *mq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
     uint32_t *sq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
-    uint16_t *cum = (uint16_t *)malloc((size_t)C * (size_t)(nsym + 1) * sizeof(uint16_t));
+    uint16_t *cum = (uint16_t *)malloc((size_t)(nsym + 1) * sizeof(uint16_t));
+    enc_sym *tab = (enc_sym *)malloc((size_t)C * stride * sizeof(enc_sym));
     uint16_t *words = (uint16_t *)malloc((TC + 1u) * sizeof(uint16_t));
     size_t sidecap = ((size_t)T * 48u + (size_t)C * 47u + 256u) / 8u + 16u;
     uint8_t *side = (uint8_t *)calloc(sidecap, 1);
-    float *row = (float *)malloc((size_t)C * sizeof(float));
     lo->buf = NULL;
     lo->len = 0;
     lo->rc = CG_ERR_NOMEM;
-    if (!q || !scales || !S || !mq || !sq || !cum || !words || !side || !row) goto done;
+    if (!q || !scales || !S || !part || !mq || !sq || !cum || !tab || !words || !side) goto done;
 
     /* 1. quantize, per-channel sums */
-    for (uint32_t t = 0; t < T; t++) {
-        const uint8_t *r = src + (size_t)t * C * es;
-        uint32_t mb;
-        if (load_row_absmax(r, dtype, C, &mb)) { lo->rc = CG_ERR_NONFINITE; goto done; }
-        scales[t] = mb;
-        const float maxf = bits_to_f32(mb, dtype);
-        const float factor = cg_quant_factor(M, maxf);
-        const float pre = cg_quant_prescale(maxf);
-        if (dtype == CG_DTYPE_F32) {
-            memcpy(row, r, (size_t)C * 4u);
-        } else if (dtype == CG_DTYPE_BF16) {
-            const uint16_t *h = (const uint16_t *)r;
-            for (uint32_t c = 0; c < C; c++) row[c] = cg_bf16_to_f32(h[c]);
-        } else {
-            const uint16_t *h = (const uint16_t *)r;
-            for (uint32_t c = 0; c < C; c++) row[c] = cg_f16_to_f32(h[c]);
-        }
-        uint8_t *qr = q + (size_t)t * C;
-        for (uint32_t c = 0; c < C; c++) {
-            int s = cg_quantize(row[c], pre, factor, M);
-            qr[c] = (uint8_t)s;
-            S[2u * c] += (uint64_t)s;
-            S[2u * c + 1u] += (uint64_t)(s * s);
-        }
+    if (quantize_layer(src, dtype, T, C, M, scales, q, S, part, part + C) != CG_OK) {
+        lo->rc = CG_ERR_NONFINITE;
+        goto done;
     }
-    /* 2. per-stream parameters and tables */
+    /* 2. per-stream parameters and encoder tables */
     for (uint32_t c = 0; c < C; c++) {
         mq[c] = cg_estimate_mu(T, S[2u * c], nsym);
         sq[c] = cg_estimate_sigma(T, S[2u * c], S[2u * c + 1u]);
-        cg_build_cum(nsym, mq[c], sq[c], P, cum + (size_t)c * (nsym + 1));
+        cg_build_cum(nsym, mq[c], sq[c], P, cum);
+        enc_syms_build(tab + (size_t)c * stride, cum, nsym, P);
     }
     /* 3. side information */
     bitwriter bw = {side, sidecap, 0};
@@ -187,24 +407,8 @@ static void encode_layer(const uint8_t *src, int dtype, uint32_t T, uint32_t C, 
     /* 4. rANS, interleaved lanes, reverse order of decoding */
     {
         uint32_t x[CG_LANES_MAX];
-        for (int j = 0; j < N; j++) x[j] = CG_RANS_L;
-        uint16_t *wend = words + TC, *wp = wend;
-        const int stride = nsym + 1;
-        const int sh = 32 - P;
-        int jlast = (int)((C - 1u) % (uint32_t)N);
-        for (int64_t t = (int64_t)T - 1; t >= 0; t--) {
-            const uint8_t *qr = q + (size_t)t * C;
-            int j = jlast;
-            for (int64_t c = (int64_t)C - 1; c >= 0; c--) {
-                const uint16_t *cm = cum + (size_t)c * stride;
-                uint32_t s = qr[c];
-                uint32_t st = cm[s], fr = (uint32_t)cm[s + 1] - st;
-                uint32_t xx = x[j];
-                if ((uint64_t)xx >= ((uint64_t)fr << sh)) { *--wp = (uint16_t)xx; xx >>= 16; }
-                x[j] = cg_enc_put(xx, st, fr, P);
-                j = j == 0 ? N - 1 : j - 1;
-            }
-        }
+        uint16_t *wend = words + TC + 1u;
+        uint16_t *wp = rans_encode_layer(q, T, C, N, P, tab, stride, x, wend);
         size_t nwords = (size_t)(wend - wp);
         size_t body = side_bytes + 4u * (size_t)N + 2u * nwords;
         size_t total = (body + 3u) & ~(size_t)3u;
@@ -218,7 +422,7 @@ static void encode_layer(const uint8_t *src, int dtype, uint32_t T, uint32_t C, 
         lo->rc = CG_OK;
     }
 done:
-    free(q); free(scales); free(S); free(mq); free(sq); free(cum); free(words); free(side); free(row);
+    free(q); free(scales); free(S); free(part); free(mq); free(sq); free(cum); free(tab); free(words); free(side);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -373,102 +577,119 @@ static int decode_row_scalar(const dec_tables *tb, uint32_t *x, int N, uint32_t 
 }
 
 /* ------------------------------------------------------------------------ */
-/* AVX2 row decoder (x86-64, chosen at run time): 8 lanes per step. Two      */
-/* gathers per step (bucket entry, cum pair); the value is computed, not     */
-/* looked up: fp32 (s - M) / M * scale, rounded to the KV dtype in-register  */
-/* (F16C's vcvtps2ph for float16: IEEE round-to-nearest-even, subnormals     */
-/* included, as cg_f32_to_f16). The shared word pointer advances by a prefix */
-/* count of the lanes that need a word (a permutation table indexed by the   */
-/* 8-bit need mask). Same arithmetic, same bytes consumed, same output as    */
-/* the portable loop; KVTOOL_CACHEGEN_SIMD=0 forces the portable loop.       */
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define CG_HAVE_AVX2_PATH 1
-#include <immintrin.h>
+/* AVX2 row decoder: 8 lanes per step. Two gathers per step (bucket entry,  */
+/* cum pair); the value is computed, not looked up: fp32 (s - M) / M * scale, */
+/* rounded to the KV dtype in-register (F16C's vcvtps2ph for float16: IEEE    */
+/* round-to-nearest-even, subnormals included, as cg_f32_to_f16). The shared  */
+/* word pointer advances by a prefix count of the lanes that need a word (a   */
+/* permutation table indexed by the 8-bit need mask). Same arithmetic, same   */
+/* bytes consumed, same output as the portable loop.                          */
+#ifdef CG_HAVE_AVX2_PATH
 
-static int32_t g_perm[256][8];
-static pthread_once_t g_simd_once = PTHREAD_ONCE_INIT;
-static int g_use_avx2 = 0;
+/* Loop-invariant vectors of a group's decode. */
+typedef struct {
+    __m256i mask, wmask, bkoff, cumoff, ff, ffff, one, mi, bias;
+    __m128i pcount, bcount;
+    __m256 mf, sc;
+} dec8_consts;
 
-static void init_simd(void) {
-    for (int m = 0; m < 256; m++) {
-        int k = 0;
-        for (int lane = 0; lane < 8; lane++) {
-            g_perm[m][lane] = (m >> lane) & 1 ? k : 0;
-            k += (m >> lane) & 1;
-        }
+/* Eight lanes' symbols: s, their cum pairs (cum[s] | cum[s+1] << 16) and slots. */
+typedef struct { __m256i s, pr, slot; } dec8_sym;
+
+__attribute__((target("avx2"))) static inline dec8_sym dec8_lookup(const dec8_consts *k, __m256i X,
+                                                                   const int *cmj, const int *bkj) {
+    dec8_sym r;
+    r.slot = _mm256_and_si256(X, k->mask);
+    /* bucket entry -> symbol, resolving the bucket's first boundary */
+    const __m256i bi = _mm256_add_epi32(k->bkoff, _mm256_srl_epi32(r.slot, k->bcount));
+    const __m256i e = _mm256_i32gather_epi32(bkj, bi, 2);
+    const __m256i past = _mm256_cmpgt_epi32(_mm256_and_si256(r.slot, k->wmask),
+                                            _mm256_and_si256(_mm256_srli_epi32(e, 8), k->ff));
+    r.s = _mm256_sub_epi32(_mm256_and_si256(e, k->ff), past);
+    /* cum pair; lanes whose bucket held more boundaries step on */
+    __m256i ci = _mm256_add_epi32(k->cumoff, r.s);
+    r.pr = _mm256_i32gather_epi32(cmj, ci, 2);
+    const __m256i slot1 = _mm256_add_epi32(r.slot, k->one);
+    __m256i more = _mm256_cmpgt_epi32(slot1, _mm256_srli_epi32(r.pr, 16));   /* cum[s+1] <= slot */
+    while (UNLIKELY(!_mm256_testz_si256(more, more))) {
+        r.s = _mm256_sub_epi32(r.s, more);
+        ci = _mm256_sub_epi32(ci, more);
+        r.pr = _mm256_mask_i32gather_epi32(r.pr, cmj, ci, more, 2);
+        more = _mm256_and_si256(more, _mm256_cmpgt_epi32(slot1, _mm256_srli_epi32(r.pr, 16)));
     }
-    const char *env = getenv("KVTOOL_CACHEGEN_SIMD");
-    int off = env && (env[0] == '0' || env[0] == 'n' || env[0] == 'N' || env[0] == 'f' || env[0] == 'F');
-    __builtin_cpu_init();
-    g_use_avx2 = !off && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    return r;
+}
+
+/* State update, renormalisation (reads the words at *wpp) and the output
+ * values of eight lanes; returns the new states. */
+__attribute__((target("avx2,f16c"))) static inline __m256i dec8_finish(
+    const dec8_consts *k, __m256i X, dec8_sym y, int dtype, uint8_t *o, const uint8_t **wpp) {
+    const __m256i st = _mm256_and_si256(y.pr, k->ffff);
+    const __m256i fr = _mm256_sub_epi32(_mm256_srli_epi32(y.pr, 16), st);
+    X = _mm256_add_epi32(_mm256_mullo_epi32(fr, _mm256_srl_epi32(X, k->pcount)), _mm256_sub_epi32(y.slot, st));
+    const __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(X, 16), _mm256_setzero_si256());
+    const int m = _mm256_movemask_ps(_mm256_castsi256_ps(need));
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)*wpp));
+    w = _mm256_permutevar8x32_epi32(w, _mm256_loadu_si256((const __m256i *)g_perm[m]));
+    X = _mm256_blendv_epi8(X, _mm256_or_si256(_mm256_slli_epi32(X, 16), w), need);
+    *wpp += 2 * __builtin_popcount((unsigned)m);
+    /* value = fp32(fp32((s - M) / M) * scale), in the KV dtype */
+    const __m256 v = _mm256_mul_ps(_mm256_div_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(y.s, k->mi)), k->mf), k->sc);
+    if (dtype == CG_DTYPE_BF16) {
+        __m256i u = _mm256_castps_si256(v);
+        u = _mm256_add_epi32(u, _mm256_add_epi32(k->bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), k->one)));
+        u = _mm256_srli_epi32(u, 16);
+        _mm_storeu_si128((__m128i *)o, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+    } else if (dtype == CG_DTYPE_F16) {
+        _mm_storeu_si128((__m128i *)o, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        _mm256_storeu_ps((float *)o, v);
+    }
+    return X;
 }
 
 /* Decodes lanes [0, g) of one group, g a multiple of 8, in FAST mode (at least
  * 2*g word bytes remain). cm/bk point at the group's first channel's rows, o at
- * its first output element. */
+ * its first output element. Two blocks of 8 lanes go through the symbol
+ * lookup together, so that their gathers overlap. */
 __attribute__((target("avx2,f16c"))) static void decode_group_avx2(
     const dec_tables *tb, const uint16_t *cm, const uint16_t *bk, uint32_t *x, uint32_t g, int P, int M,
     int dtype, float scale, uint8_t *o, const uint8_t **wpp) {
-    const uint8_t *wp = *wpp;
     const int bbits = tb->bbits;
-    const __m256i mask = _mm256_set1_epi32((int)((1u << P) - 1u));
-    const __m256i wmask = _mm256_set1_epi32((int)((1u << (P - bbits)) - 1u));
-    const __m128i pcount = _mm_cvtsi32_si128(P);
-    const __m128i bcount = _mm_cvtsi32_si128(P - bbits);
+    const size_t es = cg_esize(dtype);
+    dec8_consts k;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i bkoff = _mm256_sll_epi32(lane, _mm_cvtsi32_si128(bbits));
-    const __m256i cumoff = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)tb->S));
-    const __m256i ff = _mm256_set1_epi32(0xFF), ffff = _mm256_set1_epi32(0xFFFF), one = _mm256_set1_epi32(1);
-    const __m256i mi = _mm256_set1_epi32(M), bias = _mm256_set1_epi32(0x7FFF);
-    const __m256 mf = _mm256_set1_ps((float)M), sc = _mm256_set1_ps(scale);
-    for (uint32_t j = 0; j < g; j += 8) {
-        const int *cmj = (const int *)(cm + (size_t)j * tb->S);
-        const int *bkj = (const int *)(bk + ((size_t)j << bbits));
-        __m256i X = _mm256_loadu_si256((const __m256i *)(x + j));
-        const __m256i slot = _mm256_and_si256(X, mask);
-        /* bucket entry -> symbol, resolving the bucket's first boundary */
-        const __m256i bi = _mm256_add_epi32(bkoff, _mm256_srl_epi32(slot, bcount));
-        const __m256i e = _mm256_i32gather_epi32(bkj, bi, 2);
-        const __m256i past = _mm256_cmpgt_epi32(_mm256_and_si256(slot, wmask),
-                                                _mm256_and_si256(_mm256_srli_epi32(e, 8), ff));
-        __m256i s = _mm256_sub_epi32(_mm256_and_si256(e, ff), past);
-        /* cum pair; lanes whose bucket held more boundaries step on */
-        __m256i ci = _mm256_add_epi32(cumoff, s);
-        __m256i pr = _mm256_i32gather_epi32(cmj, ci, 2);
-        const __m256i slot1 = _mm256_add_epi32(slot, one);
-        __m256i more = _mm256_cmpgt_epi32(slot1, _mm256_srli_epi32(pr, 16));   /* cum[s+1] <= slot */
-        while (UNLIKELY(!_mm256_testz_si256(more, more))) {
-            s = _mm256_sub_epi32(s, more);
-            ci = _mm256_sub_epi32(ci, more);
-            pr = _mm256_mask_i32gather_epi32(pr, cmj, ci, more, 2);
-            more = _mm256_and_si256(more, _mm256_cmpgt_epi32(slot1, _mm256_srli_epi32(pr, 16)));
-        }
-        /* state update and renormalisation */
-        const __m256i st = _mm256_and_si256(pr, ffff);
-        const __m256i fr = _mm256_sub_epi32(_mm256_srli_epi32(pr, 16), st);
-        X = _mm256_add_epi32(_mm256_mullo_epi32(fr, _mm256_srl_epi32(X, pcount)), _mm256_sub_epi32(slot, st));
-        const __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(X, 16), _mm256_setzero_si256());
-        const int m = _mm256_movemask_ps(_mm256_castsi256_ps(need));
-        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)wp));
-        w = _mm256_permutevar8x32_epi32(w, _mm256_loadu_si256((const __m256i *)g_perm[m]));
-        X = _mm256_blendv_epi8(X, _mm256_or_si256(_mm256_slli_epi32(X, 16), w), need);
-        wp += 2 * __builtin_popcount((unsigned)m);
-        _mm256_storeu_si256((__m256i *)(x + j), X);
-        /* value = fp32(fp32((s - M) / M) * scale), in the KV dtype */
-        const __m256 v = _mm256_mul_ps(_mm256_div_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s, mi)), mf), sc);
-        if (dtype == CG_DTYPE_BF16) {
-            __m256i u = _mm256_castps_si256(v);
-            u = _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
-            u = _mm256_srli_epi32(u, 16);
-            _mm_storeu_si128((__m128i *)(o + 2u * j),
-                             _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
-        } else if (dtype == CG_DTYPE_F16) {
-            _mm_storeu_si128((__m128i *)(o + 2u * j), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        } else {
-            _mm256_storeu_ps((float *)(o + 4u * j), v);
-        }
+    k.mask = _mm256_set1_epi32((int)((1u << P) - 1u));
+    k.wmask = _mm256_set1_epi32((int)((1u << (P - bbits)) - 1u));
+    k.pcount = _mm_cvtsi32_si128(P);
+    k.bcount = _mm_cvtsi32_si128(P - bbits);
+    k.bkoff = _mm256_sll_epi32(lane, _mm_cvtsi32_si128(bbits));
+    k.cumoff = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)tb->S));
+    k.ff = _mm256_set1_epi32(0xFF);
+    k.ffff = _mm256_set1_epi32(0xFFFF);
+    k.one = _mm256_set1_epi32(1);
+    k.mi = _mm256_set1_epi32(M);
+    k.bias = _mm256_set1_epi32(0x7FFF);
+    k.mf = _mm256_set1_ps((float)M);
+    k.sc = _mm256_set1_ps(scale);
+#define CM(j) ((const int *)(cm + (size_t)(j) * tb->S))
+#define BK(j) ((const int *)(bk + ((size_t)(j) << bbits)))
+    uint32_t j = 0;
+    for (; j + 16 <= g; j += 16) {
+        const __m256i XA = _mm256_loadu_si256((const __m256i *)(x + j));
+        const __m256i XB = _mm256_loadu_si256((const __m256i *)(x + j + 8));
+        const dec8_sym A = dec8_lookup(&k, XA, CM(j), BK(j));
+        const dec8_sym B = dec8_lookup(&k, XB, CM(j + 8), BK(j + 8));
+        _mm256_storeu_si256((__m256i *)(x + j), dec8_finish(&k, XA, A, dtype, o + es * j, wpp));
+        _mm256_storeu_si256((__m256i *)(x + j + 8), dec8_finish(&k, XB, B, dtype, o + es * (j + 8), wpp));
     }
-    *wpp = wp;
+    if (j < g) {
+        const __m256i XA = _mm256_loadu_si256((const __m256i *)(x + j));
+        const dec8_sym A = dec8_lookup(&k, XA, CM(j), BK(j));
+        _mm256_storeu_si256((__m256i *)(x + j), dec8_finish(&k, XA, A, dtype, o + es * j, wpp));
+    }
+#undef CM
+#undef BK
 }
 
 /* One token row through the AVX2 groups (FAST mode only); lanes past the last
@@ -674,6 +895,7 @@ int cg_encode_chunk(const void *kv, const cg_chunk *ck, int threads, uint8_t **o
                     char *err, size_t errlen) {
     *out = NULL;
     *out_len = 0;
+    CG_INIT_SIMD();
     if (!check_chunk(ck, err, errlen)) return CG_ERR_PARAM;
     if (ck->prob_bits < CG_PROB_BITS_MIN || ck->prob_bits > CG_PROB_BITS_MAX || ck->lanes < 1 ||
         ck->lanes > CG_LANES_MAX) {
@@ -741,9 +963,7 @@ int cg_encode_chunk(const void *kv, const cg_chunk *ck, int threads, uint8_t **o
 
 int cg_decode_chunk(const uint8_t *p, size_t len, cg_chunk *ck, void *out, int threads, char *err,
                     size_t errlen) {
-#ifdef CG_HAVE_AVX2_PATH
-    pthread_once(&g_simd_once, init_simd);
-#endif
+    CG_INIT_SIMD();
     if (!check_chunk(ck, err, errlen)) return CG_ERR_PARAM;
     if (len < CG_HEADER_FIXED) { snprintf(err, errlen, "payload shorter than its header"); return CG_ERR_CORRUPT; }
     if (p[0] != CG_MAGIC0 || p[1] != CG_MAGIC1) { snprintf(err, errlen, "bad magic"); return CG_ERR_CORRUPT; }
