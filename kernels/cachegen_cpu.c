@@ -359,6 +359,95 @@ static uint16_t *rans_encode_layer(const uint8_t *q, uint32_t T, uint32_t C, int
     return wp;
 }
 
+#ifdef CG_HAVE_AVX2_PATH
+/* pshufb control: the 16-bit words of the lanes set in mask m, in lane order,
+ * moved to the top of 8 words (the rest don't matter: free space below wp). */
+static uint8_t g_wpack[256][16];
+static pthread_once_t g_wpack_once = PTHREAD_ONCE_INIT;
+static void init_wpack(void) {
+    for (int m = 0; m < 256; m++) {
+        const int cnt = __builtin_popcount((unsigned)m);
+        int o = 8 - cnt;
+        memset(g_wpack[m], 0x80, 16);
+        for (int lane = 0; lane < 8; lane++)
+            if ((m >> lane) & 1) { g_wpack[m][2 * o] = (uint8_t)(2 * lane); g_wpack[m][2 * o + 1] = (uint8_t)(2 * lane + 1); o++; }
+    }
+}
+
+/* rans_encode_layer with 8 lanes per step. sc: per (channel, symbol)
+ * start | (2^P - freq) << 16. x / freq in double precision: x < 2^32 and
+ * freq < 2^16, so x/freq is either an integer (exact) or at least 1/freq >
+ * 2^-16 below the next one, far more than the rounding error (< 2^-20): the
+ * truncated quotient is floor(x / freq). Lanes of a group past its last
+ * multiple of 8 take the scalar step. Same words, same order, same states. */
+__attribute__((target("avx2"))) static uint16_t *rans_encode_layer_avx2(
+    const uint8_t *q, uint32_t T, uint32_t C, int N, int P, const uint32_t *sc, uint32_t stride, uint32_t *x,
+    uint16_t *wend) {
+    uint16_t *wp = wend;
+    for (int j = 0; j < N; j++) x[j] = CG_RANS_L;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i rowoff = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)stride));
+    const __m256i ffff = _mm256_set1_epi32(0xFFFF), sign = _mm256_set1_epi32((int)0x80000000u);
+    const __m256i probone = _mm256_set1_epi32(1 << P);
+    const __m128i sh = _mm_cvtsi32_si128(32 - P);
+    const __m256d two31 = _mm256_set1_pd(2147483648.0);
+    const uint32_t first_g = C % (uint32_t)N ? C % (uint32_t)N : (uint32_t)N;
+    for (int64_t t = (int64_t)T - 1; t >= 0; t--) {
+        const uint8_t *qr = q + (size_t)t * C;
+        uint32_t c0 = C - first_g, g = first_g;   /* groups from the last one down */
+        for (;;) {
+            const uint32_t g8 = g & ~7u;
+            for (uint32_t j = g; j-- > g8;) {     /* scalar tail lanes, last first */
+                const uint32_t c = c0 + j, e = sc[(size_t)c * stride + qr[c]];
+                const uint32_t f = (1u << P) - (e >> 16);
+                uint32_t xx = x[j];
+                const uint32_t emit = xx >= (f << (32 - P));
+                wp[-1] = (uint16_t)xx;
+                wp -= emit;
+                xx = emit ? xx >> 16 : xx;
+                x[j] = xx + (e & 0xFFFFu) + (xx / f) * (e >> 16);
+            }
+            for (uint32_t j = g8; j >= 8;) {
+                j -= 8;
+                const uint32_t c = c0 + j;
+                __m256i X = _mm256_loadu_si256((const __m256i *)(x + j));
+                uint64_t qb;
+                memcpy(&qb, qr + c, 8);
+                const __m256i idx = _mm256_add_epi32(
+                    _mm256_add_epi32(rowoff, _mm256_set1_epi32((int)(c * stride))),
+                    _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)qb)));
+                const __m256i e = _mm256_i32gather_epi32((const int *)sc, idx, 4);
+                const __m256i cmpl = _mm256_srli_epi32(e, 16);
+                const __m256i f = _mm256_sub_epi32(probone, cmpl);
+                const __m256i xmax = _mm256_sll_epi32(f, sh);
+                /* emit: x >= xmax (unsigned) */
+                const __m256i emit = _mm256_cmpeq_epi32(_mm256_max_epu32(X, xmax), X);
+                const int m = _mm256_movemask_ps(_mm256_castsi256_ps(emit));
+                const __m256i lo = _mm256_and_si256(X, ffff);
+                const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+                _mm_storeu_si128((__m128i *)(wp - 8), _mm_shuffle_epi8(w16, _mm_loadu_si128((const __m128i *)g_wpack[m])));
+                wp -= __builtin_popcount((unsigned)m);
+                X = _mm256_blendv_epi8(X, _mm256_srli_epi32(X, 16), emit);
+                /* quotient x / f, 4 lanes at a time in double */
+                const __m256i xs = _mm256_xor_si256(X, sign);   /* x - 2^31 as signed */
+                const __m256d x0 = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(xs)), two31);
+                const __m256d x1 = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(xs, 1)), two31);
+                const __m256d f0 = _mm256_cvtepi32_pd(_mm256_castsi256_si128(f));
+                const __m256d f1 = _mm256_cvtepi32_pd(_mm256_extracti128_si256(f, 1));
+                const __m256i qd = _mm256_set_m128i(_mm256_cvttpd_epi32(_mm256_div_pd(x1, f1)),
+                                                    _mm256_cvttpd_epi32(_mm256_div_pd(x0, f0)));
+                X = _mm256_add_epi32(_mm256_add_epi32(X, _mm256_and_si256(e, ffff)), _mm256_mullo_epi32(qd, cmpl));
+                _mm256_storeu_si256((__m256i *)(x + j), X);
+            }
+            if (c0 == 0) break;
+            c0 -= (uint32_t)N;
+            g = (uint32_t)N;
+        }
+    }
+    return wp;
+}
+#endif
+
 static void encode_layer(const uint8_t *src, int dtype, uint32_t T, uint32_t C, int M,
                          int P, int N, layer_out *lo) {
     const int nsym = 2 * M + 1;
@@ -372,8 +461,14 @@ static void encode_layer(const uint8_t *src, int dtype, uint32_t T, uint32_t C, 
     uint32_t *mq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
     uint32_t *sq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
     uint16_t *cum = (uint16_t *)malloc((size_t)(nsym + 1) * sizeof(uint16_t));
-    enc_sym *tab = (enc_sym *)malloc((size_t)C * stride * sizeof(enc_sym));
-    uint16_t *words = (uint16_t *)malloc((TC + 1u) * sizeof(uint16_t));
+#ifdef CG_HAVE_AVX2_PATH
+    const int simd = g_use_avx2;
+#else
+    const int simd = 0;
+#endif
+    /* the portable rANS loop reads enc_sym entries, the AVX2 one start | cmpl words */
+    void *tab = malloc((size_t)C * stride * (simd ? sizeof(uint32_t) : sizeof(enc_sym)));
+    uint16_t *words = (uint16_t *)malloc((TC + 16u) * sizeof(uint16_t)); /* + slack below the last word */
     size_t sidecap = ((size_t)T * 48u + (size_t)C * 47u + 256u) / 8u + 16u;
     uint8_t *side = (uint8_t *)calloc(sidecap, 1);
     lo->buf = NULL;
@@ -391,7 +486,12 @@ static void encode_layer(const uint8_t *src, int dtype, uint32_t T, uint32_t C, 
         mq[c] = cg_estimate_mu(T, S[2u * c], nsym);
         sq[c] = cg_estimate_sigma(T, S[2u * c], S[2u * c + 1u]);
         cg_build_cum(nsym, mq[c], sq[c], P, cum);
-        enc_syms_build(tab + (size_t)c * stride, cum, nsym, P);
+        if (simd) {
+            uint32_t *row = (uint32_t *)tab + (size_t)c * stride;
+            for (int s = 0; s < nsym; s++) row[s] = cum[s] | ((1u << P) - ((uint32_t)cum[s + 1] - cum[s])) << 16;
+        } else {
+            enc_syms_build((enc_sym *)tab + (size_t)c * stride, cum, nsym, P);
+        }
     }
     /* 3. side information */
     bitwriter bw = {side, sidecap, 0};
@@ -407,8 +507,14 @@ static void encode_layer(const uint8_t *src, int dtype, uint32_t T, uint32_t C, 
     /* 4. rANS, interleaved lanes, reverse order of decoding */
     {
         uint32_t x[CG_LANES_MAX];
-        uint16_t *wend = words + TC + 1u;
-        uint16_t *wp = rans_encode_layer(q, T, C, N, P, tab, stride, x, wend);
+        uint16_t *wend = words + TC + 16u, *wp;
+#ifdef CG_HAVE_AVX2_PATH
+        if (simd) {
+            pthread_once(&g_wpack_once, init_wpack);
+            wp = rans_encode_layer_avx2(q, T, C, N, P, (const uint32_t *)tab, stride, x, wend);
+        } else
+#endif
+            wp = rans_encode_layer(q, T, C, N, P, (const enc_sym *)tab, stride, x, wend);
         size_t nwords = (size_t)(wend - wp);
         size_t body = side_bytes + 4u * (size_t)N + 2u * nwords;
         size_t total = (body + 3u) & ~(size_t)3u;
