@@ -457,6 +457,52 @@ def test_scalar_and_simd_decoders_agree(tmp_path):
     assert same_bits(here, cachegen_reference_roundtrip(kv, params))
 
 
+@needs_native
+def test_simd_and_portable_coders_agree_byte_for_byte(tmp_path):
+    """The encoder (quantization, rANS) and the decoder have AVX2 paths picked at run time;
+    KVTOOL_CACHEGEN_SIMD=0 forces the portable code (read once per process, hence the
+    subprocess). Both must write the same payloads and decode the same values: every dtype,
+    lane counts below 8, not a multiple of 8 and a partial last group, P from 10 to 15, tiny
+    and zero tokens (the pre-scale and the all-zero row)."""
+    import os
+    import subprocess
+    import sys
+
+    cases = []
+    for i, (dtype, shape, spec, lanes, P) in enumerate([
+        (torch.bfloat16, (2, 3, 40, 72), "k:0=32,1-=16;v:*=8", 32, 14),
+        (torch.float16, (2, 2, 33, 100), "kv:*=256", 24, 15),
+        (torch.float32, (2, 2, 17, 45), "k:*=64;v:*=4", 13, 10),
+        (torch.bfloat16, (2, 1, 9, 6), "16", 5, 12),
+        (torch.float16, (2, 2, 21, 130), "k:0=128,1=32;v:*=16", 64, 11),
+    ]):
+        kv = kv_like(shape, dtype, seed=20 + i)
+        kv[0, 0, 0] = 0                       # an all-zero token
+        kv[1, -1, 1] = kv[1, -1, 1] * 1e-30   # tiny tokens (subnormal or zero in 16-bit dtypes)
+        params = cachegen_params(spec, lanes=lanes, prob_bits=P)
+        payload, params = cachegen_encode(kv, params, impl="native")
+        here = cachegen_decode(payload, kv.shape, kv.dtype, params, impl="native")
+        torch.save(kv, tmp_path / f"kv{i}.pt")
+        cases.append((i, str(dtype).removeprefix("torch."), params, payload, bits(here).numpy().tobytes()))
+    code = (
+        "import sys, torch\n"
+        "from kvtool.codecs.cachegen import cachegen_decode, cachegen_encode\n"
+        "i, params = int(sys.argv[1]), eval(sys.argv[2])\n"
+        f"kv = torch.load({str(tmp_path)!r} + f'/kv{{i}}.pt')\n"
+        "p, _ = cachegen_encode(kv, params, impl='native')\n"
+        "d = cachegen_decode(p, kv.shape, kv.dtype, params, impl='native')\n"
+        "v = d.view(torch.int32 if d.element_size() == 4 else torch.int16)\n"
+        "sys.stdout.buffer.write(len(p).to_bytes(8, 'little') + p + v.numpy().tobytes())\n"
+    )
+    env = dict(os.environ, KVTOOL_CACHEGEN_SIMD="0")
+    for i, _, params, payload, values in cases:
+        out = subprocess.run([sys.executable, "-c", code, str(i), repr(params)], env=env, capture_output=True,
+                             check=True).stdout
+        n = int.from_bytes(out[:8], "little")
+        assert out[8:8 + n] == payload, f"case {i}: the portable encoder wrote other bytes"
+        assert out[8 + n:] == values, f"case {i}: the portable decoder gave other values"
+
+
 def test_a_scale_of_minus_zero_is_a_negative_scale():
     """cachegen.md section 4: a scale with its sign bit set, -0.0 included, is rejected."""
     from kvtool.codecs.cachegen.payload import _scale_ok
