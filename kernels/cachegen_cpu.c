@@ -596,11 +596,15 @@ static void dec_tables_build(const dec_tables *tb, uint32_t C, int nsym, int P, 
         cg_build_cum(nsym, mq[c], sq[c], P, cm);
         for (uint32_t k = (uint32_t)nsym + 1u; k < tb->S; k++) cm[k] = (uint16_t)(1u << P);
         uint16_t *bk = tb->bkt + ((size_t)c << tb->bbits);
+        /* the symbol of slot b*W is #{s >= 1: cum[s] <= b*W} = #{s >= 1: ceil(cum[s]/W) <= b}:
+         * a histogram and a prefix sum, no data-dependent branch */
+        uint32_t cnt[(1u << 7) + 1u] = {0};
+        for (int k = 1; k < nsym; k++) cnt[((uint32_t)cm[k] + W - 1u) >> (P - tb->bbits)]++;
         uint32_t s = 0;
         for (uint32_t b = 0; b < nb; b++) {
-            const uint32_t lo = b * W;
-            while (cm[s + 1] <= lo) s++;   /* cum[nsym] = 2^P ends it */
-            const uint32_t rel = cm[s + 1] - lo < W ? cm[s + 1] - lo : W;
+            s += cnt[b];
+            const uint32_t lo = b * W, end = cm[s + 1];
+            const uint32_t rel = end - lo < W ? end - lo : W;
             bk[b] = (uint16_t)(s | (rel - 1u) << 8);
         }
     }
