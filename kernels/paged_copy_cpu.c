@@ -29,6 +29,8 @@
  *   ascending order, apart; bytes no segment copies are checksummed only. The payload is split
  *   between threads at segment starts and the parts' CRCs combined.
  *
+ * copy_checked(dst, src) -> CRC-32C of src, copied into dst in the same pass (pinned staging).
+ *
  * crc32c(buffer) -> CRC-32C;  crc32c_combine(a, b, len_b);  crc32c_hardware() -> bool;
  * crc32c_force_portable(flag): this module's CRC code, for tests.
  */
@@ -283,6 +285,26 @@ done:
     return result;
 }
 
+/* copy_checked(dst, src) -> CRC-32C of src, copied into dst (the same size) in the same pass */
+static PyObject *py_copy_checked(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*", &dst, &src)) return NULL;
+    PyObject *result = NULL;
+    if (dst.len != src.len) {
+        PyErr_SetString(PyExc_ValueError, "copy_checked: the buffers differ in size");
+    } else {
+        crc32c_state s = crc32c_begin();
+        Py_BEGIN_ALLOW_THREADS
+        s = crc32c_copy(s, dst.buf, src.buf, (size_t)src.len);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromUnsignedLong(crc32c_end(s));
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
 /* ---- CRC-32C itself, for tests -------------------------------------------------------------- */
 
 static PyObject *py_crc32c(PyObject *self, PyObject *args) {
@@ -322,6 +344,7 @@ static PyMethodDef methods[] = {
     {"copy_segments", py_copy_segments, METH_VARARGS, "Move rows between paged KV tensors and KV_BLOB tensors."},
     {"scatter_checked", py_scatter_checked, METH_VARARGS,
      "Scatter rows of a stored payload into paged tensors, CRC-32C-checksumming it as it is copied."},
+    {"copy_checked", py_copy_checked, METH_VARARGS, "Copy a buffer into another, CRC-32C checked in the same pass."},
     {"crc32c", py_crc32c, METH_VARARGS, "CRC-32C of a buffer (this module's code; tests compare)."},
     {"crc32c_combine", py_crc32c_combine, METH_VARARGS, "crc(A||B) from crc(A), crc(B), len(B)."},
     {"crc32c_hardware", py_crc32c_hardware, METH_NOARGS, "Whether CRC-32C runs on the crc32 instruction."},

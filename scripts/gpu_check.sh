@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command for a CUDA machine: build kvtool's CUDA kernels, run the GPU
-# tests (tests/test_cuda.py: kernels vs the CPU paths, byte for byte) and the
-# GPU benchmark (bench/bench_cuda.py), and print the results.
+# tests (tests/test_cuda.py: kernels vs the CPU paths, byte for byte; the staged
+# load path; vLLM's block copies; RoPE re-encoding) and the GPU benchmarks
+# (bench/bench_cuda.py, bench/bench_load.py), and print the results.
 #
 #   scripts/gpu_check.sh                 # everything
 #   SKIP_BENCH=1 scripts/gpu_check.sh    # tests only
@@ -48,9 +49,10 @@ $PY -c "from kvtool import cuda_build as k; print(k.backend_status(build=True))"
 echo "(build/load took $(( $(date +%s) - t0 )) s)"
 
 if [ -z "${SKIP_TESTS:-}" ]; then
-  echo "== GPU tests: tests/test_cuda.py tests/test_devices.py"
+  echo "== GPU tests: kernels vs the CPU paths, the staged load path, vLLM's block copies, RoPE re-encoding"
   # shellcheck disable=SC2086
-  $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_cuda.py tests/test_devices.py ${PYTEST_ARGS:-} >"$OUTDIR/pytest.log" 2>&1
+  $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_cuda.py tests/test_devices.py tests/test_load.py \
+    tests/test_engine_blocks.py tests/test_blend.py ${PYTEST_ARGS:-} >"$OUTDIR/pytest.log" 2>&1
   rc=$?
   [ $rc -ne 0 ] && status=1
   grep -E "^(FAILED|ERROR)|Error|error:|assert" "$OUTDIR/pytest.log" | head -40
@@ -61,6 +63,12 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== GPU benchmark: bench/bench_cuda.py"
   # shellcheck disable=SC2086
   $PY bench/bench_cuda.py --json "$OUTDIR/bench_cuda.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/bench.log" || status=1
+fi
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+  echo "== loading KV into paged buffers, CPU and GPU: bench/bench_load.py"
+  # shellcheck disable=SC2086
+  $PY bench/bench_load.py --json "$OUTDIR/bench_load.json" ${LOAD_ARGS:-} 2>&1 | tee "$OUTDIR/bench_load.log" || status=1
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then

@@ -185,3 +185,98 @@ def test_unchecked_bytes_through_the_nested_connector_are_checked_first():
     with pytest.raises(ChecksumMismatch, match="chunk 0"):
         connector.to_gpu(MemoryObj.from_tensor(view, check=check), 0, 8, kvcaches=fresh)
     assert not any(t.any() for pair in fresh for t in pair)
+
+
+# --- the staged path (pinned buffers, a side stream on a GPU; on the CPU the same steps) -------
+
+@pytest.mark.parametrize("staging", [1, 2, 3])
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_the_staged_path_loads_a_file_through_reused_buffers(tmp_path, codec, staging):
+    from kvtool.connectors.paged_native import native_copy_checked
+    from kvtool.load import load_chunks_staged
+
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=45, chunk_size=8, codec=codec,
+                      dtype=torch.float32)
+    scatter, read = paged_target(45)
+    with ContainerReader(f.path) as reader:
+        outcome = load_chunks_staged(file_tasks(reader, 43), scatter, "cpu", staging=staging,
+                                     copy_checked=native_copy_checked())
+        assert outcome.error is None and outcome.loaded_tokens == 43 and outcome.chunks == 6
+        assert torch.equal(read(0, 43), reader.read_range(0, 43))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_staged_path_stops_at_a_damaged_chunk(tmp_path, native):
+    from kvtool.connectors.paged_native import native_copy_checked
+    from kvtool.load import load_chunks_staged
+
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=48, chunk_size=8, dtype=torch.float32)
+    with ContainerReader(f.path) as reader:
+        offset = reader.chunks[3].blob.offset
+    data = bytearray(f.path.read_bytes())
+    data[offset + 1] ^= 0x08
+    f.path.write_bytes(bytes(data))
+    scatter, read = paged_target(48)
+    copy = native_copy_checked() if native else None
+    with ContainerReader(f.path) as reader:
+        outcome = load_chunks_staged(file_tasks(reader, 48), scatter, "cpu", copy_checked=copy)
+    assert isinstance(outcome.error, ChecksumMismatch) and "chunk 3" in str(outcome.error)
+    assert outcome.loaded_tokens == 24 and outcome.chunks == 3
+    assert torch.equal(read(0, 24), f.kv[:, :, :24]) and not read(24, 48).any()  # nothing past it
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_store_loads_through_the_staged_path_and_refuses_damage(tmp_path, native):
+    from kvtool.connectors.paged_native import native_copy_checked
+    from kvtool.store import open_store
+
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    tokens = list(range(200, 240))
+    kv = make_kv(identity, 40, torch.float32)
+    cache = open_store(tmp_path / "store").for_model(identity, chunk_size=8)
+    cache.put_sequence(tokens, kv)
+    copy = native_copy_checked() if native else None
+    scatter, read = paged_target(40)
+    hit = cache.load_prefix(tokens, scatter, from_token=4, device="cpu", copy_checked=copy)
+    assert hit.num_tokens == 40 and not hit.refused
+    assert torch.equal(read(4, 40), kv[:, :, 4:40]) and not read(0, 4).any()
+    third = cache._chain(tokens)[2][2]
+    victim = next(p for p in (tmp_path / "store").glob("chunks/**/*.kvc") if p.name == third + ".kvc")
+    with ContainerReader(victim) as reader:
+        offset = reader.chunks[0].blob.offset
+    data = bytearray(victim.read_bytes())
+    data[offset] ^= 0x01
+    victim.write_bytes(bytes(data))
+    scatter, read = paged_target(40, seed=2)
+    hit = cache.load_prefix(tokens, scatter, device="cpu", copy_checked=copy)
+    assert hit.num_tokens == 16 and len(hit.refused) == 1 and "CRC-32C" in hit.refused[0]
+    assert torch.equal(read(0, 16), kv[:, :, :16]) and not read(16, 40).any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_the_staged_path_on_a_gpu_gives_the_cpu_result(tmp_path, codec):
+    from kvtool.connectors.paged_native import native_copy_checked
+    from kvtool.load import load_chunks_staged
+
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=45, chunk_size=8, codec=codec,
+                      dtype=torch.float32)
+    caches = [torch.zeros(2, 16, BS, H, D, device="cuda") for _ in range(L)]
+    slots = torch.randperm(16 * BS, generator=torch.Generator().manual_seed(3))[:45]
+    connector = PagedMemConnectorV2(H * D, L, layout="flash_attn", num_kv_heads=H, head_dim=D, use_gpu=True)
+
+    def scatter(kv, start, end, check=None):
+        assert kv.device.type == "cuda"
+        connector.to_gpu(MemoryObj.from_tensor(kv, check=check), start, end, kvcaches=caches, slot_mapping=slots)
+
+    with ContainerReader(f.path) as reader:
+        outcome = load_chunks_staged(file_tasks(reader, 45), scatter, "cuda", copy_checked=native_copy_checked())
+        assert outcome.error is None and outcome.loaded_tokens == 45
+        want = reader.read_range(0, 45)
+    torch.cuda.synchronize()
+    out = connector.allocate(45, torch.float32)
+    connector.from_gpu(out, 0, 45, kvcaches=caches, slot_mapping=slots)
+    assert torch.equal(out.tensor.cpu(), want)

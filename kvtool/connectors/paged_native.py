@@ -124,6 +124,24 @@ def native_scatter_checked(blob: torch.Tensor, kv_caches: Sequence[LayerKV], lay
     return True
 
 
+def native_copy_checked():
+    """`copy_checked(buffer, check)`: copy `check.payload` into the uint8 CPU tensor `buffer` (the
+    same size), CRC-32C computed in the same pass, ChecksumMismatch after the copy when it
+    differs; None when the native module is missing. kvtool.load's staged GPU path fills its
+    pinned buffers with it."""
+    module = native_module()
+    if module is None:
+        return None
+
+    def copy_checked(buffer: torch.Tensor, check: PayloadCheck) -> None:
+        if buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("copy_checked needs a contiguous uint8 CPU tensor")  # a bug, not bad input
+        if module.copy_checked(memoryview(buffer.numpy()), check.payload) != check.crc32c:
+            raise check.mismatch()
+
+    return copy_checked
+
+
 def native_gather(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor,
                   out_blob: torch.Tensor) -> bool:
     """`paged_torch.torch_gather` natively; False (nothing done) when this case is not taken."""

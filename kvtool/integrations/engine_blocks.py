@@ -55,7 +55,8 @@ class EngineBlocks:
         self.layout = detect_layout(self.layers[0])
         heads, head_dim = heads_and_dim(self.layers[0], self.layout)
         self.dtype = self.layers[0].dtype
-        on_gpu = self.layers[0].device.type == "cuda"  # the fused kernels do the copies
+        self.device = self.layers[0].device
+        on_gpu = self.device.type == "cuda"  # the fused kernels do the copies
         self.paged = PagedMemConnectorV2(heads * head_dim, len(self.layers), layout=self.layout, use_gpu=on_gpu,
                                          num_kv_heads=heads, head_dim=head_dim)
 

@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                   KVConnectorRole)
 
 from .. import codecs
+from ..connectors.paged_native import native_copy_checked
 from ..engine.loader import model_identity
 from ..errors import KvtoolError
 from ..load import SavePipeline
@@ -183,7 +184,9 @@ class KVToolConnector(KVConnectorBase_V1):
             # from load.start on (vLLM's own blocks before it, perhaps shared, are never written)
             try:
                 hit = self.cache.load_prefix(load.token_ids, self._blocks.scatter_into(load.block_ids, load.end),
-                                             max_tokens=load.end, from_token=load.start)
+                                             max_tokens=load.end, from_token=load.start,
+                                             device=self._blocks.device if self._blocks.device.type == "cuda" else None,
+                                             copy_checked=native_copy_checked())
                 done, why = min(hit.num_tokens, load.end), "; ".join(hit.refused) or "missing"
             except KvtoolError as err:  # e.g. the store went away: a load failure, never a crash
                 done, why = load.start, str(err)

@@ -7,6 +7,9 @@ steps that cost release the GIL (pread, crc32c, zstd, the CacheGen coder, the na
 A raw chunk's stored bytes go to a scatter that can check them (`check=`) unchecked, and are
 CRC-checked as they are copied into the paged buffers: one pass over the bytes instead of three.
 
+On a GPU, `load_chunks_staged`: chunks read and checked into pinned buffers on worker threads,
+copied to the device and scattered there on a side stream, in order, overlapping the reads.
+
 The save side's mirror, `SavePipeline`: the caller gathers a chunk, a background thread encodes,
 checksums and writes it while the caller goes on (capture's next prefill step, vLLM's next step).
 Callers: `ops.replay` (a file), `store.ModelCache.get_prefix` (store objects), and through it the
@@ -14,6 +17,7 @@ vLLM connector.
 """
 
 from .saving import SavePipeline
+from .staged import load_chunks_staged
 from .pipeline import ChunkTask, LoadOutcome, file_tasks, load_chunks, load_threads, takes_check
 
-__all__ = ["SavePipeline", "ChunkTask", "LoadOutcome", "file_tasks", "load_chunks", "load_threads", "takes_check"]
+__all__ = ["SavePipeline", "load_chunks_staged", "ChunkTask", "LoadOutcome", "file_tasks", "load_chunks", "load_threads", "takes_check"]

@@ -29,6 +29,7 @@ from .. import codecs
 from ..devices import describe, resolve_device, synchronize
 from ..dtypes import dtype_from_name
 from ..connectors import MemoryObj
+from ..connectors.paged_native import native_copy_checked
 from ..engine import LoadedModel, PagedKVCache, Runner, load_model, logits_from_hidden
 from ..errors import (DataError, ModelMismatch, NonFiniteValues, PromptError, ShapeMismatch, ToleranceExceeded,
                       UsageError)
@@ -36,7 +37,7 @@ from ..format import ContainerReader
 from ..format.reader import BytesSource
 from ..format.hashing import prefix_hashes
 from ..fsutil import read_text_file
-from ..load import file_tasks, load_chunks
+from ..load import file_tasks, load_chunks, load_chunks_staged
 from ..notices import notice
 from .compare import compare_logits
 from .engine_io import new_cache, paged_connector
@@ -166,27 +167,35 @@ def load_prefix(reader: ContainerReader, model: LoadedModel, cache: PagedKVCache
     """Decode the file's chunks covering [0, num_tokens) into the paged cache; returns seconds.
 
     On the CPU this is kvtool.load's pipeline: chunks read, checked and decoded on worker threads,
-    each scattered into the paged buffers as soon as it is ready. On a GPU, chunks decode there
-    in batches (CacheGen in one launch per batch) and go in through the fused scatter."""
+    each scattered into the paged buffers as soon as it is ready (raw chunks straight from the
+    mapped file, checked as they are copied). On a GPU, CacheGen chunks decode there in batches
+    (one launch per batch); other chunks go through `load_chunks_staged`: read and checked into
+    pinned buffers on worker threads, copied and scattered on a side stream."""
     t0 = time.perf_counter()
     connector = paged_connector(model)
 
+    slots = slot_mapping.cpu()  # checked on the host: no device sync per chunk (the copy to the device is small)
+
     def scatter(kv: torch.Tensor, start: int, end: int, check=None) -> None:
         connector.to_gpu(MemoryObj.from_tensor(kv, check=check), start, end, kvcaches=cache.kv_caches,
-                         slot_mapping=slot_mapping)
+                         slot_mapping=slots)
 
+    needed = [c for c in reader.chunks if c.start < num_tokens]
     if cache.device.type != "cuda":
         outcome = load_chunks(file_tasks(reader, num_tokens), scatter)
-        if outcome.error is not None:
-            raise outcome.error
-    else:
-        needed = [c.index for c in reader.chunks if c.start < num_tokens]
+    elif all(c.codec == "cachegen" for c in needed):  # decoded on the GPU, a batch per launch
+        outcome = None
         for g in range(0, len(needed), LOAD_BATCH_CHUNKS):
-            batch = needed[g:g + LOAD_BATCH_CHUNKS]
+            batch = [c.index for c in needed[g:g + LOAD_BATCH_CHUNKS]]
             for index, decoded in zip(batch, reader.read_chunks(batch, device=cache.device)):
                 chunk = reader.chunks[index]
                 end = min(chunk.end, num_tokens)
                 scatter(decoded[:, :, : end - chunk.start].contiguous(), chunk.start, end)
+    else:  # read and checked into pinned buffers, copied and scattered on a side stream
+        outcome = load_chunks_staged(file_tasks(reader, num_tokens), scatter, cache.device,
+                                     copy_checked=native_copy_checked())
+    if outcome is not None and outcome.error is not None:
+        raise outcome.error
     seq.num_tokens = num_tokens
     synchronize(cache.device)
     return time.perf_counter() - t0

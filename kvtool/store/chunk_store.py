@@ -296,13 +296,18 @@ class ModelCache:
             hit.num_tokens = start + self.chunk_size
         return hit
 
-    def load_prefix(self, token_ids, scatter, *, max_tokens: int | None = None, from_token: int = 0) -> PrefixHit:
+    def load_prefix(self, token_ids, scatter, *, max_tokens: int | None = None, from_token: int = 0,
+                    device: "torch.device | str | None" = None, copy_checked=None) -> PrefixHit:
         """The longest run of stored, intact whole chunks from token 0 into an engine's buffers:
         `scatter(kv, start, end)` gets each chunk's tokens [start, end) (those from `from_token`
         on) as a contiguous CPU KV_BLOB, from kvtool.load's worker threads, each chunk fetched,
         checked and decoded on the thread that scatters it. The run ends at the first missing or
-        refused chunk; chunks past it may have been scattered but are not part of the hit."""
-        from ..load import ChunkTask, load_chunks, takes_check
+        refused chunk; chunks past it may have been scattered but are not part of the hit.
+
+        `device` (a GPU the engine's buffers are on; None: the CPU pipeline): `scatter` gets each
+        chunk on that device, from `load_chunks_staged` (read and checked into pinned buffers on worker threads, copied
+        and scattered on a side stream; `copy_checked`: the native one-pass checked copy)."""
+        from ..load import ChunkTask, load_chunks, load_chunks_staged, takes_check
 
         hit = PrefixHit(num_tokens=0, chunks=[], codecs=[], refused=[], stored_bytes=0)
         chain = self._chain(token_ids, max_tokens)
@@ -332,13 +337,8 @@ class ModelCache:
                 obj.reader.close()
             return (kv, None) if unchecked else kv
 
-        def checking_scatter(kv: "torch.Tensor", start: int, end: int, check=None) -> None:
-            try:
-                scatter(kv, start, end, check=check)
-            except ChecksumMismatch as err:  # only a PayloadCheck (named by the object) says so
-                raise ObjectRefused(str(err)) from None
-
-        checking = takes_check(scatter)
+        staged = device is not None  # a GPU's buffers (on the CPU the staged steps run too: tests)
+        checking = takes_check(scatter) or (staged and copy_checked is not None)
         tasks, first_task = [], None
         for index, (start, _parent, prefix) in enumerate(chain[:stored]):
             if start + self.chunk_size <= from_token:
@@ -350,7 +350,10 @@ class ModelCache:
                                    lambda i=index, s=start, h=prefix: fetch(i, s, h), origin=start,
                                    mapped=(lambda i=index, s=start, h=prefix: fetch(i, s, h, True))
                                    if whole and checking else None))
-        outcome = load_chunks(tasks, checking_scatter if checking else scatter)
+        if staged:
+            outcome = load_chunks_staged(tasks, scatter, device, copy_checked=copy_checked)
+        else:
+            outcome = load_chunks(tasks, scatter)
         if tasks:
             hit.num_tokens = max(hit.num_tokens, outcome.loaded_tokens)
         for index in range(first_task or 0, (first_task or 0) + outcome.chunks):
@@ -358,7 +361,7 @@ class ModelCache:
             hit.codecs.append(codec)
             hit.stored_bytes += size
         self.store.counters.hits += outcome.chunks
-        if isinstance(outcome.error, ObjectRefused):
+        if isinstance(outcome.error, (ObjectRefused, ChecksumMismatch)):  # the latter: checked as copied
             failed = (first_task or 0) + outcome.failed
             self._refused(self.name(chain[failed][2]), outcome.error, chain, chain[failed][0], hit.refused)
         elif isinstance(outcome.error, _Gone):  # removed since the existence check

@@ -1,0 +1,140 @@
+"""`load_chunks_staged`: the load path into buffers on a GPU.
+
+    worker threads            the caller's thread                  a side stream on the GPU
+    ──────────────            ───────────────────                  ────────────────────────
+    chunk i: read + check ──► in order: copy staging i → GPU ────► H2D copy i, scatter i
+      into staging (i % n)      (non-blocking), scatter it,        (overlapping the reads of
+                                record event (i % n)                i+1.. on the host)
+
+Host side: each of `staging` pinned buffers holds one chunk. A raw chunk of a local file is
+copied from the mapped file into its pinned buffer and CRC-checked in the same pass (the native
+checked copy the caller passes: one read of the bytes); other chunks are read, checked and decoded on the CPU as
+`decode()` does and copied into the buffer. A buffer is refilled only once the event recorded
+after its last host-to-device copy has completed, so at most `staging` chunks are in flight.
+
+Device side: the host-to-device copies and the scatters run on one side stream, in chunk order;
+the caller's stream waits for it at the end. So reading and checking chunk i+1.. on the host
+overlaps copying and scattering chunk i on the GPU.
+
+The failure rule is `load_chunks`': the first chunk that fails ends the load at its start.
+
+Without CUDA (device "cpu": the tests) the same steps run with ordinary buffers, no stream and
+synchronous copies, so the ordering, the buffer reuse and the failure rule are tested everywhere.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import torch
+
+from ..checksum import PayloadCheck
+from ..errors import KvtoolError
+from .pipeline import ChunkTask, LoadOutcome, _as_blob, load_threads
+
+DEFAULT_STAGING = 3  # pinned chunk buffers: reading, copying, scattering one each
+
+
+class _Staging:
+    """The pinned host buffers and the events that say when each may be refilled."""
+
+    def __init__(self, count: int, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.buffers: list[torch.Tensor | None] = [None] * count
+        self.events: list[torch.cuda.Event | None] = [None] * count
+
+    def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Buffer `slot`, at least `nbytes`, once its last copy to the device is done."""
+        event = self.events[slot]
+        if event is not None:
+            event.synchronize()  # releases the GIL while it waits
+        buf = self.buffers[slot]
+        if buf is None or buf.numel() < nbytes:
+            buf = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        return buf[:nbytes]
+
+    def copied(self, slot: int, stream) -> None:
+        if self.cuda:
+            event = self.events[slot] = torch.cuda.Event()
+            event.record(stream)
+
+
+def _fill(task: ChunkTask, slot: int, staging: _Staging, copy_checked: Callable | None) -> torch.Tensor:
+    """Chunk `task` in staging buffer `slot`, as a KV_BLOB of its tokens [start, end)."""
+    mapped = task.mapped() if task.mapped is not None and copy_checked is not None else None
+    if mapped is not None:
+        view, check = mapped
+        buf = staging.buffer(slot, view.numel() * view.element_size())
+        out = buf.view(view.dtype).view(view.shape)
+        if check is None:  # checked already (a store object read for us)
+            out.copy_(view)
+        else:
+            copy_checked(buf, check)
+        return out
+    kv = _as_blob(task.decode(), task.first_row, task.end - task.start)
+    buf = staging.buffer(slot, kv.numel() * kv.element_size())
+    out = buf.view(kv.dtype).view(kv.shape)
+    out.copy_(kv)
+    return out
+
+
+def load_chunks_staged(tasks: Sequence[ChunkTask], scatter: Callable[[torch.Tensor, int, int], None],
+                       device: torch.device | str, *, staging: int = DEFAULT_STAGING,
+                       threads: int | None = None,
+                       copy_checked: Callable[[torch.Tensor, PayloadCheck], None] | None = None) -> LoadOutcome:
+    """Load `tasks` into buffers on `device`: `scatter(kv_on_device, start, end)` runs on a side
+    stream, in chunk order (see the module docstring). `copy_checked`: how a mapped raw chunk
+    goes into a pinned buffer with its check (None: every chunk through `decode()`)."""
+    tasks = list(tasks)
+    device = torch.device(device)
+    if not tasks:
+        return LoadOutcome(loaded_tokens=0, chunks=0)
+    staging = max(1, staging)
+    slots = _Staging(staging, device)
+    stream = torch.cuda.Stream(device) if slots.cuda else None
+    threads = max(1, min(threads or load_threads(len(tasks)), staging))
+    outcome: LoadOutcome | None = None
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtool-stage") as pool:
+        filling: dict[int, Future] = {}
+
+        def start(i: int) -> None:
+            if i < len(tasks):
+                filling[i] = pool.submit(_fill, tasks[i], i % staging, slots, copy_checked)
+
+        for i in range(min(staging, len(tasks))):
+            start(i)
+        for i, task in enumerate(tasks):
+            try:
+                host = filling.pop(i).result()
+                with _on(stream):
+                    kv = host.to(device, non_blocking=True) if slots.cuda else host
+                    slots.copied(i % staging, stream)  # the staging buffer is free once this copy is done
+                    scatter(kv, task.start, task.end)
+            except KvtoolError as err:
+                outcome = LoadOutcome(loaded_tokens=task.start, chunks=i, error=err, failed=i)
+                break
+            start(i + staging)  # on the CPU the scatter was synchronous: the buffer is free already
+        for future in filling.values():  # chunks read past a failure: never scattered
+            future.cancel()
+    if stream is not None:
+        torch.cuda.current_stream(device).wait_stream(stream)
+    return outcome or LoadOutcome(loaded_tokens=tasks[-1].end, chunks=len(tasks))
+
+
+class _on:
+    """`torch.cuda.stream(stream)`, or nothing for None."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.ctx = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            return self.ctx.__exit__(*exc)
+        return False
