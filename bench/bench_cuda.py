@@ -25,7 +25,9 @@ CacheGen (kernels/cachegen_cuda.cu), Llama-8B-like 256-token chunks
               chunks and bins, when its wheel imports here (put it and
               cachetools in .gpu_wheels/: scripts/gpu_check.sh installs them);
               else the reason it does not
-Synthetic data (Gaussian with outlier channels; labelled SYNTHETIC).
+Synthetic data (Gaussian with outlier channels; labelled SYNTHETIC); with --real FILE also the
+whole chunks of a captured kvtool file (REAL), every decoder variant on both, and the variant a
+decode that names none calibrates to.
 
     python bench/bench_cuda.py [--quick] [--json out.json]
 """
@@ -63,18 +65,38 @@ def cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+GRAPHS = {"usable": True, "why": ""}  # set off, with the reason, by the first capture that fails
+
+
 def graph_time(fn, reps: int = 20) -> float | None:
-    """Median seconds of a CUDA-graph replay of fn(): device time without the
-    host's launch overhead (None if fn cannot be captured)."""
-    fn()
-    fn()
+    """Median seconds of a CUDA-graph replay of fn(): device time without the host's launch
+    overhead; None (the caller times with events) when graphs are off for this run.
+
+    As torch documents it: warm-up on a side stream, then capture with errors counted for this
+    thread only (another thread's CUDA call, e.g. a pinned-memory free, must not invalidate it).
+    The first capture that fails turns graphs off for the rest of the run, once, with its reason:
+    a failed capture can leave the context refusing every later one ("operation failed due to a
+    previous error during capture"), which the last H100 run printed on every row."""
+    if not GRAPHS["usable"]:
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
             fn()
-    except Exception as exc:  # noqa: BLE001 - report, fall back
-        print(f"   (graph capture failed: {exc}; event timing instead)")
+    except Exception as exc:  # noqa: BLE001 - report once, fall back
+        GRAPHS.update(usable=False, why=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+        print(f"   (CUDA-graph capture failed: {GRAPHS['why']}; event timing from here on)")
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001
+            pass
         return None
     return cuda_time(g.replay, reps=reps)
 
@@ -181,26 +203,8 @@ def bench_cachegen(args, results):
     size = sum(len(x) for x in payloads)
     res["ratio_vs_bf16"] = raw * n / size
     res["gpu_encode_e2e_GBps"] = raw * n / t_enc / 1e9
-    # GPU decode: kernel only (payloads on the device), both table placements, and end to end
-    names = gcg.DECODE_VARIANTS
-    runs = [(t, v) for t in ("smem", "global") for v in names if not v & gcg.VAR_GTAB]
-    runs += [("smem", v) for v in names if v & gcg.VAR_GTAB]  # its tables are always in shared memory
-    reference = None
-    for tables, variant in runs:
-        key = f"gpu_decode_kernel_{tables}_{names[variant]}"
-        try:
-            plan = gcg.plan_decode(payloads, [k.shape for k in kvs], torch.bfloat16, p, tables=tables,
-                                   variant=variant)
-        except Exception as exc:  # noqa: BLE001 - smem may not fit this geometry
-            res[key] = str(exc)
-            continue
-        t = cuda_time(plan.run, reps=10, warmup=2)
-        outs = plan.check()
-        if reference is None:
-            reference = [o.clone() for o in outs]
-        res[key + "_same_output"] = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
-                                        for a, b in zip(outs, reference))
-        res[key + "_GBps"] = raw * n / t / 1e9
+    # GPU decode: kernel only (payloads on the device), every variant and table placement, end to end
+    reference = decode_variants(payloads, kvs, p, raw * n, res)
     res["decode_tables"] = gcg.plan_decode(payloads[:1], [kvs[0].shape], torch.bfloat16, p).tables  # what 'auto' picks
     plan1 = gcg.plan_decode(payloads[:1], [kvs[0].shape], torch.bfloat16, p)
     res["gpu_decode_kernel_1chunk_GBps"] = raw / cuda_time(plan1.run, reps=10, warmup=2) / 1e9
@@ -253,10 +257,91 @@ def bench_cachegen(args, results):
         bench_lmcache(args, results, kvs, resolve_bins(p["bins"], L))
 
 
+def decode_variants(payloads, kvs, p, nbytes, res, prefix="") -> list | None:
+    """Kernel time of every decoder variant and table placement on these payloads (GB/s of
+    decoded KV into res), whether each gives the first one's output, and which variant the
+    calibration of a decode that names none picks here. Returns the first variant's output."""
+    from kvtool.codecs.cachegen import gpu as gcg
+
+    names = gcg.DECODE_VARIANTS
+    runs = [(t, v) for t in ("smem", "global") for v in names if not v & gcg.VAR_GTAB]
+    runs += [("smem", v) for v in names if v & gcg.VAR_GTAB]  # its tables are always in shared memory
+    reference = None
+    shapes = [k.shape for k in kvs]
+    for tables, variant in runs:
+        key = f"{prefix}gpu_decode_kernel_{tables}_{names[variant]}"
+        try:
+            plan = gcg.plan_decode(payloads, shapes, kvs[0].dtype, p, tables=tables, variant=variant)
+        except Exception as exc:  # noqa: BLE001 - smem may not fit this geometry
+            res[key] = str(exc)
+            continue
+        t = cuda_time(plan.run, reps=10, warmup=2)
+        outs = plan.check()
+        if reference is None:
+            reference = [o.clone() for o in outs]
+        res[key + "_same_output"] = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                                        for a, b in zip(outs, reference))
+        res[key + "_GBps"] = nbytes / t / 1e9
+    saved = dict(gcg._chosen)
+    gcg._chosen.clear()
+    res[f"{prefix}calibrated_variant"] = names[gcg.chosen_variant(payloads, shapes, kvs[0].dtype, p)]
+    gcg._chosen.update(saved)
+    return reference
+
+
+def bench_real_kv(args, results):
+    """The same decoder variants on real KV: the whole chunks of a captured kvtool file (--real)."""
+    from kvtool.codecs.cachegen import gpu as gcg
+    from kvtool.format import ContainerReader
+
+    res = results["cachegen_real"] = {"file": args.real}
+    with ContainerReader(args.real) as reader:
+        whole = [c.index for c in reader.chunks if c.end - c.start == reader.chunk_size]
+        kvs = [reader.read_chunk(i).cuda() for i in whole]
+    if not kvs:
+        res["skipped"] = "no whole chunk in the file"
+        return
+    nbytes = sum(k.numel() * k.element_size() for k in kvs)
+    payloads, p = gcg.encode_chunks(kvs, None)
+    res["ratio_vs_kv_dtype"] = nbytes / sum(len(x) for x in payloads)
+    print(f"\n== CacheGen on REAL KV: {len(kvs)} chunks of {list(kvs[0].shape)} {kvs[0].dtype} from {args.real}; "
+          f"{res['ratio_vs_kv_dtype']:.2f}x smaller")
+    decode_variants(payloads, kvs, p, nbytes, res)
+    for k, v in res.items():
+        if k.endswith("GBps"):
+            print(f"{k[:-5]:<46}{v:>8.2f}  {res.get(k[:-5] + '_same_output', '')}")
+    print(f"calibration picks: {res['calibrated_variant']}")
+
+
 # ---- LMCache's CUDA CacheGen, side by side ---------------------------------------------------
 
+LMCACHE_PROBE_SECONDS = 120
+_PROBE = """
+import lmcache
+from lmcache import device_ops
+from lmcache.storage_backend.serde.cachegen_decoder import do_dequantize
+from lmcache.storage_backend.serde.cachegen_encoder import encode_ntokens, torch_quant_vectorized
+print(lmcache.torch_device_type)
+"""
+
+
 def lmcache_ops():
-    """LMCache's CacheGen building blocks on its resolved device, or (None, why not)."""
+    """LMCache's CacheGen building blocks on its resolved device, or (None, why not).
+
+    Its imports are tried first in a child process, bounded in time: on the last H100 run
+    LMCache 0.5.6's CUDA ops did not load on that torch (an undefined symbol) and the section
+    hung until the whole run was killed. A child that fails or takes longer than
+    LMCACHE_PROBE_SECONDS is the reason the section is skipped."""
+    import subprocess
+
+    try:
+        probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                               timeout=LMCACHE_PROBE_SECONDS)
+    except subprocess.TimeoutExpired:
+        return None, f"importing LMCache took more than {LMCACHE_PROBE_SECONDS} s (a hang); skipped"
+    if probe.returncode != 0:
+        lines = (probe.stderr or probe.stdout).strip().splitlines()
+        return None, f"LMCache does not import here: {lines[-1][:300] if lines else f'exit {probe.returncode}'}"
     try:
         import lmcache
         from lmcache import device_ops
@@ -335,6 +420,7 @@ def main():
     ap.add_argument("--cpu-chunks", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["paged", "cachegen", "lmcache"])
+    ap.add_argument("--real", help="a kvtool file of captured KV: time the decoders on its chunks too")
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -350,6 +436,9 @@ def main():
         bench_paged(args, results)
     if "cachegen" not in args.skip:
         bench_cachegen(args, results)
+        if args.real:
+            bench_real_kv(args, results)
+    results["timing"] = "CUDA graphs" if GRAPHS["usable"] else f"CUDA events (graphs off: {GRAPHS['why'] or 'not used'})"
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

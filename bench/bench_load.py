@@ -39,7 +39,6 @@ import platform
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]

@@ -780,6 +780,29 @@ def test_gpu_cachegen_realistic_chunk_and_batch():
 
 
 @needs_gpu
+def test_gpu_cachegen_calibrated_variant_gives_the_same_values(monkeypatch):
+    """A decode that names no variant times the candidates on its first batch of a geometry,
+    keeps the fastest for that geometry, and decodes the CPU coder's values either way."""
+    from kvtool.codecs.cachegen import cachegen_decode
+    from kvtool.codecs.cachegen import gpu as gcg
+
+    monkeypatch.delenv("KVTOOL_CACHEGEN_GPU_VARIANT", raising=False)
+    monkeypatch.setattr(gcg, "_chosen", {})
+    params = _cg_params()
+    kvs = [_cg_chunk(4, 64, 192, torch.bfloat16, seed, "outliers") for seed in (1, 2, 3)]
+    cpu = [_cpu_encode(kv, params) for kv in kvs]
+    outs = gcg.decode_chunks([c[0] for c in cpu], [kv.shape for kv in kvs], torch.bfloat16, cpu[0][1])
+    assert len(gcg._chosen) == 1 and next(iter(gcg._chosen.values())) in gcg.CALIBRATION_CANDIDATES
+    for o, (pl, pp), kv in zip(outs, cpu, kvs):
+        assert _same_bits(o, cachegen_decode(pl, kv.shape, torch.bfloat16, pp))
+    monkeypatch.setenv("KVTOOL_CACHEGEN_GPU_VARIANT", "4")
+    assert gcg.chosen_variant([c[0] for c in cpu], [kv.shape for kv in kvs], torch.bfloat16, cpu[0][1]) == 4
+    monkeypatch.setenv("KVTOOL_CACHEGEN_GPU_VARIANT", "5")
+    with pytest.raises(Exception, match="KVTOOL_CACHEGEN_GPU_VARIANT"):
+        gcg.chosen_variant([c[0] for c in cpu], [kv.shape for kv in kvs], torch.bfloat16, cpu[0][1])
+
+
+@needs_gpu
 def test_gpu_cachegen_cpu_decodes_gpu_payload():
     from kvtool.codecs.cachegen import cachegen_decode, cachegen_reference_roundtrip
     from kvtool.codecs.cachegen import gpu as gcg

@@ -22,7 +22,7 @@ def test_jobs_run_in_order_off_the_callers_thread():
 
 
 def test_at_most_max_pending_jobs_wait_or_run():
-    gate, running, peak = threading.Event(), [0], [0]
+    gate = threading.Event()
     saving = SavePipeline(max_pending=2)
 
     def job():

@@ -34,10 +34,16 @@ MAX_SECTIONS = 65535  # per encode launch (grid.y)
 # Gaussian table per warp in shared memory instead of per-channel tables; same output, different speed.
 # H100, 32 chunks [2, 32, 256, 1024] bf16, tables in global memory: rows 75.6 GB/s, rows+window 75.2,
 # transposed 54.8, transposed+window 55.1 (tables in shared memory: ~39-40 for all four: 3 warps per SM).
-# The gtab variants (4, 6) are newer than that measurement: not yet timed on a GPU, so not the default.
+# Later, on an H100 (the load issue): the fastest variant depends on the geometry. Synthetic
+# [2, 32, 256, 1024] chunks (1.66 bits/value): gtab 100.7 GB/s vs rows 74.6; real SmolLM2 KV
+# [2, 30, 256, 192] (2.48 bits/value): rows 177 vs gtab 120. No fixed rule is measured on enough
+# geometries, so a decode that names no variant calibrates: the first batch of a geometry is
+# decoded with each candidate, timed, and the fastest kept for that geometry (`chosen_variant`).
 VAR_TRANSPOSED, VAR_WINDOW, VAR_GTAB = 1, 2, 4
 DECODE_VARIANTS = {0: "rows", 1: "transposed", 2: "rows+window", 3: "transposed+window", 4: "gtab", 6: "gtab+window"}
 DEFAULT_VARIANT = 0
+CALIBRATION_CANDIDATES = (0, 2, 4, 6)  # the transposed tables lost everywhere they were timed
+_chosen: dict[tuple, int] = {}  # geometry -> the variant calibration picked
 
 _lib: ctypes.CDLL | None = None
 
@@ -316,10 +322,58 @@ def decode_chunks(payloads: Sequence[bytes | memoryview], shapes: Sequence[Any],
     """Decode payloads on the GPU into new (or the given) CUDA tensors of
     `shapes`, all sections in one launch; DecodeError on any corruption, with
     the CPU decoder's message. tables: 'auto', 'smem' or 'global' (where the
-    frequency tables live; a benchmark knob)."""
+    frequency tables live; a benchmark knob). variant: a decoder variant (same
+    output, different speed); None: KVTOOL_CACHEGEN_GPU_VARIANT, else the one
+    calibration picks for this geometry."""
+    if variant is None:
+        variant = chosen_variant(payloads, shapes, dtype, params, device, tables)
     plan = plan_decode(payloads, shapes, dtype, params, device=device, tables=tables, outs=outs, variant=variant)
     plan.run()
     return plan.check()
+
+
+def geometry_key(shapes: Sequence[Any], dtype: torch.dtype, params: dict, device: Any) -> tuple:
+    """What the decoder's speed depends on: the device, the dtype and parameters, each chunk's
+    (layers, channels), and the batch's tokens and chunk count to the next power of two."""
+    dims = sorted({(int(s[1]), int(s[3])) for s in shapes})
+    tokens = max(int(s[2]) for s in shapes)
+    dev = torch.device(device)
+    return (dev.index if dev.index is not None else torch.cuda.current_device(), str(dtype), repr(sorted(params.items())),
+            tuple(dims), 1 << max(tokens - 1, 0).bit_length(), 1 << max(len(shapes) - 1, 0).bit_length())
+
+
+def chosen_variant(payloads: Sequence[bytes | memoryview], shapes: Sequence[Any], dtype: torch.dtype, params: dict,
+                   device: Any = "cuda", tables: str = "auto", reps: int = 2) -> int:
+    """The decoder variant for this geometry: KVTOOL_CACHEGEN_GPU_VARIANT if set, else the fastest
+    of CALIBRATION_CANDIDATES on this very batch (each decoded `reps` times, kernel time by CUDA
+    events; a variant whose tables do not fit is skipped), remembered per `geometry_key`."""
+    import os
+
+    forced = os.environ.get("KVTOOL_CACHEGEN_GPU_VARIANT", "").strip()
+    if forced:
+        if not forced.isdigit() or int(forced) not in DECODE_VARIANTS:
+            raise UsageError(f"KVTOOL_CACHEGEN_GPU_VARIANT must be one of {sorted(DECODE_VARIANTS)}, got {forced!r}")
+        return int(forced)
+    key = geometry_key(shapes, dtype, params, device)
+    if key in _chosen:
+        return _chosen[key]
+    timings: dict[int, float] = {}
+    for candidate in CALIBRATION_CANDIDATES:
+        try:
+            plan = plan_decode(payloads, shapes, dtype, params, device=device, tables=tables, variant=candidate)
+        except UsageError:  # its tables do not fit this geometry
+            continue
+        plan.run()  # warm-up (and a bad payload fails here, as it would below)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            plan.run()
+        end.record()
+        end.synchronize()
+        timings[candidate] = start.elapsed_time(end)
+    best = min(timings, key=timings.get) if timings else DEFAULT_VARIANT
+    _chosen[key] = best
+    return best
 
 
 def decode(payload: bytes | memoryview, shape: Any, dtype: torch.dtype, params: dict, device: Any = "cuda",
