@@ -18,6 +18,7 @@ runs on `--threads` threads (default 1, the steadiest ratio).
 from __future__ import annotations
 
 import argparse
+import os
 import math
 import time
 
@@ -25,7 +26,7 @@ import torch
 
 from kvtool.connectors import NestedTupleConnector, PagedMemConnectorV2
 
-LAYOUTS = ["flash_attn", "flashinfer", "vllm", "kv_tuple"]
+LAYOUTS = ["flash_attn", "flashinfer", "vllm", "kv_tuple", "vllm_cpu"]
 
 
 def time_round_robin(fns: dict, rounds: int) -> dict:
@@ -47,7 +48,7 @@ def make_layer(layout, NB, BS, H, D, dtype):
         return torch.randn(2, NB, BS, H, D).to(dtype)
     if layout == "flashinfer":
         return torch.randn(NB, 2, BS, H, D).to(dtype)
-    if layout == "vllm":
+    if layout in ("vllm", "vllm_cpu"):  # vllm_cpu: the same tensor, K pages transposed inside it
         return torch.randn(NB, H, BS, 2 * D).to(dtype)
     return (torch.randn(NB, BS, H, D).to(dtype), torch.randn(NB, BS, H, D).to(dtype))
 
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    os.environ["KVTOOL_THREADS"] = str(args.threads)  # the native copy uses as many threads as torch
     L, H, D, BS = args.layers, args.heads, args.head_dim, args.block_size
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
