@@ -556,21 +556,22 @@ static int rice_block_get(cg_bitreader *br, uint32_t *v, size_t n, int w, uint32
 /* ------------------------------------------------------------------------ */
 /* symbol search tables                                                      */
 /* Each stream (channel) has its cum table padded to S = 2^k >= nsym + 1
- * entries (entries past nsym hold 2^P), and a bucket table of 2^B entries
- * over the 2^P slots, B = 6 (B = 7 for P = 15), so that a bucket spans
+ * entries (entries past nsym hold 2^P), and a bucket table of 2^B 64-bit
+ * entries over the 2^P slots, B = 6 (B = 7 for P = 15), so that a bucket spans
  * W = 2^(P-B) <= 256 slots. Bucket b's entry is
- *     sym | (rel - 1) << 8
+ *     sym | (rel - 1) << 8 | cum[sym] << 16 | cum[sym+1] << 32 | cum[sym+2] << 48
  * sym: the symbol holding the bucket's first slot b*W; rel = min(cum[sym+1] -
  * b*W, W): where the first boundary inside the bucket lies (W: there is none).
  * sym + ((slot & (W-1)) >= rel) is then the symbol of any slot of a bucket
- * holding at most one boundary: one load and one compare, no search. Buckets
- * with several boundaries (the thin tails, ~1% of the symbols of real KV) are
- * finished by stepping up the cum row. */
+ * holding at most one boundary, and the entry holds its cum pair (bits 16..47
+ * or 32..63): one load, one compare, no search. Buckets with several
+ * boundaries (the thin tails, ~1% of the symbols of real KV) are finished by
+ * stepping up the cum row. */
 typedef struct {
     uint32_t S;      /* cum row stride */
     int bbits;       /* B */
     uint16_t *cum;   /* C rows of S entries */
-    uint16_t *bkt;   /* C rows of 2^B entries */
+    uint64_t *bkt;   /* C rows of 2^B entries */
 } dec_tables;
 
 static int dec_bucket_bits(int P) { return P > 14 ? P - 8 : 6; }
@@ -580,9 +581,9 @@ static int dec_tables_alloc(dec_tables *tb, uint32_t C, int nsym, int P) {
     tb->S = 2;
     while (tb->S < (uint32_t)nsym + 1u) tb->S <<= 1;
     tb->bbits = dec_bucket_bits(P);
-    /* +2 entries each: pair and 4-byte gather loads at a row's last entry */
+    /* +2 entries: pair, 4-byte gather and 8-byte loads at a row's last entries */
     tb->cum = (uint16_t *)malloc(((size_t)C * tb->S + 2u) * sizeof(uint16_t));
-    tb->bkt = (uint16_t *)malloc((((size_t)C << tb->bbits) + 2u) * sizeof(uint16_t));
+    tb->bkt = (uint64_t *)malloc(((size_t)C << tb->bbits) * sizeof(uint64_t));
     return tb->cum && tb->bkt;
 }
 
@@ -595,29 +596,35 @@ static void dec_tables_build(const dec_tables *tb, uint32_t C, int nsym, int P, 
         uint16_t *cm = tb->cum + (size_t)c * tb->S;
         cg_build_cum(nsym, mq[c], sq[c], P, cm);
         for (uint32_t k = (uint32_t)nsym + 1u; k < tb->S; k++) cm[k] = (uint16_t)(1u << P);
-        uint16_t *bk = tb->bkt + ((size_t)c << tb->bbits);
-        /* the symbol of slot b*W is #{s >= 1: cum[s] <= b*W} = #{s >= 1: ceil(cum[s]/W) <= b}:
-         * a histogram and a prefix sum, no data-dependent branch */
-        uint32_t cnt[(1u << 7) + 1u] = {0};
-        for (int k = 1; k < nsym; k++) cnt[((uint32_t)cm[k] + W - 1u) >> (P - tb->bbits)]++;
-        uint32_t s = 0;
-        for (uint32_t b = 0; b < nb; b++) {
-            s += cnt[b];
-            const uint32_t lo = b * W, end = cm[s + 1];
-            const uint32_t rel = end - lo < W ? end - lo : W;
-            bk[b] = (uint16_t)(s | (rel - 1u) << 8);
-        }
     }
     tb->cum[(size_t)C * tb->S] = tb->cum[(size_t)C * tb->S + 1] = 0;
-    tb->bkt[(size_t)C << tb->bbits] = tb->bkt[((size_t)C << tb->bbits) + 1] = 0;
+    for (uint32_t c = 0; c < C; c++) {
+        const uint16_t *cm = tb->cum + (size_t)c * tb->S;
+        uint64_t *bk = tb->bkt + ((size_t)c << tb->bbits);
+        /* the symbol of slot b*W is #{s >= 1: cum[s] <= b*W} = the largest s with ceil(cum[s]/W) <= b
+         * (cum increases): the last s of each ceil(cum[s]/W), then a running maximum; no
+         * data-dependent branch, no read-modify-write chain */
+        uint8_t last[(1u << 7) + 1u] = {0};
+        for (int k = 1; k < nsym; k++) last[((uint32_t)cm[k] + W - 1u) >> (P - tb->bbits)] = (uint8_t)k;
+        uint32_t s = 0;
+        for (uint32_t b = 0; b < nb; b++) {
+            s = last[b] > s ? last[b] : s;
+            uint64_t q;   /* cum[s..s+3] (past the row, read but never used, when s is the last symbol) */
+            memcpy(&q, cm + s, 8);
+            const uint32_t end = (uint32_t)(q >> 16) & 0xFFFFu;
+            const uint32_t rel = end - b * W < W ? end - b * W : W;
+            bk[b] = q << 16 | s | (rel - 1u) << 8;
+        }
+    }
 }
 
 /* The symbol of `slot` in a stream (cm, bk: its rows); *pair = cum[s] | cum[s+1] << 16. */
-static inline uint32_t dec_find(const uint16_t *cm, const uint16_t *bk, uint32_t slot, int bshift,
+static inline uint32_t dec_find(const uint16_t *cm, const uint64_t *bk, uint32_t slot, int bshift,
                                 uint32_t wmask, uint32_t *pair) {
-    const uint32_t e = bk[slot >> bshift];
-    uint32_t s = (e & 0xFFu) + ((slot & wmask) > (e >> 8));
-    uint32_t pr = get_u32((const uint8_t *)(cm + s));
+    const uint64_t e = bk[slot >> bshift];
+    const uint32_t past = (slot & wmask) > ((uint32_t)e >> 8 & 0xFFu);
+    uint32_t s = ((uint32_t)e & 0xFFu) + past;
+    uint32_t pr = (uint32_t)(e >> (16u + 16u * past));
     while (UNLIKELY((pr >> 16) <= slot)) pr = get_u32((const uint8_t *)(cm + ++s));
     *pair = pr;
     return s;
@@ -643,7 +650,8 @@ static inline __attribute__((always_inline)) int decode_row_generic(
     const uint32_t mask = (1u << P) - 1u;
     const int bshift = P - tb->bbits;
     const uint32_t wmask = (1u << bshift) - 1u;
-    const uint16_t *cm = tb->cum, *bk = tb->bkt;
+    const uint16_t *cm = tb->cum;
+    const uint64_t *bk = tb->bkt;
     const uint8_t *wp = *wpp;
     uint32_t c = 0;
     while (c < C) {
@@ -687,151 +695,132 @@ static int decode_row_scalar(const dec_tables *tb, uint32_t *x, int N, uint32_t 
 }
 
 /* ------------------------------------------------------------------------ */
-/* AVX2 row decoder: 8 lanes per step. Two gathers per step (bucket entry,  */
-/* cum pair); the value is computed, not looked up: fp32 (s - M) / M * scale, */
-/* rounded to the KV dtype in-register (F16C's vcvtps2ph for float16: IEEE    */
-/* round-to-nearest-even, subnormals included, as cg_f32_to_f16). The shared  */
-/* word pointer advances by a prefix count of the lanes that need a word (a   */
-/* permutation table indexed by the 8-bit need mask). Same arithmetic, same   */
-/* bytes consumed, same output as the portable loop.                          */
+/* AVX2 row decoder: 8 lanes per step. The 8 bucket entries are fetched by   */
+/* scalar loads (cheaper than a 64-bit gather on Zen), turned into symbols   */
+/* and cum pairs in-register. Symbols go to a row buffer; their values,      */
+/* fp32 (s - M) / M * scale rounded to the KV dtype in-register (F16C's      */
+/* vcvtps2ph for float16: IEEE round-to-nearest-even, subnormals included,   */
+/* as cg_f32_to_f16), are computed once the row's states are done, off the   */
+/* states' dependency chain. The shared word pointer advances by a prefix    */
+/* count of the lanes that need a word (a permutation table indexed by the   */
+/* 8-bit need mask). Same arithmetic, same bytes consumed, same output as    */
+/* the portable loop.                                                         */
 #ifdef CG_HAVE_AVX2_PATH
 
-/* Loop-invariant vectors of a group's decode. */
+/* Loop-invariant vectors of a row's decode. */
 typedef struct {
-    __m256i mask, wmask, bkoff, cumoff, ff, ffff, one, mi, bias;
+    __m256i mask, wmask, bkoff, cumoff, ff, ffff, one;
     __m128i pcount, bcount;
-    __m256 mf, sc;
 } dec8_consts;
 
-/* Eight lanes' symbols: s, their cum pairs (cum[s] | cum[s+1] << 16) and slots. */
-typedef struct { __m256i s, pr, slot; } dec8_sym;
-
-__attribute__((target("avx2"))) static inline dec8_sym dec8_lookup(const dec8_consts *k, __m256i X,
-                                                                   const int *cmj, const int *bkj) {
-    dec8_sym r;
-    r.slot = _mm256_and_si256(X, k->mask);
-    /* bucket entry -> symbol, resolving the bucket's first boundary */
-    const __m256i bi = _mm256_add_epi32(k->bkoff, _mm256_srl_epi32(r.slot, k->bcount));
-    const __m256i e = _mm256_i32gather_epi32(bkj, bi, 2);
-    const __m256i past = _mm256_cmpgt_epi32(_mm256_and_si256(r.slot, k->wmask),
+/* One step of eight lanes: returns the new states, writes the symbols to sp. */
+__attribute__((target("avx2"))) static inline __m256i dec8_step(const dec8_consts *k, __m256i X,
+                                                                const uint64_t *bkj, const int *cmj,
+                                                                uint32_t *sp, const uint8_t **wpp) {
+    const __m256i slot = _mm256_and_si256(X, k->mask);
+    const __m256i bi = _mm256_add_epi32(k->bkoff, _mm256_srl_epi32(slot, k->bcount));
+    uint32_t ix[8] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)ix, bi);
+#define LQ(i) _mm_loadl_epi64((const __m128i *)(bkj + ix[i]))
+    const __m128i q01 = _mm_unpacklo_epi64(LQ(0), LQ(1)), q23 = _mm_unpacklo_epi64(LQ(2), LQ(3));
+    const __m128i q45 = _mm_unpacklo_epi64(LQ(4), LQ(5)), q67 = _mm_unpacklo_epi64(LQ(6), LQ(7));
+#undef LQ
+    const __m256 E0 = _mm256_castsi256_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(q01), q45, 1));
+    const __m256 E1 = _mm256_castsi256_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(q23), q67, 1));
+    const __m256i e = _mm256_castps_si256(_mm256_shuffle_ps(E0, E1, 0x88));   /* sym | rel-1 | cum[sym] */
+    const __m256i h = _mm256_castps_si256(_mm256_shuffle_ps(E0, E1, 0xDD));   /* cum[sym+1] | cum[sym+2] */
+    const __m256i past = _mm256_cmpgt_epi32(_mm256_and_si256(slot, k->wmask),
                                             _mm256_and_si256(_mm256_srli_epi32(e, 8), k->ff));
-    r.s = _mm256_sub_epi32(_mm256_and_si256(e, k->ff), past);
-    /* cum pair; lanes whose bucket held more boundaries step on */
-    __m256i ci = _mm256_add_epi32(k->cumoff, r.s);
-    r.pr = _mm256_i32gather_epi32(cmj, ci, 2);
-    const __m256i slot1 = _mm256_add_epi32(r.slot, k->one);
-    __m256i more = _mm256_cmpgt_epi32(slot1, _mm256_srli_epi32(r.pr, 16));   /* cum[s+1] <= slot */
-    while (UNLIKELY(!_mm256_testz_si256(more, more))) {
-        r.s = _mm256_sub_epi32(r.s, more);
-        ci = _mm256_sub_epi32(ci, more);
-        r.pr = _mm256_mask_i32gather_epi32(r.pr, cmj, ci, more, 2);
-        more = _mm256_and_si256(more, _mm256_cmpgt_epi32(slot1, _mm256_srli_epi32(r.pr, 16)));
+    __m256i s = _mm256_sub_epi32(_mm256_and_si256(e, k->ff), past);
+    __m256i pr = _mm256_blendv_epi8(_mm256_or_si256(_mm256_srli_epi32(e, 16), _mm256_slli_epi32(h, 16)), h, past);
+    const __m256i slot1 = _mm256_add_epi32(slot, k->one);
+    __m256i more = _mm256_cmpgt_epi32(slot1, _mm256_srli_epi32(pr, 16));   /* cum[s+1] <= slot */
+    if (UNLIKELY(!_mm256_testz_si256(more, more))) {
+        __m256i ci = _mm256_add_epi32(k->cumoff, s);
+        do {
+            s = _mm256_sub_epi32(s, more);
+            ci = _mm256_sub_epi32(ci, more);
+            pr = _mm256_mask_i32gather_epi32(pr, cmj, ci, more, 2);
+            more = _mm256_and_si256(more, _mm256_cmpgt_epi32(slot1, _mm256_srli_epi32(pr, 16)));
+        } while (!_mm256_testz_si256(more, more));
     }
-    return r;
-}
-
-/* State update, renormalisation (reads the words at *wpp) and the output
- * values of eight lanes; returns the new states. */
-__attribute__((target("avx2,f16c"))) static inline __m256i dec8_finish(
-    const dec8_consts *k, __m256i X, dec8_sym y, int dtype, uint8_t *o, const uint8_t **wpp) {
-    const __m256i st = _mm256_and_si256(y.pr, k->ffff);
-    const __m256i fr = _mm256_sub_epi32(_mm256_srli_epi32(y.pr, 16), st);
-    X = _mm256_add_epi32(_mm256_mullo_epi32(fr, _mm256_srl_epi32(X, k->pcount)), _mm256_sub_epi32(y.slot, st));
+    _mm256_storeu_si256((__m256i *)sp, s);
+    /* state update and renormalisation (reads the words at *wpp) */
+    const __m256i st = _mm256_and_si256(pr, k->ffff);
+    const __m256i fr = _mm256_sub_epi32(_mm256_srli_epi32(pr, 16), st);
+    X = _mm256_add_epi32(_mm256_mullo_epi32(fr, _mm256_srl_epi32(X, k->pcount)), _mm256_sub_epi32(slot, st));
     const __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(X, 16), _mm256_setzero_si256());
     const int m = _mm256_movemask_ps(_mm256_castsi256_ps(need));
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)*wpp));
     w = _mm256_permutevar8x32_epi32(w, _mm256_loadu_si256((const __m256i *)g_perm[m]));
-    X = _mm256_blendv_epi8(X, _mm256_or_si256(_mm256_slli_epi32(X, 16), w), need);
     *wpp += 2 * __builtin_popcount((unsigned)m);
-    /* value = fp32(fp32((s - M) / M) * scale), in the KV dtype */
-    const __m256 v = _mm256_mul_ps(_mm256_div_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(y.s, k->mi)), k->mf), k->sc);
-    if (dtype == CG_DTYPE_BF16) {
-        __m256i u = _mm256_castps_si256(v);
-        u = _mm256_add_epi32(u, _mm256_add_epi32(k->bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), k->one)));
-        u = _mm256_srli_epi32(u, 16);
-        _mm_storeu_si128((__m128i *)o, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
-    } else if (dtype == CG_DTYPE_F16) {
-        _mm_storeu_si128((__m128i *)o, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    } else {
-        _mm256_storeu_ps((float *)o, v);
-    }
-    return X;
+    return _mm256_blendv_epi8(X, _mm256_or_si256(_mm256_slli_epi32(X, 16), w), need);
 }
 
-/* Decodes lanes [0, g) of one group, g a multiple of 8, in FAST mode (at least
- * 2*g word bytes remain). cm/bk point at the group's first channel's rows, o at
- * its first output element. Two blocks of 8 lanes go through the symbol
- * lookup together, so that their gathers overlap. */
-__attribute__((target("avx2,f16c"))) static void decode_group_avx2(
-    const dec_tables *tb, const uint16_t *cm, const uint16_t *bk, uint32_t *x, uint32_t g, int P, int M,
-    int dtype, float scale, uint8_t *o, const uint8_t **wpp) {
-    const int bbits = tb->bbits;
-    const size_t es = cg_esize(dtype);
+/* One token row (FAST mode only: at least 2*C word bytes remain): lanes in
+ * blocks of 8 through dec8_step, lanes past the last multiple of 8 of a group
+ * through the scalar step; then the row's values from the symbols in sbuf. */
+__attribute__((target("avx2,f16c"))) static void decode_row_avx2(
+    const dec_tables *tb, uint32_t *x, int N, uint32_t C, int P, int M, int dtype, const float *unit,
+    float scale, uint8_t *orow, const uint8_t **wpp, uint32_t *sbuf) {
+    const int bbits = tb->bbits, bshift = P - bbits;
+    const uint32_t mask = (1u << P) - 1u, wmask = (1u << bshift) - 1u;
     dec8_consts k;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    k.mask = _mm256_set1_epi32((int)((1u << P) - 1u));
-    k.wmask = _mm256_set1_epi32((int)((1u << (P - bbits)) - 1u));
+    k.mask = _mm256_set1_epi32((int)mask);
+    k.wmask = _mm256_set1_epi32((int)wmask);
     k.pcount = _mm_cvtsi32_si128(P);
-    k.bcount = _mm_cvtsi32_si128(P - bbits);
+    k.bcount = _mm_cvtsi32_si128(bshift);
     k.bkoff = _mm256_sll_epi32(lane, _mm_cvtsi32_si128(bbits));
     k.cumoff = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)tb->S));
     k.ff = _mm256_set1_epi32(0xFF);
     k.ffff = _mm256_set1_epi32(0xFFFF);
     k.one = _mm256_set1_epi32(1);
-    k.mi = _mm256_set1_epi32(M);
-    k.bias = _mm256_set1_epi32(0x7FFF);
-    k.mf = _mm256_set1_ps((float)M);
-    k.sc = _mm256_set1_ps(scale);
-#define CM(j) ((const int *)(cm + (size_t)(j) * tb->S))
-#define BK(j) ((const int *)(bk + ((size_t)(j) << bbits)))
-    uint32_t j = 0;
-    for (; j + 16 <= g; j += 16) {
-        const __m256i XA = _mm256_loadu_si256((const __m256i *)(x + j));
-        const __m256i XB = _mm256_loadu_si256((const __m256i *)(x + j + 8));
-        const dec8_sym A = dec8_lookup(&k, XA, CM(j), BK(j));
-        const dec8_sym B = dec8_lookup(&k, XB, CM(j + 8), BK(j + 8));
-        _mm256_storeu_si256((__m256i *)(x + j), dec8_finish(&k, XA, A, dtype, o + es * j, wpp));
-        _mm256_storeu_si256((__m256i *)(x + j + 8), dec8_finish(&k, XB, B, dtype, o + es * (j + 8), wpp));
-    }
-    if (j < g) {
-        const __m256i XA = _mm256_loadu_si256((const __m256i *)(x + j));
-        const dec8_sym A = dec8_lookup(&k, XA, CM(j), BK(j));
-        _mm256_storeu_si256((__m256i *)(x + j), dec8_finish(&k, XA, A, dtype, o + es * j, wpp));
-    }
-#undef CM
-#undef BK
-}
-
-/* One token row through the AVX2 groups (FAST mode only); lanes past the last
- * multiple of 8 of a group go through the scalar step. */
-static void decode_row_avx2(const dec_tables *tb, uint32_t *x, int N, uint32_t C, int P, int M, int dtype,
-                            const float *unit, float scale, uint8_t *orow, const uint8_t **wpp) {
     const uint8_t *wp = *wpp;
-    const uint32_t mask = (1u << P) - 1u;
-    const int bshift = P - tb->bbits;
-    const uint32_t wmask = (1u << bshift) - 1u;
-    const size_t es = cg_esize(dtype);
-    uint32_t c = 0;
-    while (c < C) {
+    for (uint32_t c = 0; c < C;) {
         const uint32_t g = C - c < (uint32_t)N ? C - c : (uint32_t)N;
         const uint32_t g8 = g & ~7u;
-        const uint16_t *cm = tb->cum + (size_t)c * tb->S;
-        const uint16_t *bk = tb->bkt + ((size_t)c << tb->bbits);
-        if (g8) decode_group_avx2(tb, cm, bk, x, g8, P, M, dtype, scale, orow + es * c, &wp);
-        for (uint32_t j = g8; j < g; j++) {
+        uint32_t j = 0;
+        for (; j < g8; j += 8) {
+            const __m256i X = _mm256_loadu_si256((const __m256i *)(x + j));
+            _mm256_storeu_si256((__m256i *)(x + j),
+                                dec8_step(&k, X, tb->bkt + ((size_t)(c + j) << bbits),
+                                          (const int *)(tb->cum + (size_t)(c + j) * tb->S), sbuf + c + j, &wp));
+        }
+        for (; j < g; j++) {
             uint32_t xx = x[j], pr;
             const uint32_t slot = xx & mask;
-            const uint32_t s = dec_find(cm + (size_t)j * tb->S, bk + ((size_t)j << tb->bbits), slot, bshift,
-                                        wmask, &pr);
+            const uint32_t s = dec_find(tb->cum + (size_t)(c + j) * tb->S, tb->bkt + ((size_t)(c + j) << bbits),
+                                        slot, bshift, wmask, &pr);
             const uint32_t st = pr & 0xFFFFu;
             xx = ((pr >> 16) - st) * (xx >> P) + slot - st;
             if (xx < CG_RANS_L) { xx = (xx << 16) | get_u16(wp); wp += 2; }
             x[j] = xx;
-            dec_store(orow, c + j, dtype, unit, s, scale);
+            sbuf[c + j] = s;
         }
         c += g;
     }
     *wpp = wp;
+    /* value = fp32(fp32((s - M) / M) * scale), in the KV dtype */
+    const __m256i mi = _mm256_set1_epi32(M), bias = _mm256_set1_epi32(0x7FFF);
+    const __m256 mf = _mm256_set1_ps((float)M), sc = _mm256_set1_ps(scale);
+    uint32_t c = 0;
+    for (; c + 8 <= C; c += 8) {
+        const __m256i s = _mm256_loadu_si256((const __m256i *)(sbuf + c));
+        const __m256 v = _mm256_mul_ps(_mm256_div_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s, mi)), mf), sc);
+        if (dtype == CG_DTYPE_BF16) {
+            __m256i u = _mm256_castps_si256(v);
+            u = _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), k.one)));
+            u = _mm256_srli_epi32(u, 16);
+            _mm_storeu_si128((__m128i *)(orow + 2 * c),
+                             _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+        } else if (dtype == CG_DTYPE_F16) {
+            _mm_storeu_si128((__m128i *)(orow + 2 * c), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        } else {
+            _mm256_storeu_ps((float *)(orow + 4 * c), v);
+        }
+    }
+    for (; c < C; c++) dec_store(orow, c, dtype, unit, sbuf[c], scale);
 }
 #endif
 
@@ -843,9 +832,10 @@ static int decode_layer(const uint8_t *sec, size_t seclen, int dtype, uint32_t T
     uint32_t *scales = (uint32_t *)malloc((size_t)T * sizeof(uint32_t));
     uint32_t *mq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
     uint32_t *sq = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
+    uint32_t *sbuf = (uint32_t *)malloc((size_t)C * sizeof(uint32_t));
     const int tables_ok = dec_tables_alloc(&tb, C, nsym, P);
     snprintf(err, errlen, "out of memory");
-    if (!scales || !mq || !sq || !tables_ok) goto done;
+    if (!scales || !mq || !sq || !sbuf || !tables_ok) goto done;
 
     cg_bitreader br = {sec, (uint64_t)seclen * 8u, 0, 0};
     const int ws = cg_wscale(dtype);
@@ -884,7 +874,7 @@ static int decode_layer(const uint8_t *sec, size_t seclen, int dtype, uint32_t T
         uint8_t *orow = dst + (size_t)t * C * es;
 #ifdef CG_HAVE_AVX2_PATH
         if (fast && g_use_avx2 && N >= 8) {
-            decode_row_avx2(&tb, x, N, C, P, M, dtype, unit, scale, orow, &wp);
+            decode_row_avx2(&tb, x, N, C, P, M, dtype, unit, scale, orow, &wp, sbuf);
             continue;
         }
 #endif
@@ -909,7 +899,7 @@ static int decode_layer(const uint8_t *sec, size_t seclen, int dtype, uint32_t T
     }
     rc = CG_OK;
 done:
-    free(scales); free(mq); free(sq);
+    free(scales); free(mq); free(sq); free(sbuf);
     dec_tables_free(&tb);
     return rc;
 }
