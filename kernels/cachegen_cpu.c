@@ -581,8 +581,8 @@ static int dec_tables_alloc(dec_tables *tb, uint32_t C, int nsym, int P) {
     tb->S = 2;
     while (tb->S < (uint32_t)nsym + 1u) tb->S <<= 1;
     tb->bbits = dec_bucket_bits(P);
-    /* +2 entries: pair, 4-byte gather and 8-byte loads at a row's last entries */
-    tb->cum = (uint16_t *)malloc(((size_t)C * tb->S + 2u) * sizeof(uint16_t));
+    /* +16 entries: pair, 8-byte and 32-byte loads at a row's last entries */
+    tb->cum = (uint16_t *)malloc(((size_t)C * tb->S + 16u) * sizeof(uint16_t));
     tb->bkt = (uint64_t *)malloc(((size_t)C << tb->bbits) * sizeof(uint64_t));
     return tb->cum && tb->bkt;
 }
@@ -597,7 +597,7 @@ static void dec_tables_build(const dec_tables *tb, uint32_t C, int nsym, int P, 
         cg_build_cum(nsym, mq[c], sq[c], P, cm);
         for (uint32_t k = (uint32_t)nsym + 1u; k < tb->S; k++) cm[k] = (uint16_t)(1u << P);
     }
-    tb->cum[(size_t)C * tb->S] = tb->cum[(size_t)C * tb->S + 1] = 0;
+    memset(tb->cum + (size_t)C * tb->S, 0, 16u * sizeof(uint16_t));
     for (uint32_t c = 0; c < C; c++) {
         const uint16_t *cm = tb->cum + (size_t)c * tb->S;
         uint64_t *bk = tb->bkt + ((size_t)c << tb->bbits);
@@ -709,14 +709,14 @@ static int decode_row_scalar(const dec_tables *tb, uint32_t *x, int N, uint32_t 
 
 /* Loop-invariant vectors of a row's decode. */
 typedef struct {
-    __m256i mask, wmask, bkoff, cumoff, ff, ffff, one;
+    __m256i mask, wmask, bkoff, ff, ffff, one;
     __m128i pcount, bcount;
 } dec8_consts;
 
 /* One step of eight lanes: returns the new states, writes the symbols to sp. */
 __attribute__((target("avx2"))) static inline __m256i dec8_step(const dec8_consts *k, __m256i X,
-                                                                const uint64_t *bkj, const int *cmj,
-                                                                uint32_t *sp, const uint8_t **wpp) {
+                                                                const uint64_t *bkj, const uint16_t *cmr,
+                                                                size_t S, uint32_t *sp, const uint8_t **wpp) {
     const __m256i slot = _mm256_and_si256(X, k->mask);
     const __m256i bi = _mm256_add_epi32(k->bkoff, _mm256_srl_epi32(slot, k->bcount));
     uint32_t ix[8] __attribute__((aligned(32)));
@@ -736,13 +736,31 @@ __attribute__((target("avx2"))) static inline __m256i dec8_step(const dec8_const
     const __m256i slot1 = _mm256_add_epi32(slot, k->one);
     __m256i more = _mm256_cmpgt_epi32(slot1, _mm256_srli_epi32(pr, 16));   /* cum[s+1] <= slot */
     if (UNLIKELY(!_mm256_testz_si256(more, more))) {
-        __m256i ci = _mm256_add_epi32(k->cumoff, s);
+        /* buckets with several boundaries: each such lane searches its cum row, 16 entries a step,
+         * for the first entry past the slot (cum[nsym] = 2^P ends every row) */
+        uint32_t sv[8] __attribute__((aligned(32))), pv[8] __attribute__((aligned(32)));
+        uint32_t lv[8] __attribute__((aligned(32)));
+        _mm256_store_si256((__m256i *)sv, s);
+        _mm256_store_si256((__m256i *)pv, pr);
+        _mm256_store_si256((__m256i *)lv, slot);
+        unsigned mm = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(more));
         do {
-            s = _mm256_sub_epi32(s, more);
-            ci = _mm256_sub_epi32(ci, more);
-            pr = _mm256_mask_i32gather_epi32(pr, cmj, ci, more, 2);
-            more = _mm256_and_si256(more, _mm256_cmpgt_epi32(slot1, _mm256_srli_epi32(pr, 16)));
-        } while (!_mm256_testz_si256(more, more));
+            const int l = __builtin_ctz(mm);
+            const uint16_t *row = cmr + (size_t)l * S;
+            const __m256i sl = _mm256_set1_epi16((short)lv[l]);
+            uint32_t kk = sv[l] + 2u;   /* cum[s+1] <= slot: the symbol is past s */
+            for (;;) {
+                const __m256i a = _mm256_loadu_si256((const __m256i *)(row + kk));
+                const unsigned le = (unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi16(_mm256_min_epu16(a, sl), a));
+                if (le != 0xFFFFFFFFu) { kk += (unsigned)__builtin_ctz(~le) >> 1; break; }
+                kk += 16u;
+            }
+            sv[l] = kk - 1u;
+            pv[l] = get_u32((const uint8_t *)(row + kk - 1u));
+            mm &= mm - 1u;
+        } while (mm);
+        s = _mm256_load_si256((const __m256i *)sv);
+        pr = _mm256_load_si256((const __m256i *)pv);
     }
     _mm256_storeu_si256((__m256i *)sp, s);
     /* state update and renormalisation (reads the words at *wpp) */
@@ -772,7 +790,6 @@ __attribute__((target("avx2,f16c"))) static void decode_row_avx2(
     k.pcount = _mm_cvtsi32_si128(P);
     k.bcount = _mm_cvtsi32_si128(bshift);
     k.bkoff = _mm256_sll_epi32(lane, _mm_cvtsi32_si128(bbits));
-    k.cumoff = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)tb->S));
     k.ff = _mm256_set1_epi32(0xFF);
     k.ffff = _mm256_set1_epi32(0xFFFF);
     k.one = _mm256_set1_epi32(1);
@@ -785,7 +802,7 @@ __attribute__((target("avx2,f16c"))) static void decode_row_avx2(
             const __m256i X = _mm256_loadu_si256((const __m256i *)(x + j));
             _mm256_storeu_si256((__m256i *)(x + j),
                                 dec8_step(&k, X, tb->bkt + ((size_t)(c + j) << bbits),
-                                          (const int *)(tb->cum + (size_t)(c + j) * tb->S), sbuf + c + j, &wp));
+                                          tb->cum + (size_t)(c + j) * tb->S, tb->S, sbuf + c + j, &wp));
         }
         for (; j < g; j++) {
             uint32_t xx = x[j], pr;
