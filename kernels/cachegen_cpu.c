@@ -589,6 +589,38 @@ static int dec_tables_alloc(dec_tables *tb, uint32_t C, int nsym, int P) {
 
 static void dec_tables_free(dec_tables *tb) { free(tb->cum); free(tb->bkt); }
 
+#ifdef CG_HAVE_AVX2_PATH
+/* dec_tables_build's bucket entries, 4 per step (nb a multiple of 16): the same values; the running
+ * maximum of `last` in-register, 16 buckets at a time */
+__attribute__((target("avx2"))) static void dec_buckets_avx2(const uint16_t *cm, const uint8_t *last, uint32_t nb,
+                                                             uint32_t W, uint64_t *bk) {
+    const __m256i ffff = _mm256_set1_epi64x(0xFFFF), wv = _mm256_set1_epi64x(W), one = _mm256_set1_epi64x(1);
+    const __m256i step = _mm256_set1_epi64x(4 * (long long)W);
+    const __m128i b15 = _mm_set1_epi8(15);
+    __m256i lo = _mm256_setr_epi64x(0, W, 2 * (long long)W, 3 * (long long)W);
+    __m128i carry = _mm_setzero_si128();
+    for (uint32_t b = 0; b < nb; b += 16) {
+        __m128i m = _mm_loadu_si128((const __m128i *)(last + b));
+        m = _mm_max_epu8(m, _mm_slli_si128(m, 1));
+        m = _mm_max_epu8(m, _mm_slli_si128(m, 2));
+        m = _mm_max_epu8(m, _mm_slli_si128(m, 4));
+        m = _mm_max_epu8(m, _mm_slli_si128(m, 8));
+        m = _mm_max_epu8(m, carry);
+        carry = _mm_shuffle_epi8(m, b15);
+        for (int i = 0; i < 4; i++, m = _mm_srli_si128(m, 4)) {
+            const __m128i si = _mm_cvtepu8_epi32(m);
+            const __m256i q = _mm256_i32gather_epi64((const long long *)cm, si, 2);   /* cum[s..s+3] */
+            const __m256i end = _mm256_and_si256(_mm256_srli_epi64(q, 16), ffff);
+            const __m256i rel = _mm256_min_epu32(_mm256_sub_epi64(end, lo), wv);
+            const __m256i e = _mm256_or_si256(_mm256_or_si256(_mm256_slli_epi64(q, 16), _mm256_cvtepu32_epi64(si)),
+                                              _mm256_slli_epi64(_mm256_sub_epi64(rel, one), 8));
+            _mm256_storeu_si256((__m256i *)(bk + b + 4 * i), e);
+            lo = _mm256_add_epi64(lo, step);
+        }
+    }
+}
+#endif
+
 static void dec_tables_build(const dec_tables *tb, uint32_t C, int nsym, int P, const uint32_t *mq,
                              const uint32_t *sq) {
     const uint32_t nb = 1u << tb->bbits, W = 1u << (P - tb->bbits);
@@ -606,8 +638,14 @@ static void dec_tables_build(const dec_tables *tb, uint32_t C, int nsym, int P, 
          * data-dependent branch, no read-modify-write chain */
         uint8_t last[(1u << 7) + 1u] = {0};
         for (int k = 1; k < nsym; k++) last[((uint32_t)cm[k] + W - 1u) >> (P - tb->bbits)] = (uint8_t)k;
-        uint32_t s = 0;
-        for (uint32_t b = 0; b < nb; b++) {
+        uint32_t s = 0, b = 0;
+#ifdef CG_HAVE_AVX2_PATH
+        if (g_use_avx2) {
+            b = nb;
+            dec_buckets_avx2(cm, last, nb, W, bk);
+        }
+#endif
+        for (; b < nb; b++) {
             s = last[b] > s ? last[b] : s;
             uint64_t q;   /* cum[s..s+3] (past the row, read but never used, when s is the last symbol) */
             memcpy(&q, cm + s, 8);
