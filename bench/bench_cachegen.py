@@ -297,7 +297,7 @@ def main(argv=None):
         ">=5x smaller than bf16": k1["ratio_vs_bf16"] >= 5,
         "side info <= 0.3 bits/value": k1["side_info_bits_per_value"] <= 0.3,
         "decode >= 400 MB/s per core": k1["dec_MBps_per_core"] >= 400,
-        "encode >= 150 MB/s per core": k1["enc_MBps_per_core"] >= 150,
+        "encode >= 500 MB/s per core": k1["enc_MBps_per_core"] >= 500,
     }
     if "lmcache-cg" in table:
         lm = table["lmcache-cg"]
@@ -315,6 +315,8 @@ def main(argv=None):
         goals[">=1.5x smaller than LMCache"] = size_x >= 1.5
         goals["decode >= 10x LMCache's CPU path"] = dec_x >= 10
     print("goals: " + "; ".join(f"{k}: {'MET' if v else 'MISSED'}" for k, v in goals.items()))
+    # an aim, not a goal: interleaved-lane AVX2 rANS coders reach ~1.1-1.2 GiB/s
+    print(f"aim: decode 1 GB/s per core: {k1['dec_MBps_per_core'] / 1000:.0%} of it")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"source": label, "chunks": len(chunks), "shape": [2, L, CHUNK, C], "results": table,
