@@ -48,9 +48,22 @@ typedef struct {
 
 #define MAX_THREADS 64
 
+/* Byte offset of a slot's first row (group 0). Block sizes are powers of two in every engine:
+ * a shift and a mask then, not a 64-bit division per token and tensor. */
+static inline size_t token_at(const segment_t *g, int64_t slot) {
+    uint64_t s = (uint64_t)slot, bs = g->block_size, block, offset;
+    if ((bs & (bs - 1)) == 0) {
+        block = s >> __builtin_ctzll(bs);
+        offset = s & (bs - 1);
+    } else {
+        block = s / bs;
+        offset = s % bs;
+    }
+    return (size_t)(g->a + block * g->sb + offset * g->so);
+}
+
 static inline size_t row_at(const segment_t *g, int64_t slot, size_t group) {
-    uint64_t block = (uint64_t)slot / g->block_size, offset = (uint64_t)slot % g->block_size;
-    return (size_t)(g->a + block * g->sb + offset * g->so + group * g->sh);
+    return token_at(g, slot) + group * (size_t)g->sh;
 }
 
 /* ---- checks ------------------------------------------------------------------------------- */
@@ -89,11 +102,11 @@ static int segments_ok(const segment_t *seg, size_t n) {
 /* ---- plain copies ------------------------------------------------------------------------- */
 
 #define COPY_ROWS(N)                                                                      \
-    for (size_t t = 0; t < tokens; t++)                                                   \
-        for (size_t gi = 0; gi < groups; gi++, b += (N)) {                                \
-            char *p = paged + row_at(g, slots[t], gi);                                    \
+    for (size_t t = 0; t < tokens; t++) {                                                 \
+        char *p = paged + token_at(g, slots[t]);                                          \
+        for (size_t gi = 0; gi < groups; gi++, b += (N), p += g->sh)                      \
             if (scatter) memcpy(p, b, (N)); else memcpy(b, p, (N));                       \
-        }
+    }
 /* Strided rows (a transposed page) move a tile at a time: the tokens of a run of consecutive
  * slots in one block, one channel of one group at a time, so the paged side (where offsets are
  * adjacent: so == elem) is read or written contiguously and each of its cache lines is filled
@@ -129,6 +142,16 @@ static void copy_segment(const segment_t *g, int scatter) {
         case 4: COPY_TILES(uint32_t); return;
         default: COPY_TILES(uint8_t); return; /* byte by byte: any element size */
         }
+    }
+    if (groups == 1 && g->so == run) { /* a token's row follows the previous slot's: one copy per run of slots */
+        for (size_t t = 0; t < tokens;) {
+            size_t n = slot_run(g, slots, t, tokens);
+            char *p = paged + token_at(g, slots[t]);
+            if (scatter) memcpy(p, b, n * run); else memcpy(b, p, n * run);
+            b += n * run;
+            t += n;
+        }
+        return;
     }
     switch (run) { /* fixed sizes the compiler inlines (the common head and token sizes) */
     case 128: COPY_ROWS(128); return;
@@ -223,9 +246,19 @@ static void *check_part(void *arg) {
                     s = crc32c_update_strided(s, paged + row_at(g, slots[t], gi), (size_t)g->stride,
                                               (size_t)g->run, (size_t)g->elem);
         } else {
-            for (size_t t = 0; t < g->tokens; t++)
-                for (size_t gi = 0; gi < g->groups; gi++, b += g->run)
-                    s = crc32c_copy(s, paged + row_at(g, slots[t], gi), b, (size_t)g->run);
+            int merge = g->groups == 1 && g->so == g->run; /* adjacent slots: one copy per run of them */
+            for (size_t t = 0; t < g->tokens;) {
+                size_t n = merge ? slot_run(g, slots, t, (size_t)g->tokens) : 1;
+                uint8_t *row = paged + token_at(g, slots[t]);
+                if (merge) {
+                    s = crc32c_copy(s, row, b, n * (size_t)g->run);
+                    b += n * g->run;
+                } else {
+                    for (size_t gi = 0; gi < g->groups; gi++, b += g->run, row += g->sh)
+                        s = crc32c_copy(s, row, b, (size_t)g->run);
+                }
+                t += n;
+            }
         }
         pos = b;
     }
