@@ -6,11 +6,15 @@ text run at another offset). The blended prefill on the real model: ratio 1.0 is
 prefill, ratio 0 is naive reuse built here without the blend code, a first segment at
 position 0 is plain prefix reuse bit for bit, selective recompute at 15% is closer to the
 full prefill than naive reuse, and foreign segments are refused by name.
+
+Segments as files (format-spec/segment.md): the `segment` key written and checked.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,13 +34,22 @@ from kvtool.engine.model import (
     write_kv,
 )
 from kvtool.errors import (
+    ManifestInvalid,
+    MissingField,
     ModelMismatch,
     PromptError,
     RopeMismatch,
     ShapeMismatch,
+    UnsupportedVersion,
     UsageError,
 )
+from kvtool.format import ContainerReader, ContainerWriter
+from kvtool.format.segment import SegmentInfo, segment_extension
 from kvtool.identity import ModelIdentity
+
+from fixtures import make_identity, rebuild, write_kv_file
+
+SCHEMA = Path(__file__).resolve().parents[1] / "format-spec" / "manifest.schema.json"
 
 DOCS = [
     ("Alice lives in Paris. She works as a baker and her favourite colour is green. Every morning "
@@ -433,3 +446,65 @@ def test_bf16_segments_blend_into_a_bf16_cache(default_model, rag):
     assert cache.kv_caches[0].dtype == torch.bfloat16
     assert int(result.logits.argmax()) == int(want.argmax())
     assert _kl(want[None], result.logits[None]) < 1e-3
+
+
+# --- segments as files (format-spec/segment.md) --------------------------------------------------
+
+
+def _segment_file(path, stored_start: int = 0):
+    identity = make_identity()
+    f = write_kv_file(path, identity=identity, num_tokens=6, chunk_size=4)
+    with ContainerReader(f.path) as r:
+        kv, tokens = r.read_range(0, 6), r.token_ids().tolist()
+    with ContainerWriter(path, identity, tokens, chunk_size=4, alignment=64,
+                         extensions=segment_extension(stored_start)) as w:
+        for s, e in w.chunk_ranges():
+            w.write_chunk(kv[:, :, s:e])
+    return Path(path)
+
+
+def test_the_segment_key_is_written_and_read_back(tmp_path):
+    plain = write_kv_file(tmp_path / "plain.kvc").path
+    with ContainerReader(plain) as r:
+        assert r.segment is None
+    for start in (0, 500):
+        path = _segment_file(tmp_path / f"seg{start}.kvc", start)
+        with ContainerReader(path) as r:
+            assert r.segment == SegmentInfo(stored_start=start, version=1)
+            assert r.manifest.extensions["segment"] == {"version": 1, "stored_start": start}
+
+
+def test_the_segment_key_validates_against_the_json_schema(tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    from fixtures import split_file
+
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()))
+    doc = split_file(_segment_file(tmp_path / "s.kvc", 7)).manifest
+    validator.validate(doc)
+    doc["segment"]["color"] = "red"
+    assert not validator.is_valid(doc)
+
+
+@pytest.mark.parametrize("value,error,words", [
+    ([], ManifestInvalid, "must be an object"),
+    ({"version": 1}, MissingField, "stored_start"),
+    ({"stored_start": 0}, MissingField, "version"),
+    ({"version": 1, "stored_start": 0, "moved": True}, ManifestInvalid, "undefined key 'moved'"),
+    ({"version": True, "stored_start": 0}, ManifestInvalid, "version"),
+    ({"version": 0, "stored_start": 0}, ManifestInvalid, "version"),
+    ({"version": 2, "stored_start": 0}, UnsupportedVersion, "segment version 2"),
+    ({"version": 1, "stored_start": -1}, ManifestInvalid, "stored_start"),
+    ({"version": 1, "stored_start": 1.0}, ManifestInvalid, "stored_start"),
+    ({"version": 1, "stored_start": 2 ** 24 - 5}, ManifestInvalid, "stored_start"),  # past 2^24 with 6 tokens
+])
+def test_a_bad_segment_key_is_refused_by_name_when_the_file_is_used_as_a_segment(tmp_path, value, error, words):
+    good = _segment_file(tmp_path / "s.kvc")
+    bad = tmp_path / "bad.kvc"
+    bad.write_bytes(rebuild(good, lambda doc: doc.__setitem__("segment", value)))
+    with ContainerReader(bad) as r:  # a reader that does not use segments ignores the key
+        assert r.read_range(0, 6).shape[2] == 6
+        with pytest.raises(error, match=words) as info:
+            r.segment
+    assert str(bad) in str(info.value)
+    with pytest.raises(ManifestInvalid):
+        segment_extension(-3)

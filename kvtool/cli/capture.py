@@ -23,6 +23,9 @@ HiddenOpt = Annotated[bool, typer.Option(
     "--hidden-states", help="Also store the final hidden states (replay then computes nothing for the first new token).")]
 ChatOpt = Annotated[bool, typer.Option(
     "--chat", help="The prompt is a user message: apply the model's chat template (as transformers does).")]
+SegmentOpt = Annotated[bool, typer.Option(
+    "--segment", help="Mark the file a position-independent segment (computed alone from position 0) to place inside "
+                      "other prompts: replay --blend.")]
 RoiOpt = Annotated[Optional[str], typer.Option(
     "--roi", metavar="RANGES", help="Store a roi_mask marking these token ranges, e.g. '0:16,40:64' ([start, end)).")]
 
@@ -36,7 +39,8 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
             codec: CodecOpt = "raw", level: LevelOpt = None, shuffle: ShuffleOpt = None,
             bins: BinsOpt = None, dtype: DtypeOpt = "bf16", block_size: BlockSizeOpt = 16,
             hidden_states: HiddenOpt = False, roi: RoiOpt = None, device: DeviceOpt = "auto",
-            weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False, json: JsonOpt = False) -> None:
+            weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False, segment: SegmentOpt = False,
+            json: JsonOpt = False) -> None:
     """Run a model on a prompt through a paged KV buffer and write its KV cache."""
     from ..ops.capture import capture_prompt
 
@@ -45,6 +49,7 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
                                 codec=codec, level=level, shuffle=shuffle, bins=bins, kv_dtype=dtype,
                                 chunk_size=chunk_size, block_size=block_size, hidden_states=hidden_states,
                                 roi=roi, device=device, model_dtype=weights_dtype, chat=chat, store=store,
+                                segment=segment,
                                 on_chunk=lambda _index, done, total: update(done, total))
     emit(result, json)
 
@@ -53,6 +58,8 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
 def render(console: Console, r: dict[str, Any]) -> None:
     t = r["timings"]
     extras = f" + {', '.join(r['extras'])}" if r["extras"] else ""
+    if r.get("segment"):
+        extras += f"; a segment (positions from {r['segment']['stored_start']}, placeable anywhere)"
     where = f"wrote {r['output']}" if r["output"] else "captured"
     console.print(f"{where}: {r['num_tokens']} tokens of {r['model']} KV ({r['kv_dtype']}) in "
                   f"{plural(r['num_chunks'], r['codec'] + ' chunk')}{extras}, {human_bytes(r['file_bytes'])}")

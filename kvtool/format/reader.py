@@ -34,6 +34,7 @@ from . import layout
 from ..checksum import PayloadCheck
 from .hashing import crc32
 from .manifest import BlobRef, ChunkEntry, Manifest, parse_manifest
+from .segment import SegmentInfo, parse_segment
 
 if TYPE_CHECKING:
     import torch
@@ -170,6 +171,14 @@ class ContainerReader:
     @property
     def version(self) -> str:
         return f"{self.header.major}.{self.header.minor}"
+
+    @property
+    def segment(self) -> SegmentInfo | None:
+        """The file's `segment` key (format-spec/segment.md), checked; None: not a segment."""
+        try:
+            return parse_segment(self.manifest.extensions, self.manifest.num_tokens)
+        except FormatError as err:
+            raise type(err)(f"{self.path}: {err}") from None
 
     # --- blobs ------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from ..format.reader import BytesSource
 from ..store import open_store
 from ..store.containers import ingest
 from ..format.layout import MAX_CHUNK_SIZE
+from ..format.segment import segment_extension
 from ..fsutil import read_text_file
 from ..load import SavePipeline
 from .engine_io import paged_connector
@@ -69,6 +70,8 @@ class CaptureResult(Result):
     timings: dict[str, float] = field(default_factory=dict)
     # with a store: {"store": url, "chunks": whole chunks, "stored": written, "present": already there}
     store: dict[str, Any] | None = None
+    # with segment: the file's `segment` key (format-spec/segment.md), {"version": 1, "stored_start": 0}
+    segment: dict[str, int] | None = None
 
 
 def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path | None = None,
@@ -107,13 +110,19 @@ def capture_prompt(output: str | Path | None, *, prompt: str | None = None, prom
                    bins: str | None = None, kv_dtype: str = "bf16", chunk_size: int = 256,
                    block_size: int = 16, hidden_states: bool = False, roi: str | None = None,
                    device: str = "auto", model_dtype: str = "fp32", chat: bool = False,
-                   store: str | None = None,
+                   store: str | None = None, segment: bool = False,
                    on_chunk: Callable[[int, int, int], None] | None = None) -> CaptureResult:
     """`kvtool capture` as a function: options as the command line gives them, every one
     checked before the model loads; `on_chunk(index, tokens_done, tokens_total)` reports progress.
-    `store` (a URL) also puts the whole chunks into the chunk store; without `output`, only there."""
+    `store` (a URL) also puts the whole chunks into the chunk store; without `output`, only there.
+    `segment` marks the file a position-independent segment (format-spec/segment.md)."""
     if output is None and store is None:
         raise UsageError("give -o OUT, --store URL, or both")
+    if segment and chat:
+        raise UsageError("--segment is text to place inside other prompts: --chat would wrap it in a chat template")
+    if segment and hidden_states:
+        raise UsageError("--segment and --hidden-states: a segment's hidden states are not those of a prompt it is "
+                         "placed in")
     kv = dtype_from_name(kv_dtype_name(kv_dtype))
     if not 1 <= chunk_size <= MAX_CHUNK_SIZE or not 1 <= block_size <= MAX_CHUNK_SIZE:
         raise UsageError(f"--chunk-size and --block-size must be in 1..{MAX_CHUNK_SIZE}")
@@ -130,6 +139,7 @@ def capture_prompt(output: str | Path | None, *, prompt: str | None = None, prom
     progress = None if on_chunk is None else (lambda index, end: on_chunk(index, end, len(ids)))
     return capture(loaded, ids, output, chunk_size=chunk_size, codec=codec, params=params, kv_dtype=kv,
                    block_size=block_size, hidden_states=hidden_states, roi=ranges, on_chunk=progress, store=store,
+                   segment=segment,
                    metadata={"prompt_format": "chat template, user message" if chat else "plain text"}
                    if tokens_file is None else None)
 
@@ -139,7 +149,8 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path | None,
             kv_dtype: torch.dtype = torch.bfloat16, block_size: int = 16, shuffle_seed: int | None = 0,
             hidden_states: bool = False, roi: list[tuple[int, int]] | None = None,
             on_chunk: Callable[[int, int], None] | None = None,
-            metadata: dict[str, str] | None = None, store: str | None = None) -> CaptureResult:
+            metadata: dict[str, str] | None = None, store: str | None = None,
+            segment: bool = False) -> CaptureResult:
     """Prefill `token_ids` chunk by chunk and write each chunk's KV as soon as it exists.
 
     The paged buffers live where the model does (`model.device`). On a GPU the
@@ -153,7 +164,11 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path | None,
     `roi` marks token ranges [start, end) in a `roi_mask`.
 
     `store` (a URL, format-spec/store.md) also puts the whole chunks into the chunk store, as
-    encoded; with `output` None the container is built in memory for that alone."""
+    encoded; with `output` None the container is built in memory for that alone.
+
+    `segment` writes the manifest key `segment` (format-spec/segment.md): the tokens were computed
+    alone from position 0 (stored_start 0), so the KV may be placed elsewhere in a new prompt
+    (`kvtool.ops.blend`). Store objects do not carry it: a segment is found there by its tokens."""
     if output is None and store is None:
         raise UsageError("give an output path, a store, or both")
     n = len(token_ids)
@@ -171,9 +186,10 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path | None,
     metadata = {"engine": "kvtool paged runner", "block_size": str(block_size), "device": describe(device),
                 "model_dtype": str(model.dtype).removeprefix("torch."), **(metadata or {})}
     hidden: list[torch.Tensor] = []
+    extensions = segment_extension(0) if segment else None
     # chunk i is encoded, checksummed and written on a background thread while chunk i+1 is prefilled
     with ContainerWriter(output, model.identity, token_ids, kv_dtype=kv_dtype, chunk_size=chunk_size,
-                         metadata=metadata) as writer, SavePipeline(max_pending=2) as saving:
+                         metadata=metadata, extensions=extensions) as writer, SavePipeline(max_pending=2) as saving:
         for index, (start, end) in enumerate(writer.chunk_ranges()):
             t0 = time.perf_counter()
             h = runner.prefill(seq, token_ids[start:end], start_pos=start, prefill_chunk=chunk_size,
@@ -221,7 +237,8 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path | None,
         model_dtype=str(model.dtype).removeprefix("torch."), block_size=block_size, extras=sorted(writer.extras),
         file_bytes=file_bytes, decoded_bytes=decoded, stored_bytes=stored,
         seconds=time.perf_counter() - started, prefill_tokens_per_s=n / max(timings.prefill_s, 1e-9),
-        timings={**asdict(timings), "overhead_share": timings.overhead_share}, store=stored_in)
+        timings={**asdict(timings), "overhead_share": timings.overhead_share}, store=stored_in,
+        segment=extensions["segment"] if extensions else None)
 
 
 def roi_mask(num_tokens: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
