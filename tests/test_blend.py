@@ -7,7 +7,9 @@ prefill, ratio 0 is naive reuse built here without the blend code, a first segme
 position 0 is plain prefix reuse bit for bit, selective recompute at 15% is closer to the
 full prefill than naive reuse, and foreign segments are refused by name.
 
-Segments as files (format-spec/segment.md): the `segment` key written and checked.
+Segments as files (format-spec/segment.md): the `segment` key written and checked, a file turned
+into an engine Segment (keys stored at other positions moved from there), the delimiter
+retriever over files and the chunk store, and `kvtool.ops.blend.blend_replay`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ from kvtool.errors import (
 from kvtool.format import ContainerReader, ContainerWriter
 from kvtool.format.segment import SegmentInfo, segment_extension
 from kvtool.identity import ModelIdentity
+from kvtool.ops.blend import blend_replay, retrieve, segment_from_file, split_prompt
+from kvtool.ops.capture import capture
+from kvtool.store import open_store
 
 from fixtures import make_identity, rebuild, write_kv_file
 
@@ -508,3 +513,132 @@ def test_a_bad_segment_key_is_refused_by_name_when_the_file_is_used_as_a_segment
     assert str(bad) in str(info.value)
     with pytest.raises(ManifestInvalid):
         segment_extension(-3)
+
+
+def test_split_prompt_at_the_delimiter():
+    assert split_prompt("A # # B # # Q") == (["A", "B"], "Q")
+    assert split_prompt(" # # A # #  # # B # # ") == (["A", "B"], "")
+    assert split_prompt("A||Q", "||") == (["A"], "Q")
+    with pytest.raises(UsageError, match="no delimiter"):
+        split_prompt("just a question")
+    with pytest.raises(UsageError, match="empty"):
+        split_prompt("A # # Q", "")
+
+
+@pytest.fixture(scope="module")
+def segment_files(default_model, captured, tmp_path_factory):
+    """DOCS[0..2] captured by `capture(segment=True)` into fp32 files, 16-token chunks."""
+    folder = tmp_path_factory.mktemp("segments")
+    paths = []
+    for i, (tokens, _) in enumerate(captured[0]):
+        path = folder / f"doc{i}.kvc"
+        result = capture(default_model, tokens, path, chunk_size=16, kv_dtype=torch.float32, segment=True)
+        assert result.segment == {"version": 1, "stored_start": 0}
+        paths.append(path)
+    return paths
+
+
+@pytest.mark.model
+def test_a_segment_file_is_the_segment_captured_alone(default_model, rag, segment_files):
+    segments = rag[0]
+    for path, want in zip(segment_files, segments):
+        got = segment_from_file(path, default_model)
+        assert got.tokens == want.tokens and got.stored_start == 0
+        assert got.identity == default_model.identity
+        assert got.kv.dtype == torch.float32  # capture prefills 16-token chunks: float rounding differs
+        torch.testing.assert_close(got.kv, want.kv, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.model
+def test_a_segment_file_stored_at_other_positions_blends_as_the_one_stored_at_zero(default_model, rag, tmp_path):
+    """The writer records stored_start, the reader gives it to the engine, which moves the keys from there."""
+    segments, question = rag[0], rag[1]
+    cfg, b = default_model.config, segments[1]
+    t = len(b.tokens)
+    pos = torch.arange(t)
+    k = b.kv[0].transpose(0, 1).reshape(t, -1, cfg.head_dim)
+    k700 = rerotate_keys(k, rope_inv_freq(cfg), pos, pos + 700).view(t, cfg.num_layers, -1).transpose(0, 1)
+    path = tmp_path / "b700.kvc"
+    with ContainerWriter(path, default_model.identity, b.tokens, kv_dtype=torch.float32, chunk_size=16,
+                         extensions=segment_extension(700)) as w:
+        kv = torch.stack([k700, b.kv[1]])
+        for s, e in w.chunk_ranges():
+            w.write_chunk(kv[:, :, s:e])
+    moved = segment_from_file(path, default_model)
+    assert moved.stored_start == 700
+    _, _, want = _blend(default_model, segments, question, 0.15)
+    _, _, got = _blend(default_model, [segments[0], moved, segments[2]], question, 0.15)
+    assert torch.equal(got.recomputed, want.recomputed)
+    torch.testing.assert_close(got.logits, want.logits, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.model
+def test_a_foreign_segment_file_is_refused_rope_first(default_model, segment_files, tmp_path):
+    model_doc = {**default_model.identity.to_dict(), "rope": {"rope_theta": 10000.0, "rope_scaling": None}}
+    with ContainerReader(segment_files[0]) as r:
+        kv, tokens = r.read_range(0, r.num_tokens), r.token_ids().tolist()
+    other_rope = tmp_path / "rope.kvc"
+    with ContainerWriter(other_rope, ModelIdentity.from_dict(model_doc), tokens, kv_dtype=torch.float32,
+                         extensions=segment_extension(0)) as w:
+        w.write_chunk(kv)
+    with pytest.raises(RopeMismatch, match=f"{other_rope}.*RoPE"):
+        segment_from_file(other_rope, default_model)
+    other_model = tmp_path / "layers.kvc"
+    tiny = ModelIdentity.from_dict({**make_identity().to_dict(), "rope": default_model.identity.rope})
+    with ContainerWriter(other_model, tiny, tokens[:3], extensions=segment_extension(0)) as w:
+        w.write_chunk(torch.zeros(2, 2, 3, 16, dtype=torch.bfloat16))
+    with pytest.raises(ModelMismatch, match="not by the loaded model"):
+        segment_from_file(other_model, default_model)
+
+
+@pytest.mark.model
+def test_the_retriever_finds_segments_in_files_and_the_store(default_model, captured, segment_files, tmp_path):
+    tok = default_model.tokenizer
+    pieces = DOCS[:3]
+    parts = retrieve(default_model, pieces, [str(segment_files[2]), str(segment_files[0])])
+    assert [p.report.source for p in parts] == [str(segment_files[0]), "text", str(segment_files[2])]
+    assert [p.segment.tokens for p in parts] == [tok.encode(d) for d in pieces]  # each piece tokenized alone
+    assert parts[1].segment.kv is None and parts[0].report.marked_segment
+    with pytest.raises(UsageError, match="not those of any segment"):
+        retrieve(default_model, pieces[:1], [str(segment_files[1])])
+
+    store = tmp_path / "store"
+    capture(default_model, tok.encode(DOCS[1]), None, chunk_size=16, kv_dtype=torch.float32, store=str(store),
+            segment=True)
+    parts = retrieve(default_model, pieces, [], str(store))
+    n1 = len(tok.encode(DOCS[1]))
+    whole = n1 // 16 * 16
+    with open_store(str(store)) as chunk_store:
+        url = chunk_store.url
+    assert [(p.report.source, p.report.tokens, p.report.cached_tokens) for p in parts] == [
+        ("text", len(tok.encode(DOCS[0])), 0), (url, whole, whole),
+        ("text (the segment's tail)", n1 - whole, 0), ("text", len(tok.encode(DOCS[2])), 0)]
+    torch.testing.assert_close(parts[1].segment.kv, segment_from_file(segment_files[1]).kv[:, :, :whole])
+
+
+@pytest.mark.model
+def test_blend_replay_of_files_measures_against_the_full_prefill_and_naive_reuse(default_model, segment_files,
+                                                                                 rag, tmp_path):
+    question_file = tmp_path / "q.txt"
+    question_file.write_text(QUESTION)
+    files = [str(p) for p in segment_files]
+    full = blend_replay(files, default_model, prompt_file=question_file, recompute_ratio=1.0, continue_tokens=6,
+                        compare=True)
+    assert full.ok and full.num_tokens == len(rag[2]) and full.continuation_tokens == rag[3][:6]
+    assert full.blend["top1_agreement"] == 1.0 and full.blend["kl_mean"] < 1e-6
+    assert full.naive["kl_mean"] > 1e-3 and full.recompute_fraction == 1.0
+    assert [s.source for s in full.segments] == files and full.prefix_tokens == len(rag[0][0].tokens)
+    naive = blend_replay(files, default_model, prompt=QUESTION, recompute_ratio=0.0, continue_tokens=6,
+                         compare=True)
+    assert naive.blend["kl_mean"] == pytest.approx(naive.naive["kl_mean"], abs=1e-6)
+    assert naive.recomputed_cached == 0 and naive.computed_tokens == len(rag[1])
+    # the same prompt, delimited: the same tokens and the same blend
+    delimited = " # # ".join(DOCS[:3]) + " # # " + QUESTION
+    split = blend_replay(files, default_model, prompt=delimited, delimiter=" # # ", continue_tokens=6)
+    plain = blend_replay(files, default_model, prompt=QUESTION, continue_tokens=6)
+    assert split.continuation_tokens == plain.continuation_tokens and split.num_tokens == plain.num_tokens
+    assert split.recomputed_cached == plain.recomputed_cached == round(0.15 * sum(len(s.tokens) for s in rag[0][1:]))
+    with pytest.raises(UsageError, match="check-layer"):
+        blend_replay(files, default_model, prompt=QUESTION, check_layer=30)
+    with pytest.raises(UsageError, match="recompute-ratio"):
+        blend_replay(files, default_model, prompt=QUESTION, recompute_ratio=2.0)

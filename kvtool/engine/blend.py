@@ -132,13 +132,13 @@ def capture_segment(model: LoadedModel, tokens, kv_dtype: torch.dtype = torch.fl
     return Segment(tokens, kv.flatten(3), 0, model.identity)  # [2, L, T, C]
 
 
-def check_segment(segment: Segment, model: LoadedModel, index: int) -> None:
-    """Refuse a segment whose KV cannot be blended into this model's prompt."""
-    cfg, name = model.config, f"segment {index}"
+def check_segment(segment: Segment, model: LoadedModel, index: int, name: str | None = None) -> None:
+    """Refuse a segment whose KV cannot be blended into this model's prompt: its identity (RoPE
+    first, then the model, then the weights) and, when it holds KV, the KV's shape. `name` says
+    which segment in messages (default "segment {index}")."""
+    cfg, name = model.config, name or f"segment {index}"
     if not segment.tokens:
         raise PromptError(f"{name} has no tokens")
-    if segment.kv is None:
-        return
     if segment.identity is not None:
         mine = model.identity
         if segment.identity.rope != mine.rope:
@@ -150,6 +150,8 @@ def check_segment(segment: Segment, model: LoadedModel, index: int) -> None:
         theirs, ours = segment.identity.weights_digest, mine.weights_digest
         if theirs is not None and ours is not None and theirs != ours:
             raise ModelMismatch(f"{name} was cached with other weights than the loaded model's")
+    if segment.kv is None:
+        return
     shape = tuple(segment.kv.shape)
     channels = cfg.num_kv_heads * cfg.head_dim
     if len(shape) != 4 or shape[0] != 2 or (shape[1], shape[3]) != (cfg.num_layers, channels):

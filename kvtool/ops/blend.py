@@ -1,0 +1,365 @@
+"""Blending cached segments (CacheBlend): `kvtool replay --blend`.
+
+A prompt made of separately cached text segments and a final question: each segment's KV comes
+from a segment file (format-spec/segment.md) or the chunk store, goes into a fresh paged cache at
+its new positions (keys re-encoded), and `kvtool.engine.blend.blend_prefill` recomputes the
+`recompute_ratio` share of cached tokens whose KV deviates most, plus the question. `compare`
+measures the result against a full prefill of the same tokens and against naive reuse (ratio 0).
+
+The retriever follows LMCache's special-token retriever, on text: the prompt is split at a
+delimiter string (" # # " by default), every piece but the last is a segment, the last is the
+question. Each piece is tokenized alone, as it was when it was captured alone (segment.md §5);
+the model's input is the pieces' tokens one after another, without the delimiter. A piece's KV
+is the given file holding exactly its tokens, else the chunk store's longest run of whole chunks
+of its tokens from token 0 (a segment captured alone into the store), the rest of the piece
+(the tail after the last whole chunk) computed; a piece found nowhere is uncached text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..devices import describe, resolve_device, synchronize
+from ..dtypes import dtype_from_name
+from ..engine import LoadedModel, Runner, load_model
+from ..engine.blend import (DEFAULT_CHECK_LAYER, DEFAULT_RECOMPUTE_RATIO, BlendResult, Segment, blend_prefill,
+                            check_segment)
+from ..errors import ModelMismatch, PromptError, ToleranceExceeded, UsageError
+from ..format import ContainerReader
+from ..format.reader import BytesSource
+from ..fsutil import read_text_file
+from ..identity import ModelIdentity
+from .compare import compare_logits
+from .engine_io import new_cache
+from .inputs import check_text, check_vocabulary, fraction, model_dtype_name, non_negative
+from .result import Result
+
+DEFAULT_DELIMITER = " # # "  # LMCache's blend_special_str
+
+
+@dataclass
+class SegmentReport:
+    """Where one part of the blended prompt came from."""
+
+    source: str  # a file's path, the store's URL, or "text" (uncached)
+    tokens: int
+    cached_tokens: int  # tokens whose KV was reused (the rest is computed in every layer)
+    stored_start: int | None = None  # positions the cached keys were rotated at (segment.md)
+    marked_segment: bool = False  # the file carries the `segment` key
+
+
+@dataclass
+class BlendReplayResult(Result):
+    """What `blend_replay` did; with `compare`, its agreement with a full prefill and with naive
+    reuse (ratio 0) along the full prefill's greedy continuation, and the three TTFTs."""
+
+    model: str
+    device: str
+    model_dtype: str
+    kv_dtype: str
+    num_tokens: int
+    question_tokens: int
+    cached_tokens: int
+    segments: list[SegmentReport]
+    recompute_ratio: float
+    check_layer: int
+    prefix_tokens: int  # a first segment cached from 0 is an exact prefix: never recomputed
+    recomputed_cached: int  # cached tokens recomputed from the check layer on
+    recompute_fraction: float  # of the cached tokens after the prefix
+    computed_tokens: int  # run from the check layer on: recomputed_cached + uncached tokens
+    load_s: float  # reading and decoding the segments' KV (files, store)
+    ttft_blend_s: float  # load + placing + the blended prefill, to the first token's logits
+    continue_tokens: int
+    continuation_tokens: list[int]  # with compare: the full prefill's greedy continuation (the reference)
+    continuation: str
+    ttft_full_s: float | None = None
+    ttft_naive_s: float | None = None  # load + placing + the prefill at ratio 0
+    speedup: float | None = None  # ttft_full_s / ttft_blend_s
+    blend: dict[str, Any] | None = None  # compare_logits of the blend vs the full prefill
+    naive: dict[str, Any] | None = None  # the same for naive reuse
+    blend_continuation_tokens: list[int] | None = None  # the blend's own greedy continuation
+    blend_continuation: str | None = None
+    agreed_continuation: str | None = None
+    thresholds: dict[str, float | None] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+# --- segments from files and the store ------------------------------------------------------
+
+
+def segment_from_reader(reader: ContainerReader, model: LoadedModel | None = None,
+                        allow_other_weights: bool = False) -> Segment:
+    """An engine Segment (tokens, KV [2, L, T, C] in the file's dtype, stored_start, identity) of an
+    open container. A file without the `segment` key is the KV of its tokens from position 0, which
+    is a segment at 0 when it was computed alone (every `kvtool capture` is). With `model`, the file
+    is checked against it first (segment.md §4: RoPE, then the model, then the weights)."""
+    info = reader.segment
+    identity = ModelIdentity.from_dict({k: v for k, v in reader.model.items() if k != "fingerprint"})
+    if allow_other_weights:
+        identity = replace(identity, weights_digest=None)
+    tokens = reader.token_ids().tolist()
+    segment = Segment(tokens, None, info.stored_start if info is not None else 0, identity)
+    if model is not None:
+        check_segment(segment, model, 0, name=str(reader.path))
+        if identity.fingerprint() != reader.fingerprint:
+            raise ModelMismatch(f"{reader.path}: its recorded model fingerprint does not match the model it "
+                                f"describes (forged or damaged)")
+        check_vocabulary(tokens, model.config.vocab_size, where=f"{reader.path}: ")
+    segment.kv = reader.read_range(0, reader.num_tokens)  # [2, L, T, C]
+    return segment
+
+
+def segment_from_file(path: str | Path, model: LoadedModel | None = None,
+                      allow_other_weights: bool = False) -> Segment:
+    """`segment_from_reader` of the file at `path`."""
+    with ContainerReader(path) as reader:
+        return segment_from_reader(reader, model, allow_other_weights)
+
+
+def split_prompt(text: str, delimiter: str = DEFAULT_DELIMITER) -> tuple[list[str], str]:
+    """(segment texts, question): the pieces of `text` between delimiters; the last is the question.
+    Empty pieces (delimiters side by side, or at the start) are dropped."""
+    if not delimiter:
+        raise UsageError("the blend delimiter is empty")
+    pieces = text.split(delimiter)
+    if len(pieces) < 2:
+        raise UsageError(f"the prompt holds no delimiter {delimiter!r}: nothing to blend")
+    return [p for p in pieces[:-1] if p], pieces[-1]
+
+
+@dataclass
+class _Part:
+    segment: Segment
+    report: SegmentReport
+
+
+def _from_store(chunk_store, model: LoadedModel, tokens: list[int], chunk_size: int | None,
+                allow_other_weights: bool) -> list[_Part]:
+    """The store's longest cached run of whole chunks of `tokens` from token 0 and the uncached tail."""
+    from ..store.containers import prefix_container
+
+    n, _codecs, writer = prefix_container(chunk_store, model.identity, tokens, chunk_size, None)
+    if writer is None:
+        return [_Part(Segment(tokens), SegmentReport("text", len(tokens), 0))]
+    with ContainerReader(BytesSource(writer.getvalue(), chunk_store.url)) as reader:
+        cached = segment_from_reader(reader, model, allow_other_weights)
+    parts = [_Part(cached, SegmentReport(chunk_store.url, n, n, 0))]
+    if n < len(tokens):
+        parts.append(_Part(Segment(tokens[n:]), SegmentReport("text (the segment's tail)", len(tokens) - n, 0)))
+    return parts
+
+
+def retrieve(model: LoadedModel, pieces: list[str], files: list[str], store: str | None = None,
+             chunk_size: int | None = None, allow_other_weights: bool = False) -> list[_Part]:
+    """Each piece tokenized alone and its KV found: the given file holding exactly its tokens, else
+    the store's whole chunks from its first token (the tail computed), else none (uncached text).
+    Every file must match a piece."""
+    readers = [ContainerReader(f) for f in files]
+    try:
+        file_tokens = [r.token_ids().tolist() for r in readers]
+        used = [False] * len(readers)
+        parts: list[_Part] = []
+        chunk_store = None
+        if store is not None:
+            from ..store import open_store
+
+            chunk_store = open_store(store, create=False)
+        try:
+            for piece in pieces:
+                tokens = model.tokenizer.encode(piece)
+                if not tokens:
+                    continue
+                match = next((i for i, t in enumerate(file_tokens) if t == tokens), None)
+                if match is not None:
+                    used[match] = True
+                    reader = readers[match]
+                    seg = segment_from_reader(reader, model, allow_other_weights)
+                    parts.append(_Part(seg, SegmentReport(str(reader.path), len(tokens), len(tokens),
+                                                          seg.stored_start, reader.segment is not None)))
+                elif chunk_store is not None:
+                    parts.extend(_from_store(chunk_store, model, tokens, chunk_size, allow_other_weights))
+                else:
+                    parts.append(_Part(Segment(tokens), SegmentReport("text", len(tokens), 0)))
+        finally:
+            if chunk_store is not None:
+                chunk_store.close()
+        unused = [str(r.path) for r, u in zip(readers, used) if not u]
+        if unused:
+            raise UsageError(f"--blend {unused[0]}: its tokens are not those of any segment of the prompt "
+                             f"(each piece between delimiters is tokenized alone)")
+        return parts
+    finally:
+        for r in readers:
+            r.close()
+
+
+def _file_parts(model: LoadedModel, files: list[str], allow_other_weights: bool) -> list[_Part]:
+    parts = []
+    for f in files:
+        with ContainerReader(f) as reader:
+            seg = segment_from_reader(reader, model, allow_other_weights)
+            parts.append(_Part(seg, SegmentReport(str(reader.path), len(seg.tokens), len(seg.tokens),
+                                                  seg.stored_start, reader.segment is not None)))
+    return parts
+
+
+# --- the blended replay ---------------------------------------------------------------------
+
+
+def blend_replay(files: list[str] | None = None, model: str | Path | LoadedModel | None = None, *,
+                 prompt: str | None = None, prompt_file: Path | None = None, delimiter: str | None = None,
+                 store: str | None = None, chunk_size: int | None = None,
+                 recompute_ratio: float | None = None, check_layer: int | None = None,
+                 continue_tokens: int = 32, compare: bool = False, min_top1: float | None = None,
+                 max_kl: float | None = None, device: str = "auto", model_dtype: str = "fp32",
+                 allow_other_weights: bool = False, block_size: int = 16,
+                 on_stage: Callable[[str], None] | None = None) -> BlendReplayResult:
+    """`kvtool replay --blend` as a function.
+
+    Without `delimiter`: the prompt is the `files`' segments, in order, then the question
+    (`prompt` / `prompt_file`, tokenized alone). With `delimiter`: the prompt text is split there
+    (`split_prompt`) and each piece's KV found in `files` or the `store` (`retrieve`). Then the
+    blended prefill, a greedy continuation of `continue_tokens`, and with `compare` the full
+    prefill and naive reuse along the full prefill's greedy continuation. `min_top1` / `max_kl`
+    (each implies `compare`) hold the blend to a threshold (ToleranceExceeded, with the result)."""
+    stage = on_stage or (lambda _text: None)
+    files = list(files or [])
+    ratio = DEFAULT_RECOMPUTE_RATIO if recompute_ratio is None else recompute_ratio
+    fraction("--recompute-ratio", ratio)
+    fraction("--min-top1", min_top1)
+    non_negative("--max-kl", max_kl)
+    if continue_tokens < 1:
+        raise UsageError("--continue must be at least 1")
+    if (prompt is None) == (prompt_file is None):
+        raise UsageError("--blend needs the question or the delimited prompt: --prompt or --prompt-file (one)")
+    if delimiter is None and not files:
+        raise UsageError("give segment files (--blend FILE) or a delimited prompt (--blend-delimiter)")
+    if delimiter is None and store is not None:
+        raise UsageError("--store with --blend: segments are found in the store by splitting the prompt: "
+                         "give --blend-delimiter")
+    if chunk_size is not None and store is None:
+        raise UsageError("--chunk-size applies to --store")
+    compare = compare or min_top1 is not None or max_kl is not None
+    text = check_text(read_text_file(prompt_file) if prompt_file is not None else prompt, "--prompt")
+    if delimiter is not None:
+        pieces, question_text = split_prompt(text, check_text(delimiter, "--blend-delimiter"))
+    else:
+        pieces, question_text = [], text
+    if store is not None:  # an unreachable store fails before the model loads
+        from ..store import open_store
+
+        open_store(store, create=False).close()
+    stage("loading the model")
+    weights = dtype_from_name(model_dtype_name(model_dtype))
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=resolve_device(device))
+    cfg = loaded.config
+    layer = DEFAULT_CHECK_LAYER if check_layer is None else check_layer
+    if not 0 <= layer < cfg.num_layers:
+        raise UsageError(f"--check-layer {layer}: the model's layers are 0..{cfg.num_layers - 1}")
+    question = loaded.tokenizer.encode(question_text)
+    check_vocabulary(question, cfg.vocab_size)
+
+    _warm_up(loaded)
+    stage("reading the segments' KV")
+    synchronize(loaded.device)
+    t0 = time.perf_counter()
+    parts = retrieve(loaded, pieces, files, store, chunk_size, allow_other_weights) if delimiter is not None \
+        else _file_parts(loaded, files, allow_other_weights)
+    load_s = time.perf_counter() - t0
+    if not parts:
+        raise PromptError("the prompt holds no segment text")
+    segments = [p.segment for p in parts]
+    tokens = [t for s in segments for t in s.tokens] + question
+    n = len(tokens)
+    if n + continue_tokens > loaded.max_position_embeddings:
+        raise PromptError(f"{n} tokens plus {continue_tokens} to generate exceed the model's context of "
+                          f"{loaded.max_position_embeddings}")
+    kv_dtype = next((s.kv.dtype for s in segments if s.kv is not None), torch.bfloat16)
+
+    stage(f"blending {n} tokens")
+    result, runner, seq, blend_s = _run_blend(loaded, segments, question, n + continue_tokens, kv_dtype,
+                                              block_size, ratio, layer, seed=1)
+    ttft = load_s + blend_s
+    first = result.logits[None]  # [1, V]
+    measured: dict[str, Any] = {}
+    if not compare:
+        generated = [int(first[0].argmax())]
+        while len(generated) < continue_tokens:
+            generated.append(int(runner.decode_step(seq, generated[-1]).argmax()))
+    else:
+        from .replay import free_run_after, recompute
+
+        stage(f"recomputing {n} tokens and {continue_tokens} more (the reference)")
+        ref_logits, generated, ttft_full = recompute(loaded, tokens, continue_tokens, kv_dtype, block_size,
+                                                     prefill_chunk=max(n, 1))
+        blend_logits = _teacher_forced(runner, seq, n, first, generated)
+        blend_cmp = compare_logits(ref_logits, blend_logits, generated)
+        stage("naive reuse (recompute ratio 0)")
+        naive, nrunner, nseq, naive_s = _run_blend(loaded, segments, question, n + continue_tokens, kv_dtype,
+                                                   block_size, 0.0, layer, seed=2)
+        naive_cmp = compare_logits(ref_logits, _teacher_forced(nrunner, nseq, n, naive.logits[None], generated),
+                                   generated)
+        same = blend_cmp["greedy_identical_tokens"]
+        own = free_run_after(runner, seq, n, generated, blend_logits, same)
+        measured = {"ttft_full_s": ttft_full, "ttft_naive_s": load_s + naive_s,
+                    "speedup": ttft_full / max(ttft, 1e-9), "blend": blend_cmp, "naive": naive_cmp,
+                    "blend_continuation_tokens": own, "blend_continuation": loaded.tokenizer.decode(own),
+                    "agreed_continuation": loaded.tokenizer.decode(generated[:same])}
+    out = BlendReplayResult(
+        model=loaded.name, device=describe(loaded.device), model_dtype=str(loaded.dtype).removeprefix("torch."),
+        kv_dtype=str(kv_dtype).removeprefix("torch."), num_tokens=n, question_tokens=len(question),
+        cached_tokens=int(result.cached.sum()), segments=[p.report for p in parts], recompute_ratio=ratio,
+        check_layer=layer, prefix_tokens=result.prefix, recomputed_cached=result.recomputed_cached,
+        recompute_fraction=result.recompute_fraction, computed_tokens=int(result.recomputed.numel()),
+        load_s=load_s, ttft_blend_s=ttft, continue_tokens=continue_tokens, continuation_tokens=generated,
+        continuation=loaded.tokenizer.decode(generated), **measured)
+    return _check_thresholds(out, min_top1, max_kl)
+
+
+def _run_blend(model: LoadedModel, segments: list[Segment], question: list[int], total: int,
+               kv_dtype: torch.dtype, block_size: int, ratio: float, check_layer: int,
+               seed: int) -> tuple[BlendResult, Runner, Any, float]:
+    """A fresh shuffled paged cache of `total` slots and the blended prefill into it, timed."""
+    cache, seq = new_cache(model, total, kv_dtype, block_size, seed)  # slots reserved, no tokens yet
+    runner = Runner(model, cache)
+    synchronize(model.device)
+    t0 = time.perf_counter()
+    result = blend_prefill(runner, seq, segments, question, recompute_ratio=ratio, check_layer=check_layer)
+    synchronize(model.device)
+    return result, runner, seq, time.perf_counter() - t0
+
+
+def _warm_up(model: LoadedModel) -> None:
+    """Pay the one-time costs of the first forward pass (thread pools, kernel choice, lazy modules)
+    before anything is timed: the blend, timed first, would otherwise carry them."""
+    cache, seq = new_cache(model, 4, torch.bfloat16, 16, seed=0)
+    Runner(model, cache).prefill(seq, [0, 0, 0, 0], logits="last")
+    synchronize(model.device)
+
+
+def _teacher_forced(runner: Runner, seq, n: int, first: torch.Tensor, forced: list[int]) -> torch.Tensor:
+    """Logits [N, V]: the prompt's last position, then each forced token but the last fed."""
+    rest = runner.prefill(seq, forced[:-1], start_pos=n, logits="all") if len(forced) > 1 else first[:0]
+    return torch.cat([first, rest])
+
+
+def _check_thresholds(result: BlendReplayResult, min_top1: float | None,
+                      max_kl: float | None) -> BlendReplayResult:
+    result.thresholds = {"min_top1": min_top1, "max_kl": max_kl}
+    if min_top1 is not None and not result.blend["top1_agreement"] >= min_top1:
+        result.failures.append(f"top-1 agreement {result.blend['top1_agreement']:.3f} < {min_top1}")
+    if max_kl is not None and not result.blend["kl_mean"] <= max_kl:
+        result.failures.append(f"mean KL {result.blend['kl_mean']:.3g} > {max_kl}")
+    if result.failures:
+        raise ToleranceExceeded(f"blend below threshold: {'; '.join(result.failures)}", report=result)
+    return result
