@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from ..errors import UsageError
 from .options import DeviceOpt, JsonOpt, ModelDtypeOpt, ModelOpt, OptionalStoreOpt, OtherWeightsOpt
 from .output import emit, renders, stages
 
@@ -33,6 +34,18 @@ PathArg = Annotated[Optional[str], typer.Argument(
     metavar="[FILE]", help="A kvtool file (.kvc); or --store URL with --prompt/--prompt-file.", show_default=False)]
 ChunkSizeOpt = Annotated[Optional[int], typer.Option(
     "--chunk-size", metavar="N", help="With --store: the stored chunks' size (default: the one that covers the most).")]
+BlendOpt = Annotated[Optional[list[str]], typer.Option(
+    "--blend", metavar="SEG.kvc", help=(
+        "Blend cached segments (CacheBlend; repeat for each, in prompt order): their KV is moved to its place "
+        "before the question (--prompt/--prompt-file) and a share of tokens recomputed."), show_default=False)]
+BlendDelimiterOpt = Annotated[Optional[str], typer.Option(
+    "--blend-delimiter", metavar="TEXT", help=(
+        "Blend a delimited prompt: split it at TEXT (LMCache's is ' # # '); each piece but the last is a segment, "
+        "found in the --blend files or the --store, else computed; the last piece is the question."))]
+RecomputeRatioOpt = Annotated[Optional[float], typer.Option(
+    "--recompute-ratio", metavar="X", help="With --blend: the share of cached tokens recomputed (default 0.15).")]
+CheckLayerOpt = Annotated[Optional[int], typer.Option(
+    "--check-layer", metavar="N", help="With --blend: the layer where tokens to recompute are chosen (default 1).")]
 
 
 def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: ChunkSizeOpt = None,
@@ -41,8 +54,28 @@ def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: Ch
             prompt_file: PromptFileOpt = None, compare: CompareOpt = False, min_top1: MinTop1Opt = None,
             max_kl: MaxKlOpt = None, no_hidden_states: NoHiddenOpt = False, device: DeviceOpt = "auto",
             weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False,
-            allow_other_weights: OtherWeightsOpt = False, json: JsonOpt = False) -> None:
+            allow_other_weights: OtherWeightsOpt = False, blend: BlendOpt = None,
+            blend_delimiter: BlendDelimiterOpt = None, recompute_ratio: RecomputeRatioOpt = None,
+            check_layer: CheckLayerOpt = None, json: JsonOpt = False) -> None:
     """Load a KV file into a fresh paged KV buffer, continue from it, and (--compare) check it."""
+    if blend or blend_delimiter is not None:
+        given = [name for name, value in (("FILE", path), ("--suffix", suffix), ("--suffix-file", suffix_file),
+                                          ("--chat", chat or None), ("--no-hidden-states", no_hidden_states or None))
+                 if value is not None]
+        if given:
+            raise UsageError(f"{given[0]} does not apply to --blend / --blend-delimiter")
+        from ..ops.blend import blend_replay
+
+        with stages(enabled=not json) as stage:
+            result = blend_replay(blend, model, prompt=prompt, prompt_file=prompt_file, delimiter=blend_delimiter,
+                                  store=store, chunk_size=chunk_size, recompute_ratio=recompute_ratio,
+                                  check_layer=check_layer, continue_tokens=continue_tokens, compare=compare,
+                                  min_top1=min_top1, max_kl=max_kl, device=device, model_dtype=weights_dtype,
+                                  allow_other_weights=allow_other_weights, on_stage=stage)
+        emit(result, json)
+        return
+    if recompute_ratio is not None or check_layer is not None:
+        raise UsageError("--recompute-ratio and --check-layer apply to --blend / --blend-delimiter")
     from ..ops.replay import replay
 
     with stages(enabled=not json) as stage:
@@ -92,3 +125,37 @@ def render(console: Console, r: dict[str, Any]) -> None:
 def _failures(console: Console, r: dict[str, Any]) -> None:
     for f in r.get("failures", []):
         console.print(f"[red]FAIL[/red] {f}")
+
+
+@renders("BlendReplayResult")
+def render_blend(console: Console, r: dict[str, Any]) -> None:
+    sources = {}
+    for seg in r["segments"]:
+        sources[seg["source"]] = sources.get(seg["source"], 0) + seg["cached_tokens"]
+    found = ", ".join(f"{cached} from {Text.from_markup(src).plain}" for src, cached in sources.items() if cached)
+    console.print(Text(f"blend of {len(r['segments'])} segment{'s' if len(r['segments']) != 1 else ''} and the "
+                       f"question on {Text.from_markup(r['model']).plain} ({r['device']}): {r['num_tokens']} tokens, "
+                       f"{r['cached_tokens']} cached ({found or 'none'})"))
+    console.print(f"recompute ratio {r['recompute_ratio']:g} at check layer {r['check_layer']}: "
+                  f"{r['recomputed_cached']} cached tokens recomputed + {r['computed_tokens'] - r['recomputed_cached']} "
+                  f"uncached computed" + (f"; the first {r['prefix_tokens']} tokens an exact prefix"
+                                          if r["prefix_tokens"] else ""))
+    line = f"time to first token {r['ttft_blend_s'] * 1e3:.0f} ms (load {r['load_s'] * 1e3:.0f} ms)"
+    if r.get("ttft_full_s") is not None:
+        line += (f" vs full prefill {r['ttft_full_s'] * 1e3:.0f} ms: {r['speedup']:.1f}x; naive reuse "
+                 f"{r['ttft_naive_s'] * 1e3:.0f} ms")
+    console.print(line)
+    if r.get("blend") is not None:
+        console.print(f"over {r['continue_tokens']} teacher-forced tokens of the full prefill's answer:")
+        for label, key in (("blend", "blend"), ("naive", "naive")):
+            m = r[key]
+            console.print(f"  {label}: top-1 agreement {100 * m['top1_agreement']:.1f}%, greedy identical for "
+                          f"{m['greedy_identical_tokens']}/{r['continue_tokens']}, KL mean {m['kl_mean']:.3g} "
+                          f"max {m['kl_max']:.3g}, ΔNLL {m['delta_nll']:+.4f}")
+    if r.get("blend_continuation") is None:
+        console.print(Text(f"continuation: {Text.from_markup(r['continuation']).plain!r}"), soft_wrap=True)
+    else:
+        console.print(Text(f"full prefill's continuation: {Text.from_markup(r['continuation']).plain!r}"), soft_wrap=True)
+        console.print(Text(f"the blend's own:             {Text.from_markup(r['blend_continuation']).plain!r}"),
+                      soft_wrap=True)
+    _failures(console, r)
