@@ -597,8 +597,8 @@ def test_the_retriever_finds_segments_in_files_and_the_store(default_model, capt
     pieces = DOCS[:3]
     parts = retrieve(default_model, pieces, [str(segment_files[2]), str(segment_files[0])])
     assert [p.report.source for p in parts] == [str(segment_files[0]), "text", str(segment_files[2])]
-    assert [p.segment.tokens for p in parts] == [tok.encode(d) for d in pieces]  # each piece tokenized alone
-    assert parts[1].segment.kv is None and parts[0].report.marked_segment
+    assert [[t for s in p.segments for t in s.tokens] for p in parts] == [tok.encode(d) for d in pieces]
+    assert parts[1].segments[0].kv is None and parts[0].report.marked_segment
     with pytest.raises(UsageError, match="not those of any segment"):
         retrieve(default_model, pieces[:1], [str(segment_files[1])])
 
@@ -611,9 +611,10 @@ def test_the_retriever_finds_segments_in_files_and_the_store(default_model, capt
     with open_store(str(store)) as chunk_store:
         url = chunk_store.url
     assert [(p.report.source, p.report.tokens, p.report.cached_tokens) for p in parts] == [
-        ("text", len(tok.encode(DOCS[0])), 0), (url, whole, whole),
-        ("text (the segment's tail)", n1 - whole, 0), ("text", len(tok.encode(DOCS[2])), 0)]
-    torch.testing.assert_close(parts[1].segment.kv, segment_from_file(segment_files[1]).kv[:, :, :whole])
+        ("text", len(tok.encode(DOCS[0])), 0), (url, n1, whole), ("text", len(tok.encode(DOCS[2])), 0)]
+    cached, tail = parts[1].segments  # the whole chunks, then the tail (computed)
+    assert len(cached.tokens) == whole and tail.kv is None and len(tail.tokens) == n1 - whole > 0
+    torch.testing.assert_close(cached.kv, segment_from_file(segment_files[1]).kv[:, :, :whole])
 
 
 @pytest.mark.model

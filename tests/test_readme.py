@@ -44,3 +44,18 @@ def test_readme_store_example_runs(tmp_path, default_model):
     assert lines[1] == f"loaded {m.group(1)} tokens as (2, 30, {m.group(1)}, 192)"
     assert lines[2] == "selected: torch.Size([30, 80, 3, 64])"
     assert (tmp_path / "kvstore" / "kvtool-store.json").is_file()
+
+
+@pytest.mark.model
+def test_readme_blend_commands_run(tmp_path, default_model):
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Blending cached segments"):]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    script = re.sub(r"^kvtool ", f"{sys.executable} -m kvtool ", block, flags=re.M)
+    out = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    flat = " ".join(out.stdout.split())
+    assert "a segment (positions from 0, placeable anywhere)" in flat
+    assert "blend of 2 segments and the question" in flat and "naive: top-1 agreement" in flat
+    assert flat.count("recompute ratio 0.15 at check layer 1") == 2
+    assert (tmp_path / "prompt.txt").read_text().count(" # # ") == 2

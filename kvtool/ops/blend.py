@@ -139,31 +139,32 @@ def split_prompt(text: str, delimiter: str = DEFAULT_DELIMITER) -> tuple[list[st
 
 @dataclass
 class _Part:
-    segment: Segment
+    """One piece of the prompt: its engine segments (a cached run, and an uncached tail after it
+    when the store holds only its whole chunks) and where they came from."""
+
+    segments: list[Segment]
     report: SegmentReport
 
 
 def _from_store(chunk_store, model: LoadedModel, tokens: list[int], chunk_size: int | None,
-                allow_other_weights: bool) -> list[_Part]:
-    """The store's longest cached run of whole chunks of `tokens` from token 0 and the uncached tail."""
+                allow_other_weights: bool) -> _Part:
+    """The store's longest cached run of whole chunks of `tokens` from token 0, then the uncached tail."""
     from ..store.containers import prefix_container
 
     n, _codecs, writer = prefix_container(chunk_store, model.identity, tokens, chunk_size, None)
     if writer is None:
-        return [_Part(Segment(tokens), SegmentReport("text", len(tokens), 0))]
+        return _Part([Segment(tokens)], SegmentReport("text", len(tokens), 0))
     with ContainerReader(BytesSource(writer.getvalue(), chunk_store.url)) as reader:
         cached = segment_from_reader(reader, model, allow_other_weights)
-    parts = [_Part(cached, SegmentReport(chunk_store.url, n, n, 0))]
-    if n < len(tokens):
-        parts.append(_Part(Segment(tokens[n:]), SegmentReport("text (the segment's tail)", len(tokens) - n, 0)))
-    return parts
+    tail = [Segment(tokens[n:])] if n < len(tokens) else []
+    return _Part([cached, *tail], SegmentReport(chunk_store.url, len(tokens), n, 0))
 
 
 def retrieve(model: LoadedModel, pieces: list[str], files: list[str], store: str | None = None,
              chunk_size: int | None = None, allow_other_weights: bool = False) -> list[_Part]:
     """Each piece tokenized alone and its KV found: the given file holding exactly its tokens, else
-    the store's whole chunks from its first token (the tail computed), else none (uncached text).
-    Every file must match a piece."""
+    the store's whole chunks from its first token (the tail after them computed), else none
+    (uncached text). Every file must match a piece."""
     readers = [ContainerReader(f) for f in files]
     try:
         file_tokens = [r.token_ids().tolist() for r in readers]
@@ -184,12 +185,12 @@ def retrieve(model: LoadedModel, pieces: list[str], files: list[str], store: str
                     used[match] = True
                     reader = readers[match]
                     seg = segment_from_reader(reader, model, allow_other_weights)
-                    parts.append(_Part(seg, SegmentReport(str(reader.path), len(tokens), len(tokens),
-                                                          seg.stored_start, reader.segment is not None)))
+                    parts.append(_Part([seg], SegmentReport(str(reader.path), len(tokens), len(tokens),
+                                                            seg.stored_start, reader.segment is not None)))
                 elif chunk_store is not None:
-                    parts.extend(_from_store(chunk_store, model, tokens, chunk_size, allow_other_weights))
+                    parts.append(_from_store(chunk_store, model, tokens, chunk_size, allow_other_weights))
                 else:
-                    parts.append(_Part(Segment(tokens), SegmentReport("text", len(tokens), 0)))
+                    parts.append(_Part([Segment(tokens)], SegmentReport("text", len(tokens), 0)))
         finally:
             if chunk_store is not None:
                 chunk_store.close()
@@ -208,8 +209,8 @@ def _file_parts(model: LoadedModel, files: list[str], allow_other_weights: bool)
     for f in files:
         with ContainerReader(f) as reader:
             seg = segment_from_reader(reader, model, allow_other_weights)
-            parts.append(_Part(seg, SegmentReport(str(reader.path), len(seg.tokens), len(seg.tokens),
-                                                  seg.stored_start, reader.segment is not None)))
+            parts.append(_Part([seg], SegmentReport(str(reader.path), len(seg.tokens), len(seg.tokens),
+                                                    seg.stored_start, reader.segment is not None)))
     return parts
 
 
@@ -278,7 +279,7 @@ def blend_replay(files: list[str] | None = None, model: str | Path | LoadedModel
     load_s = time.perf_counter() - t0
     if not parts:
         raise PromptError("the prompt holds no segment text")
-    segments = [p.segment for p in parts]
+    segments = [s for p in parts for s in p.segments]
     tokens = [t for s in segments for t in s.tokens] + question
     n = len(tokens)
     if n + continue_tokens > loaded.max_position_embeddings:
