@@ -548,6 +548,17 @@ def test_a_bad_segment_key_is_refused_by_name_when_the_file_is_used_as_a_segment
         segment_extension(-3)
 
 
+def test_the_store_refuses_a_segment_stored_at_other_positions(tmp_path):
+    from kvtool.store.containers import ingest
+
+    with open_store(str(tmp_path / "store")) as store:
+        with ContainerReader(_segment_file(tmp_path / "at0.kvc", 0)) as r:
+            assert ingest(r, store).stored == 1  # a segment at 0 is a prefix cache of its tokens
+        with ContainerReader(_segment_file(tmp_path / "at5.kvc", 5)) as r:
+            with pytest.raises(UsageError, match="rotated for positions from 5.*not a prefix cache"):
+                ingest(r, store)
+
+
 def test_split_prompt_at_the_delimiter():
     assert split_prompt("A # # B # # Q") == (["A", "B"], "Q")
     assert split_prompt(" # # A # #  # # B # # ") == (["A", "B"], "")

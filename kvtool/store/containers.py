@@ -7,15 +7,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelMismatch
+from ..errors import ModelMismatch, UsageError
 from ..format import ContainerReader, ContainerWriter
 from ..identity import model_fingerprint
 from .chunk_store import ChunkStore, PutResult
 
 
 def ingest(reader: ContainerReader, store: ChunkStore) -> PutResult:
-    """Store a container's whole chunks, each payload checked (CRC-32C) and copied as it is."""
+    """Store a container's whole chunks, each payload checked (CRC-32C) and copied as it is. A
+    segment stored at positions other than 0 (format-spec/segment.md) is refused: its chunks are
+    not the prefix their hashes name."""
     m = reader.manifest
+    segment = reader.segment
+    if segment is not None and segment.stored_start != 0:
+        raise UsageError(f"{reader.path}: a segment whose keys are rotated for positions from {segment.stored_start} "
+                         f"is not a prefix cache of its tokens: not stored (format-spec/segment.md §1)")
     if model_fingerprint(m.model) != m.model["fingerprint"]:
         raise ModelMismatch(f"{reader.path}: its model fingerprint does not match the model it describes "
                             f"(forged or damaged): not stored")
