@@ -173,6 +173,11 @@ class ModelMismatch(KvtoolError):
     """A KV file was made by a different model than the one given."""
 
 
+class NotAPrefixCache(UsageError):
+    """A segment file whose keys are rotated for positions other than 0 (format-spec/segment.md
+    §1) used as a prefix cache (replay FILE, store put): its KV belongs elsewhere; blend it."""
+
+
 class RopeMismatch(ModelMismatch):
     """Cached keys were rotated with other RoPE settings (theta, scaling) than the model's:
     re-encoding them to new positions would give wrong keys, so a blend refuses them."""

@@ -559,6 +559,15 @@ def test_the_store_refuses_a_segment_stored_at_other_positions(tmp_path):
                 ingest(r, store)
 
 
+def test_replay_refuses_a_segment_stored_at_other_positions_as_a_prefix(tmp_path, default_model):
+    from kvtool.errors import NotAPrefixCache
+    from kvtool.ops.replay import check_model
+
+    with ContainerReader(_segment_file(tmp_path / "at5.kvc", 5)) as r:
+        with pytest.raises(NotAPrefixCache, match="rotated for positions from 5.*replay --blend"):
+            check_model(r, default_model)
+
+
 def test_split_prompt_at_the_delimiter():
     assert split_prompt("A # # B # # Q") == (["A", "B"], "Q")
     assert split_prompt(" # # A # #  # # B # # ") == (["A", "B"], "")

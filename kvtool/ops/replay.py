@@ -31,7 +31,7 @@ from ..dtypes import dtype_from_name
 from ..connectors import MemoryObj
 from ..connectors.paged_native import native_copy_checked
 from ..engine import LoadedModel, PagedKVCache, Runner, load_model, logits_from_hidden
-from ..errors import (DataError, ModelMismatch, NonFiniteValues, PromptError, ShapeMismatch, ToleranceExceeded,
+from ..errors import (DataError, ModelMismatch, NonFiniteValues, NotAPrefixCache, PromptError, ShapeMismatch, ToleranceExceeded,
                       UsageError)
 from ..format import ContainerReader
 from ..format.reader import BytesSource
@@ -108,6 +108,10 @@ def check_model(reader: ContainerReader, model: LoadedModel, allow_other_weights
     """The file was made by this model: same fingerprint, the same weights when the file records
     their digest, and (since a fingerprint is only a claim) KV of this model's shape and token ids
     inside its vocabulary. Returns what was found of the weights, for the report."""
+    segment = reader.segment  # segment.md §1: a prefix consumer refuses keys rotated elsewhere
+    if segment is not None and segment.stored_start != 0:
+        raise NotAPrefixCache(f"{reader.path}: a segment whose keys are rotated for positions from "
+                              f"{segment.stored_start}, not a prefix cache: blend it (replay --blend) instead")
     if reader.fingerprint != model.identity.fingerprint():
         raise ModelMismatch(
             f"{reader.path} was made by {reader.model.get('name')!r} ({reader.fingerprint[:19]}...), "

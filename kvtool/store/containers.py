@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelMismatch, UsageError
+from ..errors import ModelMismatch, NotAPrefixCache
 from ..format import ContainerReader, ContainerWriter
 from ..identity import model_fingerprint
 from .chunk_store import ChunkStore, PutResult
@@ -20,7 +20,7 @@ def ingest(reader: ContainerReader, store: ChunkStore) -> PutResult:
     m = reader.manifest
     segment = reader.segment
     if segment is not None and segment.stored_start != 0:
-        raise UsageError(f"{reader.path}: a segment whose keys are rotated for positions from {segment.stored_start} "
+        raise NotAPrefixCache(f"{reader.path}: a segment whose keys are rotated for positions from {segment.stored_start} "
                          f"is not a prefix cache of its tokens: not stored (format-spec/segment.md §1)")
     if model_fingerprint(m.model) != m.model["fingerprint"]:
         raise ModelMismatch(f"{reader.path}: its model fingerprint does not match the model it describes "
