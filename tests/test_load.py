@@ -91,50 +91,75 @@ def test_a_file_loads_into_paged_buffers_as_it_reads(tmp_path, codec, num_tokens
         assert torch.equal(read(0, num_tokens), reader.read_range(0, num_tokens))
 
 
-@pytest.mark.parametrize("checking", [False, True, "torch"])
-def test_a_damaged_chunk_of_a_file_stops_the_load_there(tmp_path, checking, monkeypatch):
-    if checking == "torch":  # no native checked copy: the payload is copied and checked first
+# How a load runs: the pipeline with a scatter that takes checked tensors ("checked first"), with
+# one that checks as it copies ("checked as copied"; "torch": without the native copy, so the
+# payload is copied privately and checked first), and the staged path in its CPU mode, its pinned
+# buffers filled by the native one-pass checked copy or through decode().
+LOAD_PATHS = ["checked first", "checked as copied", "torch", "staged native", "staged decode"]
+
+
+def load_path(path: str, monkeypatch):
+    """(scatter-checking flag, staged-path arguments or None) for one of LOAD_PATHS."""
+    from kvtool.connectors.paged_native import native_copy_checked
+
+    if path == "torch":
         monkeypatch.setenv("KVTOOL_PAGED_NATIVE", "0")
+    if path.startswith("staged"):
+        return False, {"device": "cpu", "copy_checked": native_copy_checked() if path == "staged native" else None}
+    return path != "checked first", None
+
+
+def flip_payload_byte(path, chunk: int, at: int, bit: int) -> None:
+    """Damage one byte of chunk `chunk`'s stored payload in the file at `path` (its CRC then fails)."""
+    with ContainerReader(path) as reader:
+        offset = reader.chunks[chunk].blob.offset
+    data = bytearray(path.read_bytes())
+    data[offset + at] ^= bit
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("path", LOAD_PATHS)
+def test_a_damaged_chunk_of_a_file_stops_the_load_there(tmp_path, path, monkeypatch):
+    from kvtool.load import load_chunks_staged
+
+    checking, staged = load_path(path, monkeypatch)
     identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
-    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=32, chunk_size=8, dtype=torch.float32)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=48, chunk_size=8, dtype=torch.float32)
+    flip_payload_byte(f.path, 3, 1, 0x08)
+    scatter, read = paged_target(48, checking=checking)
     with ContainerReader(f.path) as reader:
-        offset = reader.chunks[2].blob.offset
-    data = bytearray(f.path.read_bytes())
-    data[offset + 3] ^= 0x40
-    f.path.write_bytes(bytes(data))
-    scatter, read = paged_target(32, checking=bool(checking))
-    with ContainerReader(f.path) as reader:
-        outcome = load_chunks(file_tasks(reader, 32), scatter, threads=2)
-    assert isinstance(outcome.error, ChecksumMismatch) and outcome.loaded_tokens == 16
-    assert torch.equal(read(0, 16), f.kv[:, :, :16])
+        tasks = file_tasks(reader, 48)
+        outcome = load_chunks_staged(tasks, scatter, **staged) if staged else load_chunks(tasks, scatter, threads=2)
+    assert isinstance(outcome.error, ChecksumMismatch) and "chunk 3" in str(outcome.error)
+    assert outcome.loaded_tokens == 24 and outcome.chunks == 3
+    assert torch.equal(read(0, 24), f.kv[:, :, :24])
+    if staged:  # the staged path scatters in order: nothing past the failure
+        assert not read(24, 48).any()
 
 
-@pytest.mark.parametrize("checking", [False, True])
-def test_the_store_loads_from_a_token_on_and_refuses_damage(tmp_path, checking):
+@pytest.mark.parametrize("path", LOAD_PATHS)
+def test_the_store_loads_from_a_token_on_and_refuses_damage(tmp_path, path, monkeypatch):
     from kvtool.store import open_store
 
+    checking, staged = load_path(path, monkeypatch)
     identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
     tokens = list(range(100, 140))
     kv = make_kv(identity, 40, torch.float32)
     cache = open_store(tmp_path / "store").for_model(identity, chunk_size=8)
     cache.put_sequence(tokens, kv)
     scatter, read = paged_target(40, checking=checking)
-    hit = cache.load_prefix(tokens, scatter, from_token=12)
+    hit = cache.load_prefix(tokens, scatter, from_token=12, **(staged or {}))
     assert hit.num_tokens == 40 and hit.codecs == ["raw"] * 4 and not hit.refused
     assert torch.equal(read(12, 40), kv[:, :, 12:40]) and not read(0, 12).any()
-    victim = sorted((tmp_path / "store").glob("chunks/**/*.kvc"))
-    names = {p.name: p for p in victim}
-    third = names[cache._chain(tokens)[2][2] + ".kvc"]
-    with ContainerReader(third) as reader:
-        offset = reader.chunks[0].blob.offset
-    data = bytearray(third.read_bytes())
-    data[offset + 5] ^= 0x01  # the payload: its CRC no longer matches
-    third.write_bytes(bytes(data))
+    third = cache._chain(tokens)[2][2]
+    flip_payload_byte(next((tmp_path / "store").glob(f"chunks/**/{third}.kvc")), 0, 5, 0x01)
     scatter, read = paged_target(40, seed=1, checking=checking)
-    hit = cache.load_prefix(tokens, scatter)
+    hit = cache.load_prefix(tokens, scatter, **(staged or {}))
     assert hit.num_tokens == 16 and len(hit.refused) == 1
     assert torch.equal(read(0, 16), kv[:, :, :16])
     assert "CRC-32C" in hit.refused[0] and cache.store.counters.refused == 1
+    if staged:
+        assert not read(16, 40).any()
 
 
 def test_raw_chunks_are_checked_as_they_are_scattered_not_before(tmp_path, monkeypatch):
@@ -204,55 +229,6 @@ def test_the_staged_path_loads_a_file_through_reused_buffers(tmp_path, codec, st
                                      copy_checked=native_copy_checked())
         assert outcome.error is None and outcome.loaded_tokens == 43 and outcome.chunks == 6
         assert torch.equal(read(0, 43), reader.read_range(0, 43))
-
-
-@pytest.mark.parametrize("native", [True, False])
-def test_the_staged_path_stops_at_a_damaged_chunk(tmp_path, native):
-    from kvtool.connectors.paged_native import native_copy_checked
-    from kvtool.load import load_chunks_staged
-
-    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
-    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=48, chunk_size=8, dtype=torch.float32)
-    with ContainerReader(f.path) as reader:
-        offset = reader.chunks[3].blob.offset
-    data = bytearray(f.path.read_bytes())
-    data[offset + 1] ^= 0x08
-    f.path.write_bytes(bytes(data))
-    scatter, read = paged_target(48)
-    copy = native_copy_checked() if native else None
-    with ContainerReader(f.path) as reader:
-        outcome = load_chunks_staged(file_tasks(reader, 48), scatter, "cpu", copy_checked=copy)
-    assert isinstance(outcome.error, ChecksumMismatch) and "chunk 3" in str(outcome.error)
-    assert outcome.loaded_tokens == 24 and outcome.chunks == 3
-    assert torch.equal(read(0, 24), f.kv[:, :, :24]) and not read(24, 48).any()  # nothing past it
-
-
-@pytest.mark.parametrize("native", [True, False])
-def test_the_store_loads_through_the_staged_path_and_refuses_damage(tmp_path, native):
-    from kvtool.connectors.paged_native import native_copy_checked
-    from kvtool.store import open_store
-
-    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
-    tokens = list(range(200, 240))
-    kv = make_kv(identity, 40, torch.float32)
-    cache = open_store(tmp_path / "store").for_model(identity, chunk_size=8)
-    cache.put_sequence(tokens, kv)
-    copy = native_copy_checked() if native else None
-    scatter, read = paged_target(40)
-    hit = cache.load_prefix(tokens, scatter, from_token=4, device="cpu", copy_checked=copy)
-    assert hit.num_tokens == 40 and not hit.refused
-    assert torch.equal(read(4, 40), kv[:, :, 4:40]) and not read(0, 4).any()
-    third = cache._chain(tokens)[2][2]
-    victim = next(p for p in (tmp_path / "store").glob("chunks/**/*.kvc") if p.name == third + ".kvc")
-    with ContainerReader(victim) as reader:
-        offset = reader.chunks[0].blob.offset
-    data = bytearray(victim.read_bytes())
-    data[offset] ^= 0x01
-    victim.write_bytes(bytes(data))
-    scatter, read = paged_target(40, seed=2)
-    hit = cache.load_prefix(tokens, scatter, device="cpu", copy_checked=copy)
-    assert hit.num_tokens == 16 and len(hit.refused) == 1 and "CRC-32C" in hit.refused[0]
-    assert torch.equal(read(0, 16), kv[:, :, :16]) and not read(16, 40).any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
