@@ -25,6 +25,7 @@ synchronous copies, so the ordering, the buffer reuse and the failure rule are t
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import torch
@@ -108,7 +109,7 @@ def load_chunks_staged(tasks: Sequence[ChunkTask], scatter: Callable[[torch.Tens
         for i, task in enumerate(tasks):
             try:
                 host = filling.pop(i).result()
-                with _on(stream):
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     kv = host.to(device, non_blocking=True) if slots.cuda else host
                     slots.copied(i % staging, stream)  # the staging buffer is free once this copy is done
                     scatter(kv, task.start, task.end)
@@ -122,19 +123,3 @@ def load_chunks_staged(tasks: Sequence[ChunkTask], scatter: Callable[[torch.Tens
         torch.cuda.current_stream(device).wait_stream(stream)
     return outcome or LoadOutcome(loaded_tokens=tasks[-1].end, chunks=len(tasks))
 
-
-class _on:
-    """`torch.cuda.stream(stream)`, or nothing for None."""
-
-    def __init__(self, stream):
-        self.stream = stream
-        self.ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            return self.ctx.__exit__(*exc)
-        return False
