@@ -26,9 +26,10 @@ def test_ci_builds_the_extension():  # not skipped: without the extension CI mus
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype,blob_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                               (torch.float16, torch.float16), (torch.bfloat16, torch.float32)])
-def test_same_bytes_as_the_torch_reference(layout, dtype, blob_dtype):
+@pytest.mark.parametrize("head_dim", [8, 32])
+def test_same_bytes_as_the_torch_reference(layout, dtype, blob_dtype, head_dim, nontemporal):
     gen = torch.Generator().manual_seed(1)
-    T, BS, L, H, D = 133, 16, 3, 2, 8
+    T, BS, L, H, D = 133, 16, 3, 2, head_dim
     NB = 12
     bufs = make_buffers(layout, L, NB, BS, H, D, dtype, gen)
     slots = shuffled_slots(T, NB, BS, gen)
@@ -112,22 +113,64 @@ def test_strided_rows_land_one_element_per_stride():
 
 # --- CRC-32C while copying (kernels/crc32c_cpu.c) and the checked scatter ---------------------
 
+CRC_LEVELS = [2, 1, 0]  # PCLMULQDQ folding, the crc32 instruction, the table (each where the CPU has it)
+
+
+@pytest.fixture
+def crc_level(request):
+    """Run the test with the native CRC-32C forced down to `request.param` (the best one the CPU
+    has at most), and put the best one back afterwards."""
+    got = native.crc32c_set_level(request.param)
+    try:
+        yield got
+    finally:
+        native.crc32c_set_level(2)
+
+
+@pytest.fixture(params=[False, True], ids=["cached-stores", "non-temporal-stores"])
+def nontemporal(request):
+    """Run the test with every copy written by plain or by non-temporal stores (the kernel picks
+    by size; small test buffers would otherwise never take the second)."""
+    previous = native.nontemporal_min(0 if request.param else 1 << 62)
+    try:
+        yield request.param
+    finally:
+        native.nontemporal_min(previous)
+
+
 @needs_native
-@pytest.mark.parametrize("portable", [False, True])
-def test_crc32c_matches_the_crc32c_package(portable):
+@pytest.mark.parametrize("crc_level", CRC_LEVELS, indirect=True)
+def test_crc32c_matches_the_crc32c_package(crc_level):
     import crc32c
 
-    native.crc32c_force_portable(portable)
-    try:
-        gen = torch.Generator().manual_seed(5)
-        for n in (0, 1, 2, 3, 7, 8, 9, 31, 32, 33, 255, 4096, 100_003):
-            data = bytes(torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8).tolist())
-            assert native.crc32c(data) == crc32c.crc32c(data), n
-            for cut in {0, n // 3, n}:
-                a, b = crc32c.crc32c(data[:cut]), crc32c.crc32c(data[cut:])
-                assert native.crc32c_combine(a, b, n - cut) == crc32c.crc32c(data), (n, cut)
-    finally:
-        native.crc32c_force_portable(False)
+    gen = torch.Generator().manual_seed(5)
+    data = bytes(torch.randint(0, 256, (200_100,), generator=gen, dtype=torch.uint8).tolist())
+    lengths = list(range(0, 300)) + [511, 512, 513, 4095, 4096, 4097, 100_003, 200_000]
+    for n in lengths:
+        for at in (0, 1, 13):  # unaligned starts
+            piece = data[at:at + n]
+            assert native.crc32c(piece) == crc32c.crc32c(piece), (n, at)
+    for n in (0, 1, 33, 255, 4096, 100_003):
+        piece = data[:n]
+        for cut in {0, n // 3, n}:
+            a, b = crc32c.crc32c(piece[:cut]), crc32c.crc32c(piece[cut:])
+            assert native.crc32c_combine(a, b, n - cut) == crc32c.crc32c(piece), (n, cut)
+
+
+@needs_native
+@pytest.mark.parametrize("crc_level", CRC_LEVELS, indirect=True)
+def test_copy_checked_copies_and_checks_any_size(crc_level, nontemporal):
+    import crc32c
+
+    gen = torch.Generator().manual_seed(9)
+    data = torch.randint(0, 256, (70_010,), generator=gen, dtype=torch.uint8)
+    for n in (0, 1, 63, 64, 65, 128, 1000, 4096, 69_999):
+        for at in (0, 5):
+            src = data[at:at + n].numpy().tobytes()
+            dst = torch.zeros(n + 3, dtype=torch.uint8)
+            out = dst[3:] if at else dst[:n]  # an unaligned destination too
+            assert native.copy_checked(memoryview(out.numpy()), src) == crc32c.crc32c(src), (n, at)
+            assert out.numpy().tobytes() == src, (n, at)
 
 
 def _payload_blob(shape, dtype, gen):
@@ -143,33 +186,31 @@ def _payload_blob(shape, dtype, gen):
 @needs_native
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("portable", [False, True])
-def test_checked_scatter_writes_the_reference_bytes(layout, dtype, portable, monkeypatch):
+@pytest.mark.parametrize("head_dim", [8, 32])  # rows of 16-32 bytes; rows of whole 64-byte units (the fold runs on)
+@pytest.mark.parametrize("crc_level", CRC_LEVELS, indirect=True)
+def test_checked_scatter_writes_the_reference_bytes(layout, dtype, head_dim, crc_level, nontemporal, monkeypatch):
     gen = torch.Generator().manual_seed(3)
-    T, BS, L, H, D, NB = 133, 16, 3, 2, 8, 12
+    T, BS, L, H, D, NB = 133, 16, 3, 2, head_dim, 12
     bufs = make_buffers(layout, L, NB, BS, H, D, dtype, gen)
     slots = shuffled_slots(T, NB, BS, gen)
     _, view, check = _payload_blob((2, L, T, H * D), dtype, gen)
     ref, out = clone_buffers(bufs, layout), clone_buffers(bufs, layout)
     paged_torch.torch_scatter(view.clone(), ref, PagedLayout(layout), slots)
-    native.crc32c_force_portable(portable)
-    try:
-        for threads in ("1", "3"):
-            monkeypatch.setenv("KVTOOL_THREADS", threads)
-            assert paged_native.native_scatter_checked(view, out, PagedLayout(layout), slots, check)
-            assert buffers_equal(ref, out, layout), threads
-    finally:
-        native.crc32c_force_portable(False)
+    for threads in ("1", "3"):
+        monkeypatch.setenv("KVTOOL_THREADS", threads)
+        assert paged_native.native_scatter_checked(view, out, PagedLayout(layout), slots, check)
+        assert buffers_equal(ref, out, layout), threads
 
 
 @needs_native
 @pytest.mark.parametrize("where", [0, 1, -1])
-def test_checked_scatter_refuses_a_changed_byte_anywhere(where, monkeypatch):
+@pytest.mark.parametrize("crc_level", CRC_LEVELS, indirect=True)
+def test_checked_scatter_refuses_a_changed_byte_anywhere(where, crc_level, monkeypatch):
     from kvtool.errors import ChecksumMismatch
 
     monkeypatch.setenv("KVTOOL_THREADS", "2")
     gen = torch.Generator().manual_seed(6)
-    T, BS, L, H, D, NB = 64, 16, 2, 2, 8, 6
+    T, BS, L, H, D, NB = 64, 16, 2, 2, 16, 6
     bufs = make_buffers("flash_attn", L, NB, BS, H, D, torch.float32, gen)
     slots = shuffled_slots(T, NB, BS, gen)
     payload, view, check = _payload_blob((2, L, T, H * D), torch.float32, gen)
