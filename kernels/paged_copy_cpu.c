@@ -60,12 +60,14 @@ typedef struct {
 
 static size_t nontemporal_min = (size_t)4 << 20; /* bytes per call from which stores bypass the caches */
 
-/* memcpy, or with non-temporal 16-byte stores (dst 16-byte aligned; the ends plainly). */
+/* memcpy, or with non-temporal 16-byte stores (dst 16-byte aligned; the ends plainly). Rows of
+ * whole 16-byte units (a head's 128-256 bytes) move in an inline loop: a libc call per row
+ * costs as much as the row. */
 static inline void copy_bytes(void *dst, const void *src, size_t n, int nt) {
 #ifdef HAVE_SSE2
+    char *d = (char *)dst;
+    const char *p = (const char *)src;
     if (nt && n >= 64) {
-        char *d = (char *)dst;
-        const char *p = (const char *)src;
         size_t head = (size_t)(-(uintptr_t)d & 15);
         memcpy(d, p, head);
         d += head, p += head, n -= head;
@@ -78,6 +80,10 @@ static inline void copy_bytes(void *dst, const void *src, size_t n, int nt) {
             _mm_stream_si128((__m128i *)(d + 48), e);
         }
         memcpy(d, p, n);
+        return;
+    }
+    if (n <= 512 && n % 16 == 0) {
+        for (size_t i = 0; i < n; i += 16) _mm_storeu_si128((__m128i *)(d + i), _mm_loadu_si128((const __m128i *)(p + i)));
         return;
     }
 #endif
@@ -145,9 +151,18 @@ static int segments_ok(const segment_t *seg, size_t n) {
 
 /* ---- plain copies ------------------------------------------------------------------------- */
 
+/* Rows of one head are short (128-256 bytes) and scattered over the pages: the paged side of a
+ * token a few tokens ahead is prefetched (reads when gathering, the lines to fill when
+ * scattering), so its misses overlap this token's copies instead of following them. */
+#define ROW_PREFETCH_TOKENS 4
 #define COPY_ROWS(N)                                                                      \
     for (size_t t = 0; t < tokens; t++) {                                                 \
         char *p = paged + token_at(g, slots[t]);                                          \
+        if (t + ROW_PREFETCH_TOKENS < tokens) {                                           \
+            const char *q = paged + token_at(g, slots[t + ROW_PREFETCH_TOKENS]);          \
+            for (size_t gi = 0; gi < groups; gi++, q += g->sh)                            \
+                for (size_t o = 0; o < (N); o += 64) __builtin_prefetch(q + o);            \
+        }                                                                                 \
         for (size_t gi = 0; gi < groups; gi++, b += (N), p += g->sh)                      \
             if (scatter) copy_bytes(p, b, (N), nt); else copy_bytes(b, p, (N), nt);       \
     }
@@ -210,9 +225,51 @@ typedef struct {
     int scatter, nt;
 } copy_job;
 
+/* vLLM's CUDA layout keeps a token's K and V of one head side by side in one row (K then V):
+ * copying the K segment and the V segment of a layer separately reads (or fills) each row's
+ * cache lines twice, half each time. Paired, they move together, a block's page in address
+ * order. Segments come K then V of each layer (paged_native orders them so for copy_segments). */
+static int pairs_with(const segment_t *k, const segment_t *v) {
+    return !k->stride && !v->stride && k->paged == v->paged && k->slots == v->slots && k->tokens == v->tokens &&
+           k->block_size == v->block_size && k->groups == v->groups && k->sb == v->sb && k->so == v->so &&
+           k->sh == v->sh && k->run == v->run && v->a == k->a + k->run;
+}
+
+static void copy_pair(const segment_t *gk, const segment_t *gv, int scatter, int nt) {
+    char *paged = (char *)(uintptr_t)gk->paged;
+    char *bk = (char *)(uintptr_t)gk->blob, *bv = (char *)(uintptr_t)gv->blob;
+    const int64_t *slots = (const int64_t *)(uintptr_t)gk->slots;
+    size_t tokens = gk->tokens, groups = gk->groups, run = gk->run, so = gk->so;
+    for (size_t t = 0; t < tokens;) {
+        size_t n = slot_run(gk, slots, t, tokens);
+        char *p0 = paged + token_at(gk, slots[t]);
+        for (size_t k = 0; k < n; k++) {
+            char *p = p0 + k * so;
+            for (size_t gi = 0; gi < groups; gi++, p += gk->sh) {
+                size_t at = ((t + k) * groups + gi) * run;
+                if (scatter) {
+                    copy_bytes(p, bk + at, run, nt);
+                    copy_bytes(p + run, bv + at, run, nt);
+                } else {
+                    copy_bytes(bk + at, p, run, nt);
+                    copy_bytes(bv + at, p + run, run, nt);
+                }
+            }
+        }
+        t += n;
+    }
+}
+
 static void *copy_work(void *arg) {
     copy_job *j = (copy_job *)arg;
-    for (size_t k = j->first; k < j->last; k++) copy_segment(&j->seg[k], j->scatter, j->nt);
+    for (size_t k = j->first; k < j->last; k++) {
+        if (k + 1 < j->last && pairs_with(&j->seg[k], &j->seg[k + 1])) {
+            copy_pair(&j->seg[k], &j->seg[k + 1], j->scatter, j->nt);
+            k++;
+        } else {
+            copy_segment(&j->seg[k], j->scatter, j->nt);
+        }
+    }
     store_fence();
     return NULL;
 }

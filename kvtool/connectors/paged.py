@@ -9,7 +9,7 @@ import torch
 from .base import ConnectorError, GPUConnectorInterface
 from .memory import MemoryObj
 from .paged_copy import gather_paged, scatter_paged
-from .paged_layout import LayerKV, PagedGeometry, PagedLayout, layer_tensors, paged_geometry
+from .paged_layout import LayerKV, PagedGeometry, PagedLayout, buffers_signature, layer_tensors, paged_geometry
 
 
 class _PagedConnector(GPUConnectorInterface):
@@ -36,15 +36,21 @@ class _PagedConnector(GPUConnectorInterface):
             )
         self.chunk_size = chunk_size
         self._staging: Optional[torch.Tensor] = None  # reused device buffer (use_gpu=True)
+        self._checked: Optional[tuple[tuple, PagedGeometry]] = None  # the buffers last checked, their geometry
 
     # ---- checks ------------------------------------------------------------
 
-    def _check_kvcaches(self, kwargs: dict[str, Any]) -> tuple[list[LayerKV], PagedGeometry, torch.Tensor]:
-        """Validate `kvcaches`; return it as a list, its geometry and layer 0's first tensor."""
+    def _check_kvcaches(self, kwargs: dict[str, Any]) -> tuple[list[LayerKV], PagedGeometry, torch.Tensor, tuple | None]:
+        """Validate `kvcaches`; return it as a list, its geometry, layer 0's first tensor and the
+        buffers' signature. The buffers last checked are not checked again (their signature)."""
         kvcaches = self._require_kwarg(kwargs, "kvcaches")
         if isinstance(kvcaches, torch.Tensor) or not isinstance(kvcaches, Sequence):
             raise ConnectorError("'kvcaches' must be a list or tuple over layers")
         kvcaches = list(kvcaches)
+        signature = buffers_signature(kvcaches, self.layout) if len(kvcaches) == self.num_layers else None
+        checked = self._checked  # one read: load workers call from several threads
+        if signature is not None and checked is not None and checked[0] == signature:
+            return kvcaches, checked[1], layer_tensors(kvcaches[0], self.layout)[0], signature  # checked already
         if len(kvcaches) != self.num_layers:
             raise ConnectorError(f"'kvcaches' has {len(kvcaches)} layers, expected {self.num_layers}")
         geo = paged_geometry(kvcaches[0], self.layout)
@@ -70,7 +76,8 @@ class _PagedConnector(GPUConnectorInterface):
                     raise ConnectorError(f"KV buffers must be floating point, got {t.dtype}")
         if self.use_gpu and first.device.type != "cuda":
             raise ConnectorError(f"use_gpu=True needs CUDA kvcaches, got buffers on {first.device}")
-        return kvcaches, geo, first
+        self._checked = None if signature is None else (signature, geo)
+        return kvcaches, geo, first, signature
 
     @staticmethod
     def _check_slots(
@@ -130,19 +137,19 @@ class _PagedConnector(GPUConnectorInterface):
     # ---- transfers -----------------------------------------------------------
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        kvcaches, geo, first = self._check_kvcaches(kwargs)
+        kvcaches, geo, first, signature = self._check_kvcaches(kwargs)
         start, end = self._check_range(start, end)
         slots = self._check_slots(kwargs, start, end, geo, first.device, distinct=False)
         blob = self._check_memory_obj(memory_obj, end - start, first.device, reading=False)
         if blob.device == first.device:
-            gather_paged(kvcaches, self.layout, slots, blob)
+            gather_paged(kvcaches, self.layout, slots, blob, signature=signature)
         else:  # memory object on the host, buffers on a device: gather there, copy once
             tmp = self._device_blob(end - start, first.dtype, first.device)
-            gather_paged(kvcaches, self.layout, slots, tmp)
+            gather_paged(kvcaches, self.layout, slots, tmp, signature=signature)
             blob.copy_(tmp)
 
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        kvcaches, geo, first = self._check_kvcaches(kwargs)
+        kvcaches, geo, first, signature = self._check_kvcaches(kwargs)
         start, end = self._check_range(start, end)
         slots = self._check_slots(kwargs, start, end, geo, first.device, distinct=True)
         blob = self._check_memory_obj(memory_obj, end - start, first.device, reading=True)
@@ -153,7 +160,7 @@ class _PagedConnector(GPUConnectorInterface):
             tmp = self._device_blob(end - start, first.dtype, first.device)
             tmp.copy_(blob, non_blocking=blob.is_pinned())
             blob = tmp
-        scatter_paged(blob, kvcaches, self.layout, slots, check=check)
+        scatter_paged(blob, kvcaches, self.layout, slots, check=check, signature=signature)
 
 
 class PagedMemConnectorV2(_PagedConnector):

@@ -21,7 +21,7 @@ from .paged_layout import LayerKV, PagedLayout, layer_tensors
 
 
 def gather_paged(kv_caches: Sequence[LayerKV], layout: PagedLayout | str, slots: torch.Tensor,
-                 out_blob: torch.Tensor) -> None:
+                 out_blob: torch.Tensor, *, signature: tuple | None = None) -> None:
     """`out_blob[kv, l, t, :] = KV of layer l, K/V kv, slot slots[t]`.
 
     Contract (the caller, i.e. the connector, has checked it): `kv_caches` is a
@@ -30,18 +30,19 @@ def gather_paged(kv_caches: Sequence[LayerKV], layout: PagedLayout | str, slots:
     ``[0, num_blocks*block_size)``; `out_blob` is a contiguous
     ``[2, L, len(slots), H*D]`` tensor on that device (or, for CUDA buffers,
     pinned host memory). Its dtype may differ from the buffers' dtype: values
-    are converted as by `Tensor.copy_`."""
+    are converted as by `Tensor.copy_`. `signature`: the buffers' `buffers_signature`, when the
+    caller has computed it (the native copy keys its address maps on it)."""
     layout = PagedLayout.parse(layout)
     kernel = _cuda_kernel(kv_caches, layout)
     if kernel is not None and kernel.gather(kv_caches, layout, slots, out_blob):
         return
-    if kernel is None and paged_native.native_gather(kv_caches, layout, slots, out_blob):
+    if kernel is None and paged_native.native_gather(kv_caches, layout, slots, out_blob, signature):
         return
     paged_torch.torch_gather(kv_caches, layout, slots, out_blob)
 
 
 def scatter_paged(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: PagedLayout | str,
-                  slots: torch.Tensor, *, check: PayloadCheck | None = None) -> None:
+                  slots: torch.Tensor, *, check: PayloadCheck | None = None, signature: tuple | None = None) -> None:
     """The inverse of `gather_paged`: write `blob[kv, l, t]` into slot `slots[t]`
     of layer l. Same contract; additionally the slots are distinct. Slots not
     in `slots` are left untouched. A dtype difference is converted (rounding
@@ -54,12 +55,12 @@ def scatter_paged(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: Page
     layout = PagedLayout.parse(layout)
     kernel = _cuda_kernel(kv_caches, layout)
     if check is not None:
-        if kernel is None and paged_native.native_scatter_checked(blob, kv_caches, layout, slots, check):
+        if kernel is None and paged_native.native_scatter_checked(blob, kv_caches, layout, slots, check, signature):
             return
         blob = check.verified(blob)
     if kernel is not None and kernel.scatter(blob, kv_caches, layout, slots):
         return
-    if kernel is None and paged_native.native_scatter(blob, kv_caches, layout, slots):
+    if kernel is None and paged_native.native_scatter(blob, kv_caches, layout, slots, signature):
         return
     paged_torch.torch_scatter(blob, kv_caches, layout, slots)
 

@@ -34,6 +34,7 @@ torch path (its buffers are host memory).
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -176,3 +177,24 @@ def paged_geometry(layer: LayerKV, layout: PagedLayout) -> PagedGeometry:
     if not ok or min(nb, bs, h, d) < 1:
         raise ConnectorError(f"layout {layout.value!r} expects {want} per layer, got shape {shape}")
     return PagedGeometry(nb, bs, h, d)
+
+
+def buffers_signature(kv_caches: Sequence[LayerKV], layout: PagedLayout) -> tuple | None:
+    """What the checks of a connector call and the native copy's address maps read off the
+    buffers: each tensor's address, shape and strides, and the first one's dtype and device (no
+    tensor is kept). Equal signatures mean the same buffers, checked already: engines pass the
+    same KV caches to every call, so a connector checks them and maps their addresses once. (A
+    tensor's extent, from its address, shape and strides, always lies inside its storage: a stale
+    map never writes outside a buffer.) None when `kv_caches` is not a list of tensors (or of
+    (K, V) pairs) at all: the full checks then say what is wrong."""
+    try:
+        tensors = [t for layer in kv_caches for t in layer] if layout is PagedLayout.KV_TUPLE \
+            else list(kv_caches)
+        first = tensors[0]
+        return (layout, first.dtype, first.device, *map(torch.Tensor.data_ptr, tensors),
+                *map(_shape, tensors), *map(torch.Tensor.stride, tensors))
+    except (TypeError, AttributeError, RuntimeError, IndexError):
+        return None
+
+
+_shape = operator.attrgetter("shape")

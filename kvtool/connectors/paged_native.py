@@ -12,15 +12,16 @@ when the extension was not built, or KVTOOL_PAGED_NATIVE=0, the torch reference 
 from __future__ import annotations
 
 import os
-import struct
 from types import ModuleType
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..checksum import PayloadCheck
 from ..devices import host_threads
-from .paged_layout import LayerKV, PagedLayout, channel_stride, layer_tensors, paged_geometry, run_offset
+from .paged_layout import (LayerKV, PagedLayout, buffers_signature, channel_stride, layer_tensors, paged_geometry,
+                           run_offset)
 
 _module: ModuleType | None = None
 _loaded = False
@@ -69,45 +70,82 @@ def _span(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
-def _segments(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor, blob: torch.Tensor):
-    """One segment (14 uint64: see kernels/paged_copy_cpu.c) per (layer, K/V) tensor, in blob
-    order (K of every layer, then V), and the slot tensor they point into (keep it alive)."""
-    geo = paged_geometry(kv_caches[0], layout)
-    index = slots.to(torch.int64).contiguous()
-    tokens, num_layers = index.numel(), len(kv_caches)
-    part_bytes = blob.numel() * blob.element_size() // (2 * num_layers)  # one [T, H*D] of the contiguous blob
-    if part_bytes != tokens * geo.num_kv_heads * geo.head_dim * blob.element_size():
+class _Template:
+    """The buffers' half of the segments (kernels/paged_copy_cpu.c): one row of 14 uint64 per
+    (layer, K/V) tensor, in blob order (K of every layer, then V), with the tensor's pointer,
+    span and address map filled in; a call fills in the blob, token count and slots."""
+
+    def __init__(self, kv_caches: Sequence[LayerKV], layout: PagedLayout):
+        geo = paged_geometry(kv_caches[0], layout)
+        self.row_bytes = geo.num_kv_heads * geo.head_dim  # elements of one token's K or V
+        self.block_size = geo.block_size
+        tuple_layout = layout is PagedLayout.KV_TUPLE
+        maps: dict[tuple, tuple[int, ...]] = {}  # (shape, strides, kv) -> (span, address map)
+        rows: list[list[int]] = [[], []]
+        for layer in kv_caches:
+            for kv in (0, 1):
+                t = layer[kv] if tuple_layout else layer
+                key = (t.shape, t.stride(), 0 if tuple_layout else kv)
+                known = maps.get(key)
+                if known is None:
+                    known = maps[key] = (_span(t), *_address_map(t, layout, kv, geo))
+                rows[kv].append((t.data_ptr(), known[0], 0, 0, 0, geo.block_size, *known[1:]))
+        self.rows = np.array(rows[0] + rows[1], dtype=np.uint64).reshape(-1, 14)
+        self.parts = np.arange(len(self.rows), dtype=np.uint64)  # blob part of each row
+
+
+_TEMPLATES: dict[tuple, _Template] = {}  # buffers_signature -> template; engines keep one set of buffers
+_MAX_TEMPLATES = 16
+
+
+def _template(kv_caches: Sequence[LayerKV], layout: PagedLayout, signature: tuple | None) -> _Template:
+    if signature is None:
+        signature = buffers_signature(kv_caches, layout)
+    template = _TEMPLATES.get(signature) if signature is not None else None
+    if template is None:
+        template = _Template(kv_caches, layout)
+        if signature is not None:
+            if len(_TEMPLATES) >= _MAX_TEMPLATES:
+                _TEMPLATES.clear()
+            _TEMPLATES[signature] = template
+    return template
+
+
+def _segments(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor, blob: torch.Tensor,
+              signature: tuple | None = None, layer_order: bool = False):
+    """One segment (14 uint64: see kernels/paged_copy_cpu.c) per (layer, K/V) tensor, and the
+    slot tensor they point into (keep it alive). In blob order (K of every layer, then V: the
+    checked scatter reads the payload in order) or, `layer_order`, K and V of each layer in turn
+    (copy_segments then moves a layer's K and V together where they share rows, as in vLLM's CUDA
+    layout). `signature`: the buffers' `buffers_signature` when the caller has it."""
+    template = _template(kv_caches, layout, signature)
+    index = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
+    tokens = index.numel()
+    part_bytes = blob.numel() * blob.element_size() // len(template.rows)  # one [T, H*D] of the contiguous blob
+    if part_bytes != tokens * template.row_bytes * blob.element_size():
         raise ValueError("paged_native: the blob does not match the slots")  # a bug, not bad input
-    base, head = blob.data_ptr(), (index.data_ptr(), geo.block_size)
-    tuple_layout = layout is PagedLayout.KV_TUPLE
-    maps: dict[tuple, tuple[int, ...]] = {}  # (shape, strides, kv) -> (span, address map)
-    segments: list[list[int]] = [[], []]
-    for li, layer in enumerate(kv_caches):  # a hot loop: a microsecond per tensor counts at 256 tokens
-        for kv in (0, 1):
-            t = layer[kv] if tuple_layout else layer
-            key = (t.shape, t.stride(), 0 if tuple_layout else kv)
-            known = maps.get(key)
-            if known is None:
-                known = maps[key] = (_span(t), *_address_map(t, layout, kv, geo))
-            segments[kv].extend((t.data_ptr(), known[0], base + (kv * num_layers + li) * part_bytes, tokens,
-                                 *head, *known[1:]))
-    flat = segments[0] + segments[1]
-    return struct.pack(f"<{len(flat)}Q", *flat), index
+    rows = template.rows.copy()
+    rows[:, 2] = template.parts * np.uint64(part_bytes) + np.uint64(blob.data_ptr())
+    rows[:, 3] = tokens
+    rows[:, 4] = index.data_ptr()
+    if layer_order:
+        rows = rows.reshape(2, -1, 14).transpose(1, 0, 2)
+    return rows.tobytes(), index
 
 
 def _copy(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor, blob: torch.Tensor,
-          scatter: bool) -> bool:
+          scatter: bool, signature: tuple | None) -> bool:
     module = native_module()
     if module is None or slots.numel() == 0:
         return False
-    packed, keep = _segments(kv_caches, layout, slots, blob)
+    packed, keep = _segments(kv_caches, layout, slots, blob, signature, layer_order=True)
     module.copy_segments(packed, int(scatter), _threads(blob.numel() * blob.element_size()))
     del keep
     return True
 
 
 def native_scatter_checked(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: PagedLayout,
-                           slots: torch.Tensor, check: PayloadCheck) -> bool:
+                           slots: torch.Tensor, check: PayloadCheck, signature: tuple | None = None) -> bool:
     """`native_scatter` of a blob viewing unchecked stored bytes (`check.payload`), CRC-32C
     checked as it is copied (`scatter_checked`): one read of the bytes. Raises ChecksumMismatch
     after the copy when the payload does not match. False (nothing done) when not taken."""
@@ -116,7 +154,7 @@ def native_scatter_checked(blob: torch.Tensor, kv_caches: Sequence[LayerKV], lay
     if module is None or first.device.type != "cpu" or blob.device.type != "cpu" \
             or blob.dtype != first.dtype or not blob.is_contiguous() or slots.numel() == 0:
         return False
-    packed, keep = _segments(kv_caches, layout, slots, blob)
+    packed, keep = _segments(kv_caches, layout, slots, blob, signature)
     crc = module.scatter_checked(packed, check.payload, _threads(blob.numel() * blob.element_size()))
     del keep
     if crc != check.crc32c:
@@ -143,21 +181,21 @@ def native_copy_checked():
 
 
 def native_gather(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor,
-                  out_blob: torch.Tensor) -> bool:
+                  out_blob: torch.Tensor, signature: tuple | None = None) -> bool:
     """`paged_torch.torch_gather` natively; False (nothing done) when this case is not taken."""
     first = layer_tensors(kv_caches[0], layout)[0]
     if first.device.type != "cpu" or out_blob.device.type != "cpu" or out_blob.dtype != first.dtype \
             or not out_blob.is_contiguous():
         return False
-    return _copy(kv_caches, layout, slots, out_blob, scatter=False)
+    return _copy(kv_caches, layout, slots, out_blob, False, signature)
 
 
 def native_scatter(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: PagedLayout,
-                   slots: torch.Tensor) -> bool:
+                   slots: torch.Tensor, signature: tuple | None = None) -> bool:
     """`paged_torch.torch_scatter` natively; False (nothing done) when this case is not taken."""
     first = layer_tensors(kv_caches[0], layout)[0]
     if first.device.type != "cpu" or blob.device.type != "cpu":
         return False
     if blob.dtype != first.dtype:
         blob = blob.to(first.dtype)  # rounding as the reference does
-    return _copy(kv_caches, layout, slots, blob.contiguous(), scatter=True)
+    return _copy(kv_caches, layout, slots, blob.contiguous(), True, signature)
