@@ -446,6 +446,37 @@ def test_paged_errors(layout):
     conn.from_gpu(mo, 0, 10, kvcaches=bufs, slot_mapping=slots.tolist())
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_buffers_checked_once_are_checked_again_when_they_change(layout):
+    """A connector checks and maps the buffers once and reuses that while their addresses,
+    shapes and strides stay the same: a layer swapped for another tensor is written there, one of
+    another shape or dtype or a wrong layer count is refused as on the first call."""
+    gen = torch.Generator().manual_seed(11)
+    T, BS, L, H, D = 24, 4, 3, 2, 8
+    NB = num_blocks_for(T, BS)
+    bufs = make_buffers(layout, L, NB, BS, H, D, torch.float32, gen)
+    slots = shuffled_slots(T, NB, BS, gen)
+    conn = PagedMemConnectorV2(H * D, L, layout=layout)
+    mo = conn.allocate(T, torch.float32)
+    mo.tensor.copy_(torch.randn(mo.tensor.shape, generator=gen))
+    conn.to_gpu(mo, 0, T, kvcaches=bufs, slot_mapping=slots)  # checked and mapped
+    swapped = list(bufs)
+    swapped[1] = make_buffers(layout, 1, NB, BS, H, D, torch.float32, gen, fill="zeros")[0]
+    conn.to_gpu(mo, 0, T, kvcaches=swapped, slot_mapping=slots)
+    back = conn.allocate(T, torch.float32)
+    conn.from_gpu(back, 0, T, kvcaches=swapped, slot_mapping=slots)
+    assert torch.equal(back.tensor, mo.tensor)  # layer 1 went to the new tensor, not the old one
+    for wrong, match in ((make_buffers(layout, 1, NB + 1, BS, H, D, torch.float32, gen)[0], "layer 1"),
+                         (make_buffers(layout, 1, NB, BS, H, D, torch.float16, gen)[0], "layer 1")):
+        changed = list(bufs)
+        changed[1] = wrong
+        with pytest.raises(ValueError, match=match):
+            conn.to_gpu(mo, 0, T, kvcaches=changed, slot_mapping=slots)
+    with pytest.raises(ValueError, match="layers"):
+        conn.to_gpu(mo, 0, T, kvcaches=bufs[:2], slot_mapping=slots)
+    conn.to_gpu(mo, 0, T, kvcaches=bufs, slot_mapping=slots)  # the first buffers again: fine
+
+
 def test_constructor_and_layer_errors():
     with pytest.raises(ValueError, match="unknown paged layout"):
         PagedMemConnectorV2(16, 2, layout="paged")
