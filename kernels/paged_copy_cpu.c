@@ -238,55 +238,76 @@ static void transpose_tile(char *dst, size_t ds, const char *src, size_t ss, siz
 
 /* Strided rows (a transposed page) move a tile at a time: the tokens of a run of consecutive
  * slots in one block, by one group. A run that fills its channel rows (a whole block) is
- * transposed into a small buffer and written to its page in one contiguous copy; gathering, the
- * run's blob rows are put together the same way and written at once. Transposing straight into
- * memory writes 16 bytes per row, every line read for ownership first: 2.5x slower. Pages whose
- * adjacent slots are not adjacent elements (no engine has them) go one element at a time. */
+ * transposed into a buffer and written to its page in one contiguous copy; gathering, the run's
+ * blob rows are put together the same way and written at once. (Transposing straight into
+ * memory writes 16 bytes per row, every line read for ownership first: 1.5-2.5x slower.) Pages
+ * whose adjacent slots are not adjacent elements (no engine has them) go one element at a time. */
 #define TILE_BUFFER (64 << 10)
 
-static void copy_tiles(const segment_t *g, char *b, int scatter, int nt) {
+/* One run: tokens [t, t + n), their blob rows at `rows` (token k at rows + k * groups * run). */
+static void tiles_run(const segment_t *g, size_t t, size_t n, char *rows, int scatter, int nt, char *buffer) {
     char *paged = (char *)(uintptr_t)g->paged;
     const int64_t *slots = (const int64_t *)(uintptr_t)g->slots;
-    size_t tokens = g->tokens, groups = g->groups, run = g->run, stride = g->stride, so = g->so, elem = g->elem;
+    size_t groups = g->groups, run = g->run, stride = g->stride, so = g->so, elem = g->elem;
     size_t channels = run / elem, token_bytes = groups * run;
-    char *buffer = so == elem ? malloc(TILE_BUFFER) : NULL;
+    if (so != elem) {
+        for (size_t gi = 0; gi < groups; gi++) {
+            char *p = paged + row_at(g, slots[t], gi);
+            for (size_t j = 0; j < channels; j++)
+                for (size_t k = 0; k < n; k++) {
+                    char *pk = p + k * so + j * stride, *bk = rows + k * token_bytes + gi * run + j * elem;
+                    if (scatter) memcpy(pk, bk, elem); else memcpy(bk, pk, elem);
+                }
+        }
+        return;
+    }
+    if (!scatter && buffer && token_bytes <= TILE_BUFFER) { /* as many tokens at a time as the buffer holds */
+        for (size_t k0 = 0, m; k0 < n; k0 += m) {
+            m = n - k0 < TILE_BUFFER / token_bytes ? n - k0 : TILE_BUFFER / token_bytes;
+            for (size_t gi = 0; gi < groups; gi++)
+                transpose_tile(buffer + gi * run, token_bytes, paged + row_at(g, slots[t], gi) + k0 * so, stride,
+                               channels, m, elem);
+            copy_bytes(rows + k0 * token_bytes, buffer, m * token_bytes, nt);
+        }
+        return;
+    }
+    for (size_t gi = 0; gi < groups; gi++) {
+        char *p = paged + row_at(g, slots[t], gi), *b0 = rows + gi * run;
+        if (scatter && buffer && n * elem == stride && channels * stride <= TILE_BUFFER) { /* whole rows */
+            transpose_tile(buffer, stride, b0, token_bytes, n, channels, elem);
+            copy_bytes(p, buffer, channels * stride, nt);
+        } else if (scatter) {
+            transpose_tile(p, stride, b0, token_bytes, n, channels, elem);
+        } else {
+            transpose_tile(b0, token_bytes, p, stride, channels, n, elem);
+        }
+    }
+}
+
+/* The next run's source, fetched while this run moves. */
+static void prefetch_run(const segment_t *g, size_t t, size_t tokens, const char *b, int scatter) {
+    if (t >= tokens) return;
+    const int64_t *slots = (const int64_t *)(uintptr_t)g->slots;
+    size_t n = slot_run(g, slots, t, tokens), token_bytes = g->groups * g->run;
+    if (scatter) {
+        for (size_t o = 0; o < n * token_bytes; o += 64) __builtin_prefetch(b + t * token_bytes + o);
+        return;
+    }
+    for (size_t gi = 0; gi < g->groups; gi++) {
+        const char *q = (const char *)(uintptr_t)g->paged + row_at(g, slots[t], gi);
+        for (size_t j = 0; j < g->run / g->elem; j++)
+            for (size_t o = 0; o < n * g->so; o += 64) __builtin_prefetch(q + j * g->stride + o);
+    }
+}
+
+static void copy_tiles(const segment_t *g, char *b, int scatter, int nt) {
+    const int64_t *slots = (const int64_t *)(uintptr_t)g->slots;
+    size_t tokens = g->tokens, token_bytes = g->groups * g->run;
+    char *buffer = malloc(TILE_BUFFER); /* NULL: transposed straight into memory */
     for (size_t t = 0; t < tokens;) {
         size_t n = slot_run(g, slots, t, tokens);
-        if (t + n < tokens) { /* the next run's source, fetched while this run moves */
-            size_t next = slot_run(g, slots, t + n, tokens);
-            if (scatter) {
-                const char *q = b + (t + n) * token_bytes;
-                for (size_t o = 0; o < next * token_bytes; o += 64) __builtin_prefetch(q + o);
-            } else {
-                for (size_t gi = 0; gi < groups; gi++) {
-                    const char *q = paged + row_at(g, slots[t + n], gi);
-                    for (size_t j = 0; j < channels; j++)
-                        for (size_t o = 0; o < next * so; o += 64) __builtin_prefetch(q + j * stride + o);
-                }
-            }
-        }
-        if (buffer && !scatter && n * token_bytes <= TILE_BUFFER) {
-            for (size_t gi = 0; gi < groups; gi++)
-                transpose_tile(buffer + gi * run, token_bytes, paged + row_at(g, slots[t], gi), stride, channels, n, elem);
-            copy_bytes(b + t * token_bytes, buffer, n * token_bytes, nt);
-        } else {
-            for (size_t gi = 0; gi < groups; gi++) {
-                char *p = paged + row_at(g, slots[t], gi), *b0 = b + (t * groups + gi) * run;
-                if (buffer && n * elem == stride && channels * stride <= TILE_BUFFER) { /* whole rows: one copy */
-                    transpose_tile(buffer, stride, b0, token_bytes, n, channels, elem);
-                    copy_bytes(p, buffer, channels * stride, nt);
-                } else if (buffer) {
-                    if (scatter) transpose_tile(p, stride, b0, token_bytes, n, channels, elem);
-                    else transpose_tile(b0, token_bytes, p, stride, channels, n, elem);
-                } else {
-                    for (size_t j = 0; j < channels; j++)
-                        for (size_t k = 0; k < n; k++) {
-                            char *pk = p + k * so + j * stride, *bk = b0 + k * token_bytes + j * elem;
-                            if (scatter) memcpy(pk, bk, elem); else memcpy(bk, pk, elem);
-                        }
-                }
-            }
-        }
+        prefetch_run(g, t + n, tokens, b, scatter);
+        tiles_run(g, t, n, b + t * token_bytes, scatter, nt, buffer);
         t += n;
     }
     free(buffer);
@@ -437,6 +458,9 @@ typedef struct {
 
 static void *check_part(void *arg) {
     part_t *p = (part_t *)arg;
+    uint8_t *rows = NULL, *page = NULL; /* for transposed pages: a run's blob rows, a page's tiles */
+    for (size_t k = p->first; k < p->last && !rows; k++)
+        if (p->seg[k].stride) rows = malloc(TILE_BUFFER), page = malloc(TILE_BUFFER);
     crc32c_stream s;
     crc32c_stream_begin(&s, crc32c_begin());
     const uint8_t *pos = p->begin;
@@ -446,9 +470,21 @@ static void *check_part(void *arg) {
         uint8_t *paged = (uint8_t *)(uintptr_t)g->paged;
         const int64_t *slots = (const int64_t *)(uintptr_t)g->slots;
         crc32c_stream_copy(&s, NULL, pos, (size_t)(b - pos), 0); /* bytes between segments */
-        if (g->stride) {
-            /* transposed rows: copy in tiles, then checksum what was written, in blob order (the
-             * bytes checked are still the bytes loaded; the paged side is private to this load) */
+        size_t token_bytes = (size_t)(g->groups * g->run);
+        if (g->stride && rows && token_bytes <= TILE_BUFFER) {
+            /* transposed rows: a run's blob rows are checked as they are copied into a buffer,
+             * and its tiles move from there (the bytes written are the bytes checked) */
+            for (size_t t = 0; t < g->tokens;) {
+                size_t n = slot_run(g, slots, t, (size_t)g->tokens);
+                if (n * token_bytes > TILE_BUFFER) n = TILE_BUFFER / token_bytes;
+                crc32c_stream_copy(&s, rows, b, n * token_bytes, 0);
+                tiles_run(g, t, n, (char *)rows, 1, p->nt, (char *)page);
+                b += n * token_bytes;
+                t += n;
+            }
+        } else if (g->stride) {
+            /* no buffer: copy in tiles, then checksum what was written, in blob order (the bytes
+             * checked are still the bytes loaded; the paged side is private to this load) */
             copy_segment(g, 1, 0);
             crc32c_state r = crc32c_stream_end(&s);
             for (size_t t = 0; t < g->tokens; t++)
@@ -476,6 +512,8 @@ static void *check_part(void *arg) {
     crc32c_stream_copy(&s, NULL, pos, (size_t)(p->end - pos), 0);
     p->crc = crc32c_end(crc32c_stream_end(&s));
     store_fence();
+    free(rows);
+    free(page);
     return NULL;
 }
 

@@ -260,3 +260,27 @@ def test_any_slot_order_gives_the_reference_bytes(layout):
     got = torch.empty_like(blob)
     assert paged_native.native_gather(ref, PagedLayout(layout), slots, got)
     assert torch.equal(got, blob)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transposed_pages_of_large_blocks(dtype, nontemporal):
+    """vLLM's CPU layout at its own block size (128): a run of slots is more than the kernel's
+    tile buffer holds (it goes in parts), whole blocks and partial ones, plain and checked."""
+    gen = torch.Generator().manual_seed(12)
+    T, BS, L, H, D, NB = 300, 128, 2, 4, 64, 5
+    layout = PagedLayout("vllm_cpu")
+    bufs = make_buffers("vllm_cpu", L, NB, BS, H, D, dtype, gen)
+    order = torch.randperm(NB, generator=gen)
+    t = torch.arange(T) + 40  # the first block partly cached: runs start mid-block
+    slots = order[t // BS] * BS + t % BS
+    _, view, check = _payload_blob((2, L, T, H * D), dtype, gen)
+    ref, out, checked = (clone_buffers(bufs, "vllm_cpu") for _ in range(3))
+    paged_torch.torch_scatter(view.clone(), ref, layout, slots)
+    assert paged_native.native_scatter(view, out, layout, slots)
+    assert buffers_equal(ref, out, "vllm_cpu")
+    assert paged_native.native_scatter_checked(view, checked, layout, slots, check)
+    assert buffers_equal(ref, checked, "vllm_cpu")
+    got = torch.empty_like(view)
+    assert paged_native.native_gather(ref, layout, slots, got)
+    assert torch.equal(got, view)
