@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING
+import threading
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
 
 from .errors import UsageError
 
@@ -63,15 +65,34 @@ def host_memory_bytes() -> int | None:
         return None
 
 
+_share = threading.local()  # .threads: this thread's share of the cores (a worker of a parallel load)
+
+
 def host_threads() -> int:
-    """Threads kvtool's own CPU work may use: KVTOOL_THREADS, else the cores this process may run on."""
+    """Threads kvtool's own CPU work may use: KVTOOL_THREADS, else the cores this process may run
+    on; within `thread_share(n)`, at most n (a load's workers already use the cores in parallel)."""
     env = os.environ.get("KVTOOL_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
-        return int(env)
+        threads = int(env)
+    else:
+        try:
+            threads = max(1, len(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):  # pragma: no cover - non-Linux
+            threads = max(1, os.cpu_count() or 1)
+    share = getattr(_share, "threads", None)
+    return threads if share is None else max(1, min(threads, share))
+
+
+@contextmanager
+def thread_share(threads: int) -> Iterator[None]:
+    """Within it, this thread's native copies and coders use at most `threads` threads: a worker
+    of a load that runs `w` of them in parallel takes cores / w, not every core again."""
+    previous = getattr(_share, "threads", None)
+    _share.threads = threads
     try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        return max(1, os.cpu_count() or 1)
+        yield
+    finally:
+        _share.threads = previous
 
 
 def synchronize(device: "torch.device") -> None:

@@ -20,6 +20,7 @@ but lie past the loaded prefix (an engine computes those slots again).
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..checksum import PayloadCheck
-from ..devices import host_threads
+from ..devices import host_threads, thread_share
 from ..errors import KvtoolError, ShapeMismatch
 
 
@@ -54,9 +55,25 @@ class LoadOutcome:
     failed: int | None = field(default=None)  # index of the task that failed
 
 
+MAX_LOAD_THREADS = 8
+_WORKER_PREFIX = "kvtool-load"
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process it belongs to, the pool)
+_pool_lock = threading.Lock()
+
+
 def load_threads(tasks: int) -> int:
     """Worker threads: KVTOOL_THREADS or the usable cores, at most 8, never more than tasks."""
-    return max(1, min(host_threads(), 8, tasks))
+    return max(1, min(host_threads(), MAX_LOAD_THREADS, tasks))
+
+
+def _workers() -> ThreadPoolExecutor:
+    """The loads' worker threads, started once per process (a load of a few chunks would
+    otherwise spend as long starting threads as copying); a forked child starts its own."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=MAX_LOAD_THREADS, thread_name_prefix=_WORKER_PREFIX))
+        return _pool[1]
 
 
 def _as_blob(kv: torch.Tensor, first: int, count: int) -> torch.Tensor:
@@ -73,14 +90,18 @@ def load_chunks(tasks: Sequence[ChunkTask], scatter: Callable[[torch.Tensor, int
     if not tasks:
         return LoadOutcome(loaded_tokens=0, chunks=0)
     threads = threads or load_threads(len(tasks))
+    if threading.current_thread().name.startswith(_WORKER_PREFIX):
+        threads = 1  # a load inside a load's worker runs in place: waiting on the pool could deadlock it
     checks = takes_check(scatter)
+    share = max(1, host_threads() // threads)  # each worker's native copies take cores / workers
 
     def run(task: ChunkTask) -> None:
-        mapped = task.mapped() if checks and task.mapped is not None else None
-        if mapped is not None:
-            scatter(mapped[0], task.start, task.end, check=mapped[1])
-        else:
-            scatter(_as_blob(task.decode(), task.first_row, task.end - task.start), task.start, task.end)
+        with thread_share(share):
+            mapped = task.mapped() if checks and task.mapped is not None else None
+            if mapped is not None:
+                scatter(mapped[0], task.start, task.end, check=mapped[1])
+            else:
+                scatter(_as_blob(task.decode(), task.first_row, task.end - task.start), task.start, task.end)
 
     if threads == 1:  # no pool: the same steps in order
         for i, task in enumerate(tasks):
@@ -91,20 +112,20 @@ def load_chunks(tasks: Sequence[ChunkTask], scatter: Callable[[torch.Tensor, int
         return LoadOutcome(loaded_tokens=tasks[-1].end, chunks=len(tasks))
 
     done: dict[int, BaseException | None] = {}
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtool-load") as pool:
-        running: dict[Future, int] = {}
-        following = 0  # the next task to submit
-        stop = False
-        while running or (following < len(tasks) and not stop):
-            while not stop and following < len(tasks) and len(running) < threads:
-                running[pool.submit(run, tasks[following])] = following
-                following += 1
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in finished:
-                index = running.pop(future)
-                done[index] = future.exception()
-                if done[index] is not None:
-                    stop = True  # nothing new starts past a failure; in-flight chunks finish
+    pool = _workers()
+    running: dict[Future, int] = {}
+    following = 0  # the next task to submit
+    stop = False
+    while running or (following < len(tasks) and not stop):
+        while not stop and following < len(tasks) and len(running) < threads:
+            running[pool.submit(run, tasks[following])] = following
+            following += 1
+        finished, _ = wait(running, return_when=FIRST_COMPLETED)
+        for future in finished:
+            index = running.pop(future)
+            done[index] = future.exception()
+            if done[index] is not None:
+                stop = True  # nothing new starts past a failure; in-flight chunks finish
     for i, task in enumerate(tasks):
         err = done.get(i)
         if i not in done or err is not None:
