@@ -215,24 +215,34 @@ def gpu_candidates(kv, files, tmp, store_cache, token_ids, layers, heads, head_d
 
 
 def vllm_cpu_layout(rounds: int) -> list[dict]:
-    """The vLLM connector's copies: 1,024 tokens (4 chunks) of the default model's float32 KV into
-    and out of vLLM's CPU layout (integrations.engine_blocks), the native row copy vs the torch
-    reference, next to a plain copy of the same bytes."""
-    from kvtool.integrations.engine_blocks import EngineBlocks
+    """The vLLM connector's copies (integrations.engine_blocks): 1,024 tokens (4 chunks) of the
+    default model's float32 KV into vLLM's CPU layout as a load does it (`scatter_into`, each chunk
+    CRC-checked as it is copied from its stored bytes) and out of it as a save does (`read` into a
+    recycled buffer, `SaveBuffers`), the native copy vs the torch reference, next to a plain copy of
+    the same bytes."""
+    from kvtool.checksum import PayloadCheck, crc32
+    from kvtool.integrations.engine_blocks import EngineBlocks, SaveBuffers
 
     layers, heads, head_dim, block, tokens = 30, 3, 64, 128, 1024
+    kv_numel = 2 * layers * CHUNK * heads * head_dim
     blocks = EngineBlocks([torch.zeros(182, heads, block, 2 * head_dim) for _ in range(layers)], block)
     block_ids = [5, 77, 12, 140, 33, 9, 100, 150]
-    kv = torch.randn(2, layers, CHUNK, heads * head_dim)
+    stored = [torch.randn(2, layers, CHUNK, heads * head_dim) for _ in range(tokens // CHUNK)]  # "stored" chunks
+    checks = [PayloadCheck(memoryview(kv.view(torch.uint8).numpy()).cast("B"), crc32(kv.view(torch.uint8).numpy()),
+                           f"chunk {c}") for c, kv in enumerate(stored)]
+    scatter = blocks.scatter_into(block_ids, tokens)
     src, dst = torch.randn(2, layers, tokens, heads * head_dim), torch.empty(2, layers, tokens, heads * head_dim)
 
-    def write():
-        for c in range(tokens // CHUNK):
-            blocks.write(kv, block_ids, c * CHUNK)
+    def load():
+        for c, (kv, check) in enumerate(zip(stored, checks)):
+            scatter(kv, c * CHUNK, (c + 1) * CHUNK, check=check)
 
-    def read():
+    buffers = SaveBuffers()
+
+    def save():  # as the connector saves: into a buffer an earlier save gave back
         for c in range(tokens // CHUNK):
-            blocks.read(block_ids, c * CHUNK, (c + 1) * CHUNK)
+            kv = blocks.read(block_ids, c * CHUNK, (c + 1) * CHUNK, into=buffers.take(kv_numel, torch.float32))
+            buffers.give(kv)
 
     def torch_path(fn):
         def run():
@@ -243,9 +253,10 @@ def vllm_cpu_layout(rounds: int) -> list[dict]:
                 del os.environ["KVTOOL_PAGED_NATIVE"]
         return run
 
-    best = time_round_robin({"limit: copy of the same bytes": lambda: dst.copy_(src), "write (load), native": write,
-                    "write (load), torch reference": torch_path(write), "read (save), native": read,
-                    "read (save), torch reference": torch_path(read)}, rounds)
+    best = time_round_robin({"limit: copy of the same bytes": lambda: dst.copy_(src),
+                             "load (scatter_into, checked), native": load,
+                             "load (scatter_into, checked), torch reference": torch_path(load),
+                             "save (read), native": save, "save (read), torch reference": torch_path(save)}, rounds)
     nbytes = src.numel() * 4
     return [{"what": k, "seconds": v, "GBps": nbytes / v / 1e9, "vs_copy": best["limit: copy of the same bytes"] / v}
             for k, v in best.items()]

@@ -242,7 +242,30 @@ static void transpose_tile(char *dst, size_t ds, const char *src, size_t ss, siz
  * blob rows are put together the same way and written at once. (Transposing straight into
  * memory writes 16 bytes per row, every line read for ownership first: 1.5-2.5x slower.) Pages
  * whose adjacent slots are not adjacent elements (no engine has them) go one element at a time. */
-#define TILE_BUFFER (64 << 10)
+#define TILE_BUFFER (256 << 10) /* a block of 128 slots of 8 heads x 128 bf16 channels */
+
+/* Tile buffers are kept for the next call, not freed: a 256 KB malloc is served by mmap or
+ * trimmed back to the system when freed, and its page faults on every call cost more than the
+ * transposes (at most 2 * MAX_THREADS are kept: one per thread of the calls running at once). */
+static pthread_mutex_t tile_lock = PTHREAD_MUTEX_INITIALIZER;
+static char *tile_free[2 * MAX_THREADS];
+static int tile_kept = 0;
+
+static char *tile_take(void) {
+    char *buffer = NULL;
+    pthread_mutex_lock(&tile_lock);
+    if (tile_kept) buffer = tile_free[--tile_kept];
+    pthread_mutex_unlock(&tile_lock);
+    return buffer ? buffer : malloc(TILE_BUFFER); /* NULL: the copies go without one */
+}
+
+static void tile_give(char *buffer) {
+    if (!buffer) return;
+    pthread_mutex_lock(&tile_lock);
+    if (tile_kept < 2 * MAX_THREADS) tile_free[tile_kept++] = buffer, buffer = NULL;
+    pthread_mutex_unlock(&tile_lock);
+    free(buffer);
+}
 
 /* One run: tokens [t, t + n), their blob rows at `rows` (token k at rows + k * groups * run). */
 static void tiles_run(const segment_t *g, size_t t, size_t n, char *rows, int scatter, int nt, char *buffer) {
@@ -300,25 +323,24 @@ static void prefetch_run(const segment_t *g, size_t t, size_t tokens, const char
     }
 }
 
-static void copy_tiles(const segment_t *g, char *b, int scatter, int nt) {
+/* `buffer`: TILE_BUFFER bytes, or NULL (then transposed straight into memory). */
+static void copy_tiles(const segment_t *g, char *b, int scatter, int nt, char *buffer) {
     const int64_t *slots = (const int64_t *)(uintptr_t)g->slots;
     size_t tokens = g->tokens, token_bytes = g->groups * g->run;
-    char *buffer = malloc(TILE_BUFFER); /* NULL: transposed straight into memory */
     for (size_t t = 0; t < tokens;) {
         size_t n = slot_run(g, slots, t, tokens);
         prefetch_run(g, t + n, tokens, b, scatter);
         tiles_run(g, t, n, b + t * token_bytes, scatter, nt, buffer);
         t += n;
     }
-    free(buffer);
 }
 
-static void copy_segment(const segment_t *g, int scatter, int nt) {
+static void copy_segment(const segment_t *g, int scatter, int nt, char *tile_buffer) {
     char *paged = (char *)(uintptr_t)g->paged, *b = (char *)(uintptr_t)g->blob;
     const int64_t *slots = (const int64_t *)(uintptr_t)g->slots;
     size_t tokens = g->tokens, groups = g->groups, run = g->run, stride = g->stride;
     if (stride) {
-        copy_tiles(g, b, scatter, nt);
+        copy_tiles(g, b, scatter, nt, tile_buffer);
         return;
     }
     if (groups == 1 && g->so == run) { /* a token's row follows the previous slot's: one copy per run of slots */
@@ -381,14 +403,17 @@ static void copy_pair(const segment_t *gk, const segment_t *gv, int scatter, int
 
 static void *copy_work(void *arg) {
     copy_job *j = (copy_job *)arg;
+    char *tile_buffer = NULL; /* one per thread and call, for transposed pages */
     for (size_t k = j->first; k < j->last; k++) {
         if (k + 1 < j->last && pairs_with(&j->seg[k], &j->seg[k + 1])) {
             copy_pair(&j->seg[k], &j->seg[k + 1], j->scatter, j->nt);
             k++;
         } else {
-            copy_segment(&j->seg[k], j->scatter, j->nt);
+            if (j->seg[k].stride && !tile_buffer) tile_buffer = tile_take();
+            copy_segment(&j->seg[k], j->scatter, j->nt, tile_buffer);
         }
     }
+    tile_give(tile_buffer);
     store_fence();
     return NULL;
 }
@@ -460,7 +485,7 @@ static void *check_part(void *arg) {
     part_t *p = (part_t *)arg;
     uint8_t *rows = NULL, *page = NULL; /* for transposed pages: a run's blob rows, a page's tiles */
     for (size_t k = p->first; k < p->last && !rows; k++)
-        if (p->seg[k].stride) rows = malloc(TILE_BUFFER), page = malloc(TILE_BUFFER);
+        if (p->seg[k].stride) rows = (uint8_t *)tile_take(), page = (uint8_t *)tile_take();
     crc32c_stream s;
     crc32c_stream_begin(&s, crc32c_begin());
     const uint8_t *pos = p->begin;
@@ -485,7 +510,7 @@ static void *check_part(void *arg) {
         } else if (g->stride) {
             /* no buffer: copy in tiles, then checksum what was written, in blob order (the bytes
              * checked are still the bytes loaded; the paged side is private to this load) */
-            copy_segment(g, 1, 0);
+            copy_segment(g, 1, 0, NULL);
             crc32c_state r = crc32c_stream_end(&s);
             for (size_t t = 0; t < g->tokens; t++)
                 for (size_t gi = 0; gi < g->groups; gi++, b += g->run)
@@ -512,8 +537,8 @@ static void *check_part(void *arg) {
     crc32c_stream_copy(&s, NULL, pos, (size_t)(p->end - pos), 0);
     p->crc = crc32c_end(crc32c_stream_end(&s));
     store_fence();
-    free(rows);
-    free(page);
+    tile_give((char *)rows);
+    tile_give((char *)page);
     return NULL;
 }
 

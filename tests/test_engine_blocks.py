@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtool.integrations.engine_blocks import EngineBlocks, UnsupportedKVLayout, detect_layout
+from kvtool.integrations.engine_blocks import EngineBlocks, SaveBuffers, UnsupportedKVLayout, detect_layout
 
 L, H, D, NB, BS = 3, 2, 8, 12, 16
 SHAPES = {"vllm_cpu": (NB, H, BS, 2 * D), "flash_attn": (2, NB, BS, H, D), "flashinfer": (NB, 2, BS, H, D)}
@@ -33,6 +33,32 @@ def test_tokens_round_trip_through_a_requests_blocks(layout, device):
     assert torch.equal(blocks.read(block_ids, 33, 51), kv[:, :, 33:51])
     untouched = [b for b in range(NB) if b not in block_ids]
     assert torch.equal(blocks.read(untouched, 0, BS * len(untouched)), torch.zeros(2, L, BS * len(untouched), H * D))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["vllm_cpu", "flash_attn"])
+def test_a_save_reads_into_a_recycled_buffer(layout, device):
+    """A save gathers into a buffer an earlier save gave back (the whole of it, though that save
+    used a smaller view), with the same result as into a new tensor; a buffer too small, of
+    another dtype, or not given back is not used."""
+    if layout == "vllm_cpu" and device == "cuda":
+        pytest.skip("vLLM's CPU layout lives in host memory")
+    blocks = EngineBlocks(engine(layout, device), BS)
+    block_ids = [7, 2, 9, 0, 5]
+    kv = torch.randn(2, L, 70, H * D)
+    blocks.write(kv, block_ids, 0)
+    buffers = SaveBuffers(keep=2)
+    first = blocks.read(block_ids, 0, 30)
+    buffers.give(blocks.read(block_ids, 0, 64)[:, :, :16])  # a view of part of it: the whole comes back
+    assert buffers.take(10**9, torch.float32) is None and buffers.take(1, torch.float16) is None
+    into = buffers.take(2 * L * 64 * H * D, torch.float32)
+    assert into is not None and buffers.take(1, torch.float32) is None  # taken: no one else gets it
+    again = blocks.read(block_ids, 0, 30, into=into)
+    assert again.data_ptr() == into.data_ptr() and torch.equal(again, first)
+    assert torch.equal(blocks.read(block_ids, 33, 51, into=torch.empty(5)), kv[:, :, 33:51])  # too small: a new one
+    for _ in range(3):
+        buffers.give(torch.empty(8))
+    assert sum(buffers.take(1, torch.float32) is not None for _ in range(3)) == 2  # at most `keep` are kept
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

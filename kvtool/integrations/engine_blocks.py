@@ -15,6 +15,7 @@ Token t of a request whose blocks are `block_ids` lives in slot
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -83,8 +84,42 @@ class EngineBlocks:
                               slot_mapping=slots)
         return scatter
 
-    def read(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
-        """Tokens [start, end) of a request from its blocks, as a host [2, L, end - start, H*D] tensor."""
-        memory = self.paged.allocate(end - start, self.dtype)
+    def read(self, block_ids: Sequence[int], start: int, end: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens [start, end) of a request from its blocks, as a host [2, L, end - start, H*D] tensor:
+        a new one, or a view of `into` (a contiguous host buffer of this dtype, large enough: a
+        recycled `SaveBuffers` buffer) when it fits."""
+        shape = self.paged.get_shape(end - start)
+        if into is not None and into.dtype == self.dtype and into.device.type == "cpu" and into.is_contiguous() \
+                and into.numel() >= shape.numel():
+            memory = MemoryObj.from_tensor(into.view(-1)[:shape.numel()].view(shape))
+        else:
+            memory = self.paged.allocate(end - start, self.dtype)
         self.paged.from_gpu(memory, start, end, kvcaches=self.layers, slot_mapping=self.slots(block_ids, end))
         return memory.tensor
+
+
+class SaveBuffers:
+    """Host buffers for saves, given back once their chunks are stored. A save gathers vLLM's
+    blocks into host memory in vLLM's step; into a fresh tensor of a chunk's size (10-30 MB) the
+    page faults of first touch cost as much as the gather itself. At most `keep` are kept."""
+
+    def __init__(self, keep: int = 6):
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A free buffer of `dtype` holding at least `numel` elements, or None (read allocates)."""
+        with self._lock:
+            for i, buffer in enumerate(self._free):
+                if buffer.dtype == dtype and buffer.numel() >= numel:
+                    return self._free.pop(i)
+        return None
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """`buffer` (from `take`, or the tensor `read` returned) is no longer used by anyone."""
+        storage = buffer.untyped_storage()  # the whole buffer, not the view a smaller save used
+        whole = torch.empty(0, dtype=buffer.dtype).set_(storage, 0, (storage.nbytes() // buffer.element_size(),))
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(whole)

@@ -42,7 +42,7 @@ from ..engine.loader import model_identity
 from ..errors import KvtoolError
 from ..load import SavePipeline
 from ..store import open_store
-from .engine_blocks import EngineBlocks
+from .engine_blocks import EngineBlocks, SaveBuffers
 
 log = logging.getLogger("vllm.kvtool")  # under vLLM's logger: its handler and format
 
@@ -95,6 +95,7 @@ class KVToolConnector(KVConnectorBase_V1):
         self._requests: dict[str, dict[str, Any]] = {}  # req -> tokens, block ids, saved up to
         # worker side
         self._blocks: EngineBlocks | None = None
+        self._save_buffers = SaveBuffers(keep=6)  # SavePipeline holds at most 4 pending saves
         self._saving: SavePipeline | None = None  # encode + write of gathered chunks, off the step
         self._load_errors: set[int] = set()
         self.stats = {"loaded_tokens": 0, "load_seconds": 0.0, "load_failures": 0,
@@ -215,7 +216,9 @@ class KVToolConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         for save in getattr(meta, "saves", []):
             began = time.perf_counter()
-            kv = self._blocks.read(save.block_ids, save.start, save.end)
+            numel = self._blocks.paged.get_shape(save.end - save.start).numel()
+            kv = self._blocks.read(save.block_ids, save.start, save.end,
+                                   into=self._save_buffers.take(numel, self._blocks.dtype))
             gathered = time.perf_counter() - began
             if self._saving is None:
                 self._saving = SavePipeline(max_pending=4, name="kvtool-vllm-save")
@@ -229,6 +232,8 @@ class KVToolConnector(KVConnectorBase_V1):
             log.warning("kvtool: request %s: tokens %d..%d not saved to %s (%s)", save.req_id, save.start,
                         save.end, self.store.url, err)
             return
+        finally:  # stored (the store keeps its own bytes) or given up: the buffer is free again
+            self._save_buffers.give(kv)
         stored = time.perf_counter() - began
         self.stats["saved_chunks"] += result.stored
         self.stats["save_seconds"] += gathered + stored
