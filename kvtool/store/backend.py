@@ -7,7 +7,7 @@ store above decides. Every backend runs the same contract suite (tests/test_stor
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -30,6 +30,13 @@ class Backend(ABC):
         """The object's bytes, or None when it is not stored. Counts as a use (LRU). A backend
         that reads into a fresh buffer returns it as a writable memoryview the caller owns (a
         raw chunk then decodes without a copy); `bytes(...)` of it when bytes are needed."""
+
+    def get_into(self, name: str, buffer: Callable[[int], memoryview]) -> bytes | memoryview | None:
+        """`get`, but a backend that reads the object itself reads it into `buffer(size)` (a
+        writable memoryview of at least `size` bytes, e.g. a load worker's reused buffer: no page
+        faults on a fresh one) and returns that view's first `size` bytes. The caller must be done
+        with the result before it hands the buffer out again. Others return what `get` does."""
+        return self.get(name)
 
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         """`get` of each name; backends with a network batch them into one round trip."""

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -31,6 +32,21 @@ from .tiers import TieredBackend
 
 if TYPE_CHECKING:
     import torch
+
+
+_reads = threading.local()
+MAX_KEPT_READ_BUFFER = 64 << 20  # a bigger object gets a fresh buffer each time
+
+
+def _thread_buffer(size: int) -> memoryview:
+    """This thread's buffer for store objects a load reads and copies out at once: mapped, so a
+    chunk's read does not page-fault a fresh buffer in (which cost as much as the read)."""
+    if size > MAX_KEPT_READ_BUFFER:
+        return memoryview(np.empty(size, dtype=np.uint8))
+    buffer = getattr(_reads, "buffer", None)
+    if buffer is None or buffer.nbytes < size:
+        buffer = _reads.buffer = np.empty(size, dtype=np.uint8)
+    return memoryview(buffer)
 
 class _Gone(NotCached):
     """An object removed between the existence check and its read (a miss, not damage)."""
@@ -321,7 +337,9 @@ class ModelCache:
             """The chunk's KV; `unchecked`: a raw payload read for us comes back as a view with
             its PayloadCheck (the scatter checks it as it copies: one pass fewer)."""
             name = self.name(prefix)
-            data = self.backend.get(name)
+            # unchecked: the chunk is copied out (scattered, or staged) on this thread before it
+            # fetches another, so the object may be read into this thread's reused buffer
+            data = self.backend.get_into(name, _thread_buffer) if unchecked else self.backend.get(name)
             if data is None:
                 raise _Gone(name)
             obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
