@@ -159,23 +159,39 @@ def _bounded_int(text: str) -> int:
 MAX_JSON_DEPTH = 64
 
 
-def _check_strings(obj: Any, depth: int = 0) -> None:
+def _check_strings(obj: Any, depth: int = 0, strings: bool = True) -> None:
     """Reject lone UTF-16 surrogates (valid JSON escapes that no UTF-8 output can hold) and
-    nesting deeper than MAX_JSON_DEPTH (the spec's limit; deeper input may also fail to parse)."""
+    nesting deeper than MAX_JSON_DEPTH (the spec's limit; deeper input may also fail to parse).
+    `strings=False`: the text has no \\u escape, so no string can hold one; only the depth is
+    checked. Scalars are looked at in their container's loop, not a call each (a manifest holds
+    thousands: this walk was most of opening a file)."""
     if depth > MAX_JSON_DEPTH:
         raise ManifestCorrupt(f"manifest JSON is nested deeper than {MAX_JSON_DEPTH} levels")
-    if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ManifestCorrupt("manifest holds a string with a lone surrogate escape") from None
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            _check_strings(key, depth + 1)
-            _check_strings(value, depth + 1)
+    if isinstance(obj, dict):
+        values: Any = obj.values()
+        if strings:
+            for key in obj:
+                _check_string(key)
     elif isinstance(obj, list):
-        for value in obj:
-            _check_strings(value, depth + 1)
+        values = obj
+    else:
+        if strings and isinstance(obj, str):
+            _check_string(obj)
+        return
+    if obj and depth + 1 > MAX_JSON_DEPTH:  # its keys and values lie one level deeper
+        raise ManifestCorrupt(f"manifest JSON is nested deeper than {MAX_JSON_DEPTH} levels")
+    for value in values:
+        if isinstance(value, (dict, list)):
+            _check_strings(value, depth + 1, strings)
+        elif strings and isinstance(value, str):
+            _check_string(value)
+
+
+def _check_string(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ManifestCorrupt("manifest holds a string with a lone surrogate escape") from None
 
 
 # A valid manifest spends far more than 16 bytes on each object and array (a chunk entry: ~300
@@ -216,7 +232,7 @@ def load_json(raw: bytes) -> Any:
         raise ManifestCorrupt("manifest JSON is nested too deeply") from None
     except ValueError as err:  # a number Python refuses to convert
         raise ManifestCorrupt(f"manifest holds an unreadable number ({err})") from None
-    _check_strings(doc)
+    _check_strings(doc, strings="\\u" in text)
     return doc
 
 
