@@ -318,7 +318,8 @@ def test_dtype_conversion(layout):
 
 @pytest.mark.parametrize("form", ["THD", "T(HD)", "HF"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_nested_tuple_round_trip(form, dtype):
+@pytest.mark.parametrize("blob", ["float32", "the buffers' dtype"])  # converted by torch / copied natively
+def test_nested_tuple_round_trip(form, dtype, blob):
     gen = torch.Generator().manual_seed(6)
     T, L, H, D = 131, 3, 3, 8
 
@@ -334,10 +335,10 @@ def test_nested_tuple_round_trip(form, dtype):
     conn = NestedTupleConnector(H * D, L)
     assert conn.get_shape(5) == torch.Size([2, L, 5, H * D])
     start, end = 17, 100
-    mo = conn.allocate(end - start, dtype=torch.float32)
+    mo = conn.allocate(end - start, dtype=torch.float32 if blob == "float32" else dtype)
     conn.from_gpu(mo, start, end, kvcaches=src)
     want = torch.stack([torch.stack([tokens(layer[kv])[start:end] for layer in src]) for kv in (0, 1)])
-    assert torch.equal(mo.tensor, want.float())
+    assert torch.equal(mo.tensor, want.to(mo.tensor.dtype))
     dst = make(zero=True)
     conn.to_gpu(mo, start, end, kvcaches=dst)
     for ls, ld in zip(src, dst):
@@ -345,6 +346,31 @@ def test_nested_tuple_round_trip(form, dtype):
             got = tokens(ld[kv])
             assert torch.equal(got[start:end], tokens(ls[kv])[start:end])
             assert not got[:start].any() and not got[end:].any()
+
+
+@pytest.mark.parametrize("form", ["THD", "HF"])
+def test_nested_tuple_checks_stored_bytes_as_it_loads_them(form):
+    """A memory object over unchecked stored bytes (a PayloadCheck): loaded when they match,
+    refused (ChecksumMismatch) when one byte differs."""
+    from kvtool.checksum import PayloadCheck, crc32
+    from kvtool.errors import ChecksumMismatch
+
+    gen = torch.Generator().manual_seed(13)
+    T, L, H, D = 40, 2, 2, 32
+    shape = (T, H, D) if form == "THD" else (1, H, T, D)
+    conn = NestedTupleConnector(H * D, L)
+    values = torch.randn(conn.get_shape(T), generator=gen)
+    payload = bytearray(values.numpy().tobytes())
+    stored = torch.frombuffer(payload, dtype=torch.float32).view(values.shape)
+    check = PayloadCheck(memoryview(payload), crc32(payload), "chunk 0")
+    dst = tuple((torch.zeros(shape), torch.zeros(shape)) for _ in range(L))
+    conn.to_gpu(MemoryObj.from_tensor(stored, check=check), 0, T, kvcaches=dst)
+    back = conn.allocate(T, torch.float32)
+    conn.from_gpu(back, 0, T, kvcaches=dst)
+    assert torch.equal(back.tensor, values)
+    payload[len(payload) // 2] ^= 1
+    with pytest.raises(ChecksumMismatch, match="chunk 0"):
+        conn.to_gpu(MemoryObj.from_tensor(stored, check=check), 0, T, kvcaches=dst)
 
 
 def test_nested_tuple_errors():

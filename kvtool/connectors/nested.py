@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 import torch
 
+from . import paged_native
 from .base import ConnectorError, GPUConnectorInterface
 from .memory import MemoryObj
 
@@ -76,10 +77,16 @@ class NestedTupleConnector(GPUConnectorInterface):
             )
         return t
 
+    @staticmethod
+    def _blob_order(views: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        return [pair[0] for pair in views] + [pair[1] for pair in views]
+
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
         views, total = self._token_views(kwargs)
         start, end = self._check_range(start, end, total)
         blob = self._check_memory_obj(memory_obj, end - start, views[0][0].device, reading=False)
+        if paged_native.native_token_copy(self._blob_order(views), start, end, blob, scatter=False):
+            return
         n = end - start
         for li, pair in enumerate(views):
             for kv in (0, 1):
@@ -90,8 +97,11 @@ class NestedTupleConnector(GPUConnectorInterface):
         views, total = self._token_views(kwargs)
         start, end = self._check_range(start, end, total)
         blob = self._check_memory_obj(memory_obj, end - start, views[0][0].device, reading=True)
-        if memory_obj.metadata.check is not None:  # unchecked stored bytes: copy, check, then load
-            blob = memory_obj.metadata.check.verified(blob)
+        check = memory_obj.metadata.check  # unchecked stored bytes: checked as copied, or copied and checked first
+        if paged_native.native_token_copy(self._blob_order(views), start, end, blob, scatter=True, check=check):
+            return
+        if check is not None:
+            blob = check.verified(blob)
         n = end - start
         for li, pair in enumerate(views):
             for kv in (0, 1):

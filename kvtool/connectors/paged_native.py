@@ -199,3 +199,59 @@ def native_scatter(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: Pag
     if blob.dtype != first.dtype:
         blob = blob.to(first.dtype)  # rounding as the reference does
     return _copy(kv_caches, layout, slots, blob.contiguous(), True, signature)
+
+
+def native_token_copy(tensors: Sequence[torch.Tensor], start: int, end: int, blob: torch.Tensor, scatter: bool,
+                      check: PayloadCheck | None = None) -> bool:
+    """Tokens [start, end) between whole-sequence tensors and a KV_BLOB, natively: `tensors` are
+    the connector's tokens-first views in blob order (K of every layer, then V), each [T, H, D] or
+    [T, H*D] with unit channel stride (a Hugging Face [1, H, T, D] layer seen as [T, H, D]). Each
+    is a "paged" tensor of one block of T slots, so the same kernel copies it (per token and
+    head, or one stretch when a token's heads are adjacent) in one call, the GIL released.
+    `check`: `blob` views unchecked stored bytes, checked as they are copied (scatter only).
+    False (nothing done) when the case is not taken: another device or dtype, odd strides."""
+    module = native_module()
+    first = tensors[0]
+    if module is None or first.device.type != "cpu" or blob.device.type != "cpu" or blob.dtype != first.dtype \
+            or not blob.is_contiguous() or end <= start:
+        return False
+    elem, tokens = first.element_size(), end - start
+    rows = []
+    for i, t in enumerate(tensors):
+        if t.dtype != first.dtype or t.dim() not in (2, 3) or t.stride(-1) != 1 or (scatter and _overlaps(t)):
+            return False  # (torch refuses to write a tensor whose elements share memory; so do we)
+        total = t.shape[0]
+        heads, dim = (t.shape[1], t.shape[2]) if t.dim() == 3 else (1, t.shape[1])
+        token_stride = t.stride(0) * elem
+        head_stride = t.stride(1) * elem if t.dim() == 3 else dim * elem
+        if heads == 1 or head_stride == dim * elem:  # a token's channels are one stretch
+            groups, run, head_stride = 1, heads * dim * elem, 0
+        else:
+            groups, run = heads, dim * elem
+        part = blob.data_ptr() + i * tokens * heads * dim * elem
+        rows.append((t.data_ptr(), _span(t), part, tokens, 0, total, groups, 0, 0, token_stride, head_stride, run,
+                     0, elem))
+    index = torch.arange(start, end, dtype=torch.int64)
+    packed = np.array(rows, dtype=np.uint64)
+    packed[:, 4] = index.data_ptr()
+    threads = _threads(blob.numel() * blob.element_size())
+    if check is not None:
+        if not scatter:
+            raise ValueError("native_token_copy: a check goes with a scatter")  # a bug, not bad input
+        if module.scatter_checked(packed.tobytes(), check.payload, threads) != check.crc32c:
+            raise check.mismatch()
+    else:
+        module.copy_segments(packed.tobytes(), int(scatter), threads)
+    del index
+    return True
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of `t` share memory (a broadcast view, say): each stride, smallest
+    first, must step past everything the smaller ones reach."""
+    reach = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride < reach:
+            return True
+        reach = stride * size
+    return False
