@@ -1,9 +1,10 @@
 /* CRC-32C while copying: see crc32c_cpu.h. */
 #include "crc32c_cpu.h"
 
+#include <pthread.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__x86_64__) /* the 64-bit crc32 and movq intrinsics: x86-64 only */
 #include <immintrin.h>
 #define CRC32C_X86 1
 #endif
@@ -145,7 +146,7 @@ __attribute__((target("sse4.2,pclmul"))) static void fold_copy(crc32c_stream *f,
         x3 = _mm_loadu_si128((const __m128i *)(f->lanes + 6));
     }
     for (; i < len; i += 64) {
-        __builtin_prefetch(src + i + FOLD_PREFETCH); /* never faults, even past the end */
+        __builtin_prefetch((const void *)((uintptr_t)src + i + FOLD_PREFETCH)); /* never faults, even past the end */
         __m128i y0 = _mm_loadu_si128((const __m128i *)(src + i));
         __m128i y1 = _mm_loadu_si128((const __m128i *)(src + i + 16));
         __m128i y2 = _mm_loadu_si128((const __m128i *)(src + i + 32));
@@ -186,27 +187,35 @@ __attribute__((target("sse4.2,pclmul"))) static uint32_t fold_end(const crc32c_s
 
 static int level = -1; /* CRC32C_TABLE, CRC32C_INSTRUCTION or CRC32C_FOLD; -1: not chosen yet */
 
+/* The level in effect, chosen on first use. Read atomically: tests change it while other
+ * threads checksum (a stream copes with a change between pieces: a fold in progress ends). */
+static int current_level(void) {
+    int l = __atomic_load_n(&level, __ATOMIC_ACQUIRE);
+    return l >= 0 ? l : crc32c_init(CRC32C_FOLD);
+}
+
 void crc32c_stream_begin(crc32c_stream *f, crc32c_state s) {
-    if (level < 0) crc32c_init(CRC32C_FOLD);
+    current_level();
     f->state = s;
     f->folding = 0;
 }
 
 void crc32c_stream_copy(crc32c_stream *f, void *dst, const void *src, size_t len, int nontemporal) {
+    int lv = current_level();
 #ifdef CRC32C_X86
     /* Pieces of whole 64-byte units fold, and the fold runs on across them (a scatter's rows of
      * 128 bytes and up); any other piece ends the fold and takes the crc32 instruction. */
-    if (level >= CRC32C_FOLD && len && len % 64 == 0) {
+    if (lv >= CRC32C_FOLD && len && len % 64 == 0) {
         fold_copy(f, (uint8_t *)dst, (const uint8_t *)src, len, nontemporal);
         return;
     }
     if (f->folding) f->state = fold_end(f), f->folding = 0;
-    if (level >= CRC32C_INSTRUCTION) {
+    if (lv >= CRC32C_INSTRUCTION) {
         f->state = hard_copy(f->state, (uint8_t *)dst, (const uint8_t *)src, len, nontemporal);
         return;
     }
 #endif
-    (void)nontemporal;
+    (void)lv, (void)nontemporal;
     f->state = soft_copy(f->state, (uint8_t *)dst, (const uint8_t *)src, len);
 }
 
@@ -235,42 +244,45 @@ __attribute__((target("sse4.2"))) static uint32_t hard_gather(uint32_t c, const 
 #endif
 
 crc32c_state crc32c_update_strided(crc32c_state s, const void *src, size_t stride, size_t len, size_t elem) {
-    if (level < 0) crc32c_init(CRC32C_FOLD);
+    int lv = current_level();
 #ifdef CRC32C_X86
-    if (level >= CRC32C_INSTRUCTION) return hard_gather(s, (const uint8_t *)src, stride, len, elem);
+    if (lv >= CRC32C_INSTRUCTION) return hard_gather(s, (const uint8_t *)src, stride, len, elem);
 #endif
+    (void)lv;
     for (size_t j = 0; j < len / elem; j++) s = soft_copy(s, NULL, (const uint8_t *)src + j * stride, elem);
     return s;
 }
 
 static uint32_t x_pow_bits(uint64_t n);
 
-int crc32c_init(int highest) {
-    if (level < 0) {
-        build_table();
+static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
+
+static void build_tables(void) { /* once, whichever thread comes first; the others wait */
+    build_table();
 #ifdef CRC32C_X86
-        const uint64_t d[2] = {512, 128};
-        uint64_t *k[2] = {fold_512, fold_128};
-        for (int i = 0; i < 2; i++) {
-            k[i][0] = (uint64_t)x_pow_bits(d[i] + 63) << 32;
-            k[i][1] = (uint64_t)x_pow_bits(d[i] - 1) << 32;
-        }
-#endif
+    const uint64_t d[2] = {512, 128};
+    uint64_t *k[2] = {fold_512, fold_128};
+    for (int i = 0; i < 2; i++) {
+        k[i][0] = (uint64_t)x_pow_bits(d[i] + 63) << 32;
+        k[i][1] = (uint64_t)x_pow_bits(d[i] - 1) << 32;
     }
+#endif
+}
+
+int crc32c_init(int highest) {
+    pthread_once(&tables_once, build_tables);
     int best = CRC32C_TABLE;
 #ifdef CRC32C_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("sse4.2")) best = CRC32C_INSTRUCTION;
     if (best == CRC32C_INSTRUCTION && __builtin_cpu_supports("pclmul")) best = CRC32C_FOLD;
 #endif
-    level = highest < best ? (highest < 0 ? 0 : highest) : best;
-    return level;
+    int chosen = highest < best ? (highest < 0 ? 0 : highest) : best;
+    __atomic_store_n(&level, chosen, __ATOMIC_RELEASE); /* after the tables, for every thread */
+    return chosen;
 }
 
-int crc32c_level(void) {
-    if (level < 0) crc32c_init(CRC32C_FOLD);
-    return level;
-}
+int crc32c_level(void) { return current_level(); }
 
 crc32c_state crc32c_copy(crc32c_state s, void *dst, const void *src, size_t len) {
     crc32c_stream f;

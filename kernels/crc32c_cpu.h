@@ -30,8 +30,8 @@ crc32c_state crc32c_update(crc32c_state s, const void *p, size_t len);
 
 /* A running CRC over pieces of one message, each optionally copied: a scatter's rows go through
  * one stream, so the fold runs on across rows of whole 64-byte units. `nontemporal`: write
- * `dst` with non-temporal stores (large copies; call _mm_sfence / crc32c_fence before the
- * bytes are handed on). */
+ * `dst` with non-temporal stores (large copies; call _mm_sfence before the bytes are
+ * handed on: paged_copy_cpu.c's workers do). */
 typedef struct {
     uint64_t lanes[8];  /* the folding path's four 128-bit lanes */
     crc32c_state state; /* the register, when not folding */

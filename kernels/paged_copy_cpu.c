@@ -46,7 +46,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__x86_64__) || defined(__SSE2__)
 #include <emmintrin.h>
 #define HAVE_SSE2 1
 #endif
@@ -485,7 +485,10 @@ static void *check_part(void *arg) {
     part_t *p = (part_t *)arg;
     uint8_t *rows = NULL, *page = NULL; /* for transposed pages: a run's blob rows, a page's tiles */
     for (size_t k = p->first; k < p->last && !rows; k++)
-        if (p->seg[k].stride) rows = (uint8_t *)tile_take(), page = (uint8_t *)tile_take();
+        if (p->seg[k].stride) {
+            rows = (uint8_t *)tile_take();
+            if (rows) page = (uint8_t *)tile_take(); /* without `rows` no buffer is used */
+        }
     crc32c_stream s;
     crc32c_stream_begin(&s, crc32c_begin());
     const uint8_t *pos = p->begin;
@@ -605,8 +608,9 @@ static PyObject *py_copy_checked(PyObject *self, PyObject *args) {
     } else {
         crc32c_stream s;
         crc32c_stream_begin(&s, crc32c_begin());
+        int nt = (size_t)src.len >= nontemporal_min; /* read with the GIL held, as its setter writes it */
         Py_BEGIN_ALLOW_THREADS
-        crc32c_stream_copy(&s, dst.buf, src.buf, (size_t)src.len, (size_t)src.len >= nontemporal_min);
+        crc32c_stream_copy(&s, dst.buf, src.buf, (size_t)src.len, nt);
         store_fence();
         Py_END_ALLOW_THREADS
         result = PyLong_FromUnsignedLong(crc32c_end(crc32c_stream_end(&s)));

@@ -193,7 +193,9 @@ def test_raw_chunks_are_checked_as_they_are_scattered_not_before(tmp_path, monke
     assert torch.equal(read(0, 43), f.kv[:, :, :43])
 
 
-def test_unchecked_bytes_through_the_nested_connector_are_checked_first():
+def test_unchecked_bytes_through_the_nested_connector_are_checked_as_copied():
+    """As the paged connectors: the stored bytes are checked as they are copied (one read) and a
+    mismatch raises after the copy; the tokens it wrote are then not reported loaded."""
     from kvtool.checksum import PayloadCheck, crc32
     from kvtool.connectors import NestedTupleConnector
 
@@ -209,7 +211,10 @@ def test_unchecked_bytes_through_the_nested_connector_are_checked_first():
     fresh = [(torch.zeros(8, H, D), torch.zeros(8, H, D)) for _ in range(L)]
     with pytest.raises(ChecksumMismatch, match="chunk 0"):
         connector.to_gpu(MemoryObj.from_tensor(view, check=check), 0, 8, kvcaches=fresh)
-    assert not any(t.any() for pair in fresh for t in pair)
+    wider = [(torch.zeros(8, H, D, dtype=torch.float64), torch.zeros(8, H, D, dtype=torch.float64)) for _ in range(L)]
+    with pytest.raises(ChecksumMismatch, match="chunk 0"):  # converted by torch: a checked private copy first
+        connector.to_gpu(MemoryObj.from_tensor(view, check=check), 0, 8, kvcaches=wider)
+    assert not any(t.any() for pair in wider for t in pair)
 
 
 # --- the staged path (pinned buffers, a side stream on a GPU; on the CPU the same steps) -------
