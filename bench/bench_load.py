@@ -42,6 +42,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# torch's OpenMP threads sleep when idle instead of spinning: a candidate timed right after a
+# torch copy would otherwise share the cores with its spinning threads (measured: the file load
+# 1.5x slower right after the copy than alone). The copy itself is no slower so.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
