@@ -11,6 +11,7 @@ when the extension was not built, or KVTOOL_PAGED_NATIVE=0, the torch reference 
 
 from __future__ import annotations
 
+import operator
 import os
 from types import ModuleType
 from typing import Sequence
@@ -215,35 +216,75 @@ def native_token_copy(tensors: Sequence[torch.Tensor], start: int, end: int, blo
     if module is None or first.device.type != "cpu" or blob.device.type != "cpu" or blob.dtype != first.dtype \
             or not blob.is_contiguous() or end <= start:
         return False
-    elem, tokens = first.element_size(), end - start
-    rows = []
-    for i, t in enumerate(tensors):
-        if t.dtype != first.dtype or t.dim() not in (2, 3) or t.stride(-1) != 1 or (scatter and _overlaps(t)):
-            return False  # (torch refuses to write a tensor whose elements share memory; so do we)
+    template = _token_template(tensors)
+    if template is None or (scatter and template.overlapping):
+        return False  # (torch refuses to write a tensor whose elements share memory; so do we)
+    tokens = end - start
+    rows = template.rows.copy()
+    rows[:, 2] = template.part_elements * np.uint64(tokens * first.element_size()) + np.uint64(blob.data_ptr())
+    rows[:, 3] = tokens
+    index = torch.arange(start, end, dtype=torch.int64)
+    rows[:, 4] = index.data_ptr()
+    threads = _threads(blob.numel() * blob.element_size())
+    if check is not None:
+        if not scatter:
+            raise ValueError("native_token_copy: a check goes with a scatter")  # a bug, not bad input
+        if module.scatter_checked(rows.tobytes(), check.payload, threads) != check.crc32c:
+            raise check.mismatch()
+    else:
+        module.copy_segments(rows.tobytes(), int(scatter), threads)
+    del index
+    return True
+
+
+class _TokenTemplate:
+    """The tensors' half of native_token_copy's segments (see _Template), and whether any of them
+    has elements sharing memory."""
+
+    def __init__(self, rows: list[tuple[int, ...]], part_elements: list[int], overlapping: bool):
+        self.rows = np.array(rows, dtype=np.uint64).reshape(-1, 14)
+        self.part_elements = np.array(np.cumsum([0] + part_elements[:-1]), dtype=np.uint64)  # blob offset / tokens
+        self.overlapping = overlapping
+
+
+_TOKEN_TEMPLATES: dict[tuple, _TokenTemplate | None] = {}
+
+
+def _token_template(tensors: Sequence[torch.Tensor]) -> _TokenTemplate | None:
+    """Cached per set of tensors (addresses, shapes, strides, dtype): a Hugging Face cache keeps
+    its tensors between steps of one length, and their 2L checks cost as much as a short copy."""
+    try:
+        key = (tensors[0].dtype, *map(torch.Tensor.data_ptr, tensors), *map(_shape_of, tensors),
+               *map(torch.Tensor.stride, tensors))
+    except (TypeError, AttributeError, RuntimeError):
+        return None
+    if key in _TOKEN_TEMPLATES:
+        return _TOKEN_TEMPLATES[key]
+    elem, rows, parts, overlapping = tensors[0].element_size(), [], [], False
+    template: _TokenTemplate | None = None
+    for t in tensors:
+        if t.dtype != tensors[0].dtype or t.dim() not in (2, 3) or t.stride(-1) != 1:
+            break
         total = t.shape[0]
         heads, dim = (t.shape[1], t.shape[2]) if t.dim() == 3 else (1, t.shape[1])
-        token_stride = t.stride(0) * elem
         head_stride = t.stride(1) * elem if t.dim() == 3 else dim * elem
         if heads == 1 or head_stride == dim * elem:  # a token's channels are one stretch
             groups, run, head_stride = 1, heads * dim * elem, 0
         else:
             groups, run = heads, dim * elem
-        part = blob.data_ptr() + i * tokens * heads * dim * elem
-        rows.append((t.data_ptr(), _span(t), part, tokens, 0, total, groups, 0, 0, token_stride, head_stride, run,
+        rows.append((t.data_ptr(), _span(t), 0, 0, 0, total, groups, 0, 0, t.stride(0) * elem, head_stride, run,
                      0, elem))
-    index = torch.arange(start, end, dtype=torch.int64)
-    packed = np.array(rows, dtype=np.uint64)
-    packed[:, 4] = index.data_ptr()
-    threads = _threads(blob.numel() * blob.element_size())
-    if check is not None:
-        if not scatter:
-            raise ValueError("native_token_copy: a check goes with a scatter")  # a bug, not bad input
-        if module.scatter_checked(packed.tobytes(), check.payload, threads) != check.crc32c:
-            raise check.mismatch()
+        parts.append(heads * dim)
+        overlapping = overlapping or _overlaps(t)
     else:
-        module.copy_segments(packed.tobytes(), int(scatter), threads)
-    del index
-    return True
+        template = _TokenTemplate(rows, parts, overlapping)
+    if len(_TOKEN_TEMPLATES) >= _MAX_TEMPLATES:
+        _TOKEN_TEMPLATES.clear()
+    _TOKEN_TEMPLATES[key] = template
+    return template
+
+
+_shape_of = operator.attrgetter("shape")
 
 
 def _overlaps(t: torch.Tensor) -> bool:
