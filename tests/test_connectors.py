@@ -122,6 +122,16 @@ def num_blocks_for(T, BS):
     return math.ceil(T / BS) + 3
 
 
+def paged_case(layout, T, BS, L, H, D, dtype, seed):
+    """A connector test's usual start: random buffers in `layout`, a shuffled slot mapping and a
+    connector for them (and the generator, to draw more)."""
+    gen = torch.Generator().manual_seed(seed)
+    NB = num_blocks_for(T, BS)
+    bufs = make_buffers(layout, L, NB, BS, H, D, dtype, gen)
+    slots = shuffled_slots(T, NB, BS, gen)
+    return gen, NB, bufs, slots, PagedMemConnectorV2(H * D, L, layout=layout)
+
+
 def as_blob(values):  # [2, L, T, H, D] -> [2, L, T, H*D]
     return values.reshape(*values.shape[:3], -1)
 
@@ -297,12 +307,8 @@ def test_non_contiguous_buffers():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_dtype_conversion(layout):
-    gen = torch.Generator().manual_seed(5)
     T, BS, L, H, D = 40, 16, 2, 2, 8
-    NB = num_blocks_for(T, BS)
-    bufs = make_buffers(layout, L, NB, BS, H, D, torch.bfloat16, gen)
-    slots = shuffled_slots(T, NB, BS, gen)
-    conn = PagedMemConnectorV2(H * D, L, layout=layout)
+    gen, NB, bufs, slots, conn = paged_case(layout, T, BS, L, H, D, torch.bfloat16, seed=5)
     mo = conn.allocate(T, torch.float32)
     conn.from_gpu(mo, 0, T, kvcaches=bufs, slot_mapping=slots)
     assert torch.equal(mo.tensor, as_blob(ref_read(bufs, layout, slots, BS)).float())
@@ -402,12 +408,8 @@ def test_nested_tuple_errors():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_paged_errors(layout):
-    gen = torch.Generator().manual_seed(7)
     T, BS, L, H, D = 30, 4, 2, 2, 8
-    NB = num_blocks_for(T, BS)
-    bufs = make_buffers(layout, L, NB, BS, H, D, torch.float16, gen)
-    slots = shuffled_slots(T, NB, BS, gen)
-    conn = PagedMemConnectorV2(H * D, L, layout=layout)
+    gen, NB, bufs, slots, conn = paged_case(layout, T, BS, L, H, D, torch.float16, seed=7)
     mo = conn.allocate(10, torch.float16)
     ok = dict(kvcaches=bufs, slot_mapping=slots)
 
@@ -477,21 +479,22 @@ def test_buffers_checked_once_are_checked_again_when_they_change(layout):
     """A connector checks and maps the buffers once and reuses that while their addresses,
     shapes and strides stay the same: a layer swapped for another tensor is written there, one of
     another shape or dtype or a wrong layer count is refused as on the first call."""
-    gen = torch.Generator().manual_seed(11)
     T, BS, L, H, D = 24, 4, 3, 2, 8
-    NB = num_blocks_for(T, BS)
-    bufs = make_buffers(layout, L, NB, BS, H, D, torch.float32, gen)
-    slots = shuffled_slots(T, NB, BS, gen)
-    conn = PagedMemConnectorV2(H * D, L, layout=layout)
+    gen, NB, bufs, slots, conn = paged_case(layout, T, BS, L, H, D, torch.float32, seed=11)
     mo = conn.allocate(T, torch.float32)
     mo.tensor.copy_(torch.randn(mo.tensor.shape, generator=gen))
     conn.to_gpu(mo, 0, T, kvcaches=bufs, slot_mapping=slots)  # checked and mapped
     swapped = list(bufs)
     swapped[1] = make_buffers(layout, 1, NB, BS, H, D, torch.float32, gen, fill="zeros")[0]
+    old_layer = clone_buffers(bufs, layout)[1]
+    mo.tensor.copy_(torch.randn(mo.tensor.shape, generator=gen))  # new values: the old layer must not get them
     conn.to_gpu(mo, 0, T, kvcaches=swapped, slot_mapping=slots)
+    # read back by the reference (not through the connector's cached maps): the new tensor holds them
+    assert torch.equal(as_blob(ref_read(swapped, layout, slots, BS)), mo.tensor)
+    assert buffers_equal([old_layer], [bufs[1]], layout)  # and the tensor it replaced was not written
     back = conn.allocate(T, torch.float32)
     conn.from_gpu(back, 0, T, kvcaches=swapped, slot_mapping=slots)
-    assert torch.equal(back.tensor, mo.tensor)  # layer 1 went to the new tensor, not the old one
+    assert torch.equal(back.tensor, mo.tensor)
     for wrong, match in ((make_buffers(layout, 1, NB + 1, BS, H, D, torch.float32, gen)[0], "layer 1"),
                          (make_buffers(layout, 1, NB, BS, H, D, torch.float16, gen)[0], "layer 1")):
         changed = list(bufs)
