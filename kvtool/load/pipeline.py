@@ -145,17 +145,28 @@ def takes_check(scatter: Callable) -> bool:
 
 
 _staging = threading.local()
+MAX_KEPT_BUFFER = 128 << 20  # a larger chunk or object gets a fresh buffer each time
+
+
+def thread_buffer(nbytes: int) -> torch.Tensor:
+    """This thread's reusable byte buffer (uint8, at least `nbytes`) for one chunk at a time: a raw
+    chunk read from a file, or a store object read for a load (a fresh buffer page-faults in as
+    long as the read takes). The caller must be done with it before the thread reads the next."""
+    if nbytes > MAX_KEPT_BUFFER:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    buf = getattr(_staging, "buffer", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _staging.buffer = torch.empty(nbytes, dtype=torch.uint8)
+    return buf
 
 
 def _staging_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """This thread's reusable buffer for one raw chunk (no page faults after the first chunk)."""
+    """A [shape] `dtype` view of this thread's buffer, for one raw chunk."""
     numel = 1
     for n in shape:
         numel *= n
-    buf = getattr(_staging, "buffer", None)
-    if buf is None or buf.dtype != dtype or buf.numel() < numel:
-        buf = _staging.buffer = torch.empty(numel, dtype=dtype)
-    return buf[:numel].view(shape)
+    nbytes = numel * dtype.itemsize
+    return thread_buffer(nbytes)[:nbytes].view(dtype).view(shape)
 
 
 def file_tasks(reader, num_tokens: int, *, verify: bool = True) -> list[ChunkTask]:

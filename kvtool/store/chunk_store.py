@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import hashlib
-import threading
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -32,21 +31,6 @@ from .tiers import TieredBackend
 
 if TYPE_CHECKING:
     import torch
-
-
-_reads = threading.local()
-MAX_KEPT_READ_BUFFER = 64 << 20  # a bigger object gets a fresh buffer each time
-
-
-def _thread_buffer(size: int) -> memoryview:
-    """This thread's buffer for store objects a load reads and copies out at once: mapped, so a
-    chunk's read does not page-fault a fresh buffer in (which cost as much as the read)."""
-    if size > MAX_KEPT_READ_BUFFER:
-        return memoryview(np.empty(size, dtype=np.uint8))
-    buffer = getattr(_reads, "buffer", None)
-    if buffer is None or buffer.nbytes < size:
-        buffer = _reads.buffer = np.empty(size, dtype=np.uint8)
-    return memoryview(buffer)
 
 class _Gone(NotCached):
     """An object removed between the existence check and its read (a miss, not damage)."""
@@ -324,6 +308,10 @@ class ModelCache:
         chunk on that device, from `load_chunks_staged` (read and checked into pinned buffers on worker threads, copied
         and scattered on a side stream; `copy_checked`: the native one-pass checked copy)."""
         from ..load import ChunkTask, load_chunks, load_chunks_staged, takes_check
+        from ..load.pipeline import thread_buffer
+
+        def read_buffer(size: int) -> memoryview:
+            return memoryview(thread_buffer(size).numpy())
 
         hit = PrefixHit(num_tokens=0, chunks=[], codecs=[], refused=[], stored_bytes=0)
         chain = self._chain(token_ids, max_tokens)
@@ -339,7 +327,7 @@ class ModelCache:
             name = self.name(prefix)
             # unchecked: the chunk is copied out (scattered, or staged) on this thread before it
             # fetches another, so the object may be read into this thread's reused buffer
-            data = self.backend.get_into(name, _thread_buffer) if unchecked else self.backend.get(name)
+            data = self.backend.get_into(name, read_buffer) if unchecked else self.backend.get(name)
             if data is None:
                 raise _Gone(name)
             obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
