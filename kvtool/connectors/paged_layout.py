@@ -181,18 +181,28 @@ def paged_geometry(layer: LayerKV, layout: PagedLayout) -> PagedGeometry:
 
 def buffers_signature(kv_caches: Sequence[LayerKV], layout: PagedLayout) -> tuple | None:
     """What the checks of a connector call and the native copy's address maps read off the
-    buffers: each tensor's address, shape and strides, and the first one's dtype and device (no
-    tensor is kept). Equal signatures mean the same buffers, checked already: engines pass the
-    same KV caches to every call, so a connector checks them and maps their addresses once. (A
-    tensor's extent, from its address, shape and strides, always lies inside its storage: a stale
-    map never writes outside a buffer.) None when `kv_caches` is not a list of tensors (or of
-    (K, V) pairs) at all: the full checks then say what is wrong."""
+    buffers (`tensors_signature` of them, and the layout). Equal signatures mean the same buffers,
+    checked already: engines pass the same KV caches to every call, so a connector checks them and
+    maps their addresses once. None when `kv_caches` is not a list of tensors (or of (K, V) pairs)
+    at all: the full checks then say what is wrong."""
     try:
         tensors = [t for layer in kv_caches for t in layer] if layout is PagedLayout.KV_TUPLE \
             else list(kv_caches)
+    except TypeError:
+        return None
+    signature = tensors_signature(tensors)
+    return None if signature is None else (layout, *signature)
+
+
+def tensors_signature(tensors: Sequence[torch.Tensor]) -> tuple | None:
+    """Each tensor's address, shape and strides, and the first one's dtype and device (no tensor
+    is kept); None when they are not tensors. (A tensor's extent, from its address, shape and
+    strides, always lies inside its storage: a map kept under an equal signature never writes
+    outside a buffer.)"""
+    try:
         first = tensors[0]
-        return (layout, first.dtype, first.device, *map(torch.Tensor.data_ptr, tensors),
-                *map(_shape, tensors), *map(torch.Tensor.stride, tensors))
+        return (first.dtype, first.device, *map(torch.Tensor.data_ptr, tensors), *map(_shape, tensors),
+                *map(torch.Tensor.stride, tensors))
     except (TypeError, AttributeError, RuntimeError, IndexError):
         return None
 

@@ -11,7 +11,6 @@ when the extension was not built, or KVTOOL_PAGED_NATIVE=0, the torch reference 
 
 from __future__ import annotations
 
-import operator
 import os
 from types import ModuleType
 from typing import Sequence
@@ -22,7 +21,7 @@ import torch
 from ..checksum import PayloadCheck
 from ..devices import host_threads
 from .paged_layout import (LayerKV, PagedLayout, buffers_signature, channel_stride, layer_tensors, paged_geometry,
-                           run_offset)
+                           run_offset, tensors_signature)
 
 _module: ModuleType | None = None
 _loaded = False
@@ -253,10 +252,8 @@ _TOKEN_TEMPLATES: dict[tuple, _TokenTemplate | None] = {}
 def _token_template(tensors: Sequence[torch.Tensor]) -> _TokenTemplate | None:
     """Cached per set of tensors (addresses, shapes, strides, dtype): a Hugging Face cache keeps
     its tensors between steps of one length, and their 2L checks cost as much as a short copy."""
-    try:
-        key = (tensors[0].dtype, *map(torch.Tensor.data_ptr, tensors), *map(_shape_of, tensors),
-               *map(torch.Tensor.stride, tensors))
-    except (TypeError, AttributeError, RuntimeError):
+    key = tensors_signature(tensors)
+    if key is None:
         return None
     if key in _TOKEN_TEMPLATES:
         return _TOKEN_TEMPLATES[key]
@@ -282,9 +279,6 @@ def _token_template(tensors: Sequence[torch.Tensor]) -> _TokenTemplate | None:
         _TOKEN_TEMPLATES.clear()
     _TOKEN_TEMPLATES[key] = template
     return template
-
-
-_shape_of = operator.attrgetter("shape")
 
 
 def _overlaps(t: torch.Tensor) -> bool:
