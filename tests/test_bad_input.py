@@ -1047,6 +1047,10 @@ def test_the_number_and_nesting_limits_are_those_the_spec_states():
     with pytest.raises(ManifestCorrupt, match="41 digits"):
         load_json(b"1" * 41)
     assert load_json(b"1." + b"1" * 60) > 1 and load_json(b"1" * 60 + b".5") > 1
+    # a long run of digits inside a string is no integer (the parse that bounds integers runs then)
+    assert load_json(b'{"a":"' + b"7" * 80 + b'","b":12}') == {"a": "7" * 80, "b": 12}
+    with pytest.raises(ManifestCorrupt, match="41 digits"):
+        load_json(b'{"a":"x","b":[1,2,' + b"9" * 41 + b"]}")
     with pytest.raises(ManifestCorrupt, match="not finite"):
         load_json(b"1e400")
     for depth, ok in ((64, True), (65, False)):
