@@ -17,10 +17,15 @@
  * a, sb, so, sh, run, stride, elem), slots_ptr pointing to `tokens` int64. Blob row
  * (t * groups + g) is at blob_ptr + (t * groups + g) * run.
  *
- * copy_segments(segments, scatter, threads) -> None
+ * copy_segments(segments, scatter, threads[, blob, tokens, slots]) -> None
  *   scatter: 1 = blob -> paged, 0 = paged -> blob
+ *   With the last three, `segments` is a template (the buffers' half, kept by the caller for
+ *   every call on the same buffers): each blob_ptr holds the segment's part of the KV_BLOB (its
+ *   index in [2, L]), and this call's blob address, token count and slots address are filled in
+ *   here (blob_ptr = blob + part * tokens * groups * run). Filling them in Python cost as much as
+ *   copying a small chunk.
  *
- * scatter_checked(segments, payload, threads) -> CRC-32C of payload
+ * scatter_checked(segments, payload, threads[, blob, tokens, slots]) -> CRC-32C of payload
  *   The load of a stored chunk straight from its (memory-mapped) bytes: every byte of `payload`
  *   is read once, checksummed as it is copied (crc32c_cpu.c), and the CRC of the whole payload
  *   comes back for the caller to compare with the stored one. The bytes written are the bytes
@@ -30,6 +35,10 @@
  *   between threads at segment starts and the parts' CRCs combined.
  *
  * copy_checked(dst, src) -> CRC-32C of src, copied into dst in the same pass (pinned staging).
+ *
+ * slots_ok(slots, count, num_slots, distinct) -> True when `count` int64 at address `slots` all lie
+ *   in [0, num_slots) and, `distinct`, none repeats: the connectors' checks of a slot mapping
+ *   (their torch version, which words the error, runs only when this says no).
  *
  * crc32c(buffer) -> CRC-32C;  crc32c_combine(a, b, len_b);  crc32c_level() -> 0 table, 1 crc32
  * instruction, 2 PCLMULQDQ folding;  crc32c_set_level(n) -> the level now in effect (tests).
@@ -148,6 +157,71 @@ static int segments_ok(const segment_t *seg, size_t n) {
         if (far > g->paged_bytes) return 0;
     }
     return 1;
+}
+
+/* The segments of a call: `segs` as given, or (a template: `base` != 0) a copy with this call's
+ * blob, token count and slots filled in. Returns NULL (a Python error set) when malformed. */
+#define STACK_SEGMENTS 128
+static segment_t *call_segments(const Py_buffer *segs, unsigned long long base, unsigned long long tokens,
+                                unsigned long long slots, segment_t *stack, size_t *count) {
+    size_t n = (size_t)segs->len / sizeof(segment_t);
+    *count = n;
+    if (segs->len % sizeof(segment_t)) {
+        PyErr_SetString(PyExc_IndexError, "paged copy: segments are not whole");
+        return NULL;
+    }
+    if (!base) return (segment_t *)segs->buf;
+    segment_t *seg = n <= STACK_SEGMENTS ? stack : (segment_t *)malloc(n * sizeof(segment_t));
+    if (!seg) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memcpy(seg, segs->buf, n * sizeof(segment_t));
+    for (size_t k = 0; k < n; k++) {
+        unsigned __int128 offset = (unsigned __int128)seg[k].blob * tokens * seg[k].groups * seg[k].run;
+        if (offset > UINT64_MAX - base) { /* a forged part index: refused by the checks below */
+            seg[k].blob = 0;
+            continue;
+        }
+        seg[k].blob = base + (uint64_t)offset;
+        seg[k].tokens = tokens;
+        seg[k].slots = slots;
+    }
+    return seg;
+}
+
+static void release_segments(segment_t *seg, const Py_buffer *segs, segment_t *stack) {
+    if (seg && seg != stack && seg != (segment_t *)segs->buf) free(seg);
+}
+
+/* slots_ok: every slot in [0, num_slots), and (distinct) none twice: an open-addressed set of
+ * the slots seen, twice as many entries as slots. */
+static int slots_in_range_distinct(const int64_t *slots, size_t n, int64_t num_slots, int distinct) {
+    for (size_t i = 0; i < n; i++)
+        if (slots[i] < 0 || slots[i] >= num_slots) return 0;
+    if (!distinct || n < 2) return 1;
+    size_t size = 16;
+    int bits = 4;
+    while (size < 2 * n) size <<= 1, bits++;
+    int64_t stack[1024], *seen = size <= 1024 ? stack : (int64_t *)malloc(size * sizeof(int64_t));
+    if (!seen) return -1;
+    memset(seen, 0xff, size * sizeof(int64_t)); /* -1: empty (slots are non-negative) */
+    int ok = 1;
+    for (size_t i = 0; i < n && ok; i++) {
+        /* Fibonacci hashing: the product's top bits; consecutive slots spread over the table */
+        for (size_t j = (size_t)(((uint64_t)slots[i] * 0x9E3779B97F4A7C15ull) >> (64 - bits));; j = (j + 1) & (size - 1)) {
+            if (seen[j] == -1) {
+                seen[j] = slots[i];
+                break;
+            }
+            if (seen[j] == slots[i]) {
+                ok = 0;
+                break;
+            }
+        }
+    }
+    if (seen != stack) free(seen);
+    return ok;
 }
 
 /* ---- plain copies ------------------------------------------------------------------------- */
@@ -449,11 +523,14 @@ static PyObject *py_copy_segments(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer segs;
     int scatter, threads;
-    if (!PyArg_ParseTuple(args, "y*ii", &segs, &scatter, &threads)) return NULL;
+    unsigned long long base = 0, tokens = 0, slots = 0;
+    if (!PyArg_ParseTuple(args, "y*ii|KKK", &segs, &scatter, &threads, &base, &tokens, &slots)) return NULL;
     PyObject *result = NULL;
-    size_t n = (size_t)segs.len / sizeof(segment_t);
-    const segment_t *seg = (const segment_t *)segs.buf;
-    if (segs.len % sizeof(segment_t) || !segments_ok(seg, n)) {
+    segment_t stack[STACK_SEGMENTS];
+    size_t n;
+    segment_t *seg = call_segments(&segs, base, tokens, slots, stack, &n);
+    if (!seg) goto done;
+    if (!segments_ok(seg, n)) {
         PyErr_SetString(PyExc_IndexError, "copy_segments: a slot is out of range or a segment is malformed");
         goto done;
     }
@@ -467,6 +544,7 @@ static PyObject *py_copy_segments(PyObject *self, PyObject *args) {
     Py_INCREF(Py_None);
     result = Py_None;
 done:
+    release_segments(seg, &segs, stack);
     PyBuffer_Release(&segs);
     return result;
 }
@@ -561,12 +639,15 @@ static PyObject *py_scatter_checked(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer segs, payload;
     int threads;
-    if (!PyArg_ParseTuple(args, "y*y*i", &segs, &payload, &threads)) return NULL;
+    unsigned long long base = 0, tokens = 0, slots = 0;
+    if (!PyArg_ParseTuple(args, "y*y*i|KKK", &segs, &payload, &threads, &base, &tokens, &slots)) return NULL;
     PyObject *result = NULL;
-    size_t n = (size_t)segs.len / sizeof(segment_t);
-    const segment_t *seg = (const segment_t *)segs.buf;
+    segment_t stack[STACK_SEGMENTS];
+    size_t n;
+    segment_t *seg = call_segments(&segs, base, tokens, slots, stack, &n);
     const uint8_t *lo = (const uint8_t *)payload.buf, *hi = lo + payload.len;
-    if (segs.len % sizeof(segment_t) || !segments_ok(seg, n) || !inside_payload(seg, n, lo, hi)) {
+    if (!seg) goto done;
+    if (!segments_ok(seg, n) || !inside_payload(seg, n, lo, hi)) {
         PyErr_SetString(PyExc_IndexError, "scatter_checked: a segment lies outside the payload, out of order, "
                                           "or has a slot out of range");
         goto done;
@@ -592,6 +673,7 @@ static PyObject *py_scatter_checked(PyObject *self, PyObject *args) {
         crc = crc32c_combine(crc, parts[t].crc, (uint64_t)(parts[t].end - parts[t].begin));
     result = PyLong_FromUnsignedLong(crc);
 done:
+    release_segments(seg, &segs, stack);
     PyBuffer_Release(&segs);
     PyBuffer_Release(&payload);
     return result;
@@ -618,6 +700,22 @@ static PyObject *py_copy_checked(PyObject *self, PyObject *args) {
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     return result;
+}
+
+/* slots_ok(slots, count, num_slots, distinct): `slots` the address of `count` int64 (a live tensor's) */
+static PyObject *py_slots_ok(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long address, count;
+    long long num_slots;
+    int distinct;
+    if (!PyArg_ParseTuple(args, "KKLp", &address, &count, &num_slots, &distinct)) return NULL;
+    if (!address && count) {
+        PyErr_SetString(PyExc_ValueError, "slots_ok: no slots");
+        return NULL;
+    }
+    int ok = slots_in_range_distinct((const int64_t *)(uintptr_t)address, (size_t)count, num_slots, distinct);
+    if (ok < 0) return PyErr_NoMemory();
+    return PyBool_FromLong(ok);
 }
 
 /* ---- CRC-32C itself, for tests -------------------------------------------------------------- */
@@ -667,6 +765,7 @@ static PyMethodDef methods[] = {
     {"copy_segments", py_copy_segments, METH_VARARGS, "Move rows between paged KV tensors and KV_BLOB tensors."},
     {"scatter_checked", py_scatter_checked, METH_VARARGS,
      "Scatter rows of a stored payload into paged tensors, CRC-32C-checksumming it as it is copied."},
+    {"slots_ok", py_slots_ok, METH_VARARGS, "Whether slots lie in [0, num_slots) and (distinct) none repeats."},
     {"copy_checked", py_copy_checked, METH_VARARGS, "Copy a buffer into another, CRC-32C checked in the same pass."},
     {"crc32c", py_crc32c, METH_VARARGS, "CRC-32C of a buffer (this module's code; tests compare)."},
     {"crc32c_combine", py_crc32c_combine, METH_VARARGS, "crc(A||B) from crc(A), crc(B), len(B)."},

@@ -96,6 +96,63 @@ def test_slots_out_of_range_are_refused_before_any_write():
 
 
 @needs_native
+@pytest.mark.parametrize("count", [0, 1, 2, 255, 256, 511, 513, 5000])
+def test_the_native_slot_check_agrees_with_torch(count):
+    """slots_ok (the connectors' fast check of a slot mapping) against its definition, on sizes
+    either side of where its set of seen slots moves from the stack to the heap: every slot in
+    [0, num_slots), and none twice when asked."""
+    gen = torch.Generator().manual_seed(count)
+    num_slots = 3 * count + 7
+    good = torch.randperm(num_slots, generator=gen)[:count].to(torch.int64)
+
+    def ok(slots, distinct):
+        return native.slots_ok(slots.data_ptr(), slots.numel(), num_slots, distinct)
+
+    assert ok(good, True) and ok(good, False)
+    if count < 2:
+        return
+    for i in (0, count // 2, count - 1):
+        for bad in (-1, -5, num_slots, num_slots + 100):
+            slots = good.clone()
+            slots[i] = bad
+            assert not ok(slots, True) and not ok(slots, False), (i, bad)
+        twice = good.clone()
+        twice[i] = good[(i + 1) % count]
+        assert not ok(twice, True) and ok(twice, False), i
+    assert paged_native.native_slots_ok(good, num_slots, True)
+    assert paged_native.native_slots_ok(good.to(torch.int32), num_slots, True) is None  # the torch checks run
+
+
+@needs_native
+def test_a_template_call_is_the_segments_it_stands_for():
+    """copy_segments and scatter_checked with a template (the blob's part index where its address
+    goes; this call's blob, tokens and slots given apart) copy what the filled-in segments copy,
+    and a forged part index is refused before anything is written."""
+    paged, blob = torch.zeros(2, 8, 8), torch.arange(2 * 3 * 8, dtype=torch.float32).view(2, 3, 8)
+    slots = torch.tensor([5, 0, 2], dtype=torch.int64)
+    template = b"".join(_segment(paged[kv], 0, slots, sb=32, run=32) for kv in (0, 1))
+    template = bytearray(template)
+    for kv in (0, 1):  # the part index in the blob field, tokens and slots left zero
+        struct.pack_into("<3Q", template, kv * 112 + 16, kv, 0, 0)
+    native.copy_segments(bytes(template), 1, 2, blob.data_ptr(), 3, slots.data_ptr())
+    want = torch.zeros(2, 8, 8)
+    want[:, slots] = blob
+    assert torch.equal(paged, want)
+    back = torch.zeros_like(blob)
+    native.copy_segments(bytes(template), 0, 1, back.data_ptr(), 3, slots.data_ptr())
+    assert torch.equal(back, blob)
+    paged.zero_()
+    payload = memoryview(blob.numpy()).cast("B")
+    crc = native.scatter_checked(bytes(template), payload, 2, blob.data_ptr(), 3, slots.data_ptr())
+    assert crc == native.crc32c(payload) and torch.equal(paged, want)
+    paged.zero_()
+    struct.pack_into("<Q", template, 112 + 16, 2**62)  # V's part far past any blob
+    with pytest.raises(IndexError):
+        native.scatter_checked(bytes(template), payload, 2, blob.data_ptr(), 3, slots.data_ptr())
+    assert not paged.any()
+
+
+@needs_native
 def test_strided_rows_land_one_element_per_stride():
     """A transposed page (vLLM's CPU K): slot s's 4 channels go to paged[s + 4 * j]."""
     paged, blob = torch.zeros(16), torch.arange(8, dtype=torch.float32).view(2, 4)

@@ -9,6 +9,7 @@ import torch
 from .base import ConnectorError, GPUConnectorInterface
 from .memory import MemoryObj
 from .paged_copy import gather_paged, scatter_paged
+from .paged_native import native_slots_ok
 from .paged_layout import LayerKV, PagedGeometry, PagedLayout, buffers_signature, layer_tensors, paged_geometry
 
 
@@ -50,7 +51,7 @@ class _PagedConnector(GPUConnectorInterface):
         signature = buffers_signature(kvcaches, self.layout) if len(kvcaches) == self.num_layers else None
         checked = self._checked  # one read: load workers call from several threads
         if signature is not None and checked is not None and checked[0] == signature:
-            return kvcaches, checked[1], layer_tensors(kvcaches[0], self.layout)[0], signature  # checked already
+            return kvcaches, checked[1], layer_tensors(kvcaches[0], self.layout)[0], checked[0]  # checked already
         if len(kvcaches) != self.num_layers:
             raise ConnectorError(f"'kvcaches' has {len(kvcaches)} layers, expected {self.num_layers}")
         geo = paged_geometry(kvcaches[0], self.layout)
@@ -100,7 +101,10 @@ class _PagedConnector(GPUConnectorInterface):
             raise ConnectorError(
                 f"'slot_mapping' has {sm.shape[0]} entries, too short for token range {start}..{end}"
             )
-        s = sm[start:end].to(torch.int64)
+        s = sm[start:end]
+        if device.type == "cpu" and native_slots_ok(s, geo.num_slots, distinct):
+            return s  # (the torch checks below, a few small ops, cost as much as copying a chunk)
+        s = s.to(torch.int64)
         lo, hi = torch.aminmax(s)
         lo, hi = int(lo), int(hi)
         if lo < 0:

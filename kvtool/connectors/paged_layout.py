@@ -191,7 +191,20 @@ def buffers_signature(kv_caches: Sequence[LayerKV], layout: PagedLayout) -> tupl
     except TypeError:
         return None
     signature = tensors_signature(tensors)
-    return None if signature is None else (layout, *signature)
+    return None if signature is None else Signature((layout, *signature))
+
+
+class Signature(tuple):
+    """A buffers signature that hashes once: templates are looked up by it on every call, and a
+    tuple of ~100 items (sizes and strides among them) rehashes in as long as a small copy. A
+    connector hands on the signature object it checked first while the buffers stay equal."""
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            self._hash: int = tuple.__hash__(self)
+            return self._hash
 
 
 def tensors_signature(tensors: Sequence[torch.Tensor]) -> tuple | None:

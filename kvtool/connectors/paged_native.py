@@ -72,16 +72,19 @@ def _span(t: torch.Tensor) -> int:
 
 class _Template:
     """The buffers' half of the segments (kernels/paged_copy_cpu.c): one row of 14 uint64 per
-    (layer, K/V) tensor, in blob order (K of every layer, then V), with the tensor's pointer,
-    span and address map filled in; a call fills in the blob, token count and slots."""
+    (layer, K/V) tensor, with the tensor's pointer, span and address map filled in and, where the
+    blob's address goes, the tensor's part of the blob (K of layer l is part l, V part L + l).
+    The kernel fills in a call's blob, token count and slots. Two orders: blob order (K of every
+    layer, then V: the checked scatter reads the payload in order) and layer order (K and V of
+    each layer in turn: copy_segments moves a layer's K and V together where they share rows, as
+    in vLLM's CUDA layout)."""
 
     def __init__(self, kv_caches: Sequence[LayerKV], layout: PagedLayout):
         geo = paged_geometry(kv_caches[0], layout)
         self.row_bytes = geo.num_kv_heads * geo.head_dim  # elements of one token's K or V
-        self.block_size = geo.block_size
         tuple_layout = layout is PagedLayout.KV_TUPLE
         maps: dict[tuple, tuple[int, ...]] = {}  # (shape, strides, kv) -> (span, address map)
-        rows: list[list[int]] = [[], []]
+        rows: list[list[tuple[int, ...]]] = [[], []]
         for layer in kv_caches:
             for kv in (0, 1):
                 t = layer[kv] if tuple_layout else layer
@@ -89,9 +92,12 @@ class _Template:
                 known = maps.get(key)
                 if known is None:
                     known = maps[key] = (_span(t), *_address_map(t, layout, kv, geo))
-                rows[kv].append((t.data_ptr(), known[0], 0, 0, 0, geo.block_size, *known[1:]))
-        self.rows = np.array(rows[0] + rows[1], dtype=np.uint64).reshape(-1, 14)
-        self.parts = np.arange(len(self.rows), dtype=np.uint64)  # blob part of each row
+                part = kv * len(kv_caches) + len(rows[kv])
+                rows[kv].append((t.data_ptr(), known[0], part, 0, 0, geo.block_size, *known[1:]))
+        table = np.array(rows[0] + rows[1], dtype=np.uint64).reshape(-1, 14)
+        self.parts = len(table)
+        self.blob_order = table.tobytes()
+        self.layer_order = table.reshape(2, -1, 14).transpose(1, 0, 2).tobytes()
 
 
 _TEMPLATES: dict[tuple, _Template] = {}  # buffers_signature -> template; engines keep one set of buffers
@@ -111,26 +117,14 @@ def _template(kv_caches: Sequence[LayerKV], layout: PagedLayout, signature: tupl
     return template
 
 
-def _segments(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor, blob: torch.Tensor,
-              signature: tuple | None = None, layer_order: bool = False):
-    """One segment (14 uint64: see kernels/paged_copy_cpu.c) per (layer, K/V) tensor, and the
-    slot tensor they point into (keep it alive). In blob order (K of every layer, then V: the
-    checked scatter reads the payload in order) or, `layer_order`, K and V of each layer in turn
-    (copy_segments then moves a layer's K and V together where they share rows, as in vLLM's CUDA
-    layout). `signature`: the buffers' `buffers_signature` when the caller has it."""
-    template = _template(kv_caches, layout, signature)
+def _call(template: _Template, slots: torch.Tensor, blob: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """This call's half of the segments, as the kernel takes it: (blob address, tokens, slots
+    address), and the int64 slots (keep them alive for the call)."""
     index = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
     tokens = index.numel()
-    part_bytes = blob.numel() * blob.element_size() // len(template.rows)  # one [T, H*D] of the contiguous blob
-    if part_bytes != tokens * template.row_bytes * blob.element_size():
+    if blob.numel() != template.parts * tokens * template.row_bytes:
         raise ValueError("paged_native: the blob does not match the slots")  # a bug, not bad input
-    rows = template.rows.copy()
-    rows[:, 2] = template.parts * np.uint64(part_bytes) + np.uint64(blob.data_ptr())
-    rows[:, 3] = tokens
-    rows[:, 4] = index.data_ptr()
-    if layer_order:
-        rows = rows.reshape(2, -1, 14).transpose(1, 0, 2)
-    return rows.tobytes(), index
+    return blob.data_ptr(), tokens, index
 
 
 def _copy(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor, blob: torch.Tensor,
@@ -138,9 +132,10 @@ def _copy(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor
     module = native_module()
     if module is None or slots.numel() == 0:
         return False
-    packed, keep = _segments(kv_caches, layout, slots, blob, signature, layer_order=True)
-    module.copy_segments(packed, int(scatter), _threads(blob.numel() * blob.element_size()))
-    del keep
+    template = _template(kv_caches, layout, signature)
+    base, tokens, index = _call(template, slots, blob)
+    module.copy_segments(template.layer_order, int(scatter), _threads(blob.numel() * blob.element_size()),
+                         base, tokens, index.data_ptr())
     return True
 
 
@@ -154,12 +149,22 @@ def native_scatter_checked(blob: torch.Tensor, kv_caches: Sequence[LayerKV], lay
     if module is None or first.device.type != "cpu" or blob.device.type != "cpu" \
             or blob.dtype != first.dtype or not blob.is_contiguous() or slots.numel() == 0:
         return False
-    packed, keep = _segments(kv_caches, layout, slots, blob, signature)
-    crc = module.scatter_checked(packed, check.payload, _threads(blob.numel() * blob.element_size()))
-    del keep
+    template = _template(kv_caches, layout, signature)
+    base, tokens, index = _call(template, slots, blob)
+    crc = module.scatter_checked(template.blob_order, check.payload, _threads(blob.numel() * blob.element_size()),
+                                 base, tokens, index.data_ptr())
     if crc != check.crc32c:
         raise check.mismatch()
     return True
+
+
+def native_slots_ok(slots: torch.Tensor, num_slots: int, distinct: bool) -> bool | None:
+    """Whether the int64 CPU `slots` lie in [0, num_slots) and (distinct) none repeats, checked
+    natively; None when not taken (no module, another dtype or device): the torch checks run."""
+    module = native_module()
+    if module is None or slots.device.type != "cpu" or slots.dtype != torch.int64 or not slots.is_contiguous():
+        return None
+    return module.slots_ok(slots.data_ptr(), slots.numel(), num_slots, distinct)
 
 
 def native_copy_checked():
