@@ -18,7 +18,9 @@ layout, block size 16, shuffled blocks), every chunk CRC-checked, side by side i
   safetensors safetensors.torch.load_file of the same KV as one tensor, then the same scatter
               into the paged buffers (what a user of safetensors would do; no CRC)
   limits      a plain copy of the same bytes (torch, dst.copy_(src)); preads of the raw file into
-              one buffer (page cache -> memory, one thread)
+              one buffer (page cache -> memory, one thread); the page-in of a fresh map of the raw
+              file (map it, touch each page, one thread: what a load from the map pays first, in
+              page-table work the plain copy of bytes already in memory does not do)
 
 GB/s are of decoded KV bytes; "vs copy" divides by the plain copy. A last table times the vLLM
 connector's copies into and out of vLLM's CPU layout, native vs the torch reference. On a GPU
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import platform
 import shutil
@@ -48,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(REPO))
 
+import numpy  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
@@ -130,6 +134,14 @@ def preads(path: Path, buffer: torch.Tensor) -> None:
         f.readinto(view)
 
 
+def page_in(path: Path) -> None:
+    """Map the file and touch each of its pages, as a load from the map does first (one thread)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+        pages = numpy.frombuffer(mapped, dtype=numpy.uint8)[::mmap.PAGESIZE]
+        int(pages.sum())
+        del pages
+
+
 def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int, tmp: Path, rounds: int) -> list[dict]:
     ident = identity(name, layers, heads, head_dim)
     gen = torch.Generator().manual_seed(tokens)
@@ -150,6 +162,7 @@ def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int,
     src, dst, buffer = kv.clone(), torch.empty_like(kv), torch.empty(files["raw"].stat().st_size, dtype=torch.uint8)
     fns = {"limit: copy of the same bytes": lambda: dst.copy_(src),
            "limit: pread of the raw file": lambda: preads(files["raw"], buffer),
+           "limit: page-in of the mapped raw file": lambda: page_in(files["raw"]),
            "safetensors load_file + scatter": lambda: paged.scatter(load_file(str(tmp / "kv.safetensors"))["kv"], 0, tokens)}
     for codec, path in files.items():
         reader = ContainerReader(path)
