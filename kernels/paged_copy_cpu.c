@@ -288,6 +288,40 @@ static inline void transpose4x4_32(char *dst, size_t ds, const char *src, size_t
     _mm_storeu_si128((__m128i *)(dst + 2 * ds), _mm_unpacklo_epi64(t2, t3));
     _mm_storeu_si128((__m128i *)(dst + 3 * ds), _mm_unpackhi_epi64(t2, t3));
 }
+/* The same with non-temporal stores (dst and ds 16-byte aligned). */
+static inline void transpose8x8_16_nt(char *dst, size_t ds, const char *src, size_t ss) {
+    __m128i a0 = _mm_loadu_si128((const __m128i *)src), a1 = _mm_loadu_si128((const __m128i *)(src + ss));
+    __m128i a2 = _mm_loadu_si128((const __m128i *)(src + 2 * ss)), a3 = _mm_loadu_si128((const __m128i *)(src + 3 * ss));
+    __m128i a4 = _mm_loadu_si128((const __m128i *)(src + 4 * ss)), a5 = _mm_loadu_si128((const __m128i *)(src + 5 * ss));
+    __m128i a6 = _mm_loadu_si128((const __m128i *)(src + 6 * ss)), a7 = _mm_loadu_si128((const __m128i *)(src + 7 * ss));
+    __m128i t0 = _mm_unpacklo_epi16(a0, a1), t1 = _mm_unpackhi_epi16(a0, a1);
+    __m128i t2 = _mm_unpacklo_epi16(a2, a3), t3 = _mm_unpackhi_epi16(a2, a3);
+    __m128i t4 = _mm_unpacklo_epi16(a4, a5), t5 = _mm_unpackhi_epi16(a4, a5);
+    __m128i t6 = _mm_unpacklo_epi16(a6, a7), t7 = _mm_unpackhi_epi16(a6, a7);
+    __m128i u0 = _mm_unpacklo_epi32(t0, t2), u1 = _mm_unpackhi_epi32(t0, t2); /* columns 0-1, 2-3 of rows 0-3 */
+    __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3); /* columns 4-5, 6-7 */
+    __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6); /* the same of rows 4-7 */
+    __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
+    _mm_stream_si128((__m128i *)dst, _mm_unpacklo_epi64(u0, u4));
+    _mm_stream_si128((__m128i *)(dst + ds), _mm_unpackhi_epi64(u0, u4));
+    _mm_stream_si128((__m128i *)(dst + 2 * ds), _mm_unpacklo_epi64(u1, u5));
+    _mm_stream_si128((__m128i *)(dst + 3 * ds), _mm_unpackhi_epi64(u1, u5));
+    _mm_stream_si128((__m128i *)(dst + 4 * ds), _mm_unpacklo_epi64(u2, u6));
+    _mm_stream_si128((__m128i *)(dst + 5 * ds), _mm_unpackhi_epi64(u2, u6));
+    _mm_stream_si128((__m128i *)(dst + 6 * ds), _mm_unpacklo_epi64(u3, u7));
+    _mm_stream_si128((__m128i *)(dst + 7 * ds), _mm_unpackhi_epi64(u3, u7));
+}
+
+static inline void transpose4x4_32_nt(char *dst, size_t ds, const char *src, size_t ss) {
+    __m128i a0 = _mm_loadu_si128((const __m128i *)src), a1 = _mm_loadu_si128((const __m128i *)(src + ss));
+    __m128i a2 = _mm_loadu_si128((const __m128i *)(src + 2 * ss)), a3 = _mm_loadu_si128((const __m128i *)(src + 3 * ss));
+    __m128i t0 = _mm_unpacklo_epi32(a0, a1), t1 = _mm_unpacklo_epi32(a2, a3); /* columns 0-1 */
+    __m128i t2 = _mm_unpackhi_epi32(a0, a1), t3 = _mm_unpackhi_epi32(a2, a3); /* columns 2-3 */
+    _mm_stream_si128((__m128i *)dst, _mm_unpacklo_epi64(t0, t1));
+    _mm_stream_si128((__m128i *)(dst + ds), _mm_unpackhi_epi64(t0, t1));
+    _mm_stream_si128((__m128i *)(dst + 2 * ds), _mm_unpacklo_epi64(t2, t3));
+    _mm_stream_si128((__m128i *)(dst + 3 * ds), _mm_unpackhi_epi64(t2, t3));
+}
 #endif
 
 static void transpose_tile(char *dst, size_t ds, const char *src, size_t ss, size_t rows, size_t cols, size_t elem) {
@@ -310,12 +344,35 @@ static void transpose_tile(char *dst, size_t ds, const char *src, size_t ss, siz
         for (size_t c = r < r0 ? c0 : 0; c < cols; c++) memcpy(dst + c * ds + r * elem, src + r * ss + c * elem, elem);
 }
 
+/* Rows x cols straight into memory with non-temporal stores, when whole SIMD tiles cover it and
+ * the destination rows are 16-byte aligned; 0 (nothing done) otherwise. The tiles go a band of
+ * destination rows at a time, along them: each row's lines fill in order, and the write-
+ * combining buffers send whole lines, none read first. */
+static int transpose_nt(char *dst, size_t ds, const char *src, size_t ss, size_t rows, size_t cols, size_t elem) {
+#ifdef HAVE_SSE2
+    size_t edge = elem == 2 ? 8 : elem == 4 ? 4 : 0;
+    if (!edge || rows % edge || cols % edge || ((uintptr_t)dst | ds) % 16) return 0;
+    for (size_t c = 0; c < cols; c += edge)
+        for (size_t r = 0; r < rows; r += edge) {
+            const char *sp = src + r * ss + c * elem;
+            char *dp = dst + c * ds + r * elem;
+            if (elem == 2) transpose8x8_16_nt(dp, ds, sp, ss);
+            else transpose4x4_32_nt(dp, ds, sp, ss);
+        }
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Strided rows (a transposed page) move a tile at a time: the tokens of a run of consecutive
- * slots in one block, by one group. A run that fills its channel rows (a whole block) is
- * transposed into a buffer and written to its page in one contiguous copy; gathering, the run's
- * blob rows are put together the same way and written at once. (Transposing straight into
- * memory writes 16 bytes per row, every line read for ownership first: 1.5-2.5x slower.) Pages
- * whose adjacent slots are not adjacent elements (no engine has them) go one element at a time. */
+ * slots in one block, by one group. A run that fills its channel rows (a whole block) goes
+ * straight to memory with non-temporal stores when the call is large and whole lines result
+ * (transpose_nt); otherwise it is transposed into a buffer and written to its page in one
+ * contiguous copy, and gathering, the run's blob rows are put together the same way and written
+ * at once. (Transposing straight into memory with plain stores writes 16 bytes per row, every
+ * line read for ownership first: 1.5-2.5x slower.) Pages whose adjacent slots are not adjacent
+ * elements (no engine has them) go one element at a time. */
 #define TILE_BUFFER (256 << 10) /* a block of 128 slots of 8 heads x 128 bf16 channels */
 
 /* Tile buffers are kept for the next call, not freed: a 256 KB malloc is served by mmap or
@@ -357,6 +414,16 @@ static void tiles_run(const segment_t *g, size_t t, size_t n, char *rows, int sc
                 }
         }
         return;
+    }
+    if (nt && run % 64 == 0 && token_bytes % 16 == 0 && n * elem == stride) { /* whole rows, whole lines */
+        size_t done = 0;
+        for (size_t gi = 0; gi < groups; gi++, done++) {
+            char *p = paged + row_at(g, slots[t], gi), *b0 = rows + gi * run;
+            if (scatter ? !transpose_nt(p, stride, b0, token_bytes, n, channels, elem)
+                        : !transpose_nt(b0, token_bytes, p, stride, channels, n, elem))
+                break;
+        }
+        if (done == groups) return; /* (else every group again below: the same bytes) */
     }
     if (!scatter && buffer && token_bytes <= TILE_BUFFER) { /* as many tokens at a time as the buffer holds */
         for (size_t k0 = 0, m; k0 < n; k0 += m) {
@@ -475,12 +542,85 @@ static void copy_pair(const segment_t *gk, const segment_t *gv, int scatter, int
     }
 }
 
+/* vLLM's CPU layout keeps a (block, head) page as K^T [D, block_size] then V [block_size, D]:
+ * copied apart, the K segment and the V segment of a layer each fill half of every page in a
+ * pass of its own. Paired, a run that fills a block moves a whole page at a time: scattering,
+ * its K rows are transposed and its V rows put after them in a buffer, written to the page in
+ * one contiguous copy; gathering, the page's two halves are read in order into token-major K and
+ * V rows, each written to the blob at once. Other runs go as the unpaired segments would. */
+static int pairs_transposed(const segment_t *k, const segment_t *v) {
+    return k->stride && !v->stride && k->paged == v->paged && k->slots == v->slots && k->tokens == v->tokens &&
+           k->block_size == v->block_size && k->groups == v->groups && k->sb == v->sb && k->sh == v->sh &&
+           k->run == v->run && k->elem == v->elem && k->so == k->elem && k->stride == k->block_size * k->elem &&
+           v->so == v->run && v->a == k->a + (k->run / k->elem) * k->stride;
+}
+
+static void copy_page_pair(const segment_t *gk, const segment_t *gv, int scatter, int nt, char *buffer) {
+    char *paged = (char *)(uintptr_t)gk->paged;
+    char *bk = (char *)(uintptr_t)gk->blob, *bv = (char *)(uintptr_t)gv->blob;
+    const int64_t *slots = (const int64_t *)(uintptr_t)gk->slots;
+    size_t tokens = gk->tokens, groups = gk->groups, run = gk->run, elem = gk->elem, stride = gk->stride;
+    size_t bs = gk->block_size, channels = run / elem, token_bytes = groups * run;
+    size_t half = channels * stride, page = 2 * half; /* K^T's bytes; the page's */
+    for (size_t t = 0; t < tokens;) {
+        size_t n = slot_run(gk, slots, t, tokens);
+        int whole = n == bs && (uint64_t)slots[t] % bs == 0;
+        if (!buffer || !whole || page > TILE_BUFFER || (!scatter && 2 * token_bytes > TILE_BUFFER)) {
+            tiles_run(gk, t, n, bk + t * token_bytes, scatter, nt, buffer);
+            segment_t v = *gv; /* this run of the V segment, as copy_segment would move it */
+            v.blob = (uint64_t)(uintptr_t)(bv + t * token_bytes), v.tokens = n, v.slots = (uint64_t)(uintptr_t)(slots + t);
+            copy_segment(&v, scatter, nt, NULL);
+            t += n;
+            continue;
+        }
+        char *rk = bk + t * token_bytes, *rv = bv + t * token_bytes; /* the run's blob rows */
+        if (scatter && nt && run % 64 == 0) { /* whole lines: straight into the page, none read first */
+            for (size_t gi = 0; gi < groups; gi++) {
+                char *p = paged + row_at(gk, slots[t], gi);
+                if (!transpose_nt(p, stride, rk + gi * run, token_bytes, n, channels, elem))
+                    transpose_tile(p, stride, rk + gi * run, token_bytes, n, channels, elem);
+                for (size_t k = 0; k < n; k++) copy_bytes(p + half + k * run, rv + k * token_bytes + gi * run, run, 1);
+            }
+        } else if (scatter) {
+            for (size_t gi = 0; gi < groups; gi++) {
+                transpose_tile(buffer, stride, rk + gi * run, token_bytes, n, channels, elem);
+                for (size_t k = 0; k < n; k++) memcpy(buffer + half + k * run, rv + k * token_bytes + gi * run, run);
+                copy_bytes(paged + row_at(gk, slots[t], gi), buffer, page, nt);
+            }
+        } else if (nt && run % 64 == 0 && token_bytes % 16 == 0) { /* straight into the blob rows */
+            for (size_t gi = 0; gi < groups; gi++) {
+                const char *p = paged + row_at(gk, slots[t], gi);
+                if (!transpose_nt(rk + gi * run, token_bytes, p, stride, channels, n, elem))
+                    transpose_tile(rk + gi * run, token_bytes, p, stride, channels, n, elem);
+                for (size_t k = 0; k < n; k++) copy_bytes(rv + k * token_bytes + gi * run, p + half + k * run, run, 1);
+            }
+        } else { /* as many tokens at a time as half the buffer holds */
+            char *kb = buffer, *vb = buffer + TILE_BUFFER / 2;
+            for (size_t k0 = 0, m; k0 < n; k0 += m) {
+                m = n - k0 < TILE_BUFFER / 2 / token_bytes ? n - k0 : TILE_BUFFER / 2 / token_bytes;
+                for (size_t gi = 0; gi < groups; gi++) {
+                    const char *p = paged + row_at(gk, slots[t], gi);
+                    transpose_tile(kb + gi * run, token_bytes, p + k0 * elem, stride, channels, m, elem);
+                    for (size_t k = 0; k < m; k++) memcpy(vb + k * token_bytes + gi * run, p + half + (k0 + k) * run, run);
+                }
+                copy_bytes(rk + k0 * token_bytes, kb, m * token_bytes, nt);
+                copy_bytes(rv + k0 * token_bytes, vb, m * token_bytes, nt);
+            }
+        }
+        t += n;
+    }
+}
+
 static void *copy_work(void *arg) {
     copy_job *j = (copy_job *)arg;
     char *tile_buffer = NULL; /* one per thread and call, for transposed pages */
     for (size_t k = j->first; k < j->last; k++) {
         if (k + 1 < j->last && pairs_with(&j->seg[k], &j->seg[k + 1])) {
             copy_pair(&j->seg[k], &j->seg[k + 1], j->scatter, j->nt);
+            k++;
+        } else if (k + 1 < j->last && pairs_transposed(&j->seg[k], &j->seg[k + 1])) {
+            if (!tile_buffer) tile_buffer = tile_take();
+            copy_page_pair(&j->seg[k], &j->seg[k + 1], j->scatter, j->nt, tile_buffer);
             k++;
         } else {
             if (j->seg[k].stride && !tile_buffer) tile_buffer = tile_take();
