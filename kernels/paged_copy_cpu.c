@@ -34,6 +34,11 @@
  *   ascending order, apart; bytes no segment copies are checksummed only. The payload is split
  *   between threads at segment starts and the parts' CRCs combined.
  *
+ * scatter_checked_file(segments, fd, offset, length, threads, tokens, slots) -> CRC-32C
+ *   scatter_checked of a payload still in a file it will not map (a store object): read a window
+ *   at a time into a buffer that stays in the cache, each window checked and scattered from
+ *   there (a template's call; EOFError when the file ends first, OSError when a read fails).
+ *
  * copy_checked(dst, src) -> CRC-32C of src, copied into dst in the same pass (pinned staging).
  *
  * slots_ok(slots, count, num_slots, distinct) -> True when `count` int64 at address `slots` all lie
@@ -50,7 +55,9 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <pthread.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -699,23 +706,18 @@ typedef struct {
     uint32_t crc;
 } part_t;
 
-static void *check_part(void *arg) {
-    part_t *p = (part_t *)arg;
-    uint8_t *rows = NULL, *page = NULL; /* for transposed pages: a run's blob rows, a page's tiles */
-    for (size_t k = p->first; k < p->last && !rows; k++)
-        if (p->seg[k].stride) {
-            rows = (uint8_t *)tile_take();
-            if (rows) page = (uint8_t *)tile_take(); /* without `rows` no buffer is used */
-        }
-    crc32c_stream s;
-    crc32c_stream_begin(&s, crc32c_begin());
-    const uint8_t *pos = p->begin;
-    for (size_t k = p->first; k < p->last; k++) {
-        const segment_t *g = &p->seg[k];
+/* Segments [first, last) copied from the payload bytes [begin, end) into their pages, every byte
+ * of [begin, end) (those between and after the segments too) run through the CRC stream `s`.
+ * `rows`, `page`: tile buffers for transposed pages, or NULL. */
+static void check_segments(crc32c_stream *s, const segment_t *seg, size_t first, size_t last,
+                           const uint8_t *begin, const uint8_t *end, int nt, uint8_t *rows, uint8_t *page) {
+    const uint8_t *pos = begin;
+    for (size_t k = first; k < last; k++) {
+        const segment_t *g = &seg[k];
         const uint8_t *b = (const uint8_t *)(uintptr_t)g->blob;
         uint8_t *paged = (uint8_t *)(uintptr_t)g->paged;
         const int64_t *slots = (const int64_t *)(uintptr_t)g->slots;
-        crc32c_stream_copy(&s, NULL, pos, (size_t)(b - pos), 0); /* bytes between segments */
+        crc32c_stream_copy(s, NULL, pos, (size_t)(b - pos), 0); /* bytes between segments */
         size_t token_bytes = (size_t)(g->groups * g->run);
         if (g->stride && rows && token_bytes <= TILE_BUFFER) {
             /* transposed rows: a run's blob rows are checked as they are copied into a buffer,
@@ -723,8 +725,8 @@ static void *check_part(void *arg) {
             for (size_t t = 0; t < g->tokens;) {
                 size_t n = slot_run(g, slots, t, (size_t)g->tokens);
                 if (n * token_bytes > TILE_BUFFER) n = TILE_BUFFER / token_bytes;
-                crc32c_stream_copy(&s, rows, b, n * token_bytes, 0);
-                tiles_run(g, t, n, (char *)rows, 1, p->nt, (char *)page);
+                crc32c_stream_copy(s, rows, b, n * token_bytes, 0);
+                tiles_run(g, t, n, (char *)rows, 1, nt, (char *)page);
                 b += n * token_bytes;
                 t += n;
             }
@@ -732,30 +734,49 @@ static void *check_part(void *arg) {
             /* no buffer: copy in tiles, then checksum what was written, in blob order (the bytes
              * checked are still the bytes loaded; the paged side is private to this load) */
             copy_segment(g, 1, 0, NULL);
-            crc32c_state r = crc32c_stream_end(&s);
+            crc32c_state r = crc32c_stream_end(s);
             for (size_t t = 0; t < g->tokens; t++)
                 for (size_t gi = 0; gi < g->groups; gi++, b += g->run)
                     r = crc32c_update_strided(r, paged + row_at(g, slots[t], gi), (size_t)g->stride,
                                               (size_t)g->run, (size_t)g->elem);
-            crc32c_stream_begin(&s, r);
+            crc32c_stream_begin(s, r);
         } else {
             int merge = g->groups == 1 && g->so == g->run; /* adjacent slots: one copy per run of them */
             for (size_t t = 0; t < g->tokens;) {
                 size_t n = merge ? slot_run(g, slots, t, (size_t)g->tokens) : 1;
                 uint8_t *row = paged + token_at(g, slots[t]);
                 if (merge) {
-                    crc32c_stream_copy(&s, row, b, n * (size_t)g->run, p->nt);
+                    crc32c_stream_copy(s, row, b, n * (size_t)g->run, nt);
                     b += n * g->run;
                 } else {
                     for (size_t gi = 0; gi < g->groups; gi++, b += g->run, row += g->sh)
-                        crc32c_stream_copy(&s, row, b, (size_t)g->run, p->nt);
+                        crc32c_stream_copy(s, row, b, (size_t)g->run, nt);
                 }
                 t += n;
             }
         }
         pos = b;
     }
-    crc32c_stream_copy(&s, NULL, pos, (size_t)(p->end - pos), 0);
+    crc32c_stream_copy(s, NULL, pos, (size_t)(end - pos), 0);
+}
+
+/* Tile buffers for a part's transposed pages (both or neither), NULL when it has none. */
+static void take_row_buffers(const segment_t *seg, size_t first, size_t last, uint8_t **rows, uint8_t **page) {
+    *rows = *page = NULL;
+    for (size_t k = first; k < last && !*rows; k++)
+        if (seg[k].stride) {
+            *rows = (uint8_t *)tile_take();
+            if (*rows) *page = (uint8_t *)tile_take(); /* without `rows` no buffer is used */
+        }
+}
+
+static void *check_part(void *arg) {
+    part_t *p = (part_t *)arg;
+    uint8_t *rows, *page;
+    take_row_buffers(p->seg, p->first, p->last, &rows, &page);
+    crc32c_stream s;
+    crc32c_stream_begin(&s, crc32c_begin());
+    check_segments(&s, p->seg, p->first, p->last, p->begin, p->end, p->nt, rows, page);
     p->crc = crc32c_end(crc32c_stream_end(&s));
     store_fence();
     tile_give((char *)rows);
@@ -816,6 +837,138 @@ done:
     release_segments(seg, &segs, stack);
     PyBuffer_Release(&segs);
     PyBuffer_Release(&payload);
+    return result;
+}
+
+/* ---- scatter_checked_file ------------------------------------------------------------------ */
+
+/* The load of a stored chunk from a file it cannot map (a store object another program might
+ * truncate under a mapping: a SIGBUS, not a refusal): the payload is read a window at a time into
+ * a buffer that stays in the L2 cache, and each window is checked and scattered from there, so
+ * the bytes cross memory once, as from a map; read whole first, they crossed it twice. The
+ * segments' blobs are addresses in a virtual payload at FILE_BASE, rebased onto the window. */
+#define FILE_BASE ((uint64_t)1 << 20)
+#define FILE_WINDOW TILE_BUFFER
+
+typedef struct {
+    part_t part;      /* begin/end: the part's virtual payload bytes */
+    int fd;
+    uint64_t offset;  /* the file offset of the payload's first byte */
+    segment_t *subs;  /* room for the part's segments, rebased per window */
+    int error;        /* 0, an errno, or -1: the file ended before the payload did */
+} file_part_t;
+
+static int read_fully(int fd, uint8_t *out, size_t n, uint64_t offset) {
+    while (n) {
+        ssize_t got = pread(fd, out, n, (off_t)offset);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return errno ? errno : EIO;
+        if (got == 0) return -1;
+        out += got, n -= (size_t)got, offset += (uint64_t)got;
+    }
+    return 0;
+}
+
+static void *check_file_part(void *arg) {
+    file_part_t *f = (file_part_t *)arg;
+    part_t *p = &f->part;
+    uint8_t *rows, *page, *window = (uint8_t *)tile_take();
+    take_row_buffers(p->seg, p->first, p->last, &rows, &page);
+    crc32c_stream s;
+    crc32c_stream_begin(&s, crc32c_begin());
+    if (!window) f->error = ENOMEM;
+    size_t k = p->first, t = 0; /* the next token to move: token t of segment k */
+    for (const uint8_t *pos = p->begin; pos < p->end && !f->error;) {
+        const uint8_t *wend = (size_t)(p->end - pos) > FILE_WINDOW ? pos + FILE_WINDOW : p->end, *cut = wend;
+        size_t n = 0;
+        while (k < p->last) { /* the tokens that lie whole inside [pos, wend) */
+            const segment_t *g = &p->seg[k];
+            size_t token_bytes = (size_t)(g->groups * g->run);
+            const uint8_t *at = (const uint8_t *)(uintptr_t)g->blob + t * token_bytes;
+            if (at >= wend) break;
+            size_t fit = (size_t)(wend - at) / token_bytes, take = g->tokens - t < fit ? g->tokens - t : fit;
+            if (!take) { cut = at; break; } /* the window ends inside this token: read it next time */
+            segment_t *sub = &f->subs[n++];
+            *sub = *g;
+            sub->blob = (uint64_t)(uintptr_t)window + (uint64_t)(at - pos);
+            sub->slots = g->slots + t * sizeof(int64_t);
+            sub->tokens = take;
+            t += take;
+            if (t < g->tokens) { cut = at + take * token_bytes; break; }
+            k++, t = 0;
+        }
+        f->error = read_fully(f->fd, window, (size_t)(cut - pos), f->offset + (uint64_t)(pos - (const uint8_t *)(uintptr_t)FILE_BASE));
+        if (!f->error) check_segments(&s, f->subs, 0, n, window, window + (cut - pos), p->nt, rows, page);
+        pos = cut;
+    }
+    p->crc = crc32c_end(crc32c_stream_end(&s));
+    store_fence();
+    tile_give((char *)window);
+    tile_give((char *)rows);
+    tile_give((char *)page);
+    return NULL;
+}
+
+/* scatter_checked_file(template, fd, offset, length, threads, tokens, slots) -> CRC-32C of the
+ * payload: scatter_checked of the `length` bytes at `offset` in file `fd`, read a window at a time
+ * (a template's call only). EOFError when the file ends first; OSError when a read fails. */
+static PyObject *py_scatter_checked_file(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer segs;
+    int fd, threads;
+    unsigned long long offset, length, tokens, slots;
+    if (!PyArg_ParseTuple(args, "y*iKKiKK", &segs, &fd, &offset, &length, &threads, &tokens, &slots)) return NULL;
+    PyObject *result = NULL;
+    segment_t stack[STACK_SEGMENTS], *subs = NULL;
+    size_t n;
+    segment_t *seg = call_segments(&segs, FILE_BASE, tokens, slots, stack, &n);
+    const uint8_t *lo = (const uint8_t *)(uintptr_t)FILE_BASE, *hi = lo + length;
+    if (!seg) goto done;
+    int fits = length <= UINT64_MAX - FILE_BASE;
+    for (size_t k = 0; k < n && fits; k++) fits = seg[k].groups * seg[k].run <= FILE_WINDOW;
+    if (!fits || !segments_ok(seg, n) || !inside_payload(seg, n, lo, hi)) {
+        PyErr_SetString(PyExc_IndexError, "scatter_checked_file: a segment lies outside the payload, out of order, "
+                                          "has a slot out of range, or a token larger than the read window");
+        goto done;
+    }
+    subs = (segment_t *)malloc((n ? n : 1) * sizeof(segment_t));
+    if (!subs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    threads = clamp_threads(threads, n);
+    int nt = length >= nontemporal_min;
+    file_part_t parts[MAX_THREADS];
+    size_t k = 0;
+    for (int t = 0; t < threads; t++) { /* split as scatter_checked splits */
+        const uint8_t *mark = lo + length * (uint64_t)t / (uint64_t)threads;
+        while (t > 0 && k < n && (const uint8_t *)(uintptr_t)seg[k].blob < mark) k++;
+        const uint8_t *begin = t == 0 ? lo : (k < n ? (const uint8_t *)(uintptr_t)seg[k].blob : hi);
+        parts[t] = (file_part_t){{seg, k, n, begin, hi, nt, 0}, fd, offset, subs + k, 0};
+        if (t > 0) parts[t - 1].part.last = k, parts[t - 1].part.end = begin;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    run_jobs(check_file_part, parts, sizeof(file_part_t), threads);
+    Py_END_ALLOW_THREADS
+    for (int t = 0; t < threads; t++) {
+        if (parts[t].error == -1) {
+            PyErr_SetString(PyExc_EOFError, "scatter_checked_file: the file ended inside the payload");
+            goto done;
+        }
+        if (parts[t].error) {
+            errno = parts[t].error;
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+    }
+    uint32_t crc = parts[0].part.crc;
+    for (int t = 1; t < threads; t++)
+        crc = crc32c_combine(crc, parts[t].part.crc, (uint64_t)(parts[t].part.end - parts[t].part.begin));
+    result = PyLong_FromUnsignedLong(crc);
+done:
+    free(subs);
+    release_segments(seg, &segs, stack);
+    PyBuffer_Release(&segs);
     return result;
 }
 
@@ -905,6 +1058,8 @@ static PyMethodDef methods[] = {
     {"copy_segments", py_copy_segments, METH_VARARGS, "Move rows between paged KV tensors and KV_BLOB tensors."},
     {"scatter_checked", py_scatter_checked, METH_VARARGS,
      "Scatter rows of a stored payload into paged tensors, CRC-32C-checksumming it as it is copied."},
+    {"scatter_checked_file", py_scatter_checked_file, METH_VARARGS,
+     "scatter_checked of a payload in a file, read a window at a time into a cached buffer."},
     {"slots_ok", py_slots_ok, METH_VARARGS, "Whether slots lie in [0, num_slots) and (distinct) none repeats."},
     {"copy_checked", py_copy_checked, METH_VARARGS, "Copy a buffer into another, CRC-32C checked in the same pass."},
     {"crc32c", py_crc32c, METH_VARARGS, "CRC-32C of a buffer (this module's code; tests compare)."},

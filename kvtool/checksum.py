@@ -6,18 +6,20 @@ then copying from it would leave a window for another process to change the byte
 So the check travels with the bytes: whoever copies them out of the payload checks them as it
 copies (the native scatter does, `kvtool._paged_native.scatter_checked`) or first takes a
 private copy and checks that (`PayloadCheck.verified`). Either way the bytes used are the bytes
-checked.
+checked. A `FilePayloadCheck` holds bytes still in a file that is read rather than mapped (a
+store object): the native scatter reads them a window at a time and checks them as it copies.
 """
 
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import ChecksumMismatch
+from .errors import ChecksumMismatch, InputFileError
 
 if TYPE_CHECKING:
     import torch
@@ -79,3 +81,67 @@ class PayloadCheck:
             raise self.mismatch()
         return torch.frombuffer(private, dtype=torch.uint8)[offset:offset + view.numel() * view.element_size()] \
             .view(view.dtype).view(view.shape)
+
+    def release(self) -> None:
+        """Let go of what the payload holds (nothing here; a file's check closes its file)."""
+
+
+class FilePayloadCheck(PayloadCheck):
+    """A payload still in a file: `length` bytes at `offset` of the open file `fd` (this check owns
+    it: `release()` closes it), CRC-32C `crc32c`. The native checked scatter reads it a window at
+    a time (`kvtool._paged_native.scatter_checked_file`); anything else that asks for `payload`
+    gets it read into `buffer` (`length` bytes, the tensor handed on with this check views it)
+    on first use, and checks that private copy."""
+
+    def __init__(self, fd: int, offset: int, length: int, buffer: memoryview, crc32c: int, what: str):
+        object.__setattr__(self, "fd", fd)  # (PayloadCheck is frozen)
+        object.__setattr__(self, "offset", offset)
+        object.__setattr__(self, "length", length)
+        object.__setattr__(self, "buffer", buffer)
+        object.__setattr__(self, "crc32c", crc32c)
+        object.__setattr__(self, "what", what)
+        object.__setattr__(self, "filled", False)
+
+    # the dataclass's own would read the file (they look at `payload`)
+    __eq__, __hash__ = object.__eq__, object.__hash__
+
+    def __repr__(self) -> str:
+        return f"FilePayloadCheck({self.what!r}, fd={self.fd}, offset={self.offset}, length={self.length})"
+
+    @property
+    def payload(self) -> memoryview:  # type: ignore[override]
+        if not self.filled:
+            self.read_into(self.buffer)
+            object.__setattr__(self, "filled", True)
+        return self.buffer
+
+    def read_into(self, out: memoryview) -> None:
+        """The payload's bytes, read into `out` (`length` bytes), not checked."""
+        out = memoryview(out).cast("B")
+        done = 0
+        try:
+            while done < self.length:
+                n = os.preadv(self.fd, [out[done:self.length]], self.offset + done)
+                if n <= 0:
+                    raise self.truncated()
+                done += n
+        except OSError as err:
+            raise self.read_failed(err) from None
+
+    def read_checked_into(self, out: memoryview) -> None:
+        """The payload read into the private buffer `out`, then checked there."""
+        self.read_into(out)
+        if crc32(memoryview(out).cast("B")[:self.length]) != self.crc32c:
+            raise self.mismatch()
+
+    def truncated(self) -> ChecksumMismatch:
+        return ChecksumMismatch(f"{self.what}: the file ends inside the payload (stored bytes are damaged)")
+
+    def read_failed(self, err: OSError) -> InputFileError:
+        return InputFileError(f"{self.what}: cannot read ({err.strerror or err})")
+
+    def release(self) -> None:
+        fd = self.fd
+        if fd >= 0:
+            object.__setattr__(self, "fd", -1)
+            os.close(fd)

@@ -162,6 +162,48 @@ def test_the_store_loads_from_a_token_on_and_refuses_damage(tmp_path, path, monk
         assert not read(16, 40).any()
 
 
+def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_short_meanwhile(tmp_path, monkeypatch):
+    """A local store's raw objects are opened, not read whole: their payloads are read a window at
+    a time by the checked scatter (never into the buffer), every descriptor is closed after, and
+    an object truncated by someone else between its checks and its scatter is refused there."""
+    import os
+
+    from kvtool.connectors import paged_native
+    from kvtool.store import objects, open_store
+
+    if paged_native.native_module() is None:
+        pytest.skip("kvtool._paged_native is not built")
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    tokens = list(range(200, 240))
+    kv = make_kv(identity, 40, torch.float32)
+    cache = open_store(tmp_path / "store").for_model(identity, chunk_size=8)
+    cache.put_sequence(tokens, kv)
+    open_fds = len(os.listdir("/proc/self/fd"))
+    made, real = [], objects.ChunkObject._file_view
+
+    def spy(self, source, buffer):
+        viewed = real(self, source, buffer)
+        made.append(viewed[1])
+        if self.start == 16 and cut_short:  # someone truncates the third object meanwhile
+            os.truncate(next((tmp_path / "store").glob(f"chunks/**/{self.prefix_hash}.kvc")),
+                        viewed[1].offset + viewed[1].length - 5)
+        return viewed
+
+    monkeypatch.setattr(objects.ChunkObject, "_file_view", spy)
+    cut_short = False
+    scatter, read = paged_target(40, checking=True)
+    hit = cache.load_prefix(tokens, scatter)
+    assert hit.num_tokens == 40 and not hit.refused and torch.equal(read(0, 40), kv)
+    assert len(made) == 5 and not any(check.filled for check in made) and all(check.fd == -1 for check in made)
+    assert len(os.listdir("/proc/self/fd")) == open_fds
+    cut_short = True
+    scatter, read = paged_target(40, seed=2, checking=True)
+    hit = cache.load_prefix(tokens, scatter)
+    assert hit.num_tokens == 16 and len(hit.refused) == 1 and "ends inside the payload" in hit.refused[0]
+    assert torch.equal(read(0, 16), kv[:, :, :16])
+    assert len(os.listdir("/proc/self/fd")) == open_fds
+
+
 def test_raw_chunks_are_checked_as_they_are_scattered_not_before(tmp_path, monkeypatch):
     """A scatter that checks gets a raw file's whole chunks as views of the mapped file (no
     pread, no separate CRC pass) and the native checked copy moves them; a partial last chunk

@@ -341,3 +341,92 @@ def test_transposed_pages_of_large_blocks(dtype, nontemporal):
     got = torch.empty_like(view)
     assert paged_native.native_gather(ref, layout, slots, got)
     assert torch.equal(got, view)
+
+
+def _file_payload(tmp_path, shape, dtype, gen, lead=100, cut=0):
+    """A KV_BLOB stored `lead` bytes into a file (its last `cut` bytes missing), and the
+    FilePayloadCheck of it with the (unfilled) buffer view a store load hands on."""
+    from kvtool.checksum import FilePayloadCheck, crc32
+
+    payload = (torch.randn(*shape, generator=gen) * 3).to(dtype).view(torch.uint8).reshape(-1).numpy().tobytes()
+    path = tmp_path / "object"
+    path.write_bytes(b"\x5a" * lead + payload[:len(payload) - cut] + (b"" if cut else b"tail"))
+    buffer = memoryview(bytearray(len(payload)))
+    view = torch.frombuffer(buffer, dtype=dtype).view(shape)
+    check = FilePayloadCheck(os.open(path, os.O_RDONLY), lead, len(payload), buffer, crc32(payload), "chunk 7")
+    return torch.frombuffer(bytearray(payload), dtype=dtype).view(shape), view, check
+
+
+@needs_native
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype,H,D,BS", [(torch.float32, 2, 8, 16),  # many segments in a window
+                                          (torch.float32, 8, 64, 16),  # a segment across windows (600 KB)
+                                          (torch.bfloat16, 4, 64, 128)])  # vLLM's CPU block size
+@pytest.mark.parametrize("crc_level", CRC_LEVELS, indirect=True)
+def test_a_payload_in_a_file_is_read_a_window_at_a_time_and_scattered_as_from_memory(
+        tmp_path, layout, dtype, H, D, BS, crc_level, nontemporal, monkeypatch):
+    gen = torch.Generator().manual_seed(21)
+    T, L = 300, 2
+    NB = T // BS + 3
+    bufs = make_buffers(layout, L, NB, BS, H, D, dtype, gen)
+    t = torch.arange(T) + 5  # runs start mid-block
+    slots = torch.randperm(NB, generator=gen)[t // BS] * BS + t % BS
+    blob, view, check = _file_payload(tmp_path, (2, L, T, H * D), dtype, gen)
+    ref = clone_buffers(bufs, layout)
+    paged_torch.torch_scatter(blob, ref, PagedLayout(layout), slots)
+    try:
+        for threads in ("1", "3"):
+            out = clone_buffers(bufs, layout)
+            monkeypatch.setenv("KVTOOL_THREADS", threads)
+            assert paged_native.native_scatter_checked(view, out, PagedLayout(layout), slots, check)
+            assert buffers_equal(ref, out, layout), threads
+            assert not check.filled  # read by the kernel, never whole into the buffer
+    finally:
+        check.release()
+
+
+@needs_native
+def test_a_payload_in_a_file_refuses_a_changed_byte_a_short_file_and_a_failed_read(tmp_path):
+    from kvtool.errors import ChecksumMismatch, InputFileError
+
+    gen = torch.Generator().manual_seed(22)
+    L, T, H, D, BS = 2, 64, 4, 64, 16
+    layout = PagedLayout("flash_attn")
+    bufs = make_buffers("flash_attn", L, 6, BS, H, D, torch.float32, gen)
+    slots = shuffled_slots(T, 6, BS, gen)
+    shape = (2, L, T, H * D)
+    _, view, check = _file_payload(tmp_path, shape, torch.float32, gen)
+    with open(tmp_path / "object", "r+b") as f:  # one byte changed in the middle of the payload
+        f.seek(100 + view.numel() * 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x20]))
+    with pytest.raises(ChecksumMismatch, match="chunk 7: CRC-32C mismatch"):
+        paged_native.native_scatter_checked(view, bufs, layout, slots, check)
+    check.release()
+    _, view, check = _file_payload(tmp_path, shape, torch.float32, gen, cut=1000)
+    with pytest.raises(ChecksumMismatch, match="chunk 7: the file ends inside the payload"):
+        paged_native.native_scatter_checked(view, bufs, layout, slots, check)
+    check.release()
+    _, view, check = _file_payload(tmp_path, shape, torch.float32, gen)
+    fd = check.fd
+    os.close(fd)  # a read that fails (EBADF): reported, not taken for damage
+    with pytest.raises(InputFileError, match="chunk 7: cannot read"):
+        paged_native.native_scatter_checked(view, bufs, layout, slots, check)
+
+
+def test_a_payload_in_a_file_is_read_whole_and_checked_for_any_other_copy(tmp_path):
+    """Paths without the windowed kernel (the torch fallback, the staged GPU path) ask for the
+    bytes: they are read into the buffer the view is over, and checked on that private copy."""
+    from kvtool.errors import ChecksumMismatch
+
+    gen = torch.Generator().manual_seed(23)
+    blob, view, check = _file_payload(tmp_path, (2, 2, 40, 16), torch.float32, gen)
+    assert torch.equal(check.verified(view), blob) and check.filled
+    assert "fd=" in repr(check)  # (no read for a repr)
+    check.release()
+    check.release()  # twice is harmless
+    _, view, check = _file_payload(tmp_path, (2, 2, 40, 16), torch.float32, gen, cut=3)
+    with pytest.raises(ChecksumMismatch, match="ends inside the payload"):
+        check.verified(view)
+    check.release()

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..checksum import PayloadCheck
+from ..checksum import FilePayloadCheck, PayloadCheck
 from ..devices import host_threads
 from .paged_layout import (LayerKV, PagedLayout, buffers_signature, channel_stride, layer_tensors, paged_geometry,
                            run_offset, tensors_signature)
@@ -151,8 +151,18 @@ def native_scatter_checked(blob: torch.Tensor, kv_caches: Sequence[LayerKV], lay
         return False
     template = _template(kv_caches, layout, signature)
     base, tokens, index = _call(template, slots, blob)
-    crc = module.scatter_checked(template.blob_order, check.payload, _threads(blob.numel() * blob.element_size()),
-                                 base, tokens, index.data_ptr())
+    threads = _threads(blob.numel() * blob.element_size())
+    if isinstance(check, FilePayloadCheck) and not check.filled and check.length == blob.numel() * blob.element_size():
+        # still in its file: read a window at a time, each checked and scattered while in the cache
+        try:
+            crc = module.scatter_checked_file(template.blob_order, check.fd, check.offset, check.length, threads,
+                                              tokens, index.data_ptr())
+        except EOFError:
+            raise check.truncated() from None
+        except OSError as err:
+            raise check.read_failed(err) from None
+    else:
+        crc = module.scatter_checked(template.blob_order, check.payload, threads, base, tokens, index.data_ptr())
     if crc != check.crc32c:
         raise check.mismatch()
     return True

@@ -121,6 +121,37 @@ class MappedFile:
         self._file.close()
 
 
+class PreadFile:
+    """A local file read with pread, never mapped, from an open descriptor this source owns: for
+    files another program may truncate while they are read (a shared store's objects), where a
+    mapping would turn that into SIGBUS instead of a short read, which the reader refuses."""
+
+    def __init__(self, fd: int, name: str):
+        self.fd, self.name = fd, name
+        st = os.fstat(fd)
+        self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length), fewer where the file ends first (as a slice would)."""
+        length = max(0, min(length, self.size - offset))
+        out = bytearray(length)
+        view, done = memoryview(out), 0
+        while done < length:
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                del view
+                return bytes(out[:done])  # shrunk since it was opened
+            done += n
+        return bytes(out)
+
+    read_copy = read
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
 class ContainerReader:
     """Opens a container from a path (mmap) or any ByteSource.
 
@@ -141,6 +172,10 @@ class ContainerReader:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def source(self) -> ByteSource:
+        return self._source
 
     def _open(self) -> None:
         self.file_size = self._source.size

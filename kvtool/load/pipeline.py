@@ -99,7 +99,11 @@ def load_chunks(tasks: Sequence[ChunkTask], scatter: Callable[[torch.Tensor, int
         with thread_share(share):
             mapped = task.mapped() if checks and task.mapped is not None else None
             if mapped is not None:
-                scatter(mapped[0], task.start, task.end, check=mapped[1])
+                try:
+                    scatter(mapped[0], task.start, task.end, check=mapped[1])
+                finally:
+                    if mapped[1] is not None:
+                        mapped[1].release()  # (a file's check closes the file)
             else:
                 scatter(_as_blob(task.decode(), task.first_row, task.end - task.start), task.start, task.end)
 

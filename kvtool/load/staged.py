@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..checksum import PayloadCheck
+from ..checksum import FilePayloadCheck, PayloadCheck
 from ..errors import KvtoolError
 from .pipeline import ChunkTask, LoadOutcome, _as_blob, load_threads
 
@@ -69,10 +69,16 @@ def _fill(task: ChunkTask, slot: int, staging: _Staging, copy_checked: Callable 
         view, check = mapped
         buf = staging.buffer(slot, view.numel() * view.element_size())
         out = buf.view(view.dtype).view(view.shape)
-        if check is None:  # checked already (a store object read for us)
-            out.copy_(view)
-        else:
-            copy_checked(buf, check)
+        try:
+            if check is None:  # checked already (a store object read for us)
+                out.copy_(view)
+            elif isinstance(check, FilePayloadCheck) and not check.filled:
+                check.read_checked_into(memoryview(buf.numpy()))  # read into the staging buffer, checked there
+            else:
+                copy_checked(buf, check)
+        finally:
+            if check is not None:
+                check.release()
         return out
     kv = _as_blob(task.decode(), task.first_row, task.end - task.start)
     buf = staging.buffer(slot, kv.numel() * kv.element_size())

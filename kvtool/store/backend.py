@@ -9,6 +9,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..format.reader import PreadFile
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,15 @@ class Backend(ABC):
         faults on a fresh one) and returns that view's first `size` bytes. The caller must be done
         with the result before it hands the buffer out again. Others return what `get` does."""
         return self.get(name)
+
+    #: Whether `open_file` can open objects as files, read in place (a local folder's).
+    has_files = False
+
+    def open_file(self, name: str) -> "PreadFile | None":
+        """The object as an open file (a ByteSource read with pread, never mapped), or None when it
+        is not stored. Counts as a use (LRU). A load then reads a raw chunk's payload a window at
+        a time as it scatters it, instead of whole first. Only where `has_files`."""
+        raise NotImplementedError(f"{type(self).__name__} has no files")
 
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         """`get` of each name; backends with a network batch them into one round trip."""

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import ChecksumMismatch, NotCached, ObjectRefused, StoreUrlInvalid, UsageError
 from ..format.hashing import ZERO_HASH
+from ..format.reader import PreadFile
 from ..identity import ModelIdentity
 from ..notices import notice
 from . import objects
@@ -326,16 +327,21 @@ class ModelCache:
             its PayloadCheck (the scatter checks it as it copies: one pass fewer)."""
             name = self.name(prefix)
             # unchecked: the chunk is copied out (scattered, or staged) on this thread before it
-            # fetches another, so the object may be read into this thread's reused buffer
-            data = self.backend.get_into(name, read_buffer) if unchecked else self.backend.get(name)
+            # fetches another, so the object may be read into this thread's reused buffer; from
+            # a backend with files it is opened, and a raw payload is read as it is scattered
+            if unchecked and self.backend.has_files:
+                data = self.backend.open_file(name)
+            else:
+                data = self.backend.get_into(name, read_buffer) if unchecked else self.backend.get(name)
             if data is None:
                 raise _Gone(name)
+            size = data.size if isinstance(data, PreadFile) else len(data)
             obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
                                       prefix_hash=prefix, start=start, verify_payload=not unchecked)
-            seen[index] = (obj.codec, len(data))
+            seen[index] = (obj.codec, size)
             try:
                 if unchecked:
-                    viewed = obj.unchecked_view()
+                    viewed = obj.unchecked_view(read_buffer)
                     if viewed is not None:
                         return viewed
                 kv = obj.decode(None)

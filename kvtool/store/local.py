@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import NotAStore, ObjectRefused, OutputError, StoreError
+from ..format.reader import PreadFile
 from ..fsutil import fsync_dir
 from .backend import Backend, ObjectInfo
 from .objects import MAX_OBJECT_BYTES
@@ -119,6 +120,31 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)
         return data
+
+    has_files = True
+
+    def open_file(self, name: str) -> PreadFile | None:
+        path = self._path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            raise StoreError(f"{path}: cannot read ({err.strerror})") from None
+        try:
+            source = PreadFile(fd, name)
+            if source.size > MAX_OBJECT_BYTES:
+                raise ObjectRefused(f"{name}: {source.size} bytes, more than an object may hold")
+            try:  # the LRU clock, as in get_into
+                os.utime(fd, ns=(time.time_ns(), source.mtime_ns))
+            except OSError:
+                pass
+        except BaseException as err:
+            os.close(fd)
+            if isinstance(err, OSError):
+                raise StoreError(f"{path}: cannot read ({err.strerror})") from None
+            raise
+        return source
 
     def exists(self, name: str) -> bool:
         return os.path.isfile(self._path(name))

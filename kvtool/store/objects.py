@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import struct
 from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..checksum import PayloadCheck
+from ..checksum import FilePayloadCheck, PayloadCheck
 from ..errors import KvtoolError, ObjectRefused
 from ..format.hashing import ZERO_HASH, crc32, tokens_to_bytes
-from ..format.reader import BytesSource, ContainerReader
+from ..format.reader import BytesSource, ContainerReader, PreadFile
 from ..format.writer import ContainerWriter
 from ..identity import ModelIdentity, model_fingerprint
 
@@ -104,12 +106,21 @@ class ChunkObject:
     def codec(self) -> str:
         return self.reader.chunks[0].codec
 
-    def unchecked_view(self) -> "tuple[torch.Tensor, PayloadCheck] | None":
+    def unchecked_view(self, buffer: Callable[[int], memoryview] | None = None) \
+            -> "tuple[torch.Tensor, PayloadCheck] | None":
         """A raw chunk read into a buffer of our own, as a view whose payload is NOT checked yet,
         with the `PayloadCheck` whoever copies it applies (the native scatter checks as it
-        copies). None for other chunks: `decode` them."""
+        copies). None for other chunks: `decode` them. An object opened as a file (`PreadFile`)
+        is not read here: the view is over `buffer(size)`, still to be filled, and its
+        `FilePayloadCheck` (which owns a copy of the file's descriptor) reads the payload as the
+        scatter goes, or into that buffer for whoever asks for the bytes."""
         chunk = self.reader.chunks[0]
-        if chunk.codec != "raw" or not self.owned or self.payload_checked:
+        source = self.reader.source
+        if chunk.codec != "raw" or self.payload_checked:
+            return None
+        if isinstance(source, PreadFile):
+            return self._file_view(source, buffer) if buffer is not None else None
+        if not self.owned:
             return None
         import torch
 
@@ -120,6 +131,20 @@ class ChunkObject:
             return None
         view = torch.frombuffer(payload, dtype=dtype_from_name(chunk.dtype)).reshape(chunk.shape)
         return view, PayloadCheck(payload, chunk.blob.crc32, self.name or "chunk object")
+
+    def _file_view(self, source: PreadFile, buffer: Callable[[int], memoryview]):
+        import torch
+
+        from ..dtypes import dtype_from_name
+
+        chunk = self.reader.chunks[0]
+        blob = chunk.blob
+        if blob.length != chunk.decoded_bytes or not blob.length or blob.offset + blob.length > source.size:
+            return None  # decode() names what is wrong with it
+        out = buffer(blob.length)[:blob.length]
+        view = torch.frombuffer(out, dtype=dtype_from_name(chunk.dtype)).reshape(chunk.shape)
+        fd = os.dup(source.fd)  # the reader (and its descriptor) is closed before the scatter runs
+        return view, FilePayloadCheck(fd, blob.offset, blob.length, out, blob.crc32, self.name or "chunk object")
 
     def decode(self, device: "torch.device | str | None" = None) -> "torch.Tensor":
         """The chunk's KV_BLOB `[2, L, S, C]`; a failure to decode is an ObjectRefused. A raw
@@ -161,11 +186,16 @@ def encode_chunk(model: dict[str, Any], kv_dtype: str, parent_hash: bytes, start
 
 
 def open_object(data, name: str) -> ContainerReader:
-    """The container reader of an object's bytes; any format error is an ObjectRefused."""
-    if len(data) > MAX_OBJECT_BYTES:
+    """The container reader of an object's bytes, or of an object opened as a file (a
+    `PreadFile`: the reader owns it from here); any format error is an ObjectRefused."""
+    if isinstance(data, PreadFile):
+        source = data
+    elif len(data) > MAX_OBJECT_BYTES:
         raise ObjectRefused(f"{name}: {len(data)} bytes, more than an object may hold")
+    else:
+        source = BytesSource(data, name)
     try:
-        return ContainerReader(BytesSource(data, name))
+        return ContainerReader(source)
     except KvtoolError as err:
         raise ObjectRefused(str(err)) from None
 
