@@ -888,6 +888,13 @@ static void *check_file_part(void *arg) {
             if (at >= wend) break;
             size_t fit = (size_t)(wend - at) / token_bytes, take = g->tokens - t < fit ? g->tokens - t : fit;
             if (!take) { cut = at; break; } /* the window ends inside this token: read it next time */
+            if (take < g->tokens - t) { /* end the window where a run of slots ends, not inside it
+                                         * (a run is copied whole; transposed pages a block at a time) */
+                const int64_t *r = (const int64_t *)(uintptr_t)g->slots + t;
+                size_t keep = take;
+                while (keep > 0 && r[keep] == r[keep - 1] + 1 && (uint64_t)r[keep] % g->block_size) keep--;
+                if (keep) take = keep;
+            }
             segment_t *sub = &f->subs[n++];
             *sub = *g;
             sub->blob = (uint64_t)(uintptr_t)window + (uint64_t)(at - pos);
