@@ -77,10 +77,22 @@ typedef struct {
 
 static size_t nontemporal_min = (size_t)4 << 20; /* bytes per call from which stores bypass the caches */
 
-/* memcpy, or with non-temporal 16-byte stores (dst 16-byte aligned; the ends plainly). Rows of
- * whole 16-byte units (a head's 128-256 bytes) move in an inline loop: a libc call per row
- * costs as much as the row. */
-static inline void copy_bytes(void *dst, const void *src, size_t n, int nt) {
+/* A streaming copy prefetches as it goes, a line for each line it copies: its own source
+ * PREFETCH_AHEAD bytes on when the source runs on past the copy (the blob, scattering), or the
+ * next run's lines when the next run lies elsewhere (a page, gathering). The hardware prefetcher
+ * ramps up too slowly over runs of a few KB, and prefetches issued in a burst stall once the
+ * line-fill buffers are full (measured on a Zen 4 host, 2,048 tokens: gathers 4.4 -> 2.7 ms on
+ * vLLM's flash_attn layout, 5.1 -> 2.7 ms on its CUDA layout; scatters 2.1 -> 1.8 ms). */
+#define PREFETCH_AHEAD 4096
+
+static inline void prefetch_bytes(const char *p, size_t n) {
+    for (size_t o = 0; o < n; o += 64) __builtin_prefetch(p + o);
+}
+
+/* memcpy, or with non-temporal 16-byte stores (dst 16-byte aligned; the ends plainly), then
+ * prefetching `pf` on (NULL: nothing) a line per line copied. Rows of whole 16-byte units (a
+ * head's 128-256 bytes) move in an inline loop: a libc call per row costs as much as the row. */
+static inline void copy_bytes_pf(void *dst, const void *src, size_t n, int nt, const char *pf) {
 #ifdef HAVE_SSE2
     char *d = (char *)dst;
     const char *p = (const char *)src;
@@ -89,6 +101,7 @@ static inline void copy_bytes(void *dst, const void *src, size_t n, int nt) {
         memcpy(d, p, head);
         d += head, p += head, n -= head;
         for (; n >= 64; d += 64, p += 64, n -= 64) {
+            if (pf) _mm_prefetch(pf, _MM_HINT_T0), pf += 64;
             __m128i a = _mm_loadu_si128((const __m128i *)p), b = _mm_loadu_si128((const __m128i *)(p + 16));
             __m128i c = _mm_loadu_si128((const __m128i *)(p + 32)), e = _mm_loadu_si128((const __m128i *)(p + 48));
             _mm_stream_si128((__m128i *)d, a);
@@ -104,8 +117,12 @@ static inline void copy_bytes(void *dst, const void *src, size_t n, int nt) {
         return;
     }
 #endif
-    (void)nt;
+    (void)nt, (void)pf;
     memcpy(dst, src, n);
+}
+
+static inline void copy_bytes(void *dst, const void *src, size_t n, int nt) {
+    copy_bytes_pf(dst, src, n, nt, NULL);
 }
 
 /* Non-temporal stores are weakly ordered: fence them before a thread's work is handed on. */
@@ -247,7 +264,8 @@ static int slots_in_range_distinct(const int64_t *slots, size_t n, int64_t num_s
                 for (size_t o = 0; o < (N); o += 64) __builtin_prefetch(q + o);            \
         }                                                                                 \
         for (size_t gi = 0; gi < groups; gi++, b += (N), p += g->sh)                      \
-            if (scatter) copy_bytes(p, b, (N), nt); else copy_bytes(b, p, (N), nt);       \
+            if (scatter) copy_bytes_pf(p, b, (N), nt, b + PREFETCH_AHEAD);                \
+            else copy_bytes(b, p, (N), nt);                                               \
     }
 static size_t slot_run(const segment_t *g, const int64_t *slots, size_t t, size_t tokens) {
     size_t n = 1;
@@ -355,12 +373,18 @@ static void transpose_tile(char *dst, size_t ds, const char *src, size_t ss, siz
  * the destination rows are 16-byte aligned; 0 (nothing done) otherwise. The tiles go a band of
  * destination rows at a time, along them: each row's lines fill in order, and the write-
  * combining buffers send whole lines, none read first. */
-static int transpose_nt(char *dst, size_t ds, const char *src, size_t ss, size_t rows, size_t cols, size_t elem) {
+static int transpose_nt(char *dst, size_t ds, const char *src, size_t ss, size_t rows, size_t cols, size_t elem,
+                        const char *pf) {
 #ifdef HAVE_SSE2
     size_t edge = elem == 2 ? 8 : elem == 4 ? 4 : 0;
     if (!edge || rows % edge || cols % edge || ((uintptr_t)dst | ds) % 16) return 0;
     for (size_t c = 0; c < cols; c += edge)
         for (size_t r = 0; r < rows; r += edge) {
+            if (pf) { /* as many bytes of `pf` as a tile moves (128 or 64) */
+                __builtin_prefetch(pf);
+                if (elem == 2) __builtin_prefetch(pf + 64);
+                pf += edge * edge * elem;
+            }
             const char *sp = src + r * ss + c * elem;
             char *dp = dst + c * ds + r * elem;
             if (elem == 2) transpose8x8_16_nt(dp, ds, sp, ss);
@@ -426,8 +450,8 @@ static void tiles_run(const segment_t *g, size_t t, size_t n, char *rows, int sc
         size_t done = 0;
         for (size_t gi = 0; gi < groups; gi++, done++) {
             char *p = paged + row_at(g, slots[t], gi), *b0 = rows + gi * run;
-            if (scatter ? !transpose_nt(p, stride, b0, token_bytes, n, channels, elem)
-                        : !transpose_nt(b0, token_bytes, p, stride, channels, n, elem))
+            if (scatter ? !transpose_nt(p, stride, b0, token_bytes, n, channels, elem, NULL)
+                        : !transpose_nt(b0, token_bytes, p, stride, channels, n, elem, NULL))
                 break;
         }
         if (done == groups) return; /* (else every group again below: the same bytes) */
@@ -495,7 +519,10 @@ static void copy_segment(const segment_t *g, int scatter, int nt, char *tile_buf
         for (size_t t = 0; t < tokens;) {
             size_t n = slot_run(g, slots, t, tokens);
             char *p = paged + token_at(g, slots[t]);
-            if (scatter) copy_bytes(p, b, n * run, nt); else copy_bytes(b, p, n * run, nt);
+            if (scatter)
+                copy_bytes_pf(p, b, n * run, nt, b + PREFETCH_AHEAD);
+            else
+                copy_bytes_pf(b, p, n * run, nt, t + n < tokens ? paged + token_at(g, slots[t + n]) : NULL);
             b += n * run;
             t += n;
         }
@@ -524,6 +551,7 @@ static int pairs_with(const segment_t *k, const segment_t *v) {
            k->sh == v->sh && k->run == v->run && v->a == k->a + k->run;
 }
 
+#define PAIR_PREFETCH_TOKENS 8
 static void copy_pair(const segment_t *gk, const segment_t *gv, int scatter, int nt) {
     char *paged = (char *)(uintptr_t)gk->paged;
     char *bk = (char *)(uintptr_t)gk->blob, *bv = (char *)(uintptr_t)gv->blob;
@@ -534,11 +562,15 @@ static void copy_pair(const segment_t *gk, const segment_t *gv, int scatter, int
         char *p0 = paged + token_at(gk, slots[t]);
         for (size_t k = 0; k < n; k++) {
             char *p = p0 + k * so;
+            if (!scatter && t + k + PAIR_PREFETCH_TOKENS < tokens) { /* a token's rows, a few tokens ahead */
+                const char *q = paged + token_at(gk, slots[t + k + PAIR_PREFETCH_TOKENS]);
+                for (size_t gi = 0; gi < groups; gi++, q += gk->sh) prefetch_bytes(q, 2 * run);
+            }
             for (size_t gi = 0; gi < groups; gi++, p += gk->sh) {
                 size_t at = ((t + k) * groups + gi) * run;
                 if (scatter) {
-                    copy_bytes(p, bk + at, run, nt);
-                    copy_bytes(p + run, bv + at, run, nt);
+                    copy_bytes_pf(p, bk + at, run, nt, bk + at + PREFETCH_AHEAD);
+                    copy_bytes_pf(p + run, bv + at, run, nt, bv + at + PREFETCH_AHEAD);
                 } else {
                     copy_bytes(bk + at, p, run, nt);
                     copy_bytes(bv + at, p + run, run, nt);
@@ -581,12 +613,17 @@ static void copy_page_pair(const segment_t *gk, const segment_t *gv, int scatter
             continue;
         }
         char *rk = bk + t * token_bytes, *rv = bv + t * token_bytes; /* the run's blob rows */
+        size_t share = n * token_bytes / groups; /* the next run's blob rows, a head's share at a time */
+        const char *next_page = t + n < tokens ? paged + token_at(gk, slots[t + n]) : NULL;
         if (scatter && nt && run % 64 == 0) { /* whole lines: straight into the page, none read first */
             for (size_t gi = 0; gi < groups; gi++) {
                 char *p = paged + row_at(gk, slots[t], gi);
-                if (!transpose_nt(p, stride, rk + gi * run, token_bytes, n, channels, elem))
+                const char *pk = t + n < tokens ? rk + n * token_bytes + gi * share : NULL; /* K, V rows to come */
+                if (!transpose_nt(p, stride, rk + gi * run, token_bytes, n, channels, elem, pk))
                     transpose_tile(p, stride, rk + gi * run, token_bytes, n, channels, elem);
-                for (size_t k = 0; k < n; k++) copy_bytes(p + half + k * run, rv + k * token_bytes + gi * run, run, 1);
+                for (size_t k = 0; k < n; k++)
+                    copy_bytes_pf(p + half + k * run, rv + k * token_bytes + gi * run, run, 1,
+                                  pk ? rv + n * token_bytes + gi * share + k * run : NULL);
             }
         } else if (scatter) {
             for (size_t gi = 0; gi < groups; gi++) {
@@ -597,9 +634,11 @@ static void copy_page_pair(const segment_t *gk, const segment_t *gv, int scatter
         } else if (nt && run % 64 == 0 && token_bytes % 16 == 0) { /* straight into the blob rows */
             for (size_t gi = 0; gi < groups; gi++) {
                 const char *p = paged + row_at(gk, slots[t], gi);
-                if (!transpose_nt(rk + gi * run, token_bytes, p, stride, channels, n, elem))
+                const char *pp = next_page ? next_page + gi * gk->sh : NULL; /* the next run's page of this head */
+                if (!transpose_nt(rk + gi * run, token_bytes, p, stride, channels, n, elem, pp))
                     transpose_tile(rk + gi * run, token_bytes, p, stride, channels, n, elem);
-                for (size_t k = 0; k < n; k++) copy_bytes(rv + k * token_bytes + gi * run, p + half + k * run, run, 1);
+                for (size_t k = 0; k < n; k++)
+                    copy_bytes_pf(rv + k * token_bytes + gi * run, p + half + k * run, run, 1, pp ? pp + half + k * run : NULL);
             }
         } else { /* as many tokens at a time as half the buffer holds */
             char *kb = buffer, *vb = buffer + TILE_BUFFER / 2;
