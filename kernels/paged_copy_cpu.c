@@ -11,7 +11,7 @@
  * here per token so no index tensors are built. There are no torch headers: tensors come as
  * pointers and byte counts, and every slot of every segment is checked against its tensor's
  * extent before anything is copied, so a bad slot is an error, never a stray or partial write.
- * Threads take whole segments, the GIL released.
+ * Threads (kept from call to call) take jobs of whole segments, the GIL released.
  *
  * A segment: 14 uint64 (paged_ptr, paged_bytes, blob_ptr, tokens, slots_ptr, block_size, groups,
  * a, sb, so, sh, run, stride, elem), slots_ptr pointing to `tokens` int64. Blob row
@@ -684,16 +684,94 @@ static size_t segments_bytes(const segment_t *seg, size_t n) {
     return total;
 }
 
-/* Run fn over jobs[0..threads) on threads (job 0 on this one), the GIL released by the caller. */
-static void run_jobs(void *(*fn)(void *), void *jobs, size_t job_size, int threads) {
+/* Jobs are taken one at a time by whichever thread is free (this one among them), not dealt
+ * out one per thread: a worker that wakes late (an idle virtual CPU takes tens of microseconds)
+ * then takes fewer instead of holding up the call. */
+typedef struct {
+    void *(*fn)(void *);
+    char *jobs;
+    size_t job_size;
+    int count, next; /* next: the next job to take (atomic) */
+} job_set;
+
+static void take_jobs(job_set *set) {
+    for (int i; (i = __atomic_fetch_add(&set->next, 1, __ATOMIC_RELAXED)) < set->count;)
+        set->fn(set->jobs + (size_t)i * set->job_size);
+}
+
+static void *take_jobs_thread(void *set) {
+    take_jobs((job_set *)set);
+    return NULL;
+}
+
+/* Worker threads, started on first use and kept: starting threads on every call cost as much as
+ * a 256-token chunk's copy. One call at a time uses them (`pool_owner`); a call that finds them
+ * busy starts threads of its own. A forked child starts with none (pthread_atfork). */
+static pthread_mutex_t pool_owner = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_work = PTHREAD_COND_INITIALIZER, pool_done = PTHREAD_COND_INITIALIZER;
+static int pool_workers = 0, pool_active = 0; /* started; taking jobs of the posted set now */
+static job_set *pool_set = NULL;             /* the call's jobs while it runs, else NULL */
+static unsigned long pool_round = 0;
+
+static void *pool_worker(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&pool_lock);
+    for (unsigned long seen = pool_round;; seen = pool_round) {
+        while (pool_round == seen) pthread_cond_wait(&pool_work, &pool_lock);
+        job_set *set = pool_set;
+        if (!set) continue; /* woke after the call ended */
+        pool_active++;
+        pthread_mutex_unlock(&pool_lock);
+        take_jobs(set);
+        pthread_mutex_lock(&pool_lock);
+        if (--pool_active == 0) pthread_cond_signal(&pool_done);
+    }
+    return NULL;
+}
+
+static void pool_forked_child(void) {
+    pthread_mutex_init(&pool_owner, NULL);
+    pthread_mutex_init(&pool_lock, NULL);
+    pthread_cond_init(&pool_work, NULL);
+    pthread_cond_init(&pool_done, NULL);
+    pool_workers = pool_active = 0;
+    pool_set = NULL;
+}
+
+/* Run fn over jobs[0..count) on up to `threads` threads, this one among them, the GIL released
+ * by the caller. */
+static void run_jobs(void *(*fn)(void *), void *jobs, size_t job_size, int count, int threads) {
+    job_set set = {fn, (char *)jobs, job_size, count, 0};
+    if (threads > count) threads = count;
+    if (threads <= 1) {
+        take_jobs(&set);
+        return;
+    }
+    if (pthread_mutex_trylock(&pool_owner) == 0) {
+        while (pool_workers < threads - 1) { /* (none started: this thread runs every job itself) */
+            pthread_t tid;
+            if (pthread_create(&tid, NULL, pool_worker, NULL) != 0) break;
+            pthread_detach(tid);
+            pool_workers++;
+        }
+        pthread_mutex_lock(&pool_lock);
+        pool_set = &set;
+        pool_round++;
+        pthread_cond_broadcast(&pool_work);
+        pthread_mutex_unlock(&pool_lock);
+        take_jobs(&set);
+        pthread_mutex_lock(&pool_lock);
+        pool_set = NULL; /* workers that wake from now on find nothing */
+        while (pool_active) pthread_cond_wait(&pool_done, &pool_lock);
+        pthread_mutex_unlock(&pool_lock);
+        pthread_mutex_unlock(&pool_owner);
+        return;
+    }
     pthread_t tids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    for (int t = 1; t < threads; t++) {
-        void *job = (char *)jobs + (size_t)t * job_size;
-        started[t] = pthread_create(&tids[t], NULL, fn, job) == 0;
-        if (!started[t]) fn(job); /* no thread: do its share here */
-    }
-    fn(jobs);
+    for (int t = 1; t < threads; t++) started[t] = pthread_create(&tids[t], NULL, take_jobs_thread, &set) == 0;
+    take_jobs(&set);
     for (int t = 1; t < threads; t++)
         if (started[t]) pthread_join(tids[t], NULL);
 }
@@ -703,6 +781,14 @@ static int clamp_threads(int threads, size_t n) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if ((size_t)threads > n) threads = n ? (int)n : 1;
     return threads;
+}
+
+/* How many jobs a call of n segments makes for `threads` threads (see job_set). */
+#define JOBS_PER_THREAD 4
+#define MAX_JOBS (MAX_THREADS * JOBS_PER_THREAD)
+static int job_count(int threads, size_t n) {
+    size_t count = threads > 1 ? (size_t)threads * JOBS_PER_THREAD : 1;
+    return (int)(count < n ? count : (n ? n : 1));
 }
 
 static PyObject *py_copy_segments(PyObject *self, PyObject *args) {
@@ -721,11 +807,15 @@ static PyObject *py_copy_segments(PyObject *self, PyObject *args) {
         goto done;
     }
     threads = clamp_threads(threads, n);
-    copy_job jobs[MAX_THREADS];
+    int count = job_count(threads, n);
+    copy_job jobs[MAX_JOBS];
     int nt = segments_bytes(seg, n) >= nontemporal_min;
-    for (int t = 0; t < threads; t++) jobs[t] = (copy_job){seg, n * t / threads, n * (t + 1) / threads, scatter, nt};
+    for (int j = 0; j < count; j++) { /* even bounds: a layer's K and V segments stay in one job (paired) */
+        size_t first = j ? (n * j / count) & ~(size_t)1 : 0, last = j + 1 < count ? (n * (j + 1) / count) & ~(size_t)1 : n;
+        jobs[j] = (copy_job){seg, first, last, scatter, nt};
+    }
     Py_BEGIN_ALLOW_THREADS
-    run_jobs(copy_work, jobs, sizeof(copy_job), threads);
+    run_jobs(copy_work, jobs, sizeof(copy_job), count, threads);
     Py_END_ALLOW_THREADS
     Py_INCREF(Py_None);
     result = Py_None;
@@ -853,23 +943,24 @@ static PyObject *py_scatter_checked(PyObject *self, PyObject *args) {
         goto done;
     }
     threads = clamp_threads(threads, n);
+    int count = job_count(threads, n);
     int nt = (size_t)payload.len >= nontemporal_min;
-    part_t parts[MAX_THREADS];
-    /* part t starts at the first segment whose start is at or past t/threads of the payload */
+    part_t parts[MAX_JOBS];
+    /* part j starts at the first segment whose start is at or past j/count of the payload */
     size_t k = 0;
     uint64_t total = (uint64_t)payload.len;
-    for (int t = 0; t < threads; t++) {
-        const uint8_t *mark = lo + total * (uint64_t)t / (uint64_t)threads;
+    for (int t = 0; t < count; t++) {
+        const uint8_t *mark = lo + total * (uint64_t)t / (uint64_t)count;
         while (t > 0 && k < n && (const uint8_t *)(uintptr_t)seg[k].blob < mark) k++;
         const uint8_t *begin = t == 0 ? lo : (k < n ? (const uint8_t *)(uintptr_t)seg[k].blob : hi);
         parts[t] = (part_t){seg, k, n, begin, hi, nt, 0};
         if (t > 0) parts[t - 1].last = k, parts[t - 1].end = begin;
     }
     Py_BEGIN_ALLOW_THREADS
-    run_jobs(check_part, parts, sizeof(part_t), threads);
+    run_jobs(check_part, parts, sizeof(part_t), count, threads);
     Py_END_ALLOW_THREADS
     uint32_t crc = parts[0].crc;
-    for (int t = 1; t < threads; t++)
+    for (int t = 1; t < count; t++)
         crc = crc32c_combine(crc, parts[t].crc, (uint64_t)(parts[t].end - parts[t].begin));
     result = PyLong_FromUnsignedLong(crc);
 done:
@@ -983,20 +1074,21 @@ static PyObject *py_scatter_checked_file(PyObject *self, PyObject *args) {
         goto done;
     }
     threads = clamp_threads(threads, n);
+    int count = job_count(threads, n);
     int nt = length >= nontemporal_min;
-    file_part_t parts[MAX_THREADS];
+    file_part_t parts[MAX_JOBS];
     size_t k = 0;
-    for (int t = 0; t < threads; t++) { /* split as scatter_checked splits */
-        const uint8_t *mark = lo + length * (uint64_t)t / (uint64_t)threads;
+    for (int t = 0; t < count; t++) { /* split as scatter_checked splits */
+        const uint8_t *mark = lo + length * (uint64_t)t / (uint64_t)count;
         while (t > 0 && k < n && (const uint8_t *)(uintptr_t)seg[k].blob < mark) k++;
         const uint8_t *begin = t == 0 ? lo : (k < n ? (const uint8_t *)(uintptr_t)seg[k].blob : hi);
         parts[t] = (file_part_t){{seg, k, n, begin, hi, nt, 0}, fd, offset, subs + k, 0};
         if (t > 0) parts[t - 1].part.last = k, parts[t - 1].part.end = begin;
     }
     Py_BEGIN_ALLOW_THREADS
-    run_jobs(check_file_part, parts, sizeof(file_part_t), threads);
+    run_jobs(check_file_part, parts, sizeof(file_part_t), count, threads);
     Py_END_ALLOW_THREADS
-    for (int t = 0; t < threads; t++) {
+    for (int t = 0; t < count; t++) {
         if (parts[t].error == -1) {
             PyErr_SetString(PyExc_EOFError, "scatter_checked_file: the file ended inside the payload");
             goto done;
@@ -1008,7 +1100,7 @@ static PyObject *py_scatter_checked_file(PyObject *self, PyObject *args) {
         }
     }
     uint32_t crc = parts[0].part.crc;
-    for (int t = 1; t < threads; t++)
+    for (int t = 1; t < count; t++)
         crc = crc32c_combine(crc, parts[t].part.crc, (uint64_t)(parts[t].part.end - parts[t].part.begin));
     result = PyLong_FromUnsignedLong(crc);
 done:
@@ -1123,5 +1215,6 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_paged_native",
 
 PyMODINIT_FUNC PyInit__paged_native(void) {
     crc32c_init(CRC32C_FOLD);
+    pthread_atfork(NULL, NULL, pool_forked_child);
     return PyModule_Create(&moddef);
 }

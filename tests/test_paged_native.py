@@ -430,3 +430,42 @@ def test_a_payload_in_a_file_is_read_whole_and_checked_for_any_other_copy(tmp_pa
     with pytest.raises(ChecksumMismatch, match="ends inside the payload"):
         check.verified(view)
     check.release()
+
+
+@needs_native
+def test_calls_from_several_threads_and_a_forked_child_share_the_kernel_threads_correctly(monkeypatch):
+    """The kernel keeps its worker threads for the next call: calls made at once from several
+    Python threads (one uses the workers, the others threads of their own) and a call in a
+    forked child (which has no workers until it starts its own) all copy the reference bytes."""
+    import threading
+
+    monkeypatch.setenv("KVTOOL_THREADS", "3")
+    gen = torch.Generator().manual_seed(31)
+    T, BS, L, H, D, NB = 200, 16, 4, 2, 16, 16
+    layout = PagedLayout("flash_attn")
+    bufs = make_buffers("flash_attn", L, NB, BS, H, D, torch.float32, gen)
+    slots = shuffled_slots(T, NB, BS, gen)
+    ref = torch.empty(2, L, T, H * D)
+    paged_torch.torch_gather(bufs, layout, slots, ref)
+    outs = [torch.zeros_like(ref) for _ in range(4)]
+    old = native.nontemporal_min(0)  # (every copy large enough for threads: see _threads)
+    monkeypatch.setattr(paged_native, "MIN_BYTES_PER_THREAD", 1)
+    try:
+        def gather(out):
+            for _ in range(20):
+                assert paged_native.native_gather(bufs, layout, slots, out)
+
+        workers = [threading.Thread(target=gather, args=(out,)) for out in outs]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert all(torch.equal(out, ref) for out in outs)
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only when its copy is right (no torch op: its OpenMP hangs after a fork)
+            out = torch.empty(ref.shape)
+            ok = paged_native.native_gather(bufs, layout, slots, out) and out.numpy().tobytes() == ref.numpy().tobytes()
+            os._exit(0 if ok else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+    finally:
+        native.nontemporal_min(old)
