@@ -46,7 +46,7 @@
  *   (their torch version, which words the error, runs only when this says no).
  *
  * crc32c(buffer) -> CRC-32C;  crc32c_combine(a, b, len_b);  crc32c_level() -> 0 table, 1 crc32
- * instruction, 2 PCLMULQDQ folding;  crc32c_set_level(n) -> the level now in effect (tests).
+ * instruction, 2 PCLMULQDQ folding, 3 the same on 256-bit registers;  crc32c_set_level(n) -> the level now in effect (tests).
  *
  * Large calls write with non-temporal stores: a load writes far more than the caches hold, and
  * those stores skip reading each destination line before overwriting it (a third of a copy's
@@ -1202,7 +1202,7 @@ static PyMethodDef methods[] = {
     {"copy_checked", py_copy_checked, METH_VARARGS, "Copy a buffer into another, CRC-32C checked in the same pass."},
     {"crc32c", py_crc32c, METH_VARARGS, "CRC-32C of a buffer (this module's code; tests compare)."},
     {"crc32c_combine", py_crc32c_combine, METH_VARARGS, "crc(A||B) from crc(A), crc(B), len(B)."},
-    {"crc32c_level", py_crc32c_level, METH_NOARGS, "The CRC-32C path in use: 0 table, 1 crc32, 2 folding."},
+    {"crc32c_level", py_crc32c_level, METH_NOARGS, "The CRC-32C path in use: 0 table, 1 crc32, 2 folding, 3 folding on 256-bit registers."},
     {"crc32c_set_level", py_crc32c_set_level, METH_VARARGS,
      "Use the best CRC-32C path up to this level (tests force lower ones); returns the level in effect."},
     {"nontemporal_min", py_nontemporal_min, METH_VARARGS,
@@ -1214,7 +1214,7 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_paged_native",
                                     NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__paged_native(void) {
-    crc32c_init(CRC32C_FOLD);
+    crc32c_init(CRC32C_FOLD_WIDE);
     pthread_atfork(NULL, NULL, pool_forked_child);
     return PyModule_Create(&moddef);
 }

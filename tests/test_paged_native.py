@@ -170,7 +170,7 @@ def test_strided_rows_land_one_element_per_stride():
 
 # --- CRC-32C while copying (kernels/crc32c_cpu.c) and the checked scatter ---------------------
 
-CRC_LEVELS = [2, 1, 0]  # PCLMULQDQ folding, the crc32 instruction, the table (each where the CPU has it)
+CRC_LEVELS = [3, 2, 1, 0]  # 256-bit VPCLMULQDQ folding, PCLMULQDQ folding, the crc32 instruction, the table (each where the CPU has it)
 
 
 @pytest.fixture
