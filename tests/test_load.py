@@ -178,7 +178,17 @@ def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_sh
     kv = make_kv(identity, 40, torch.float32)
     cache = open_store(tmp_path / "store").for_model(identity, chunk_size=8)
     cache.put_sequence(tokens, kv)
-    open_fds = len(os.listdir("/proc/self/fd"))
+    store_dir = str((tmp_path / "store").resolve())
+
+    def open_in_store() -> list[str]:  # this process's descriptors on files of the store
+        held = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                held.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # (the listing's own descriptor, closed by now)
+                pass
+        return [path for path in held if path.startswith(store_dir + "/chunks")]
+
     made, real = [], objects.ChunkObject._file_view
 
     def spy(self, source, buffer):
@@ -195,13 +205,13 @@ def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_sh
     hit = cache.load_prefix(tokens, scatter)
     assert hit.num_tokens == 40 and not hit.refused and torch.equal(read(0, 40), kv)
     assert len(made) == 5 and not any(check.filled for check in made) and all(check.fd == -1 for check in made)
-    assert len(os.listdir("/proc/self/fd")) == open_fds
+    assert open_in_store() == []
     cut_short = True
     scatter, read = paged_target(40, seed=2, checking=True)
     hit = cache.load_prefix(tokens, scatter)
     assert hit.num_tokens == 16 and len(hit.refused) == 1 and "ends inside the payload" in hit.refused[0]
     assert torch.equal(read(0, 16), kv[:, :, :16])
-    assert len(os.listdir("/proc/self/fd")) == open_fds
+    assert open_in_store() == []
 
 
 def test_raw_chunks_are_checked_as_they_are_scattered_not_before(tmp_path, monkeypatch):
