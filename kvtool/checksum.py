@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import ChecksumMismatch, InputFileError
+from .fsutil import read_at
 
 if TYPE_CHECKING:
     import torch
@@ -117,16 +118,12 @@ class FilePayloadCheck(PayloadCheck):
 
     def read_into(self, out: memoryview) -> None:
         """The payload's bytes, read into `out` (`length` bytes), not checked."""
-        out = memoryview(out).cast("B")
-        done = 0
         try:
-            while done < self.length:
-                n = os.preadv(self.fd, [out[done:self.length]], self.offset + done)
-                if n <= 0:
-                    raise self.truncated()
-                done += n
+            done = read_at(self.fd, memoryview(out).cast("B")[:self.length], self.offset)
         except OSError as err:
             raise self.read_failed(err) from None
+        if done < self.length:
+            raise self.truncated()
 
     def read_checked_into(self, out: memoryview) -> None:
         """The payload read into the private buffer `out`, then checked there."""

@@ -31,6 +31,20 @@ def cache_root() -> Path:
 # --- inputs -------------------------------------------------------------------------
 
 
+def read_at(fd: int, out: memoryview, offset: int) -> int:
+    """Read into `out` from byte `offset` of the open file `fd` (pread, so any thread may share
+    the descriptor); returns how many bytes came, fewer than `out` holds only where the file
+    ends first. OSError as the system raises it."""
+    out = memoryview(out).cast("B")
+    done = 0
+    while done < out.nbytes:
+        n = os.preadv(fd, [out[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
 def input_error(path: str | os.PathLike, err: OSError, what: str = "a file") -> InputFileError:
     """The one-line error for an input that cannot be opened or read."""
     if isinstance(err, FileNotFoundError):

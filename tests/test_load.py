@@ -214,6 +214,41 @@ def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_sh
     assert open_in_store() == []
 
 
+def test_a_store_object_that_cannot_be_read_is_an_error_not_damage(tmp_path):
+    """A folder where an object should be (a miss; opened, a StoreError) and an object whose reads
+    fail (an InputFileError): one-line errors, and nothing is refused or removed: a failed read
+    says nothing about the stored bytes."""
+    import os
+    import shutil
+
+    from kvtool.errors import InputFileError, StoreError
+    from kvtool.store import objects, open_store
+
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    tokens = list(range(300, 324))
+    cache = open_store(tmp_path / "store").for_model(identity, chunk_size=8)
+    cache.put_sequence(tokens, make_kv(identity, 24, torch.float32))
+    second = cache.name(cache._chain(tokens)[1][2])
+    path = tmp_path / "store" / second
+    shutil.move(path, tmp_path / "kept.kvc")
+    path.mkdir()
+    scatter, _ = paged_target(24, checking=True)
+    hit = cache.load_prefix(tokens, scatter)  # not a file: a miss there (the existence check)
+    assert hit.num_tokens == 8 and not hit.refused
+    with pytest.raises(StoreError, match="not a regular file"):  # (made a folder after that check)
+        cache.backend.open_file(second)
+    assert cache.store.counters.refused == 0 and path.is_dir()
+    path.rmdir()
+    shutil.move(tmp_path / "kept.kvc", path)
+    source = cache.backend.open_file(second)
+    folder = os.open(tmp_path, os.O_RDONLY)
+    os.dup2(folder, source.fd)  # its descriptor now holds a folder: every read fails (EISDIR)
+    os.close(folder)
+    with pytest.raises(InputFileError, match="is a directory"):
+        objects.check_chunk(source, second)
+    assert cache.backend.exists(second)
+
+
 def test_raw_chunks_are_checked_as_they_are_scattered_not_before(tmp_path, monkeypatch):
     """A scatter that checks gets a raw file's whole chunks as views of the mapped file (no
     pread, no separate CRC pass) and the native checked copy moves them; a partial last chunk

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,7 +20,7 @@ import numpy as np
 
 from .. import codecs
 from ..dtypes import NUMPY_STORAGE, dtype_from_name
-from ..fsutil import open_regular_file
+from ..fsutil import input_error, open_regular_file, read_at
 from ..errors import (
     ChecksumMismatch,
     DecodeError,
@@ -101,12 +102,8 @@ class MappedFile:
 
     def read_into(self, offset: int, out: memoryview) -> None:
         """Copy bytes straight from the file into `out` (one pread: no page faults on the map)."""
-        done = 0
-        while done < out.nbytes:
-            n = os.preadv(self._file.fileno(), [out[done:]], offset + done)
-            if n <= 0:
-                raise TruncatedFile(f"{self.name}: file ended while reading")
-            done += n
+        if read_at(self._file.fileno(), out, offset) < out.nbytes:
+            raise TruncatedFile(f"{self.name}: file ended while reading")
 
     def close(self) -> None:
         try:
@@ -129,20 +126,17 @@ class PreadFile:
     def __init__(self, fd: int, name: str):
         self.fd, self.name = fd, name
         st = os.fstat(fd)
-        self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
+        self.size, self.mtime_ns, self.regular = st.st_size, st.st_mtime_ns, stat.S_ISREG(st.st_mode)
 
     def read(self, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset + length), fewer where the file ends first (as a slice would)."""
-        length = max(0, min(length, self.size - offset))
-        out = bytearray(length)
-        view, done = memoryview(out), 0
-        while done < length:
-            n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n <= 0:
-                del view
-                return bytes(out[:done])  # shrunk since it was opened
-            done += n
-        return bytes(out)
+        """Bytes [offset, offset + length), fewer where the file ends first (as a slice would,
+        or shrunk since it was opened). A failed read is an InputFileError, not a format error."""
+        out = bytearray(max(0, min(length, self.size - offset)))
+        try:
+            done = read_at(self.fd, memoryview(out), offset)
+        except OSError as err:
+            raise input_error(self.name, err) from None
+        return bytes(out[:done]) if done < len(out) else bytes(out)
 
     read_copy = read
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import NotAStore, ObjectRefused, OutputError, StoreError
 from ..format.reader import PreadFile
-from ..fsutil import fsync_dir
+from ..fsutil import fsync_dir, read_at
 from .backend import Backend, ObjectInfo
 from .objects import MAX_OBJECT_BYTES
 
@@ -92,38 +92,23 @@ class LocalBackend(Backend):
 
     def get_into(self, name: str, buffer) -> memoryview | None:
         """The object's bytes read into `buffer(size)` (see Backend.get_into)."""
-        path = self._path(name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        source = self.open_file(name)
+        if source is None:
             return None
-        except OSError as err:
-            raise StoreError(f"{path}: cannot read ({err.strerror})") from None
         try:
-            st = os.fstat(fd)
-            if st.st_size > MAX_OBJECT_BYTES:
-                raise ObjectRefused(f"{name}: {st.st_size} bytes, more than an object may hold")
-            data = buffer(st.st_size)[:st.st_size]
-            done = 0
-            while done < st.st_size:
-                n = os.readv(fd, [data[done:]])
-                if n == 0:  # objects never shrink; a file that did is refused by the checks
-                    data = data[:done]
-                    break
-                done += n
-            try:  # the LRU clock; a store shared by several users may not let us set it
-                os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
-            except OSError:
-                pass
+            data = buffer(source.size)[:source.size]
+            done = read_at(source.fd, data, 0)  # objects never shrink; one that did is refused by the checks
         except OSError as err:
-            raise StoreError(f"{path}: cannot read ({err.strerror})") from None
+            raise StoreError(f"{self._path(name)}: cannot read ({err.strerror})") from None
         finally:
-            os.close(fd)
-        return data
+            source.close()
+        return data[:done]
 
     has_files = True
 
     def open_file(self, name: str) -> PreadFile | None:
+        """The object opened (a regular file of at most MAX_OBJECT_BYTES), its use recorded on
+        the LRU clock; None when it is not stored."""
         path = self._path(name)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -133,9 +118,11 @@ class LocalBackend(Backend):
             raise StoreError(f"{path}: cannot read ({err.strerror})") from None
         try:
             source = PreadFile(fd, name)
+            if not source.regular:  # (a folder opens, then fails every read)
+                raise StoreError(f"{path}: cannot read (not a regular file)")
             if source.size > MAX_OBJECT_BYTES:
                 raise ObjectRefused(f"{name}: {source.size} bytes, more than an object may hold")
-            try:  # the LRU clock, as in get_into
+            try:  # the LRU clock; a store shared by several users may not let us set it
                 os.utime(fd, ns=(time.time_ns(), source.mtime_ns))
             except OSError:
                 pass

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..checksum import FilePayloadCheck, PayloadCheck
-from ..errors import KvtoolError, ObjectRefused
+from ..errors import InputFileError, KvtoolError, ObjectRefused
 from ..format.hashing import ZERO_HASH, crc32, tokens_to_bytes
 from ..format.reader import BytesSource, ContainerReader, PreadFile
 from ..format.writer import ContainerWriter
@@ -162,6 +162,8 @@ class ChunkObject:
                 return torch.frombuffer(payload, dtype=dtype).reshape(chunk.shape)
         try:
             return self.reader.read_chunk(0, device=device, verify=not self.payload_checked)
+        except InputFileError:
+            raise  # a failed read of an object opened as a file: not damage
         except KvtoolError as err:
             raise ObjectRefused(f"chunk does not decode ({err})") from None
 
@@ -196,6 +198,8 @@ def open_object(data, name: str) -> ContainerReader:
         source = BytesSource(data, name)
     try:
         return ContainerReader(source)
+    except InputFileError:
+        raise  # the file could not be read (an I/O error): not a damaged object to refuse
     except KvtoolError as err:
         raise ObjectRefused(str(err)) from None
 
@@ -220,7 +224,7 @@ def _refusing(reader: ContainerReader, name: str):
         yield
     except KvtoolError as err:
         reader.close()
-        if isinstance(err, ObjectRefused):
+        if isinstance(err, (ObjectRefused, InputFileError)):  # (the latter: a failed read, not damage)
             raise
         raise ObjectRefused(f"{name}: {err}") from None
 
