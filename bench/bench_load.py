@@ -14,7 +14,12 @@ layout, block size 16, shuffled blocks), every chunk CRC-checked, side by side i
               go from the mapped file into the paged buffers in one pass, CRC-32C computed as
               they are copied ("pread + CRC + scatter": the earlier three passes: a pread into
               a reused buffer, the CRC, the native row copy)
-  store       ModelCache.load_prefix from a local store (the same pipeline over store objects)
+  store       ModelCache.load_prefix from a local store (the same pipeline over store objects:
+              raw payloads of 16 MiB and more read a window at a time as they are scattered,
+              smaller ones whole first; "objects read whole": every object read into a buffer,
+              then checked as it is scattered, as before the windowed reads)
+  128-bit fold the pipeline and the store with CRC-32C's 128-bit PCLMULQDQ fold forced, where the
+              CPU has the 256-bit VPCLMULQDQ one (which they use otherwise)
   safetensors safetensors.torch.load_file of the same KV as one tensor, then the same scatter
               into the paged buffers (what a user of safetensors would do; no CRC)
   limits      a plain copy of the same bytes (torch, dst.copy_(src)); preads of the raw file into
@@ -55,7 +60,7 @@ import numpy  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from kvtool.connectors import MemoryObj, PagedMemConnectorV2  # noqa: E402
+from kvtool.connectors import MemoryObj, PagedMemConnectorV2, paged_native  # noqa: E402
 from kvtool.format import ContainerReader, ContainerWriter  # noqa: E402
 from kvtool.identity import ModelIdentity  # noqa: E402
 from kvtool.load import file_tasks, load_chunks  # noqa: E402
@@ -142,6 +147,31 @@ def page_in(path: Path) -> None:
         del pages
 
 
+def whole_objects(fn, backend):
+    """`fn` with the store's objects read whole into a buffer (as before the windowed reads)."""
+    def run():
+        backend.has_files = False  # (an instance attribute over the class's True)
+        try:
+            fn()
+        finally:
+            del backend.has_files
+    return run
+
+
+def crc_level(level: int, fn):
+    """`fn` with the native CRC-32C held to `level` (2: the 128-bit PCLMULQDQ fold)."""
+    native = paged_native.native_module()
+
+    def run():
+        best = native.crc32c_level()
+        native.crc32c_set_level(level)
+        try:
+            fn()
+        finally:
+            native.crc32c_set_level(best)
+    return run
+
+
 def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int, tmp: Path, rounds: int) -> list[dict]:
     ident = identity(name, layers, heads, head_dim)
     gen = torch.Generator().manual_seed(tokens)
@@ -170,6 +200,13 @@ def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int,
         fns[f"{codec}: pipeline"] = lambda p=path: pipeline(p, paged, tokens)
     fns["raw: pipeline, pread + CRC + scatter"] = lambda: pipeline(files["raw"], paged, tokens, fused=False)
     fns["raw: store load_prefix"] = lambda: store_cache.load_prefix(token_ids, paged.scatter)
+    fns["raw: store load_prefix, objects read whole"] = whole_objects(
+        lambda: store_cache.load_prefix(token_ids, paged.scatter), store_cache.backend)
+    native = paged_native.native_module()
+    if native is not None and native.crc32c_level() > 2:
+        fns["raw: pipeline, 128-bit CRC fold"] = crc_level(2, lambda: pipeline(files["raw"], paged, tokens))
+        fns["raw: store load_prefix, 128-bit CRC fold"] = crc_level(
+            2, lambda: store_cache.load_prefix(token_ids, paged.scatter))
     if torch.cuda.is_available():
         fns.update(gpu_candidates(kv, files, tmp, store_cache, token_ids, layers, heads, head_dim, tokens))
     best = time_round_robin(fns, rounds)

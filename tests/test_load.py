@@ -168,6 +168,7 @@ def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_sh
     an object truncated by someone else between its checks and its scatter is refused there."""
     import os
 
+    from kvtool.checksum import FilePayloadCheck
     from kvtool.connectors import paged_native
     from kvtool.store import objects, open_store
 
@@ -202,9 +203,16 @@ def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_sh
     monkeypatch.setattr(objects.ChunkObject, "_file_view", spy)
     cut_short = False
     scatter, read = paged_target(40, checking=True)
+    hit = cache.load_prefix(tokens, scatter)  # objects this small are read whole, then checked as scattered
+    assert hit.num_tokens == 40 and not hit.refused and torch.equal(read(0, 40), kv) and made == []
+    assert open_in_store() == []
+    monkeypatch.setattr(objects, "WINDOWED_MIN_BYTES", 0)  # every payload read a window at a time
+    made.clear()
+    scatter, read = paged_target(40, seed=1, checking=True)
     hit = cache.load_prefix(tokens, scatter)
     assert hit.num_tokens == 40 and not hit.refused and torch.equal(read(0, 40), kv)
-    assert len(made) == 5 and not any(check.filled for check in made) and all(check.fd == -1 for check in made)
+    assert len(made) == 5 and all(isinstance(check, FilePayloadCheck) for check in made)
+    assert not any(check.filled for check in made) and all(check.fd == -1 for check in made)
     assert open_in_store() == []
     cut_short = True
     scatter, read = paged_target(40, seed=2, checking=True)

@@ -93,13 +93,15 @@ class LocalBackend(Backend):
     def get_into(self, name: str, buffer) -> memoryview | None:
         """The object's bytes read into `buffer(size)` (see Backend.get_into)."""
         source = self.open_file(name)
-        if source is None:
-            return None
+        return None if source is None else self.read_file(source, buffer)
+
+    def read_file(self, source: PreadFile, buffer) -> memoryview:
+        """An object opened with open_file, read whole into `buffer(size)` and closed."""
         try:
             data = buffer(source.size)[:source.size]
             done = read_at(source.fd, data, 0)  # objects never shrink; one that did is refused by the checks
         except OSError as err:
-            raise StoreError(f"{self._path(name)}: cannot read ({err.strerror})") from None
+            raise StoreError(f"{self._path(source.name)}: cannot read ({err.strerror})") from None
         finally:
             source.close()
         return data[:done]
