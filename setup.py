@@ -62,8 +62,8 @@ native = Extension(
 # The CPU paged gather/scatter (connectors/paged_native.py); optional the same way.
 paged = Extension(
     "kvtool._paged_native",
-    sources=["kernels/paged_copy_cpu.c", "kernels/crc32c_cpu.c"],
-    depends=["kernels/crc32c_cpu.h"],
+    sources=["kernels/paged_copy_cpu.c", "kernels/crc32c_cpu.c", "kernels/fault_guard.c"],
+    depends=["kernels/crc32c_cpu.h", "kernels/fault_guard.h"],
     include_dirs=["kernels"],
     extra_compile_args=extra_compile,
     extra_link_args=extra_link,

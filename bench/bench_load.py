@@ -15,11 +15,13 @@ layout, block size 16, shuffled blocks), every chunk CRC-checked, side by side i
               they are copied ("pread + CRC + scatter": the earlier three passes: a pread into
               a reused buffer, the CRC, the native row copy)
   store       ModelCache.load_prefix from a local store (the same pipeline over store objects:
-              raw payloads of 16 MiB and more read a window at a time as they are scattered,
-              smaller ones whole first; "objects read whole": every object read into a buffer,
-              then checked as it is scattered, as before the windowed reads)
-  128-bit fold the pipeline and the store with CRC-32C's 128-bit PCLMULQDQ fold forced, where the
-              CPU has the 256-bit VPCLMULQDQ one (which they use otherwise)
+              each object opened, checked, and its raw payload scattered from the file's mapping
+              behind a fault guard, CRC-32C computed as it is copied; "windowed reads": the
+              payload read with pread a window at a time into a cache-sized buffer instead, the
+              kernel's way where it cannot map; "objects read whole": every object read into a
+              buffer, then checked as it is scattered, as before either)
+  128-bit fold the pipeline with CRC-32C's 128-bit PCLMULQDQ fold forced, where the CPU has the
+              256-bit VPCLMULQDQ one (which it uses otherwise)
   safetensors safetensors.torch.load_file of the same KV as one tensor, then the same scatter
               into the paged buffers (what a user of safetensors would do; no CRC)
   limits      a plain copy of the same bytes (torch, dst.copy_(src)); preads of the raw file into
@@ -147,8 +149,21 @@ def page_in(path: Path) -> None:
         del pages
 
 
+def windowed_reads(fn):
+    """`fn` with store payloads read a window at a time, not mapped (the kernel's fallback)."""
+    native = paged_native.native_module()
+
+    def run():
+        mapped = native.map_files(False)
+        try:
+            fn()
+        finally:
+            native.map_files(mapped)
+    return run
+
+
 def whole_objects(fn, backend):
-    """`fn` with the store's objects read whole into a buffer (as before the windowed reads)."""
+    """`fn` with the store's objects read whole into a buffer (as before they were opened)."""
     def run():
         backend.has_files = False  # (an instance attribute over the class's True)
         try:
@@ -203,10 +218,11 @@ def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int,
     fns["raw: store load_prefix, objects read whole"] = whole_objects(
         lambda: store_cache.load_prefix(token_ids, paged.scatter), store_cache.backend)
     native = paged_native.native_module()
+    if native is not None:
+        fns["raw: store load_prefix, windowed reads"] = windowed_reads(
+            lambda: store_cache.load_prefix(token_ids, paged.scatter))
     if native is not None and native.crc32c_level() > 2:
         fns["raw: pipeline, 128-bit CRC fold"] = crc_level(2, lambda: pipeline(files["raw"], paged, tokens))
-        fns["raw: store load_prefix, 128-bit CRC fold"] = crc_level(
-            2, lambda: store_cache.load_prefix(token_ids, paged.scatter))
     if torch.cuda.is_available():
         fns.update(gpu_candidates(kv, files, tmp, store_cache, token_ids, layers, heads, head_dim, tokens))
     best = time_round_robin(fns, rounds)

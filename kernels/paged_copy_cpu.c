@@ -32,12 +32,16 @@
  *   checked even if the mapping changes meanwhile; a mismatch means the caller refuses the
  *   chunk (its slots then hold no loaded tokens). Segments' blobs lie inside the payload in
  *   ascending order, apart; bytes no segment copies are checksummed only. The payload is split
- *   between threads at segment starts and the parts' CRCs combined.
+ *   between threads at segment starts and the parts' CRCs combined. The payload is read through
+ *   a fault guard (fault_guard.c): when it is a file's mapping and the file is cut short under
+ *   the copy, the SIGBUS is an EOFError, not the end of the process.
  *
  * scatter_checked_file(segments, fd, offset, length, threads, tokens, slots) -> CRC-32C
- *   scatter_checked of a payload still in a file it will not map (a store object): read a window
- *   at a time into a buffer that stays in the cache, each window checked and scattered from
- *   there (a template's call; EOFError when the file ends first, OSError when a read fails).
+ *   scatter_checked of a payload still in an open file (a store object): mapped for the call
+ *   behind the fault guard, or where it cannot be mapped (or map_files(False)) read a window at a
+ *   time into a buffer that stays in the cache, each window checked and scattered from there (a
+ *   template's call; EOFError when the file ends first, OSError when a read fails).
+ *   map_files(on) -> whether files were mapped before (tests and the bench time both ways).
  *
  * copy_checked(dst, src) -> CRC-32C of src, copied into dst in the same pass (pinned staging).
  *
@@ -61,6 +65,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 
 #if defined(__x86_64__) || defined(__SSE2__)
 #include <emmintrin.h>
@@ -68,6 +74,7 @@
 #endif
 
 #include "crc32c_cpu.h"
+#include "fault_guard.h"
 
 typedef struct {
     uint64_t paged, paged_bytes, blob, tokens, slots, block_size, groups, a, sb, so, sh, run, stride, elem;
@@ -899,17 +906,35 @@ static void take_row_buffers(const segment_t *seg, size_t first, size_t last, ui
         }
 }
 
-static void *check_part(void *arg) {
-    part_t *p = (part_t *)arg;
+/* A part of a checked scatter, with its tile buffers; the payload read through a fault guard
+ * (`lo`, `hi`: the addresses it answers for), so that a mapped file cut short under the copy
+ * ends the part (`faulted`) instead of the process. */
+typedef struct {
+    part_t part;
+    const uint8_t *lo, *hi;
+    int guarded, faulted;
     uint8_t *rows, *page;
-    take_row_buffers(p->seg, p->first, p->last, &rows, &page);
+} guarded_part_t;
+
+static void check_part_in(void *arg) {
+    guarded_part_t *g = (guarded_part_t *)arg;
+    part_t *p = &g->part;
     crc32c_stream s;
     crc32c_stream_begin(&s, crc32c_begin());
-    check_segments(&s, p->seg, p->first, p->last, p->begin, p->end, p->nt, rows, page);
+    check_segments(&s, p->seg, p->first, p->last, p->begin, p->end, p->nt, g->rows, g->page);
     p->crc = crc32c_end(crc32c_stream_end(&s));
+}
+
+static void *check_part(void *arg) {
+    guarded_part_t *g = (guarded_part_t *)arg;
+    take_row_buffers(g->part.seg, g->part.first, g->part.last, &g->rows, &g->page);
+    if (g->guarded)
+        g->faulted = fault_guarded(check_part_in, g, g->lo, g->hi);
+    else
+        check_part_in(g);
     store_fence();
-    tile_give((char *)rows);
-    tile_give((char *)page);
+    tile_give((char *)g->rows); /* (taken outside the guard: a fault does not lose them) */
+    tile_give((char *)g->page);
     return NULL;
 }
 
@@ -925,58 +950,81 @@ static int inside_payload(const segment_t *seg, size_t n, const uint8_t *lo, con
     return 1;
 }
 
+/* scatter_checked of the payload [lo, lo + length) with the segments in `segs` (blobs at `base`
+ * on; a template's with tokens and slots): 0 and the payload's CRC-32C in *crc, or -1 with an
+ * exception set (`what` names the call). A fault on the payload while it is read (a mapped file
+ * cut short) is an EOFError. */
+static int checked_scatter(Py_buffer *segs, const uint8_t *lo, uint64_t length, int threads, unsigned long long base,
+                           unsigned long long tokens, unsigned long long slots, const char *what, uint32_t *crc) {
+    int ok = -1;
+    segment_t stack[STACK_SEGMENTS];
+    size_t n;
+    segment_t *seg = call_segments(segs, base, tokens, slots, stack, &n);
+    const uint8_t *hi = lo + length;
+    if (!seg) goto done;
+    if (!segments_ok(seg, n) || !inside_payload(seg, n, lo, hi)) {
+        PyErr_Format(PyExc_IndexError, "%s: a segment lies outside the payload, out of order, or has a slot out "
+                                       "of range", what);
+        goto done;
+    }
+    threads = clamp_threads(threads, n);
+    int count = job_count(threads, n);
+    int nt = length >= nontemporal_min;
+    int guarded = fault_guard_ready(); /* (without it, as before: a mapped payload is not guarded) */
+    guarded_part_t parts[MAX_JOBS];
+    /* part j starts at the first segment whose start is at or past j/count of the payload */
+    size_t k = 0;
+    for (int t = 0; t < count; t++) {
+        const uint8_t *mark = lo + length * (uint64_t)t / (uint64_t)count;
+        while (t > 0 && k < n && (const uint8_t *)(uintptr_t)seg[k].blob < mark) k++;
+        const uint8_t *begin = t == 0 ? lo : (k < n ? (const uint8_t *)(uintptr_t)seg[k].blob : hi);
+        parts[t] = (guarded_part_t){{seg, k, n, begin, hi, nt, 0}, lo, hi, guarded, 0, NULL, NULL};
+        if (t > 0) parts[t - 1].part.last = k, parts[t - 1].part.end = begin;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    run_jobs(check_part, parts, sizeof(guarded_part_t), count, threads);
+    Py_END_ALLOW_THREADS
+    for (int t = 0; t < count; t++)
+        if (parts[t].faulted) {
+            PyErr_Format(PyExc_EOFError, "%s: the payload's file ended under the copy", what);
+            goto done;
+        }
+    *crc = parts[0].part.crc;
+    for (int t = 1; t < count; t++)
+        *crc = crc32c_combine(*crc, parts[t].part.crc, (uint64_t)(parts[t].part.end - parts[t].part.begin));
+    ok = 0;
+done:
+    release_segments(seg, segs, stack);
+    return ok;
+}
+
 static PyObject *py_scatter_checked(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer segs, payload;
     int threads;
     unsigned long long base = 0, tokens = 0, slots = 0;
     if (!PyArg_ParseTuple(args, "y*y*i|KKK", &segs, &payload, &threads, &base, &tokens, &slots)) return NULL;
-    PyObject *result = NULL;
-    segment_t stack[STACK_SEGMENTS];
-    size_t n;
-    segment_t *seg = call_segments(&segs, base, tokens, slots, stack, &n);
-    const uint8_t *lo = (const uint8_t *)payload.buf, *hi = lo + payload.len;
-    if (!seg) goto done;
-    if (!segments_ok(seg, n) || !inside_payload(seg, n, lo, hi)) {
-        PyErr_SetString(PyExc_IndexError, "scatter_checked: a segment lies outside the payload, out of order, "
-                                          "or has a slot out of range");
-        goto done;
-    }
-    threads = clamp_threads(threads, n);
-    int count = job_count(threads, n);
-    int nt = (size_t)payload.len >= nontemporal_min;
-    part_t parts[MAX_JOBS];
-    /* part j starts at the first segment whose start is at or past j/count of the payload */
-    size_t k = 0;
-    uint64_t total = (uint64_t)payload.len;
-    for (int t = 0; t < count; t++) {
-        const uint8_t *mark = lo + total * (uint64_t)t / (uint64_t)count;
-        while (t > 0 && k < n && (const uint8_t *)(uintptr_t)seg[k].blob < mark) k++;
-        const uint8_t *begin = t == 0 ? lo : (k < n ? (const uint8_t *)(uintptr_t)seg[k].blob : hi);
-        parts[t] = (part_t){seg, k, n, begin, hi, nt, 0};
-        if (t > 0) parts[t - 1].last = k, parts[t - 1].end = begin;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    run_jobs(check_part, parts, sizeof(part_t), count, threads);
-    Py_END_ALLOW_THREADS
-    uint32_t crc = parts[0].crc;
-    for (int t = 1; t < count; t++)
-        crc = crc32c_combine(crc, parts[t].crc, (uint64_t)(parts[t].end - parts[t].begin));
-    result = PyLong_FromUnsignedLong(crc);
-done:
-    release_segments(seg, &segs, stack);
+    uint32_t crc;
+    int ok = checked_scatter(&segs, (const uint8_t *)payload.buf, (uint64_t)payload.len, threads, base, tokens, slots,
+                             "scatter_checked", &crc);
     PyBuffer_Release(&segs);
     PyBuffer_Release(&payload);
-    return result;
+    return ok == 0 ? PyLong_FromUnsignedLong(crc) : NULL;
 }
 
 /* ---- scatter_checked_file ------------------------------------------------------------------ */
 
-/* The load of a stored chunk from a file it cannot map (a store object another program might
- * truncate under a mapping: a SIGBUS, not a refusal): the payload is read a window at a time into
- * a buffer that stays in the L2 cache, and each window is checked and scattered from there, so
- * the bytes cross memory once, as from a map; read whole first, they crossed it twice. The
- * segments' blobs are addresses in a virtual payload at FILE_BASE, rebased onto the window. */
+/* The load of a stored chunk from a file another program may truncate or replace under it (a
+ * store object). The payload is mapped and read through a fault guard (fault_guard.c): a file
+ * cut short under the copy is an EOFError, refused like a file that ends early, where a plain
+ * mapping would end the process with SIGBUS. That reads the bytes from the page cache once, as
+ * a file's load does; a read into a buffer first reads them twice. Where the file cannot be
+ * mapped or the guard cannot be installed (or `map_files(0)`: tests, and the bench's row for
+ * it), the payload is read a window at a time into a buffer that stays in the L2 cache, and
+ * each window is checked and scattered from there. For the windows, the segments' blobs are
+ * addresses in a virtual payload at FILE_BASE, rebased onto the window. */
+static int map_files = 1;
+
 #define FILE_BASE ((uint64_t)1 << 20)
 #define FILE_WINDOW TILE_BUFFER
 
@@ -1056,6 +1104,33 @@ static PyObject *py_scatter_checked_file(PyObject *self, PyObject *args) {
     unsigned long long offset, length, tokens, slots;
     if (!PyArg_ParseTuple(args, "y*iKKiKK", &segs, &fd, &offset, &length, &threads, &tokens, &slots)) return NULL;
     PyObject *result = NULL;
+    long page_size = sysconf(_SC_PAGESIZE);
+    uint64_t skew = page_size > 0 ? offset % (uint64_t)page_size : 0;
+    if (map_files && length && page_size > 0 && length <= SIZE_MAX - skew && offset <= (uint64_t)INT64_MAX &&
+        fault_guard_ready()) {
+        struct stat st;
+        if (fstat(fd, &st) == 0 && ((uint64_t)st.st_size < offset || (uint64_t)st.st_size - offset < length)) {
+            /* (read past its end, a mapping's last page holds zeros: refuse it as a short read) */
+            PyBuffer_Release(&segs);
+            PyErr_SetString(PyExc_EOFError, "scatter_checked_file: the file ended inside the payload");
+            return NULL;
+        }
+        void *map = mmap(NULL, (size_t)(length + skew), PROT_READ, MAP_SHARED, fd, (off_t)(offset - skew));
+        if (map != MAP_FAILED) {
+            const uint8_t *lo = (const uint8_t *)map + skew;
+            uint32_t crc;
+            int ok = checked_scatter(&segs, lo, length, threads, (unsigned long long)(uintptr_t)lo, tokens, slots,
+                                     "scatter_checked_file", &crc);
+            munmap(map, (size_t)(length + skew));
+            PyBuffer_Release(&segs);
+            if (ok == 0) return PyLong_FromUnsignedLong(crc);
+            if (PyErr_ExceptionMatches(PyExc_EOFError)) {
+                PyErr_Clear(); /* the same words as a short read's */
+                PyErr_SetString(PyExc_EOFError, "scatter_checked_file: the file ended inside the payload");
+            }
+            return NULL;
+        }
+    }
     segment_t stack[STACK_SEGMENTS], *subs = NULL;
     size_t n;
     segment_t *seg = call_segments(&segs, FILE_BASE, tokens, slots, stack, &n);
@@ -1192,12 +1267,21 @@ static PyObject *py_nontemporal_min(PyObject *self, PyObject *args) {
     return PyLong_FromSize_t(previous);
 }
 
+static PyObject *py_map_files(PyObject *self, PyObject *args) {
+    (void)self;
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    int before = map_files;
+    map_files = on;
+    return PyBool_FromLong(before);
+}
+
 static PyMethodDef methods[] = {
     {"copy_segments", py_copy_segments, METH_VARARGS, "Move rows between paged KV tensors and KV_BLOB tensors."},
     {"scatter_checked", py_scatter_checked, METH_VARARGS,
      "Scatter rows of a stored payload into paged tensors, CRC-32C-checksumming it as it is copied."},
     {"scatter_checked_file", py_scatter_checked_file, METH_VARARGS,
-     "scatter_checked of a payload in a file, read a window at a time into a cached buffer."},
+     "scatter_checked of a payload in a file, mapped behind a fault guard (or read a window at a time)."},
     {"slots_ok", py_slots_ok, METH_VARARGS, "Whether slots lie in [0, num_slots) and (distinct) none repeats."},
     {"copy_checked", py_copy_checked, METH_VARARGS, "Copy a buffer into another, CRC-32C checked in the same pass."},
     {"crc32c", py_crc32c, METH_VARARGS, "CRC-32C of a buffer (this module's code; tests compare)."},
@@ -1205,6 +1289,8 @@ static PyMethodDef methods[] = {
     {"crc32c_level", py_crc32c_level, METH_NOARGS, "The CRC-32C path in use: 0 table, 1 crc32, 2 folding, 3 folding on 256-bit registers."},
     {"crc32c_set_level", py_crc32c_set_level, METH_VARARGS,
      "Use the best CRC-32C path up to this level (tests force lower ones); returns the level in effect."},
+    {"map_files", py_map_files, METH_VARARGS,
+     "Whether scatter_checked_file maps the file (1) or reads it a window at a time (0); returns the previous."},
     {"nontemporal_min", py_nontemporal_min, METH_VARARGS,
      "Set the bytes per call from which copies use non-temporal stores; returns the previous value."},
     {NULL, NULL, 0, NULL}};

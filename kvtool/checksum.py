@@ -6,8 +6,9 @@ then copying from it would leave a window for another process to change the byte
 So the check travels with the bytes: whoever copies them out of the payload checks them as it
 copies (the native scatter does, `kvtool._paged_native.scatter_checked`) or first takes a
 private copy and checks that (`PayloadCheck.verified`). Either way the bytes used are the bytes
-checked. A `FilePayloadCheck` holds bytes still in a file that is read rather than mapped (a
-store object): the native scatter reads them a window at a time and checks them as it copies.
+checked. A `FilePayloadCheck` holds bytes still in a file that kvtool opened but has not read (a
+store object): the native scatter maps them behind a fault guard, so that a file truncated under
+the copy is refused rather than ending the process, and checks them as it copies.
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ class PayloadCheck:
     def mismatch(self) -> ChecksumMismatch:
         return ChecksumMismatch(f"{self.what}: CRC-32C mismatch (stored bytes are corrupt)")
 
+    def truncated(self) -> ChecksumMismatch:
+        """The payload's file ended before it did (cut short by another program meanwhile)."""
+        return ChecksumMismatch(f"{self.what}: the file ends inside the payload (stored bytes are damaged)")
+
     def verified(self, view: "torch.Tensor") -> "torch.Tensor":
         """`view` (a tensor over part of the payload) taken from a private, checked copy of the
         payload: one copy, then the check on the copy. Raises ChecksumMismatch."""
@@ -89,8 +94,9 @@ class PayloadCheck:
 
 class FilePayloadCheck(PayloadCheck):
     """A payload still in a file: `length` bytes at `offset` of the open file `fd` (this check owns
-    it: `release()` closes it), CRC-32C `crc32c`. The native checked scatter reads it a window at
-    a time (`kvtool._paged_native.scatter_checked_file`); anything else that asks for `payload`
+    it: `release()` closes it), CRC-32C `crc32c`. The native checked scatter maps it behind a
+    fault guard, or reads it a window at a time where it cannot map it
+    (`kvtool._paged_native.scatter_checked_file`); anything else that asks for `payload`
     gets it read into `buffer` (`length` bytes, the tensor handed on with this check views it)
     on first use, and checks that private copy."""
 
@@ -130,9 +136,6 @@ class FilePayloadCheck(PayloadCheck):
         self.read_into(out)
         if crc32(memoryview(out).cast("B")[:self.length]) != self.crc32c:
             raise self.mismatch()
-
-    def truncated(self) -> ChecksumMismatch:
-        return ChecksumMismatch(f"{self.what}: the file ends inside the payload (stored bytes are damaged)")
 
     def read_failed(self, err: OSError) -> InputFileError:
         return InputFileError(f"{self.what}: cannot read ({err.strerror or err})")

@@ -163,9 +163,10 @@ def test_the_store_loads_from_a_token_on_and_refuses_damage(tmp_path, path, monk
 
 
 def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_short_meanwhile(tmp_path, monkeypatch):
-    """A local store's raw objects are opened, not read whole: their payloads are read a window at
-    a time by the checked scatter (never into the buffer), every descriptor is closed after, and
-    an object truncated by someone else between its checks and its scatter is refused there."""
+    """A local store's raw objects are opened, not read whole: the checked scatter reads their
+    payloads (mapped behind a fault guard, or a window at a time; never into the buffer), every
+    descriptor is closed after, and an object truncated by someone else between its checks and its
+    scatter is refused there."""
     import os
 
     from kvtool.checksum import FilePayloadCheck
@@ -201,25 +202,30 @@ def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_sh
         return viewed
 
     monkeypatch.setattr(objects.ChunkObject, "_file_view", spy)
-    cut_short = False
-    scatter, read = paged_target(40, checking=True)
-    hit = cache.load_prefix(tokens, scatter)  # objects this small are read whole, then checked as scattered
-    assert hit.num_tokens == 40 and not hit.refused and torch.equal(read(0, 40), kv) and made == []
-    assert open_in_store() == []
-    monkeypatch.setattr(objects, "WINDOWED_MIN_BYTES", 0)  # every payload read a window at a time
-    made.clear()
-    scatter, read = paged_target(40, seed=1, checking=True)
-    hit = cache.load_prefix(tokens, scatter)
-    assert hit.num_tokens == 40 and not hit.refused and torch.equal(read(0, 40), kv)
-    assert len(made) == 5 and all(isinstance(check, FilePayloadCheck) for check in made)
-    assert not any(check.filled for check in made) and all(check.fd == -1 for check in made)
-    assert open_in_store() == []
-    cut_short = True
-    scatter, read = paged_target(40, seed=2, checking=True)
-    hit = cache.load_prefix(tokens, scatter)
-    assert hit.num_tokens == 16 and len(hit.refused) == 1 and "ends inside the payload" in hit.refused[0]
-    assert torch.equal(read(0, 16), kv[:, :, :16])
-    assert open_in_store() == []
+    native = paged_native.native_module()
+    mapping = native.map_files(True)
+    try:
+        for seed, mapped in enumerate((True, False)):  # mapped, then read a window at a time
+            native.map_files(mapped)
+            made.clear()
+            cut_short = False
+            scatter, read = paged_target(40, seed=seed, checking=True)
+            hit = cache.load_prefix(tokens, scatter)
+            assert hit.num_tokens == 40 and not hit.refused and torch.equal(read(0, 40), kv)
+            assert len(made) == 5 and all(isinstance(check, FilePayloadCheck) for check in made)
+            assert not any(check.filled for check in made) and all(check.fd == -1 for check in made)
+            assert open_in_store() == []
+            cut_short = True
+            scatter, read = paged_target(40, seed=seed + 2, checking=True)
+            hit = cache.load_prefix(tokens, scatter)
+            assert hit.num_tokens == 16 and len(hit.refused) == 1 and "ends inside the payload" in hit.refused[0]
+            assert torch.equal(read(0, 16), kv[:, :, :16])
+            assert open_in_store() == []
+            # a refused object stays until `store fsck`: put it back whole for the next round
+            (tmp_path / "store").joinpath(cache.name(cache._chain(tokens)[2][2])).unlink()
+            cache.put_sequence(tokens, kv)
+    finally:
+        native.map_files(mapping)
 
 
 def test_a_store_object_that_cannot_be_read_is_an_error_not_damage(tmp_path):
@@ -286,6 +292,29 @@ def test_raw_chunks_are_checked_as_they_are_scattered_not_before(tmp_path, monke
     assert outcome.error is None and outcome.loaded_tokens == 43
     assert calls == {"checked": 5, "pread": 1}  # 5 whole chunks mapped; tokens 40..43 of the last read
     assert torch.equal(read(0, 43), f.kv[:, :, :43])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_file_cut_short_while_it_loads_is_refused_not_a_crash(tmp_path, threads):
+    """A container file truncated by another program after it was opened: its raw chunks are
+    scattered from the file's mapping, whose pages past the new end fault (SIGBUS) when the copy
+    reaches them. The load stops at the first chunk cut short, with the chunks before it loaded."""
+    import os
+
+    from kvtool.connectors import paged_native
+
+    if paged_native.native_module() is None:
+        pytest.skip("kvtool._paged_native is not built")  # (the torch copy has no guard)
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=512, chunk_size=128, dtype=torch.float32)
+    scatter, read = paged_target(512, checking=True)
+    with ContainerReader(f.path) as reader:
+        tasks = file_tasks(reader, 512)
+        os.truncate(f.path, reader.chunks[1].blob.offset)  # chunks 1-3 (32 KB each) are gone
+        outcome = load_chunks(tasks, scatter, threads=threads)
+    assert outcome.loaded_tokens == 128 and outcome.failed == 1
+    assert isinstance(outcome.error, ChecksumMismatch) and "ends inside the payload" in str(outcome.error)
+    assert torch.equal(read(0, 128), f.kv[:, :, :128])
 
 
 def test_unchecked_bytes_through_the_nested_connector_are_checked_as_copied():

@@ -177,11 +177,12 @@ CRC_LEVELS = [3, 2, 1, 0]  # 256-bit VPCLMULQDQ folding, PCLMULQDQ folding, the 
 def crc_level(request):
     """Run the test with the native CRC-32C forced down to `request.param` (the best one the CPU
     has at most), and put the best one back afterwards."""
+    best = native.crc32c_level()
     got = native.crc32c_set_level(request.param)
     try:
         yield got
     finally:
-        native.crc32c_set_level(2)
+        native.crc32c_set_level(best)
 
 
 @pytest.fixture(params=[False, True], ids=["cached-stores", "non-temporal-stores"])
@@ -193,6 +194,17 @@ def nontemporal(request):
         yield request.param
     finally:
         native.nontemporal_min(previous)
+
+
+@pytest.fixture(params=[True, False], ids=["mapped", "windowed"])
+def file_reads(request):
+    """Run the test with payloads in files mapped behind the fault guard, or read a window at a
+    time (the kernel's way where it cannot map a file)."""
+    previous = native.map_files(request.param)
+    try:
+        yield request.param
+    finally:
+        native.map_files(previous)
 
 
 @needs_native
@@ -363,8 +375,8 @@ def _file_payload(tmp_path, shape, dtype, gen, lead=100, cut=0):
                                           (torch.float32, 8, 64, 16),  # a segment across windows (600 KB)
                                           (torch.bfloat16, 4, 64, 128)])  # vLLM's CPU block size
 @pytest.mark.parametrize("crc_level", CRC_LEVELS, indirect=True)
-def test_a_payload_in_a_file_is_read_a_window_at_a_time_and_scattered_as_from_memory(
-        tmp_path, layout, dtype, H, D, BS, crc_level, nontemporal, monkeypatch):
+def test_a_payload_in_a_file_is_scattered_as_from_memory(
+        tmp_path, layout, dtype, H, D, BS, crc_level, nontemporal, file_reads, monkeypatch):
     gen = torch.Generator().manual_seed(21)
     T, L = 300, 2
     NB = T // BS + 3
@@ -386,7 +398,7 @@ def test_a_payload_in_a_file_is_read_a_window_at_a_time_and_scattered_as_from_me
 
 
 @needs_native
-def test_a_payload_in_a_file_refuses_a_changed_byte_a_short_file_and_a_failed_read(tmp_path):
+def test_a_payload_in_a_file_refuses_a_changed_byte_a_short_file_and_a_failed_read(tmp_path, file_reads):
     from kvtool.errors import ChecksumMismatch, InputFileError
 
     gen = torch.Generator().manual_seed(22)
@@ -413,6 +425,85 @@ def test_a_payload_in_a_file_refuses_a_changed_byte_a_short_file_and_a_failed_re
     os.close(fd)  # a read that fails (EBADF): reported, not taken for damage
     with pytest.raises(InputFileError, match="chunk 7: cannot read"):
         paged_native.native_scatter_checked(view, bufs, layout, slots, check)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_a_mapped_payload_cut_short_under_the_copy_is_refused_not_a_crash(tmp_path, threads, monkeypatch):
+    """A payload read from a file's mapping (a container file's chunk in kvtool.load) whose file
+    another program truncates: the pages past the new end fault (SIGBUS) as the copy reaches them,
+    on whichever kernel thread reads them. The kernel's guard turns that into a refusal, and the
+    next copy runs as before."""
+    import mmap
+
+    from kvtool.checksum import PayloadCheck, crc32
+    from kvtool.errors import ChecksumMismatch
+
+    monkeypatch.setenv("KVTOOL_THREADS", threads)
+    monkeypatch.setattr(paged_native, "MIN_BYTES_PER_THREAD", 1)
+    gen = torch.Generator().manual_seed(24)
+    L, T, H, D, BS = 2, 256, 4, 64, 16  # 1 MB of float32 KV
+    layout = PagedLayout("flash_attn")
+    bufs = make_buffers("flash_attn", L, T // BS + 2, BS, H, D, torch.float32, gen)
+    slots = shuffled_slots(T, T // BS + 2, BS, gen)
+    blob = torch.randn(2, L, T, H * D, generator=gen)
+    payload = blob.view(torch.uint8).reshape(-1).numpy().tobytes()
+    path = tmp_path / "kv.kvc"
+    path.write_bytes(payload)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        view = torch.frombuffer(mapped, dtype=torch.float32).view(blob.shape)
+        check = PayloadCheck(memoryview(mapped), crc32(payload), "chunk 3")
+        assert paged_native.native_scatter_checked(view, bufs, layout, slots, check)  # whole: loaded
+        os.truncate(path, 8192)  # all but its first two pages gone
+        with pytest.raises(ChecksumMismatch, match="chunk 3: the file ends inside the payload"):
+            paged_native.native_scatter_checked(view, bufs, layout, slots, check)
+        del view, check
+    finally:
+        mapped.close()
+    out = clone_buffers(bufs, layout)  # the kernel goes on as before
+    _, fresh, check = _file_payload(tmp_path, blob.shape, torch.float32, gen)
+    assert paged_native.native_scatter_checked(fresh, out, layout, slots, check)
+    check.release()
+
+
+@needs_native
+def test_a_fault_outside_the_guard_still_ends_the_process(tmp_path):
+    """The guard answers only for the payload a copy reads: any other SIGBUS (here Python reading
+    a mapping whose file was cut short, after the guard is in place) ends the process as before,
+    with the handler installed before ours (faulthandler's traceback) run first."""
+    import signal
+    import subprocess
+    import sys
+
+    script = f"""
+import faulthandler, mmap, os
+faulthandler.enable()
+import torch
+from kvtool.checksum import PayloadCheck, crc32
+from kvtool.connectors import paged_native
+from kvtool.connectors.paged_layout import PagedLayout
+bufs = [torch.zeros(2, 2, 16, 1, 8) for _ in range(2)]
+blob = torch.ones(2, 2, 16, 8)
+data = memoryview(bytearray(blob.numpy().tobytes()))
+view = torch.frombuffer(data, dtype=torch.float32).view(blob.shape)
+assert paged_native.native_scatter_checked(view, bufs, PagedLayout("flash_attn"), torch.arange(16),
+                                           PayloadCheck(data, crc32(data), "chunk"))
+path = {str(tmp_path / "other")!r}
+with open(path, "wb") as f:
+    f.write(b"x" * 65536)
+with open(path, "rb") as f:
+    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+os.truncate(path, 0)
+print("guard in place; faulting", flush=True)
+mapped[40000]
+print("survived", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "guard in place" in done.stdout and "survived" not in done.stdout, done.stderr
+    assert done.returncode == -signal.SIGBUS, (done.returncode, done.stderr)
+    assert "Fatal Python error: Bus error" in done.stderr
 
 
 def test_a_payload_in_a_file_is_read_whole_and_checked_for_any_other_copy(tmp_path):

@@ -153,7 +153,7 @@ def native_scatter_checked(blob: torch.Tensor, kv_caches: Sequence[LayerKV], lay
     base, tokens, index = _call(template, slots, blob)
     threads = _threads(blob.numel() * blob.element_size())
     if isinstance(check, FilePayloadCheck) and not check.filled and check.length == blob.numel() * blob.element_size():
-        # still in its file: read a window at a time, each checked and scattered while in the cache
+        # still in its file: mapped behind a fault guard (or read a window at a time), checked as scattered
         try:
             crc = module.scatter_checked_file(template.blob_order, check.fd, check.offset, check.length, threads,
                                               tokens, index.data_ptr())
@@ -162,7 +162,10 @@ def native_scatter_checked(blob: torch.Tensor, kv_caches: Sequence[LayerKV], lay
         except OSError as err:
             raise check.read_failed(err) from None
     else:
-        crc = module.scatter_checked(template.blob_order, check.payload, threads, base, tokens, index.data_ptr())
+        try:  # (a mapped file's payload: a file cut short under the copy faults, and is refused)
+            crc = module.scatter_checked(template.blob_order, check.payload, threads, base, tokens, index.data_ptr())
+        except EOFError:
+            raise check.truncated() from None
     if crc != check.crc32c:
         raise check.mismatch()
     return True

@@ -46,9 +46,11 @@ class Backend(ABC):
     has_files = False
 
     def open_file(self, name: str) -> "PreadFile | None":
-        """The object as an open file (a ByteSource read with pread, never mapped), or None when it
-        is not stored. Counts as a use (LRU). A load then reads a raw chunk's payload a window at
-        a time as it scatters it, instead of whole first. Only where `has_files`."""
+        """The object as an open file (a ByteSource whose header, trailer and manifest are read
+        with pread), or None when it is not stored. Counts as a use (LRU). A load then lets the
+        native scatter read a raw chunk's payload from the file as it copies it (mapped behind a
+        fault guard, or a window at a time), instead of reading it whole first. Only where
+        `has_files`."""
         raise NotImplementedError(f"{type(self).__name__} has no files")
 
     def read_file(self, source: "PreadFile", buffer: Callable[[int], memoryview]) -> memoryview:

@@ -329,10 +329,9 @@ class ModelCache:
             # unchecked: the chunk is copied out (scattered, or staged) on this thread before it
             # fetches another, so the object may be read into this thread's reused buffer; from
             # a backend with files it is opened, and a raw payload is read as it is scattered
+            # (mapped behind a fault guard: the bytes cross memory once, not twice)
             if unchecked and self.backend.has_files:
                 data = self.backend.open_file(name)
-                if data is not None and data.size < objects.WINDOWED_MIN_BYTES:
-                    data = self.backend.read_file(data, read_buffer)  # whole: it stays in the cache
             else:
                 data = self.backend.get_into(name, read_buffer) if unchecked else self.backend.get(name)
             if data is None:

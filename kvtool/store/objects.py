@@ -36,11 +36,6 @@ STORE_VERSION = 1
 OBJECT_ALIGNMENT = 64
 #: No object is read past this size (a hostile size never becomes an allocation).
 MAX_OBJECT_BYTES = 1 << 30
-#: An object this large or larger is opened for a load and its raw payload read a window at a time
-#: as it is scattered (read whole, it would not stay in the cache until the scatter); a smaller one
-#: is read whole in one read. bench/bench_load.py, 2,048 tokens: 33.6 MB chunks 0.82x of a copy
-#: windowed vs 0.55x read whole; 5.9 MB chunks 0.60x windowed vs 0.69x read whole.
-WINDOWED_MIN_BYTES = 16 << 20
 CHUNK_SUFFIX = ".kvc"
 TENSOR_SUFFIX = ".safetensors"
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
