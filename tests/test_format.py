@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from kvtool.errors import (
     CodecParamsInvalid,
+    FormatError,
     TruncatedFile,
     UnknownCodec,
     UnsupportedDtype,
@@ -41,6 +42,7 @@ from fixtures import (
     make_kv,
     pack_header,
     read_everything,
+    rebuild,
     ref_crc32,
     ref_prefix_hashes,
     same_tensor,
@@ -783,3 +785,26 @@ def test_a_killed_writers_temp_file_is_removed_by_the_next_write_and_a_live_ones
     finally:
         live.kill()
         live.wait()
+
+
+def test_readers_of_the_same_manifest_bytes_share_one_checked_manifest(tmp_path):
+    """A small manifest is parsed and checked once per process and shared (read-only) by every
+    reader of the same bytes; one that fails its checks is not kept, and fails them each time."""
+    import dataclasses
+
+    from kvtool.format import reader as reader_module
+
+    f = write_kv_file(tmp_path / "a.kvc", num_tokens=12, chunk_size=4)
+    data = f.path.read_bytes()
+    (tmp_path / "b.kvc").write_bytes(data)
+    with ContainerReader(f.path) as a, ContainerReader(tmp_path / "b.kvc") as b:
+        assert a.manifest is b.manifest and a.chunks is b.chunks
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            a.manifest.num_tokens = 3  # type: ignore[misc]
+    kept = reader_module._parsed_manifest_kept.cache_info().currsize
+    # its chunks then cover 12 of 13 tokens: a manifest that fails a check
+    (tmp_path / "c.kvc").write_bytes(rebuild(data, lambda doc: doc["sequence"].update(num_tokens=13)))
+    for _ in range(2):
+        with pytest.raises(FormatError):
+            ContainerReader(tmp_path / "c.kvc")
+    assert reader_module._parsed_manifest_kept.cache_info().currsize == kept

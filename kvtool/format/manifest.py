@@ -80,8 +80,11 @@ class ExtraEntry:
         return {**self.blob.to_json(), "shape": list(self.shape), "dtype": self.dtype}
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)  # (compared by identity: readers share one, see the docstring)
 class Manifest:
+    """A container's manifest, checked. Read-only: readers of the same bytes share one
+    (reader.parsed_manifest), so neither it nor its dicts and lists are changed after parsing."""
+
     model: dict[str, Any]
     kv_dtype: str
     num_tokens: int

@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -159,13 +160,28 @@ def _run_shared(tasks: list[ChunkTask], run: Callable[[ChunkTask], None], thread
     return done
 
 
+_takes_check_seen: "weakref.WeakKeyDictionary[Callable, bool]" = weakref.WeakKeyDictionary()
+
+
 def takes_check(scatter: Callable) -> bool:
-    """Whether `scatter` takes the `check` keyword (stored bytes checked as it copies them)."""
+    """Whether `scatter` takes the `check` keyword (stored bytes checked as it copies them).
+    Known per function (a bound method's by its function): inspect.signature costs ~8 us, and
+    an engine passes the same scatter on every load."""
+    function = getattr(scatter, "__func__", scatter)
+    try:
+        return _takes_check_seen[function]
+    except (KeyError, TypeError):  # (TypeError: not weakly referable, e.g. a builtin)
+        pass
     try:
         params = inspect.signature(scatter).parameters
     except (TypeError, ValueError):
         return False
-    return "check" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    takes = "check" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    try:
+        _takes_check_seen[function] = takes
+    except TypeError:
+        pass
+    return takes
 
 
 _staging = threading.local()

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import struct
+import weakref
 from contextlib import contextmanager
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -230,9 +231,27 @@ def _refusing(reader: ContainerReader, name: str):
         raise ObjectRefused(f"{name}: {err}") from None
 
 
-def _check_chunk(reader: ContainerReader, name: str, model: str | None, chunk_size: int | None,
-                 prefix_hash: str | None, start: int | None, verify_payload: bool) -> ChunkObject:
-    m = reader.manifest
+@dataclass(frozen=True)
+class _ChunkFacts:
+    """What a chunk object's manifest says, checked: checks 4-7 of §5, which read nothing else."""
+
+    position: int
+    parent: str
+    prefix: str
+    model_key: str
+
+
+#: The facts of manifests checked already, by manifest: readers of the same manifest bytes share
+#: one Manifest (format.reader.parsed_manifest), so a hot prefix's objects are checked once per
+#: process for these (~15 us each, mostly recomputing the model's fingerprint); the tokens, the
+#: names and the payload are checked on every load.
+_facts_seen: "weakref.WeakKeyDictionary[Any, _ChunkFacts]" = weakref.WeakKeyDictionary()
+
+
+def _chunk_facts(m, name: str) -> _ChunkFacts:
+    facts = _facts_seen.get(m)
+    if facts is not None:
+        return facts
     ext = _extension(m.extensions, "chunk", name)
     position, parent, prefix = ext.get("start"), ext.get("parent_hash"), ext.get("prefix_hash")
     if not (isinstance(position, int) and not isinstance(position, bool) and position >= 0):
@@ -245,10 +264,19 @@ def _check_chunk(reader: ContainerReader, name: str, model: str | None, chunk_si
         raise ObjectRefused(f"{name}: store.start {position} does not fit chunk size {m.chunk_size} "
                             f"and its parent hash")
     _check_fingerprint(m.model, name)
+    facts = _ChunkFacts(position, parent, prefix, model_key(m.model))
+    _facts_seen[m] = facts
+    return facts
+
+
+def _check_chunk(reader: ContainerReader, name: str, model: str | None, chunk_size: int | None,
+                 prefix_hash: str | None, start: int | None, verify_payload: bool) -> ChunkObject:
+    m = reader.manifest
+    facts = _chunk_facts(m, name)
+    position, parent, prefix, own = facts.position, facts.parent, facts.prefix, facts.model_key
     tokens = reader.token_ids()  # checks the tokens' CRC-32C
     if hashlib.sha256(bytes.fromhex(parent) + tokens_to_bytes(tokens)).hexdigest() != prefix:
         raise ObjectRefused(f"{name}: the prefix hash does not match the parent hash and the tokens")
-    own = model_key(m.model)
     expected = {"model": (model, own), "chunk size": (chunk_size, m.chunk_size),
                 "prefix hash": (prefix_hash, prefix), "start": (start, position)}
     for what, (want, got) in expected.items():
