@@ -15,11 +15,12 @@ layout, block size 16, shuffled blocks), every chunk CRC-checked, side by side i
               they are copied ("pread + CRC + scatter": the earlier three passes: a pread into
               a reused buffer, the CRC, the native row copy)
   store       ModelCache.load_prefix from a local store (the same pipeline over store objects:
-              each object opened, checked, and its raw payload scattered from the file's mapping
-              behind a fault guard, CRC-32C computed as it is copied; "windowed reads": the
-              payload read with pread a window at a time into a cache-sized buffer instead, the
-              kernel's way where it cannot map; "objects read whole": every object read into a
-              buffer, then checked as it is scattered, as before either)
+              each object opened and checked, its raw payload CRC-32C-checked as it is
+              scattered: from the file's mapping behind a fault guard from 16 MiB up, below
+              that read with pread a window at a time into a cache-sized buffer; "every
+              payload mapped" and "every payload in windows" force one way; "objects read
+              whole": every object read into a buffer, then checked as it is scattered, as
+              before either)
   128-bit fold the pipeline with CRC-32C's 128-bit PCLMULQDQ fold forced, where the CPU has the
               256-bit VPCLMULQDQ one (which it uses otherwise)
   safetensors safetensors.torch.load_file of the same KV as one tensor, then the same scatter
@@ -149,16 +150,16 @@ def page_in(path: Path) -> None:
         del pages
 
 
-def windowed_reads(fn):
-    """`fn` with store payloads read a window at a time, not mapped (the kernel's fallback)."""
+def map_from(bytes_: int, fn):
+    """`fn` with store payloads mapped from `bytes_` up and read a window at a time below."""
     native = paged_native.native_module()
 
     def run():
-        mapped = native.map_files(False)
+        threshold = native.map_min_bytes(bytes_)
         try:
             fn()
         finally:
-            native.map_files(mapped)
+            native.map_min_bytes(threshold)
     return run
 
 
@@ -219,8 +220,10 @@ def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int,
         lambda: store_cache.load_prefix(token_ids, paged.scatter), store_cache.backend)
     native = paged_native.native_module()
     if native is not None:
-        fns["raw: store load_prefix, windowed reads"] = windowed_reads(
-            lambda: store_cache.load_prefix(token_ids, paged.scatter))
+        fns["raw: store load_prefix, every payload mapped"] = map_from(
+            0, lambda: store_cache.load_prefix(token_ids, paged.scatter))
+        fns["raw: store load_prefix, every payload in windows"] = map_from(
+            1 << 62, lambda: store_cache.load_prefix(token_ids, paged.scatter))
     if native is not None and native.crc32c_level() > 2:
         fns["raw: pipeline, 128-bit CRC fold"] = crc_level(2, lambda: pipeline(files["raw"], paged, tokens))
     if torch.cuda.is_available():

@@ -7,8 +7,9 @@ So the check travels with the bytes: whoever copies them out of the payload chec
 copies (the native scatter does, `kvtool._paged_native.scatter_checked`) or first takes a
 private copy and checks that (`PayloadCheck.verified`). Either way the bytes used are the bytes
 checked. A `FilePayloadCheck` holds bytes still in a file that kvtool opened but has not read (a
-store object): the native scatter maps them behind a fault guard, so that a file truncated under
-the copy is refused rather than ending the process, and checks them as it copies.
+store object): the native scatter reads them a window at a time, or maps large ones behind a
+fault guard (a file truncated under the copy is then refused rather than ending the process),
+and checks them as it copies.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class PayloadCheck:
 class FilePayloadCheck(PayloadCheck):
     """A payload still in a file: `length` bytes at `offset` of the open file `fd` (this check owns
     it: `release()` closes it), CRC-32C `crc32c`. The native checked scatter maps it behind a
-    fault guard, or reads it a window at a time where it cannot map it
+    fault guard (16 MiB and more) or reads it a window at a time
     (`kvtool._paged_native.scatter_checked_file`); anything else that asks for `payload`
     gets it read into `buffer` (`length` bytes, the tensor handed on with this check views it)
     on first use, and checks that private copy."""

@@ -203,10 +203,10 @@ def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_sh
 
     monkeypatch.setattr(objects.ChunkObject, "_file_view", spy)
     native = paged_native.native_module()
-    mapping = native.map_files(True)
+    threshold = native.map_min_bytes(0)
     try:
         for seed, mapped in enumerate((True, False)):  # mapped, then read a window at a time
-            native.map_files(mapped)
+            native.map_min_bytes(0 if mapped else 1 << 62)
             made.clear()
             cut_short = False
             scatter, read = paged_target(40, seed=seed, checking=True)
@@ -225,7 +225,7 @@ def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_sh
             (tmp_path / "store").joinpath(cache.name(cache._chain(tokens)[2][2])).unlink()
             cache.put_sequence(tokens, kv)
     finally:
-        native.map_files(mapping)
+        native.map_min_bytes(threshold)
 
 
 def test_a_store_object_that_cannot_be_read_is_an_error_not_damage(tmp_path):

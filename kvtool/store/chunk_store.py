@@ -329,7 +329,7 @@ class ModelCache:
             # unchecked: the chunk is copied out (scattered, or staged) on this thread before it
             # fetches another, so the object may be read into this thread's reused buffer; from
             # a backend with files it is opened, and a raw payload is read as it is scattered
-            # (mapped behind a fault guard: the bytes cross memory once, not twice)
+            # (a window at a time, or mapped behind a fault guard: the bytes cross memory once)
             if unchecked and self.backend.has_files:
                 data = self.backend.open_file(name)
             else:
