@@ -1,6 +1,8 @@
 /* See fault_guard.h. The handler leaves a guarded function with siglongjmp, on the thread that
- * faulted: that thread's guard (thread-local, initial-exec so the handler reads it without a
- * call that could allocate) holds the jump and the address range it answers for. */
+ * faulted: that thread's guard (thread-local) holds the jump and the address range it answers
+ * for. The thread set its guard before anything could fault, so its thread-local block exists
+ * and reading it in the handler allocates nothing. (Not the initial-exec TLS model: a module
+ * loaded with dlopen has only a small surplus of static TLS, and running out fails the import.) */
 #define _GNU_SOURCE
 #include <setjmp.h>
 #include <signal.h>
@@ -14,7 +16,7 @@ typedef struct {
     const char *lo, *hi;
 } guard_t;
 
-static _Thread_local guard_t *volatile active __attribute__((tls_model("initial-exec")));
+static _Thread_local guard_t *volatile active;
 static struct sigaction previous; /* the handler before ours, for faults that are not ours */
 
 static void on_sigbus(int sig, siginfo_t *info, void *context) {
