@@ -6,7 +6,8 @@ For each layout: gather (from_gpu: paged buffers -> KV_BLOB memory object) and
 scatter (to_gpu: memory object -> a fresh paged buffer), through the whole
 connector (checks included), with a shuffled block table over a pool twice the
 needed size. The baseline is `dst.copy_(src)` of one contiguous tensor of the
-same number of bytes; "ratio" = connector GB/s / baseline GB/s. The row
+same number of bytes; "ratio" = the median over rounds of the baseline's time
+over the connector's in the same round (GB/s: from best times). The row
 "copy x2L" copies the same bytes as 2*num_layers contiguous per-layer tensors
 (a connector's loop and cache footprint without the indexing). Ratios, not
 absolute numbers, are what carry over between machines. Each timing is the
@@ -21,6 +22,7 @@ import argparse
 import os
 import math
 import random
+import statistics
 import time
 
 # torch's OpenMP threads sleep when idle instead of spinning: a candidate timed right after a
@@ -35,14 +37,14 @@ from kvtool.connectors import NestedTupleConnector, PagedMemConnectorV2
 LAYOUTS = ["flash_attn", "flashinfer", "vllm", "kv_tuple", "vllm_cpu"]
 
 
-def time_round_robin(fns: dict, rounds: int) -> dict:
-    """Best time of each function, running them in turn `rounds` times, so that
-    load from other processes hits every candidate alike. Each round takes them in
-    a new order (seeded): a candidate run right after a similar one finds the caches
-    and page tables as it left them, and measured ~7% faster than after another."""
+def time_rounds(fns: dict, rounds: int) -> dict[str, list[float]]:
+    """Each function's time in each of `rounds` rounds, running them in turn, so that load from
+    other processes hits every candidate alike. Each round takes them in a new order (seeded): a
+    candidate run right after a similar one finds the caches and page tables as it left them,
+    and measured ~7% faster than after another."""
     for fn in fns.values():
         fn()  # warm up
-    best = {k: float("inf") for k in fns}
+    times: dict[str, list[float]] = {k: [] for k in fns}
     order = list(fns)
     shuffle = random.Random(0).shuffle
     for _ in range(rounds):
@@ -50,8 +52,21 @@ def time_round_robin(fns: dict, rounds: int) -> dict:
         for k in order:
             t0 = time.perf_counter()
             fns[k]()
-            best[k] = min(best[k], time.perf_counter() - t0)
-    return best
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def time_round_robin(fns: dict, rounds: int) -> dict:
+    """Best time of each function over `rounds` rounds of `time_rounds`."""
+    return {k: min(v) for k, v in time_rounds(fns, rounds).items()}
+
+
+def paired_ratio(baseline: list[float], candidate: list[float]) -> float:
+    """The median over rounds of baseline / candidate time, each round's pair taken together: a
+    host whose memory speed changes between minutes (measured 23 vs 39 GB/s for the same copy)
+    then moves both sides of each ratio alike, where best-of times may come from different
+    phases."""
+    return statistics.median(b / c for b, c in zip(baseline, candidate))
 
 
 def make_layer(layout, NB, BS, H, D, dtype):
@@ -120,12 +135,13 @@ def main() -> None:
             lambda: nconn.to_gpu(nmo, 0, T, kvcaches=nested),
         )
         fns = {(name, i): f[i] for name, f in rows.items() for i in (0, 1) if not (f[0] is f[1] and i)}
-        best = time_round_robin(fns, args.rounds)
-        base = nbytes / best[("torch copy", 0)] / 1e9
+        times = time_rounds(fns, args.rounds)
+        copy = times[("torch copy", 0)]
         for name, f in rows.items():
-            g = nbytes / best[(name, 0)] / 1e9
-            s = g if f[0] is f[1] else nbytes / best[(name, 1)] / 1e9
-            print(f"{T:>6} {name:<12} {nbytes / 1e6:>7.2f} {g:>12.2f} {g / base:>6.2f} {s:>13.2f} {s / base:>6.2f}")
+            gather, scatter = times[(name, 0)], times[(name, 0) if f[0] is f[1] else (name, 1)]
+            g, s = nbytes / min(gather) / 1e9, nbytes / min(scatter) / 1e9
+            print(f"{T:>6} {name:<12} {nbytes / 1e6:>7.2f} {g:>12.2f} {paired_ratio(copy, gather):>6.2f} "
+                  f"{s:>13.2f} {paired_ratio(copy, scatter):>6.2f}")
 
 if __name__ == "__main__":
     main()

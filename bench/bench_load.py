@@ -30,7 +30,9 @@ layout, block size 16, shuffled blocks), every chunk CRC-checked, side by side i
               file (map it, touch each page, one thread: what a load from the map pays first, in
               page-table work the plain copy of bytes already in memory does not do)
 
-GB/s are of decoded KV bytes; "vs copy" divides by the plain copy. A last table times the vLLM
+GB/s are of decoded KV bytes, from each candidate's best time; "vs copy" is the median over
+rounds of the plain copy's time over the candidate's in the same round (this host's memory speed
+changes phase within minutes, so best times of the two may come from different phases). A last table times the vLLM
 connector's copies into and out of vLLM's CPU layout, native vs the torch reference. On a GPU
 (when torch sees one) the same files load into paged buffers on the device ("gpu" rows): the
 staged loader (pinned buffers filled and checked by worker threads, copies and scatters on a side
@@ -70,7 +72,7 @@ from kvtool.load import file_tasks, load_chunks  # noqa: E402
 from kvtool.store import open_store  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
-from bench_connectors import time_round_robin  # noqa: E402
+from bench_connectors import paired_ratio, time_rounds  # noqa: E402
 
 SHAPES = {"SmolLM2-135M": (30, 3, 64), "8B (Llama-3-8B)": (32, 8, 128)}
 CHUNK, BLOCK = 256, 16
@@ -228,16 +230,17 @@ def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int,
         fns["raw: pipeline, 128-bit CRC fold"] = crc_level(2, lambda: pipeline(files["raw"], paged, tokens))
     if torch.cuda.is_available():
         fns.update(gpu_candidates(kv, files, tmp, store_cache, token_ids, layers, heads, head_dim, tokens))
-    best = time_round_robin(fns, rounds)
+    times = time_rounds(fns, rounds)
     pipeline(files["raw"], paged, tokens)
     assert torch.equal(paged.gather(tokens), kv), "the pipeline loaded different KV"
     rows = []
-    for what, seconds in best.items():
+    for what, seconds in times.items():
         moved = whole if "store" in what else tokens  # the store holds whole chunks only
-        gbps = nbytes * moved / tokens / seconds / 1e9
-        copy = best["gpu limit: pinned host-to-device copy" if what.startswith("gpu") else "limit: copy of the same bytes"]
-        rows.append({"geometry": name, "tokens": tokens, "what": what, "seconds": seconds, "GBps": gbps,
-                     "vs_copy": copy / seconds * moved / tokens, "bytes": nbytes})
+        gbps = nbytes * moved / tokens / min(seconds) / 1e9
+        copy = times["gpu limit: pinned host-to-device copy" if what.startswith("gpu") else "limit: copy of the same bytes"]
+        rows.append({"geometry": name, "tokens": tokens, "what": what, "seconds": min(seconds), "GBps": gbps,
+                     "vs_copy": paired_ratio(copy, seconds) * moved / tokens,
+                     "copy_GBps": nbytes / min(copy) / 1e9, "bytes": nbytes})
     return rows
 
 
@@ -326,13 +329,14 @@ def vllm_cpu_layout(rounds: int) -> list[dict]:
                 del os.environ["KVTOOL_PAGED_NATIVE"]
         return run
 
-    best = time_round_robin({"limit: copy of the same bytes": lambda: dst.copy_(src),
-                             "load (scatter_into, checked), native": load,
-                             "load (scatter_into, checked), torch reference": torch_path(load),
-                             "save (read), native": save, "save (read), torch reference": torch_path(save)}, rounds)
+    times = time_rounds({"limit: copy of the same bytes": lambda: dst.copy_(src),
+                         "load (scatter_into, checked), native": load,
+                         "load (scatter_into, checked), torch reference": torch_path(load),
+                         "save (read), native": save, "save (read), torch reference": torch_path(save)}, rounds)
     nbytes = src.numel() * 4
-    return [{"what": k, "seconds": v, "GBps": nbytes / v / 1e9, "vs_copy": best["limit: copy of the same bytes"] / v}
-            for k, v in best.items()]
+    copy = times["limit: copy of the same bytes"]
+    return [{"what": k, "seconds": min(v), "GBps": nbytes / min(v) / 1e9, "vs_copy": paired_ratio(copy, v)}
+            for k, v in times.items()]
 
 
 def main() -> None:
