@@ -4,9 +4,9 @@
  * value, so the caller can refuse the bytes as it would refuse a file that ends early.
  *
  * Only faults at addresses the guard names, on the thread that runs it, are caught. Any other
- * SIGBUS ends the process as it would have without the guard (the handler installed before it,
- * Python's faulthandler say, runs first). A guarded function must not take locks or allocate:
- * a fault leaves it where it stood. */
+ * SIGBUS goes where it would have gone without the guard: to the handler installed before it
+ * (Python's faulthandler, say), or the default action. A guarded function must not take locks
+ * or allocate: a fault leaves it where it stood. */
 #ifndef KVTOOL_FAULT_GUARD_H
 #define KVTOOL_FAULT_GUARD_H
 

@@ -41,7 +41,8 @@
  *   behind the fault guard from map_min_bytes (16 MiB) up, else (or where it cannot be mapped)
  *   read a window at a time into a buffer that stays in the cache, each window checked and
  *   scattered from there (a template's call; EOFError when the file ends first, OSError when a
- *   read fails). map_min_bytes(n) -> the previous threshold (tests and the bench take both ways).
+ *   read fails, or a mapped page could not be read). map_min_bytes(n) -> the previous threshold
+ *   (tests and the bench take both ways); file_maps() -> payloads read from a mapping so far.
  *
  * copy_checked(dst, src) -> CRC-32C of src, copied into dst in the same pass (pinned staging).
  *
@@ -1027,6 +1028,7 @@ static PyObject *py_scatter_checked(PyObject *self, PyObject *args) {
  * windows, the segments' blobs are addresses in a virtual payload at FILE_BASE, rebased onto the
  * window. */
 static uint64_t map_min_bytes = (uint64_t)16 << 20;
+static unsigned long long file_maps = 0; /* payloads read from a mapping so far (tests) */
 
 #define FILE_BASE ((uint64_t)1 << 20)
 #define FILE_WINDOW TILE_BUFFER
@@ -1126,10 +1128,18 @@ static PyObject *py_scatter_checked_file(PyObject *self, PyObject *args) {
                                      "scatter_checked_file", &crc);
             munmap(map, (size_t)(length + skew));
             PyBuffer_Release(&segs);
+            file_maps++;
             if (ok == 0) return PyLong_FromUnsignedLong(crc);
             if (PyErr_ExceptionMatches(PyExc_EOFError)) {
-                PyErr_Clear(); /* the same words as a short read's */
-                PyErr_SetString(PyExc_EOFError, "scatter_checked_file: the file ended inside the payload");
+                /* A fault on the mapping: the file ended (damage: refused) or, still as long, a
+                 * page could not be read (an I/O error: the object is not to blame). */
+                PyErr_Clear();
+                if (fstat(fd, &st) == 0 && (uint64_t)st.st_size >= offset && (uint64_t)st.st_size - offset >= length) {
+                    errno = EIO;
+                    PyErr_SetFromErrno(PyExc_OSError);
+                } else {
+                    PyErr_SetString(PyExc_EOFError, "scatter_checked_file: the file ended inside the payload");
+                }
             }
             return NULL;
         }
@@ -1279,6 +1289,11 @@ static PyObject *py_map_min_bytes(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(before);
 }
 
+static PyObject *py_file_maps(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+    return PyLong_FromUnsignedLongLong(file_maps);
+}
+
 static PyMethodDef methods[] = {
     {"copy_segments", py_copy_segments, METH_VARARGS, "Move rows between paged KV tensors and KV_BLOB tensors."},
     {"scatter_checked", py_scatter_checked, METH_VARARGS,
@@ -1292,6 +1307,7 @@ static PyMethodDef methods[] = {
     {"crc32c_level", py_crc32c_level, METH_NOARGS, "The CRC-32C path in use: 0 table, 1 crc32, 2 folding, 3 folding on 256-bit registers."},
     {"crc32c_set_level", py_crc32c_set_level, METH_VARARGS,
      "Use the best CRC-32C path up to this level (tests force lower ones); returns the level in effect."},
+    {"file_maps", py_file_maps, METH_NOARGS, "How many payloads scatter_checked_file has read from a mapping."},
     {"map_min_bytes", py_map_min_bytes, METH_VARARGS,
      "Set the payload size from which scatter_checked_file maps the file (below: windows); returns the previous."},
     {"nontemporal_min", py_nontemporal_min, METH_VARARGS,

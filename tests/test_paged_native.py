@@ -5,6 +5,7 @@ and stride pattern; out-of-range rows refused before anything is written."""
 from __future__ import annotations
 
 import os
+import signal
 import struct
 
 import pytest
@@ -390,7 +391,9 @@ def test_a_payload_in_a_file_is_scattered_as_from_memory(
         for threads in ("1", "3"):
             out = clone_buffers(bufs, layout)
             monkeypatch.setenv("KVTOOL_THREADS", threads)
+            maps = native.file_maps()
             assert paged_native.native_scatter_checked(view, out, PagedLayout(layout), slots, check)
+            assert native.file_maps() == maps + file_reads  # (mapped, not fallen back to windows)
             assert buffers_equal(ref, out, layout), threads
             assert not check.filled  # read by the kernel, never whole into the buffer
     finally:
@@ -468,6 +471,95 @@ def test_a_mapped_payload_cut_short_under_the_copy_is_refused_not_a_crash(tmp_pa
     check.release()
 
 
+# An mmap shim for the test below (LD_PRELOAD): the file KVTOOL_TEST_CUT_PATH, open as descriptor
+# KVTOOL_TEST_CUT_FD, is cut to KVTOOL_TEST_CUT_TO bytes just after that descriptor is mapped, as
+# another program could do then.
+_CUT_AFTER_MAP = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+static void *mapped(void *map, int fd) {
+    const char *cut_fd = getenv("KVTOOL_TEST_CUT_FD"), *cut_to = getenv("KVTOOL_TEST_CUT_TO");
+    const char *path = getenv("KVTOOL_TEST_CUT_PATH"); /* (the descriptor is read-only) */
+    if (map != MAP_FAILED && cut_fd && cut_to && path && fd == atoi(cut_fd) && truncate(path, atoll(cut_to)) != 0)
+        abort();
+    return map;
+}
+void *mmap(void *a, size_t n, int prot, int flags, int fd, off_t off) {
+    void *(*real)(void *, size_t, int, int, int, off_t) = dlsym(RTLD_NEXT, "mmap");
+    return mapped(real(a, n, prot, flags, fd, off), fd);
+}
+void *mmap64(void *a, size_t n, int prot, int flags, int fd, off_t off) {
+    void *(*real)(void *, size_t, int, int, int, off_t) = dlsym(RTLD_NEXT, "mmap64");
+    return mapped(real(a, n, prot, flags, fd, off), fd);
+}
+"""
+
+
+@needs_native
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_a_store_payload_cut_short_after_it_is_mapped_is_refused_not_a_crash(tmp_path, threads):
+    """A store object's payload read from a mapping, the file cut short by another program right
+    after it was mapped (after the size check): the copy faults on the pages that are gone, on
+    one or three kernel threads, and the object is refused, in a process that goes on."""
+    import shutil
+    import subprocess
+    import sys
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler for the test's mmap shim")
+    (tmp_path / "cut.c").write_text(_CUT_AFTER_MAP)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "cut.so"), str(tmp_path / "cut.c"), "-ldl"],
+                   check=True)
+    script = f"""
+import os, torch
+from kvtool.checksum import FilePayloadCheck, crc32
+from kvtool.connectors import paged_native
+from kvtool.connectors.paged_layout import PagedLayout
+from kvtool.errors import ChecksumMismatch
+native = paged_native.native_module()
+native.map_min_bytes(0)
+paged_native.MIN_BYTES_PER_THREAD = 1
+L, T, H, D, BS = 2, 1024, 4, 64, 16  # 4 MB of float32 KV
+bufs = [torch.zeros(2, T // BS, BS, H, D) for _ in range(L)]
+slots = torch.randperm(T // BS)[torch.arange(T) // BS] * BS + torch.arange(T) % BS
+blob = torch.randn(2, L, T, H * D)
+payload = blob.view(torch.uint8).reshape(-1).numpy().tobytes()
+path = {str(tmp_path / "object")!r}
+with open(path, "wb") as f:
+    f.write(b"x" * 100 + payload)
+for cut in (True, False):
+    fd = os.open(path, os.O_RDONLY)
+    buffer = memoryview(bytearray(len(payload)))
+    view = torch.frombuffer(buffer, dtype=torch.float32).view(blob.shape)
+    check = FilePayloadCheck(fd, 100, len(payload), buffer, crc32(payload), "chunk 7")
+    os.environ["KVTOOL_TEST_CUT_FD"] = str(fd) if cut else "-1"
+    os.environ["KVTOOL_TEST_CUT_TO"] = "8192"
+    os.environ["KVTOOL_TEST_CUT_PATH"] = path
+    maps = native.file_maps()
+    try:
+        paged_native.native_scatter_checked(view, bufs, PagedLayout("flash_attn"), slots, check)
+        print("loaded")
+    except ChecksumMismatch as err:
+        print("refused:", err)
+    assert native.file_maps() == maps + 1
+    check.release()
+    if cut:
+        with open(path, "wb") as f:  # whole again, for the next load
+            f.write(b"x" * 100 + payload)
+"""
+    env = dict(os.environ, LD_PRELOAD=str(tmp_path / "cut.so"), KVTOOL_THREADS=threads)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["refused: chunk 7: the file ends inside the payload (stored bytes are damaged)",
+                                        "loaded"]
+
+
 @needs_native
 def test_a_fault_outside_the_guard_still_ends_the_process(tmp_path):
     """The guard answers only for the payload a copy reads: any other SIGBUS (here Python reading
@@ -504,6 +596,44 @@ print("survived", flush=True)
     assert "guard in place" in done.stdout and "survived" not in done.stdout, done.stderr
     assert done.returncode == -signal.SIGBUS, (done.returncode, done.stderr)
     assert "Fatal Python error: Bus error" in done.stderr
+
+
+@needs_native
+def test_a_sigbus_sent_to_the_process_goes_where_it_went_without_the_guard():
+    """A SIGBUS that someone sends (kill) is not a fault of a guarded copy: the application's own
+    handler gets it, or it is ignored where the application ignores it, as without the guard."""
+    import subprocess
+    import sys
+
+    script = """
+import os, signal, torch
+from kvtool.checksum import PayloadCheck, crc32
+from kvtool.connectors import paged_native
+from kvtool.connectors.paged_layout import PagedLayout
+bufs = [torch.zeros(2, 2, 16, 1, 8) for _ in range(2)]
+data = memoryview(bytearray(torch.ones(2, 2, 16, 8).numpy().tobytes()))
+view = torch.frombuffer(data, dtype=torch.float32).view(2, 2, 16, 8)
+
+def guarded_copy():  # (each call puts the guard's handler back in front of the application's)
+    assert paged_native.native_scatter_checked(view, bufs, PagedLayout("flash_attn"), torch.arange(16),
+                                               PayloadCheck(data, crc32(data), "chunk"))
+
+got = []
+signal.signal(signal.SIGBUS, lambda *_: got.append("handled"))
+guarded_copy()
+os.kill(os.getpid(), signal.SIGBUS)
+signal.signal(signal.SIGBUS, signal.SIG_IGN)
+guarded_copy()
+os.kill(os.getpid(), signal.SIGBUS)
+print(got, "alive", flush=True)
+signal.signal(signal.SIGBUS, signal.SIG_DFL)
+guarded_copy()
+os.kill(os.getpid(), signal.SIGBUS)
+print("survived the default action", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines() == ["['handled'] alive"], done.stderr
+    assert done.returncode == -signal.SIGBUS
 
 
 def test_a_payload_in_a_file_is_read_whole_and_checked_for_any_other_copy(tmp_path):

@@ -120,9 +120,10 @@ class MappedFile:
 
 
 class PreadFile:
-    """A local file read with pread, never mapped, from an open descriptor this source owns: for
-    files another program may truncate while they are read (a shared store's objects), where a
-    mapping would turn that into SIGBUS instead of a short read, which the reader refuses."""
+    """A local file read with pread from an open descriptor this source owns: for files another
+    program may truncate while they are read (a shared store's objects), where a plain mapping
+    would turn that into SIGBUS instead of a short read, which the reader refuses. (The native
+    checked scatter may map its payload: behind a guard that makes that SIGBUS a refusal.)"""
 
     def __init__(self, fd: int, name: str):
         self.fd, self.name = fd, name

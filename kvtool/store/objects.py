@@ -233,7 +233,7 @@ def _refusing(reader: ContainerReader, name: str):
 
 @dataclass(frozen=True)
 class _ChunkFacts:
-    """What a chunk object's manifest says, checked: checks 4-7 of §5, which read nothing else."""
+    """What a chunk object's manifest says, checked: checks 3-6 of §5, which read nothing else."""
 
     position: int
     parent: str
