@@ -44,7 +44,8 @@
  *   read fails, or a mapped page could not be read). map_min_bytes(n) -> the previous threshold
  *   (tests and the bench take both ways); file_maps() -> payloads read from a mapping so far.
  *
- * copy_checked(dst, src) -> CRC-32C of src, copied into dst in the same pass (pinned staging).
+ * copy_checked(dst, src) -> CRC-32C of src, copied into dst in the same pass (pinned staging); src
+ *   read through the fault guard (a mapped file cut short under the copy: EOFError).
  *
  * slots_ok(slots, count, num_slots, distinct) -> True when `count` int64 at address `slots` all lie
  *   in [0, num_slots) and, `distinct`, none repeats: the connectors' checks of a slot mapping
@@ -1198,7 +1199,21 @@ done:
     return result;
 }
 
-/* copy_checked(dst, src) -> CRC-32C of src, copied into dst (the same size) in the same pass */
+typedef struct {
+    crc32c_stream *s;
+    void *dst;
+    const void *src;
+    size_t n;
+    int nt;
+} checked_copy_t;
+
+static void checked_copy_in(void *arg) {
+    checked_copy_t *c = (checked_copy_t *)arg;
+    crc32c_stream_copy(c->s, c->dst, c->src, c->n, c->nt);
+}
+
+/* copy_checked(dst, src) -> CRC-32C of src, copied into dst (the same size) in the same pass;
+ * src read through the fault guard (a mapped file cut short under the copy: EOFError) */
 static PyObject *py_copy_checked(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer dst, src;
@@ -1210,11 +1225,20 @@ static PyObject *py_copy_checked(PyObject *self, PyObject *args) {
         crc32c_stream s;
         crc32c_stream_begin(&s, crc32c_begin());
         int nt = (size_t)src.len >= nontemporal_min; /* read with the GIL held, as its setter writes it */
+        int guarded = fault_guard_ready(), faulted = 0;
+        checked_copy_t copy = {&s, dst.buf, src.buf, (size_t)src.len, nt};
+        const char *lo = (const char *)src.buf;
         Py_BEGIN_ALLOW_THREADS
-        crc32c_stream_copy(&s, dst.buf, src.buf, (size_t)src.len, nt);
+        if (guarded)
+            faulted = fault_guarded(checked_copy_in, &copy, lo, lo + src.len);
+        else
+            checked_copy_in(&copy);
         store_fence();
         Py_END_ALLOW_THREADS
-        result = PyLong_FromUnsignedLong(crc32c_end(crc32c_stream_end(&s)));
+        if (faulted)
+            PyErr_SetString(PyExc_EOFError, "copy_checked: the source's file ended under the copy");
+        else
+            result = PyLong_FromUnsignedLong(crc32c_end(crc32c_stream_end(&s)));
     }
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);

@@ -435,8 +435,9 @@ def test_a_payload_in_a_file_refuses_a_changed_byte_a_short_file_and_a_failed_re
 def test_a_mapped_payload_cut_short_under_the_copy_is_refused_not_a_crash(tmp_path, threads, monkeypatch):
     """A payload read from a file's mapping (a container file's chunk in kvtool.load) whose file
     another program truncates: the pages past the new end fault (SIGBUS) as the copy reaches them,
-    on whichever kernel thread reads them. The kernel's guard turns that into a refusal, and the
-    next copy runs as before."""
+    on whichever kernel thread reads them (or in the one-pass checked copy the staged GPU path
+    fills its pinned buffers with). The kernel's guard turns that into a refusal, and the next
+    copy runs as before."""
     import mmap
 
     from kvtool.checksum import PayloadCheck, crc32
@@ -459,9 +460,13 @@ def test_a_mapped_payload_cut_short_under_the_copy_is_refused_not_a_crash(tmp_pa
         view = torch.frombuffer(mapped, dtype=torch.float32).view(blob.shape)
         check = PayloadCheck(memoryview(mapped), crc32(payload), "chunk 3")
         assert paged_native.native_scatter_checked(view, bufs, layout, slots, check)  # whole: loaded
+        staging = torch.empty(len(payload), dtype=torch.uint8)
+        paged_native.native_copy_checked()(staging, check)  # (the staged GPU path's checked copy)
         os.truncate(path, 8192)  # all but its first two pages gone
         with pytest.raises(ChecksumMismatch, match="chunk 3: the file ends inside the payload"):
             paged_native.native_scatter_checked(view, bufs, layout, slots, check)
+        with pytest.raises(ChecksumMismatch, match="chunk 3: the file ends inside the payload"):
+            paged_native.native_copy_checked()(staging, check)
         del view, check
     finally:
         mapped.close()

@@ -192,7 +192,11 @@ def native_copy_checked():
     def copy_checked(buffer: torch.Tensor, check: PayloadCheck) -> None:
         if buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous():
             raise ValueError("copy_checked needs a contiguous uint8 CPU tensor")  # a bug, not bad input
-        if module.copy_checked(memoryview(buffer.numpy()), check.payload) != check.crc32c:
+        try:  # (a mapped file's payload: a file cut short under the copy faults, and is refused)
+            crc = module.copy_checked(memoryview(buffer.numpy()), check.payload)
+        except EOFError:
+            raise check.truncated() from None
+        if crc != check.crc32c:
             raise check.mismatch()
 
     return copy_checked
