@@ -908,6 +908,36 @@ static void take_row_buffers(const segment_t *seg, size_t first, size_t last, ui
         }
 }
 
+/* Split a payload [lo, lo + length) of n segments into `count` parts, each the part_t that begins
+ * a job of `job_size` bytes at `jobs`: part j starts at the first segment whose start is at or
+ * past j/count of the payload. */
+static void split_payload(char *jobs, size_t job_size, int count, const segment_t *seg, size_t n, const uint8_t *lo,
+                          uint64_t length, int nt) {
+    const uint8_t *hi = lo + length;
+    part_t *previous = NULL;
+    size_t k = 0;
+    for (int t = 0; t < count; t++) {
+        const uint8_t *mark = lo + length * (uint64_t)t / (uint64_t)count;
+        while (t > 0 && k < n && (const uint8_t *)(uintptr_t)seg[k].blob < mark) k++;
+        const uint8_t *begin = t == 0 ? lo : (k < n ? (const uint8_t *)(uintptr_t)seg[k].blob : hi);
+        part_t *part = (part_t *)(jobs + (size_t)t * job_size);
+        *part = (part_t){seg, k, n, begin, hi, nt, 0};
+        if (previous) previous->last = k, previous->end = begin;
+        previous = part;
+    }
+}
+
+/* The payload's CRC-32C from its parts' (split_payload's jobs, in order). */
+static uint32_t combine_parts(const char *jobs, size_t job_size, int count) {
+    const part_t *first = (const part_t *)jobs;
+    uint32_t crc = first->crc;
+    for (int t = 1; t < count; t++) {
+        const part_t *part = (const part_t *)(jobs + (size_t)t * job_size);
+        crc = crc32c_combine(crc, part->crc, (uint64_t)(part->end - part->begin));
+    }
+    return crc;
+}
+
 /* A part of a checked scatter, with its tile buffers; the payload read through a fault guard
  * (`lo`, `hi`: the addresses it answers for), so that a mapped file cut short under the copy
  * ends the part (`faulted`) instead of the process. */
@@ -974,15 +1004,10 @@ static int checked_scatter(Py_buffer *segs, const uint8_t *lo, uint64_t length, 
     int nt = length >= nontemporal_min;
     int guarded = fault_guard_ready(); /* (without it, as before: a mapped payload is not guarded) */
     guarded_part_t parts[MAX_JOBS];
-    /* part j starts at the first segment whose start is at or past j/count of the payload */
-    size_t k = 0;
-    for (int t = 0; t < count; t++) {
-        const uint8_t *mark = lo + length * (uint64_t)t / (uint64_t)count;
-        while (t > 0 && k < n && (const uint8_t *)(uintptr_t)seg[k].blob < mark) k++;
-        const uint8_t *begin = t == 0 ? lo : (k < n ? (const uint8_t *)(uintptr_t)seg[k].blob : hi);
-        parts[t] = (guarded_part_t){{seg, k, n, begin, hi, nt, 0}, lo, hi, guarded, 0, NULL, NULL};
-        if (t > 0) parts[t - 1].part.last = k, parts[t - 1].part.end = begin;
-    }
+    split_payload((char *)parts, sizeof(guarded_part_t), count, seg, n, lo, length, nt);
+    for (int t = 0; t < count; t++)
+        parts[t].lo = lo, parts[t].hi = hi, parts[t].guarded = guarded, parts[t].faulted = 0,
+        parts[t].rows = parts[t].page = NULL;
     Py_BEGIN_ALLOW_THREADS
     run_jobs(check_part, parts, sizeof(guarded_part_t), count, threads);
     Py_END_ALLOW_THREADS
@@ -991,9 +1016,7 @@ static int checked_scatter(Py_buffer *segs, const uint8_t *lo, uint64_t length, 
             PyErr_Format(PyExc_EOFError, "%s: the payload's file ended under the copy", what);
             goto done;
         }
-    *crc = parts[0].part.crc;
-    for (int t = 1; t < count; t++)
-        *crc = crc32c_combine(*crc, parts[t].part.crc, (uint64_t)(parts[t].part.end - parts[t].part.begin));
+    *crc = combine_parts((const char *)parts, sizeof(guarded_part_t), count);
     ok = 0;
 done:
     release_segments(seg, segs, stack);
@@ -1166,14 +1189,9 @@ static PyObject *py_scatter_checked_file(PyObject *self, PyObject *args) {
     int count = job_count(threads, n);
     int nt = length >= nontemporal_min;
     file_part_t parts[MAX_JOBS];
-    size_t k = 0;
-    for (int t = 0; t < count; t++) { /* split as scatter_checked splits */
-        const uint8_t *mark = lo + length * (uint64_t)t / (uint64_t)count;
-        while (t > 0 && k < n && (const uint8_t *)(uintptr_t)seg[k].blob < mark) k++;
-        const uint8_t *begin = t == 0 ? lo : (k < n ? (const uint8_t *)(uintptr_t)seg[k].blob : hi);
-        parts[t] = (file_part_t){{seg, k, n, begin, hi, nt, 0}, fd, offset, subs + k, 0};
-        if (t > 0) parts[t - 1].part.last = k, parts[t - 1].part.end = begin;
-    }
+    split_payload((char *)parts, sizeof(file_part_t), count, seg, n, lo, length, nt); /* as scatter_checked splits */
+    for (int t = 0; t < count; t++)
+        parts[t].fd = fd, parts[t].offset = offset, parts[t].subs = subs + parts[t].part.first, parts[t].error = 0;
     Py_BEGIN_ALLOW_THREADS
     run_jobs(check_file_part, parts, sizeof(file_part_t), count, threads);
     Py_END_ALLOW_THREADS
@@ -1188,10 +1206,7 @@ static PyObject *py_scatter_checked_file(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    uint32_t crc = parts[0].part.crc;
-    for (int t = 1; t < count; t++)
-        crc = crc32c_combine(crc, parts[t].part.crc, (uint64_t)(parts[t].part.end - parts[t].part.begin));
-    result = PyLong_FromUnsignedLong(crc);
+    result = PyLong_FromUnsignedLong(combine_parts((const char *)parts, sizeof(file_part_t), count));
 done:
     free(subs);
     release_segments(seg, &segs, stack);

@@ -53,11 +53,6 @@ class Backend(ABC):
         `has_files`."""
         raise NotImplementedError(f"{type(self).__name__} has no files")
 
-    def read_file(self, source: "PreadFile", buffer: Callable[[int], memoryview]) -> memoryview:
-        """An object opened with `open_file`, read whole into `buffer(size)` (see get_into), and
-        closed. Only where `has_files`."""
-        raise NotImplementedError(f"{type(self).__name__} has no files")
-
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         """`get` of each name; backends with a network batch them into one round trip."""
         return [self.get(n) for n in names]

@@ -93,9 +93,9 @@ class LocalBackend(Backend):
     def get_into(self, name: str, buffer) -> memoryview | None:
         """The object's bytes read into `buffer(size)` (see Backend.get_into)."""
         source = self.open_file(name)
-        return None if source is None else self.read_file(source, buffer)
+        return None if source is None else self._read_whole(source, buffer)
 
-    def read_file(self, source: PreadFile, buffer) -> memoryview:
+    def _read_whole(self, source: PreadFile, buffer) -> memoryview:
         """An object opened with open_file, read whole into `buffer(size)` and closed."""
         try:
             data = buffer(source.size)[:source.size]
