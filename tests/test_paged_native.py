@@ -476,31 +476,42 @@ def test_a_mapped_payload_cut_short_under_the_copy_is_refused_not_a_crash(tmp_pa
     check.release()
 
 
-# An mmap shim for the test below (LD_PRELOAD): the file KVTOOL_TEST_CUT_PATH, open as descriptor
-# KVTOOL_TEST_CUT_FD, is cut to KVTOOL_TEST_CUT_TO bytes just after that descriptor is mapped, as
-# another program could do then.
+# An mmap shim for the test below (LD_PRELOAD), for the descriptor KVTOOL_TEST_CUT_FD only: the file
+# KVTOOL_TEST_CUT_PATH is cut to KVTOOL_TEST_CUT_TO bytes just after it is mapped, as another
+# program could do then; or (KVTOOL_TEST_SHORT_PATH) the mapping is of that shorter file instead,
+# so that the pages past its end fault while the file itself is whole: as a page the system
+# cannot read (an I/O error under the mapping) does.
 _CUT_AFTER_MAP = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/types.h>
 #include <unistd.h>
 
-static void *mapped(void *map, int fd) {
-    const char *cut_fd = getenv("KVTOOL_TEST_CUT_FD"), *cut_to = getenv("KVTOOL_TEST_CUT_TO");
-    const char *path = getenv("KVTOOL_TEST_CUT_PATH"); /* (the descriptor is read-only) */
-    if (map != MAP_FAILED && cut_fd && cut_to && path && fd == atoi(cut_fd) && truncate(path, atoll(cut_to)) != 0)
-        abort();
+typedef void *(*mmap_fn)(void *, size_t, int, int, int, off_t);
+
+static void *shimmed(mmap_fn real, void *a, size_t n, int prot, int flags, int fd, off_t off) {
+    const char *cut_fd = getenv("KVTOOL_TEST_CUT_FD");
+    if (!cut_fd || fd != atoi(cut_fd)) return real(a, n, prot, flags, fd, off);
+    const char *shorter = getenv("KVTOOL_TEST_SHORT_PATH");
+    if (shorter) {
+        int other = open(shorter, O_RDONLY);
+        void *map = real(a, n, prot, flags, other, 0);
+        close(other);
+        return map;
+    }
+    void *map = real(a, n, prot, flags, fd, off);
+    const char *cut_to = getenv("KVTOOL_TEST_CUT_TO"), *path = getenv("KVTOOL_TEST_CUT_PATH");
+    if (map != MAP_FAILED && cut_to && path && truncate(path, atoll(cut_to)) != 0) abort();
     return map;
 }
 void *mmap(void *a, size_t n, int prot, int flags, int fd, off_t off) {
-    void *(*real)(void *, size_t, int, int, int, off_t) = dlsym(RTLD_NEXT, "mmap");
-    return mapped(real(a, n, prot, flags, fd, off), fd);
+    return shimmed((mmap_fn)dlsym(RTLD_NEXT, "mmap"), a, n, prot, flags, fd, off);
 }
 void *mmap64(void *a, size_t n, int prot, int flags, int fd, off_t off) {
-    void *(*real)(void *, size_t, int, int, int, off_t) = dlsym(RTLD_NEXT, "mmap64");
-    return mapped(real(a, n, prot, flags, fd, off), fd);
+    return shimmed((mmap_fn)dlsym(RTLD_NEXT, "mmap64"), a, n, prot, flags, fd, off);
 }
 """
 
@@ -510,7 +521,8 @@ void *mmap64(void *a, size_t n, int prot, int flags, int fd, off_t off) {
 def test_a_store_payload_cut_short_after_it_is_mapped_is_refused_not_a_crash(tmp_path, threads):
     """A store object's payload read from a mapping, the file cut short by another program right
     after it was mapped (after the size check): the copy faults on the pages that are gone, on
-    one or three kernel threads, and the object is refused, in a process that goes on."""
+    one or three kernel threads, and the object is refused, in a process that goes on. A fault
+    while the file is still whole (a page that cannot be read) is a failed read, not damage."""
     import shutil
     import subprocess
     import sys
@@ -526,7 +538,7 @@ import os, torch
 from kvtool.checksum import FilePayloadCheck, crc32
 from kvtool.connectors import paged_native
 from kvtool.connectors.paged_layout import PagedLayout
-from kvtool.errors import ChecksumMismatch
+from kvtool.errors import ChecksumMismatch, InputFileError
 native = paged_native.native_module()
 native.map_min_bytes(0)
 paged_native.MIN_BYTES_PER_THREAD = 1
@@ -536,33 +548,36 @@ slots = torch.randperm(T // BS)[torch.arange(T) // BS] * BS + torch.arange(T) % 
 blob = torch.randn(2, L, T, H * D)
 payload = blob.view(torch.uint8).reshape(-1).numpy().tobytes()
 path = {str(tmp_path / "object")!r}
-with open(path, "wb") as f:
-    f.write(b"x" * 100 + payload)
-for cut in (True, False):
+shorter = path + ".short"
+with open(shorter, "wb") as f:
+    f.write(b"x" * 8192)
+for how in ("cut", "whole", "unreadable"):
+    with open(path, "wb") as f:
+        f.write(b"x" * 100 + payload)
     fd = os.open(path, os.O_RDONLY)
     buffer = memoryview(bytearray(len(payload)))
     view = torch.frombuffer(buffer, dtype=torch.float32).view(blob.shape)
     check = FilePayloadCheck(fd, 100, len(payload), buffer, crc32(payload), "chunk 7")
-    os.environ["KVTOOL_TEST_CUT_FD"] = str(fd) if cut else "-1"
-    os.environ["KVTOOL_TEST_CUT_TO"] = "8192"
-    os.environ["KVTOOL_TEST_CUT_PATH"] = path
+    os.environ.update(KVTOOL_TEST_CUT_FD=str(fd) if how != "whole" else "-1", KVTOOL_TEST_CUT_TO="8192",
+                      KVTOOL_TEST_CUT_PATH=path)
+    if how == "unreadable":
+        os.environ["KVTOOL_TEST_SHORT_PATH"] = shorter
     maps = native.file_maps()
     try:
         paged_native.native_scatter_checked(view, bufs, PagedLayout("flash_attn"), slots, check)
         print("loaded")
     except ChecksumMismatch as err:
         print("refused:", err)
+    except InputFileError as err:
+        print("failed read:", err)
     assert native.file_maps() == maps + 1
     check.release()
-    if cut:
-        with open(path, "wb") as f:  # whole again, for the next load
-            f.write(b"x" * 100 + payload)
 """
     env = dict(os.environ, LD_PRELOAD=str(tmp_path / "cut.so"), KVTOOL_THREADS=threads)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["refused: chunk 7: the file ends inside the payload (stored bytes are damaged)",
-                                        "loaded"]
+                                        "loaded", "failed read: chunk 7: cannot read (Input/output error)"]
 
 
 @needs_native
