@@ -18,9 +18,10 @@ layout, block size 16, shuffled blocks), every chunk CRC-checked, side by side i
               each object opened and checked, its raw payload CRC-32C-checked as it is
               scattered: from the file's mapping behind a fault guard from 16 MiB up, below
               that read with pread a window at a time into a cache-sized buffer; "every
-              payload mapped" and "every payload in windows" force one way; "objects read
-              whole": every object read into a buffer, then checked as it is scattered, as
-              before either)
+              payload mapped" and "every payload in windows" force one way; "manifests parsed
+              afresh": no manifest kept from an earlier load (a process's first load of the
+              prefix); "objects read whole": every object read into a buffer, then checked as it
+              is scattered, as before either)
   128-bit fold the pipeline with CRC-32C's 128-bit PCLMULQDQ fold forced, where the CPU has the
               256-bit VPCLMULQDQ one (which it uses otherwise)
   safetensors safetensors.torch.load_file of the same KV as one tensor, then the same scatter
@@ -165,6 +166,17 @@ def map_from(bytes_: int, fn):
     return run
 
 
+def fresh_manifests(fn):
+    """`fn` with every manifest parsed and checked afresh (a process's first load of a prefix),
+    not taken from those kept by earlier loads (format.reader.parsed_manifest)."""
+    from kvtool.format import reader
+
+    def run():
+        reader._parsed_manifest_kept.cache_clear()
+        fn()
+    return run
+
+
 def whole_objects(fn, backend):
     """`fn` with the store's objects read whole into a buffer (as before they were opened)."""
     def run():
@@ -218,6 +230,8 @@ def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int,
         fns[f"{codec}: pipeline"] = lambda p=path: pipeline(p, paged, tokens)
     fns["raw: pipeline, pread + CRC + scatter"] = lambda: pipeline(files["raw"], paged, tokens, fused=False)
     fns["raw: store load_prefix"] = lambda: store_cache.load_prefix(token_ids, paged.scatter)
+    fns["raw: store load_prefix, manifests parsed afresh"] = fresh_manifests(
+        lambda: store_cache.load_prefix(token_ids, paged.scatter))
     fns["raw: store load_prefix, objects read whole"] = whole_objects(
         lambda: store_cache.load_prefix(token_ids, paged.scatter), store_cache.backend)
     native = paged_native.native_module()
