@@ -3,6 +3,8 @@
 prefix_hash[-1] = 32 zero bytes
 prefix_hash[i]  = SHA-256(prefix_hash[i-1] || u32le(token_ids[start_i:end_i]))
 
+(`chain_hash`; the store's chunk names are the same chain with each chunk's extra keys
+appended, store.md §3)
 so chunk i's hash names the whole token prefix [0, end_i): two files that share
 a prefix share the hashes of the chunks inside it.
 """
@@ -26,8 +28,11 @@ def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     return arr.astype("<u4").tobytes()
 
 
-def chain_hash(previous: bytes, chunk_token_ids: Sequence[int] | np.ndarray) -> bytes:
-    return hashlib.sha256(previous + tokens_to_bytes(chunk_token_ids)).digest()
+def chain_hash(previous: bytes, chunk_token_ids: Sequence[int] | np.ndarray | bytes, extra: bytes = b"") -> bytes:
+    """One link: SHA-256(previous || u32le(tokens) || extra). `extra` is empty in a container;
+    the store appends a chunk's extra keys there (store.md §3), so it has no hash of its own."""
+    raw = chunk_token_ids if isinstance(chunk_token_ids, bytes) else tokens_to_bytes(chunk_token_ids)
+    return hashlib.sha256(previous + raw + extra).digest()
 
 
 def prefix_hashes(token_ids: Sequence[int] | np.ndarray, chunk_size: int) -> list[str]:

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -20,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import ChecksumMismatch, NotCached, ObjectRefused, StoreUrlInvalid, UsageError
-from ..format.hashing import ZERO_HASH
 from ..format.reader import PreadFile
 from ..identity import ModelIdentity
 from ..notices import notice
 from . import objects
+from .names import NO_EXTRA_KEYS, ChunkLink, ExtraKeys, chunk_chain
 from .backend import Backend, ObjectInfo
 from .local import LocalBackend
 from .memory import MemoryBackend
@@ -119,8 +118,11 @@ class ChunkStore:
         self.url = backend.url
         self.counters = StoreCounters()
 
-    def for_model(self, model: ModelIdentity | dict[str, Any], chunk_size: int = 256) -> "ModelCache":
-        return ModelCache(self, model, chunk_size)
+    def for_model(self, model: ModelIdentity | dict[str, Any], chunk_size: int = 256,
+                  extra_keys: ExtraKeys = NO_EXTRA_KEYS) -> "ModelCache":
+        """The prefix API for one model at one chunk size, for requests of these extra keys
+        (namespace, cache salt, adapter...: store.md §3): it never sees another's chunks."""
+        return ModelCache(self, model, chunk_size, extra_keys)
 
     def chunk_sizes(self, model: ModelIdentity | dict[str, Any]) -> list[int]:
         """The chunk sizes this store holds chunks of `model` at."""
@@ -128,12 +130,13 @@ class ChunkStore:
         return sorted(int(c) for c in self.backend.children(f"chunks/{key}/") if c.isdigit())
 
     def best_cache(self, model: ModelIdentity | dict[str, Any], token_ids,
-                   chunk_size: int | None = None) -> "ModelCache":
+                   chunk_size: int | None = None, extra_keys: ExtraKeys = NO_EXTRA_KEYS) -> "ModelCache":
         """The model's cache at `chunk_size`, or (None) at the stored chunk size that covers the
         most of `token_ids` (256 when nothing is stored)."""
         if chunk_size is not None:
-            return self.for_model(model, chunk_size)
-        caches = [self.for_model(model, s) for s in self.chunk_sizes(model)] or [self.for_model(model, 256)]
+            return self.for_model(model, chunk_size, extra_keys)
+        caches = ([self.for_model(model, s, extra_keys) for s in self.chunk_sizes(model)]
+                  or [self.for_model(model, 256, extra_keys)])
         return max(caches, key=lambda c: (c.lookup(token_ids), -c.chunk_size))
 
     def refuse(self, name: str, err: ObjectRefused) -> None:
@@ -161,10 +164,12 @@ class ChunkStore:
 class ModelCache:
     """The chunks of one model at one chunk size: the prefix API engines use."""
 
-    def __init__(self, store: ChunkStore, model: ModelIdentity | dict[str, Any], chunk_size: int):
+    def __init__(self, store: ChunkStore, model: ModelIdentity | dict[str, Any], chunk_size: int,
+                 extra_keys: ExtraKeys = NO_EXTRA_KEYS):
         if not isinstance(chunk_size, int) or not 1 <= chunk_size <= 65536:
             raise UsageError(f"chunk size must be in [1, 65536], got {chunk_size}")
         self.store = store
+        self.extra_keys = extra_keys
         if isinstance(model, ModelIdentity):
             model = {**model.to_dict(), "fingerprint": model.fingerprint()}
         self.model = dict(model)
@@ -175,17 +180,10 @@ class ModelCache:
     def backend(self) -> Backend:
         return self.store.backend
 
-    def _chain(self, token_ids, limit: int | None = None) -> list[tuple[int, bytes, str]]:
-        """(start, parent hash, prefix hash) of each whole chunk of `token_ids` (up to `limit` tokens)."""
-        tokens = _as_token_array(token_ids)
-        n = len(tokens) if limit is None else min(len(tokens), limit)
-        raw = tokens[:n].astype("<u4").tobytes()  # u32le once (checked above): each chunk is a slice
-        chain, parent, step = [], ZERO_HASH, 4 * self.chunk_size
-        for start in range(0, n - self.chunk_size + 1, self.chunk_size):
-            h = hashlib.sha256(parent + raw[4 * start:4 * start + step]).digest()  # container.md §4
-            chain.append((start, parent, h.hex()))
-            parent = h
-        return chain
+    def _chain(self, token_ids, limit: int | None = None) -> list[ChunkLink]:
+        """The link (start, parent, prefix hash, extra keys) of each whole chunk of `token_ids`
+        (up to `limit` tokens), under this cache's extra keys."""
+        return chunk_chain(_as_token_array(token_ids), self.chunk_size, self.extra_keys, limit)
 
     def name(self, prefix_hash: str) -> str:
         return objects.chunk_name(self.key, self.chunk_size, prefix_hash)
@@ -195,12 +193,16 @@ class ModelCache:
     def lookup(self, token_ids) -> int:
         """How many leading tokens stored whole chunks cover (a multiple of the chunk size).
         Existence only: `get_prefix` checks each object and may return fewer."""
-        chain = self._chain(token_ids)
-        if not chain:
-            return 0
-        found = self.backend.exists_many([self.name(h) for _, _, h in chain])
-        hits = next((i for i, f in enumerate(found) if not f), len(found))
-        return hits * self.chunk_size
+        return self._stored_run(self._chain(token_ids)) * self.chunk_size
+
+    def _stored_run(self, chain: list[ChunkLink], count_misses: bool = False) -> int:
+        """The existence probe (a stat each, or one pipelined round trip): how many links from the
+        first are stored. Nothing past a miss is read; `count_misses` counts the rest as misses."""
+        found = self.backend.exists_many([self.name(link.prefix_hash) for link in chain]) if chain else []
+        stored = next((i for i, f in enumerate(found) if not f), len(found))
+        if count_misses and stored < len(chain):
+            self.store.counters.misses += len(chain) - stored
+        return stored
 
     def contains(self, token_ids) -> bool:
         """Whether every whole chunk of `token_ids` is stored (and there is at least one)."""
@@ -213,16 +215,13 @@ class ModelCache:
         order, until the first chunk that is missing or refused (its reason goes to `refused`).
         The objects are not decoded: `store get` copies their payloads as they are."""
         chain = self._chain(token_ids, max_tokens)
-        # existence first (a stat, or one pipelined round trip): nothing past a miss is read
-        found = self.backend.exists_many([self.name(h) for _, _, h in chain]) if chain else []
-        stored = next((i for i, f in enumerate(found) if not f), len(found))
-        if stored < len(chain):
-            self.store.counters.misses += len(chain) - stored
+        stored = self._stored_run(chain, count_misses=True)
         chain, whole = chain[:stored], chain
         for first in range(0, len(chain), FETCH_BATCH):
             batch = chain[first:first + FETCH_BATCH]
-            names = [self.name(h) for _, _, h in batch]
-            for (start, _parent, prefix), name, data in zip(batch, names, self._fetch(names)):
+            names = [self.name(link.prefix_hash) for link in batch]
+            for link, name, data in zip(batch, names, self._fetch(names)):
+                start = link.start
                 if isinstance(data, ObjectRefused):  # refused before it was read (its size)
                     self._refused(name, data, whole, start, refused)
                     return
@@ -231,7 +230,7 @@ class ModelCache:
                     return
                 try:
                     obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
-                                              prefix_hash=prefix, start=start)
+                                              prefix_hash=link.prefix_hash, start=start, extra=link.extra)
                 except ObjectRefused as err:
                     self._refused(name, err, whole, start, refused)
                     return
@@ -316,16 +315,13 @@ class ModelCache:
 
         hit = PrefixHit(num_tokens=0, chunks=[], codecs=[], refused=[], stored_bytes=0)
         chain = self._chain(token_ids, max_tokens)
-        found = self.backend.exists_many([self.name(h) for _, _, h in chain]) if chain else []
-        stored = next((i for i, f in enumerate(found) if not f), len(found))
-        if stored < len(chain):
-            self.store.counters.misses += len(chain) - stored
+        stored = self._stored_run(chain, count_misses=True)
         seen: dict[int, tuple[str, int]] = {}  # task index -> codec, stored bytes
 
-        def fetch(index: int, start: int, prefix: str, unchecked: bool = False):
+        def fetch(index: int, link: ChunkLink, unchecked: bool = False):
             """The chunk's KV; `unchecked`: a raw payload read for us comes back as a view with
             its PayloadCheck (the scatter checks it as it copies: one pass fewer)."""
-            name = self.name(prefix)
+            name = self.name(link.prefix_hash)
             # unchecked: the chunk is copied out (scattered, or staged) on this thread before it
             # fetches another, so the object may be read into this thread's reused buffer; from
             # a backend with files it is opened, and a raw payload is read as it is scattered
@@ -338,7 +334,8 @@ class ModelCache:
                 raise _Gone(name)
             size = data.size if isinstance(data, PreadFile) else len(data)
             obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
-                                      prefix_hash=prefix, start=start, verify_payload=not unchecked)
+                                      prefix_hash=link.prefix_hash, start=link.start, extra=link.extra,
+                                      verify_payload=not unchecked)
             seen[index] = (obj.codec, size)
             try:
                 if unchecked:
@@ -353,15 +350,16 @@ class ModelCache:
         staged = device is not None  # a GPU's buffers (on the CPU the staged steps run too: tests)
         checking = takes_check(scatter) or (staged and copy_checked is not None)
         tasks, first_task = [], None
-        for index, (start, _parent, prefix) in enumerate(chain[:stored]):
+        for index, link in enumerate(chain[:stored]):
+            start = link.start
             if start + self.chunk_size <= from_token:
                 hit.num_tokens = start + self.chunk_size  # the engine holds these; nothing to write
                 continue
             first_task = index if first_task is None else first_task
             whole = start >= from_token
             tasks.append(ChunkTask(max(start, from_token), start + self.chunk_size,
-                                   lambda i=index, s=start, h=prefix: fetch(i, s, h), origin=start,
-                                   mapped=(lambda i=index, s=start, h=prefix: fetch(i, s, h, True))
+                                   lambda i=index, k=link: fetch(i, k), origin=start,
+                                   mapped=(lambda i=index, k=link: fetch(i, k, True))
                                    if whole and checking else None))
         if staged:
             outcome = load_chunks_staged(tasks, scatter, device, copy_checked=copy_checked)
@@ -376,7 +374,7 @@ class ModelCache:
         self.store.counters.hits += outcome.chunks
         if isinstance(outcome.error, (ObjectRefused, ChecksumMismatch)):  # the latter: checked as copied
             failed = (first_task or 0) + outcome.failed
-            self._refused(self.name(chain[failed][2]), outcome.error, chain, chain[failed][0], hit.refused)
+            self._refused(self.name(chain[failed].prefix_hash), outcome.error, chain, chain[failed].start, hit.refused)
         elif isinstance(outcome.error, _Gone):  # removed since the existence check
             self.store.counters.misses += len(chain) - outcome.loaded_tokens // self.chunk_size
         elif outcome.error is not None:  # e.g. the store became unreachable: not a miss to hide
@@ -396,23 +394,24 @@ class ModelCache:
 
         if start % self.chunk_size:
             raise UsageError(f"start {start} is not a multiple of the chunk size {self.chunk_size}")
-        chain = [link for link in self._chain(token_ids) if link[0] >= start]
+        chain = [link for link in self._chain(token_ids) if link.start >= start]
         tokens = _as_token_array(token_ids)
         if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[2] < len(chain) * self.chunk_size:
             raise UsageError(f"kv must be a KV_BLOB [2, L, T, C] covering the tokens, got {list(kv.shape)}")
         kv_dtype = dtype_name(kv.dtype)
-        present = self.backend.exists_many([self.name(h) for _, _, h in chain])
+        present = self.backend.exists_many([self.name(link.prefix_hash) for link in chain])
         result = PutResult(chunks=len(chain), stored=0, present=0, stored_bytes=0)
         items: list[tuple[str, bytes]] = []
-        for (first, parent, prefix), stored in zip(chain, present):
+        for link, stored in zip(chain, present):
             if stored:
                 result.present += 1
                 self.store.counters.deduplicated += 1
                 continue
-            end = first + self.chunk_size
-            data = objects.encode_chunk(self.model, kv_dtype, parent, first, tokens[first:end],
-                                        kv=kv[:, :, first - start:end - start], codec=codec, params=params)
-            items.append((self.name(prefix), data))
+            first, end = link.start, link.start + self.chunk_size
+            data = objects.encode_chunk(self.model, kv_dtype, link.parent, first, tokens[first:end],
+                                        kv=kv[:, :, first - start:end - start], codec=codec, params=params,
+                                        extra=link.extra)
+            items.append((self.name(link.prefix_hash), data))
             if len(items) >= FETCH_BATCH:
                 self._put(items, result)
         self._put(items, result)
@@ -424,17 +423,18 @@ class ModelCache:
         `payloads[i]` is chunk i's (payload, codec name, codec params)."""
         chain = self._chain(token_ids)[:len(payloads)]
         tokens = _as_token_array(token_ids)
-        present = self.backend.exists_many([self.name(h) for _, _, h in chain])
+        present = self.backend.exists_many([self.name(link.prefix_hash) for link in chain])
         result = PutResult(chunks=len(chain), stored=0, present=0, stored_bytes=0)
         items: list[tuple[str, bytes]] = []
-        for (start, parent, prefix), stored, (payload, codec, params) in zip(chain, present, payloads):
+        for link, stored, (payload, codec, params) in zip(chain, present, payloads):
             if stored:
                 result.present += 1
                 self.store.counters.deduplicated += 1
                 continue
-            data = objects.encode_chunk(self.model, kv_dtype, parent, start, tokens[start:start + self.chunk_size],
-                                        payload=payload, codec=codec, params=params)
-            items.append((self.name(prefix), data))
+            data = objects.encode_chunk(self.model, kv_dtype, link.parent, link.start,
+                                        tokens[link.start:link.start + self.chunk_size],
+                                        payload=payload, codec=codec, params=params, extra=link.extra)
+            items.append((self.name(link.prefix_hash), data))
             if len(items) >= FETCH_BATCH:
                 self._put(items, result)
         self._put(items, result)
@@ -453,7 +453,7 @@ class ModelCache:
 
     def delete(self, token_ids) -> int:
         """Remove the stored whole chunks of `token_ids`; how many were removed."""
-        return sum(self.backend.delete(self.name(h)) for _, _, h in self._chain(token_ids))
+        return sum(self.backend.delete(self.name(link.prefix_hash)) for link in self._chain(token_ids))
 
 
 def _as_token_array(token_ids) -> np.ndarray:

@@ -9,7 +9,6 @@ Lookup-buffer entries are containers too; the tensors of the key/value buffer ar
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -24,67 +23,22 @@ import numpy as np
 
 from ..checksum import FilePayloadCheck, PayloadCheck
 from ..errors import InputFileError, KvtoolError, ObjectRefused
-from ..format.hashing import ZERO_HASH, crc32, tokens_to_bytes
+from ..format.hashing import ZERO_HASH, crc32
 from ..format.reader import BytesSource, ContainerReader, PreadFile
 from ..format.writer import ContainerWriter
-from ..identity import ModelIdentity, model_fingerprint
+from ..identity import model_fingerprint
+from ..format.hashing import chain_hash
+from .names import (CHUNK_SUFFIX, STORE_VERSION, TENSOR_SUFFIX, chunk_name, entry_key, entry_name,  # noqa: F401
+                    extra_bytes, link_hash, model_key, parse_name, tensor_name)
 
 if TYPE_CHECKING:
     import torch
 
-STORE_VERSION = 1
 #: Objects are containers with blobs aligned to 64 bytes: small for Redis and memory tiers.
 OBJECT_ALIGNMENT = 64
 #: No object is read past this size (a hostile size never becomes an allocation).
 MAX_OBJECT_BYTES = 1 << 30
-CHUNK_SUFFIX = ".kvc"
-TENSOR_SUFFIX = ".safetensors"
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
-_CHUNK_NAME = re.compile(r"chunks/([0-9a-f]{32})/([1-9][0-9]{0,4})/([0-9a-f]{2})/([0-9a-f]{64})\.kvc\Z")
-_ENTRY_NAME = re.compile(r"entries/([0-9a-f]{32})/([0-9a-f]{64})\.kvc\Z")
-_TENSOR_NAME = re.compile(r"tensors/([0-9a-f]{2})/([0-9a-f]{64})\.safetensors\Z")
-
-
-# --- keys and names (§3) ------------------------------------------------------------------
-
-
-def model_key(model: ModelIdentity | dict[str, Any]) -> str:
-    """32 hex digits naming a model in the store: its fingerprint and, when known, its weights
-    digest (a fine-tune's chunks never mix with its base model's)."""
-    if isinstance(model, ModelIdentity):
-        fingerprint, digest = model.fingerprint(), model.weights_digest
-    else:
-        fingerprint, digest = model["fingerprint"], model.get("weights_digest")
-    text = b"kvtool-store/1\0" + fingerprint.encode() + b"\0" + (digest or "").encode()
-    return hashlib.sha256(text).hexdigest()[:32]
-
-
-def chunk_name(model: str, chunk_size: int, prefix_hash: str) -> str:
-    return f"chunks/{model}/{chunk_size}/{prefix_hash[:2]}/{prefix_hash}{CHUNK_SUFFIX}"
-
-
-def entry_name(model: str, key: str) -> str:
-    return f"entries/{model}/{key}{CHUNK_SUFFIX}"
-
-
-def tensor_name(key: str) -> str:
-    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
-    return f"tensors/{digest[:2]}/{digest}{TENSOR_SUFFIX}"
-
-
-def entry_key(model: str, tokens: np.ndarray, roi: np.ndarray) -> str:
-    """A lookup-buffer entry's key: the model, the token ids and the roi mask (§3)."""
-    data = b"kvtool-entry/1\0" + model.encode() + tokens_to_bytes(tokens) + roi.astype(bool).astype(np.uint8).tobytes()
-    return hashlib.sha256(data).hexdigest()
-
-
-def parse_name(name: str) -> tuple[str, re.Match] | None:
-    """("chunk" | "entry" | "tensor", match) for a well-formed object name, else None."""
-    for kind, pattern in (("chunk", _CHUNK_NAME), ("entry", _ENTRY_NAME), ("tensor", _TENSOR_NAME)):
-        m = pattern.match(name)
-        if m:
-            return kind, m
-    return None
 
 
 # --- chunk objects (§4.1) -----------------------------------------------------------------
@@ -99,6 +53,7 @@ class ChunkObject:
     parent_hash: str
     prefix_hash: str
     tokens: np.ndarray
+    extra: dict[str, Any]  # the chunk's extra keys (store.md §3), {} for none
     payload_checked: bool = False  # its CRC-32C was checked on these bytes: decode need not again
     owned: bool = False  # the bytes are a writable buffer no one else holds (read for us)
     name: str = ""  # the object's name, for messages
@@ -172,13 +127,16 @@ class ChunkObject:
 
 def encode_chunk(model: dict[str, Any], kv_dtype: str, parent_hash: bytes, start: int, tokens,
                  *, kv: "torch.Tensor | None" = None, payload=None, codec: str = "raw",
-                 params: dict[str, Any] | None = None) -> bytes:
+                 params: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> bytes:
     """One chunk object's bytes, from a KV_BLOB `kv` (encoded with `codec`) or an already
-    encoded `payload` (copied as it is: `store put` of a container)."""
+    encoded `payload` (copied as it is: `store put` of a container). `extra`: the chunk's extra
+    keys (`ExtraKeys.for_chunk`), recorded in the object and in its prefix hash."""
     tokens = np.asarray(tokens, dtype=np.int64)
-    prefix = hashlib.sha256(parent_hash + tokens_to_bytes(tokens)).hexdigest()
+    prefix = link_hash(parent_hash, tokens, extra).hex()
     extension = {"version": STORE_VERSION, "kind": "chunk", "start": int(start),
                  "parent_hash": parent_hash.hex(), "prefix_hash": prefix}
+    if extra:
+        extension["extra"] = extra
     writer = ContainerWriter(None, model, tokens, kv_dtype=kv_dtype, chunk_size=len(tokens),
                              alignment=OBJECT_ALIGNMENT, extensions={"store": extension})
     if payload is not None:
@@ -207,13 +165,13 @@ def open_object(data, name: str) -> ContainerReader:
 
 
 def check_chunk(data, name: str, *, model: str | None = None, chunk_size: int | None = None,
-                prefix_hash: str | None = None, start: int | None = None,
+                prefix_hash: str | None = None, start: int | None = None, extra: dict[str, Any] | None = None,
                 verify_payload: bool = True) -> ChunkObject:
     """Every check of §5 on a chunk object's bytes, against what its name promises; the
-    expected model key, chunk size, prefix hash and start when the caller knows them."""
+    expected model key, chunk size, prefix hash, start and extra keys when the caller knows them."""
     reader = open_object(data, name)
     with _refusing(reader, name):
-        obj = _check_chunk(reader, name, model, chunk_size, prefix_hash, start, verify_payload)
+        obj = _check_chunk(reader, name, model, chunk_size, prefix_hash, start, extra, verify_payload)
     obj.owned = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
     obj.name = name
     return obj
@@ -239,6 +197,8 @@ class _ChunkFacts:
     parent: str
     prefix: str
     model_key: str
+    extra: dict[str, Any]
+    extra_bytes: bytes  # what the extra keys add to the prefix hash's input
 
 
 #: The facts of manifests checked already, by manifest: readers of the same manifest bytes share
@@ -258,25 +218,36 @@ def _chunk_facts(m, name: str) -> _ChunkFacts:
         raise ObjectRefused(f"{name}: store.start must be a non-negative integer")
     if not (isinstance(parent, str) and _HEX64.match(parent) and isinstance(prefix, str) and _HEX64.match(prefix)):
         raise ObjectRefused(f"{name}: store.parent_hash and store.prefix_hash must be 64 hex digits")
+    extra = ext.get("extra", {})
+    try:  # recorded only when there are extra keys; readers hash them as writers did (canonical JSON)
+        extra_input = extra_bytes(extra) if isinstance(extra, dict) and (extra or "extra" not in ext) else None
+    except (TypeError, ValueError):  # not JSON that canonical_json writes (a NaN, a lone surrogate)
+        extra_input = None
+    if extra_input is None:
+        raise ObjectRefused(f"{name}: store.extra must be a non-empty object of extra keys when present")
     if len(m.chunks) != 1 or m.num_tokens != m.chunk_size or m.extras:
         raise ObjectRefused(f"{name}: a chunk object holds exactly one whole chunk and no extras")
     if position % m.chunk_size or (position == 0) != (parent == ZERO_HASH.hex()):
         raise ObjectRefused(f"{name}: store.start {position} does not fit chunk size {m.chunk_size} "
                             f"and its parent hash")
     _check_fingerprint(m.model, name)
-    facts = _ChunkFacts(position, parent, prefix, model_key(m.model))
+    facts = _ChunkFacts(position, parent, prefix, model_key(m.model), extra, extra_input)
     _facts_seen[m] = facts
     return facts
 
 
 def _check_chunk(reader: ContainerReader, name: str, model: str | None, chunk_size: int | None,
-                 prefix_hash: str | None, start: int | None, verify_payload: bool) -> ChunkObject:
+                 prefix_hash: str | None, start: int | None, extra: dict[str, Any] | None,
+                 verify_payload: bool) -> ChunkObject:
     m = reader.manifest
     facts = _chunk_facts(m, name)
     position, parent, prefix, own = facts.position, facts.parent, facts.prefix, facts.model_key
     tokens = reader.token_ids()  # checks the tokens' CRC-32C
-    if hashlib.sha256(bytes.fromhex(parent) + tokens_to_bytes(tokens)).hexdigest() != prefix:
-        raise ObjectRefused(f"{name}: the prefix hash does not match the parent hash and the tokens")
+    if chain_hash(bytes.fromhex(parent), tokens, facts.extra_bytes).hex() != prefix:
+        raise ObjectRefused(f"{name}: the prefix hash does not match the parent hash, the tokens and the extra keys")
+    if extra is not None and extra != facts.extra:  # (the prefix hash differs too: this says why)
+        raise ObjectRefused(f"{name}: holds a chunk of other extra keys than asked for (another namespace, "
+                            "cache salt, adapter or input)")
     expected = {"model": (model, own), "chunk size": (chunk_size, m.chunk_size),
                 "prefix hash": (prefix_hash, prefix), "start": (start, position)}
     for what, (want, got) in expected.items():
@@ -290,7 +261,7 @@ def _check_chunk(reader: ContainerReader, name: str, model: str | None, chunk_si
     if verify_payload:
         reader.chunk_payload(0)  # checks the payload's CRC-32C
     return ChunkObject(reader=reader, start=position, parent_hash=parent, prefix_hash=prefix, tokens=tokens,
-                       payload_checked=verify_payload)
+                       extra=facts.extra, payload_checked=verify_payload)
 
 
 def _check_fingerprint(model: dict[str, Any], name: str) -> None:
@@ -303,7 +274,10 @@ def _extension(extensions: dict[str, Any], kind: str, name: str) -> dict[str, An
     ext = extensions.get("store")
     if not isinstance(ext, dict):
         raise ObjectRefused(f"{name}: not a store object (no 'store' key in its manifest)")
-    if type(ext.get("version")) is not int or ext.get("version") != STORE_VERSION:  # not true, not 1.0
+    if ext.get("version") == 1 and type(ext.get("version")) is int:  # store.md §9: never served
+        raise ObjectRefused(f"{name}: written under store version 1, whose names ignore extra keys (salt, "
+                            "adapter, namespace): never served")
+    if type(ext.get("version")) is not int or ext.get("version") != STORE_VERSION:  # not true, not 2.0
         raise ObjectRefused(f"{name}: store object version {ext.get('version')!r} is not {STORE_VERSION}")
     if ext.get("kind") != kind:
         raise ObjectRefused(f"{name}: a {ext.get('kind')!r} object where a {kind} was expected")
