@@ -645,7 +645,7 @@ def lookup_bench(work: Path, server: RedisServer, sizes: list[int], calls: int) 
     print(f"\n## lookup of a {chunks}-chunk prompt ({cs * chunks} tokens, chunk size {cs}; objects of "
           f"{obj_size:,.0f} B, 1-layer 1-head head_dim-8 model), median and p99 of {calls:,} calls\n")
     print(f"(encoding the {len(fill):,} objects: {encode_s:.1f} s, {encode_s / len(fill) * 1e6:.0f} µs each)\n")
-    names = [probe.name(h) for _, _, h in probe._chain(prompt)]
+    names = probe.chunk_names(prompt)
     results, rows, hashing = {}, [], []
     folder = work / "lookup"
     plain_keys = [KEY_PREFIX + n for n in names]
@@ -685,7 +685,7 @@ def lookup_bench(work: Path, server: RedisServer, sizes: list[int], calls: int) 
                     peer_label = "plain redis-py pipeline of 16 EXISTS"
                 got = latencies({"hit": lambda c=cache: c.lookup(prompt), "miss": lambda c=cache: c.lookup(novel),
                                  "peer": peer_fn,
-                                 "hashing": lambda: [probe.name(h) for _, _, h in probe._chain(prompt)]}, calls)
+                                 "hashing": lambda: probe.chunk_names(prompt)}, calls)
                 hit, miss, peer = got["hit"], got["miss"], got["peer"]
                 hashing.append(got["hashing"])
                 goal = "met" if hit[1] < LOOKUP_GOAL_US else "NOT met"

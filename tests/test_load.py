@@ -151,7 +151,7 @@ def test_the_store_loads_from_a_token_on_and_refuses_damage(tmp_path, path, monk
     hit = cache.load_prefix(tokens, scatter, from_token=12, **(staged or {}))
     assert hit.num_tokens == 40 and hit.codecs == ["raw"] * 4 and not hit.refused
     assert torch.equal(read(12, 40), kv[:, :, 12:40]) and not read(0, 12).any()
-    third = cache._chain(tokens)[2][2]
+    third = cache._chain(tokens)[2].prefix_hash
     flip_payload_byte(next((tmp_path / "store").glob(f"chunks/**/{third}.kvc")), 0, 5, 0x01)
     scatter, read = paged_target(40, seed=1, checking=checking)
     hit = cache.load_prefix(tokens, scatter, **(staged or {}))
@@ -222,7 +222,7 @@ def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_sh
             assert torch.equal(read(0, 16), kv[:, :, :16])
             assert open_in_store() == []
             # a refused object stays until `store fsck`: put it back whole for the next round
-            (tmp_path / "store").joinpath(cache.name(cache._chain(tokens)[2][2])).unlink()
+            (tmp_path / "store").joinpath(cache.chunk_names(tokens)[2]).unlink()
             cache.put_sequence(tokens, kv)
     finally:
         native.map_min_bytes(threshold)
@@ -242,7 +242,7 @@ def test_a_store_object_that_cannot_be_read_is_an_error_not_damage(tmp_path):
     tokens = list(range(300, 324))
     cache = open_store(tmp_path / "store").for_model(identity, chunk_size=8)
     cache.put_sequence(tokens, make_kv(identity, 24, torch.float32))
-    second = cache.name(cache._chain(tokens)[1][2])
+    second = cache.chunk_names(tokens)[1]
     path = tmp_path / "store" / second
     shutil.move(path, tmp_path / "kept.kvc")
     path.mkdir()

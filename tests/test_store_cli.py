@@ -370,3 +370,42 @@ def test_store_bad_arguments_are_one_line(tmp_path, capsys, args, message):
     code, out, err = call(capsys, *args, "--store", url)
     assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in out + err
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["kvtool-store.json"]  # nothing written
+
+
+@pytest.mark.model
+def test_a_namespace_keeps_its_chunks_to_itself(tmp_path, capsys, default_model):
+    """`--namespace`: chunks captured under one namespace are served to the same namespace only
+    (store.md §3): another namespace, or none, gets misses through `replay --store` and `store get`."""
+    store = tmp_path / "store"
+    prompt = "Tenants share one store but never one another's chunks, whatever the prompt. " * 8
+    code, out, err = call(capsys, "capture", "--prompt", prompt, "--store", store, "--chunk-size", "32",
+                          "--namespace", "team-a", "--json")
+    assert code == 0, err
+    whole = json.loads(out)["store"]["stored"]
+    assert whole >= 3
+    reused = {}
+    for namespace in ("team-a", "team-b", None):
+        args = ["replay", "--store", store, "--prompt", prompt, "--continue", "1", "--json"]
+        code, out, err = call(capsys, *args, *(["--namespace", namespace] if namespace else []))
+        assert code == 0, err
+        reused[namespace] = json.loads(out)["reused_tokens"]
+    assert reused == {"team-a": whole * 32, "team-b": 0, None: 0}
+    code, _, err = call(capsys, "store", "get", "--store", store, "--prompt", prompt, "-o", tmp_path / "b.kvc",
+                        "--namespace", "team-b")
+    assert code == 1 and "in namespace 'team-b'" in err
+    code, _, err = call(capsys, "store", "get", "--store", store, "--prompt", prompt, "-o", tmp_path / "a.kvc",
+                        "--namespace", "team-a")
+    assert code == 0, err
+    # the same file put under another namespace is that namespace's; fsck finds every object intact
+    code, out, err = call(capsys, "store", "put", tmp_path / "a.kvc", "--store", store, "--namespace", "team-b",
+                          "--json")
+    assert code == 0 and json.loads(out)["totals"]["stored"] == whole, err
+    code, out, _ = call(capsys, "store", "fsck", "--store", store, "--json")
+    assert code == 0 and json.loads(out)["intact"] == 2 * whole
+
+
+def test_namespace_needs_a_store_and_fits_its_limits(capsys, tmp_path):
+    code, _, err = call(capsys, "replay", tmp_path / "x.kvc", "--namespace", "a")
+    assert code == 2 and "--namespace" in err
+    code, _, err = call(capsys, "store", "put", tmp_path / "x.kvc", "--store", tmp_path / "s", "--namespace", "a" * 2000)
+    assert code == 2 and "namespace must be text of at most 1024" in err

@@ -25,7 +25,8 @@ def stored_objects(codec: str) -> tuple[ModelCache, list[tuple[str, bytes, torch
     kv = make_kv(IDENTITY, 16)
     cache.put_sequence(TOKENS, kv, codec=codec)
     out = []
-    for i, (start, _parent, prefix) in enumerate(cache._chain(TOKENS)):
+    for i, link in enumerate(cache._chain(TOKENS)):
+        start, prefix = link.start, link.prefix_hash
         name = cache.name(prefix)
         out.append((name, bytes(cache.backend.get(name)), kv[:, :, start:start + 8], start, prefix))
     return cache, out
@@ -81,7 +82,7 @@ def test_a_store_serving_damaged_objects_returns_only_intact_prefixes(tmp_path):
     cache = store.for_model(IDENTITY, chunk_size=8)
     kv = make_kv(IDENTITY, 16)
     cache.put_sequence(TOKENS, kv, codec="zstd")
-    names = [cache.name(h) for _s, _p, h in cache._chain(TOKENS)]
+    names = cache.chunk_names(TOKENS)
     good = {n: bytes(store.backend.get(n)) for n in names}
     for _ in range(60):
         victim = rng.choice(names)

@@ -8,8 +8,8 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 
-from .options import (BinsOpt, CodecOpt, DeviceOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt, OptionalStoreOpt,
-                      ShuffleOpt)
+from .options import (BinsOpt, CodecOpt, DeviceOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt, NamespaceOpt,
+                      OptionalStoreOpt, ShuffleOpt)
 from .output import emit, human_bytes, plural, progress, renders
 
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", help="Prompt text.")]
@@ -40,7 +40,7 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
             bins: BinsOpt = None, dtype: DtypeOpt = "bf16", block_size: BlockSizeOpt = 16,
             hidden_states: HiddenOpt = False, roi: RoiOpt = None, device: DeviceOpt = "auto",
             weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False, segment: SegmentOpt = False,
-            json: JsonOpt = False) -> None:
+            namespace: NamespaceOpt = None, json: JsonOpt = False) -> None:
     """Run a model on a prompt through a paged KV buffer and write its KV cache."""
     from ..ops.capture import capture_prompt
 
@@ -49,7 +49,7 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
                                 codec=codec, level=level, shuffle=shuffle, bins=bins, kv_dtype=dtype,
                                 chunk_size=chunk_size, block_size=block_size, hidden_states=hidden_states,
                                 roi=roi, device=device, model_dtype=weights_dtype, chat=chat, store=store,
-                                segment=segment,
+                                segment=segment, namespace=namespace,
                                 on_chunk=lambda _index, done, total: update(done, total))
     emit(result, json)
 

@@ -33,5 +33,8 @@ LayersOpt = Annotated[Optional[str], typer.Option(
     "--layers", metavar="LIST", help="Layer indices, e.g. '0,5-9' (default: all).")]
 StoreOpt = Annotated[str, typer.Option(
     "--store", metavar="URL", help="The chunk store: a folder, file://PATH or redis://HOST:PORT/DB.", show_default=False)]
+NamespaceOpt = Annotated[Optional[str], typer.Option(
+    "--namespace", metavar="NAME", help="The store's partition to use: chunks stored under one namespace are never served to another.",
+    show_default=False)]
 OptionalStoreOpt = Annotated[Optional[str], typer.Option(
     "--store", metavar="URL", help="The chunk store: a folder, file://PATH or redis://HOST:PORT/DB.", show_default=False)]

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.text import Text
 
 from ..errors import UsageError
-from .options import DeviceOpt, JsonOpt, ModelDtypeOpt, ModelOpt, OptionalStoreOpt, OtherWeightsOpt
+from .options import DeviceOpt, JsonOpt, ModelDtypeOpt, ModelOpt, NamespaceOpt, OptionalStoreOpt, OtherWeightsOpt
 from .output import emit, renders, stages
 
 ContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help="Tokens to generate (or teacher-force with --compare).")]
@@ -56,7 +56,7 @@ def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: Ch
             weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False,
             allow_other_weights: OtherWeightsOpt = False, blend: BlendOpt = None,
             blend_delimiter: BlendDelimiterOpt = None, recompute_ratio: RecomputeRatioOpt = None,
-            check_layer: CheckLayerOpt = None, json: JsonOpt = False) -> None:
+            check_layer: CheckLayerOpt = None, namespace: NamespaceOpt = None, json: JsonOpt = False) -> None:
     """Load a KV file into a fresh paged KV buffer, continue from it, and (--compare) check it."""
     if blend or blend_delimiter is not None:
         given = [name for name, value in (("FILE", path), ("--suffix", suffix), ("--suffix-file", suffix_file),
@@ -71,7 +71,7 @@ def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: Ch
                                   store=store, chunk_size=chunk_size, recompute_ratio=recompute_ratio,
                                   check_layer=check_layer, continue_tokens=continue_tokens, compare=compare,
                                   min_top1=min_top1, max_kl=max_kl, device=device, model_dtype=weights_dtype,
-                                  allow_other_weights=allow_other_weights, on_stage=stage)
+                                  allow_other_weights=allow_other_weights, namespace=namespace, on_stage=stage)
         emit(result, json)
         return
     if recompute_ratio is not None or check_layer is not None:
@@ -83,7 +83,7 @@ def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: Ch
                         prompt=prompt, prompt_file=prompt_file, compare=compare, min_top1=min_top1, max_kl=max_kl,
                         device=device, model_dtype=weights_dtype, use_hidden_states=not no_hidden_states, chat=chat,
                         allow_other_weights=allow_other_weights, store=store, chunk_size=chunk_size,
-                        on_stage=stage)
+                        namespace=namespace, on_stage=stage)
     emit(result, json)
 
 

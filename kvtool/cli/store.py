@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .options import JsonOpt, ModelOpt, OutputPath, StoreOpt
+from .options import JsonOpt, ModelOpt, NamespaceOpt, OutputPath, StoreOpt
 from .output import emit, human_bytes, plural, renders
 
 app = typer.Typer(help="The chunk store: many sequences' chunks, by prefix; a folder or Redis.",
@@ -30,22 +30,22 @@ MaxBytesOpt = Annotated[str, typer.Option("--max-bytes", metavar="SIZE", help="K
 
 
 @app.command("put")
-def put_command(files: FilesArg, store: StoreOpt, json: JsonOpt = False) -> None:
+def put_command(files: FilesArg, store: StoreOpt, namespace: NamespaceOpt = None, json: JsonOpt = False) -> None:
     """Store the whole chunks of kvtool files (copied as encoded; chunks already stored are skipped)."""
     from ..ops import store as ops
 
-    emit(ops.put(files, store), json)
+    emit(ops.put(files, store, namespace=namespace), json)
 
 
 @app.command("get")
 def get_command(store: StoreOpt, output: OutputPath, prompt: PromptOpt = None, prompt_file: PromptFileOpt = None,
                 tokens: TokensOpt = None, model: ModelOpt = None, chunk_size: ChunkSizeOpt = None,
-                chat: ChatOpt = False, json: JsonOpt = False) -> None:
+                chat: ChatOpt = False, namespace: NamespaceOpt = None, json: JsonOpt = False) -> None:
     """Write the longest cached prefix of a prompt as a kvtool file (exit 1 when nothing is cached)."""
     from ..ops import store as ops
 
     emit(ops.get(store, output, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, model=model,
-                 chat=chat, chunk_size=chunk_size), json)
+                 chat=chat, chunk_size=chunk_size, namespace=namespace), json)
 
 
 @app.command("ls")

@@ -147,11 +147,12 @@ class _Part:
 
 
 def _from_store(chunk_store, model: LoadedModel, tokens: list[int], chunk_size: int | None,
-                allow_other_weights: bool) -> _Part:
+                allow_other_weights: bool, extra_keys) -> _Part:
     """The store's longest cached run of whole chunks of `tokens` from token 0, then the uncached tail."""
     from ..store.containers import prefix_container
 
-    n, _codecs, writer = prefix_container(chunk_store, model.identity, tokens, chunk_size, None)
+    n, _codecs, writer = prefix_container(chunk_store, model.identity, tokens, chunk_size, None,
+                                          extra_keys=extra_keys)
     if writer is None:
         return _Part([Segment(tokens)], SegmentReport("text", len(tokens), 0))
     with ContainerReader(BytesSource(writer.getvalue(), chunk_store.url)) as reader:
@@ -161,10 +162,14 @@ def _from_store(chunk_store, model: LoadedModel, tokens: list[int], chunk_size: 
 
 
 def retrieve(model: LoadedModel, pieces: list[str], files: list[str], store: str | None = None,
-             chunk_size: int | None = None, allow_other_weights: bool = False) -> list[_Part]:
+             chunk_size: int | None = None, allow_other_weights: bool = False,
+             namespace: str | None = None) -> list[_Part]:
     """Each piece tokenized alone and its KV found: the given file holding exactly its tokens, else
-    the store's whole chunks from its first token (the tail after them computed), else none
-    (uncached text). Every file must match a piece."""
+    the store's whole chunks from its first token (the tail after them computed; under
+    `namespace`), else none (uncached text). Every file must match a piece."""
+    from ..store.names import ExtraKeys
+
+    keys = ExtraKeys(namespace=namespace or "")
     readers = [ContainerReader(f) for f in files]
     try:
         file_tokens = [r.token_ids().tolist() for r in readers]
@@ -188,7 +193,7 @@ def retrieve(model: LoadedModel, pieces: list[str], files: list[str], store: str
                     parts.append(_Part([seg], SegmentReport(str(reader.path), len(tokens), len(tokens),
                                                             seg.stored_start, reader.segment is not None)))
                 elif chunk_store is not None:
-                    parts.append(_from_store(chunk_store, model, tokens, chunk_size, allow_other_weights))
+                    parts.append(_from_store(chunk_store, model, tokens, chunk_size, allow_other_weights, keys))
                 else:
                     parts.append(_Part([Segment(tokens)], SegmentReport("text", len(tokens), 0)))
         finally:
@@ -223,7 +228,7 @@ def blend_replay(files: list[str] | None = None, model: str | Path | LoadedModel
                  recompute_ratio: float | None = None, check_layer: int | None = None,
                  continue_tokens: int = 32, compare: bool = False, min_top1: float | None = None,
                  max_kl: float | None = None, device: str = "auto", model_dtype: str = "fp32",
-                 allow_other_weights: bool = False, block_size: int = 16,
+                 allow_other_weights: bool = False, block_size: int = 16, namespace: str | None = None,
                  on_stage: Callable[[str], None] | None = None) -> BlendReplayResult:
     """`kvtool replay --blend` as a function.
 
@@ -250,6 +255,8 @@ def blend_replay(files: list[str] | None = None, model: str | Path | LoadedModel
                          "give --blend-delimiter")
     if chunk_size is not None and store is None:
         raise UsageError("--chunk-size applies to --store")
+    if namespace is not None and store is None:
+        raise UsageError("--namespace names a partition of the store: give --store URL")
     compare = compare or min_top1 is not None or max_kl is not None
     text = check_text(read_text_file(prompt_file) if prompt_file is not None else prompt, "--prompt")
     if delimiter is not None:
@@ -274,7 +281,7 @@ def blend_replay(files: list[str] | None = None, model: str | Path | LoadedModel
     stage("reading the segments' KV")
     synchronize(loaded.device)
     t0 = time.perf_counter()
-    parts = retrieve(loaded, pieces, files, store, chunk_size, allow_other_weights) if delimiter is not None \
+    parts = retrieve(loaded, pieces, files, store, chunk_size, allow_other_weights, namespace) if delimiter is not None \
         else _file_parts(loaded, files, allow_other_weights)
     load_s = time.perf_counter() - t0
     if not parts:

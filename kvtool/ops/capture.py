@@ -25,6 +25,7 @@ from ..format import ContainerReader, ContainerWriter
 from ..format.reader import BytesSource
 from ..store import open_store
 from ..store.containers import ingest
+from ..store.names import ExtraKeys
 from ..format.layout import MAX_CHUNK_SIZE
 from ..format.segment import segment_extension
 from ..fsutil import read_text_file
@@ -110,7 +111,7 @@ def capture_prompt(output: str | Path | None, *, prompt: str | None = None, prom
                    bins: str | None = None, kv_dtype: str = "bf16", chunk_size: int = 256,
                    block_size: int = 16, hidden_states: bool = False, roi: str | None = None,
                    device: str = "auto", model_dtype: str = "fp32", chat: bool = False,
-                   store: str | None = None, segment: bool = False,
+                   store: str | None = None, segment: bool = False, namespace: str | None = None,
                    on_chunk: Callable[[int, int, int], None] | None = None) -> CaptureResult:
     """`kvtool capture` as a function: options as the command line gives them, every one
     checked before the model loads; `on_chunk(index, tokens_done, tokens_total)` reports progress.
@@ -118,6 +119,9 @@ def capture_prompt(output: str | Path | None, *, prompt: str | None = None, prom
     `segment` marks the file a position-independent segment (format-spec/segment.md)."""
     if output is None and store is None:
         raise UsageError("give -o OUT, --store URL, or both")
+    if namespace is not None and store is None:
+        raise UsageError("--namespace names a partition of the store: give --store URL")
+    ExtraKeys(namespace=namespace or "")  # a bad namespace fails before the model loads
     if segment and chat:
         raise UsageError("--segment is text to place inside other prompts: --chat would wrap it in a chat template")
     if segment and hidden_states:
@@ -139,7 +143,7 @@ def capture_prompt(output: str | Path | None, *, prompt: str | None = None, prom
     progress = None if on_chunk is None else (lambda index, end: on_chunk(index, end, len(ids)))
     return capture(loaded, ids, output, chunk_size=chunk_size, codec=codec, params=params, kv_dtype=kv,
                    block_size=block_size, hidden_states=hidden_states, roi=ranges, on_chunk=progress, store=store,
-                   segment=segment,
+                   segment=segment, namespace=namespace,
                    metadata={"prompt_format": "chat template, user message" if chat else "plain text"}
                    if tokens_file is None else None)
 
@@ -150,7 +154,7 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path | None,
             hidden_states: bool = False, roi: list[tuple[int, int]] | None = None,
             on_chunk: Callable[[int, int], None] | None = None,
             metadata: dict[str, str] | None = None, store: str | None = None,
-            segment: bool = False) -> CaptureResult:
+            segment: bool = False, namespace: str | None = None) -> CaptureResult:
     """Prefill `token_ids` chunk by chunk and write each chunk's KV as soon as it exists.
 
     The paged buffers live where the model does (`model.device`). On a GPU the
@@ -164,7 +168,8 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path | None,
     `roi` marks token ranges [start, end) in a `roi_mask`.
 
     `store` (a URL, format-spec/store.md) also puts the whole chunks into the chunk store, as
-    encoded; with `output` None the container is built in memory for that alone.
+    encoded, under `namespace` when given; with `output` None the container is built in memory
+    for that alone.
 
     `segment` writes the manifest key `segment` (format-spec/segment.md): the tokens were computed
     alone from position 0 (stored_start 0), so the KV may be placed elsewhere in a new prompt
@@ -225,7 +230,7 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path | None,
     if store is not None:
         with open_store(store) as chunk_store, \
                 ContainerReader(output if output is not None else BytesSource(writer.getvalue())) as reader:
-            put = ingest(reader, chunk_store)
+            put = ingest(reader, chunk_store, ExtraKeys(namespace=namespace or ""))
             stored_in = {"store": chunk_store.url, "chunks": put.chunks, "stored": put.stored, "present": put.present}
     file_bytes = Path(output).stat().st_size if output is not None else len(writer.getvalue())
     decoded = sum(c.decoded_bytes for c in writer.chunks)

@@ -39,6 +39,7 @@ from ..format.hashing import prefix_hashes
 from ..fsutil import read_text_file
 from ..load import file_tasks, load_chunks, load_chunks_staged
 from ..notices import notice
+from ..store.names import NO_EXTRA_KEYS, ExtraKeys
 from .compare import compare_logits
 from .engine_io import new_cache, paged_connector
 from .inputs import check_text, check_vocabulary, fraction, model_dtype_name, non_negative
@@ -210,7 +211,7 @@ def replay(path: str | Path | None, model: str | Path | LoadedModel | None = Non
            prompt_file: Path | None = None, compare: bool = False, min_top1: float | None = None,
            max_kl: float | None = None, device: str = "auto", model_dtype: str = "fp32",
            use_hidden_states: bool = True, chat: bool = False, allow_other_weights: bool = False,
-           store: str | None = None, chunk_size: int | None = None,
+           store: str | None = None, chunk_size: int | None = None, namespace: str | None = None,
            on_stage: Callable[[str], None] | None = None) -> ReplayResult:
     """Load a KV file into a fresh paged buffer and continue from it (`kvtool replay`).
 
@@ -221,10 +222,13 @@ def replay(path: str | Path | None, model: str | Path | LoadedModel | None = Non
 
     With `store` (a URL) instead of `path`, the longest cached prefix of the prompt comes from
     the chunk store (format-spec/store.md) at `chunk_size` (None: the stored size that covers
-    the most), and the rest is computed."""
+    the most), and the rest is computed; `namespace`: only chunks stored under it."""
     stage = on_stage or (lambda _text: None)
     if (path is None) == (store is None):
         raise UsageError("give a KV file or --store URL, not both" if path is not None else "give a KV file or --store URL")
+    if namespace is not None and store is None:
+        raise UsageError("--namespace names a partition of the store: give --store URL")
+    keys = ExtraKeys(namespace=namespace or "")
     if sum(x is not None for x in (suffix, suffix_file, prompt, prompt_file)) > 1:
         raise UsageError("give at most one of --suffix, --suffix-file, --prompt, --prompt-file")
     if chat and prompt is None and prompt_file is None:
@@ -239,7 +243,7 @@ def replay(path: str | Path | None, model: str | Path | LoadedModel | None = Non
     if store is not None:
         result = replay_from_store(store, model, weights=weights, where=where, prompt=prompt, prompt_file=prompt_file,
                                    chat=chat, chunk_size=chunk_size, continue_tokens=continue_tokens, compare=compare,
-                                   on_stage=stage, allow_other_weights=allow_other_weights)
+                                   on_stage=stage, allow_other_weights=allow_other_weights, extra_keys=keys)
         return _check_thresholds(result, min_top1, max_kl)
     with ContainerReader(path) as reader:
         stage("loading the model")
@@ -274,7 +278,8 @@ def _check_thresholds(result: ReplayResult, min_top1: float | None, max_kl: floa
 
 def replay_from_store(store: str, model, *, weights, where, prompt: str | None, prompt_file: Path | None,
                       chat: bool, chunk_size: int | None, continue_tokens: int, compare: bool,
-                      on_stage: Callable[[str], None], allow_other_weights: bool) -> ReplayResult:
+                      on_stage: Callable[[str], None], allow_other_weights: bool,
+                      extra_keys: ExtraKeys = NO_EXTRA_KEYS) -> ReplayResult:
     """`replay --store URL --prompt-file F`: the prompt's longest cached prefix from the store
     (checked object by object), gathered as an in-memory container, then `replay_plan`."""
     from ..store import open_store
@@ -293,7 +298,8 @@ def replay_from_store(store: str, model, *, weights, where, prompt: str | None, 
         check_vocabulary(tokens, loaded.config.vocab_size)
         on_stage("reading the cached prefix from the store")
         t0 = time.perf_counter()
-        cached, _codecs, writer = prefix_container(chunk_store, loaded.identity, tokens, chunk_size, None)
+        cached, _codecs, writer = prefix_container(chunk_store, loaded.identity, tokens, chunk_size, None,
+                                                   extra_keys=extra_keys)
         fetch_s = time.perf_counter() - t0  # part of the time to first token: added below
         if writer is None:
             plan = ReusePlan(tokens=tokens, reused=0, chunks=0)

@@ -16,6 +16,7 @@ from ..errors import NotCached, StoreDamaged, UsageError
 from ..format import ContainerReader
 from ..store import ChunkStore, open_store, upkeep
 from ..store.containers import ingest, prefix_container  # noqa: F401  (public here too)
+from ..store.names import ExtraKeys
 from .result import Result
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*\Z", re.IGNORECASE)
@@ -65,15 +66,16 @@ class StorePutResult(Result):
         return {**super().to_dict(json_safe), "totals": self.totals}
 
 
-def put(files: list[str | Path], store: str) -> StorePutResult:
-    """`kvtool store put FILE... --store URL`."""
+def put(files: list[str | Path], store: str, *, namespace: str | None = None) -> StorePutResult:
+    """`kvtool store put FILE... --store URL [--namespace NAME]`."""
     if not files:
         raise UsageError("give at least one .kvc file")
+    keys = ExtraKeys(namespace=namespace or "")
     rows = []
     with connect(store) as s:
         for path in files:
             with ContainerReader(path) as reader:
-                r = ingest(reader, s)
+                r = ingest(reader, s, keys)
                 rows.append(IngestedFile(file=str(path), model=str(reader.model.get("name")),
                                          chunk_size=reader.manifest.chunk_size, chunks=r.chunks, stored=r.stored,
                                          present=r.present, stored_bytes=r.stored_bytes))
@@ -98,22 +100,25 @@ class StoreGetResult(Result):
 
 def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_file: Path | None = None,
         tokens_file: Path | None = None, model: str | Path | None = None, chat: bool = False,
-        chunk_size: int | None = None) -> StoreGetResult:
+        chunk_size: int | None = None, namespace: str | None = None) -> StoreGetResult:
     """`kvtool store get --prompt-file F --store URL -o OUT`: the longest cached prefix of the
-    prompt, as a container (at `chunk_size`, or the stored chunk size that covers the most)."""
+    prompt, as a container (at `chunk_size`, or the stored chunk size that covers the most), of
+    the chunks stored under `namespace` (none: those stored without one)."""
     from ..engine import load_model
     from .capture import read_tokens
 
+    keys = ExtraKeys(namespace=namespace or "")
     with connect(store, create=False) as s:
         loaded = load_model(model)
         ids = read_tokens(loaded, prompt, prompt_file, tokens_file, chat)
         refused: list[str] = []
-        n, codecs_used, _writer = prefix_container(s, loaded.identity, ids, chunk_size, output, refused)
+        n, codecs_used, _writer = prefix_container(s, loaded.identity, ids, chunk_size, output, refused, keys)
         if n == 0:
             why = f" ({refused[0]})" if refused else ""
             sizes = [chunk_size] if chunk_size is not None else s.chunk_sizes(loaded.identity)
             at = f"at chunk size {', '.join(map(str, sizes))}" if sizes else "at any chunk size"
-            raise NotCached(f"{s.url}: no whole chunk of this prompt's {len(ids)} tokens is stored "
+            where = f" in namespace {namespace!r}" if namespace else ""
+            raise NotCached(f"{s.url}: no whole chunk of this prompt's {len(ids)} tokens is stored{where} "
                             f"for {loaded.name} {at}{why}")
         return StoreGetResult(store=s.url, output=str(output), model=loaded.name, prompt_tokens=len(ids),
                               cached_tokens=n, chunks=len(codecs_used), codecs=sorted(set(codecs_used)),

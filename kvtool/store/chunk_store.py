@@ -188,6 +188,10 @@ class ModelCache:
     def name(self, prefix_hash: str) -> str:
         return objects.chunk_name(self.key, self.chunk_size, prefix_hash)
 
+    def chunk_names(self, token_ids, limit: int | None = None) -> list[str]:
+        """The store names of the whole chunks of `token_ids` (up to `limit` tokens), in order."""
+        return [self.name(link.prefix_hash) for link in self._chain(token_ids, limit)]
+
     # --- reads -----------------------------------------------------------------------
 
     def lookup(self, token_ids) -> int:

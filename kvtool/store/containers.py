@@ -11,10 +11,12 @@ from ..errors import ModelMismatch, NotAPrefixCache
 from ..format import ContainerReader, ContainerWriter
 from ..identity import model_fingerprint
 from .chunk_store import ChunkStore, PutResult
+from .names import NO_EXTRA_KEYS, ExtraKeys
 
 
-def ingest(reader: ContainerReader, store: ChunkStore) -> PutResult:
-    """Store a container's whole chunks, each payload checked (CRC-32C) and copied as it is. A
+def ingest(reader: ContainerReader, store: ChunkStore, extra_keys: ExtraKeys = NO_EXTRA_KEYS) -> PutResult:
+    """Store a container's whole chunks (under `extra_keys`: a namespace), each payload checked
+    (CRC-32C) and copied as it is. A
     segment stored at positions other than 0 (format-spec/segment.md) is refused: its chunks are
     not the prefix their hashes name."""
     m = reader.manifest
@@ -25,19 +27,20 @@ def ingest(reader: ContainerReader, store: ChunkStore) -> PutResult:
     if model_fingerprint(m.model) != m.model["fingerprint"]:
         raise ModelMismatch(f"{reader.path}: its model fingerprint does not match the model it describes "
                             f"(forged or damaged): not stored")
-    cache = store.for_model(m.model, m.chunk_size)
+    cache = store.for_model(m.model, m.chunk_size, extra_keys)
     whole = [c for c in m.chunks if c.num_tokens == m.chunk_size]
     payloads = [(reader.chunk_payload(c.index), c.codec, c.codec_params) for c in whole]
     return cache.put_encoded(reader.token_ids(), payloads, m.kv_dtype)
 
 
 def prefix_container(store: ChunkStore, identity, token_ids: list[int], chunk_size: int | None,
-                     output: str | Path | None, refused: list[str] | None = None) -> tuple[int, list[str], Any]:
+                     output: str | Path | None, refused: list[str] | None = None,
+                     extra_keys: ExtraKeys = NO_EXTRA_KEYS) -> tuple[int, list[str], Any]:
     """Write the longest cached prefix of `token_ids` as a container (in memory when `output`
     is None): (cached tokens, codecs, the writer). `chunk_size` None: the stored chunk size that
     covers the most of the tokens. Payloads are copied as stored; chunks of
     another KV dtype than the first are decoded and written raw in the first's dtype."""
-    cache = store.best_cache(identity, token_ids, chunk_size)
+    cache = store.best_cache(identity, token_ids, chunk_size, extra_keys)
     chunk_size = cache.chunk_size
     found = list(cache.checked_objects(token_ids, refused=refused))
     if not found:

@@ -65,7 +65,8 @@ class ExtraKeys:
     names chunks exactly as a container's `prefix_hash` does (container.md §4)."""
 
     namespace: str = ""  # the user's own partition of a shared store (`--namespace`)
-    cache_salt: str = ""  # vLLM's per-request cache_salt (a tenant's secret: recorded as its digest)
+    #: vLLM's per-request cache_salt (a tenant's secret: recorded as its digest, never shown)
+    cache_salt: str = field(default="", repr=False)
     adapter: str = ""  # a LoRA adapter's name
     adapter_digest: str = ""  # "sha256:<hex>" of the adapter's weights, where they are at hand
     multimodal: tuple[MultimodalKey, ...] = ()
@@ -176,6 +177,8 @@ def chunk_chain(tokens: np.ndarray, chunk_size: int, extra_keys: ExtraKeys = NO_
     chain: list[ChunkLink] = []
     parent, step = ZERO_HASH, 4 * chunk_size
     plain = extra_keys.empty
+    if extra_keys.prompt_embeds is not None and len(extra_keys.prompt_embeds) < n:
+        raise UsageError(f"prompt embeddings have {len(extra_keys.prompt_embeds)} rows for {n} tokens: one a token")
     for start in range(0, n - chunk_size + 1, chunk_size):
         extra = {} if plain else extra_keys.for_chunk(start, start + chunk_size)
         h = chain_hash(parent, raw[4 * start:4 * start + step], extra_bytes(extra))
