@@ -180,11 +180,11 @@ def fresh_manifests(fn):
 def whole_objects(fn, backend):
     """`fn` with the store's objects read whole into a buffer (as before they were opened)."""
     def run():
-        backend.has_files = False  # (an instance attribute over the class's True)
+        backend.open = backend.get  # (an instance attribute over the class's method)
         try:
             fn()
         finally:
-            del backend.has_files
+            del backend.open
     return run
 
 

@@ -250,11 +250,11 @@ def test_a_store_object_that_cannot_be_read_is_an_error_not_damage(tmp_path):
     hit = cache.load_prefix(tokens, scatter)  # not a file: a miss there (the existence check)
     assert hit.num_tokens == 8 and not hit.refused
     with pytest.raises(StoreError, match="not a regular file"):  # (made a folder after that check)
-        cache.backend.open_file(second)
+        cache.backend.open(second)
     assert cache.store.counters.refused == 0 and path.is_dir()
     path.rmdir()
     shutil.move(tmp_path / "kept.kvc", path)
-    source = cache.backend.open_file(second)
+    source = cache.backend.open(second)
     folder = os.open(tmp_path, os.O_RDONLY)
     os.dup2(folder, source.fd)  # its descriptor now holds a folder: every read fails (EISDIR)
     os.close(folder)
@@ -385,3 +385,33 @@ def test_the_staged_path_on_a_gpu_gives_the_cpu_result(tmp_path, codec):
     out = connector.allocate(45, torch.float32)
     connector.from_gpu(out, 0, 45, kvcaches=caches, slot_mapping=slots)
     assert torch.equal(out.tensor.cpu(), want)
+
+
+def test_a_memory_tier_in_front_of_a_folder_keeps_the_file_path(tmp_path, monkeypatch):
+    """`Backend.open` is part of every backend's contract, tiers included: a store opened with a
+    memory tier in front of a folder still loads raw objects by reading their payloads from the
+    files as it scatters them (before, TieredBackend did not forward the file methods and every
+    load read each object whole first); an object the memory tier holds comes from memory."""
+    from kvtool.checksum import FilePayloadCheck
+    from kvtool.store import objects, open_store
+
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    tokens = list(range(500, 532))
+    kv = make_kv(identity, 32, torch.float32)
+    store = open_store(tmp_path / "store")
+    store.for_model(identity, chunk_size=8).put_sequence(tokens, kv)
+    tiered = open_store(tmp_path / "store", memory_bytes=1 << 20)
+    cache = tiered.for_model(identity, chunk_size=8)
+    tiered.backend.tiers[0].put(cache.chunk_names(tokens)[0], bytes(store.backend.get(cache.chunk_names(tokens)[0])))
+    made, real = [], objects.ChunkObject._file_view
+
+    def spy(self, source, buffer):
+        viewed = real(self, source, buffer)
+        made.append(viewed[1])
+        return viewed
+
+    monkeypatch.setattr(objects.ChunkObject, "_file_view", spy)
+    scatter, read = paged_target(32, checking=True)
+    hit = cache.load_prefix(tokens, scatter)
+    assert hit.num_tokens == 32 and torch.equal(read(0, 32), kv)
+    assert len(made) == 3 and all(isinstance(check, FilePayloadCheck) for check in made)  # chunk 0 from memory

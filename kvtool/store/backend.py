@@ -7,7 +7,7 @@ store above decides. Every backend runs the same contract suite (tests/test_stor
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,23 +35,14 @@ class Backend(ABC):
         that reads into a fresh buffer returns it as a writable memoryview the caller owns (a
         raw chunk then decodes without a copy); `bytes(...)` of it when bytes are needed."""
 
-    def get_into(self, name: str, buffer: Callable[[int], memoryview]) -> bytes | memoryview | None:
-        """`get`, but a backend that reads the object itself reads it into `buffer(size)` (a
-        writable memoryview of at least `size` bytes, e.g. a load worker's reused buffer: no page
-        faults on a fresh one) and returns that view's first `size` bytes. The caller must be done
-        with the result before it hands the buffer out again. Others return what `get` does."""
+    def open(self, name: str) -> "bytes | memoryview | PreadFile | None":
+        """The object for a load, or None when it is not stored; counts as a use (LRU). Its bytes
+        (what `get` returns), or, from a backend with files, the object as an open file whose
+        header, trailer and manifest are read with pread (the reader owns it) and whose raw
+        payload the native scatter reads as it copies it (mapped behind a fault guard, or a
+        window at a time), instead of reading it whole first. Every backend, tiers included,
+        answers it: the fast path is never lost behind a memory tier."""
         return self.get(name)
-
-    #: Whether `open_file` can open objects as files, read in place (a local folder's).
-    has_files = False
-
-    def open_file(self, name: str) -> "PreadFile | None":
-        """The object as an open file (a ByteSource whose header, trailer and manifest are read
-        with pread), or None when it is not stored. Counts as a use (LRU). A load then lets the
-        native scatter read a raw chunk's payload from the file as it copies it (mapped behind a
-        fault guard, or a window at a time), instead of reading it whole first. Only where
-        `has_files`."""
-        raise NotImplementedError(f"{type(self).__name__} has no files")
 
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         """`get` of each name; backends with a network batch them into one round trip."""

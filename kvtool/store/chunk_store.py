@@ -330,10 +330,7 @@ class ModelCache:
             # fetches another, so the object may be read into this thread's reused buffer; from
             # a backend with files it is opened, and a raw payload is read as it is scattered
             # (a window at a time, or mapped behind a fault guard: the bytes cross memory once)
-            if unchecked and self.backend.has_files:
-                data = self.backend.open_file(name)
-            else:
-                data = self.backend.get_into(name, read_buffer) if unchecked else self.backend.get(name)
+            data = self.backend.open(name) if unchecked else self.backend.get(name)
             if data is None:
                 raise _Gone(name)
             size = data.size if isinstance(data, PreadFile) else len(data)

@@ -88,15 +88,11 @@ class LocalBackend(Backend):
 
     def get(self, name: str) -> memoryview | None:
         """The object's bytes in a writable buffer no one else holds (a memoryview)."""
-        return self.get_into(name, _fresh_buffer)
-
-    def get_into(self, name: str, buffer) -> memoryview | None:
-        """The object's bytes read into `buffer(size)` (see Backend.get_into)."""
-        source = self.open_file(name)
-        return None if source is None else self._read_whole(source, buffer)
+        source = self.open(name)
+        return None if source is None else self._read_whole(source, _fresh_buffer)
 
     def _read_whole(self, source: PreadFile, buffer) -> memoryview:
-        """An object opened with open_file, read whole into `buffer(size)` and closed."""
+        """An object opened with `open`, read whole into `buffer(size)` and closed."""
         try:
             data = buffer(source.size)[:source.size]
             done = read_at(source.fd, data, 0)  # objects never shrink; one that did is refused by the checks
@@ -106,9 +102,7 @@ class LocalBackend(Backend):
             source.close()
         return data[:done]
 
-    has_files = True
-
-    def open_file(self, name: str) -> PreadFile | None:
+    def open(self, name: str) -> PreadFile | None:
         """The object opened (a regular file of at most MAX_OBJECT_BYTES), its use recorded on
         the LRU clock; None when it is not stored."""
         path = self._path(name)

@@ -46,6 +46,15 @@ class TieredBackend(Backend):
             missing = still
         return found
 
+    def open(self, name: str):
+        """An upper tier's copy when it has one; else the durable tier's `open` (a folder's object
+        as a file, read in place by the load: not copied up, the page cache keeps it warm)."""
+        for tier in self.tiers[:-1]:
+            data = tier.get(name)
+            if data is not None:
+                return data
+        return self.durable.open(name)
+
     def put(self, name: str, data: bytes, *, replace: bool = False) -> bool:
         created = self.durable.put(name, data, replace=replace)
         if created:  # else the durable tier holds another writer's object: never cache ours over it
