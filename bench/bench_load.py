@@ -66,7 +66,7 @@ import numpy  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from kvtool.connectors import MemoryObj, PagedMemConnectorV2, paged_native  # noqa: E402
+from kvtool.connectors import ConnectorTarget, MemoryObj, PagedMemConnectorV2, paged_native  # noqa: E402
 from kvtool.format import ContainerReader, ContainerWriter  # noqa: E402
 from kvtool.identity import ModelIdentity  # noqa: E402
 from kvtool.load import file_tasks, load_chunks  # noqa: E402
@@ -99,15 +99,14 @@ class Paged:
         self.slots = order[t // BLOCK] * BLOCK + t % BLOCK  # on the host: the connector checks them there
         self.connector = PagedMemConnectorV2(heads * head_dim, layers, layout="flash_attn", num_kv_heads=heads,
                                              head_dim=head_dim, use_gpu=device != "cpu")
+        # the load's destination: raw chunks copied from their stored bytes, CRC-checked as copied
+        self.target = ConnectorTarget(self.connector, kvcaches=self.caches, slot_mapping=self.slots)
+        # one that takes decoded KV only: raw chunks copied privately and CRC-checked first
+        self.checked_first = ConnectorTarget(self.connector, kvcaches=self.caches, slot_mapping=self.slots)
+        self.checked_first.scatter_source = lambda source, start, end: self.scatter(source.decode(), start, end)
 
-    def scatter(self, kv: torch.Tensor, start: int, end: int, check=None) -> None:
-        """Takes stored bytes unchecked (`check`): raw chunks are CRC-checked as they are copied."""
-        self.connector.to_gpu(MemoryObj.from_tensor(kv, check=check), start, end, kvcaches=self.caches,
-                              slot_mapping=self.slots)
-
-    def scatter_checked_first(self, kv: torch.Tensor, start: int, end: int) -> None:
-        """Gets checked tensors only: raw chunks are pread into a staging buffer and CRC-checked first."""
-        self.scatter(kv, start, end)
+    def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
+        self.connector.to_gpu(MemoryObj.from_tensor(kv), start, end, kvcaches=self.caches, slot_mapping=self.slots)
 
     def gather(self, tokens: int) -> torch.Tensor:
         out = self.connector.allocate(tokens, torch.bfloat16)
@@ -135,7 +134,7 @@ def before(reader: ContainerReader, paged: Paged, tokens: int) -> None:
 
 def pipeline(path: Path, paged: Paged, tokens: int, fused: bool = True) -> None:
     with ContainerReader(path) as reader:
-        outcome = load_chunks(file_tasks(reader, tokens), paged.scatter if fused else paged.scatter_checked_first)
+        outcome = load_chunks(file_tasks(reader, tokens), paged.target if fused else paged.checked_first)
     assert outcome.error is None and outcome.loaded_tokens == tokens, outcome
 
 
@@ -229,17 +228,17 @@ def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int,
         fns[f"{codec}: before"] = lambda r=reader: before(r, paged, tokens)
         fns[f"{codec}: pipeline"] = lambda p=path: pipeline(p, paged, tokens)
     fns["raw: pipeline, pread + CRC + scatter"] = lambda: pipeline(files["raw"], paged, tokens, fused=False)
-    fns["raw: store load_prefix"] = lambda: store_cache.load_prefix(token_ids, paged.scatter)
+    fns["raw: store load_prefix"] = lambda: store_cache.load_prefix(token_ids, paged.target)
     fns["raw: store load_prefix, manifests parsed afresh"] = fresh_manifests(
-        lambda: store_cache.load_prefix(token_ids, paged.scatter))
+        lambda: store_cache.load_prefix(token_ids, paged.target))
     fns["raw: store load_prefix, objects read whole"] = whole_objects(
-        lambda: store_cache.load_prefix(token_ids, paged.scatter), store_cache.backend)
+        lambda: store_cache.load_prefix(token_ids, paged.target), store_cache.backend)
     native = paged_native.native_module()
     if native is not None:
         fns["raw: store load_prefix, every payload mapped"] = map_from(
-            0, lambda: store_cache.load_prefix(token_ids, paged.scatter))
+            0, lambda: store_cache.load_prefix(token_ids, paged.target))
         fns["raw: store load_prefix, every payload in windows"] = map_from(
-            1 << 62, lambda: store_cache.load_prefix(token_ids, paged.scatter))
+            1 << 62, lambda: store_cache.load_prefix(token_ids, paged.target))
     if native is not None and native.crc32c_level() > 2:
         fns["raw: pipeline, 128-bit CRC fold"] = crc_level(2, lambda: pipeline(files["raw"], paged, tokens))
     if torch.cuda.is_available():
@@ -261,13 +260,11 @@ def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int,
 def gpu_candidates(kv, files, tmp, store_cache, token_ids, layers, heads, head_dim, tokens) -> dict:
     """The same loads into paged buffers on the GPU, each timed to the end of its device work;
     "vs copy" there divides by a pinned host-to-device copy of the same bytes."""
-    from kvtool.connectors.paged_native import native_copy_checked
-    from kvtool.load import load_chunks_staged
+    from kvtool.load import load, load_chunks_staged
 
     device = torch.device("cuda")
     paged = Paged(layers, heads, head_dim, tokens, device="cuda")
     pinned, on_device = kv.pin_memory(), torch.empty_like(kv, device=device)
-    copy_checked = native_copy_checked()
 
     def synced(fn):
         def run():
@@ -277,27 +274,21 @@ def gpu_candidates(kv, files, tmp, store_cache, token_ids, layers, heads, head_d
 
     def staged(path):
         with ContainerReader(path) as reader:
-            outcome = load_chunks_staged(file_tasks(reader, tokens), paged.scatter, device, copy_checked=copy_checked)
+            outcome = load_chunks_staged(file_tasks(reader, tokens), paged.target, device)
         assert outcome.error is None and outcome.loaded_tokens == tokens, outcome
 
-    def batched(path):  # replay's GPU path before the staged loader, and CacheGen's now
+    def batched(path):  # replay's GPU path before the staged loader, and CacheGen's now (kvtool.load.load)
         with ContainerReader(path) as reader:
-            indices = [c.index for c in reader.chunks]
-            for g in range(0, len(indices), 32):
-                batch = indices[g:g + 32]
-                for index, decoded in zip(batch, reader.read_chunks(batch, device=device)):
-                    chunk = reader.chunks[index]
-                    paged.scatter(decoded, chunk.start, chunk.end)
+            outcome = load(file_tasks(reader, tokens), paged.target)
+        assert outcome.error is None and outcome.loaded_tokens == tokens, outcome
 
     fns = {"gpu limit: pinned host-to-device copy": synced(lambda: on_device.copy_(pinned, non_blocking=True)),
            "gpu safetensors load_file + .to(cuda) + scatter": synced(
                lambda: paged.scatter(load_file(str(tmp / "kv.safetensors"))["kv"].to(device), 0, tokens)),
-           "gpu raw: before (read_chunks to the GPU)": synced(lambda: batched(files["raw"])),
            "gpu raw: staged (pinned buffers, side stream)": synced(lambda: staged(files["raw"])),
            "gpu zstd: staged": synced(lambda: staged(files["zstd"])),
            "gpu cachegen: batched GPU decode": synced(lambda: batched(files["cachegen"])),
-           "gpu raw: store load_prefix (staged)": synced(lambda: store_cache.load_prefix(
-               token_ids, paged.scatter, device=device, copy_checked=copy_checked))}
+           "gpu raw: store load_prefix (staged)": synced(lambda: store_cache.load_prefix(token_ids, paged.target))}
     staged(files["raw"])
     torch.cuda.synchronize()
     assert torch.equal(paged.gather(tokens).cpu(), kv), "the staged GPU load gave different KV"
@@ -310,7 +301,7 @@ def vllm_cpu_layout(rounds: int) -> list[dict]:
     CRC-checked as it is copied from its stored bytes) and out of it as a save does (`read` into a
     recycled buffer, `SaveBuffers`), the native copy vs the torch reference, next to a plain copy of
     the same bytes."""
-    from kvtool.checksum import PayloadCheck, crc32
+    from kvtool.chunk_source import ChunkSource
     from kvtool.integrations.engine_blocks import EngineBlocks, SaveBuffers
 
     layers, heads, head_dim, block, tokens = 30, 3, 64, 128, 1024
@@ -318,14 +309,15 @@ def vllm_cpu_layout(rounds: int) -> list[dict]:
     blocks = EngineBlocks([torch.zeros(182, heads, block, 2 * head_dim) for _ in range(layers)], block)
     block_ids = [5, 77, 12, 140, 33, 9, 100, 150]
     stored = [torch.randn(2, layers, CHUNK, heads * head_dim) for _ in range(tokens // CHUNK)]  # "stored" chunks
-    checks = [PayloadCheck(memoryview(kv.view(torch.uint8).numpy()).cast("B"), crc32(kv.view(torch.uint8).numpy()),
-                           f"chunk {c}") for c, kv in enumerate(stored)]
-    scatter = blocks.scatter_into(block_ids, tokens)
+    sources = [ChunkSource.from_tensor(kv, f"chunk {c}") for c, kv in enumerate(stored)]
+    for source in sources:
+        source.checked = False  # stored bytes: CRC-checked as they are copied
+    target = blocks.scatter_into(block_ids, tokens)
     src, dst = torch.randn(2, layers, tokens, heads * head_dim), torch.empty(2, layers, tokens, heads * head_dim)
 
     def load():
-        for c, (kv, check) in enumerate(zip(stored, checks)):
-            scatter(kv, c * CHUNK, (c + 1) * CHUNK, check=check)
+        for c, source in enumerate(sources):
+            target.scatter_source(source, c * CHUNK, (c + 1) * CHUNK)
 
     buffers = SaveBuffers()
 

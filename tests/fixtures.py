@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import copy
 import hashlib
 import json
@@ -310,3 +311,21 @@ def time_limit(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def raw_source(shape, dtype, *, data=None, fd: int = -1, offset: int = 0, crc: int, what: str = "chunk",
+               mapped: bool = False):
+    """A raw stored chunk (`kvtool.chunk_source.ChunkSource`) of KV `shape`/`dtype`, not checked yet:
+    its bytes in memory or a mapping (`data`), or in the open file `fd` at `offset` (owned: released
+    closes it)."""
+    from kvtool.chunk_source import ChunkSource
+    from kvtool.dtypes import dtype_name
+
+    length = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+
+    def decode(payload, device):
+        return torch.frombuffer(bytearray(payload), dtype=dtype).view(shape).to(device or "cpu")
+
+    return ChunkSource(what=what, codec="raw", dtype=dtype_name(dtype), shape=tuple(shape), length=length,
+                       crc32c=crc, raw=True, decode=decode, data=None if data is None else memoryview(data).cast("B"),
+                       fd=fd, offset=offset, mapped=mapped)

@@ -356,9 +356,10 @@ def test_nested_tuple_round_trip(form, dtype, blob):
 
 @pytest.mark.parametrize("form", ["THD", "HF"])
 def test_nested_tuple_checks_stored_bytes_as_it_loads_them(form):
-    """A memory object over unchecked stored bytes (a PayloadCheck): loaded when they match,
-    refused (ChecksumMismatch) when one byte differs."""
-    from kvtool.checksum import PayloadCheck, crc32
+    """A stored chunk not checked yet (a ChunkSource): loaded when its bytes match, refused
+    (ChecksumMismatch) when one byte differs."""
+    from fixtures import raw_source
+    from kvtool.checksum import crc32
     from kvtool.errors import ChecksumMismatch
 
     gen = torch.Generator().manual_seed(13)
@@ -367,16 +368,15 @@ def test_nested_tuple_checks_stored_bytes_as_it_loads_them(form):
     conn = NestedTupleConnector(H * D, L)
     values = torch.randn(conn.get_shape(T), generator=gen)
     payload = bytearray(values.numpy().tobytes())
-    stored = torch.frombuffer(payload, dtype=torch.float32).view(values.shape)
-    check = PayloadCheck(memoryview(payload), crc32(payload), "chunk 0")
+    check = raw_source(tuple(values.shape), torch.float32, data=payload, crc=crc32(payload), what="chunk 0")
     dst = tuple((torch.zeros(shape), torch.zeros(shape)) for _ in range(L))
-    conn.to_gpu(MemoryObj.from_tensor(stored, check=check), 0, T, kvcaches=dst)
+    conn.to_gpu_source(check, 0, T, kvcaches=dst)
     back = conn.allocate(T, torch.float32)
     conn.from_gpu(back, 0, T, kvcaches=dst)
     assert torch.equal(back.tensor, values)
     payload[len(payload) // 2] ^= 1
     with pytest.raises(ChecksumMismatch, match="chunk 0"):
-        conn.to_gpu(MemoryObj.from_tensor(stored, check=check), 0, T, kvcaches=dst)
+        conn.to_gpu_source(check, 0, T, kvcaches=dst)
 
 
 def test_nested_tuple_errors():

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fixtures import make_identity, make_kv, write_kv_file
-from kvtool.connectors import MemoryObj, PagedMemConnectorV2
+from kvtool.chunk_source import ChunkSource
+from kvtool.connectors import ConnectorTarget, MemoryObj, PagedMemConnectorV2
 from kvtool.errors import ChecksumMismatch, DecodeError
 from kvtool.format import ContainerReader
 from kvtool.load import ChunkTask, file_tasks, load_chunks
@@ -15,28 +16,25 @@ from kvtool.load import ChunkTask, file_tasks, load_chunks
 L, H, D, BS = 2, 2, 8, 4
 
 
-def paged_target(num_tokens: int, seed: int = 0, checking: bool = False):
-    """Zeroed flash_attn buffers, a shuffled slot mapping and a scatter into them (`checking`: one
-    that takes stored bytes unchecked and checks them as it copies)."""
+def paged_target(num_tokens: int, seed: int = 0, checking: bool = True):
+    """Zeroed flash_attn buffers, a shuffled slot mapping and a destination over them (`checking`:
+    raw chunks copied straight from their stored bytes, checked as copied; else decoded first)."""
     num_blocks = num_tokens // BS + 2
     caches = [torch.zeros(2, num_blocks, BS, H, D) for _ in range(L)]
     blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
     t = torch.arange(num_tokens)
     slots = blocks[t // BS] * BS + t % BS
     connector = PagedMemConnectorV2(H * D, L, layout="flash_attn", num_kv_heads=H, head_dim=D)
-
-    def scatter(kv, start, end):
-        connector.to_gpu(MemoryObj.from_tensor(kv), start, end, kvcaches=caches, slot_mapping=slots)
-
-    def checking_scatter(kv, start, end, check=None):
-        connector.to_gpu(MemoryObj.from_tensor(kv, check=check), start, end, kvcaches=caches, slot_mapping=slots)
+    target = ConnectorTarget(connector, kvcaches=caches, slot_mapping=slots)
+    if not checking:  # a destination that takes decoded KV only: raw chunks copied and checked first
+        target.scatter_source = lambda source, start, end: target.scatter(source.decode(), start, end)
 
     def read(start, end):
         out = connector.allocate(end - start, torch.float32)
         connector.from_gpu(out, start, end, kvcaches=caches, slot_mapping=slots)
         return out.tensor
 
-    return (checking_scatter if checking else scatter), read
+    return target, read
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -45,7 +43,7 @@ def test_the_first_failure_ends_the_load_and_earlier_chunks_stay(threads):
     scatter, read = paged_target(40)
 
     def ok(i):
-        return lambda: kv[:, :, 8 * i:8 * i + 8]
+        return lambda: ChunkSource.from_tensor(kv[:, :, 8 * i:8 * i + 8])
 
     def bad():
         raise DecodeError("chunk 2: broken on purpose")
@@ -63,13 +61,13 @@ def test_a_bug_is_raised_never_reported_as_bad_input():
 
     for threads in (1, 2):
         with pytest.raises(RuntimeError):
-            load_chunks([ChunkTask(0, 4, bug)], lambda *a: None, threads=threads)
+            load_chunks([ChunkTask(0, 4, bug)], paged_target(4)[0], threads=threads)
 
 
 def test_tokens_inside_a_chunk_start_where_asked():
     kv = torch.randn(2, L, 16, H * D)
     scatter, read = paged_target(16)
-    outcome = load_chunks([ChunkTask(5, 16, lambda: kv, origin=0)], scatter)
+    outcome = load_chunks([ChunkTask(5, 16, lambda: ChunkSource.from_tensor(kv), origin=0)], scatter)
     assert outcome.loaded_tokens == 16
     assert torch.equal(read(5, 16), kv[:, :, 5:])
     assert not read(0, 5).any()  # the engine's own tokens are not written
@@ -91,22 +89,37 @@ def test_a_file_loads_into_paged_buffers_as_it_reads(tmp_path, codec, num_tokens
         assert torch.equal(read(0, num_tokens), reader.read_range(0, num_tokens))
 
 
-# How a load runs: the pipeline with a scatter that takes checked tensors ("checked first"), with
-# one that checks as it copies ("checked as copied"; "torch": without the native copy, so the
-# payload is copied privately and checked first), and the staged path in its CPU mode, its pinned
-# buffers filled by the native one-pass checked copy or through decode().
-LOAD_PATHS = ["checked first", "checked as copied", "torch", "staged native", "staged decode"]
+# How a load runs: the pipeline with a destination that takes decoded KV only ("checked first"),
+# with one that copies raw chunks from their stored bytes checking as it copies ("checked as
+# copied"; "torch": without the native copy, so the payload is copied privately and checked
+# first), and the staged path in its CPU mode, its pinned buffers filled by the native one-pass
+# checked copy or (no native module) a copy and a CRC pass.
+LOAD_PATHS = ["checked first", "checked as copied", "torch", "staged native", "staged torch"]
 
 
 def load_path(path: str, monkeypatch):
-    """(scatter-checking flag, staged-path arguments or None) for one of LOAD_PATHS."""
-    from kvtool.connectors.paged_native import native_copy_checked
-
-    if path == "torch":
+    """(destination-checking flag, whether the staged path runs) for one of LOAD_PATHS."""
+    if path in ("torch", "staged torch"):
         monkeypatch.setenv("KVTOOL_PAGED_NATIVE", "0")
-    if path.startswith("staged"):
-        return False, {"device": "cpu", "copy_checked": native_copy_checked() if path == "staged native" else None}
-    return path != "checked first", None
+    return path != "checked first", path.startswith("staged")
+
+
+def staged_on_cpu(target, monkeypatch):
+    """`target` loaded by `kvtool.load.load` as a GPU's would be: through the staged path, which
+    runs on the CPU with ordinary buffers (the same steps, order and failure rule)."""
+    from kvtool.load import load_chunks_staged
+    from kvtool.load import path as load_module
+
+    real = load_module.load
+
+    def load(tasks, destination):
+        if getattr(destination, "staged_on_cpu", False):
+            return load_chunks_staged(tasks, destination, "cpu")
+        return real(tasks, destination)
+
+    monkeypatch.setattr("kvtool.load.load", load)
+    target.staged_on_cpu = True
+    return target
 
 
 def flip_payload_byte(path, chunk: int, at: int, bit: int) -> None:
@@ -129,7 +142,7 @@ def test_a_damaged_chunk_of_a_file_stops_the_load_there(tmp_path, path, monkeypa
     scatter, read = paged_target(48, checking=checking)
     with ContainerReader(f.path) as reader:
         tasks = file_tasks(reader, 48)
-        outcome = load_chunks_staged(tasks, scatter, **staged) if staged else load_chunks(tasks, scatter, threads=2)
+        outcome = load_chunks_staged(tasks, scatter, "cpu") if staged else load_chunks(tasks, scatter, threads=2)
     assert isinstance(outcome.error, ChecksumMismatch) and "chunk 3" in str(outcome.error)
     assert outcome.loaded_tokens == 24 and outcome.chunks == 3
     assert torch.equal(read(0, 24), f.kv[:, :, :24])
@@ -141,6 +154,8 @@ def test_a_damaged_chunk_of_a_file_stops_the_load_there(tmp_path, path, monkeypa
 def test_the_store_loads_from_a_token_on_and_refuses_damage(tmp_path, path, monkeypatch):
     from kvtool.store import open_store
 
+    from kvtool.store import loading
+
     checking, staged = load_path(path, monkeypatch)
     identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
     tokens = list(range(100, 140))
@@ -148,13 +163,17 @@ def test_the_store_loads_from_a_token_on_and_refuses_damage(tmp_path, path, monk
     cache = open_store(tmp_path / "store").for_model(identity, chunk_size=8)
     cache.put_sequence(tokens, kv)
     scatter, read = paged_target(40, checking=checking)
-    hit = cache.load_prefix(tokens, scatter, from_token=12, **(staged or {}))
+    if staged:
+        scatter = staged_on_cpu(scatter, monkeypatch)
+    hit = cache.load_prefix(tokens, scatter, from_token=12)
     assert hit.num_tokens == 40 and hit.codecs == ["raw"] * 4 and not hit.refused
     assert torch.equal(read(12, 40), kv[:, :, 12:40]) and not read(0, 12).any()
     third = cache._chain(tokens)[2].prefix_hash
     flip_payload_byte(next((tmp_path / "store").glob(f"chunks/**/{third}.kvc")), 0, 5, 0x01)
     scatter, read = paged_target(40, seed=1, checking=checking)
-    hit = cache.load_prefix(tokens, scatter, **(staged or {}))
+    if staged:
+        scatter = staged_on_cpu(scatter, monkeypatch)
+    hit = cache.load_prefix(tokens, scatter)
     assert hit.num_tokens == 16 and len(hit.refused) == 1
     assert torch.equal(read(0, 16), kv[:, :, :16])
     assert "CRC-32C" in hit.refused[0] and cache.store.counters.refused == 1
@@ -169,7 +188,6 @@ def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_sh
     scatter is refused there."""
     import os
 
-    from kvtool.checksum import FilePayloadCheck
     from kvtool.connectors import paged_native
     from kvtool.store import objects, open_store
 
@@ -191,17 +209,17 @@ def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_sh
                 pass
         return [path for path in held if path.startswith(store_dir + "/chunks")]
 
-    made, real = [], objects.ChunkObject._file_view
+    made, real = [], objects.ChunkObject.source
 
-    def spy(self, source, buffer):
-        viewed = real(self, source, buffer)
-        made.append(viewed[1])
+    def spy(self):
+        source = real(self)
+        made.append(source)
         if self.start == 16 and cut_short:  # someone truncates the third object meanwhile
             os.truncate(next((tmp_path / "store").glob(f"chunks/**/{self.prefix_hash}.kvc")),
-                        viewed[1].offset + viewed[1].length - 5)
-        return viewed
+                        source.offset + source.length - 5)
+        return source
 
-    monkeypatch.setattr(objects.ChunkObject, "_file_view", spy)
+    monkeypatch.setattr(objects.ChunkObject, "source", spy)
     native = paged_native.native_module()
     threshold = native.map_min_bytes(0)
     try:
@@ -212,8 +230,8 @@ def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_sh
             scatter, read = paged_target(40, seed=seed, checking=True)
             hit = cache.load_prefix(tokens, scatter)
             assert hit.num_tokens == 40 and not hit.refused and torch.equal(read(0, 40), kv)
-            assert len(made) == 5 and all(isinstance(check, FilePayloadCheck) for check in made)
-            assert not any(check.filled for check in made) and all(check.fd == -1 for check in made)
+            assert len(made) == 5 and all(source.data is None for source in made)  # never read into memory
+            assert all(source.fd == -1 for source in made)  # every descriptor closed
             assert open_in_store() == []
             cut_short = True
             scatter, read = paged_target(40, seed=seed + 2, checking=True)
@@ -264,33 +282,33 @@ def test_a_store_object_that_cannot_be_read_is_an_error_not_damage(tmp_path):
 
 
 def test_raw_chunks_are_checked_as_they_are_scattered_not_before(tmp_path, monkeypatch):
-    """A scatter that checks gets a raw file's whole chunks as views of the mapped file (no
-    pread, no separate CRC pass) and the native checked copy moves them; a partial last chunk
-    and other codecs take the staging path."""
+    """A raw file's whole chunks go to the destination as sources over the mapped file and the
+    native checked scatter copies them (no separate read, no separate CRC pass); a partial last
+    chunk is decoded from a private, checked copy."""
     from kvtool.connectors import paged_native
 
     if paged_native.native_module() is None:
         pytest.skip("kvtool._paged_native is not built")
     identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
     f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=45, chunk_size=8, dtype=torch.float32)
-    calls = {"checked": 0, "pread": 0}
-    checked, pread = paged_native.native_scatter_checked, ContainerReader.read_chunk_into
+    calls = {"checked": 0, "decoded": 0}
+    checked, decode = paged_native.native_scatter_source, ChunkSource.decode
 
     def count_checked(*args):
         calls["checked"] += 1
         return checked(*args)
 
-    def count_pread(self, *args, **kwargs):
-        calls["pread"] += 1
-        return pread(self, *args, **kwargs)
+    def count_decode(self, *args, **kwargs):
+        calls["decoded"] += 1
+        return decode(self, *args, **kwargs)
 
-    monkeypatch.setattr(paged_native, "native_scatter_checked", count_checked)
-    monkeypatch.setattr(ContainerReader, "read_chunk_into", count_pread)
+    monkeypatch.setattr(paged_native, "native_scatter_source", count_checked)
+    monkeypatch.setattr(ChunkSource, "decode", count_decode)
     scatter, read = paged_target(45, checking=True)
     with ContainerReader(f.path) as reader:
         outcome = load_chunks(file_tasks(reader, 43), scatter, threads=2)
     assert outcome.error is None and outcome.loaded_tokens == 43
-    assert calls == {"checked": 5, "pread": 1}  # 5 whole chunks mapped; tokens 40..43 of the last read
+    assert calls == {"checked": 5, "decoded": 1}  # 5 whole chunks from the map; tokens 40..43 of the last decoded
     assert torch.equal(read(0, 43), f.kv[:, :, :43])
 
 
@@ -320,24 +338,22 @@ def test_a_file_cut_short_while_it_loads_is_refused_not_a_crash(tmp_path, thread
 def test_unchecked_bytes_through_the_nested_connector_are_checked_as_copied():
     """As the paged connectors: the stored bytes are checked as they are copied (one read) and a
     mismatch raises after the copy; the tokens it wrote are then not reported loaded."""
-    from kvtool.checksum import PayloadCheck, crc32
     from kvtool.connectors import NestedTupleConnector
 
     kv = torch.randn(2, L, 8, H * D)
-    payload = bytearray(kv.view(torch.uint8).reshape(-1).numpy().tobytes())
-    view = torch.frombuffer(payload, dtype=torch.float32).view(kv.shape)
-    check = PayloadCheck(memoryview(payload), crc32(payload), "chunk 0")
+    source = ChunkSource.from_tensor(kv, "chunk 0")
+    source.checked = False  # stored bytes, not checked yet
     caches = [(torch.zeros(8, H, D), torch.zeros(8, H, D)) for _ in range(L)]
     connector = NestedTupleConnector(H * D, L)
-    connector.to_gpu(MemoryObj.from_tensor(view, check=check), 0, 8, kvcaches=caches)
+    connector.to_gpu_source(source, 0, 8, kvcaches=caches)
     assert torch.equal(caches[1][1], kv[1, 1].view(8, H, D))
-    payload[9] ^= 1
+    source.data[9] ^= 1
     fresh = [(torch.zeros(8, H, D), torch.zeros(8, H, D)) for _ in range(L)]
     with pytest.raises(ChecksumMismatch, match="chunk 0"):
-        connector.to_gpu(MemoryObj.from_tensor(view, check=check), 0, 8, kvcaches=fresh)
+        connector.to_gpu_source(source, 0, 8, kvcaches=fresh)
     wider = [(torch.zeros(8, H, D, dtype=torch.float64), torch.zeros(8, H, D, dtype=torch.float64)) for _ in range(L)]
     with pytest.raises(ChecksumMismatch, match="chunk 0"):  # converted by torch: a checked private copy first
-        connector.to_gpu(MemoryObj.from_tensor(view, check=check), 0, 8, kvcaches=wider)
+        connector.to_gpu_source(source, 0, 8, kvcaches=wider)
     assert not any(t.any() for pair in wider for t in pair)
 
 
@@ -346,7 +362,6 @@ def test_unchecked_bytes_through_the_nested_connector_are_checked_as_copied():
 @pytest.mark.parametrize("staging", [1, 2, 3])
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
 def test_the_staged_path_loads_a_file_through_reused_buffers(tmp_path, codec, staging):
-    from kvtool.connectors.paged_native import native_copy_checked
     from kvtool.load import load_chunks_staged
 
     identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
@@ -354,8 +369,7 @@ def test_the_staged_path_loads_a_file_through_reused_buffers(tmp_path, codec, st
                       dtype=torch.float32)
     scatter, read = paged_target(45)
     with ContainerReader(f.path) as reader:
-        outcome = load_chunks_staged(file_tasks(reader, 43), scatter, "cpu", staging=staging,
-                                     copy_checked=native_copy_checked())
+        outcome = load_chunks_staged(file_tasks(reader, 43), scatter, "cpu", staging=staging)
         assert outcome.error is None and outcome.loaded_tokens == 43 and outcome.chunks == 6
         assert torch.equal(read(0, 43), reader.read_range(0, 43))
 
@@ -363,8 +377,7 @@ def test_the_staged_path_loads_a_file_through_reused_buffers(tmp_path, codec, st
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
 def test_the_staged_path_on_a_gpu_gives_the_cpu_result(tmp_path, codec):
-    from kvtool.connectors.paged_native import native_copy_checked
-    from kvtool.load import load_chunks_staged
+    from kvtool.load import load
 
     identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
     f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=45, chunk_size=8, codec=codec,
@@ -372,13 +385,11 @@ def test_the_staged_path_on_a_gpu_gives_the_cpu_result(tmp_path, codec):
     caches = [torch.zeros(2, 16, BS, H, D, device="cuda") for _ in range(L)]
     slots = torch.randperm(16 * BS, generator=torch.Generator().manual_seed(3))[:45]
     connector = PagedMemConnectorV2(H * D, L, layout="flash_attn", num_kv_heads=H, head_dim=D, use_gpu=True)
-
-    def scatter(kv, start, end, check=None):
-        assert kv.device.type == "cuda"
-        connector.to_gpu(MemoryObj.from_tensor(kv, check=check), start, end, kvcaches=caches, slot_mapping=slots)
+    target = ConnectorTarget(connector, kvcaches=caches, slot_mapping=slots)
+    assert target.device.type == "cuda"
 
     with ContainerReader(f.path) as reader:
-        outcome = load_chunks_staged(file_tasks(reader, 45), scatter, "cuda", copy_checked=native_copy_checked())
+        outcome = load(file_tasks(reader, 45), target)
         assert outcome.error is None and outcome.loaded_tokens == 45
         want = reader.read_range(0, 45)
     torch.cuda.synchronize()
@@ -387,31 +398,35 @@ def test_the_staged_path_on_a_gpu_gives_the_cpu_result(tmp_path, codec):
     assert torch.equal(out.tensor.cpu(), want)
 
 
-def test_a_memory_tier_in_front_of_a_folder_keeps_the_file_path(tmp_path, monkeypatch):
-    """`Backend.open` is part of every backend's contract, tiers included: a store opened with a
-    memory tier in front of a folder still loads raw objects by reading their payloads from the
-    files as it scatters them (before, TieredBackend did not forward the file methods and every
-    load read each object whole first); an object the memory tier holds comes from memory."""
-    from kvtool.checksum import FilePayloadCheck
-    from kvtool.store import objects, open_store
+def test_a_memory_tier_in_front_of_a_folder_keeps_the_one_pass_load(tmp_path, monkeypatch):
+    """`Backend.open` is part of every backend's contract, tiers included (before, TieredBackend did
+    not forward the file methods, and every load through a memory tier read each object whole,
+    then copied and checked it privately, then scattered it). Now an object the memory tier holds
+    is scattered from memory and checked as copied; one it can hold is read once and copied up;
+    one too large for it stays a file, read in place as it is scattered."""
+    from kvtool.chunk_source import ChunkSource
+    from kvtool.store import open_store
 
     identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
     tokens = list(range(500, 532))
     kv = make_kv(identity, 32, torch.float32)
-    store = open_store(tmp_path / "store")
-    store.for_model(identity, chunk_size=8).put_sequence(tokens, kv)
-    tiered = open_store(tmp_path / "store", memory_bytes=1 << 20)
-    cache = tiered.for_model(identity, chunk_size=8)
-    tiered.backend.tiers[0].put(cache.chunk_names(tokens)[0], bytes(store.backend.get(cache.chunk_names(tokens)[0])))
-    made, real = [], objects.ChunkObject._file_view
+    open_store(tmp_path / "store").for_model(identity, chunk_size=8).put_sequence(tokens, kv)
+    seen: list[ChunkSource] = []
+    real = ChunkSource.release
 
-    def spy(self, source, buffer):
-        viewed = real(self, source, buffer)
-        made.append(viewed[1])
-        return viewed
+    def spy(self):
+        seen.append((self.in_file, self.data is not None))
+        real(self)
 
-    monkeypatch.setattr(objects.ChunkObject, "_file_view", spy)
-    scatter, read = paged_target(32, checking=True)
-    hit = cache.load_prefix(tokens, scatter)
-    assert hit.num_tokens == 32 and torch.equal(read(0, 32), kv)
-    assert len(made) == 3 and all(isinstance(check, FilePayloadCheck) for check in made)  # chunk 0 from memory
+    monkeypatch.setattr(ChunkSource, "release", spy)
+    for memory_bytes, in_file in ((1 << 20, False), (1000, True)):  # objects of ~2 KB: held, or too large
+        tiered = open_store(tmp_path / "store", memory_bytes=memory_bytes)
+        cache = tiered.for_model(identity, chunk_size=8)
+        for round in range(2):
+            seen.clear()
+            scatter, read = paged_target(32, checking=True)
+            hit = cache.load_prefix(tokens, scatter)
+            assert hit.num_tokens == 32 and torch.equal(read(0, 32), kv)
+            assert seen == [(in_file, not in_file)] * 4, (memory_bytes, round)
+        held = [tiered.backend.tiers[0].exists(n) for n in cache.chunk_names(tokens)]
+        assert held == [not in_file] * 4

@@ -14,6 +14,7 @@ import torch
 from kvtool.connectors import paged_native, paged_torch
 from kvtool.connectors.paged_layout import PagedLayout
 from test_connectors import LAYOUTS, _strided_cases, clone_buffers, buffers_equal, make_buffers, shuffled_slots
+from fixtures import raw_source
 
 native = paged_native.native_module()
 needs_native = pytest.mark.skipif(native is None, reason="kvtool._paged_native is not built (no C compiler)")
@@ -59,7 +60,7 @@ def test_same_bytes_on_strided_buffers():
         paged_torch.torch_scatter(blob.clone(), ref, PagedLayout(layout), slots)
         assert paged_native.native_scatter(blob, out, PagedLayout(layout), slots), name
         assert buffers_equal(ref, out, layout), name
-        assert paged_native.native_scatter_checked(blob, checked, PagedLayout(layout), slots, check), name
+        assert paged_native.native_scatter_source(check, checked, PagedLayout(layout), slots), name
         assert buffers_equal(ref, checked, layout), name
         want, got = torch.empty_like(blob), torch.empty_like(blob)
         paged_torch.torch_gather(bufs, PagedLayout(layout), slots, want)
@@ -244,13 +245,13 @@ def test_copy_checked_copies_and_checks_any_size(crc_level, nontemporal):
 
 
 def _payload_blob(shape, dtype, gen):
-    """A KV_BLOB living in a bytearray (as a mapped chunk lives in its file) and its CRC."""
-    from kvtool.checksum import PayloadCheck, crc32
+    """A KV_BLOB living in a bytearray (as a mapped chunk lives in its file), and its ChunkSource."""
+    from kvtool.checksum import crc32
 
     values = torch.randn(*shape, generator=gen).to(dtype)
     payload = bytearray(values.view(torch.uint8).reshape(-1).numpy().tobytes())
     view = torch.frombuffer(payload, dtype=dtype).view(shape)
-    return payload, view, PayloadCheck(memoryview(payload), crc32(payload), "chunk 7")
+    return payload, view, raw_source(shape, dtype, data=payload, crc=crc32(payload), what="chunk 7")
 
 
 @needs_native
@@ -268,7 +269,7 @@ def test_checked_scatter_writes_the_reference_bytes(layout, dtype, head_dim, crc
     paged_torch.torch_scatter(view.clone(), ref, PagedLayout(layout), slots)
     for threads in ("1", "3"):
         monkeypatch.setenv("KVTOOL_THREADS", threads)
-        assert paged_native.native_scatter_checked(view, out, PagedLayout(layout), slots, check)
+        assert paged_native.native_scatter_source(check, out, PagedLayout(layout), slots)
         assert buffers_equal(ref, out, layout), threads
 
 
@@ -286,7 +287,7 @@ def test_checked_scatter_refuses_a_changed_byte_anywhere(where, crc_level, monke
     payload, view, check = _payload_blob((2, L, T, H * D), torch.float32, gen)
     payload[where * (len(payload) // 2) if where != -1 else -1] ^= 0x10  # first, middle or last byte
     with pytest.raises(ChecksumMismatch, match="chunk 7: CRC-32C mismatch"):
-        paged_native.native_scatter_checked(view, bufs, PagedLayout("flash_attn"), slots, check)
+        paged_native.native_scatter_source(check, bufs, PagedLayout("flash_attn"), slots)
 
 
 @needs_native
@@ -309,7 +310,7 @@ def test_checked_scatter_refuses_segments_outside_the_payload_before_any_write()
 def test_any_slot_order_gives_the_reference_bytes(layout):
     """Slots in no order at all (runs of consecutive slots broken anywhere, blocks half used):
     the tiled copies of transposed pages and the checked scatter still match the reference."""
-    from kvtool.checksum import PayloadCheck, crc32
+    from kvtool.checksum import crc32
 
     gen = torch.Generator().manual_seed(8)
     T, BS, L, H, D, NB = 90, 16, 2, 2, 8, 8
@@ -324,8 +325,8 @@ def test_any_slot_order_gives_the_reference_bytes(layout):
     assert buffers_equal(ref, out, layout)
     payload = bytearray(blob.view(torch.uint8).reshape(-1).numpy().tobytes())
     view = torch.frombuffer(payload, dtype=torch.float32).view(blob.shape)
-    check = PayloadCheck(memoryview(payload), crc32(payload), "chunk 0")
-    assert paged_native.native_scatter_checked(view, checked, PagedLayout(layout), slots, check)
+    check = raw_source(tuple(blob.shape), torch.float32, data=payload, crc=crc32(payload), what="chunk 0")
+    assert paged_native.native_scatter_source(check, checked, PagedLayout(layout), slots)
     assert buffers_equal(ref, checked, layout)
     got = torch.empty_like(blob)
     assert paged_native.native_gather(ref, PagedLayout(layout), slots, got)
@@ -349,7 +350,7 @@ def test_transposed_pages_of_large_blocks(dtype, nontemporal):
     paged_torch.torch_scatter(view.clone(), ref, layout, slots)
     assert paged_native.native_scatter(view, out, layout, slots)
     assert buffers_equal(ref, out, "vllm_cpu")
-    assert paged_native.native_scatter_checked(view, checked, layout, slots, check)
+    assert paged_native.native_scatter_source(check, checked, layout, slots)
     assert buffers_equal(ref, checked, "vllm_cpu")
     got = torch.empty_like(view)
     assert paged_native.native_gather(ref, layout, slots, got)
@@ -358,16 +359,14 @@ def test_transposed_pages_of_large_blocks(dtype, nontemporal):
 
 def _file_payload(tmp_path, shape, dtype, gen, lead=100, cut=0):
     """A KV_BLOB stored `lead` bytes into a file (its last `cut` bytes missing), and the
-    FilePayloadCheck of it with the (unfilled) buffer view a store load hands on."""
-    from kvtool.checksum import FilePayloadCheck, crc32
+    ChunkSource of it a store load hands on (the payload still in its file)."""
+    from kvtool.checksum import crc32
 
     payload = (torch.randn(*shape, generator=gen) * 3).to(dtype).view(torch.uint8).reshape(-1).numpy().tobytes()
     path = tmp_path / "object"
     path.write_bytes(b"\x5a" * lead + payload[:len(payload) - cut] + (b"" if cut else b"tail"))
-    buffer = memoryview(bytearray(len(payload)))
-    view = torch.frombuffer(buffer, dtype=dtype).view(shape)
-    check = FilePayloadCheck(os.open(path, os.O_RDONLY), lead, len(payload), buffer, crc32(payload), "chunk 7")
-    return torch.frombuffer(bytearray(payload), dtype=dtype).view(shape), view, check
+    check = raw_source(shape, dtype, fd=os.open(path, os.O_RDONLY), offset=lead, crc=crc32(payload), what="chunk 7")
+    return torch.frombuffer(bytearray(payload), dtype=dtype).view(shape), None, check
 
 
 @needs_native
@@ -392,10 +391,10 @@ def test_a_payload_in_a_file_is_scattered_as_from_memory(
             out = clone_buffers(bufs, layout)
             monkeypatch.setenv("KVTOOL_THREADS", threads)
             maps = native.file_maps()
-            assert paged_native.native_scatter_checked(view, out, PagedLayout(layout), slots, check)
+            assert paged_native.native_scatter_source(check, out, PagedLayout(layout), slots)
             assert native.file_maps() == maps + file_reads  # (mapped, not fallen back to windows)
             assert buffers_equal(ref, out, layout), threads
-            assert not check.filled  # read by the kernel, never whole into the buffer
+            assert check.data is None  # read by the kernel, never whole into memory
     finally:
         check.release()
 
@@ -412,22 +411,22 @@ def test_a_payload_in_a_file_refuses_a_changed_byte_a_short_file_and_a_failed_re
     shape = (2, L, T, H * D)
     _, view, check = _file_payload(tmp_path, shape, torch.float32, gen)
     with open(tmp_path / "object", "r+b") as f:  # one byte changed in the middle of the payload
-        f.seek(100 + view.numel() * 2)
+        f.seek(100 + check.length // 2)
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x20]))
     with pytest.raises(ChecksumMismatch, match="chunk 7: CRC-32C mismatch"):
-        paged_native.native_scatter_checked(view, bufs, layout, slots, check)
+        paged_native.native_scatter_source(check, bufs, layout, slots)
     check.release()
     _, view, check = _file_payload(tmp_path, shape, torch.float32, gen, cut=1000)
     with pytest.raises(ChecksumMismatch, match="chunk 7: the file ends inside the payload"):
-        paged_native.native_scatter_checked(view, bufs, layout, slots, check)
+        paged_native.native_scatter_source(check, bufs, layout, slots)
     check.release()
     _, view, check = _file_payload(tmp_path, shape, torch.float32, gen)
     fd = check.fd
     os.close(fd)  # a read that fails (EBADF): reported, not taken for damage
     with pytest.raises(InputFileError, match="chunk 7: cannot read"):
-        paged_native.native_scatter_checked(view, bufs, layout, slots, check)
+        paged_native.native_scatter_source(check, bufs, layout, slots)
 
 
 @needs_native
@@ -440,7 +439,7 @@ def test_a_mapped_payload_cut_short_under_the_copy_is_refused_not_a_crash(tmp_pa
     copy runs as before."""
     import mmap
 
-    from kvtool.checksum import PayloadCheck, crc32
+    from kvtool.checksum import crc32
     from kvtool.errors import ChecksumMismatch
 
     monkeypatch.setenv("KVTOOL_THREADS", threads)
@@ -458,21 +457,22 @@ def test_a_mapped_payload_cut_short_under_the_copy_is_refused_not_a_crash(tmp_pa
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     try:
         view = torch.frombuffer(mapped, dtype=torch.float32).view(blob.shape)
-        check = PayloadCheck(memoryview(mapped), crc32(payload), "chunk 3")
-        assert paged_native.native_scatter_checked(view, bufs, layout, slots, check)  # whole: loaded
+        check = raw_source(tuple(blob.shape), torch.float32, data=mapped, crc=crc32(payload), what="chunk 3",
+                           mapped=True)
+        assert paged_native.native_scatter_source(check, bufs, layout, slots)  # whole: loaded
         staging = torch.empty(len(payload), dtype=torch.uint8)
-        paged_native.native_copy_checked()(staging, check)  # (the staged GPU path's checked copy)
+        check.copy_into(memoryview(staging.numpy()))  # (the staged GPU path's checked copy)
         os.truncate(path, 8192)  # all but its first two pages gone
         with pytest.raises(ChecksumMismatch, match="chunk 3: the file ends inside the payload"):
-            paged_native.native_scatter_checked(view, bufs, layout, slots, check)
+            paged_native.native_scatter_source(check, bufs, layout, slots)
         with pytest.raises(ChecksumMismatch, match="chunk 3: the file ends inside the payload"):
-            paged_native.native_copy_checked()(staging, check)
+            check.copy_into(memoryview(staging.numpy()))
         del view, check
     finally:
         mapped.close()
     out = clone_buffers(bufs, layout)  # the kernel goes on as before
     _, fresh, check = _file_payload(tmp_path, blob.shape, torch.float32, gen)
-    assert paged_native.native_scatter_checked(fresh, out, layout, slots, check)
+    assert paged_native.native_scatter_source(check, out, layout, slots)
     check.release()
 
 
@@ -535,7 +535,8 @@ def test_a_store_payload_cut_short_after_it_is_mapped_is_refused_not_a_crash(tmp
                    check=True)
     script = f"""
 import os, torch
-from kvtool.checksum import FilePayloadCheck, crc32
+from kvtool.checksum import crc32
+from kvtool.chunk_source import ChunkSource
 from kvtool.connectors import paged_native
 from kvtool.connectors.paged_layout import PagedLayout
 from kvtool.errors import ChecksumMismatch, InputFileError
@@ -555,16 +556,15 @@ for how in ("cut", "whole", "unreadable"):
     with open(path, "wb") as f:
         f.write(b"x" * 100 + payload)
     fd = os.open(path, os.O_RDONLY)
-    buffer = memoryview(bytearray(len(payload)))
-    view = torch.frombuffer(buffer, dtype=torch.float32).view(blob.shape)
-    check = FilePayloadCheck(fd, 100, len(payload), buffer, crc32(payload), "chunk 7")
+    check = ChunkSource(what="chunk 7", codec="raw", dtype="float32", shape=tuple(blob.shape), length=len(payload),
+                        crc32c=crc32(payload), raw=True, decode=None, fd=fd, offset=100)
     os.environ.update(KVTOOL_TEST_CUT_FD=str(fd) if how != "whole" else "-1", KVTOOL_TEST_CUT_TO="8192",
                       KVTOOL_TEST_CUT_PATH=path)
     if how == "unreadable":
         os.environ["KVTOOL_TEST_SHORT_PATH"] = shorter
     maps = native.file_maps()
     try:
-        paged_native.native_scatter_checked(view, bufs, PagedLayout("flash_attn"), slots, check)
+        paged_native.native_scatter_source(check, bufs, PagedLayout("flash_attn"), slots)
         print("loaded")
     except ChecksumMismatch as err:
         print("refused:", err)
@@ -593,15 +593,16 @@ def test_a_fault_outside_the_guard_still_ends_the_process(tmp_path):
 import faulthandler, mmap, os
 faulthandler.enable()
 import torch
-from kvtool.checksum import PayloadCheck, crc32
+from kvtool.checksum import crc32
+from kvtool.chunk_source import ChunkSource
 from kvtool.connectors import paged_native
 from kvtool.connectors.paged_layout import PagedLayout
 bufs = [torch.zeros(2, 2, 16, 1, 8) for _ in range(2)]
 blob = torch.ones(2, 2, 16, 8)
 data = memoryview(bytearray(blob.numpy().tobytes()))
-view = torch.frombuffer(data, dtype=torch.float32).view(blob.shape)
-assert paged_native.native_scatter_checked(view, bufs, PagedLayout("flash_attn"), torch.arange(16),
-                                           PayloadCheck(data, crc32(data), "chunk"))
+source = ChunkSource(what="chunk", codec="raw", dtype="float32", shape=(2, 2, 16, 8), length=len(data),
+                     crc32c=crc32(data), raw=True, decode=None, data=data)
+assert paged_native.native_scatter_source(source, bufs, PagedLayout("flash_attn"), torch.arange(16))
 path = {str(tmp_path / "other")!r}
 with open(path, "wb") as f:
     f.write(b"x" * 65536)
@@ -627,16 +628,17 @@ def test_a_sigbus_sent_to_the_process_goes_where_it_went_without_the_guard():
 
     script = """
 import os, signal, torch
-from kvtool.checksum import PayloadCheck, crc32
+from kvtool.checksum import crc32
+from kvtool.chunk_source import ChunkSource
 from kvtool.connectors import paged_native
 from kvtool.connectors.paged_layout import PagedLayout
 bufs = [torch.zeros(2, 2, 16, 1, 8) for _ in range(2)]
 data = memoryview(bytearray(torch.ones(2, 2, 16, 8).numpy().tobytes()))
-view = torch.frombuffer(data, dtype=torch.float32).view(2, 2, 16, 8)
+source = ChunkSource(what="chunk", codec="raw", dtype="float32", shape=(2, 2, 16, 8), length=len(data),
+                     crc32c=crc32(data), raw=True, decode=None, data=data)
 
 def guarded_copy():  # (each call puts the guard's handler back in front of the application's)
-    assert paged_native.native_scatter_checked(view, bufs, PagedLayout("flash_attn"), torch.arange(16),
-                                               PayloadCheck(data, crc32(data), "chunk"))
+    assert paged_native.native_scatter_source(source, bufs, PagedLayout("flash_attn"), torch.arange(16))
 
 got = []
 signal.signal(signal.SIGBUS, lambda *_: got.append("handled"))
@@ -658,18 +660,24 @@ print("survived the default action", flush=True)
 
 def test_a_payload_in_a_file_is_read_whole_and_checked_for_any_other_copy(tmp_path):
     """Paths without the windowed kernel (the torch fallback, the staged GPU path) ask for the
-    bytes: they are read into the buffer the view is over, and checked on that private copy."""
+    bytes: they are read whole into a private buffer and checked there (`decode`), or read
+    straight into the caller's buffer and checked there (`copy_into`)."""
     from kvtool.errors import ChecksumMismatch
 
     gen = torch.Generator().manual_seed(23)
-    blob, view, check = _file_payload(tmp_path, (2, 2, 40, 16), torch.float32, gen)
-    assert torch.equal(check.verified(view), blob) and check.filled
-    assert "fd=" in repr(check)  # (no read for a repr)
+    blob, _, check = _file_payload(tmp_path, (2, 2, 40, 16), torch.float32, gen)
+    assert torch.equal(check.decode(), blob)
+    staging = torch.empty(check.length, dtype=torch.uint8)
+    check.copy_into(memoryview(staging.numpy()))
+    assert torch.equal(staging.view(torch.float32).view(blob.shape), blob)
+    assert "in a file" in repr(check)  # (no read for a repr)
     check.release()
     check.release()  # twice is harmless
-    _, view, check = _file_payload(tmp_path, (2, 2, 40, 16), torch.float32, gen, cut=3)
+    _, _, check = _file_payload(tmp_path, (2, 2, 40, 16), torch.float32, gen, cut=3)
     with pytest.raises(ChecksumMismatch, match="ends inside the payload"):
-        check.verified(view)
+        check.decode()
+    with pytest.raises(ChecksumMismatch, match="ends inside the payload"):
+        check.copy_into(memoryview(staging.numpy()))
     check.release()
 
 

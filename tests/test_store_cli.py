@@ -317,10 +317,10 @@ def test_redis_evicts_by_its_own_lru_policy(redis_server):
 
 
 @pytest.mark.parametrize("layout", ["flash_attn", "flashinfer", "vllm", "kv_tuple"])
-def test_get_prefix_writes_straight_into_paged_buffers(tmp_path, layout):
-    """get_prefix through the paged connector: each checked chunk lands in the engine's blocks
-    at the sequence's (shuffled) slots; reading them back gives the stored KV."""
-    from kvtool.connectors import PagedMemConnectorV2
+def test_load_prefix_writes_straight_into_paged_buffers(tmp_path, layout):
+    """load_prefix into the paged connector's buffers: each checked chunk lands in the engine's
+    blocks at the sequence's (shuffled) slots; reading them back gives the stored KV."""
+    from kvtool.connectors import ConnectorTarget, PagedMemConnectorV2
 
     from test_connectors import make_buffers
 
@@ -335,7 +335,7 @@ def test_get_prefix_writes_straight_into_paged_buffers(tmp_path, layout):
     order = torch.randperm(blocks, generator=gen)
     slots = torch.cat([order[i // block] * block + torch.arange(block) for i in range(0, 16, block)])[:14]
     connector = PagedMemConnectorV2(16, 2, layout=layout)
-    hit = cache.get_prefix(tokens, connector=connector, kvcaches=buffers, slot_mapping=slots)
+    hit = cache.load_prefix(tokens, ConnectorTarget(connector, kvcaches=buffers, slot_mapping=slots))
     assert hit.num_tokens == 12 and hit.chunks == [] and hit.codecs == ["zstd"] * 3
     back = connector.allocate(12, torch.bfloat16)
     connector.from_gpu(back, 0, 12, kvcaches=buffers, slot_mapping=slots)

@@ -20,6 +20,9 @@ Our own implementation of LMCache's GPU connector contract:
   layout="kv_tuple", num_kv_heads=None, head_dim=None, chunk_size=None)`:
   full per-token slot mapping with -1 for prefix-cached tokens, layouts
   `PagedLayout` = "flash_attn" | "flashinfer" | "vllm" | "kv_tuple".
+* `to_gpu_source(source, start, end, **kwargs)`: a stored chunk (`kvtool.chunk_source`) into
+  the engine's buffers, a raw one copied straight from its stored bytes and checked as copied;
+  `ConnectorTarget(connector, **kwargs)` makes the buffers a destination of `kvtool.load.load`.
 * `ConnectorError`: every documented failure; a `ValueError` and a
   `kvtool.errors.KvtoolError`.
 * `gather_paged` / `scatter_paged` (in `paged_copy`): the one place that picks
@@ -34,10 +37,12 @@ from .nested import NestedTupleConnector
 from .paged import PagedMemConnector, PagedMemConnectorV2
 from .paged_copy import gather_paged, scatter_paged
 from .paged_layout import PagedGeometry, PagedLayout, paged_geometry, run_offset, slot_to_block_offset
+from .target import ConnectorTarget
 
 __all__ = [
     "BLOB_DTYPES",
     "ConnectorError",
+    "ConnectorTarget",
     "GPUConnectorInterface",
     "MemoryFormat",
     "MemoryObj",

@@ -5,6 +5,8 @@ inference engine's KV buffers and a `MemoryObj` in the KV_BLOB format:
 
 * `from_gpu(memory_obj, start, end, **kwargs)`: engine buffers -> memory object.
 * `to_gpu(memory_obj, start, end, **kwargs)`:   memory object -> engine buffers.
+* `to_gpu_source(source, start, end, **kwargs)`: a stored chunk (`ChunkSource`) -> engine
+  buffers, checked as it is copied.
 * `get_shape(num_tokens)`: the KV_BLOB shape for `num_tokens` tokens.
 
 Every documented failure raises `ConnectorError`, a `ValueError` (as the
@@ -17,12 +19,15 @@ from __future__ import annotations
 
 import operator
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import ConnectorError
 from .memory import MemoryFormat, MemoryObj
+
+if TYPE_CHECKING:
+    from ..chunk_source import ChunkSource
 
 #: dtypes a KV_BLOB memory object may have (the kvtool file format's KV dtypes).
 BLOB_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -48,6 +53,13 @@ class GPUConnectorInterface(ABC):
     @abstractmethod
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
         """Copy `memory_obj` into the engine buffers at tokens `start..end`."""
+
+    def to_gpu_source(self, source: "ChunkSource", start: int, end: int, **kwargs: Any) -> None:
+        """Copy a stored chunk (`kvtool.chunk_source.ChunkSource`, tokens `start..end` exactly)
+        into the engine buffers, from checked bytes. Here: decoded (checked first), then `to_gpu`;
+        the paged and nested connectors copy a raw chunk straight from its stored bytes instead,
+        checking them as they copy (one pass)."""
+        self.to_gpu(MemoryObj.from_tensor(source.decode()), start, end, **kwargs)
 
     def get_shape(self, num_tokens: int) -> torch.Size:
         """KV_BLOB shape: `[2, num_layers, num_tokens, hidden_dim_size]`."""

@@ -19,7 +19,6 @@ from typing import Any, Optional
 
 import torch
 
-from ..checksum import PayloadCheck
 
 
 class MemoryFormat(enum.Enum):
@@ -42,9 +41,6 @@ class MemoryObjMetadata:
 
     fmt: MemoryFormat = MemoryFormat.UNDEFINED
     extra: dict[str, Any] = field(default_factory=dict)
-    #: The tensor is a view of stored bytes not checked yet: `to_gpu` checks them as it copies
-    #: (or takes a checked private copy first), never loading bytes that fail the check.
-    check: Optional[PayloadCheck] = None
 
 
 @dataclass
@@ -72,10 +68,9 @@ class MemoryObj:
         return cls(t, MemoryObjMetadata(fmt=fmt))
 
     @classmethod
-    def from_tensor(cls, tensor: torch.Tensor, fmt: MemoryFormat = MemoryFormat.KV_BLOB, *,
-                    check: Optional[PayloadCheck] = None) -> "MemoryObj":
-        """Wrap an existing tensor (no copy); `check`: it views stored bytes not checked yet."""
-        return cls(tensor, MemoryObjMetadata(fmt=fmt, check=check))
+    def from_tensor(cls, tensor: torch.Tensor, fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> "MemoryObj":
+        """Wrap an existing tensor (no copy)."""
+        return cls(tensor, MemoryObjMetadata(fmt=fmt))
 
     @property
     def fmt(self) -> MemoryFormat:

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..chunk_source import ChunkSource
 from . import paged_native
 from .base import ConnectorError, GPUConnectorInterface
 from .memory import MemoryObj
@@ -97,11 +98,25 @@ class NestedTupleConnector(GPUConnectorInterface):
         views, total = self._token_views(kwargs)
         start, end = self._check_range(start, end, total)
         blob = self._check_memory_obj(memory_obj, end - start, views[0][0].device, reading=True)
-        check = memory_obj.metadata.check  # unchecked stored bytes: checked as copied, or copied and checked first
-        if paged_native.native_token_copy(self._blob_order(views), start, end, blob, scatter=True, check=check):
+        if paged_native.native_token_copy(self._blob_order(views), start, end, blob, scatter=True):
             return
-        if check is not None:
-            blob = check.verified(blob)
+        self._copy_in(views, start, end, blob)
+
+    def to_gpu_source(self, source: ChunkSource, start: int, end: int, **kwargs: Any) -> None:
+        """A stored chunk into the tensors: a raw one in memory straight from its stored bytes,
+        checked as copied (one pass); otherwise decoded from checked bytes first."""
+        views, total = self._token_views(kwargs)
+        start, end = self._check_range(start, end, total)
+        if source.raw and not source.in_file and source.shape == tuple(self.get_shape(end - start)):
+            blob = source.tensor(source.data)
+            if blob.dtype == views[0][0].dtype and paged_native.native_token_copy(
+                    self._blob_order(views), start, end, blob, scatter=True, source=source):
+                return
+        blob = self._check_memory_obj(MemoryObj.from_tensor(source.decode()), end - start, views[0][0].device,
+                                      reading=True)
+        self._copy_in(views, start, end, blob)
+
+    def _copy_in(self, views, start: int, end: int, blob: torch.Tensor) -> None:
         n = end - start
         for li, pair in enumerate(views):
             for kv in (0, 1):

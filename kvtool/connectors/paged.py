@@ -6,9 +6,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..chunk_source import ChunkSource
 from .base import ConnectorError, GPUConnectorInterface
 from .memory import MemoryObj
-from .paged_copy import gather_paged, scatter_paged
+from .paged_copy import gather_paged, scatter_paged, scatter_paged_source
 from .paged_native import native_slots_ok
 from .paged_layout import LayerKV, PagedGeometry, PagedLayout, buffers_signature, layer_tensors, paged_geometry
 
@@ -157,14 +158,24 @@ class _PagedConnector(GPUConnectorInterface):
         start, end = self._check_range(start, end)
         slots = self._check_slots(kwargs, start, end, geo, first.device, distinct=True)
         blob = self._check_memory_obj(memory_obj, end - start, first.device, reading=True)
-        check = memory_obj.metadata.check
         if blob.device != first.device:
-            if check is not None:  # unchecked stored bytes: check a private copy before it moves
-                blob, check = check.verified(blob), None
             tmp = self._device_blob(end - start, first.dtype, first.device)
             tmp.copy_(blob, non_blocking=blob.is_pinned())
             blob = tmp
-        scatter_paged(blob, kvcaches, self.layout, slots, check=check, signature=signature)
+        scatter_paged(blob, kvcaches, self.layout, slots, signature=signature)
+
+    def to_gpu_source(self, source: ChunkSource, start: int, end: int, **kwargs: Any) -> None:
+        """A stored chunk into the buffers: a raw one into host buffers straight from its stored
+        bytes, checked as copied (`scatter_paged_source`); otherwise decoded from checked bytes."""
+        kvcaches, geo, first, signature = self._check_kvcaches(kwargs)
+        start, end = self._check_range(start, end)
+        if first.device.type != "cpu" or not source.raw:
+            return self.to_gpu(MemoryObj.from_tensor(source.decode()), start, end, **kwargs)
+        slots = self._check_slots(kwargs, start, end, geo, first.device, distinct=True)
+        if source.shape != tuple(self.get_shape(end - start)):
+            raise ConnectorError(f"{source.what} holds KV of shape {list(source.shape)}, "
+                                 f"expected {list(self.get_shape(end - start))}")
+        scatter_paged_source(source, kvcaches, self.layout, slots, signature=signature)
 
 
 class PagedMemConnectorV2(_PagedConnector):

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from ..checksum import PayloadCheck
+from ..chunk_source import ChunkSource
 from ..cuda_build import usable_or_notice
 from . import paged_native, paged_torch
 from .paged_layout import LayerKV, PagedLayout, layer_tensors
@@ -42,27 +42,32 @@ def gather_paged(kv_caches: Sequence[LayerKV], layout: PagedLayout | str, slots:
 
 
 def scatter_paged(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: PagedLayout | str,
-                  slots: torch.Tensor, *, check: PayloadCheck | None = None, signature: tuple | None = None) -> None:
+                  slots: torch.Tensor, *, signature: tuple | None = None) -> None:
     """The inverse of `gather_paged`: write `blob[kv, l, t]` into slot `slots[t]`
     of layer l. Same contract; additionally the slots are distinct. Slots not
     in `slots` are left untouched. A dtype difference is converted (rounding
-    to nearest as `Tensor.to` does).
-
-    `check`: `blob` views stored bytes not checked yet. Host buffers get them through the native
-    checked scatter (one pass: checked as copied); any other path copies the payload privately
-    and checks the copy first. A mismatch raises ChecksumMismatch; slots written before the
-    mismatch was known hold no loaded tokens (the caller reports the load as ending there)."""
+    to nearest as `Tensor.to` does)."""
     layout = PagedLayout.parse(layout)
     kernel = _cuda_kernel(kv_caches, layout)
-    if check is not None:
-        if kernel is None and paged_native.native_scatter_checked(blob, kv_caches, layout, slots, check, signature):
-            return
-        blob = check.verified(blob)
     if kernel is not None and kernel.scatter(blob, kv_caches, layout, slots):
         return
     if kernel is None and paged_native.native_scatter(blob, kv_caches, layout, slots, signature):
         return
     paged_torch.torch_scatter(blob, kv_caches, layout, slots)
+
+
+def scatter_paged_source(source: ChunkSource, kv_caches: Sequence[LayerKV], layout: PagedLayout | str,
+                         slots: torch.Tensor, *, signature: tuple | None = None) -> None:
+    """`scatter_paged` of a stored chunk: a raw chunk into host buffers goes through the native
+    checked scatter, straight from its stored bytes (memory, a mapping behind the fault guard, or
+    its file a window at a time), CRC-32C checked as it is copied: one pass over the bytes. Any
+    other chunk or path is decoded from checked bytes first. A mismatch raises ChecksumMismatch
+    after the copy; the slots written then hold no loaded tokens (the load ends there)."""
+    layout = PagedLayout.parse(layout)
+    if source.raw and _cuda_kernel(kv_caches, layout) is None \
+            and paged_native.native_scatter_source(source, kv_caches, layout, slots, signature):
+        return
+    scatter_paged(source.decode(), kv_caches, layout, slots, signature=signature)
 
 
 def _cuda_kernel(kv_caches: Sequence[LayerKV], layout: PagedLayout):

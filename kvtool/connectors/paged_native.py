@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..checksum import FilePayloadCheck, PayloadCheck
+from ..chunk_source import ChunkSource
 from ..devices import host_threads
 from .paged_layout import (LayerKV, PagedLayout, buffers_signature, channel_stride, layer_tensors, paged_geometry,
                            run_offset, tensors_signature)
@@ -139,36 +139,45 @@ def _copy(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor
     return True
 
 
-def native_scatter_checked(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: PagedLayout,
-                           slots: torch.Tensor, check: PayloadCheck, signature: tuple | None = None) -> bool:
-    """`native_scatter` of a blob viewing unchecked stored bytes (`check.payload`), CRC-32C
-    checked as it is copied (`scatter_checked`): one read of the bytes. Raises ChecksumMismatch
-    after the copy when the payload does not match. False (nothing done) when not taken."""
+def native_scatter_source(source: ChunkSource, kv_caches: Sequence[LayerKV], layout: PagedLayout,
+                          slots: torch.Tensor, signature: tuple | None = None) -> bool:
+    """`native_scatter` of a raw stored chunk straight from its stored bytes, CRC-32C checked as
+    it is copied (`scatter_checked`, or `scatter_checked_file` for a payload still in its file:
+    mapped behind a fault guard, or read a window at a time): one read of the bytes. Raises
+    ChecksumMismatch after the copy when the payload does not match. False (nothing done) when
+    not taken (no module, buffers off the CPU or of another dtype)."""
     module = native_module()
     first = layer_tensors(kv_caches[0], layout)[0]
-    if module is None or first.device.type != "cpu" or blob.device.type != "cpu" \
-            or blob.dtype != first.dtype or not blob.is_contiguous() or slots.numel() == 0:
+    if module is None or not source.raw or first.device.type != "cpu" or slots.numel() == 0 \
+            or source.dtype not in _NAMES_OF.get(first.dtype, ()):
         return False
     template = _template(kv_caches, layout, signature)
-    base, tokens, index = _call(template, slots, blob)
-    threads = _threads(blob.numel() * blob.element_size())
-    if isinstance(check, FilePayloadCheck) and not check.filled and check.length == blob.numel() * blob.element_size():
-        # still in its file: mapped behind a fault guard (or read a window at a time), checked as scattered
+    threads = _threads(source.length)
+    if source.in_file:  # still in its file: mapped behind a fault guard (or read a window at a time)
+        index = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
+        if source.length != template.parts * index.numel() * template.row_bytes * first.element_size():
+            raise ValueError("paged_native: the chunk does not match the slots")  # a bug, not bad input
         try:
-            crc = module.scatter_checked_file(template.blob_order, check.fd, check.offset, check.length, threads,
-                                              tokens, index.data_ptr())
+            crc = module.scatter_checked_file(template.blob_order, source.fd, source.offset, source.length, threads,
+                                              index.numel(), index.data_ptr())
         except EOFError:
-            raise check.truncated() from None
+            raise source.truncated() from None
         except OSError as err:
-            raise check.read_failed(err) from None
+            raise source.read_failed(err) from None
     else:
+        blob = source.tensor(source.data)
+        base, tokens, index = _call(template, slots, blob)
         try:  # (a mapped file's payload: a file cut short under the copy faults, and is refused)
-            crc = module.scatter_checked(template.blob_order, check.payload, threads, base, tokens, index.data_ptr())
+            crc = module.scatter_checked(template.blob_order, source.data, threads, base, tokens, index.data_ptr())
         except EOFError:
-            raise check.truncated() from None
-    if crc != check.crc32c:
-        raise check.mismatch()
+            raise source.truncated() from None
+    if not source.checked and crc != source.crc32c:
+        raise source.mismatch()
     return True
+
+
+_NAMES_OF = {torch.bfloat16: ("bf16", "bfloat16"), torch.float16: ("fp16", "float16"),
+             torch.float32: ("fp32", "float32")}
 
 
 def native_slots_ok(slots: torch.Tensor, num_slots: int, distinct: bool) -> bool | None:
@@ -178,28 +187,6 @@ def native_slots_ok(slots: torch.Tensor, num_slots: int, distinct: bool) -> bool
     if module is None or slots.device.type != "cpu" or slots.dtype != torch.int64 or not slots.is_contiguous():
         return None
     return module.slots_ok(slots.data_ptr(), slots.numel(), num_slots, distinct)
-
-
-def native_copy_checked():
-    """`copy_checked(buffer, check)`: copy `check.payload` into the uint8 CPU tensor `buffer` (the
-    same size), CRC-32C computed in the same pass, ChecksumMismatch after the copy when it
-    differs; None when the native module is missing. kvtool.load's staged GPU path fills its
-    pinned buffers with it."""
-    module = native_module()
-    if module is None:
-        return None
-
-    def copy_checked(buffer: torch.Tensor, check: PayloadCheck) -> None:
-        if buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError("copy_checked needs a contiguous uint8 CPU tensor")  # a bug, not bad input
-        try:  # (a mapped file's payload: a file cut short under the copy faults, and is refused)
-            crc = module.copy_checked(memoryview(buffer.numpy()), check.payload)
-        except EOFError:
-            raise check.truncated() from None
-        if crc != check.crc32c:
-            raise check.mismatch()
-
-    return copy_checked
 
 
 def native_gather(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor,
@@ -224,13 +211,14 @@ def native_scatter(blob: torch.Tensor, kv_caches: Sequence[LayerKV], layout: Pag
 
 
 def native_token_copy(tensors: Sequence[torch.Tensor], start: int, end: int, blob: torch.Tensor, scatter: bool,
-                      check: PayloadCheck | None = None) -> bool:
+                      source: ChunkSource | None = None) -> bool:
     """Tokens [start, end) between whole-sequence tensors and a KV_BLOB, natively: `tensors` are
     the connector's tokens-first views in blob order (K of every layer, then V), each [T, H, D] or
     [T, H*D] with unit channel stride (a Hugging Face [1, H, T, D] layer seen as [T, H, D]). Each
     is a "paged" tensor of one block of T slots, so the same kernel copies it (per token and
     head, or one stretch when a token's heads are adjacent) in one call, the GIL released.
-    `check`: `blob` views unchecked stored bytes, checked as they are copied (scatter only).
+    `source`: `blob` views a stored chunk's unchecked bytes in memory (`source.data`), checked as
+    they are copied (scatter only).
     False (nothing done) when the case is not taken: another device or dtype, odd strides."""
     module = native_module()
     first = tensors[0]
@@ -247,11 +235,15 @@ def native_token_copy(tensors: Sequence[torch.Tensor], start: int, end: int, blo
     index = torch.arange(start, end, dtype=torch.int64)
     rows[:, 4] = index.data_ptr()
     threads = _threads(blob.numel() * blob.element_size())
-    if check is not None:
-        if not scatter:
-            raise ValueError("native_token_copy: a check goes with a scatter")  # a bug, not bad input
-        if module.scatter_checked(rows.tobytes(), check.payload, threads) != check.crc32c:
-            raise check.mismatch()
+    if source is not None:
+        if not scatter or source.data is None:
+            raise ValueError("native_token_copy: a stored chunk in memory goes with a scatter")  # a bug
+        try:
+            crc = module.scatter_checked(rows.tobytes(), source.data, threads)
+        except EOFError:
+            raise source.truncated() from None
+        if not source.checked and crc != source.crc32c:
+            raise source.mismatch()
     else:
         module.copy_segments(rows.tobytes(), int(scatter), threads)
     del index

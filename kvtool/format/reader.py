@@ -33,7 +33,7 @@ from ..errors import (
     UsageError,
 )
 from . import layout
-from ..checksum import PayloadCheck
+from ..chunk_source import ChunkSource
 from .hashing import crc32
 from .manifest import BlobRef, ChunkEntry, Manifest, parse_manifest
 from .segment import SegmentInfo, parse_segment
@@ -275,6 +275,57 @@ class ContainerReader:
                                 f"declared {list(chunk.shape)} {chunk.dtype}")
         return array
 
+    def source(self, index: int, *, what: str | None = None, private: bool = False,
+               checked: bool = False, on_release=None) -> ChunkSource:
+        """Chunk `index` as a `ChunkSource` (where its bytes are, what they are, how they become
+        KV, checked as they go): the one way chunks leave a container for a load. A local file's
+        payload is its mapping; an open file's (`PreadFile`, a store object) stays in the file,
+        read as it is copied (the source owns a copy of the descriptor); bytes in memory are
+        viewed (`private`: a buffer no one else holds, decoded without a copy)."""
+        chunk = self._chunk(index)
+        blob = chunk.blob
+        kind = dict(what=what or f"chunk {index}", codec=chunk.codec, dtype=chunk.dtype, shape=chunk.shape,
+                    length=blob.length, crc32c=blob.crc32, raw=self._is_tensor_bytes(chunk),
+                    decode=self._decoder(chunk), batch=self._batch(chunk), on_release=on_release)
+        if isinstance(self._source, PreadFile):
+            if blob.offset + blob.length > self._source.size:
+                raise TruncatedFile(f"{self.path}: chunk {index} lies past the end of the file")
+            return ChunkSource(**kind, fd=os.dup(self._source.fd), offset=blob.offset)
+        data = memoryview(self._source.read(blob.offset, blob.length))
+        if data.nbytes != blob.length:
+            raise TruncatedFile(f"{self.path}: chunk {index} lies past the end of the file")
+        mapped = isinstance(self._source, MappedFile)
+        return ChunkSource(**kind, data=data, mapped=mapped, private=private and not mapped, checked=checked)
+
+    def _decoder(self, chunk: ChunkEntry):
+        """How chunk `chunk`'s checked payload becomes its KV_BLOB tensor (on a device)."""
+        def decode(payload: memoryview, device) -> "torch.Tensor":
+            import torch
+
+            codec = codecs.get_codec(chunk.codec_id)
+            dtype = dtype_from_name(chunk.dtype)
+            target = torch.device("cpu" if device is None else device)
+            with self._decoding(chunk):
+                if target.type == "cpu":
+                    tensor = codec.decode(payload, chunk.shape, dtype, chunk.codec_params)
+                else:
+                    tensor = codec.decode_to(payload, chunk.shape, dtype, chunk.codec_params, target)
+            if tuple(tensor.shape) != chunk.shape or tensor.dtype != dtype:
+                raise ShapeMismatch(f"chunk {chunk.index} decoded to {list(tensor.shape)} {tensor.dtype}, "
+                                    f"declared {list(chunk.shape)} {chunk.dtype}")
+            return tensor
+        return decode
+
+    @staticmethod
+    def _batch(chunk: ChunkEntry):
+        """(key, decode_batch): chunks of one codec, dtype and parameters decode together on a GPU."""
+        codec = codecs.get_codec(chunk.codec_id)
+
+        def decode_batch(payloads, shapes, device):
+            return codec.decode_batch_to(payloads, shapes, dtype_from_name(chunk.dtype), chunk.codec_params, device)
+
+        return (chunk.codec_id, chunk.dtype, repr(sorted(chunk.codec_params.items()))), decode_batch
+
     def read_chunk(self, index: int, *, verify: bool = True,
                    device: "torch.device | str | None" = None) -> "torch.Tensor":
         """Decode chunk `index` into a new KV_BLOB tensor `[2, L, T, C]` (on `device`,
@@ -330,11 +381,6 @@ class ContainerReader:
                 pass  # decode one by one below: read_chunk's error names the file's chunk
         return [self.read_chunk(c.index, verify=verify, device=target) for c in chunks]
 
-    def reads_into(self, index: int) -> bool:
-        """Whether `read_chunk_into` reads chunk `index` straight from the file (a raw chunk of a
-        local file: one pread, no decode)."""
-        return self._is_tensor_bytes(self._chunk(index)) and isinstance(self._source, MappedFile)
-
     def read_chunk_into(self, index: int, out: "torch.Tensor", *, verify: bool = True) -> "torch.Tensor":
         """Decode chunk `index` into the preallocated contiguous CPU tensor `out` (its shape and dtype).
 
@@ -354,23 +400,6 @@ class ContainerReader:
                 raise ChecksumMismatch(f"chunk {index}: CRC-32C mismatch (stored bytes are corrupt)")
             return out
         return out.copy_(self.read_chunk(index, verify=verify))
-
-    def mapped_chunk(self, index: int) -> "tuple[torch.Tensor, PayloadCheck] | None":
-        """A raw chunk of a local file as a zero-copy tensor over its mapped bytes, NOT checked
-        yet, with the `PayloadCheck` whoever copies it must apply (the native checked scatter
-        checks while it copies: one read of the bytes). None for other chunks and sources."""
-        import torch
-
-        chunk = self._chunk(index)
-        dtype = dtype_from_name(chunk.dtype)
-        if not (self._is_tensor_bytes(chunk) and isinstance(self._source, MappedFile)) or not chunk.blob.length \
-                or chunk.blob.length != math.prod(chunk.shape) * dtype.itemsize:
-            return None  # read_chunk names what is wrong with it
-        payload = self._source.read(chunk.blob.offset, chunk.blob.length)
-        if payload.nbytes != chunk.blob.length:
-            raise TruncatedFile(f"{self.path}: chunk {index} lies past the end of the file")
-        view = torch.frombuffer(payload, dtype=dtype).view(chunk.shape)
-        return view, PayloadCheck(payload, chunk.blob.crc32, f"chunk {index}")
 
     def chunk_view(self, index: int, *, verify: bool = True) -> "torch.Tensor":
         """Zero-copy tensor over a raw chunk's mapped bytes (valid until close())."""

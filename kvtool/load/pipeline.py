@@ -1,35 +1,28 @@
-"""`load_chunks`: decode chunks on worker threads and scatter each where it was decoded.
+"""`load_chunks`: open, check and copy or decode chunks on worker threads, each scattered where it
+was read.
 
-    tasks:   ChunkTask(start, end, decode) in token order; decode() -> KV_BLOB [2, L, T, C] on the
-             CPU with T >= end - start (it reads, checks and decodes one chunk)
-    scatter: scatter(kv [2, L, end - start, C] contiguous, start, end): into the paged buffers
+    tasks:        ChunkTask(start, end, open) in token order; open() -> the chunk's `ChunkSource`
+                  (kvtool.chunk_source: where its bytes are, what they are, how they become KV)
+    destination:  scatter(kv [2, L, end - start, C] contiguous, start, end): decoded KV
+                  scatter_source(source, start, end): a whole raw chunk straight from its stored
+                  bytes, CRC-checked as it is copied (the bytes are read once, not three times)
 
-A task may also offer `mapped()`: its stored bytes as a zero-copy tensor, not checked yet, with
-the `PayloadCheck` that goes with them. When `scatter` takes a `check` keyword it gets those
-(`scatter(kv, start, end, check=...)`) and must check while it copies, or copy and check first
-(the connectors do: `MemoryObj.from_tensor(kv, check=check)`): the bytes are then read once
-instead of three times (pread, CRC, scatter). A scatter without the keyword gets decode()'s
-checked tensor.
-
-At most `threads` chunks are in flight, so memory stays at `threads` decoded chunks (each thread
-reuses one staging buffer for raw chunks of a file). The first chunk that fails ends the load:
-tokens [0, its start) are loaded and reported; chunks after it may have been scattered already
-but lie past the loaded prefix (an engine computes those slots again).
+At most `threads` chunks are in flight. The first chunk that fails ends the load: tokens [0, its
+start) are loaded and reported; chunks after it may have been scattered already but lie past the
+loaded prefix (an engine computes those slots again).
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
-import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..checksum import PayloadCheck
+from ..chunk_source import ChunkSource
 from ..devices import host_threads, thread_share
 from ..errors import KvtoolError, ShapeMismatch
 
@@ -38,14 +31,26 @@ from ..errors import KvtoolError, ShapeMismatch
 class ChunkTask:
     start: int
     end: int  # tokens [start, end) of this chunk are loaded
-    decode: Callable[[], torch.Tensor]  # the chunk's KV_BLOB; its token 0 is `origin`
+    open: Callable[[], ChunkSource]  # the chunk (its token 0 is `origin`), opened where it is loaded
     origin: int | None = None  # default: start
-    # the whole chunk's stored bytes, unchecked, and their check (tokens [start, end) exactly)
-    mapped: Callable[[], tuple[torch.Tensor, PayloadCheck] | None] | None = None
+    codec: str | None = None  # the chunk's codec when known before it is opened (a file's manifest)
 
     @property
     def first_row(self) -> int:
         return 0 if self.origin is None else self.start - self.origin
+
+
+class Destination(Protocol):
+    """Where a load puts KV: an engine's paged buffers (`kvtool.connectors.PagedTarget`), tensors."""
+
+    device: torch.device
+
+    def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
+        """Decoded KV of tokens [start, end): `[2, L, end - start, C]`, contiguous."""
+
+    def scatter_source(self, source: ChunkSource, start: int, end: int) -> None:
+        """A whole stored chunk of tokens [start, end), copied from its stored bytes and checked
+        as copied (ChecksumMismatch after the copy when they are damaged)."""
 
 
 @dataclass
@@ -85,28 +90,23 @@ def _as_blob(kv: torch.Tensor, first: int, count: int) -> torch.Tensor:
     return part if part.is_contiguous() else part.contiguous()
 
 
-def load_chunks(tasks: Sequence[ChunkTask], scatter: Callable[[torch.Tensor, int, int], None], *,
-                threads: int | None = None) -> LoadOutcome:
+def load_chunks(tasks: Sequence[ChunkTask], destination: Destination, *, threads: int | None = None) -> LoadOutcome:
+    """Load `tasks` into a destination on the CPU, several chunks at once (module docstring)."""
     tasks = list(tasks)
     if not tasks:
         return LoadOutcome(loaded_tokens=0, chunks=0)
     threads = threads or load_threads(len(tasks))
     if threading.current_thread().name.startswith(_WORKER_PREFIX):
         threads = 1  # a load inside a load's worker runs in place: waiting on the pool could deadlock it
-    checks = takes_check(scatter)
     share = max(1, host_threads() // threads)  # each worker's native copies take cores / workers
 
     def run(task: ChunkTask) -> None:
-        with thread_share(share):
-            mapped = task.mapped() if checks and task.mapped is not None else None
-            if mapped is not None:
-                try:
-                    scatter(mapped[0], task.start, task.end, check=mapped[1])
-                finally:
-                    if mapped[1] is not None:
-                        mapped[1].release()  # (a file's check closes the file)
+        with thread_share(share), task.open() as source:
+            if source.raw and task.first_row == 0 and task.end - task.start == source.num_tokens:
+                destination.scatter_source(source, task.start, task.end)  # checked as copied
             else:
-                scatter(_as_blob(task.decode(), task.first_row, task.end - task.start), task.start, task.end)
+                destination.scatter(_as_blob(source.decode(), task.first_row, task.end - task.start),
+                                    task.start, task.end)
 
     if threads == 1:  # no pool: the same steps in order
         for i, task in enumerate(tasks):
@@ -160,81 +160,14 @@ def _run_shared(tasks: list[ChunkTask], run: Callable[[ChunkTask], None], thread
     return done
 
 
-_takes_check_seen: "weakref.WeakKeyDictionary[Callable, bool]" = weakref.WeakKeyDictionary()
-
-
-def takes_check(scatter: Callable) -> bool:
-    """Whether `scatter` takes the `check` keyword (stored bytes checked as it copies them).
-    Known per function (a bound method's by its function): inspect.signature costs ~8 us, and
-    an engine passes the same scatter on every load."""
-    function = getattr(scatter, "__func__", scatter)
-    try:
-        return _takes_check_seen[function]
-    except (KeyError, TypeError):  # (TypeError: not weakly referable, e.g. a builtin)
-        pass
-    try:
-        params = inspect.signature(scatter).parameters
-    except (TypeError, ValueError):
-        return False
-    takes = "check" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    try:
-        _takes_check_seen[function] = takes
-    except TypeError:
-        pass
-    return takes
-
-
-_staging = threading.local()
-MAX_KEPT_BUFFER = 128 << 20  # a larger chunk or object gets a fresh buffer each time
-
-
-def thread_buffer(nbytes: int) -> torch.Tensor:
-    """This thread's reusable byte buffer (uint8, at least `nbytes`) for one chunk at a time: a raw
-    chunk read from a file, or a store object read for a load (a fresh buffer page-faults in as
-    long as the read takes). The caller must be done with it before the thread reads the next."""
-    if nbytes > MAX_KEPT_BUFFER:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    buf = getattr(_staging, "buffer", None)
-    if buf is None or buf.numel() < nbytes:
-        buf = _staging.buffer = torch.empty(nbytes, dtype=torch.uint8)
-    return buf
-
-
-def _staging_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A [shape] `dtype` view of this thread's buffer, for one raw chunk."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * dtype.itemsize
-    return thread_buffer(nbytes)[:nbytes].view(dtype).view(shape)
-
-
-def file_tasks(reader, num_tokens: int, *, verify: bool = True) -> list[ChunkTask]:
-    """Tasks for a container file's chunks covering tokens [0, num_tokens) (a `ContainerReader`).
-
-    Raw chunks of a local file loaded whole are offered `mapped` (checked as they are scattered
-    from the map); otherwise (and for a scatter that does not check) they are read with one pread
-    into the thread's staging buffer, checked there and scattered from there: the bytes checked
-    are the bytes loaded (scattering from the mapped file after checking it would leave a window
-    for a writer to change them). Other codecs decode from the mapped file."""
-    from ..dtypes import dtype_from_name
-
+def file_tasks(reader, num_tokens: int) -> list[ChunkTask]:
+    """Tasks for a container file's chunks covering tokens [0, num_tokens) (a `ContainerReader`):
+    each chunk's `ChunkSource` (a local file's raw chunks are scattered straight from the mapping,
+    behind the fault guard, checked as copied; other codecs decode from checked bytes)."""
     tasks = []
     for chunk in reader.chunks:
         if chunk.start >= num_tokens:
             break
-        end = min(chunk.end, num_tokens)
-        if reader.reads_into(chunk.index):
-            shape, dtype = tuple(chunk.shape), dtype_from_name(chunk.dtype)
-
-            def decode(index=chunk.index, shape=shape, dtype=dtype):
-                return reader.read_chunk_into(index, _staging_buffer(shape, dtype), verify=verify)
-        else:
-            def decode(index=chunk.index):
-                return reader.read_chunk(index, verify=verify)
-        mapped = None
-        if verify and end == chunk.end and reader.reads_into(chunk.index):
-            def mapped(index=chunk.index):
-                return reader.mapped_chunk(index)
-        tasks.append(ChunkTask(chunk.start, end, decode, mapped=mapped))
+        tasks.append(ChunkTask(chunk.start, min(chunk.end, num_tokens),
+                               lambda index=chunk.index: reader.source(index), codec=chunk.codec))
     return tasks

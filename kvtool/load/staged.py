@@ -6,10 +6,10 @@
       into staging (i % n)      (non-blocking), scatter it,        (overlapping the reads of
                                 record event (i % n)                i+1.. on the host)
 
-Host side: each of `staging` pinned buffers holds one chunk. A raw chunk of a local file is
-copied from the mapped file into its pinned buffer and CRC-checked in the same pass (the native
-checked copy the caller passes: one read of the bytes); other chunks are read, checked and decoded on the CPU as
-`decode()` does and copied into the buffer. A buffer is refilled only once the event recorded
+Host side: each of `staging` pinned buffers holds one chunk. A whole raw chunk is copied from
+its stored bytes into its pinned buffer and CRC-checked in the same pass (`ChunkSource.copy_into`:
+the native one-pass copy, behind the fault guard for a mapping; a store object's file is read
+straight into the buffer); other chunks are decoded on the CPU from checked bytes and copied in. A buffer is refilled only once the event recorded
 after its last host-to-device copy has completed, so at most `staging` chunks are in flight.
 
 Device side: the host-to-device copies and the scatters run on one side stream, in chunk order;
@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from ..checksum import FilePayloadCheck, PayloadCheck
+from ..dtypes import dtype_from_name
 from ..errors import KvtoolError
-from .pipeline import ChunkTask, LoadOutcome, _as_blob, load_threads
+from .pipeline import ChunkTask, Destination, LoadOutcome, _as_blob, load_threads
 
 DEFAULT_STAGING = 3  # pinned chunk buffers: reading, copying, scattering one each
 
@@ -62,38 +62,24 @@ class _Staging:
             event.record(stream)
 
 
-def _fill(task: ChunkTask, slot: int, staging: _Staging, copy_checked: Callable | None) -> torch.Tensor:
+def _fill(task: ChunkTask, slot: int, staging: _Staging) -> torch.Tensor:
     """Chunk `task` in staging buffer `slot`, as a KV_BLOB of its tokens [start, end)."""
-    mapped = task.mapped() if task.mapped is not None and copy_checked is not None else None
-    if mapped is not None:
-        view, check = mapped
-        buf = staging.buffer(slot, view.numel() * view.element_size())
-        out = buf.view(view.dtype).view(view.shape)
-        try:
-            if check is None:  # checked already (a store object read for us)
-                out.copy_(view)
-            elif isinstance(check, FilePayloadCheck) and not check.filled:
-                check.read_checked_into(memoryview(buf.numpy()))  # read into the staging buffer, checked there
-            else:
-                copy_checked(buf, check)
-        finally:
-            if check is not None:
-                check.release()
-        return out
-    kv = _as_blob(task.decode(), task.first_row, task.end - task.start)
+    with task.open() as source:
+        if source.raw and task.first_row == 0 and task.end - task.start == source.num_tokens:
+            buf = staging.buffer(slot, source.length)
+            source.copy_into(memoryview(buf.numpy()))  # copied and checked in one pass
+            return buf.view(dtype_from_name(source.dtype)).view(source.shape)
+        kv = _as_blob(source.decode(), task.first_row, task.end - task.start)
     buf = staging.buffer(slot, kv.numel() * kv.element_size())
     out = buf.view(kv.dtype).view(kv.shape)
     out.copy_(kv)
     return out
 
 
-def load_chunks_staged(tasks: Sequence[ChunkTask], scatter: Callable[[torch.Tensor, int, int], None],
-                       device: torch.device | str, *, staging: int = DEFAULT_STAGING,
-                       threads: int | None = None,
-                       copy_checked: Callable[[torch.Tensor, PayloadCheck], None] | None = None) -> LoadOutcome:
-    """Load `tasks` into buffers on `device`: `scatter(kv_on_device, start, end)` runs on a side
-    stream, in chunk order (see the module docstring). `copy_checked`: how a mapped raw chunk
-    goes into a pinned buffer with its check (None: every chunk through `decode()`)."""
+def load_chunks_staged(tasks: Sequence[ChunkTask], destination: Destination, device: torch.device | str, *,
+                       staging: int = DEFAULT_STAGING, threads: int | None = None) -> LoadOutcome:
+    """Load `tasks` into a destination on `device`: `destination.scatter(kv_on_device, start,
+    end)` runs on a side stream, in chunk order (see the module docstring)."""
     tasks = list(tasks)
     device = torch.device(device)
     if not tasks:
@@ -108,7 +94,7 @@ def load_chunks_staged(tasks: Sequence[ChunkTask], scatter: Callable[[torch.Tens
 
         def start(i: int) -> None:
             if i < len(tasks):
-                filling[i] = pool.submit(_fill, tasks[i], i % staging, slots, copy_checked)
+                filling[i] = pool.submit(_fill, tasks[i], i % staging, slots)
 
         for i in range(min(staging, len(tasks))):
             start(i)
@@ -118,7 +104,7 @@ def load_chunks_staged(tasks: Sequence[ChunkTask], scatter: Callable[[torch.Tens
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     kv = host.to(device, non_blocking=True) if slots.cuda else host
                     slots.copied(i % staging, stream)  # the staging buffer is free once this copy is done
-                    scatter(kv, task.start, task.end)
+                    destination.scatter(kv, task.start, task.end)
             except KvtoolError as err:
                 outcome = LoadOutcome(loaded_tokens=task.start, chunks=i, error=err, failed=i)
                 break

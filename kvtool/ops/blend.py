@@ -32,7 +32,6 @@ from ..engine.blend import (DEFAULT_CHECK_LAYER, DEFAULT_RECOMPUTE_RATIO, BlendR
                             check_segment)
 from ..errors import ModelMismatch, PromptError, ToleranceExceeded, UsageError
 from ..format import ContainerReader
-from ..format.reader import BytesSource
 from ..fsutil import read_text_file
 from ..identity import ModelIdentity
 from .compare import compare_logits
@@ -146,17 +145,16 @@ class _Part:
     report: SegmentReport
 
 
-def _from_store(chunk_store, model: LoadedModel, tokens: list[int], chunk_size: int | None,
-                allow_other_weights: bool, extra_keys) -> _Part:
-    """The store's longest cached run of whole chunks of `tokens` from token 0, then the uncached tail."""
-    from ..store.containers import prefix_container
-
-    n, _codecs, writer = prefix_container(chunk_store, model.identity, tokens, chunk_size, None,
-                                          extra_keys=extra_keys)
-    if writer is None:
+def _from_store(chunk_store, model: LoadedModel, tokens: list[int], chunk_size: int | None, extra_keys) -> _Part:
+    """The store's longest cached run of whole chunks of `tokens` from token 0 (loaded through the
+    one load path as tensors, each object checked: a segment at 0 of this model and weights),
+    then the uncached tail."""
+    cache = chunk_store.best_cache(model.identity, tokens, chunk_size, extra_keys)
+    hit = cache.get_prefix(tokens)
+    if hit.num_tokens == 0:
         return _Part([Segment(tokens)], SegmentReport("text", len(tokens), 0))
-    with ContainerReader(BytesSource(writer.getvalue(), chunk_store.url)) as reader:
-        cached = segment_from_reader(reader, model, allow_other_weights)
+    n = hit.num_tokens
+    cached = Segment(tokens[:n], hit.kv(), 0, model.identity)  # (the store's key: this model and weights)
     tail = [Segment(tokens[n:])] if n < len(tokens) else []
     return _Part([cached, *tail], SegmentReport(chunk_store.url, len(tokens), n, 0))
 
@@ -193,7 +191,7 @@ def retrieve(model: LoadedModel, pieces: list[str], files: list[str], store: str
                     parts.append(_Part([seg], SegmentReport(str(reader.path), len(tokens), len(tokens),
                                                             seg.stored_start, reader.segment is not None)))
                 elif chunk_store is not None:
-                    parts.append(_from_store(chunk_store, model, tokens, chunk_size, allow_other_weights, keys))
+                    parts.append(_from_store(chunk_store, model, tokens, chunk_size, keys))
                 else:
                     parts.append(_Part([Segment(tokens)], SegmentReport("text", len(tokens), 0)))
         finally:

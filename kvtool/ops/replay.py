@@ -28,27 +28,20 @@ import torch
 from .. import codecs
 from ..devices import describe, resolve_device, synchronize
 from ..dtypes import dtype_from_name
-from ..connectors import MemoryObj
-from ..connectors.paged_native import native_copy_checked
+from ..connectors import ConnectorTarget
 from ..engine import LoadedModel, PagedKVCache, Runner, load_model, logits_from_hidden
 from ..errors import (DataError, ModelMismatch, NonFiniteValues, NotAPrefixCache, PromptError, ShapeMismatch, ToleranceExceeded,
                       UsageError)
 from ..format import ContainerReader
-from ..format.reader import BytesSource
 from ..format.hashing import prefix_hashes
 from ..fsutil import read_text_file
-from ..load import file_tasks, load_chunks, load_chunks_staged
+from ..load import file_tasks, load
 from ..notices import notice
 from ..store.names import NO_EXTRA_KEYS, ExtraKeys
 from .compare import compare_logits
 from .engine_io import new_cache, paged_connector
 from .inputs import check_text, check_vocabulary, fraction, model_dtype_name, non_negative
 from .result import Result
-
-
-# On a GPU, chunks decode this many at a time (one launch each group): enough to fill the
-# device, few enough that the decoded group stays small next to the paged buffers.
-LOAD_BATCH_CHUNKS = 32
 
 
 @dataclass
@@ -167,43 +160,47 @@ def plan_reuse(reader: ContainerReader, new_tokens: list[int] | None = None,
     return ReusePlan(tokens=tokens, reused=reused, chunks=-(-reused // size))
 
 
-def load_prefix(reader: ContainerReader, model: LoadedModel, cache: PagedKVCache, seq, num_tokens: int,
-                slot_mapping: torch.Tensor) -> float:
-    """Decode the file's chunks covering [0, num_tokens) into the paged cache; returns seconds.
+@dataclass
+class Prefix:
+    """Where a replay's reused KV comes from (a file's chunks, or the store's objects), and the one
+    call that loads it into the paged cache through `kvtool.load.load`."""
 
-    On the CPU this is kvtool.load's pipeline: chunks read, checked and decoded on worker threads,
-    each scattered into the paged buffers as soon as it is ready (raw chunks straight from the
-    mapped file, checked as they are copied). On a GPU, CacheGen chunks decode there in batches
-    (one launch per batch); other chunks go through `load_chunks_staged`: read and checked into
-    pinned buffers on worker threads, copied and scattered on a side stream."""
-    t0 = time.perf_counter()
-    connector = paged_connector(model)
+    source: str  # the file's path or the store's URL, for the report
+    kv_dtype: torch.dtype
+    chunk_size: int
+    codecs: list[str]
+    weights: str  # what is known of the weights that computed it, for the report
+    load: Callable[[ConnectorTarget, int], int]  # (destination, tokens wanted) -> tokens loaded from 0
+    reader: ContainerReader | None = None  # a file's (its hidden states, its codecs to warm up)
 
-    slots = slot_mapping.cpu()  # checked on the host: no device sync per chunk (the copy to the device is small)
 
-    def scatter(kv: torch.Tensor, start: int, end: int, check=None) -> None:
-        connector.to_gpu(MemoryObj.from_tensor(kv, check=check), start, end, kvcaches=cache.kv_caches,
-                         slot_mapping=slots)
+def file_prefix(reader: ContainerReader, model: LoadedModel, allow_other_weights: bool = False) -> Prefix:
+    """A container file's chunks as a replay's prefix, after `check_model`."""
+    weights = check_model(reader, model, allow_other_weights)
 
-    needed = [c for c in reader.chunks if c.start < num_tokens]
-    if cache.device.type != "cuda":
-        outcome = load_chunks(file_tasks(reader, num_tokens), scatter)
-    elif all(c.codec == "cachegen" for c in needed):  # decoded on the GPU, a batch per launch
-        outcome = None
-        for g in range(0, len(needed), LOAD_BATCH_CHUNKS):
-            batch = [c.index for c in needed[g:g + LOAD_BATCH_CHUNKS]]
-            for index, decoded in zip(batch, reader.read_chunks(batch, device=cache.device)):
-                chunk = reader.chunks[index]
-                end = min(chunk.end, num_tokens)
-                scatter(decoded[:, :, : end - chunk.start].contiguous(), chunk.start, end)
-    else:  # read and checked into pinned buffers, copied and scattered on a side stream
-        outcome = load_chunks_staged(file_tasks(reader, num_tokens), scatter, cache.device,
-                                     copy_checked=native_copy_checked())
-    if outcome is not None and outcome.error is not None:
-        raise outcome.error
-    seq.num_tokens = num_tokens
-    synchronize(cache.device)
-    return time.perf_counter() - t0
+    def load_file(target: ConnectorTarget, num_tokens: int) -> int:
+        outcome = load(file_tasks(reader, num_tokens), target)
+        if outcome.error is not None:  # a file's damage is the replay's failure, named
+            raise outcome.error
+        return num_tokens
+
+    return Prefix(source=str(reader.path), kv_dtype=reader.kv_dtype, chunk_size=reader.manifest.chunk_size,
+                  codecs=sorted({c.codec for c in reader.chunks}), weights=weights, load=load_file, reader=reader)
+
+
+def store_prefix(cache, tokens: list[int], kv_dtype: torch.dtype) -> Prefix:
+    """The store's whole chunks of `tokens` (a `ModelCache`: this model, its weights, the request's
+    extra keys) as a replay's prefix: loaded straight from the objects into the paged cache, each
+    checked (a refused one ends the prefix: the rest is computed)."""
+    codecs_seen: list[str] = []
+
+    def load_objects(target: ConnectorTarget, num_tokens: int) -> int:
+        hit = cache.load_prefix(tokens, target, max_tokens=num_tokens)
+        codecs_seen.extend(sorted(set(hit.codecs)))
+        return hit.num_tokens
+
+    return Prefix(source=cache.store.url, kv_dtype=kv_dtype, chunk_size=cache.chunk_size, codecs=codecs_seen,
+                  weights="same weights (the store's key)", load=load_objects)
 
 
 def replay(path: str | Path | None, model: str | Path | LoadedModel | None = None, *, continue_tokens: int = 32,
@@ -248,7 +245,7 @@ def replay(path: str | Path | None, model: str | Path | LoadedModel | None = Non
     with ContainerReader(path) as reader:
         stage("loading the model")
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=where)
-        check_model(reader, loaded, allow_other_weights)
+        prefix = file_prefix(reader, loaded, allow_other_weights)  # the file was made by this model
         if suffix_file is not None:
             suffix = read_text_file(suffix_file)
         if prompt_file is not None:
@@ -260,8 +257,7 @@ def replay(path: str | Path | None, model: str | Path | LoadedModel | None = Non
                           suffix_tokens=loaded.tokenizer.encode(check_text(suffix, "--suffix")) if suffix is not None
                           else None,
                           use_hidden_states=use_hidden_states)
-        result = replay_plan(reader, loaded, plan, continue_tokens=continue_tokens, compare=compare,
-                             on_stage=stage, allow_other_weights=allow_other_weights)
+        result = replay_plan(prefix, loaded, plan, continue_tokens=continue_tokens, compare=compare, on_stage=stage)
     return _check_thresholds(result, min_top1, max_kl)
 
 
@@ -280,10 +276,9 @@ def replay_from_store(store: str, model, *, weights, where, prompt: str | None, 
                       chat: bool, chunk_size: int | None, continue_tokens: int, compare: bool,
                       on_stage: Callable[[str], None], allow_other_weights: bool,
                       extra_keys: ExtraKeys = NO_EXTRA_KEYS) -> ReplayResult:
-    """`replay --store URL --prompt-file F`: the prompt's longest cached prefix from the store
-    (checked object by object), gathered as an in-memory container, then `replay_plan`."""
+    """`replay --store URL --prompt-file F`: the prompt's longest cached prefix loaded from the
+    store's objects straight into the paged cache (`store_prefix`), the rest computed."""
     from ..store import open_store
-    from ..store.containers import prefix_container
     from .capture import encode_prompt
 
     if prompt is None and prompt_file is None:
@@ -296,33 +291,23 @@ def replay_from_store(store: str, model, *, weights, where, prompt: str | None, 
         if not tokens:
             raise PromptError("the prompt is empty")
         check_vocabulary(tokens, loaded.config.vocab_size)
-        on_stage("reading the cached prefix from the store")
-        t0 = time.perf_counter()
-        cached, _codecs, writer = prefix_container(chunk_store, loaded.identity, tokens, chunk_size, None,
-                                                   extra_keys=extra_keys)
-        fetch_s = time.perf_counter() - t0  # part of the time to first token: added below
-        if writer is None:
-            plan = ReusePlan(tokens=tokens, reused=0, chunks=0)
-            return replay_plan(None, loaded, plan, continue_tokens=continue_tokens, compare=compare,
-                               on_stage=on_stage, source=chunk_store.url, chunk_size=chunk_size or 256)
-        with ContainerReader(BytesSource(writer.getvalue(), chunk_store.url)) as reader:
-            plan = plan_reuse(reader, new_tokens=tokens)
-            result = replay_plan(reader, loaded, plan, continue_tokens=continue_tokens, compare=compare,
-                                 on_stage=on_stage, allow_other_weights=allow_other_weights, source=chunk_store.url)
-    result.load_s += fetch_s
-    result.ttft_cached_s += fetch_s
-    if result.ttft_recompute_s is not None:
-        result.speedup = result.ttft_recompute_s / max(result.ttft_cached_s, 1e-9)
-    return result
+        cache = chunk_store.best_cache(loaded.identity, tokens, chunk_size, extra_keys)
+        stored = min(cache.lookup(tokens), len(tokens) - 1)  # at least one token is computed
+        kv_dtype = cache.kv_dtype(tokens) or torch.bfloat16
+        plan = ReusePlan(tokens=tokens, reused=stored, chunks=stored // cache.chunk_size)
+        return replay_plan(store_prefix(cache, tokens, kv_dtype), loaded, plan, continue_tokens=continue_tokens,
+                           compare=compare, on_stage=on_stage)
 
 
-def replay_plan(reader: ContainerReader | None, model: LoadedModel, plan: ReusePlan, *, continue_tokens: int = 32,
-                compare: bool = False, block_size: int = 16, on_stage: Callable[[str], None] | None = None,
-                allow_other_weights: bool = False, source: str | None = None, chunk_size: int = 256) -> ReplayResult:
-    """Run `plan` (from `plan_reuse`) on an open file: load its reused chunks, compute the rest,
-    continue greedily, and with `compare` measure against a full recompute. `reader` None runs
-    a plan that reuses nothing; `source` names where the KV came from (a store's URL)."""
-    weights = check_model(reader, model, allow_other_weights) if reader is not None else "nothing reused"
+def replay_plan(prefix: "Prefix | ContainerReader", model: LoadedModel, plan: ReusePlan, *,
+                continue_tokens: int = 32, compare: bool = False, block_size: int = 16,
+                on_stage: Callable[[str], None] | None = None, allow_other_weights: bool = False) -> ReplayResult:
+    """Run `plan` on a prefix (`file_prefix`, `store_prefix`; an open file is taken as its
+    `file_prefix`): load its reused tokens, compute the rest, continue greedily, and with
+    `compare` measure against a full recompute."""
+    if isinstance(prefix, ContainerReader):
+        prefix = file_prefix(prefix, model, allow_other_weights)
+    reader = prefix.reader
     tokens = plan.tokens
     n = len(tokens)
     total = n + continue_tokens
@@ -331,24 +316,30 @@ def replay_plan(reader: ContainerReader | None, model: LoadedModel, plan: ReuseP
                           f"{model.max_position_embeddings}")
     if continue_tokens < 1:
         raise UsageError("--continue must be at least 1")
-    # no reader: nothing was cached (replay --store of a new prompt): everything is computed
-    kv_dtype = reader.kv_dtype if reader is not None else torch.bfloat16
-    prefill_chunk = reader.manifest.chunk_size if reader is not None else chunk_size
+    kv_dtype, prefill_chunk = prefix.kv_dtype, prefix.chunk_size
     stage = on_stage or (lambda _text: None)
-    if reader is not None:
-        warm_up(model, reader)
+    warm_up(model, prefix)
     if compare:
         stage(f"recomputing {n} tokens and {continue_tokens} more (the reference)")
     reference = recompute(model, tokens, continue_tokens, kv_dtype, block_size, prefill_chunk) if compare else None
 
-    stage(f"loading {plan.reused} tokens from the file and continuing")
+    stage(f"loading {plan.reused} tokens from {'the file' if reader is not None else 'the store'} and continuing")
     cache, seq = new_cache(model, total, kv_dtype, block_size, seed=1)
     slot_mapping = seq.slot_mapping(total, device=model.device)
     runner = Runner(model, cache)
     reused, first_from, why = plan.reused, "hidden_states" if plan.from_hidden else "prefill", None
     synchronize(model.device)
     t0 = time.perf_counter()
-    load_s = load_prefix(reader, model, cache, seq, plan.reused, slot_mapping) if reader is not None else 0.0
+    # the one load path; slots checked on the host: no device sync per chunk (the copy is small)
+    target = ConnectorTarget(paged_connector(model), kvcaches=cache.kv_caches, slot_mapping=slot_mapping.cpu())
+    loaded = prefix.load(target, plan.reused) if plan.reused else 0
+    seq.num_tokens = loaded
+    synchronize(model.device)
+    load_s = time.perf_counter() - t0
+    if loaded < plan.reused:  # the store refused or lost a chunk: the rest is computed
+        why = f"{plan.reused - loaded} cached tokens could not be loaded: computed"
+        reused = loaded
+        plan = ReusePlan(tokens=tokens, reused=loaded, chunks=-(-loaded // prefix.chunk_size))
     hidden = None
     if plan.from_hidden:
         try:
@@ -383,10 +374,11 @@ def replay_plan(reader: ContainerReader | None, model: LoadedModel, plan: ReuseP
         measured.update(cached_continuation_tokens=own, cached_continuation=model.tokenizer.decode(own),
                         agreed_continuation=model.tokenizer.decode(generated[:same]))
     return ReplayResult(
-        file=source or str(reader.path), model=model.name, num_tokens=n, reused_tokens=reused, computed_tokens=n - reused,
-        chunks_loaded=plan.chunks, codecs=sorted({c.codec for c in reader.chunks}) if reader is not None else [],
+        file=prefix.source, model=model.name, num_tokens=n, reused_tokens=reused, computed_tokens=n - reused,
+        chunks_loaded=plan.chunks, codecs=sorted(set(prefix.codecs)) if plan.reused else [],
         device=describe(model.device),
-        model_dtype=str(model.dtype).removeprefix("torch."), first_token_from=first_from, weights=weights,
+        model_dtype=str(model.dtype).removeprefix("torch."), first_token_from=first_from,
+        weights=prefix.weights if plan.reused else "nothing reused",
         load_s=load_s,
         ttft_cached_s=ttft_cached, continue_tokens=continue_tokens, continuation_tokens=generated,
         continuation=model.tokenizer.decode(generated), notice=why, **measured)
@@ -440,13 +432,13 @@ def last_hidden_state(reader: ContainerReader, model: LoadedModel, n: int) -> to
 _warmed: set[tuple[str, tuple[str, ...]]] = set()
 
 
-def warm_up(model: LoadedModel, reader: ContainerReader) -> None:
+def warm_up(model: LoadedModel, prefix: Prefix) -> None:
     """On a GPU, pay the one-time costs (kernel builds and loads, library handles, lazy
-    modules) before anything is timed: each codec of the file warms itself up, the paged
-    copy kernel loads, one tiny prefill runs. Nothing to do on the CPU."""
+    modules) before anything is timed: each codec of the prefix warms itself up (the store's:
+    every codec), the paged copy kernel loads, one tiny prefill runs. Nothing to do on the CPU."""
     from ..connectors.paged_copy import load_cuda_kernel
 
-    names = tuple(sorted({c.codec for c in reader.chunks}))
+    names = tuple(prefix.codecs) if prefix.reader is not None else tuple(codecs.codec_names())
     key = (str(model.device), names)
     if model.device.type != "cuda" or key in _warmed:
         return
@@ -454,6 +446,6 @@ def warm_up(model: LoadedModel, reader: ContainerReader) -> None:
     load_cuda_kernel()
     for name in names:
         codecs.get_codec(name).warm_up(model.device)
-    cache, seq = new_cache(model, 2, reader.kv_dtype, 16, seed=0)
+    cache, seq = new_cache(model, 2, prefix.kv_dtype, 16, seed=0)
     Runner(model, cache).prefill(seq, [0, 0], logits="last")
     synchronize(model.device)

@@ -22,7 +22,8 @@ from ..errors import ChecksumMismatch, NotCached, ObjectRefused, StoreUrlInvalid
 from ..format.reader import PreadFile
 from ..identity import ModelIdentity
 from ..notices import notice
-from . import objects
+from . import loading, objects
+from .loading import PrefixHit
 from .names import NO_EXTRA_KEYS, ChunkLink, ExtraKeys, chunk_chain
 from .backend import Backend, ObjectInfo
 from .local import LocalBackend
@@ -31,10 +32,6 @@ from .tiers import TieredBackend
 
 if TYPE_CHECKING:
     import torch
-
-class _Gone(NotCached):
-    """An object removed between the existence check and its read (a miss, not damage)."""
-
 
 #: Chunks fetched per batch (one round trip to Redis): enough to hide latency, few enough
 #: that a long prefix never sits in memory twice.
@@ -81,25 +78,6 @@ class StoreCounters:
     stored: int = 0  # chunks written
     deduplicated: int = 0  # chunks already stored, not written again
     refusals: list[str] = field(default_factory=list)  # the first few refusals, one line each
-
-
-@dataclass
-class PrefixHit:
-    """What `get_prefix` found: the longest run of stored whole chunks from token 0."""
-
-    num_tokens: int
-    chunks: list[Any]  # KV_BLOB tensors [2, L, S, C], one per chunk (empty when written into buffers)
-    codecs: list[str]
-    refused: list[str]  # a refused object ended the run early: why
-    stored_bytes: int
-
-    def kv(self) -> "torch.Tensor":
-        """The prefix as one KV_BLOB `[2, L, num_tokens, C]`."""
-        import torch
-
-        if not self.chunks:
-            raise UsageError("no chunks to join: the prefix is empty or went into paged buffers")
-        return torch.cat(self.chunks, dim=2)
 
 
 @dataclass
@@ -261,126 +239,39 @@ class ModelCache:
         if refused is not None:
             refused.append(str(err))
 
-    def get_prefix(self, token_ids, *, device: "torch.device | str | None" = None,
-                   max_tokens: int | None = None, connector=None, from_token: int = 0,
-                   **connector_kwargs) -> PrefixHit:
-        """Decode the longest run of stored, intact whole chunks from token 0.
-
-        Without `connector`, each chunk is a KV_BLOB tensor on `device` (CacheGen chunks decode
-        on the GPU when it is one). With a connector (`kvtool.connectors`), each chunk goes
-        straight into the engine's paged buffers through kvtool.load's pipeline (fetch, check,
-        decode and scatter of several chunks at once): `connector.to_gpu(memory, start, end,
-        **connector_kwargs)` (e.g. `kvcaches=`, `slot_mapping=`); tokens before `from_token`
-        (which the engine holds already) are not written. A damaged or foreign object ends the
-        run there: it is never returned."""
-        import torch
-
-        if connector is not None:
-            from ..connectors import MemoryObj
-
-            def scatter(kv: "torch.Tensor", start: int, end: int, check=None) -> None:
-                connector.to_gpu(MemoryObj.from_tensor(kv, check=check), start, end, **connector_kwargs)
-
-            return self.load_prefix(token_ids, scatter, max_tokens=max_tokens, from_token=from_token)
-        hit = PrefixHit(num_tokens=0, chunks=[], codecs=[], refused=[], stored_bytes=0)
-        target = torch.device(device) if device is not None else None
-        for start, obj, size in self.checked_objects(token_ids, max_tokens, hit.refused):
-            name = self.name(obj.prefix_hash)
-            try:
-                kv = obj.decode(target)
-            except ObjectRefused as err:
-                self.store.counters.hits -= 1
-                self._refused(name, err, self._chain(token_ids, max_tokens), start, hit.refused)
-                break
-            finally:
-                obj.reader.close()
-            hit.chunks.append(kv)
-            hit.codecs.append(obj.codec)
-            hit.stored_bytes += size
-            hit.num_tokens = start + self.chunk_size
-        return hit
-
-    def load_prefix(self, token_ids, scatter, *, max_tokens: int | None = None, from_token: int = 0,
-                    device: "torch.device | str | None" = None, copy_checked=None) -> PrefixHit:
-        """The longest run of stored, intact whole chunks from token 0 into an engine's buffers:
-        `scatter(kv, start, end)` gets each chunk's tokens [start, end) (those from `from_token`
-        on) as a contiguous CPU KV_BLOB, from kvtool.load's worker threads, each chunk fetched,
-        checked and decoded on the thread that scatters it. The run ends at the first missing or
-        refused chunk; chunks past it may have been scattered but are not part of the hit.
-
-        `device` (a GPU the engine's buffers are on; None: the CPU pipeline): `scatter` gets each
-        chunk on that device, from `load_chunks_staged` (read and checked into pinned buffers on worker threads, copied
-        and scattered on a side stream; `copy_checked`: the native one-pass checked copy)."""
-        from ..load import ChunkTask, load_chunks, load_chunks_staged, takes_check
-        from ..load.pipeline import thread_buffer
-
-        def read_buffer(size: int) -> memoryview:
-            return memoryview(thread_buffer(size).numpy())
-
-        hit = PrefixHit(num_tokens=0, chunks=[], codecs=[], refused=[], stored_bytes=0)
-        chain = self._chain(token_ids, max_tokens)
-        stored = self._stored_run(chain, count_misses=True)
-        seen: dict[int, tuple[str, int]] = {}  # task index -> codec, stored bytes
-
-        def fetch(index: int, link: ChunkLink, unchecked: bool = False):
-            """The chunk's KV; `unchecked`: a raw payload read for us comes back as a view with
-            its PayloadCheck (the scatter checks it as it copies: one pass fewer)."""
-            name = self.name(link.prefix_hash)
-            # unchecked: the chunk is copied out (scattered, or staged) on this thread before it
-            # fetches another, so the object may be read into this thread's reused buffer; from
-            # a backend with files it is opened, and a raw payload is read as it is scattered
-            # (a window at a time, or mapped behind a fault guard: the bytes cross memory once)
-            data = self.backend.open(name) if unchecked else self.backend.get(name)
+    def kv_dtype(self, token_ids) -> "torch.dtype | None":
+        """The KV dtype of the stored first chunk of `token_ids` (None: not stored, or refused):
+        what an engine's buffers for its prefix are made of."""
+        chain = self._chain(token_ids, self.chunk_size)
+        if not chain:
+            return None
+        name = self.name(chain[0].prefix_hash)
+        try:
+            data = self.backend.open(name)
             if data is None:
-                raise _Gone(name)
-            size = data.size if isinstance(data, PreadFile) else len(data)
+                return None
             obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
-                                      prefix_hash=link.prefix_hash, start=link.start, extra=link.extra,
-                                      verify_payload=not unchecked)
-            seen[index] = (obj.codec, size)
-            try:
-                if unchecked:
-                    viewed = obj.unchecked_view(read_buffer)
-                    if viewed is not None:
-                        return viewed
-                kv = obj.decode(None)
-            finally:
-                obj.reader.close()
-            return (kv, None) if unchecked else kv
+                                      prefix_hash=chain[0].prefix_hash, start=0, extra=chain[0].extra,
+                                      verify_payload=False)
+        except ObjectRefused:
+            return None  # the load refuses it again, and reports it
+        try:
+            return obj.reader.kv_dtype
+        finally:
+            obj.reader.close()
 
-        staged = device is not None  # a GPU's buffers (on the CPU the staged steps run too: tests)
-        checking = takes_check(scatter) or (staged and copy_checked is not None)
-        tasks, first_task = [], None
-        for index, link in enumerate(chain[:stored]):
-            start = link.start
-            if start + self.chunk_size <= from_token:
-                hit.num_tokens = start + self.chunk_size  # the engine holds these; nothing to write
-                continue
-            first_task = index if first_task is None else first_task
-            whole = start >= from_token
-            tasks.append(ChunkTask(max(start, from_token), start + self.chunk_size,
-                                   lambda i=index, k=link: fetch(i, k), origin=start,
-                                   mapped=(lambda i=index, k=link: fetch(i, k, True))
-                                   if whole and checking else None))
-        if staged:
-            outcome = load_chunks_staged(tasks, scatter, device, copy_checked=copy_checked)
-        else:
-            outcome = load_chunks(tasks, scatter)
-        if tasks:
-            hit.num_tokens = max(hit.num_tokens, outcome.loaded_tokens)
-        for index in range(first_task or 0, (first_task or 0) + outcome.chunks):
-            codec, size = seen[index]
-            hit.codecs.append(codec)
-            hit.stored_bytes += size
-        self.store.counters.hits += outcome.chunks
-        if isinstance(outcome.error, (ObjectRefused, ChecksumMismatch)):  # the latter: checked as copied
-            failed = (first_task or 0) + outcome.failed
-            self._refused(self.name(chain[failed].prefix_hash), outcome.error, chain, chain[failed].start, hit.refused)
-        elif isinstance(outcome.error, _Gone):  # removed since the existence check
-            self.store.counters.misses += len(chain) - outcome.loaded_tokens // self.chunk_size
-        elif outcome.error is not None:  # e.g. the store became unreachable: not a miss to hide
-            raise outcome.error
-        return hit
+    def load_prefix(self, token_ids, destination, *, max_tokens: int | None = None,
+                    from_token: int = 0) -> PrefixHit:
+        """The longest run of stored, intact whole chunks from token 0 into `destination` (a
+        `kvtool.load.Destination`, e.g. `ConnectorTarget(connector, kvcaches=..., slot_mapping=...)`)
+        through the one load path: each object opened, checked and copied or decoded on the worker
+        that loads it (store/loading.py). A damaged or foreign object ends the run: never loaded."""
+        return loading.load_prefix(self, token_ids, destination, max_tokens=max_tokens, from_token=from_token)
+
+    def get_prefix(self, token_ids, *, device: "torch.device | str | None" = None,
+                   max_tokens: int | None = None) -> PrefixHit:
+        """`load_prefix` into tensors: `hit.chunks` are KV_BLOB tensors `[2, L, S, C]` on `device`."""
+        return loading.get_prefix(self, token_ids, device=device, max_tokens=max_tokens)
 
     # --- writes ----------------------------------------------------------------------
 

@@ -10,18 +10,16 @@ Lookup-buffer entries are containers too; the tensors of the key/value buffer ar
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 import weakref
 from contextlib import contextmanager
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..checksum import FilePayloadCheck, PayloadCheck
+from ..chunk_source import ChunkSource
 from ..errors import InputFileError, KvtoolError, ObjectRefused
 from ..format.hashing import ZERO_HASH, crc32
 from ..format.reader import BytesSource, ContainerReader, PreadFile
@@ -62,67 +60,27 @@ class ChunkObject:
     def codec(self) -> str:
         return self.reader.chunks[0].codec
 
-    def unchecked_view(self, buffer: Callable[[int], memoryview] | None = None) \
-            -> "tuple[torch.Tensor, PayloadCheck] | None":
-        """A raw chunk read into a buffer of our own, as a view whose payload is NOT checked yet,
-        with the `PayloadCheck` whoever copies it applies (the native scatter checks as it
-        copies). None for other chunks: `decode` them. An object opened as a file (`PreadFile`)
-        is not read here: the view is over `buffer(size)`, still to be filled, and its
-        `FilePayloadCheck` (which owns a copy of the file's descriptor) reads the payload as the
-        scatter goes, or into that buffer for whoever asks for the bytes."""
-        chunk = self.reader.chunks[0]
-        source = self.reader.source
-        if chunk.codec != "raw" or self.payload_checked:
-            return None
-        if isinstance(source, PreadFile):
-            return self._file_view(source, buffer) if buffer is not None else None
-        if not self.owned:
-            return None
-        import torch
-
-        from ..dtypes import dtype_from_name
-
-        payload = self.reader.chunk_payload(0, verify=False)
-        if payload.nbytes != chunk.decoded_bytes or not payload.nbytes:
-            return None
-        view = torch.frombuffer(payload, dtype=dtype_from_name(chunk.dtype)).reshape(chunk.shape)
-        return view, PayloadCheck(payload, chunk.blob.crc32, self.name or "chunk object")
-
-    def _file_view(self, source: PreadFile, buffer: Callable[[int], memoryview]):
-        import torch
-
-        from ..dtypes import dtype_from_name
-
-        chunk = self.reader.chunks[0]
-        blob = chunk.blob
-        if blob.length != chunk.decoded_bytes or not blob.length or blob.offset + blob.length > source.size:
-            return None  # decode() names what is wrong with it
-        out = buffer(blob.length)[:blob.length]
-        view = torch.frombuffer(out, dtype=dtype_from_name(chunk.dtype)).reshape(chunk.shape)
-        what = self.name or "chunk object"
-        fd = os.dup(source.fd)  # the reader (and its descriptor) is closed before the scatter runs
-        return view, FilePayloadCheck(fd, blob.offset, blob.length, out, blob.crc32, what)
+    def source(self) -> ChunkSource:
+        """The chunk as a `ChunkSource` (checks 11-12 run as it is copied or decoded); the object's
+        reader is closed when the source is released. A folder's object opened as a file keeps
+        its payload in the file, read as it is copied."""
+        return self.reader.source(0, what=self.name or "chunk object", private=self.owned,
+                                  checked=self.payload_checked, on_release=self.reader.close)
 
     def decode(self, device: "torch.device | str | None" = None) -> "torch.Tensor":
         """The chunk's KV_BLOB `[2, L, S, C]`; a failure to decode is an ObjectRefused. A raw
         chunk read into a writable buffer of our own (the local backend's) is a view of it,
-        not a copy; shared bytes (a memory tier's, Redis') are copied by the codec."""
-        chunk = self.reader.chunks[0]
-        if chunk.codec == "raw" and self.owned and (device is None or str(device) == "cpu"):
-            import torch
-
-            from ..dtypes import dtype_from_name
-
-            payload = self.reader.chunk_payload(0, verify=not self.payload_checked)
-            dtype = dtype_from_name(chunk.dtype)
-            if payload.nbytes == chunk.decoded_bytes:
-                return torch.frombuffer(payload, dtype=dtype).reshape(chunk.shape)
+        not a copy; shared bytes (a memory tier's, Redis') are copied privately and checked."""
+        source = self.reader.source(0, what=self.name or "chunk object", private=self.owned,
+                                    checked=self.payload_checked)
         try:
-            return self.reader.read_chunk(0, device=device, verify=not self.payload_checked)
+            return source.decode(device)
         except InputFileError:
             raise  # a failed read of an object opened as a file: not damage
         except KvtoolError as err:
             raise ObjectRefused(f"chunk does not decode ({err})") from None
+        finally:
+            source.release()
 
 
 def encode_chunk(model: dict[str, Any], kv_dtype: str, parent_hash: bytes, start: int, tokens,

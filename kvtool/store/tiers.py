@@ -47,13 +47,29 @@ class TieredBackend(Backend):
         return found
 
     def open(self, name: str):
-        """An upper tier's copy when it has one; else the durable tier's `open` (a folder's object
-        as a file, read in place by the load: not copied up, the page cache keeps it warm)."""
-        for tier in self.tiers[:-1]:
+        """An upper tier's copy when it has one (a load copies it in one pass from memory). Else
+        the durable tier's `open`: an object an upper tier can hold is read from it whole and
+        copied up (promotion, as `get`: the next load comes from memory); one too large for every
+        upper tier stays a file, read in place as it is copied."""
+        uppers = self.tiers[:-1]
+        for tier in uppers:
             data = tier.get(name)
             if data is not None:
                 return data
-        return self.durable.open(name)
+        source = self.durable.open(name)
+        size = getattr(source, "size", None)  # a file: promoted only where it fits
+        if source is None or (size is not None and size > max(getattr(t, "max_bytes", 0) for t in uppers)):
+            return source
+        if size is not None:
+            try:
+                data = source.read(0, size)
+            finally:
+                source.close()
+        else:
+            data = source
+        for tier in uppers:
+            tier.put(name, bytes(data))
+        return data
 
     def put(self, name: str, data: bytes, *, replace: bool = False) -> bool:
         created = self.durable.put(name, data, replace=replace)

@@ -1,0 +1,253 @@
+"""`ChunkSource`: one stored chunk, where its bytes are, and how they become KV, checked as they go.
+
+Every producer of stored chunks makes one per chunk (a container file's reader, a store object,
+whatever backend or tier it came from) and the one load path (`kvtool.load`) consumes them:
+
+    where the bytes are        memory (an object read, a memory tier's copy), a mapped file,
+                               or an open file read as they are copied (a store object)
+    what they are              codec, KV dtype, shape [2, L, T, C], stored length, CRC-32C
+    how they become KV         decode(device): checked, then decoded by the chunk's codec
+                               copy_into(buffer): a raw chunk copied and checked in one pass
+                               (connectors scatter a raw chunk straight from `data` or the
+                               file, checked as copied: `kvtool.connectors.paged_native`)
+
+The bytes are checked once, and the bytes checked are the bytes used: a mapped or shared payload
+is never checked in place and then copied (another process could change it in between); it is
+checked as it is copied, or copied privately and checked there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .checksum import crc32
+from .dtypes import dtype_from_name, itemsize
+from .errors import ChecksumMismatch, InputFileError, KvtoolError
+from .fsutil import read_at
+
+if TYPE_CHECKING:
+    import torch
+
+#: decode(payload, device) -> KV_BLOB: the codec's decoding of a chunk's checked payload.
+Decoder = Callable[[memoryview, "torch.device | None"], "torch.Tensor"]
+#: decode_batch(payloads, shapes, device) -> KV_BLOBs: several chunks of one codec and parameters.
+BatchDecoder = Callable[[list, list, "torch.device"], "list[torch.Tensor]"]
+
+
+class ChunkSource:
+    """One stored chunk (see the module docstring). Exactly one of `data` (the stored bytes in
+    memory or a mapping) and `fd` (an open file this source owns, the bytes at `offset`) says
+    where the payload is. `release()` lets go of what holds it."""
+
+    __slots__ = ("what", "codec", "dtype", "shape", "length", "crc32c", "raw", "data", "fd", "offset",
+                 "mapped", "private", "checked", "batch_key", "_decode", "_decode_batch", "_on_release")
+
+    def __init__(self, *, what: str, codec: str, dtype: str, shape: tuple[int, ...], length: int, crc32c: int,
+                 raw: bool, decode: Decoder, data: memoryview | None = None, fd: int = -1, offset: int = 0,
+                 mapped: bool = False, private: bool = False, checked: bool = False,
+                 batch: "tuple[Any, BatchDecoder] | None" = None, on_release: Callable[[], None] | None = None):
+        self.what = what  # names it in errors: "chunk 3", a store object's name
+        self.codec = codec
+        self.dtype = dtype  # the KV dtype's name: "bf16", "fp16", "fp32"
+        self.shape = tuple(shape)
+        self.length = length
+        self.crc32c = crc32c
+        # a raw chunk whose payload is exactly the tensor's bytes: copied, never decoded
+        self.raw = raw and length > 0 and length == math.prod(self.shape) * itemsize(dtype)
+        self.data = data
+        self.fd = fd
+        self.offset = offset
+        self.mapped = mapped  # `data` is a file's mapping: copies from it run behind the fault guard
+        self.private = private  # `data` is a writable buffer no one else holds
+        self.checked = checked  # the CRC-32C was checked on `data` already
+        self._decode = decode
+        # chunks of one batch key decode together on a GPU (one launch: what fills a GPU)
+        self.batch_key, self._decode_batch = batch if batch is not None else (None, None)
+        self._on_release = on_release
+
+    def __repr__(self) -> str:
+        where = "a file" if self.in_file else ("a mapping" if self.mapped else "memory")
+        return f"ChunkSource({self.what!r}, {self.codec}, {self.length} bytes in {where})"
+
+    @classmethod
+    def from_tensor(cls, kv: "torch.Tensor", what: str = "KV") -> "ChunkSource":
+        """A KV_BLOB tensor held in memory as a raw, checked chunk (a private copy of it): KV
+        computed in this process, handed to the load path like stored KV."""
+        import torch
+
+        from .dtypes import dtype_name
+
+        blob = kv.detach().to("cpu", copy=True).contiguous()
+        data = memoryview(blob.view(-1).view(torch.uint8).numpy())  # (keeps `blob` alive)
+
+        def decode(payload: memoryview, device) -> "torch.Tensor":
+            return torch.frombuffer(payload, dtype=blob.dtype).view(blob.shape).to(device or "cpu")
+
+        return cls(what=what, codec="raw", dtype=dtype_name(blob.dtype), shape=tuple(blob.shape), length=data.nbytes,
+                   crc32c=crc32(data), raw=True, decode=decode, data=data, private=True, checked=True)
+
+    @property
+    def in_file(self) -> bool:
+        """The payload is still in an open file (read as it is copied)."""
+        return self.data is None and self.fd >= 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[2]
+
+    # --- the bytes --------------------------------------------------------------------
+
+    def payload(self, buffer: memoryview | None = None) -> memoryview:
+        """The stored bytes, NOT checked: `data`, or read from the file into `buffer` (at least
+        `length` bytes; a fresh one when None)."""
+        if not self.in_file:
+            return self.data
+        out = memoryview(buffer if buffer is not None else bytearray(self.length)).cast("B")[:self.length]
+        try:
+            done = read_at(self.fd, out, self.offset)
+        except OSError as err:
+            raise self.read_failed(err) from None
+        if done < self.length:
+            raise self.truncated()
+        return out
+
+    def checked_payload(self) -> memoryview:
+        """The stored bytes, checked: the bytes themselves when private (ours alone), else a
+        private copy checked as it is made (what is checked is what is used: a mapping or a
+        shared buffer could change after a check in place)."""
+        crc = None
+        if self.private:
+            data = self.data
+        elif self.in_file:
+            data = self.payload()  # read into a fresh buffer: private
+        else:
+            data, crc = self._private_copy()
+        if not self.checked and (crc32(data) if crc is None else crc) != self.crc32c:
+            raise self.mismatch()
+        return data
+
+    def _private_copy(self) -> tuple[memoryview, int | None]:
+        """`data` copied into a fresh buffer, and its CRC-32C when the copy computed it (the
+        native one-pass copy, behind the fault guard for a mapping)."""
+        out = memoryview(bytearray(self.length))
+        native = _native()
+        if native is None:
+            out[:] = self.data
+            return out, None
+        try:
+            return out, native.copy_checked(out, self.data)
+        except EOFError:
+            raise self.truncated() from None
+
+    def copy_into(self, out: memoryview) -> None:
+        """The payload copied into `out` (`length` bytes, writable) and checked in the same pass
+        (the native one-pass copy where it is built, behind the fault guard for a mapping): a
+        raw chunk into a pinned staging buffer. Raises ChecksumMismatch after the copy."""
+        target = memoryview(out).cast("B")[:self.length]
+        if self.in_file:
+            self.payload(target)
+            crc = crc32(target)
+        else:
+            native = _native()
+            if native is not None:
+                try:
+                    crc = native.copy_checked(target, self.data)
+                except EOFError:
+                    raise self.truncated() from None
+            else:
+                target[:] = self.data
+                crc = crc32(target)
+        if not self.checked and crc != self.crc32c:
+            raise self.mismatch()
+
+    # --- as KV --------------------------------------------------------------------------
+
+    def decode(self, device: "torch.device | str | None" = None) -> "torch.Tensor":
+        """The chunk's KV_BLOB `[2, L, T, C]` (on `device`; CacheGen decodes on a GPU there),
+        from checked bytes. A raw chunk in a private buffer is a view of it, not a copy."""
+        import torch
+
+        target = None if device is None else torch.device(device)
+        if self.raw and (target is None or target.type == "cpu"):
+            return self.tensor(self.checked_payload())
+        return self._decode(self.checked_payload(), target)
+
+    @staticmethod
+    def decode_many(sources: "list[ChunkSource]", device: "torch.device | str") -> "list[torch.Tensor]":
+        """`decode(device)` of each source; on a GPU, sources of one batch key decode in one
+        launch (to the same values). A batch that fails is decoded one by one, so the error names
+        its chunk."""
+        import torch
+
+        target = torch.device(device)
+        first = sources[0] if sources else None
+        if target.type == "cuda" and len(sources) > 1 and first.batch_key is not None \
+                and all(s.batch_key == first.batch_key for s in sources):
+            payloads = [s.checked_payload() for s in sources]
+            try:
+                return first._decode_batch(payloads, [s.shape for s in sources], target)
+            except (KvtoolError, ValueError, RuntimeError, OverflowError, IndexError):
+                pass  # decoded one by one below: the error then names its chunk
+        return [s.decode(target) for s in sources]
+
+    def tensor(self, data: memoryview) -> "torch.Tensor":
+        """A raw chunk's bytes `data` as its KV_BLOB tensor (a view: no copy, no check). Shared
+        bytes are only ever read through it (torch warns of a view over read-only memory)."""
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(data, dtype=dtype_from_name(self.dtype)).view(self.shape)
+
+    # --- failures and lifetime ----------------------------------------------------------
+
+    def mismatch(self) -> ChecksumMismatch:
+        return ChecksumMismatch(f"{self.what}: CRC-32C mismatch (stored bytes are corrupt)")
+
+    def truncated(self) -> ChecksumMismatch:
+        """The payload's file ended before it did (cut short by another program meanwhile)."""
+        return ChecksumMismatch(f"{self.what}: the file ends inside the payload (stored bytes are damaged)")
+
+    def read_failed(self, err: OSError) -> InputFileError:
+        return InputFileError(f"{self.what}: cannot read ({err.strerror or err})")
+
+    def release(self) -> None:
+        """Let go of what holds the bytes (closes an owned file or the reader it came from)."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0 and self.data is None:
+            os.close(fd)
+        on_release, self._on_release = self._on_release, None
+        if on_release is not None:
+            on_release()
+
+    def __enter__(self) -> "ChunkSource":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+_native_module: Any = None
+
+
+def _native():
+    """kvtool._paged_native (its one-pass checked copy), or None where it was not built or is
+    turned off (KVTOOL_PAGED_NATIVE=0, as for the connectors' native copies)."""
+    global _native_module
+    if os.environ.get("KVTOOL_PAGED_NATIVE", "1").strip() in ("0", "false", "no", "off"):
+        return None
+    if _native_module is None:
+        try:
+            from . import _paged_native as module  # type: ignore[attr-defined]
+        except ImportError:
+            module = False
+        _native_module = module
+    return _native_module or None
+
+
+__all__ = ["BatchDecoder", "ChunkSource", "Decoder"]

@@ -1,0 +1,58 @@
+"""`load`: the one entry of the load path. Chunk sources and a destination in, KV in the
+destination's buffers out, on the CPU or a GPU, for every codec:
+
+    destination on the CPU        load_chunks: worker threads open, check and copy (raw: straight
+                                  from the stored bytes, checked as copied) or decode each chunk
+    on a GPU, CacheGen chunks     decoded on the GPU in batches (one launch per batch), scattered
+    on a GPU, other chunks        load_chunks_staged: pinned buffers filled (and checked) on
+                                  worker threads, copied and scattered on a side stream
+
+A container file's chunks (`file_tasks`), the store's objects (`kvtool.store`) and the vLLM
+connector all come through here.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..chunk_source import ChunkSource
+from ..errors import KvtoolError
+from .pipeline import ChunkTask, Destination, LoadOutcome, load_chunks
+from .staged import load_chunks_staged
+
+#: On a GPU, CacheGen chunks decode this many at a time (one launch each group): enough to fill
+#: the device, few enough that the decoded group stays small next to the paged buffers.
+GPU_DECODE_BATCH = 32
+
+
+def load(tasks: Sequence[ChunkTask], destination: Destination) -> LoadOutcome:
+    """Load `tasks` into `destination` (its `device` decides how; module docstring)."""
+    tasks = list(tasks)
+    device = destination.device
+    if device.type != "cuda":
+        return load_chunks(tasks, destination)
+    if tasks and all(task.codec == "cachegen" for task in tasks):
+        return _decode_on_device(tasks, destination, device)
+    return load_chunks_staged(tasks, destination, device)
+
+
+def _decode_on_device(tasks: list[ChunkTask], destination: Destination, device) -> LoadOutcome:
+    """Groups of chunks decoded on the GPU in one launch each, scattered in order."""
+    for first in range(0, len(tasks), GPU_DECODE_BATCH):
+        group = tasks[first:first + GPU_DECODE_BATCH]
+        sources: list[ChunkSource] = []
+        try:
+            sources = [task.open() for task in group]
+            decoded = ChunkSource.decode_many(sources, device)
+            for i, (task, kv) in enumerate(zip(group, decoded)):
+                part = kv[:, :, task.first_row:task.first_row + task.end - task.start]
+                destination.scatter(part.contiguous(), task.start, task.end)
+        except KvtoolError as err:  # (which chunk of the group failed is not known: the group's first)
+            return LoadOutcome(loaded_tokens=group[0].start, chunks=first, error=err, failed=first)
+        finally:
+            for source in sources:
+                source.release()
+    return LoadOutcome(loaded_tokens=tasks[-1].end if tasks else 0, chunks=len(tasks))
+
+
+__all__ = ["GPU_DECODE_BATCH", "load"]

@@ -1,0 +1,139 @@
+"""Loading from the store: the longest run of stored, intact whole chunks of a prompt, from token 0,
+through the one load path (`kvtool.load.load`).
+
+Each chunk's object is opened on the worker that loads it (`Backend.open`: a folder's object as a
+file, read in place), checked (store.md §5, checks 1-10: the name, the model, the position, the
+tokens, the extra keys), and handed on as its `ChunkSource`: checks 11-12 (the payload's CRC-32C,
+its decoding) run as it is copied or decoded into the destination. The run ends at the first
+chunk missing or refused; a refused object is reported once, and is never loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..chunk_source import ChunkSource
+from ..errors import ChecksumMismatch, DecodeError, NotCached, ObjectRefused, ShapeMismatch
+from . import objects
+from .names import ChunkLink
+
+if TYPE_CHECKING:
+    import torch
+
+
+class _Gone(NotCached):
+    """An object removed between the existence check and its read (a miss, not damage)."""
+
+
+#: Failures of the stored bytes themselves (checks 11-12): the object is refused, a miss.
+DAMAGE = (ObjectRefused, ChecksumMismatch, DecodeError, ShapeMismatch)
+
+
+@dataclass
+class PrefixHit:
+    """What a load found: the longest run of stored whole chunks from token 0."""
+
+    num_tokens: int
+    chunks: list[Any]  # KV_BLOB tensors [2, L, S, C], one per chunk (`get_prefix`; empty for a destination's load)
+    codecs: list[str]
+    refused: list[str]  # a refused object ended the run early: why
+    stored_bytes: int
+
+    def kv(self) -> "torch.Tensor":
+        """The prefix as one KV_BLOB `[2, L, num_tokens, C]`."""
+        import torch
+
+        from ..errors import UsageError
+
+        if not self.chunks:
+            raise UsageError("no chunks to join: the prefix is empty or went into an engine's buffers")
+        return torch.cat(self.chunks, dim=2)
+
+
+def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
+                from_token: int = 0) -> PrefixHit:
+    """The longest run of stored, intact whole chunks of `token_ids` from token 0 into
+    `destination` (a `kvtool.load.Destination`: an engine's buffers, `ConnectorTarget`; tensors,
+    `get_prefix`). Tokens before `from_token` (which the engine holds already) are not written.
+    Chunks past the first missing or refused one may have been written but are not in the hit."""
+    from ..load import ChunkTask, load
+
+    hit = PrefixHit(num_tokens=0, chunks=[], codecs=[], refused=[], stored_bytes=0)
+    chain = cache._chain(token_ids, max_tokens)
+    stored = cache._stored_run(chain, count_misses=True)
+    seen: dict[int, tuple[str, int]] = {}  # chain index -> codec, stored bytes
+
+    def open_source(index: int, link: ChunkLink) -> ChunkSource:
+        name = cache.name(link.prefix_hash)
+        data = cache.backend.open(name)
+        if data is None:
+            raise _Gone(name)
+        size = data.size if hasattr(data, "fd") else len(data)
+        obj = objects.check_chunk(data, name, model=cache.key, chunk_size=cache.chunk_size,
+                                  prefix_hash=link.prefix_hash, start=link.start, extra=link.extra,
+                                  verify_payload=False)  # checked as it is copied or decoded
+        seen[index] = (obj.codec, size)
+        return obj.source()
+
+    tasks, first_task = [], None
+    for index, link in enumerate(chain[:stored]):
+        end = link.start + cache.chunk_size
+        if end <= from_token:
+            hit.num_tokens = end  # the engine holds these; nothing to write
+            continue
+        first_task = index if first_task is None else first_task
+        tasks.append(ChunkTask(max(link.start, from_token), end, lambda i=index, k=link: open_source(i, k),
+                               origin=link.start))
+    outcome = load(tasks, destination)
+    first_task = first_task or 0
+    if tasks:
+        hit.num_tokens = max(hit.num_tokens, outcome.loaded_tokens)
+    for index in range(first_task, first_task + outcome.chunks):
+        codec, size = seen[index]
+        hit.codecs.append(codec)
+        hit.stored_bytes += size
+    cache.store.counters.hits += outcome.chunks
+    error = outcome.error
+    if isinstance(error, DAMAGE):
+        failed = chain[first_task + outcome.failed]
+        name = cache.name(failed.prefix_hash)
+        refusal = error if isinstance(error, ObjectRefused) else ObjectRefused(
+            str(error) if str(error).startswith(name) else f"{name}: {error}")
+        cache._refused(name, refusal, chain, failed.start, hit.refused)
+    elif isinstance(error, _Gone):  # removed since the existence check
+        cache.store.counters.misses += len(chain) - outcome.loaded_tokens // cache.chunk_size
+    elif error is not None:  # e.g. the store became unreachable: not a miss to hide
+        raise error
+    return hit
+
+
+class TensorTarget:
+    """A load's destination that keeps each chunk's KV as a tensor on `device` (`get_prefix`)."""
+
+    def __init__(self, device: "torch.device | str | None" = None):
+        import torch
+
+        self.device = torch.device("cpu" if device is None else device)
+        self.parts: dict[int, "torch.Tensor"] = {}
+
+    def scatter(self, kv: "torch.Tensor", start: int, end: int) -> None:
+        self.parts[start] = kv.to(self.device) if kv.device != self.device else kv
+
+    def scatter_source(self, source: ChunkSource, start: int, end: int) -> None:
+        self.parts[start] = source.decode(self.device)
+
+    def chunks(self, num_tokens: int) -> list["torch.Tensor"]:
+        return [self.parts[start] for start in sorted(self.parts) if start < num_tokens]
+
+
+def get_prefix(cache, token_ids, *, device: "torch.device | str | None" = None,
+               max_tokens: int | None = None) -> PrefixHit:
+    """`load_prefix` into tensors: each chunk of the hit a KV_BLOB tensor on `device`."""
+    target = TensorTarget(device)
+    hit = load_prefix(cache, token_ids, target, max_tokens=max_tokens)
+    hit.chunks = target.chunks(hit.num_tokens)
+    return hit
+
+
+__all__ = ["DAMAGE", "PrefixHit", "TensorTarget", "get_prefix", "load_prefix"]
