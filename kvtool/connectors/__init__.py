@@ -37,7 +37,7 @@ from .nested import NestedTupleConnector
 from .paged import PagedMemConnector, PagedMemConnectorV2
 from .paged_copy import gather_paged, scatter_paged
 from .paged_layout import PagedGeometry, PagedLayout, paged_geometry, run_offset, slot_to_block_offset
-from .target import ConnectorTarget
+from .base import ConnectorTarget
 
 __all__ = [
     "BLOB_DTYPES",

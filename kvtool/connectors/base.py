@@ -61,6 +61,11 @@ class GPUConnectorInterface(ABC):
         checking them as they copy (one pass)."""
         self.to_gpu(MemoryObj.from_tensor(source.decode()), start, end, **kwargs)
 
+    def target(self, **kwargs: Any) -> "ConnectorTarget":
+        """The engine buffers these transfer keywords name (`kvcaches=`, `slot_mapping=`) as the
+        destination of a load (`kvtool.load.load`)."""
+        return ConnectorTarget(self, **kwargs)
+
     def get_shape(self, num_tokens: int) -> torch.Size:
         """KV_BLOB shape: `[2, num_layers, num_tokens, hidden_dim_size]`."""
         if not _is_int(num_tokens) or num_tokens < 0:
@@ -144,3 +149,28 @@ def _is_int(v: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+class ConnectorTarget:
+    """An engine's buffers, seen through a connector, as a load's destination (`kvtool.load`):
+    decoded KV goes through `to_gpu`; a whole stored chunk through `to_gpu_source`, which copies a
+    raw chunk straight from its stored bytes, checked as it copies. Tokens [start, end) of a load
+    go to the slots of [start, end)."""
+
+    def __init__(self, connector: GPUConnectorInterface, **kwargs: Any):
+        self.connector = connector
+        self.kwargs = kwargs
+        self.device = _device_of(kwargs.get("kvcaches"))
+
+    def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
+        self.connector.to_gpu(MemoryObj.from_tensor(kv), start, end, **self.kwargs)
+
+    def scatter_source(self, source: "ChunkSource", start: int, end: int) -> None:
+        self.connector.to_gpu_source(source, start, end, **self.kwargs)
+
+
+def _device_of(buffers: Any) -> torch.device:
+    """The device of an engine's buffers (a tensor, or nested lists and tuples of them)."""
+    while isinstance(buffers, (list, tuple)) and buffers:
+        buffers = buffers[0]
+    return buffers.device if isinstance(buffers, torch.Tensor) else torch.device("cpu")

@@ -225,7 +225,6 @@ def replay(path: str | Path | None, model: str | Path | LoadedModel | None = Non
         raise UsageError("give a KV file or --store URL, not both" if path is not None else "give a KV file or --store URL")
     if namespace is not None and store is None:
         raise UsageError("--namespace names a partition of the store: give --store URL")
-    keys = ExtraKeys(namespace=namespace or "")
     if sum(x is not None for x in (suffix, suffix_file, prompt, prompt_file)) > 1:
         raise UsageError("give at most one of --suffix, --suffix-file, --prompt, --prompt-file")
     if chat and prompt is None and prompt_file is None:
@@ -240,7 +239,8 @@ def replay(path: str | Path | None, model: str | Path | LoadedModel | None = Non
     if store is not None:
         result = replay_from_store(store, model, weights=weights, where=where, prompt=prompt, prompt_file=prompt_file,
                                    chat=chat, chunk_size=chunk_size, continue_tokens=continue_tokens, compare=compare,
-                                   on_stage=stage, allow_other_weights=allow_other_weights, extra_keys=keys)
+                                   on_stage=stage, allow_other_weights=allow_other_weights,
+                                   extra_keys=ExtraKeys(namespace=namespace or ""))
         return _check_thresholds(result, min_top1, max_kl)
     with ContainerReader(path) as reader:
         stage("loading the model")
@@ -331,7 +331,7 @@ def replay_plan(prefix: "Prefix | ContainerReader", model: LoadedModel, plan: Re
     synchronize(model.device)
     t0 = time.perf_counter()
     # the one load path; slots checked on the host: no device sync per chunk (the copy is small)
-    target = ConnectorTarget(paged_connector(model), kvcaches=cache.kv_caches, slot_mapping=slot_mapping.cpu())
+    target = paged_connector(model).target(kvcaches=cache.kv_caches, slot_mapping=slot_mapping.cpu())
     loaded = prefix.load(target, plan.reused) if plan.reused else 0
     seq.num_tokens = loaded
     synchronize(model.device)
