@@ -99,6 +99,10 @@ class UnknownCodec(FormatError):
     """A chunk names a codec id this build does not implement (an id/name clash is ManifestInvalid)."""
 
 
+class CodecUnavailable(KvtoolError):
+    """A codec of this build whose module cannot be loaded (a broken or missing native build)."""
+
+
 class CodecParamsInvalid(FormatError):
     """A codec's parameters are missing, of the wrong type, or of an unknown version."""
 

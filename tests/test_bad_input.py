@@ -767,16 +767,32 @@ class _MisbehavingCodec(Codec):
         return tensor.float().numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
 
 
+def _add_codec(monkeypatch, fake) -> None:
+    """`fake` in the codec table for this test (as a build that ships it would have it)."""
+    monkeypatch.setattr(codecs, "TABLE", codecs.TABLE + ((fake.codec_id, fake.name, "", ""),))
+    monkeypatch.setitem(codecs._made, fake.codec_id, fake)
+
+
+def test_a_codec_whose_module_cannot_load_says_why_in_one_line(monkeypatch):
+    """A broken native build is named as such, not reported as an unknown codec."""
+    from kvtool.errors import CodecUnavailable
+
+    table = tuple((i, n, ".no_such_module" if n == "cachegen" else m, c) for i, n, m, c in codecs.TABLE)
+    monkeypatch.setattr(codecs, "TABLE", table)
+    monkeypatch.setattr(codecs, "_made", {})
+    with pytest.raises(CodecUnavailable, match=r"codec cachegen: its module cannot load \(No module named") as err:
+        codecs.get_codec(2)
+    assert "\n" not in str(err.value) and codecs.get_codec("raw").name == "raw"
+
+
 @pytest.mark.parametrize("result", [
     lambda shape, dtype: torch.zeros(1, dtype=dtype),
     lambda shape, dtype: torch.zeros(shape, dtype=torch.float32 if dtype != torch.float32 else torch.float16),
     lambda shape, dtype: torch.zeros(*shape[:-1], shape[-1] + 1, dtype=dtype),
 ], ids=["shape", "dtype", "channels"])
 def test_shape_mismatch(tmp_path, raw_file, monkeypatch, result):
-    codecs.get_codec(0)  # make sure the built-ins are registered
     fake = _MisbehavingCodec(result)
-    monkeypatch.setitem(codecs._BY_ID, fake.codec_id, fake)
-    monkeypatch.setitem(codecs._BY_NAME, fake.name, fake)
+    _add_codec(monkeypatch, fake)
 
     def mutate(d):
         d["chunks"][1].update(codec=fake.name, codec_id=fake.codec_id, codec_params={"version": 1})
@@ -784,13 +800,10 @@ def test_shape_mismatch(tmp_path, raw_file, monkeypatch, result):
 
 
 def test_codec_crash_becomes_decode_error(tmp_path, raw_file, monkeypatch):
-    codecs.get_codec(0)
-
     def boom(shape, dtype):
         raise RuntimeError("internal decoder failure")
     fake = _MisbehavingCodec(boom)
-    monkeypatch.setitem(codecs._BY_ID, fake.codec_id, fake)
-    monkeypatch.setitem(codecs._BY_NAME, fake.name, fake)
+    _add_codec(monkeypatch, fake)
 
     def mutate(d):
         d["chunks"][0].update(codec=fake.name, codec_id=fake.codec_id, codec_params={"version": 1})

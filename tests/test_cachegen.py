@@ -131,9 +131,9 @@ def test_params_validation():
 
 
 def test_registered_as_codec_2():
-    from kvtool.codecs import _BY_ID, _BY_NAME
+    from kvtool.codecs import get_codec
 
-    assert isinstance(_BY_ID[2], CacheGenCodec) and _BY_NAME["cachegen"] is _BY_ID[2]
+    assert isinstance(get_codec(2), CacheGenCodec) and get_codec("cachegen") is get_codec(2)
     assert CacheGenCodec.codec_id == 2 and CacheGenCodec.name == "cachegen" and not CacheGenCodec.lossless
 
 

@@ -1,54 +1,47 @@
-"""Codec registry: stable names and ids, resolved in one place.
+"""The codec table: stable names and ids, resolved in one place.
 
 Ids are part of the format (format-spec/container.md, "Codec registry") and are
-never reused: 0 raw, 1 zstd, 2 cachegen.
+never reused: 0 raw, 1 zstd, 2 cachegen. The table is static: a codec's module is
+imported the first time the codec is asked for, and nothing registers itself at import.
+A codec whose module cannot load (a broken native build) is one line saying why.
 """
 
 from __future__ import annotations
 
+import importlib
+
+from ..errors import CodecUnavailable, UnknownCodec
 from .base import Codec
-from ..errors import UnknownCodec
 
-_BY_NAME: dict[str, Codec] = {}
-_BY_ID: dict[int, Codec] = {}
-
-
-def register(codec: Codec) -> Codec:
-    if codec.name in _BY_NAME or codec.codec_id in _BY_ID:
-        raise RuntimeError(f"codec {codec.name}/{codec.codec_id} registered twice")
-    _BY_NAME[codec.name] = codec
-    _BY_ID[codec.codec_id] = codec
-    return codec
+#: (id, name, module, class): the codecs of this build, in id order.
+TABLE: tuple[tuple[int, str, str, str], ...] = (
+    (0, "raw", ".raw", "RawCodec"),
+    (1, "zstd", ".zstd", "ZstdCodec"),
+    (2, "cachegen", ".cachegen", "CacheGenCodec"),
+)
+_made: dict[int, Codec] = {}
 
 
 def get_codec(key: str | int) -> Codec:
-    _load_builtin()
-    codec = _BY_ID.get(key) if isinstance(key, int) else _BY_NAME.get(key)
-    if codec is None:
-        known = ", ".join(f"{c.name} ({c.codec_id})" for c in _BY_ID.values())
+    """The codec named `key` (its name, or its id in a file)."""
+    entry = next((e for e in TABLE if (e[0] if isinstance(key, int) else e[1]) == key), None)
+    if entry is None:
+        known = ", ".join(f"{name} ({codec_id})" for codec_id, name, _module, _cls in TABLE)
         raise UnknownCodec(f"unknown codec {key!r}; this build knows {known}")
+    codec_id, name, module, cls = entry
+    codec = _made.get(codec_id)
+    if codec is None:
+        try:
+            codec = getattr(importlib.import_module(module, __name__), cls)()
+        except ImportError as err:
+            raise CodecUnavailable(f"codec {name}: its module cannot load ({err}); reinstall kvtool "
+                                   "(pip install -e .)") from None
+        _made[codec_id] = codec
     return codec
 
 
 def codec_names() -> list[str]:
-    _load_builtin()
-    return [c.name for c in sorted(_BY_ID.values(), key=lambda c: c.codec_id)]
+    return [name for _codec_id, name, _module, _cls in TABLE]
 
 
-_loaded = False
-
-
-def _load_builtin() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    from . import raw, zstd  # noqa: F401  (each module registers itself)
-
-    try:
-        from . import cachegen  # noqa: F401
-    except ImportError:
-        pass
-
-
-__all__ = ["Codec", "register", "get_codec", "codec_names"]
+__all__ = ["Codec", "TABLE", "codec_names", "get_codec"]

@@ -9,7 +9,6 @@ import numpy as np
 
 from ..dtypes import NUMPY_STORAGE, itemsize
 from ..errors import DecodeError
-from . import register
 from .base import Codec
 
 if TYPE_CHECKING:
@@ -48,5 +47,3 @@ def tensor_bytes(t: "torch.Tensor") -> memoryview:
     t = t.contiguous()
     return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
 
-
-register(RawCodec())

@@ -18,7 +18,6 @@ import zstandard
 
 from ..dtypes import NUMPY_STORAGE, itemsize
 from ..errors import CodecParamsInvalid, DecodeError
-from . import register
 from .base import Codec
 from .raw import tensor_bytes
 
@@ -102,5 +101,3 @@ def unshuffle_planes(data: bytes, shape, dtype: str) -> np.ndarray:
         elements[:, k - 1 - p] = planes[p]
     return out
 
-
-register(ZstdCodec())

@@ -9,7 +9,6 @@ files (mmap, zero-copy) and object storage (range requests).
 from __future__ import annotations
 
 import functools
-import math
 import mmap
 import os
 import stat
@@ -192,10 +191,6 @@ class ContainerReader:
             self.close()
             raise
 
-    @property
-    def source(self) -> ByteSource:
-        return self._source
-
     def _open(self) -> None:
         self.file_size = self._source.size
         if self.file_size == 0:
@@ -328,24 +323,10 @@ class ContainerReader:
 
     def read_chunk(self, index: int, *, verify: bool = True,
                    device: "torch.device | str | None" = None) -> "torch.Tensor":
-        """Decode chunk `index` into a new KV_BLOB tensor `[2, L, T, C]` (on `device`,
-        default the CPU; CacheGen chunks then decode on the GPU, to the same values)."""
-        import torch
-
-        chunk = self._chunk(index)
-        payload = self.chunk_payload(index, verify=verify)
-        codec = codecs.get_codec(chunk.codec_id)
-        dtype = dtype_from_name(chunk.dtype)
-        target = torch.device("cpu" if device is None else device)
-        with self._decoding(chunk):
-            if target.type == "cpu":
-                tensor = codec.decode(payload, chunk.shape, dtype, chunk.codec_params)
-            else:
-                tensor = codec.decode_to(payload, chunk.shape, dtype, chunk.codec_params, target)
-        if tuple(tensor.shape) != chunk.shape or tensor.dtype != dtype:
-            raise ShapeMismatch(f"chunk {index} decoded to {list(tensor.shape)} {tensor.dtype}, "
-                                f"declared {list(chunk.shape)} {chunk.dtype}")
-        return tensor
+        """Decode chunk `index` into a new KV_BLOB tensor `[2, L, T, C]` (on `device`, default the
+        CPU; CacheGen chunks then decode on the GPU, to the same values): its `source` decoded."""
+        with self.source(index, checked=not verify) as source:
+            return source.decode(device)
 
     @contextmanager
     def _decoding(self, chunk: ChunkEntry):
@@ -365,21 +346,12 @@ class ContainerReader:
                     device: "torch.device | str | None" = None) -> list["torch.Tensor"]:
         """`read_chunk` of each index. On a CUDA device, CacheGen chunks of one parameter set
         decode in one launch (a batch is what fills a GPU), to the same values."""
-        import torch
-
-        target = torch.device("cpu" if device is None else device)
-        chunks = [self._chunk(i) for i in indices]
-        first = chunks[0] if chunks else None
-        if (target.type == "cuda" and len(chunks) > 1
-                and all(c.codec_id == first.codec_id and c.dtype == first.dtype
-                        and c.codec_params == first.codec_params for c in chunks)):
-            payloads = [self.chunk_payload(c.index, verify=verify) for c in chunks]
-            try:
-                return codecs.get_codec(first.codec_id).decode_batch_to(
-                    payloads, [c.shape for c in chunks], dtype_from_name(first.dtype), first.codec_params, target)
-            except (KvtoolError, ValueError, RuntimeError, OverflowError, IndexError):
-                pass  # decode one by one below: read_chunk's error names the file's chunk
-        return [self.read_chunk(c.index, verify=verify, device=target) for c in chunks]
+        sources = [self.source(i, checked=not verify) for i in indices]
+        try:
+            return ChunkSource.decode_many(sources, "cpu" if device is None else device)
+        finally:
+            for source in sources:
+                source.release()
 
     def read_chunk_into(self, index: int, out: "torch.Tensor", *, verify: bool = True) -> "torch.Tensor":
         """Decode chunk `index` into the preallocated contiguous CPU tensor `out` (its shape and dtype).

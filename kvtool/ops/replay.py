@@ -29,7 +29,7 @@ from .. import codecs
 from ..devices import describe, resolve_device, synchronize
 from ..dtypes import dtype_from_name
 from ..connectors import ConnectorTarget
-from ..engine import LoadedModel, PagedKVCache, Runner, load_model, logits_from_hidden
+from ..engine import LoadedModel, Runner, load_model, logits_from_hidden
 from ..errors import (DataError, ModelMismatch, NonFiniteValues, NotAPrefixCache, PromptError, ShapeMismatch, ToleranceExceeded,
                       UsageError)
 from ..format import ContainerReader

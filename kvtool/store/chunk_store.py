@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ChecksumMismatch, NotCached, ObjectRefused, StoreUrlInvalid, UsageError
-from ..format.reader import PreadFile
+from ..errors import ObjectRefused, StoreUrlInvalid, UsageError
 from ..identity import ModelIdentity
 from ..notices import notice
 from . import loading, objects
@@ -291,41 +290,40 @@ class ModelCache:
         if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[2] < len(chain) * self.chunk_size:
             raise UsageError(f"kv must be a KV_BLOB [2, L, T, C] covering the tokens, got {list(kv.shape)}")
         kv_dtype = dtype_name(kv.dtype)
-        present = self.backend.exists_many([self.name(link.prefix_hash) for link in chain])
-        result = PutResult(chunks=len(chain), stored=0, present=0, stored_bytes=0)
-        items: list[tuple[str, bytes]] = []
-        for link, stored in zip(chain, present):
-            if stored:
-                result.present += 1
-                self.store.counters.deduplicated += 1
-                continue
+
+        def encode(i: int, link: ChunkLink, tokens_of_chunk) -> bytes:
             first, end = link.start, link.start + self.chunk_size
-            data = objects.encode_chunk(self.model, kv_dtype, link.parent, first, tokens[first:end],
+            return objects.encode_chunk(self.model, kv_dtype, link.parent, first, tokens_of_chunk,
                                         kv=kv[:, :, first - start:end - start], codec=codec, params=params,
                                         extra=link.extra)
-            items.append((self.name(link.prefix_hash), data))
-            if len(items) >= FETCH_BATCH:
-                self._put(items, result)
-        self._put(items, result)
-        return result
+
+        return self._store(chain, tokens, encode)
 
     def put_encoded(self, token_ids, payloads: Sequence[tuple[Any, str, dict[str, Any]]],
                     kv_dtype: str) -> PutResult:
         """Store already-encoded whole chunks as they are (`store put` of a container):
         `payloads[i]` is chunk i's (payload, codec name, codec params)."""
         chain = self._chain(token_ids)[:len(payloads)]
-        tokens = _as_token_array(token_ids)
+
+        def encode(i: int, link: ChunkLink, tokens_of_chunk) -> bytes:
+            payload, codec, params = payloads[i]
+            return objects.encode_chunk(self.model, kv_dtype, link.parent, link.start, tokens_of_chunk,
+                                        payload=payload, codec=codec, params=params, extra=link.extra)
+
+        return self._store(chain, _as_token_array(token_ids), encode)
+
+    def _store(self, chain: list[ChunkLink], tokens: np.ndarray, encode) -> PutResult:
+        """The one put: the links not stored yet (one existence probe) encoded (`encode(i, link,
+        tokens of the chunk)`) and put, put-once, in batches of FETCH_BATCH; the rest deduplicated."""
         present = self.backend.exists_many([self.name(link.prefix_hash) for link in chain])
         result = PutResult(chunks=len(chain), stored=0, present=0, stored_bytes=0)
         items: list[tuple[str, bytes]] = []
-        for link, stored, (payload, codec, params) in zip(chain, present, payloads):
+        for i, (link, stored) in enumerate(zip(chain, present)):
             if stored:
                 result.present += 1
                 self.store.counters.deduplicated += 1
                 continue
-            data = objects.encode_chunk(self.model, kv_dtype, link.parent, link.start,
-                                        tokens[link.start:link.start + self.chunk_size],
-                                        payload=payload, codec=codec, params=params, extra=link.extra)
+            data = encode(i, link, tokens[link.start:link.start + self.chunk_size])
             items.append((self.name(link.prefix_hash), data))
             if len(items) >= FETCH_BATCH:
                 self._put(items, result)

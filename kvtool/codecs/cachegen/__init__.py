@@ -20,7 +20,6 @@ import numpy as np
 
 from ...cuda_build import usable_or_notice
 from ...notices import notice
-from .. import register
 from ..base import Codec
 from .bins import LMCACHE_DEFAULT, canonical_bins_spec, parse_bins_spec, resolve_bins
 from .cpu import cachegen_decode, cachegen_encode, cachegen_reference_roundtrip, decode_array
@@ -140,8 +139,6 @@ class CacheGenCodec(Codec):
                    key="CacheGen coder")
             return None
 
-
-register(CacheGenCodec())
 
 __all__ = [
     "CacheGenCodec", "cachegen_params", "cachegen_encode", "cachegen_decode", "cachegen_reference_roundtrip",
