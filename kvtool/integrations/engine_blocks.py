@@ -2,12 +2,14 @@
 side reads and writes. Kept free of vLLM imports so that it is tested everywhere, on the CPU and,
 where one is present, on a GPU (tests/test_engine_blocks.py).
 
-vLLM 0.32 hands a connector one tensor per attention layer (`register_kv_caches`); which layout it
-is follows from the backend, and is read here off the tensor itself:
+The caller says which kvtool layout (`PagedLayout`) the tensors are in: the vLLM connector maps
+what vLLM's attention backend declares to one (`kvtool.integrations.vllm.layout`); the tensors'
+shapes are only checked against it, never used to guess it:
 
-    CPU backend (cpu_attn)        [NB, H, BS, 2*D]    kvtool layout "vllm_cpu"  (torch path)
-    CUDA FlashAttention           [2, NB, BS, H, D]   kvtool layout "flash_attn" (fused CUDA kernel)
-    CUDA FlashInfer               [NB, 2, BS, H, D]   kvtool layout "flashinfer" (fused CUDA kernel)
+    "vllm_cpu"    [NB, H, BS, 2*D]  each (block, head) page K^T [D, BS] then V [BS, D]  (torch path)
+    "vllm"        [NB, H, BS, 2*D]  each token's K then V (strides may be permuted)     (fused CUDA kernel)
+    "flash_attn"  [2, NB, BS, H, D]                                                    (fused CUDA kernel)
+    "flashinfer"  [NB, 2, BS, H, D]                                                    (fused CUDA kernel)
 
 Token t of a request whose blocks are `block_ids` lives in slot
 `block_ids[t // BS] * BS + t % BS`.
@@ -20,41 +22,35 @@ from typing import Sequence
 
 import torch
 
-from ..connectors import MemoryObj, PagedLayout, PagedMemConnectorV2
+from ..connectors import ConnectorTarget, MemoryObj, PagedLayout, PagedMemConnectorV2, paged_geometry
+from ..errors import ConnectorError
 
 
 class UnsupportedKVLayout(ValueError):
-    """The engine's KV tensors are in a layout kvtool does not know."""
+    """The engine's KV tensors are in a layout kvtool does not know, or not in the one declared."""
 
 
-def detect_layout(tensor: torch.Tensor) -> PagedLayout:
-    """The kvtool paged layout of one of vLLM's per-layer KV tensors."""
-    shape = tuple(tensor.shape)
-    if tensor.device.type == "cpu" and len(shape) == 4 and shape[3] % 2 == 0:
-        return PagedLayout.VLLM_CPU
-    if len(shape) == 5 and shape[0] == 2:
-        return PagedLayout.FLASH_ATTN
-    if len(shape) == 5 and shape[1] == 2:
-        return PagedLayout.FLASHINFER
-    raise UnsupportedKVLayout(f"kvtool does not know vLLM's KV layout {shape} on {tensor.device} "
-                              "(supported: the CPU backend's, FlashAttention's, FlashInfer's)")
-
-
-def heads_and_dim(tensor: torch.Tensor, layout: PagedLayout) -> tuple[int, int]:
-    shape = tuple(tensor.shape)
-    if layout is PagedLayout.VLLM_CPU:
-        return shape[1], shape[3] // 2
-    return shape[3], shape[4]  # [2, NB, BS, H, D] and [NB, 2, BS, H, D] alike
+def checked_layout(tensor: torch.Tensor, layout: PagedLayout | str) -> tuple[PagedLayout, int, int]:
+    """(layout, heads, head dim) of one of the engine's per-layer tensors, which must fit `layout`."""
+    name = getattr(layout, "value", layout)
+    try:
+        layout = PagedLayout.parse(layout)
+        geometry = paged_geometry(tensor, layout)
+    except ConnectorError as err:
+        raise UnsupportedKVLayout(f"the engine's KV tensors do not fit kvtool layout {name!r}: {err}") from None
+    if layout is PagedLayout.VLLM_CPU and tensor.device.type != "cpu":
+        raise UnsupportedKVLayout(f"kvtool layout 'vllm_cpu' is host memory; the tensors are on {tensor.device}")
+    return layout, geometry.num_kv_heads, geometry.head_dim
 
 
 class EngineBlocks:
-    """The engine's KV buffers (one tensor per layer, in model order) as block-addressed storage."""
+    """The engine's KV buffers (one tensor per layer, in model order, in `layout`) as
+    block-addressed storage."""
 
-    def __init__(self, layers: Sequence[torch.Tensor], block_size: int):
+    def __init__(self, layers: Sequence[torch.Tensor], block_size: int, layout: PagedLayout | str):
         self.layers = list(layers)
         self.block_size = block_size
-        self.layout = detect_layout(self.layers[0])
-        heads, head_dim = heads_and_dim(self.layers[0], self.layout)
+        self.layout, heads, head_dim = checked_layout(self.layers[0], layout)
         self.dtype = self.layers[0].dtype
         self.device = self.layers[0].device
         on_gpu = self.device.type == "cuda"  # the fused kernels do the copies
@@ -74,15 +70,14 @@ class EngineBlocks:
         memory.tensor.copy_(kv)
         self.paged.to_gpu(memory, start, end, kvcaches=self.layers, slot_mapping=self.slots(block_ids, end))
 
-    def scatter_into(self, block_ids: Sequence[int], end: int):
-        """A `scatter(kv, start, stop)` for kvtool.load: tokens [start, stop) of a request holding
-        `block_ids` (stop <= end) into its blocks; safe to call from several threads at once."""
-        slots = self.slots(block_ids, end)
+    def target(self, block_ids: Sequence[int], end: int) -> ConnectorTarget:
+        """The blocks of a request holding `block_ids`, tokens [0, end), as the destination of a
+        load (`kvtool.load`): tokens [start, stop) go to their slots; safe from several threads."""
+        return ConnectorTarget(self.paged, kvcaches=self.layers, slot_mapping=self.slots(block_ids, end))
 
-        def scatter(kv: torch.Tensor, start: int, stop: int, check=None) -> None:
-            self.paged.to_gpu(MemoryObj.from_tensor(kv, check=check), start, stop, kvcaches=self.layers,
-                              slot_mapping=slots)
-        return scatter
+    def scatter_into(self, block_ids: Sequence[int], end: int) -> ConnectorTarget:
+        """`target`, by the name bench/bench_load.py uses."""
+        return self.target(block_ids, end)
 
     def read(self, block_ids: Sequence[int], start: int, end: int, into: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens [start, end) of a request from its blocks, as a host [2, L, end - start, H*D] tensor:

@@ -1,0 +1,25 @@
+"""The store and the served model, opened once per process (each side of the connector has its
+own): a `ModelCache` per request's keys, so every lookup, load and save is keyed by them."""
+
+from __future__ import annotations
+
+from ...engine.loader import model_identity
+from ...store import ModelCache, open_store
+from ...store.names import ExtraKeys
+from .config import ConnectorConfig
+
+
+class StoreCaches:
+    def __init__(self, config: ConnectorConfig, model_path: str):
+        self.store = open_store(config.store_url)  # an unreachable store stops vLLM here, named
+        self.url = self.store.url
+        self.chunk_size = config.chunk_size
+        identity = model_identity(model_path)
+        self._model = {**identity.to_dict(), "fingerprint": identity.fingerprint()}  # hashed once, not per request
+
+    def cache(self, keys: ExtraKeys) -> ModelCache:
+        """The model's chunks under a request's keys: it never sees another's."""
+        return self.store.for_model(self._model, self.chunk_size, keys)
+
+    def close(self) -> None:
+        self.store.close()

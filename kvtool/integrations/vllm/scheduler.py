@@ -1,0 +1,186 @@
+"""The connector's scheduler side (vLLM's EngineCore process): how many leading prompt tokens the
+store holds for a request under its keys (looked up off the scheduler's thread), and once per step
+what the worker loads into which blocks and which whole chunks it saves."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import KvtoolError
+from ...store.names import ExtraKeys
+from .caches import StoreCaches
+from .config import ConnectorConfig
+from .keys import AdapterDigests, RequestFacts, UnusableKeys, extra_keys, keys_up_to, prompt_tokens, request_facts
+from .lookups import Lookups
+from .metadata import KVToolMetadata, LoadSpec, SaveSpec
+from .stats import KVToolConnectorStats, StatsRecorder
+
+log = logging.getLogger("vllm.kvtool")  # under vLLM's logger: its handler and format
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    keys: ExtraKeys | None  # None: the request's keys could not be built; it neither loads nor saves
+    stored: int  # leading tokens that stored whole chunks under those keys cover
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What vLLM was told for a request, kept until it allocates the request's blocks."""
+
+    keys: ExtraKeys | None
+    local: int  # tokens vLLM holds itself (its own prefix cache): ours would start there
+
+
+@dataclass(frozen=True)
+class LoadRange:
+    start: int
+    end: int
+
+
+@dataclass
+class RequestState:
+    """A request the connector loads for or saves from, from its allocation to its end."""
+
+    keys: ExtraKeys
+    request: Any  # vLLM's Request: its all_token_ids grow as it decodes (save_generated)
+    tokens: list[int]  # the prompt's token ids, as chunks of it are named
+    blocks: list[int] = field(default_factory=list)  # its blocks, in token order
+    saved: int = 0  # whole chunks of tokens [0, saved) are stored
+    load: LoadRange | None = None  # tokens to load the next time it is scheduled
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig, vllm_config):
+        self.config = config
+        self.caches = StoreCaches(config, vllm_config.model_config.model)
+        self.stats = StatsRecorder()
+        self._digests = AdapterDigests()
+        self._lookups: Lookups[RequestFacts, LookupResult] = Lookups(self._lookup, config.lookup_wait_s)
+        self._answers: dict[str, Answer] = {}
+        self._states: dict[str, RequestState] = {}
+
+    # --- vLLM asks how many tokens the store holds ---------------------------------------
+
+    def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens to load beyond vLLM's own `num_computed_tokens`; None while the lookup runs."""
+        result = self._lookups.poll(request.request_id, lambda: request_facts(request))
+        if result is None:
+            return None, False
+        usable = 0
+        if result.keys is not None:  # whole chunks only, and vLLM computes the last prompt token
+            last = (request.num_prompt_tokens - 1) // self.config.chunk_size * self.config.chunk_size
+            usable = min(result.stored, last)
+        self._answers[request.request_id] = Answer(result.keys, num_computed_tokens)
+        return max(0, usable - num_computed_tokens), False
+
+    def _lookup(self, facts: RequestFacts) -> LookupResult:
+        """On a lookup thread: the request's keys, then the store's answer under them. Never
+        raises: a failure is a miss (or, without keys, no loads and no saves) with a warning."""
+        keys = self._keys(facts)
+        if keys is None:
+            return LookupResult(None, 0)
+        stored = self._stored(facts, keys)
+        self.stats.add(lookups=1)
+        return LookupResult(keys, stored)
+
+    def _keys(self, facts: RequestFacts) -> ExtraKeys | None:
+        try:
+            return extra_keys(facts, self.config.namespace, self._digests)
+        except UnusableKeys as err:
+            why = str(err)
+        except Exception as err:  # raised here it would take vLLM's scheduler down with it
+            why = f"{type(err).__name__}: {err}"
+        log.warning("kvtool: request %s neither loads nor saves: %s", facts.req_id, why)
+        return None
+
+    def _stored(self, facts: RequestFacts, keys: ExtraKeys) -> int:
+        try:
+            return self.caches.cache(keys).lookup(facts.tokens)
+        except KvtoolError as err:  # an unreachable store is a miss: the request is computed
+            why = str(err)
+        except Exception as err:
+            why = f"{type(err).__name__}: {err}"
+        log.warning("kvtool: request %s: store %s not consulted (%s)", facts.req_id, self.caches.url, why)
+        return 0
+
+    def allocated(self, request, num_external_tokens: int) -> None:
+        """vLLM gave the request its blocks, `num_external_tokens` of them to fill from the store."""
+        answer = self._answers.pop(request.request_id, None)
+        if answer is None or answer.keys is None:
+            self._states.pop(request.request_id, None)
+            return
+        state = self._states.get(request.request_id)
+        if state is None:  # (a request back from preemption keeps its state: what it saved stays saved)
+            state = self._states[request.request_id] = RequestState(answer.keys, request, prompt_tokens(request))
+        if num_external_tokens > 0:  # never over vLLM's own cached blocks
+            state.load = LoadRange(answer.local, answer.local + num_external_tokens)
+            self.stats.add(lookup_hits=1)
+            log.info("kvtool: request %s: store hit (%s): tokens %d..%d to load", request.request_id,
+                     answer.keys.describe(), state.load.start, state.load.end)
+
+    # --- once per step: the worker's instructions ---------------------------------------
+
+    def build_meta(self, scheduler_output) -> KVToolMetadata:
+        meta = KVToolMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._states.get(new.req_id)
+            if state is None:
+                continue
+            state.blocks = list(new.block_ids[0])
+            self._take_load(meta, new.req_id, state)
+            self._take_saves(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._states.get(req_id)
+            if state is None:
+                continue
+            resumed = req_id in cached.resumed_req_ids
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None:  # back from preemption: all of its blocks are new
+                state.blocks = list(new_blocks[0]) if resumed else state.blocks + list(new_blocks[0])
+            if resumed:  # vLLM asked us again: load into the new blocks
+                self._take_load(meta, req_id, state)
+            self._take_saves(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        for req_id in scheduler_output.finished_req_ids:
+            self.forget(req_id)
+        return meta
+
+    def _take_load(self, meta: KVToolMetadata, req_id: str, state: RequestState) -> None:
+        if state.load is None:
+            return
+        start, end = state.load.start, state.load.end
+        meta.loads.append(LoadSpec(req_id, state.tokens[:end], list(state.blocks), start, end,
+                                   keys_up_to(state.keys, end)))
+        state.saved = max(state.saved, end // self.config.chunk_size * self.config.chunk_size)  # stored already
+        state.load = None
+
+    def _take_saves(self, meta: KVToolMetadata, req_id: str, state: RequestState, computed: int) -> None:
+        """Whole chunks computed once this step has run and not saved yet: of the prompt, or with
+        `save_generated` of every token (prompt embeddings name the prompt's chunks only)."""
+        tokens = state.tokens
+        if self.config.save_generated and state.keys.prompt_embeds is None:
+            tokens = state.request.all_token_ids
+        end = min(computed, len(tokens)) // self.config.chunk_size * self.config.chunk_size
+        if end > state.saved:
+            meta.saves.append(SaveSpec(req_id, list(tokens[:end]), list(state.blocks), state.saved, end,
+                                       keys_up_to(state.keys, end)))
+            state.saved = end
+
+    # --- the end of a request, of the engine ----------------------------------------------
+
+    def forget(self, req_id: str) -> None:
+        """A finished or aborted request: its lookup, answer and state go."""
+        self._lookups.forget(req_id)
+        self._answers.pop(req_id, None)
+        self._states.pop(req_id, None)
+
+    def take_stats(self) -> KVToolConnectorStats | None:
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        self._lookups.close()
+        self.caches.close()

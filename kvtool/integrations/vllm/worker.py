@@ -1,0 +1,123 @@
+"""The connector's worker side (vLLM's worker process): fills a request's blocks from checked store
+objects before the forward pass, and copies each completed chunk out of vLLM's blocks after it,
+to be encoded, checksummed and stored on a background thread. Every load and save is keyed by the
+request's keys, which the scheduler side sent with it."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ...connectors import PagedLayout
+from ...errors import KvtoolError
+from ...load import SavePipeline
+from ..engine_blocks import EngineBlocks, SaveBuffers
+from .caches import StoreCaches
+from .config import ConnectorConfig
+from .layout import check_cpu_pages, engine_layout
+from .metadata import KVToolMetadata, LoadSpec, SaveSpec
+from .stats import KVToolConnectorStats, StatsRecorder
+
+log = logging.getLogger("vllm.kvtool")
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, vllm_config):
+        self.config = config
+        self.caches = StoreCaches(config, vllm_config.model_config.model)
+        self.stats = StatsRecorder()  # the saving thread adds to it too
+        self._vllm_config = vllm_config
+        self._blocks: EngineBlocks | None = None
+        self._save_buffers = SaveBuffers(keep=6)  # SavePipeline holds at most 4 pending saves
+        self._saving: SavePipeline | None = None  # encode + write of gathered chunks, off the step
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = engine_layout(self._vllm_config)
+        self._blocks = EngineBlocks(list(kv_caches.values()), self.config.block_size, layout.paged)  # in model order
+        if layout.paged is PagedLayout.VLLM_CPU:
+            check_cpu_pages(self._blocks)
+        log.info("kvtool: store %s, codec %s, chunks of %d tokens, vLLM's KV (%s, %s) in kvtool layout %r",
+                 self.caches.url, self.config.codec, self.config.chunk_size, layout.backend, layout.cache_layout,
+                 layout.paged.value)
+
+    # --- loads, before the forward pass --------------------------------------------------
+
+    def start_load(self, meta: KVToolMetadata) -> None:
+        for load in meta.loads:
+            self._load(load)
+
+    def _load(self, load: LoadSpec) -> None:
+        """kvtool.load's pipeline: fetch, check, decode and scatter chunk by chunk into the blocks
+        from load.start on (vLLM's own blocks before it, perhaps shared, are never written)."""
+        began = time.perf_counter()
+        refused, read = 0, 0
+        try:
+            target = self._blocks.target(load.block_ids, load.end)
+            hit = self.caches.cache(load.keys).load_prefix(load.token_ids, target, max_tokens=load.end,
+                                                            from_token=load.start)
+            done, why = min(hit.num_tokens, load.end), "; ".join(hit.refused) or "missing"
+            refused, read = len(hit.refused), hit.stored_bytes
+        except KvtoolError as err:  # e.g. the store went away: a load failure, never a crash
+            done, why = load.start, str(err)
+        seconds = time.perf_counter() - began
+        self.stats.add(loaded_tokens=max(0, done - load.start), loaded_bytes=read, load_seconds=seconds,
+                       refusals=refused, load_failures=int(done < load.end))
+        if done < load.end:  # missing or refused: never wrong KV; vLLM's policy decides
+            first, last = done // self.config.block_size, (load.end - 1) // self.config.block_size
+            self._load_errors.update(load.block_ids[first:last + 1])
+            log.warning("kvtool: request %s: only %d of %d tokens could be loaded from %s (%s)", load.req_id,
+                        done, load.end, self.caches.url, why)
+        else:
+            log.info("kvtool: request %s: loaded tokens %d..%d (%d bytes) in %.1f ms", load.req_id, load.start,
+                     done, read, 1e3 * seconds)
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # --- saves, after the forward pass ---------------------------------------------------
+
+    def wait_for_save(self, meta: KVToolMetadata) -> None:
+        """Copy each completed chunk out of vLLM's blocks now (vLLM may free them once this
+        returns); encode, checksum and store it on the saving thread while vLLM goes on."""
+        for save in meta.saves:
+            began = time.perf_counter()
+            numel = self._blocks.paged.get_shape(save.end - save.start).numel()
+            kv = self._blocks.read(save.block_ids, save.start, save.end,
+                                   into=self._save_buffers.take(numel, self._blocks.dtype))
+            gathered = time.perf_counter() - began
+            if self._saving is None:
+                self._saving = SavePipeline(max_pending=4, name="kvtool-vllm-save")
+            self._saving.submit(lambda save=save, kv=kv, gathered=gathered: self._store_chunks(save, kv, gathered))
+
+    def _store_chunks(self, save: SaveSpec, kv: torch.Tensor, gathered: float) -> None:
+        """On the saving thread."""
+        began = time.perf_counter()
+        try:
+            result = self.caches.cache(save.keys).put_sequence(save.token_ids, kv, codec=self.config.codec,
+                                                               start=save.start)
+        except KvtoolError as err:  # the store is unreachable or full: serving goes on, unsaved
+            log.warning("kvtool: request %s: tokens %d..%d not saved to %s (%s)", save.req_id, save.start,
+                        save.end, self.caches.url, err)
+            return
+        finally:  # stored (the store keeps its own bytes) or given up: the buffer is free again
+            self._save_buffers.give(kv)
+        seconds = gathered + time.perf_counter() - began
+        self.stats.add(saved_chunks=result.stored, saved_bytes=result.stored_bytes, save_seconds=seconds)
+        log.info("kvtool: request %s: saved %d chunks (%d bytes) in %.1f ms (%.1f ms in vLLM's step)",
+                 save.req_id, result.stored, result.stored_bytes, 1e3 * seconds, 1e3 * gathered)
+
+    # --- stats, the end -------------------------------------------------------------------
+
+    def take_stats(self) -> KVToolConnectorStats | None:
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        """vLLM's worker is shutting down: finish the saves that are still being written."""
+        if self._saving is not None:
+            self._saving.close()
+            self._saving = None
+        self.caches.close()
