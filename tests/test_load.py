@@ -112,10 +112,10 @@ def staged_on_cpu(target, monkeypatch):
 
     real = load_module.load
 
-    def load(tasks, destination):
+    def load(tasks, destination, **kwargs):
         if getattr(destination, "staged_on_cpu", False):
             return load_chunks_staged(tasks, destination, "cpu")
-        return real(tasks, destination)
+        return real(tasks, destination, **kwargs)
 
     monkeypatch.setattr("kvtool.load.load", load)
     target.staged_on_cpu = True

@@ -25,12 +25,13 @@ from .staged import load_chunks_staged
 GPU_DECODE_BATCH = 32
 
 
-def load(tasks: Sequence[ChunkTask], destination: Destination) -> LoadOutcome:
-    """Load `tasks` into `destination` (its `device` decides how; module docstring)."""
+def load(tasks: Sequence[ChunkTask], destination: Destination, *, threads: int | None = None) -> LoadOutcome:
+    """Load `tasks` into `destination` (its `device` decides how; module docstring). `threads`:
+    the CPU pipeline's workers (default: the usable cores, at most 8)."""
     tasks = list(tasks)
     device = destination.device
     if device.type != "cuda":
-        return load_chunks(tasks, destination)
+        return load_chunks(tasks, destination, threads=threads)
     if tasks and all(task.codec == "cachegen" for task in tasks):
         return _decode_on_device(tasks, destination, device)
     return load_chunks_staged(tasks, destination, device)

@@ -36,7 +36,7 @@ from ..fsutil import read_text_file
 from ..identity import ModelIdentity
 from .compare import compare_logits
 from .engine_io import new_cache
-from .inputs import check_text, check_vocabulary, fraction, model_dtype_name, non_negative
+from .inputs import check_text, check_vocabulary, continuation, fraction, model_dtype_name, non_negative
 from .result import Result
 
 DEFAULT_DELIMITER = " # # "  # LMCache's blend_special_str
@@ -242,8 +242,7 @@ def blend_replay(files: list[str] | None = None, model: str | Path | LoadedModel
     fraction("--recompute-ratio", ratio)
     fraction("--min-top1", min_top1)
     non_negative("--max-kl", max_kl)
-    if continue_tokens < 1:
-        raise UsageError("--continue must be at least 1")
+    continuation(continue_tokens)
     if (prompt is None) == (prompt_file is None):
         raise UsageError("--blend needs the question or the delimited prompt: --prompt or --prompt-file (one)")
     if delimiter is None and not files:

@@ -25,6 +25,14 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
+def continuation(tokens: int) -> int:
+    """`--continue`: how many tokens to generate after the prompt (at least one: its logits are
+    what a replay, a blend or a verify compares)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise UsageError("--continue must be at least 1")
+    return tokens
+
+
 def check_vocabulary(token_ids, vocab_size: int | None, where: str = "") -> None:
     """PromptError naming the first token id outside [0, vocab_size) (no check without a size)."""
     if not isinstance(vocab_size, int):

@@ -40,7 +40,7 @@ from ..notices import notice
 from ..store.names import NO_EXTRA_KEYS, ExtraKeys
 from .compare import compare_logits
 from .engine_io import new_cache, paged_connector
-from .inputs import check_text, check_vocabulary, fraction, model_dtype_name, non_negative
+from .inputs import check_text, check_vocabulary, continuation, fraction, model_dtype_name, non_negative
 from .result import Result
 
 
@@ -231,8 +231,7 @@ def replay(path: str | Path | None, model: str | Path | LoadedModel | None = Non
         raise UsageError("--chat formats a new prompt: give --prompt or --prompt-file")
     fraction("--min-top1", min_top1)
     non_negative("--max-kl", max_kl)
-    if continue_tokens < 1:
-        raise UsageError("--continue must be at least 1")
+    continuation(continue_tokens)
     compare = compare or min_top1 is not None or max_kl is not None
     weights = dtype_from_name(model_dtype_name(model_dtype))
     where = resolve_device(device)
@@ -314,8 +313,7 @@ def replay_plan(prefix: "Prefix | ContainerReader", model: LoadedModel, plan: Re
     if total > model.max_position_embeddings:
         raise PromptError(f"{n} tokens plus {continue_tokens} to generate exceed the model's context of "
                           f"{model.max_position_embeddings}")
-    if continue_tokens < 1:
-        raise UsageError("--continue must be at least 1")
+    continuation(continue_tokens)
     kv_dtype, prefill_chunk = prefix.kv_dtype, prefix.chunk_size
     stage = on_stage or (lambda _text: None)
     warm_up(model, prefix)

@@ -15,13 +15,13 @@ import numpy as np
 
 from ..dtypes import count_nonfinite, to_float64
 from ..errors import (ChecksumMismatch, DataError, KvtoolError, ManifestInvalid, ModelMismatch, NonFiniteValues,
-                      PaddingNotZero, PrefixHashMismatch, ToleranceExceeded, UnsupportedVersion, UsageError,
+                      PaddingNotZero, PrefixHashMismatch, ToleranceExceeded, UnsupportedVersion,
                       VerificationFailed)
 from ..format.layout import VERSION_MAJOR, VERSION_MINOR
 from ..format import ContainerReader
 from ..format.hashing import prefix_hashes
 from ..identity import model_fingerprint
-from .inputs import check_vocabulary, fraction, model_dtype_name, non_negative
+from .inputs import check_vocabulary, continuation, fraction, model_dtype_name, non_negative
 from .result import Result
 
 
@@ -66,8 +66,7 @@ def verify(path: str | Path, *, against: str | Path | None = None, atol: float =
     non_negative("--rtol", rtol)
     fraction("--min-top1", min_top1)
     non_negative("--max-kl", max_kl)
-    if continue_tokens < 1:
-        raise UsageError("--continue must be at least 1")
+    continuation(continue_tokens)
     with ContainerReader(path) as reader:
         report = check_file(reader, on_chunk=on_chunk)
         if against is not None and not report.problems:  # a damaged file is not compared

@@ -22,7 +22,7 @@ from ..errors import ObjectRefused, StoreUrlInvalid, UsageError
 from ..identity import ModelIdentity
 from ..notices import notice
 from . import loading, objects
-from .loading import PrefixHit
+from .loading import FETCH_BATCH, PrefixHit
 from .names import NO_EXTRA_KEYS, ChunkLink, ExtraKeys, chunk_chain
 from .backend import Backend, ObjectInfo
 from .local import LocalBackend
@@ -32,9 +32,6 @@ from .tiers import TieredBackend
 if TYPE_CHECKING:
     import torch
 
-#: Chunks fetched per batch (one round trip to Redis): enough to hide latency, few enough
-#: that a long prefix never sits in memory twice.
-FETCH_BATCH = 8
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
@@ -176,10 +173,15 @@ class ModelCache:
         Existence only: `get_prefix` checks each object and may return fewer."""
         return self._stored_run(self._chain(token_ids)) * self.chunk_size
 
+    def _exists(self, chain: list[ChunkLink]) -> list[bool]:
+        """The existence probe, for reads and puts alike: a stat each, or one pipelined round trip;
+        not a use (no LRU clock is touched)."""
+        return self.backend.exists_many([self.name(link.prefix_hash) for link in chain]) if chain else []
+
     def _stored_run(self, chain: list[ChunkLink], count_misses: bool = False) -> int:
-        """The existence probe (a stat each, or one pipelined round trip): how many links from the
-        first are stored. Nothing past a miss is read; `count_misses` counts the rest as misses."""
-        found = self.backend.exists_many([self.name(link.prefix_hash) for link in chain]) if chain else []
+        """How many links from the first are stored (`_exists`). Nothing past a miss is read;
+        `count_misses` counts the rest as misses."""
+        found = self._exists(chain)
         stored = next((i for i, f in enumerate(found) if not f), len(found))
         if count_misses and stored < len(chain):
             self.store.counters.misses += len(chain) - stored
@@ -315,7 +317,7 @@ class ModelCache:
     def _store(self, chain: list[ChunkLink], tokens: np.ndarray, encode) -> PutResult:
         """The one put: the links not stored yet (one existence probe) encoded (`encode(i, link,
         tokens of the chunk)`) and put, put-once, in batches of FETCH_BATCH; the rest deduplicated."""
-        present = self.backend.exists_many([self.name(link.prefix_hash) for link in chain])
+        present = self._exists(chain)
         result = PutResult(chunks=len(chain), stored=0, present=0, stored_bytes=0)
         items: list[tuple[str, bytes]] = []
         for i, (link, stored) in enumerate(zip(chain, present)):

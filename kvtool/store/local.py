@@ -88,7 +88,7 @@ class LocalBackend(Backend):
 
     def get(self, name: str) -> memoryview | None:
         """The object's bytes in a writable buffer no one else holds (a memoryview)."""
-        source = self.open(name)
+        source = self._open_file(name)
         return None if source is None else self._read_whole(source, _fresh_buffer)
 
     def _read_whole(self, source: PreadFile, buffer) -> memoryview:
@@ -103,6 +103,10 @@ class LocalBackend(Backend):
         return data[:done]
 
     def open(self, name: str) -> PreadFile | None:
+        """The object as an open file, for a load (Backend.open); None when it is not stored."""
+        return self._open_file(name)
+
+    def _open_file(self, name: str) -> PreadFile | None:
         """The object opened (a regular file of at most MAX_OBJECT_BYTES), its use recorded on
         the LRU clock; None when it is not stored."""
         path = self._path(name)
