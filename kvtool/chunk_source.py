@@ -114,25 +114,26 @@ class ChunkSource:
             raise self.truncated()
         return out
 
-    def checked_payload(self) -> memoryview:
+    def checked_payload(self, buffer: "Callable[[int], memoryview] | None" = None) -> memoryview:
         """The stored bytes, checked: the bytes themselves when private (ours alone), else a
         private copy checked as it is made (what is checked is what is used: a mapping or a
-        shared buffer could change after a check in place)."""
+        shared buffer could change after a check in place), in `buffer(length)` when given (a
+        load's reused staging buffer: no fresh pages to fault in), else in a fresh one."""
         crc = None
         if self.private:
             data = self.data
         elif self.in_file:
-            data = self.payload()  # read into a fresh buffer: private
+            data = self.payload(None if buffer is None else buffer(self.length))  # read: private
         else:
-            data, crc = self._private_copy()
+            data, crc = self._private_copy(buffer)
         if not self.checked and (crc32(data) if crc is None else crc) != self.crc32c:
             raise self.mismatch()
         return data
 
-    def _private_copy(self) -> tuple[memoryview, int | None]:
-        """`data` copied into a fresh buffer, and its CRC-32C when the copy computed it (the
-        native one-pass copy, behind the fault guard for a mapping)."""
-        out = memoryview(bytearray(self.length))
+    def _private_copy(self, buffer=None) -> tuple[memoryview, int | None]:
+        """`data` copied into `buffer(length)` (or a fresh buffer), and its CRC-32C when the copy
+        computed it (the native one-pass copy, behind the fault guard for a mapping)."""
+        out = memoryview(bytearray(self.length) if buffer is None else buffer(self.length)).cast("B")[:self.length]
         native = _native()
         if native is None:
             out[:] = self.data
@@ -165,14 +166,17 @@ class ChunkSource:
 
     # --- as KV --------------------------------------------------------------------------
 
-    def decode(self, device: "torch.device | str | None" = None) -> "torch.Tensor":
+    def decode(self, device: "torch.device | str | None" = None, *,
+               buffer: "Callable[[int], memoryview] | None" = None) -> "torch.Tensor":
         """The chunk's KV_BLOB `[2, L, T, C]` (on `device`; CacheGen decodes on a GPU there),
-        from checked bytes. A raw chunk in a private buffer is a view of it, not a copy."""
+        from checked bytes. A raw chunk in a private buffer is a view of it, not a copy; one
+        copied privately goes to `buffer(length)` when given (the tensor then views it: valid
+        until the caller reuses the buffer)."""
         import torch
 
         target = None if device is None else torch.device(device)
         if self.raw and (target is None or target.type == "cpu"):
-            return self.tensor(self.checked_payload())
+            return self.tensor(self.checked_payload(buffer))
         return self._decode(self.checked_payload(), target)
 
     @staticmethod

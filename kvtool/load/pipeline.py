@@ -46,7 +46,8 @@ class Destination(Protocol):
     device: torch.device
 
     def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
-        """Decoded KV of tokens [start, end): `[2, L, end - start, C]`, contiguous."""
+        """Decoded KV of tokens [start, end): `[2, L, end - start, C]`, contiguous; valid during
+        the call only (it may view a reused buffer: a destination that keeps it copies it)."""
 
     def scatter_source(self, source: ChunkSource, start: int, end: int) -> None:
         """A whole stored chunk of tokens [start, end), copied from its stored bytes and checked
@@ -104,9 +105,9 @@ def load_chunks(tasks: Sequence[ChunkTask], destination: Destination, *, threads
         with thread_share(share), task.open() as source:
             if source.raw and task.first_row == 0 and task.end - task.start == source.num_tokens:
                 destination.scatter_source(source, task.start, task.end)  # checked as copied
-            else:
-                destination.scatter(_as_blob(source.decode(), task.first_row, task.end - task.start),
-                                    task.start, task.end)
+            else:  # (the scatter is done with the KV before this thread decodes the next chunk)
+                destination.scatter(_as_blob(source.decode(buffer=thread_buffer), task.first_row,
+                                             task.end - task.start), task.start, task.end)
 
     if threads == 1:  # no pool: the same steps in order
         for i, task in enumerate(tasks):
@@ -158,6 +159,22 @@ def _run_shared(tasks: list[ChunkTask], run: Callable[[ChunkTask], None], thread
         stop[0] = True  # (this thread took the last task, or was interrupted: no more start)
         wait(helpers)
     return done
+
+
+_staging = threading.local()
+MAX_KEPT_BUFFER = 128 << 20  # a larger chunk gets a fresh buffer each time
+
+
+def thread_buffer(nbytes: int) -> memoryview:
+    """This thread's reusable byte buffer (at least `nbytes`) for one chunk at a time: a raw chunk
+    copied privately to be checked and scattered (a fresh buffer page-faults in as long as the
+    copy takes). The caller must be done with it before the thread decodes the next chunk."""
+    if nbytes > MAX_KEPT_BUFFER:
+        return memoryview(bytearray(nbytes))
+    buf = getattr(_staging, "buffer", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _staging.buffer = memoryview(bytearray(nbytes))
+    return buf
 
 
 def file_tasks(reader, num_tokens: int) -> list[ChunkTask]:

@@ -32,7 +32,7 @@ import torch
 
 from ..dtypes import dtype_from_name
 from ..errors import KvtoolError
-from .pipeline import ChunkTask, Destination, LoadOutcome, _as_blob, load_threads
+from .pipeline import ChunkTask, Destination, LoadOutcome, _as_blob, load_threads, thread_buffer
 
 DEFAULT_STAGING = 3  # pinned chunk buffers: reading, copying, scattering one each
 
@@ -69,7 +69,7 @@ def _fill(task: ChunkTask, slot: int, staging: _Staging) -> torch.Tensor:
             buf = staging.buffer(slot, source.length)
             source.copy_into(memoryview(buf.numpy()))  # copied and checked in one pass
             return buf.view(dtype_from_name(source.dtype)).view(source.shape)
-        kv = _as_blob(source.decode(), task.first_row, task.end - task.start)
+        kv = _as_blob(source.decode(buffer=thread_buffer), task.first_row, task.end - task.start)
     buf = staging.buffer(slot, kv.numel() * kv.element_size())
     out = buf.view(kv.dtype).view(kv.shape)
     out.copy_(kv)

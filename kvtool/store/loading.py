@@ -144,7 +144,7 @@ class TensorTarget:
         self.parts: dict[int, "torch.Tensor"] = {}
 
     def scatter(self, kv: "torch.Tensor", start: int, end: int) -> None:
-        self.parts[start] = kv.to(self.device) if kv.device != self.device else kv
+        self.parts[start] = kv.to(self.device, copy=True)  # (kv may view a load's reused buffer)
 
     def scatter_source(self, source: ChunkSource, start: int, end: int) -> None:
         self.parts[start] = source.decode(self.device)
