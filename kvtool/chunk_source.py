@@ -133,7 +133,7 @@ class ChunkSource:
     def _private_copy(self, buffer=None) -> tuple[memoryview, int | None]:
         """`data` copied into `buffer(length)` (or a fresh buffer), and its CRC-32C when the copy
         computed it (the native one-pass copy, behind the fault guard for a mapping)."""
-        out = memoryview(bytearray(self.length) if buffer is None else buffer(self.length)).cast("B")[:self.length]
+        out = memoryview(_fresh(self.length) if buffer is None else buffer(self.length)).cast("B")[:self.length]
         native = _native()
         if native is None:
             out[:] = self.data
@@ -200,9 +200,11 @@ class ChunkSource:
     def tensor(self, data: memoryview) -> "torch.Tensor":
         """A raw chunk's bytes `data` as its KV_BLOB tensor (a view: no copy, no check). Shared
         bytes are only ever read through it (torch warns of a view over read-only memory)."""
-        import warnings
-
         import torch
+
+        if not memoryview(data).readonly:
+            return torch.frombuffer(data, dtype=dtype_from_name(self.dtype)).view(self.shape)
+        import warnings
 
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -234,6 +236,13 @@ class ChunkSource:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def _fresh(nbytes: int) -> memoryview:
+    """A new writable buffer of `nbytes`, not zeroed (it is overwritten whole at once)."""
+    import torch
+
+    return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())
 
 
 _native_module: Any = None
