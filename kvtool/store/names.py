@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -159,9 +159,8 @@ def link_hash(parent: bytes, tokens: Any, extra: dict[str, Any] | None = None) -
     return chain_hash(parent, tokens, extra_bytes(extra or {}))
 
 
-@dataclass(frozen=True)
-class ChunkLink:
-    """One whole chunk of a sequence as the store names it."""
+class ChunkLink(NamedTuple):
+    """One whole chunk of a sequence as the store names it (a tuple: a lookup makes one a chunk)."""
 
     start: int
     parent: bytes  # H[i-1]
@@ -171,9 +170,10 @@ class ChunkLink:
 
 def chunk_chain(tokens: np.ndarray, chunk_size: int, extra_keys: ExtraKeys = NO_EXTRA_KEYS,
                 limit: int | None = None) -> list[ChunkLink]:
-    """The links of every whole chunk of `tokens` (up to `limit` tokens), from token 0."""
+    """The links of every whole chunk of `tokens` (up to `limit` tokens), from token 0. `tokens`:
+    an int64 array of ids in [0, 2^32) (ModelCache checks them once)."""
     n = len(tokens) if limit is None else min(len(tokens), limit)
-    raw = tokens_to_bytes(tokens[:n])  # u32le once: each chunk's is a slice
+    raw = np.asarray(tokens[:n]).astype("<u4").tobytes()  # u32le once: each chunk's is a slice
     chain: list[ChunkLink] = []
     parent, step = ZERO_HASH, 4 * chunk_size
     plain = extra_keys.empty
@@ -181,7 +181,7 @@ def chunk_chain(tokens: np.ndarray, chunk_size: int, extra_keys: ExtraKeys = NO_
         raise UsageError(f"prompt embeddings have {len(extra_keys.prompt_embeds)} rows for {n} tokens: one a token")
     for start in range(0, n - chunk_size + 1, chunk_size):
         extra = {} if plain else extra_keys.for_chunk(start, start + chunk_size)
-        h = chain_hash(parent, raw[4 * start:4 * start + step], extra_bytes(extra))
+        h = chain_hash(parent, raw[4 * start:4 * start + step], b"" if plain else extra_bytes(extra))
         chain.append(ChunkLink(start, parent, h.hex(), extra))
         parent = h
     return chain
