@@ -101,9 +101,9 @@ class Paged:
                                              head_dim=head_dim, use_gpu=device != "cpu")
         # the load's destination: raw chunks copied from their stored bytes, CRC-checked as copied
         self.target = ConnectorTarget(self.connector, kvcaches=self.caches, slot_mapping=self.slots)
-        # one that takes decoded KV only: raw chunks copied privately and CRC-checked first
-        self.checked_first = ConnectorTarget(self.connector, kvcaches=self.caches, slot_mapping=self.slots)
-        self.checked_first.scatter_source = lambda source, start, end: self.scatter(source.decode(), start, end)
+        # one that takes decoded KV only: raw chunks copied privately (the load thread's reused
+        # buffer) and CRC-checked first
+        self.checked_first = _DecodedOnly(self)
 
     def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
         self.connector.to_gpu(MemoryObj.from_tensor(kv), start, end, kvcaches=self.caches, slot_mapping=self.slots)
@@ -112,6 +112,13 @@ class Paged:
         out = self.connector.allocate(tokens, torch.bfloat16)
         self.connector.from_gpu(out, 0, tokens, kvcaches=self.caches, slot_mapping=self.slots)
         return out.tensor
+
+
+class _DecodedOnly:
+    """A load destination without `scatter_source`: every chunk comes decoded (checked first)."""
+
+    def __init__(self, paged: "Paged"):
+        self.device, self.scatter = paged.target.device, paged.scatter
 
 
 def before(reader: ContainerReader, paged: Paged, tokens: int) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from fixtures import make_identity, make_kv, write_kv_file
 from kvtool.chunk_source import ChunkSource
-from kvtool.connectors import ConnectorTarget, MemoryObj, PagedMemConnectorV2
+from kvtool.connectors import ConnectorTarget, PagedMemConnectorV2
 from kvtool.errors import ChecksumMismatch, DecodeError
 from kvtool.format import ContainerReader
 from kvtool.load import ChunkTask, file_tasks, load_chunks
@@ -27,7 +27,7 @@ def paged_target(num_tokens: int, seed: int = 0, checking: bool = True):
     connector = PagedMemConnectorV2(H * D, L, layout="flash_attn", num_kv_heads=H, head_dim=D)
     target = ConnectorTarget(connector, kvcaches=caches, slot_mapping=slots)
     if not checking:  # a destination that takes decoded KV only: raw chunks copied and checked first
-        target.scatter_source = lambda source, start, end: target.scatter(source.decode(), start, end)
+        target = _DecodedOnly(target)
 
     def read(start, end):
         out = connector.allocate(end - start, torch.float32)
@@ -35,6 +35,13 @@ def paged_target(num_tokens: int, seed: int = 0, checking: bool = True):
         return out.tensor
 
     return target, read
+
+
+class _DecodedOnly:
+    """A destination without `scatter_source`: the load decodes every chunk (checked first)."""
+
+    def __init__(self, target):
+        self.device, self.scatter = target.device, target.scatter
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -154,7 +161,6 @@ def test_a_damaged_chunk_of_a_file_stops_the_load_there(tmp_path, path, monkeypa
 def test_the_store_loads_from_a_token_on_and_refuses_damage(tmp_path, path, monkeypatch):
     from kvtool.store import open_store
 
-    from kvtool.store import loading
 
     checking, staged = load_path(path, monkeypatch)
     identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)

@@ -51,7 +51,8 @@ class Destination(Protocol):
 
     def scatter_source(self, source: ChunkSource, start: int, end: int) -> None:
         """A whole stored chunk of tokens [start, end), copied from its stored bytes and checked
-        as copied (ChecksumMismatch after the copy when they are damaged)."""
+        as copied (ChecksumMismatch after the copy when they are damaged). Optional: a
+        destination without it gets every chunk decoded (checked first) through `scatter`."""
 
 
 @dataclass
@@ -100,10 +101,11 @@ def load_chunks(tasks: Sequence[ChunkTask], destination: Destination, *, threads
     if threading.current_thread().name.startswith(_WORKER_PREFIX):
         threads = 1  # a load inside a load's worker runs in place: waiting on the pool could deadlock it
     share = max(1, host_threads() // threads)  # each worker's native copies take cores / workers
+    copies_sources = hasattr(destination, "scatter_source")
 
     def run(task: ChunkTask) -> None:
         with thread_share(share), task.open() as source:
-            if source.raw and task.first_row == 0 and task.end - task.start == source.num_tokens:
+            if copies_sources and source.raw and task.first_row == 0 and task.end - task.start == source.num_tokens:
                 destination.scatter_source(source, task.start, task.end)  # checked as copied
             else:  # (the scatter is done with the KV before this thread decodes the next chunk)
                 destination.scatter(_as_blob(source.decode(buffer=thread_buffer), task.first_row,
