@@ -161,7 +161,6 @@ def test_a_damaged_chunk_of_a_file_stops_the_load_there(tmp_path, path, monkeypa
 def test_the_store_loads_from_a_token_on_and_refuses_damage(tmp_path, path, monkeypatch):
     from kvtool.store import open_store
 
-
     checking, staged = load_path(path, monkeypatch)
     identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
     tokens = list(range(100, 140))
