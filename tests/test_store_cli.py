@@ -408,4 +408,20 @@ def test_namespace_needs_a_store_and_fits_its_limits(capsys, tmp_path):
     code, _, err = call(capsys, "replay", tmp_path / "x.kvc", "--namespace", "a")
     assert code == 2 and "--namespace" in err
     code, _, err = call(capsys, "store", "put", tmp_path / "x.kvc", "--store", tmp_path / "s", "--namespace", "a" * 2000)
-    assert code == 2 and "namespace must be text of at most 1024" in err
+    assert code == 2 and "namespace must be UTF-8 text of at most 1024" in err
+    code, _, err = call(capsys, "store", "put", tmp_path / "x.kvc", "--store", tmp_path / "s",
+                        "--namespace", "team-\udcff")  # an argument of undecodable bytes
+    assert code == 2 and "namespace must be UTF-8 text" in err and "Traceback" not in err
+
+
+def test_a_redis_password_never_appears_in_messages(capsys):
+    """A store URL's password (and user) is `***` wherever kvtool names the store: its `url`, the
+    one-line error of a server that does not answer, `--json`."""
+    from kvtool.store.redis_backend import redacted
+
+    assert redacted("redis://:s3cret@127.0.0.1:6379/0") == "redis://***@127.0.0.1:6379/0"
+    assert redacted("rediss://user:s3cret@[::1]:6380/2") == "rediss://***@[::1]:6380/2"
+    assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert "s3cret" not in redacted("redis://:s3cret@host:notaport/0")
+    code, out, err = call(capsys, "store", "stats", "--store", "redis://:s3cret@127.0.0.1:1/0", "--json")
+    assert code != 0 and "s3cret" not in out + err and "***@127.0.0.1:1/0" in out + err

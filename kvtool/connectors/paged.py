@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..chunk_source import ChunkSource
-from .base import ConnectorError, ConnectorTarget, GPUConnectorInterface
+from .base import ConnectorError, GPUConnectorInterface
 from .memory import MemoryObj
 from .paged_copy import gather_paged, scatter_paged, scatter_paged_source
 from .paged_native import native_slots_ok
@@ -164,9 +164,6 @@ class _PagedConnector(GPUConnectorInterface):
             blob = tmp
         scatter_paged(blob, kvcaches, self.layout, slots, signature=signature)
 
-    def target(self, **kwargs: Any) -> "PagedTarget":
-        return PagedTarget(self, **kwargs)
-
     def to_gpu_source(self, source: ChunkSource, start: int, end: int, **kwargs: Any) -> None:
         """A stored chunk into the buffers: a raw one into host buffers straight from its stored
         bytes, checked as copied (`scatter_paged_source`); otherwise decoded from checked bytes."""
@@ -179,18 +176,6 @@ class _PagedConnector(GPUConnectorInterface):
             raise ConnectorError(f"{source.what} holds KV of shape {list(source.shape)}, "
                                  f"expected {list(self.get_shape(end - start))}")
         scatter_paged_source(source, kvcaches, self.layout, slots, signature=signature)
-
-
-class PagedTarget(ConnectorTarget):
-    """A paged connector's buffers as a load's destination (`connector.target(kvcaches=...,
-    slot_mapping=...)`), beside the connector: decoded KV and whole stored chunks (copied from
-    their stored bytes into the slots, checked as copied) go straight to its transfers."""
-
-    def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
-        self.connector.to_gpu(MemoryObj.from_tensor(kv), start, end, **self.kwargs)
-
-    def scatter_source(self, source: ChunkSource, start: int, end: int) -> None:
-        self.connector.to_gpu_source(source, start, end, **self.kwargs)
 
 
 class PagedMemConnectorV2(_PagedConnector):

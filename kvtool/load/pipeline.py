@@ -41,7 +41,7 @@ class ChunkTask:
 
 
 class Destination(Protocol):
-    """Where a load puts KV: an engine's paged buffers (`kvtool.connectors.PagedTarget`), tensors."""
+    """Where a load puts KV: an engine's buffers (`connector.target(...)`), tensors."""
 
     device: torch.device
 

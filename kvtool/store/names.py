@@ -43,6 +43,15 @@ _DIGEST = re.compile(r"(sha256:)?[0-9a-f]{64}\Z")
 # --- extra keys ---------------------------------------------------------------------------
 
 
+def _utf8(text: str) -> bool:
+    """Whether `text` encodes as UTF-8 (an argument of undecodable bytes holds lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class MultimodalKey:
     """One multimodal input of a request: its content hash and the token positions it fills."""
@@ -76,15 +85,16 @@ class ExtraKeys:
     def __post_init__(self) -> None:
         for what in ("namespace", "cache_salt", "adapter"):
             value = getattr(self, what)
-            if not isinstance(value, str) or len(value) > MAX_KEY_TEXT or "\0" in value:
-                raise UsageError(f"{what.replace('_', ' ')} must be text of at most {MAX_KEY_TEXT} characters "
-                                 "without NUL")
+            if not isinstance(value, str) or len(value) > MAX_KEY_TEXT or "\0" in value or not _utf8(value):
+                raise UsageError(f"{what.replace('_', ' ')} must be UTF-8 text of at most {MAX_KEY_TEXT} "
+                                 "characters without NUL")
         if self.adapter_digest and not _DIGEST.match(self.adapter_digest):
             raise UsageError("adapter digest must be 'sha256:' and 64 lower-case hex digits")
         if len(self.multimodal) > MAX_MM_FEATURES:
             raise UsageError(f"at most {MAX_MM_FEATURES} multimodal inputs per request")
         for mm in self.multimodal:
             if not (isinstance(mm.identifier, str) and mm.identifier and len(mm.identifier) <= MAX_KEY_TEXT
+                    and _utf8(mm.identifier)
                     and isinstance(mm.offset, int) and isinstance(mm.length, int) and mm.offset >= 0 and mm.length > 0):
                 raise UsageError("a multimodal input needs an identifier, an offset >= 0 and a length > 0")
 
@@ -120,6 +130,7 @@ class ExtraKeys:
 
 
 NO_EXTRA_KEYS = ExtraKeys()
+
 
 
 def salt_digest(salt: str) -> str:

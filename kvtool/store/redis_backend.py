@@ -21,6 +21,21 @@ KEY_PREFIX = "kvtool:1:"
 RETRY_SECONDS = 5.0
 
 
+def redacted(url: str) -> str:
+    """`url` with its password (and a username that may be a token) replaced by `***`."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        if parts.password is None and parts.username is None:
+            return url
+        host = parts.hostname or ""
+        netloc = "***@" + (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
+    except ValueError:  # (a malformed port): show only the scheme
+        return url.split("://", 1)[0] + "://***"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 class RedisBackend(Backend):
     def __init__(self, url: str, *, retry_seconds: float = RETRY_SECONDS):
         try:
@@ -30,7 +45,7 @@ class RedisBackend(Backend):
         except ImportError:
             raise UsageError("a redis:// store needs redis-py: pip install 'redis>=5'") from None
         self._errors = redis.exceptions
-        self.url = url
+        self.url = redacted(url)  # what messages and logs show: never the password
         # redis-py waits 0.1, 0.2, 0.4, then 0.5 s between tries: about `retry_seconds` of waiting
         # for a refused connection, plus up to 1 s per try for a host that does not answer
         retries = max(1, int((retry_seconds - 0.7) / 0.5) + 3)
@@ -40,7 +55,7 @@ class RedisBackend(Backend):
                 retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
                 retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError])
         except ValueError as err:
-            raise StoreError(f"{url}: not a Redis URL ({err})") from None
+            raise StoreError(f"{self.url}: not a Redis URL ({err})") from None
         with self._talking():
             self.client.ping()
 
