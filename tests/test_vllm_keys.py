@@ -138,7 +138,7 @@ def test_an_adapter_that_cannot_be_read_makes_the_request_unusable_naming_the_ad
     message = str(err.value)
     assert "lora_gone" in message and SALT not in message and "\n" not in message
     too_long = request(cache_salt="x" * 5000)  # a malformed key: unusable too, and the salt unsaid
-    with pytest.raises(UnusableKeys, match="cache salt must be text") as err:
+    with pytest.raises(UnusableKeys, match="cache salt must be UTF-8 text") as err:
         extra_keys(request_facts(too_long), "", AdapterDigests())
     assert "xxxx" not in str(err.value)
 
