@@ -4,10 +4,15 @@
 # load path; vLLM's block copies; RoPE re-encoding) and the GPU benchmarks
 # (bench/bench_cuda.py, bench/bench_load.py), and print the results.
 #
-#   scripts/gpu_check.sh                 # everything
-#   SKIP_BENCH=1 scripts/gpu_check.sh    # tests only
-#   SKIP_TESTS=1 scripts/gpu_check.sh    # benchmark only
+#   scripts/gpu_check.sh                        # everything
+#   SECTIONS="tests load" scripts/gpu_check.sh  # some of: tests cuda load model big
 #   PYTEST_ARGS="-k paged" BENCH_ARGS="--quick" scripts/gpu_check.sh
+#
+# Sections: tests (the GPU tests), cuda (bench_cuda: the kernels), load (bench_load: files and
+# the store into paged GPU buffers), model (the default model on the GPU: capture overhead, time
+# to first token), big (a random-weight model of Llama-3-8B's shape made here by
+# scripts/gpu_random_model.py: capture -> replay at 8,000 tokens, raw and cachegen, against the
+# recompute). SKIP_TESTS=1 / SKIP_BENCH=1 still drop the tests / every benchmark.
 #
 # Logs and the benchmark's JSON go to $OUT (or $KVTOOL_GPU_CHECK_OUT, default
 # /tmp/kvtool-gpu-check). Exit status: non-zero if a test failed or the build failed.
@@ -17,6 +22,11 @@ PY=${PYTHON:-python3}
 OUTDIR=${OUT:-${KVTOOL_GPU_CHECK_OUT:-/tmp/kvtool-gpu-check}}
 mkdir -p "$OUTDIR"
 status=0
+SECTIONS=${SECTIONS:-tests cuda load model big}
+[ -n "${SKIP_TESTS:-}" ] && SECTIONS=${SECTIONS//tests/}
+[ -n "${SKIP_BENCH:-}" ] && SECTIONS=$(for s in $SECTIONS; do [ "$s" = tests ] && echo tests; done)
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
+echo "sections: $SECTIONS"
 
 echo "== environment"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
@@ -48,7 +58,7 @@ t0=$(date +%s)
 $PY -c "from kvtool import cuda_build as k; print(k.backend_status(build=True))" || status=1
 echo "(build/load took $(( $(date +%s) - t0 )) s)"
 
-if [ -z "${SKIP_TESTS:-}" ]; then
+if want tests; then
   echo "== GPU tests: kernels vs the CPU paths, the staged load path, vLLM's block copies, RoPE re-encoding"
   # shellcheck disable=SC2086
   $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_cuda.py tests/test_devices.py tests/test_load.py \
@@ -59,7 +69,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   tail -3 "$OUTDIR/pytest.log"
 fi
 
-if [ -z "${SKIP_BENCH:-}" ]; then
+if want cuda; then
   echo "== GPU benchmark: bench/bench_cuda.py"
   REAL=()
   # real KV for the CacheGen decoders, when the default model is here: ~2.5k tokens of stdlib source
@@ -75,13 +85,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   $PY bench/bench_cuda.py "${REAL[@]}" --json "$OUTDIR/bench_cuda.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/bench.log" || status=1
 fi
 
-if [ -z "${SKIP_BENCH:-}" ]; then
+if want load; then
   echo "== loading KV into paged buffers, CPU and GPU: bench/bench_load.py"
   # shellcheck disable=SC2086
   $PY bench/bench_load.py --json "$OUTDIR/bench_load.json" ${LOAD_ARGS:-} 2>&1 | tee "$OUTDIR/bench_load.log" || status=1
 fi
 
-if [ -z "${SKIP_BENCH:-}" ]; then
+if want model; then
   echo "== the model on the GPU: capture overhead and time to first token (bench/bench_capture.py, bench/bench_ttft.py)"
   if ! $PY -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     echo "skipped: torch sees no CUDA device"
@@ -91,6 +101,34 @@ if [ -z "${SKIP_BENCH:-}" ]; then
       | tee "$OUTDIR/bench_ttft.log" || status=1
   else
     echo "skipped: the default model is not here (scripts/gpu_model_parts.sh brings it in parts)"
+  fi
+fi
+
+if want big; then
+  echo "== an 8B-shaped model (random weights) on the GPU: capture -> replay at 8,000 tokens"
+  BIG=${BIG_MODEL_DIR:-/tmp/kvtool-llama8b}
+  TOK=""
+  for d in .gpu_model/tokenizer "${XDG_CACHE_HOME:-$HOME/.cache}/kvtool/models/SmolLM2-135M-Instruct"; do
+    [ -f "$d/tokenizer.json" ] && TOK=$d && break
+  done
+  if [ -z "$TOK" ]; then
+    echo "skipped: no tokenizer.json (carry one in .gpu_model/tokenizer/)"
+  elif [ -f "$BIG/model.safetensors.index.json" ] || $PY scripts/gpu_random_model.py "$BIG" --tokenizer "$TOK" --tokens 8000; then
+    for codec in raw cachegen; do
+      $PY -m kvtool capture --model "$BIG" --model-dtype bf16 --device cuda --codec "$codec" \
+        --prompt-file "$BIG/prompt.txt" -o "$BIG/ctx_$codec.kvc" --json >"$OUTDIR/big_capture_$codec.json" || status=1
+      $PY -m kvtool replay "$BIG/ctx_$codec.kvc" --model "$BIG" --model-dtype bf16 --device cuda --compare \
+        --json >"$OUTDIR/big_replay_$codec.json" || status=1
+      $PY - "$codec" "$OUTDIR/big_capture_$codec.json" "$OUTDIR/big_replay_$codec.json" <<'PY'
+import json, sys
+codec, c, r = sys.argv[1], *(json.load(open(p)) if open(p).read().strip() else {} for p in sys.argv[2:])
+print(f"{codec}: {c.get('num_tokens')} tokens, {c.get('file_bytes', 0) / 2**20:.0f} MiB file, prefill "
+      f"{c.get('seconds', 0):.2f} s | replay: load {r.get('load_s')} s, first token {r.get('ttft_cached_s')} s "
+      f"vs recompute {r.get('ttft_recompute_s')} s (x{r.get('speedup')}), top-1 {r.get('top1_agreement')}")
+PY
+    done
+  else
+    echo "the random-weight model could not be made"; status=1
   fi
 fi
 

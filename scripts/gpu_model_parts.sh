@@ -3,17 +3,17 @@
 # most 64 MiB of files per call, in parts: the machine keeps /tmp between calls while warm.
 #
 #   here, once:   scripts/gpu_model_parts.sh split
-#                 -> .gpu_model/part-0 .. part-2 (33 MB each) and .gpu_model/SHA256 (ignored by git)
+#                 -> .gpu_model/part-0, part-1 (49 MB each: one, with the wheels, fits a 64 MiB call) and .gpu_model/SHA256 (ignored by git)
 #   there, one call per part, carrying that part and the checksum file, e.g. with the device tool:
 #                 run("scripts/gpu_model_parts.sh gather", carry=[".gpu_model/part-0", ".gpu_model/SHA256"])
-#                 ... then part-1, then part-2
+#                 ... then part-1
 #   The gather that completes the set joins the parts into $KVTOOL_MODEL_DIR (default
 #   /tmp/kvtool-model), checks the SHA-256 and says so; scripts/gpu_check.sh then finds the file
 #   there and runs the model's GPU tests and benchmarks (it sets KVTOOL_DEFAULT_GGUF).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAME=SmolLM2-135M-Instruct.Q4_1.gguf
-PARTS=3
+PARTS=${PARTS:-2}
 HERE=.gpu_model
 THERE=${KVTOOL_MODEL_DIR:-/tmp/kvtool-model}
 

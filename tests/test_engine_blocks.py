@@ -117,3 +117,27 @@ def test_the_store_loads_into_a_requests_blocks_from_a_token_on(tmp_path):
     assert hit.num_tokens == 64
     assert torch.equal(blocks.read(block_ids, BS, 64), kv[:, :, BS:])
     assert not blocks.read(block_ids, 0, BS).any()
+
+
+@pytest.mark.parametrize("codec", ["raw", "cachegen"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["vllm", "flash_attn", "flashinfer"])
+def test_the_store_loads_into_a_requests_blocks_on_every_device_alike(tmp_path, layout, device, codec):
+    """The vLLM worker's load on a GPU (the staged path, or CacheGen decoded on the GPU) leaves
+    the request's blocks holding exactly what the same load leaves on the CPU."""
+    from fixtures import make_identity
+    from kvtool.store import open_store
+
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    tokens = list(range(900, 964))
+    cache = open_store(tmp_path / "store").for_model(identity, chunk_size=32)
+    cache.put_sequence(tokens, torch.randn(2, L, 64, H * D), codec=codec)
+    block_ids = [9, 4, 0, 11]
+    loaded = []
+    for where in ("cpu", device):
+        blocks = EngineBlocks(engine(layout, where), BS, layout)
+        hit = cache.load_prefix(tokens, blocks.target(block_ids, 64), max_tokens=64, from_token=BS)
+        assert hit.num_tokens == 64 and hit.codecs == [codec] * 2
+        loaded.append(blocks.read(block_ids, 0, 64).cpu())
+        assert not loaded[-1][:, :, :BS].any()
+    assert torch.equal(loaded[0], loaded[1])

@@ -379,28 +379,85 @@ def test_the_staged_path_loads_a_file_through_reused_buffers(tmp_path, codec, st
         assert torch.equal(read(0, 43), reader.read_range(0, 43))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("codec", ["raw", "zstd"])
-def test_the_staged_path_on_a_gpu_gives_the_cpu_result(tmp_path, codec):
+def gpu_target(num_tokens: int, dtype=torch.float32, layout: str = "flash_attn"):
+    """Zeroed paged buffers on the GPU, a shuffled slot mapping, a destination over them and a
+    reader of what they hold (on the CPU)."""
+    num_blocks = num_tokens // BS + 4
+    shape = (2, num_blocks, BS, H, D) if layout == "flash_attn" else (num_blocks, 2, BS, H, D)
+    caches = [torch.zeros(shape, dtype=dtype, device="cuda") for _ in range(L)]
+    slots = torch.randperm(num_blocks * BS, generator=torch.Generator().manual_seed(3))[:num_tokens]
+    connector = PagedMemConnectorV2(H * D, L, layout=layout, num_kv_heads=H, head_dim=D, use_gpu=True)
+    target = ConnectorTarget(connector, kvcaches=caches, slot_mapping=slots)
+    assert target.device.type == "cuda"
+
+    def read(start, end):
+        torch.cuda.synchronize()
+        out = connector.allocate(end - start, dtype)
+        connector.from_gpu(out, start, end, kvcaches=caches, slot_mapping=slots)
+        return out.tensor.cpu()
+
+    return target, read
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("codec", ["raw", "zstd", "cachegen"])
+def test_the_load_path_on_a_gpu_gives_the_cpu_result(tmp_path, codec, dtype, layout):
+    """`load` into GPU buffers (raw and zstd: the staged path; CacheGen: decoded on the GPU in
+    batches) leaves exactly what the CPU decoder gives, in every layout."""
     from kvtool.load import load
 
     identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
     f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=45, chunk_size=8, codec=codec,
-                      dtype=torch.float32)
-    caches = [torch.zeros(2, 16, BS, H, D, device="cuda") for _ in range(L)]
-    slots = torch.randperm(16 * BS, generator=torch.Generator().manual_seed(3))[:45]
-    connector = PagedMemConnectorV2(H * D, L, layout="flash_attn", num_kv_heads=H, head_dim=D, use_gpu=True)
-    target = ConnectorTarget(connector, kvcaches=caches, slot_mapping=slots)
-    assert target.device.type == "cuda"
-
+                      dtype=dtype)
+    target, read = gpu_target(45, dtype, layout)
     with ContainerReader(f.path) as reader:
         outcome = load(file_tasks(reader, 45), target)
         assert outcome.error is None and outcome.loaded_tokens == 45
         want = reader.read_range(0, 45)
-    torch.cuda.synchronize()
-    out = connector.allocate(45, torch.float32)
-    connector.from_gpu(out, 0, 45, kvcaches=caches, slot_mapping=slots)
-    assert torch.equal(out.tensor.cpu(), want)
+    assert torch.equal(read(0, 45), want)
+
+
+@needs_cuda
+@pytest.mark.parametrize("codec", ["raw", "cachegen"])
+def test_a_damaged_chunk_never_reaches_gpu_buffers(tmp_path, codec):
+    from kvtool.load import load
+
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=48, chunk_size=8, codec=codec,
+                      dtype=torch.float32)
+    flip_payload_byte(f.path, 3, 1, 0x08)
+    target, read = gpu_target(48)
+    with ContainerReader(f.path) as reader:
+        outcome = load(file_tasks(reader, 48), target)
+        want = reader.read_range(0, 24)
+    assert isinstance(outcome.error, ChecksumMismatch) and "chunk 3" in str(outcome.error)
+    assert outcome.loaded_tokens <= 24
+    assert not read(24, 32).any()  # the damaged chunk's tokens were never written
+    if codec == "raw":  # the staged path scatters in order: the chunks before it are there
+        assert outcome.loaded_tokens == 24 and torch.equal(read(0, 24), want)
+
+
+@needs_cuda
+@pytest.mark.parametrize("codec", ["raw", "zstd", "cachegen"])
+def test_the_store_loads_into_gpu_buffers_what_it_loads_on_the_cpu(tmp_path, codec):
+    """The store's prefix API into paged buffers on the GPU, from a token on: the CPU load's KV."""
+    from kvtool.store import open_store
+
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    tokens = list(range(100, 140))
+    cache = open_store(tmp_path / "store").for_model(identity, chunk_size=8)
+    cache.put_sequence(tokens, make_kv(identity, 40, torch.float32), codec=codec)
+    on_cpu, read_cpu = paged_target(40)
+    assert cache.load_prefix(tokens, on_cpu, from_token=12).num_tokens == 40
+    target, read = gpu_target(40)
+    hit = cache.load_prefix(tokens, target, from_token=12)
+    assert hit.num_tokens == 40 and hit.codecs == [codec] * 4 and not hit.refused
+    assert torch.equal(read(12, 40), read_cpu(12, 40)) and not read(0, 12).any()
 
 
 def test_a_memory_tier_in_front_of_a_folder_keeps_the_one_pass_load(tmp_path, monkeypatch):
