@@ -208,7 +208,8 @@ def crc_level(level: int, fn):
     return run
 
 
-def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int, tmp: Path, rounds: int) -> list[dict]:
+def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int, tmp: Path, rounds: int,
+                 gpu_only: bool = False) -> list[dict]:
     ident = identity(name, layers, heads, head_dim)
     gen = torch.Generator().manual_seed(tokens)
     kv = (torch.randn(2, layers, tokens, heads * head_dim, generator=gen) * 2).to(torch.bfloat16)
@@ -250,6 +251,8 @@ def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int,
         fns["raw: pipeline, 128-bit CRC fold"] = crc_level(2, lambda: pipeline(files["raw"], paged, tokens))
     if torch.cuda.is_available():
         fns.update(gpu_candidates(kv, files, tmp, store_cache, token_ids, layers, heads, head_dim, tokens))
+    if gpu_only:
+        fns = {what: fn for what, fn in fns.items() if what.startswith("gpu") or what == "limit: copy of the same bytes"}
     times = time_rounds(fns, rounds)
     pipeline(files["raw"], paged, tokens)
     assert torch.equal(paged.gather(tokens), kv), "the pipeline loaded different KV"
@@ -279,9 +282,9 @@ def gpu_candidates(kv, files, tmp, store_cache, token_ids, layers, heads, head_d
             torch.cuda.synchronize()
         return run
 
-    def staged(path):
+    def staged(path, **how):
         with ContainerReader(path) as reader:
-            outcome = load_chunks_staged(file_tasks(reader, tokens), paged.target, device)
+            outcome = load_chunks_staged(file_tasks(reader, tokens), paged.target, device, **how)
         assert outcome.error is None and outcome.loaded_tokens == tokens, outcome
 
     def batched(path):  # replay's GPU path before the staged loader, and CacheGen's now (kvtool.load.load)
@@ -293,6 +296,7 @@ def gpu_candidates(kv, files, tmp, store_cache, token_ids, layers, heads, head_d
            "gpu safetensors load_file + .to(cuda) + scatter": synced(
                lambda: paged.scatter(load_file(str(tmp / "kv.safetensors"))["kv"].to(device), 0, tokens)),
            "gpu raw: staged (pinned buffers, side stream)": synced(lambda: staged(files["raw"])),
+           "gpu raw: staged, 3 buffers and threads": synced(lambda: staged(files["raw"], staging=3, threads=3)),
            "gpu zstd: staged": synced(lambda: staged(files["zstd"])),
            "gpu cachegen: batched GPU decode": synced(lambda: batched(files["cachegen"])),
            "gpu raw: store load_prefix (staged)": synced(lambda: store_cache.load_prefix(token_ids, paged.target))}
@@ -358,6 +362,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--dir", type=Path)
+    ap.add_argument("--gpu-only", action="store_true", help="the GPU rows only (and the CPU copy limit)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvtool-bench-load-", dir=args.dir))
     rows = []
@@ -365,7 +370,7 @@ def main() -> None:
         for name, (layers, heads, head_dim) in SHAPES.items():
             for tokens in ([2048] if args.quick else [2048, 8192]):
                 print(f"… {name}, {tokens} tokens", file=sys.stderr, flush=True)
-                rows += run_geometry(name, layers, heads, head_dim, tokens, tmp, args.rounds)
+                rows += run_geometry(name, layers, heads, head_dim, tokens, tmp, args.rounds, args.gpu_only)
                 for p in tmp.iterdir():
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
     finally:

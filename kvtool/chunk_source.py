@@ -180,17 +180,19 @@ class ChunkSource:
         return self._decode(self.checked_payload(), target)
 
     @staticmethod
-    def decode_many(sources: "list[ChunkSource]", device: "torch.device | str") -> "list[torch.Tensor]":
+    def decode_many(sources: "list[ChunkSource]", device: "torch.device | str",
+                    payloads: "list[memoryview] | None" = None) -> "list[torch.Tensor]":
         """`decode(device)` of each source; on a GPU, sources of one batch key decode in one
         launch (to the same values). A batch that fails is decoded one by one, so the error names
-        its chunk."""
+        its chunk. `payloads`: the sources' `checked_payload()`s, when the caller has them
+        (read and checked on other threads meanwhile)."""
         import torch
 
         target = torch.device(device)
         first = sources[0] if sources else None
         if target.type == "cuda" and len(sources) > 1 and first.batch_key is not None \
                 and all(s.batch_key == first.batch_key for s in sources):
-            payloads = [s.checked_payload() for s in sources]
+            payloads = payloads or [s.checked_payload() for s in sources]
             try:
                 return first._decode_batch(payloads, [s.shape for s in sources], target)
             except (KvtoolError, ValueError, RuntimeError, OverflowError, IndexError):

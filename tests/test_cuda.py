@@ -793,6 +793,11 @@ def test_gpu_cachegen_calibrated_variant_gives_the_same_values(monkeypatch):
     cpu = [_cpu_encode(kv, params) for kv in kvs]
     outs = gcg.decode_chunks([c[0] for c in cpu], [kv.shape for kv in kvs], torch.bfloat16, cpu[0][1])
     assert len(gcg._chosen) == 1 and next(iter(gcg._chosen.values())) in gcg.CALIBRATION_CANDIDATES
+    (key, chosen), = gcg._chosen.items()
+    assert gcg._saved_choices()[gcg._choice_name(key)] == chosen  # kept for the next process
+    monkeypatch.setattr(gcg, "_chosen", {})
+    monkeypatch.setattr(gcg, "CALIBRATION_CANDIDATES", ())  # a calibration now would choose the default
+    assert gcg.chosen_variant([c[0] for c in cpu], [kv.shape for kv in kvs], torch.bfloat16, cpu[0][1]) == chosen
     for o, (pl, pp), kv in zip(outs, cpu, kvs):
         assert _same_bits(o, cachegen_decode(pl, kv.shape, torch.bfloat16, pp))
     monkeypatch.setenv("KVTOOL_CACHEGEN_GPU_VARIANT", "4")

@@ -492,3 +492,38 @@ def test_a_memory_tier_in_front_of_a_folder_keeps_the_one_pass_load(tmp_path, mo
             assert seen == [(in_file, not in_file)] * 4, (memory_bytes, round)
         held = [tiered.backend.tiers[0].exists(n) for n in cache.chunk_names(tokens)]
         assert held == [not in_file] * 4
+
+
+@pytest.mark.parametrize("damaged", [None, 0, 3, 6])
+def test_the_gpu_decode_groups_read_ahead_and_stop_at_a_damaged_chunk(tmp_path, monkeypatch, damaged):
+    """The GPU's CacheGen path (groups decoded in one launch each, the next group read and checked
+    on worker threads meanwhile), run on the CPU: every chunk before the damaged one's group is
+    loaded, none after, and every chunk opened, read ahead or not, is released."""
+    from kvtool.load import path as load_module
+
+    monkeypatch.setattr(load_module, "GPU_DECODE_BATCH", 2)
+    opened, released = [], set()
+    real = ChunkSource.release
+    monkeypatch.setattr(ChunkSource, "release", lambda self: (released.add(id(self)), real(self)))
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=56, chunk_size=8, codec="cachegen",
+                      dtype=torch.float32)
+    if damaged is not None:
+        flip_payload_byte(f.path, damaged, 1, 0x08)
+    target, read = paged_target(56, checking=False)
+    with ContainerReader(f.path) as reader:
+        tasks = [ChunkTask(t.start, t.end, (lambda o: lambda: opened.append(o()) or opened[-1])(t.open),
+                           t.origin, t.codec) for t in file_tasks(reader, 56)]
+        outcome = load_module._decode_on_device(tasks, target, torch.device("cpu"))
+        good = 56 if damaged is None else 16 * (damaged // 2)
+        assert outcome.loaded_tokens == good and outcome.chunks == good // 8
+        assert (outcome.error is None) == (damaged is None)
+        if damaged is not None:
+            assert isinstance(outcome.error, ChecksumMismatch) and f"chunk {damaged}" in str(outcome.error)
+        if good:
+            assert torch.equal(read(0, good), reader.read_range(0, good))
+        if good < 56:
+            assert not read(good, 56).any()
+    # each group read while the one before decodes; none past a group that failed to read
+    assert len(opened) == (7 if damaged is None else min(7, 2 * (damaged // 2 + 1)))
+    assert all(id(source) in released for source in opened)

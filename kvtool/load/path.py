@@ -17,7 +17,7 @@ from typing import Sequence
 
 from ..chunk_source import ChunkSource
 from ..errors import KvtoolError
-from .pipeline import ChunkTask, Destination, LoadOutcome, load_chunks
+from .pipeline import ChunkTask, Destination, LoadOutcome, _workers, load_chunks
 from .staged import load_chunks_staged
 
 #: On a GPU, CacheGen chunks decode this many at a time (one launch each group): enough to fill
@@ -38,22 +38,47 @@ def load(tasks: Sequence[ChunkTask], destination: Destination, *, threads: int |
 
 
 def _decode_on_device(tasks: list[ChunkTask], destination: Destination, device) -> LoadOutcome:
-    """Groups of chunks decoded on the GPU in one launch each, scattered in order."""
-    for first in range(0, len(tasks), GPU_DECODE_BATCH):
-        group = tasks[first:first + GPU_DECODE_BATCH]
-        sources: list[ChunkSource] = []
-        try:
-            sources = [task.open() for task in group]
-            decoded = ChunkSource.decode_many(sources, device)
-            for i, (task, kv) in enumerate(zip(group, decoded)):
-                part = kv[:, :, task.first_row:task.first_row + task.end - task.start]
-                destination.scatter(part.contiguous(), task.start, task.end)
-        except KvtoolError as err:  # (which chunk of the group failed is not known: the group's first)
-            return LoadOutcome(loaded_tokens=group[0].start, chunks=first, error=err, failed=first)
-        finally:
-            for source in sources:
-                source.release()
-    return LoadOutcome(loaded_tokens=tasks[-1].end if tasks else 0, chunks=len(tasks))
+    """Groups of chunks decoded on the GPU in one launch each, scattered in order; the next
+    group is read and checked on the loads' worker threads while this one decodes."""
+    groups = [tasks[first:first + GPU_DECODE_BATCH] for first in range(0, len(tasks), GPU_DECODE_BATCH)]
+    pool = _workers()
+    reading = [pool.submit(_opened, task) for task in groups[0]]
+    done = 0
+    try:
+        for number, group in enumerate(groups):
+            opened, reading = reading, []
+            failure = next((f.exception() for f in opened if f.exception() is not None), None)
+            if failure is None and number + 1 < len(groups):
+                reading = [pool.submit(_opened, task) for task in groups[number + 1]]
+            sources = [f.result() for f in opened if f.exception() is None]
+            try:
+                if failure is not None:
+                    raise failure
+                decoded = ChunkSource.decode_many([s for s, _ in sources], device, [p for _, p in sources])
+                for task, kv in zip(group, decoded):
+                    part = kv[:, :, task.first_row:task.first_row + task.end - task.start]
+                    destination.scatter(part.contiguous(), task.start, task.end)
+            except KvtoolError as err:  # (which chunk of the group failed is not known: the group's first)
+                return LoadOutcome(loaded_tokens=group[0].start, chunks=done, error=err, failed=done)
+            finally:
+                for source, _ in sources:
+                    source.release()
+            done += len(group)
+    finally:
+        for future in reading:  # a group read past a failure: released unused
+            if future.exception() is None:
+                future.result()[0].release()
+    return LoadOutcome(loaded_tokens=tasks[-1].end, chunks=len(tasks))
+
+
+def _opened(task: ChunkTask) -> tuple[ChunkSource, memoryview]:
+    """A chunk opened, its payload read and checked (a worker's part of a GPU decode)."""
+    source = task.open()
+    try:
+        return source, source.checked_payload()
+    except BaseException:
+        source.release()
+        raise
 
 
 __all__ = ["GPU_DECODE_BATCH", "load"]
