@@ -65,7 +65,7 @@ def cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-GRAPHS = {"usable": False, "why": "off: --graphs turns them on"}  # and the first capture that fails turns them off
+GRAPHS = {"usable": False, "why": "--graphs not given"}  # and the first capture that fails turns them off
 
 
 def graph_time(fn, reps: int = 20) -> float | None:
@@ -133,7 +133,7 @@ def bench_paged(args, results):
     L, H, D, BS = args.layers, args.heads, args.head_dim, 16
     dt = torch.bfloat16
     print(f"\n== paged gather/scatter: {L} layers x {H} heads x {D}, bf16, block size {BS}, random blocks")
-    print("kernel/torch columns: device time (CUDA-graph replays); 'e2e': the Python call timed with events,")
+    print("kernel/torch columns: device time (" + ("CUDA-graph replays" if GRAPHS["usable"] else "CUDA events around each call") + "); 'e2e': the Python call timed with events,")
     print("host overhead included (dominates small sizes)")
     print(f"{'layout':<11}{'tokens':>7}{'MB':>8} | {'gather':>7}{'scatter':>8}{'g-e2e':>7}{'torch-g':>8}{'torch-s':>8}"
           f"{'d2d':>7}{'g/d2d':>7}{'s/d2d':>7} | {'pin-g':>6}{'pin-s':>6}{'d2h':>6}{'h2d':>6}   (GB/s)")
