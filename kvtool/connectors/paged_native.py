@@ -12,6 +12,7 @@ when the extension was not built, or KVTOOL_PAGED_NATIVE=0, the torch reference 
 from __future__ import annotations
 
 import os
+import threading
 from types import ModuleType
 from typing import Sequence
 
@@ -25,21 +26,26 @@ from .paged_layout import (LayerKV, PagedLayout, buffers_signature, channel_stri
 
 _module: ModuleType | None = None
 _loaded = False
+_lock = threading.Lock()
 MIN_BYTES_PER_THREAD = 1 << 20  # below this a thread costs more than it copies
 
 
 def native_module() -> ModuleType | None:
+    """The extension, imported once; `_loaded` is set only after the import, under a lock (a
+    thread that saw it set first would have taken the torch path for no reason)."""
     global _module, _loaded
     if os.environ.get("KVTOOL_PAGED_NATIVE", "1").strip() in ("0", "false", "no", "off"):
         return None
     if not _loaded:
-        _loaded = True
-        try:
-            from .. import _paged_native as m  # type: ignore[attr-defined]
+        with _lock:
+            if not _loaded:
+                try:
+                    from .. import _paged_native as m  # type: ignore[attr-defined]
 
-            _module = m
-        except ImportError:  # not built (no compiler at install): the torch path runs
-            _module = None
+                    _module = m
+                except ImportError:  # not built (no compiler at install): the torch path runs
+                    _module = None
+                _loaded = True
     return _module
 
 

@@ -8,6 +8,7 @@ KVTOOL_CACHEGEN_NATIVE=0 to force the reference (tests and debugging).
 from __future__ import annotations
 
 import os
+import threading
 from types import ModuleType
 
 from ...devices import host_threads
@@ -16,19 +17,26 @@ from ...notices import notice
 _module: ModuleType | None = None
 _error: str | None = None
 _loaded = False
+_lock = threading.Lock()
 
 
 def _load() -> None:
+    """Import the extension once. `_loaded` is set after the import has finished, under a lock:
+    a thread that saw it set before the module was (8 threads at once got None) fell back to the
+    slow reference for the whole run."""
     global _module, _error, _loaded
     if _loaded:
         return
-    _loaded = True
-    try:
-        from ... import _cachegen_native as m  # type: ignore[attr-defined]
+    with _lock:
+        if _loaded:
+            return
+        try:
+            from ... import _cachegen_native as m  # type: ignore[attr-defined]
 
-        _module = m
-    except ImportError as exc:  # pragma: no cover - depends on the build
-        _module, _error = None, str(exc)
+            _module = m
+        except ImportError as exc:  # pragma: no cover - depends on the build
+            _module, _error = None, str(exc)
+        _loaded = True
 
 
 def native_module(warn: bool = True) -> ModuleType | None:
