@@ -37,6 +37,7 @@ from ..identity import ModelIdentity
 from .compare import compare_logits
 from .engine_io import new_cache
 from .inputs import check_text, check_vocabulary, continuation, fraction, model_dtype_name, non_negative
+from .replay import check_context, free_run_after, greedy, recompute
 from .result import Result
 
 DEFAULT_DELIMITER = " # # "  # LMCache's blend_special_str
@@ -217,7 +218,72 @@ def _file_parts(model: LoadedModel, files: list[str], allow_other_weights: bool)
     return parts
 
 
-# --- the blended replay ---------------------------------------------------------------------
+# --- the request: every option checked once, before anything is read or loaded -------------
+
+
+@dataclass(frozen=True)
+class BlendRequest:
+    """One `kvtool replay --blend`, as the caller gives it, checked once (`__post_init__`, before
+    anything is read or loaded).
+
+    Without `delimiter`: the prompt is the `files`' segments, in order, then the question
+    (`prompt` / `prompt_file`, tokenized alone). With `delimiter`: the prompt text is split there
+    (`split_prompt`) and each piece's KV found in `files` or the `store` (at `chunk_size`, under
+    `namespace`: `retrieve`). `recompute_ratio` None: the default share (resolved into `ratio`);
+    `check_layer` None: the default layer (checked against the model once it is loaded).
+    `min_top1` / `max_kl` imply `compare`. The check also resolves `weights` (the model's dtype)
+    and `where` (its device)."""
+
+    files: tuple[str | Path, ...] = ()
+    model: str | Path | LoadedModel | None = None
+    prompt: str | None = None
+    prompt_file: Path | None = None
+    delimiter: str | None = None
+    store: str | None = None
+    chunk_size: int | None = None
+    recompute_ratio: float | None = None
+    check_layer: int | None = None
+    continue_tokens: int = 32
+    compare: bool = False
+    min_top1: float | None = None
+    max_kl: float | None = None
+    device: str = "auto"
+    model_dtype: str = "fp32"
+    allow_other_weights: bool = False
+    block_size: int = 16
+    namespace: str | None = None
+    ratio: float = field(init=False, repr=False)
+    weights: torch.dtype = field(init=False, repr=False)
+    where: torch.device = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # frozen: the values the check resolves are set once, here
+        object.__setattr__(self, "ratio", DEFAULT_RECOMPUTE_RATIO if self.recompute_ratio is None
+                           else self.recompute_ratio)
+        fraction("--recompute-ratio", self.ratio)
+        fraction("--min-top1", self.min_top1)
+        non_negative("--max-kl", self.max_kl)
+        continuation(self.continue_tokens)
+        if (self.prompt is None) == (self.prompt_file is None):
+            raise UsageError("--blend needs the question or the delimited prompt: --prompt or --prompt-file (one)")
+        if self.delimiter is None and not self.files:
+            raise UsageError("give segment files (--blend FILE) or a delimited prompt (--blend-delimiter)")
+        if self.delimiter is None and self.store is not None:
+            raise UsageError("--store with --blend: segments are found in the store by splitting the prompt: "
+                             "give --blend-delimiter")
+        if self.chunk_size is not None and self.store is None:
+            raise UsageError("--chunk-size applies to --store")
+        if self.namespace is not None and self.store is None:
+            raise UsageError("--namespace names a partition of the store: give --store URL")
+        if self.delimiter is not None:
+            check_text(self.delimiter, "--blend-delimiter")
+        object.__setattr__(self, "weights", dtype_from_name(model_dtype_name(self.model_dtype)))
+        object.__setattr__(self, "where", resolve_device(self.device))
+
+    @property
+    def compares(self) -> bool:
+        """Runs the full prefill and naive reuse: asked for, or implied by a threshold."""
+        return self.compare or self.min_top1 is not None or self.max_kl is not None
 
 
 def blend_replay(files: list[str] | None = None, model: str | Path | LoadedModel | None = None, *,
@@ -235,113 +301,185 @@ def blend_replay(files: list[str] | None = None, model: str | Path | LoadedModel
     (`split_prompt`) and each piece's KV found in `files` or the `store` (`retrieve`). Then the
     blended prefill, a greedy continuation of `continue_tokens`, and with `compare` the full
     prefill and naive reuse along the full prefill's greedy continuation. `min_top1` / `max_kl`
-    (each implies `compare`) hold the blend to a threshold (ToleranceExceeded, with the result)."""
-    stage = on_stage or (lambda _text: None)
-    files = list(files or [])
-    ratio = DEFAULT_RECOMPUTE_RATIO if recompute_ratio is None else recompute_ratio
-    fraction("--recompute-ratio", ratio)
-    fraction("--min-top1", min_top1)
-    non_negative("--max-kl", max_kl)
-    continuation(continue_tokens)
-    if (prompt is None) == (prompt_file is None):
-        raise UsageError("--blend needs the question or the delimited prompt: --prompt or --prompt-file (one)")
-    if delimiter is None and not files:
-        raise UsageError("give segment files (--blend FILE) or a delimited prompt (--blend-delimiter)")
-    if delimiter is None and store is not None:
-        raise UsageError("--store with --blend: segments are found in the store by splitting the prompt: "
-                         "give --blend-delimiter")
-    if chunk_size is not None and store is None:
-        raise UsageError("--chunk-size applies to --store")
-    if namespace is not None and store is None:
-        raise UsageError("--namespace names a partition of the store: give --store URL")
-    compare = compare or min_top1 is not None or max_kl is not None
-    text = check_text(read_text_file(prompt_file) if prompt_file is not None else prompt, "--prompt")
-    if delimiter is not None:
-        pieces, question_text = split_prompt(text, check_text(delimiter, "--blend-delimiter"))
+    (each implies `compare`) hold the blend to a threshold (ToleranceExceeded, with the result).
+
+    The options become one `BlendRequest` (checked there), run by `run_blend`."""
+    request = BlendRequest(files=tuple(files or ()), model=model, prompt=prompt, prompt_file=prompt_file,
+                           delimiter=delimiter, store=store, chunk_size=chunk_size, recompute_ratio=recompute_ratio,
+                           check_layer=check_layer, continue_tokens=continue_tokens, compare=compare,
+                           min_top1=min_top1, max_kl=max_kl, device=device, model_dtype=model_dtype,
+                           allow_other_weights=allow_other_weights, block_size=block_size, namespace=namespace)
+    return run_blend(request, on_stage)
+
+
+# --- the steps of a blended replay ----------------------------------------------------------
+
+
+def run_blend(request: BlendRequest, on_stage: Callable[[str], None] | None = None) -> BlendReplayResult:
+    """A checked blend: its inputs found (`open_inputs`), the blended prefill (`blend_into_cache`),
+    the continuation (greedy, or with `compare` measured against the full prefill and naive reuse:
+    `measure_blend`), the result held to the request's thresholds."""
+    stage = on_stage or _no_stage
+    inputs = open_inputs(request, stage)
+    stage(f"blending {inputs.num_tokens} tokens")
+    blended = blend_into_cache(inputs, request, request.ratio, seed=1)
+    if request.compares:
+        generated, measured = measure_blend(inputs, request, blended, stage)
     else:
-        pieces, question_text = [], text
-    if store is not None:  # an unreachable store fails before the model loads
+        generated, measured = greedy(blended.runner, blended.seq, blended.first, request.continue_tokens), {}
+    return _check_thresholds(blend_result(inputs, request, blended, generated, measured),
+                             request.min_top1, request.max_kl)
+
+
+def _no_stage(_text: str) -> None:
+    """`on_stage` when nobody shows the stages."""
+
+
+@dataclass(frozen=True)
+class BlendInputs:
+    """A blend's inputs once found: the model, the layer where tokens to recompute are chosen,
+    the prompt's parts (cached runs and uncached text) and question, and what reading the
+    cached KV took."""
+
+    model: LoadedModel
+    check_layer: int
+    parts: list[_Part]
+    question: list[int]
+    load_s: float
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [s for p in self.parts for s in p.segments]
+
+    @property
+    def tokens(self) -> list[int]:
+        """The model's input: the segments' tokens one after another, then the question's."""
+        return [t for s in self.segments for t in s.tokens] + self.question
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.segments) + len(self.question)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The cached KV's dtype (bf16 when nothing is cached)."""
+        return next((s.kv.dtype for s in self.segments if s.kv is not None), torch.bfloat16)
+
+
+def open_inputs(request: BlendRequest, stage: Callable[[str], None]) -> BlendInputs:
+    """The prompt split into pieces and question, the model loaded (the check layer and the
+    question checked against it), and each piece's KV read (timed: part of the TTFT)."""
+    pieces, question_text = prompt_pieces(request)
+    if request.store is not None:  # an unreachable store fails before the model loads
         from ..store import open_store
 
-        open_store(store, create=False).close()
+        open_store(request.store, create=False).close()
     stage("loading the model")
-    weights = dtype_from_name(model_dtype_name(model_dtype))
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=resolve_device(device))
-    cfg = loaded.config
-    layer = DEFAULT_CHECK_LAYER if check_layer is None else check_layer
-    if not 0 <= layer < cfg.num_layers:
-        raise UsageError(f"--check-layer {layer}: the model's layers are 0..{cfg.num_layers - 1}")
-    question = loaded.tokenizer.encode(question_text)
-    check_vocabulary(question, cfg.vocab_size)
-
-    _warm_up(loaded)
+    model = request.model if isinstance(request.model, LoadedModel) \
+        else load_model(request.model, dtype=request.weights, device=request.where)
+    layer = _check_layer(request, model)
+    question = model.tokenizer.encode(question_text)
+    check_vocabulary(question, model.config.vocab_size)
+    _warm_up(model)
     stage("reading the segments' KV")
-    synchronize(loaded.device)
+    synchronize(model.device)
     t0 = time.perf_counter()
-    parts = retrieve(loaded, pieces, files, store, chunk_size, allow_other_weights, namespace) if delimiter is not None \
-        else _file_parts(loaded, files, allow_other_weights)
+    parts = retrieve(model, pieces, list(request.files), request.store, request.chunk_size,
+                     request.allow_other_weights, request.namespace) if request.delimiter is not None \
+        else _file_parts(model, list(request.files), request.allow_other_weights)
     load_s = time.perf_counter() - t0
     if not parts:
         raise PromptError("the prompt holds no segment text")
-    segments = [s for p in parts for s in p.segments]
-    tokens = [t for s in segments for t in s.tokens] + question
-    n = len(tokens)
-    if n + continue_tokens > loaded.max_position_embeddings:
-        raise PromptError(f"{n} tokens plus {continue_tokens} to generate exceed the model's context of "
-                          f"{loaded.max_position_embeddings}")
-    kv_dtype = next((s.kv.dtype for s in segments if s.kv is not None), torch.bfloat16)
-
-    stage(f"blending {n} tokens")
-    result, runner, seq, blend_s = _run_blend(loaded, segments, question, n + continue_tokens, kv_dtype,
-                                              block_size, ratio, layer, seed=1)
-    ttft = load_s + blend_s
-    first = result.logits[None]  # [1, V]
-    measured: dict[str, Any] = {}
-    if not compare:
-        generated = [int(first[0].argmax())]
-        while len(generated) < continue_tokens:
-            generated.append(int(runner.decode_step(seq, generated[-1]).argmax()))
-    else:
-        from .replay import free_run_after, recompute
-
-        stage(f"recomputing {n} tokens and {continue_tokens} more (the reference)")
-        ref_logits, generated, ttft_full = recompute(loaded, tokens, continue_tokens, kv_dtype, block_size,
-                                                     prefill_chunk=max(n, 1))
-        blend_logits = _teacher_forced(runner, seq, n, first, generated)
-        blend_cmp = compare_logits(ref_logits, blend_logits, generated)
-        stage("naive reuse (recompute ratio 0)")
-        naive, nrunner, nseq, naive_s = _run_blend(loaded, segments, question, n + continue_tokens, kv_dtype,
-                                                   block_size, 0.0, layer, seed=2)
-        naive_cmp = compare_logits(ref_logits, _teacher_forced(nrunner, nseq, n, naive.logits[None], generated),
-                                   generated)
-        same = blend_cmp["greedy_identical_tokens"]
-        own = free_run_after(runner, seq, n, generated, blend_logits, same)
-        measured = {"ttft_full_s": ttft_full, "ttft_naive_s": load_s + naive_s,
-                    "speedup": ttft_full / max(ttft, 1e-9), "blend": blend_cmp, "naive": naive_cmp,
-                    "blend_continuation_tokens": own, "blend_continuation": loaded.tokenizer.decode(own),
-                    "agreed_continuation": loaded.tokenizer.decode(generated[:same])}
-    out = BlendReplayResult(
-        model=loaded.name, device=describe(loaded.device), model_dtype=str(loaded.dtype).removeprefix("torch."),
-        kv_dtype=str(kv_dtype).removeprefix("torch."), num_tokens=n, question_tokens=len(question),
-        cached_tokens=int(result.cached.sum()), segments=[p.report for p in parts], recompute_ratio=ratio,
-        check_layer=layer, prefix_tokens=result.prefix, recomputed_cached=result.recomputed_cached,
-        recompute_fraction=result.recompute_fraction, computed_tokens=int(result.recomputed.numel()),
-        load_s=load_s, ttft_blend_s=ttft, continue_tokens=continue_tokens, continuation_tokens=generated,
-        continuation=loaded.tokenizer.decode(generated), **measured)
-    return _check_thresholds(out, min_top1, max_kl)
+    inputs = BlendInputs(model, layer, parts, question, load_s)
+    check_context(model, inputs.num_tokens, request.continue_tokens)
+    return inputs
 
 
-def _run_blend(model: LoadedModel, segments: list[Segment], question: list[int], total: int,
-               kv_dtype: torch.dtype, block_size: int, ratio: float, check_layer: int,
-               seed: int) -> tuple[BlendResult, Runner, Any, float]:
-    """A fresh shuffled paged cache of `total` slots and the blended prefill into it, timed."""
-    cache, seq = new_cache(model, total, kv_dtype, block_size, seed)  # slots reserved, no tokens yet
+def prompt_pieces(request: BlendRequest) -> tuple[list[str], str]:
+    """(segment texts, question) of the request's prompt: split at the delimiter, or with none,
+    no pieces (the segments are the files) and the whole prompt the question."""
+    text = check_text(read_text_file(request.prompt_file) if request.prompt_file is not None else request.prompt,
+                      "--prompt")
+    if request.delimiter is None:
+        return [], text
+    return split_prompt(text, request.delimiter)
+
+
+def _check_layer(request: BlendRequest, model: LoadedModel) -> int:
+    layer = DEFAULT_CHECK_LAYER if request.check_layer is None else request.check_layer
+    if not 0 <= layer < model.config.num_layers:
+        raise UsageError(f"--check-layer {layer}: the model's layers are 0..{model.config.num_layers - 1}")
+    return layer
+
+
+@dataclass(frozen=True)
+class BlendRun:
+    """One blended prefill into a fresh paged cache: what the engine did, the runner and sequence
+    to continue from, and how long it took."""
+
+    result: BlendResult
+    runner: Runner
+    seq: Any
+    seconds: float
+
+    @property
+    def first(self) -> torch.Tensor:
+        """[1, V], the first new token's logits."""
+        return self.result.logits[None]
+
+
+def blend_into_cache(inputs: BlendInputs, request: BlendRequest, ratio: float, seed: int) -> BlendRun:
+    """A fresh shuffled paged cache with room for the prompt and the continuation, and the blended
+    prefill into it at recompute `ratio`, timed."""
+    model = inputs.model
+    cache, seq = new_cache(model, inputs.num_tokens + request.continue_tokens, inputs.kv_dtype, request.block_size,
+                           seed)  # slots reserved, no tokens yet
     runner = Runner(model, cache)
     synchronize(model.device)
     t0 = time.perf_counter()
-    result = blend_prefill(runner, seq, segments, question, recompute_ratio=ratio, check_layer=check_layer)
+    result = blend_prefill(runner, seq, inputs.segments, inputs.question, recompute_ratio=ratio,
+                           check_layer=inputs.check_layer)
     synchronize(model.device)
-    return result, runner, seq, time.perf_counter() - t0
+    return BlendRun(result, runner, seq, time.perf_counter() - t0)
+
+
+def measure_blend(inputs: BlendInputs, request: BlendRequest, blended: BlendRun,
+                  stage: Callable[[str], None]) -> tuple[list[int], dict[str, Any]]:
+    """The full prefill (the reference) and naive reuse (ratio 0); the blend and naive reuse each
+    teacher-forced along the reference's greedy continuation and compared with it, then the
+    blend's own greedy continuation. Returns (the reference continuation, the measurements:
+    `BlendReplayResult` fields)."""
+    model, n, continue_tokens = inputs.model, inputs.num_tokens, request.continue_tokens
+    stage(f"recomputing {n} tokens and {continue_tokens} more (the reference)")
+    ref_logits, generated, ttft_full = recompute(model, inputs.tokens, continue_tokens, inputs.kv_dtype,
+                                                 request.block_size, prefill_chunk=max(n, 1))  # [N, V]
+    blend_logits = _teacher_forced(blended.runner, blended.seq, n, blended.first, generated)  # [N, V]
+    blend_cmp = compare_logits(ref_logits, blend_logits, generated)
+    stage("naive reuse (recompute ratio 0)")
+    naive = blend_into_cache(inputs, request, 0.0, seed=2)
+    naive_cmp = compare_logits(ref_logits, _teacher_forced(naive.runner, naive.seq, n, naive.first, generated),
+                               generated)
+    same = blend_cmp["greedy_identical_tokens"]
+    own = free_run_after(blended.runner, blended.seq, n, generated, blend_logits, same)
+    return generated, {"ttft_full_s": ttft_full, "ttft_naive_s": inputs.load_s + naive.seconds,
+                       "speedup": ttft_full / max(inputs.load_s + blended.seconds, 1e-9), "blend": blend_cmp,
+                       "naive": naive_cmp, "blend_continuation_tokens": own,
+                       "blend_continuation": model.tokenizer.decode(own),
+                       "agreed_continuation": model.tokenizer.decode(generated[:same])}
+
+
+def blend_result(inputs: BlendInputs, request: BlendRequest, blended: BlendRun, generated: list[int],
+                 measured: dict[str, Any]) -> BlendReplayResult:
+    model, result = inputs.model, blended.result
+    return BlendReplayResult(
+        model=model.name, device=describe(model.device), model_dtype=str(model.dtype).removeprefix("torch."),
+        kv_dtype=str(inputs.kv_dtype).removeprefix("torch."), num_tokens=inputs.num_tokens,
+        question_tokens=len(inputs.question), cached_tokens=int(result.cached.sum()),
+        segments=[p.report for p in inputs.parts], recompute_ratio=request.ratio, check_layer=inputs.check_layer,
+        prefix_tokens=result.prefix, recomputed_cached=result.recomputed_cached,
+        recompute_fraction=result.recompute_fraction, computed_tokens=int(result.recomputed.numel()),
+        load_s=inputs.load_s, ttft_blend_s=inputs.load_s + blended.seconds, continue_tokens=request.continue_tokens,
+        continuation_tokens=generated, continuation=model.tokenizer.decode(generated), **measured)
 
 
 def _warm_up(model: LoadedModel) -> None:

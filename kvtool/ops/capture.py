@@ -31,7 +31,8 @@ from ..format.segment import segment_extension
 from ..fsutil import read_text_file
 from ..load import SavePipeline
 from .engine_io import paged_connector
-from .inputs import check_text, check_vocabulary, codec_params, kv_dtype_name, model_dtype_name, parse_roi, read_token_file
+from .inputs import (check_text, check_token_source, check_vocabulary, codec_params, kv_dtype_name, model_dtype_name,
+                     parse_roi, read_token_file)
 from .result import Result
 
 
@@ -75,16 +76,118 @@ class CaptureResult(Result):
     segment: dict[str, int] | None = None
 
 
+# --- the requests: every option checked once, before the model loads -----------------------
+
+
+@dataclass(frozen=True)
+class CaptureRequest:
+    """What one capture writes, checked once (`__post_init__`).
+
+    The container at `output`, and/or the whole chunks in the chunk `store` (under `namespace`),
+    in chunks of `chunk_size` tokens encoded by `codec` (`params`: None, its defaults); KV in
+    `kv_dtype`, gathered from a paged cache of `block_size`-token blocks (shuffled by
+    `shuffle_seed`). Extras (format-spec/container.md): `hidden_states` stores the final hidden
+    states, `roi` marks [start, end) token ranges in a `roi_mask` (checked against the prompt's
+    length when it is known). `segment` marks the file a position-independent segment
+    (format-spec/segment.md). `metadata` adds to what the file records of the run. The check
+    resolves `extra_keys` (the store's partition)."""
+
+    output: str | Path | None
+    store: str | None = None
+    namespace: str | None = None
+    chunk_size: int = 256
+    codec: str = "raw"
+    params: dict[str, Any] | None = None
+    kv_dtype: torch.dtype = torch.bfloat16
+    block_size: int = 16
+    shuffle_seed: int | None = 0
+    hidden_states: bool = False
+    roi: list[tuple[int, int]] | None = None
+    segment: bool = False
+    metadata: dict[str, str] | None = None
+    extra_keys: ExtraKeys = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.output is None and self.store is None:
+            raise UsageError("give -o OUT, --store URL, or both")
+        if self.namespace is not None and self.store is None:
+            raise UsageError("--namespace names a partition of the store: give --store URL")
+        # frozen: set once, here; a bad namespace fails before the model loads
+        object.__setattr__(self, "extra_keys", ExtraKeys(namespace=self.namespace or ""))
+        if self.segment and self.hidden_states:
+            raise UsageError("--segment and --hidden-states: a segment's hidden states are not those of a prompt it "
+                             "is placed in")
+        if not 1 <= self.chunk_size <= MAX_CHUNK_SIZE or not 1 <= self.block_size <= MAX_CHUNK_SIZE:
+            raise UsageError(f"--chunk-size and --block-size must be in 1..{MAX_CHUNK_SIZE}")
+
+    @classmethod
+    def from_options(cls, output: str | Path | None, *, codec: str = "raw", level: int | None = None,
+                     shuffle: bool | None = None, bins: str | None = None, kv_dtype: str = "bf16",
+                     chunk_size: int = 256, block_size: int = 16, hidden_states: bool = False,
+                     roi: str | None = None, store: str | None = None, segment: bool = False,
+                     namespace: str | None = None, metadata: dict[str, str] | None = None) -> "CaptureRequest":
+        """The command line's spelling (a dtype's name, a codec's options, `--roi` ranges as text)
+        parsed into a request: a typo fails before the model loads."""
+        kv = dtype_from_name(kv_dtype_name(kv_dtype))
+        ranges = parse_roi(roi) if roi is not None else None
+        params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
+        return cls(output, store=store, namespace=namespace, chunk_size=chunk_size, codec=codec, params=params,
+                   kv_dtype=kv, block_size=block_size, hidden_states=hidden_states, roi=ranges, segment=segment,
+                   metadata=metadata)
+
+
+@dataclass(frozen=True)
+class PromptCaptureRequest:
+    """One `kvtool capture`, checked once (`__post_init__`, before the model loads): the `model`
+    (run on `device` in `model_dtype`), its tokens (exactly one of `prompt`, `prompt_file` or
+    `tokens_file`; `chat`: the prompt is a user message in the model's chat template), and what
+    the `capture` writes. The check resolves `weights` (the model's dtype) and `where` (its
+    device)."""
+
+    capture: CaptureRequest
+    prompt: str | None = None
+    prompt_file: Path | None = None
+    tokens_file: Path | None = None
+    chat: bool = False
+    model: str | Path | LoadedModel | None = None
+    device: str = "auto"
+    model_dtype: str = "fp32"
+    weights: torch.dtype = field(init=False, repr=False)
+    where: torch.device = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.capture.segment and self.chat:
+            raise UsageError("--segment is text to place inside other prompts: --chat would wrap it in a chat "
+                             "template")
+        # frozen: the values the check resolves are set once, here
+        object.__setattr__(self, "weights", dtype_from_name(model_dtype_name(self.model_dtype)))
+        object.__setattr__(self, "where", resolve_device(self.device))
+        check_token_source(self.prompt, self.prompt_file, self.tokens_file, self.chat)
+
+
+def prompt_metadata(chat: bool, tokens_file: Path | None) -> dict[str, str] | None:
+    """What the file records of how the prompt became tokens (nothing for token ids)."""
+    if tokens_file is not None:
+        return None
+    return {"prompt_format": "chat template, user message" if chat else "plain text"}
+
+
+# --- tokens ---------------------------------------------------------------------------------
+
+
 def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path | None = None,
                 tokens_file: Path | None = None, chat: bool = False) -> list[int]:
     """Token ids from exactly one of: a prompt, a prompt file, or a token-id file. With `chat`,
     the prompt is a user message in the model's chat template (as transformers applies it)."""
-    given = [x is not None for x in (prompt, prompt_file, tokens_file)]
-    if sum(given) != 1:
-        raise UsageError("give exactly one of --prompt, --prompt-file or --tokens")
+    check_token_source(prompt, prompt_file, tokens_file, chat)
+    return _source_tokens(model, prompt, prompt_file, tokens_file, chat)
+
+
+def _source_tokens(model: LoadedModel, prompt: str | None, prompt_file: Path | None, tokens_file: Path | None,
+                   chat: bool) -> list[int]:
+    """The token ids of a checked source (`check_token_source`), checked against the model: inside
+    its vocabulary, not empty, within its context."""
     if tokens_file is not None:
-        if chat:
-            raise UsageError("--chat formats a prompt; --tokens are token ids already")
         ids = read_token_file(tokens_file)
         check_vocabulary(ids, model.config.vocab_size)
     else:
@@ -105,6 +208,9 @@ def encode_prompt(model: LoadedModel, text: str, chat: bool) -> list[int]:
     return model.tokenizer.encode(text)
 
 
+# --- the operations -------------------------------------------------------------------------
+
+
 def capture_prompt(output: str | Path | None, *, prompt: str | None = None, prompt_file: Path | None = None,
                    tokens_file: Path | None = None, model: str | Path | LoadedModel | None = None,
                    codec: str = "raw", level: int | None = None, shuffle: bool | None = None,
@@ -116,36 +222,31 @@ def capture_prompt(output: str | Path | None, *, prompt: str | None = None, prom
     """`kvtool capture` as a function: options as the command line gives them, every one
     checked before the model loads; `on_chunk(index, tokens_done, tokens_total)` reports progress.
     `store` (a URL) also puts the whole chunks into the chunk store; without `output`, only there.
-    `segment` marks the file a position-independent segment (format-spec/segment.md)."""
-    if output is None and store is None:
-        raise UsageError("give -o OUT, --store URL, or both")
-    if namespace is not None and store is None:
-        raise UsageError("--namespace names a partition of the store: give --store URL")
-    ExtraKeys(namespace=namespace or "")  # a bad namespace fails before the model loads
-    if segment and chat:
-        raise UsageError("--segment is text to place inside other prompts: --chat would wrap it in a chat template")
-    if segment and hidden_states:
-        raise UsageError("--segment and --hidden-states: a segment's hidden states are not those of a prompt it is "
-                         "placed in")
-    kv = dtype_from_name(kv_dtype_name(kv_dtype))
-    if not 1 <= chunk_size <= MAX_CHUNK_SIZE or not 1 <= block_size <= MAX_CHUNK_SIZE:
-        raise UsageError(f"--chunk-size and --block-size must be in 1..{MAX_CHUNK_SIZE}")
-    ranges = parse_roi(roi) if roi is not None else None  # before the model loads: a typo fails fast
-    params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
-    weights = dtype_from_name(model_dtype_name(model_dtype))
-    where = resolve_device(device)
-    if store is not None:  # an unreachable store fails before the model loads
-        open_store(store).close()
+    `segment` marks the file a position-independent segment (format-spec/segment.md).
+
+    The options become one `PromptCaptureRequest` (checked there), run by `run_prompt_capture`."""
+    what = CaptureRequest.from_options(output, codec=codec, level=level, shuffle=shuffle, bins=bins,
+                                       kv_dtype=kv_dtype, chunk_size=chunk_size, block_size=block_size,
+                                       hidden_states=hidden_states, roi=roi, store=store, segment=segment,
+                                       namespace=namespace, metadata=prompt_metadata(chat, tokens_file))
+    request = PromptCaptureRequest(what, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens_file, chat=chat,
+                                   model=model, device=device, model_dtype=model_dtype)
+    return run_prompt_capture(request, on_chunk)
+
+
+def run_prompt_capture(request: PromptCaptureRequest,
+                       on_chunk: Callable[[int, int, int], None] | None = None) -> CaptureResult:
+    """A checked `kvtool capture`: the store reached, the model loaded, the prompt's tokens read,
+    then the capture (`run_capture`)."""
+    if request.capture.store is not None:  # an unreachable store fails before the model loads
+        open_store(request.capture.store).close()
     if on_chunk is not None:
         on_chunk(0, 0, 0)  # the model is loading
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=where)
-    ids = read_tokens(loaded, prompt, prompt_file, tokens_file, chat=chat)
+    model = request.model if isinstance(request.model, LoadedModel) \
+        else load_model(request.model, dtype=request.weights, device=request.where)
+    ids = _source_tokens(model, request.prompt, request.prompt_file, request.tokens_file, request.chat)
     progress = None if on_chunk is None else (lambda index, end: on_chunk(index, end, len(ids)))
-    return capture(loaded, ids, output, chunk_size=chunk_size, codec=codec, params=params, kv_dtype=kv,
-                   block_size=block_size, hidden_states=hidden_states, roi=ranges, on_chunk=progress, store=store,
-                   segment=segment, namespace=namespace,
-                   metadata={"prompt_format": "chat template, user message" if chat else "plain text"}
-                   if tokens_file is None else None)
+    return run_capture(model, ids, request.capture, progress)
 
 
 def capture(model: LoadedModel, token_ids: list[int], output: str | Path | None, *, chunk_size: int = 256,
@@ -173,77 +274,146 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path | None,
 
     `segment` writes the manifest key `segment` (format-spec/segment.md): the tokens were computed
     alone from position 0 (stored_start 0), so the KV may be placed elsewhere in a new prompt
-    (`kvtool.ops.blend`). Store objects do not carry it: a segment is found there by its tokens."""
-    if output is None and store is None:
-        raise UsageError("give an output path, a store, or both")
-    n = len(token_ids)
-    mask = roi_mask(n, roi) if roi is not None else None
-    device = model.device
-    cache = PagedKVCache.for_tokens(model.config, n, block_size=block_size, kv_dtype=kv_dtype,
-                                    device=device, shuffle_seed=shuffle_seed)
-    seq = cache.new_sequence(n)
-    slot_mapping = seq.slot_mapping(n, device=device)  # [n], the whole sequence's slots
-    connector = paged_connector(model)
-    blob_device, pinned = codecs.get_codec(codec).input_placement(device)
-    runner = Runner(model, cache)
-    timings = CaptureTimings()
+    (`kvtool.ops.blend`). Store objects do not carry it: a segment is found there by its tokens.
+
+    The options become one `CaptureRequest` (checked there), run by `run_capture`."""
+    request = CaptureRequest(output, store=store, namespace=namespace, chunk_size=chunk_size, codec=codec,
+                             params=params, kv_dtype=kv_dtype, block_size=block_size, shuffle_seed=shuffle_seed,
+                             hidden_states=hidden_states, roi=roi, segment=segment, metadata=metadata)
+    return run_capture(model, token_ids, request, on_chunk)
+
+
+# --- the steps of a capture -----------------------------------------------------------------
+
+
+def run_capture(model: LoadedModel, token_ids: list[int], request: CaptureRequest,
+                on_chunk: Callable[[int, int], None] | None = None) -> CaptureResult:
+    """A checked capture of `token_ids`: the roi mask (its ranges checked against the prompt), a
+    paged cache for the tokens (`paged_capture`), the chunks prefilled and written as they come
+    (`write_chunks`), the whole chunks put into the store (`put_in_store`), the result.
+    `on_chunk(index, tokens_done)` after each chunk is written."""
+    mask = roi_mask(len(token_ids), request.roi) if request.roi is not None else None
+    paged = paged_capture(model, len(token_ids), request)
     started = time.perf_counter()
-    metadata = {"engine": "kvtool paged runner", "block_size": str(block_size), "device": describe(device),
-                "model_dtype": str(model.dtype).removeprefix("torch."), **(metadata or {})}
-    hidden: list[torch.Tensor] = []
-    extensions = segment_extension(0) if segment else None
-    # chunk i is encoded, checksummed and written on a background thread while chunk i+1 is prefilled
-    with ContainerWriter(output, model.identity, token_ids, kv_dtype=kv_dtype, chunk_size=chunk_size,
-                         metadata=metadata, extensions=extensions) as writer, SavePipeline(max_pending=2) as saving:
+    writer, timings = write_chunks(model, token_ids, request, paged, mask, on_chunk)
+    stored_in = put_in_store(request, writer) if request.store is not None else None
+    return capture_result(model, token_ids, request, writer, timings, started, stored_in)
+
+
+@dataclass(frozen=True)
+class PagedCapture:
+    """The paged cache a capture prefills, and how each chunk's KV leaves it."""
+
+    cache: PagedKVCache
+    runner: Runner
+    seq: Any  # the sequence being captured
+    slot_mapping: torch.Tensor  # [n], the whole sequence's slots
+    connector: Any  # the paged connector: from_gpu gathers a chunk
+    blob_device: torch.device  # where a chunk's KV_BLOB goes: where the codec encodes it
+    pinned: bool  # a host KV_BLOB in pinned memory (a GPU model's chunk bound for a CPU codec)
+
+
+def paged_capture(model: LoadedModel, num_tokens: int, request: CaptureRequest) -> PagedCapture:
+    """A shuffled paged cache for `num_tokens`, where the model runs, and the connector that
+    gathers from it into KV_BLOBs placed for the codec."""
+    device = model.device
+    cache = PagedKVCache.for_tokens(model.config, num_tokens, block_size=request.block_size,
+                                    kv_dtype=request.kv_dtype, device=device, shuffle_seed=request.shuffle_seed)
+    seq = cache.new_sequence(num_tokens)
+    blob_device, pinned = codecs.get_codec(request.codec).input_placement(device)
+    return PagedCapture(cache, Runner(model, cache), seq, seq.slot_mapping(num_tokens, device=device),
+                        paged_connector(model), blob_device, pinned)
+
+
+def write_chunks(model: LoadedModel, token_ids: list[int], request: CaptureRequest, paged: PagedCapture,
+                 mask: torch.Tensor | None, on_chunk: Callable[[int, int], None] | None
+                 ) -> tuple[ContainerWriter, CaptureTimings]:
+    """The container written chunk by chunk: each chunk prefilled and gathered
+    (`prefill_and_gather`), then encoded, checksummed and written on a background thread while the next chunk is
+    prefilled; then the extras. Returns the finished writer (its chunks, extras and, built in
+    memory, its bytes) and the timings."""
+    timings = CaptureTimings()
+    hidden: list[torch.Tensor] = []  # [T, E] per chunk, with hidden_states
+    extensions = segment_extension(0) if request.segment else None
+    with ContainerWriter(request.output, model.identity, token_ids, kv_dtype=request.kv_dtype,
+                         chunk_size=request.chunk_size, metadata=run_metadata(model, request),
+                         extensions=extensions) as writer, SavePipeline(max_pending=2) as saving:
         for index, (start, end) in enumerate(writer.chunk_ranges()):
-            t0 = time.perf_counter()
-            h = runner.prefill(seq, token_ids[start:end], start_pos=start, prefill_chunk=chunk_size,
-                               logits="hidden" if hidden_states else "none")  # [T, E] or None
-            if h is not None:
-                hidden.append(h.cpu())  # the model's own dtype: replay's first token is then exact
-            synchronize(device)
-            t1 = time.perf_counter()
-            memory = connector.allocate(end - start, kv_dtype, blob_device, pin_memory=pinned)
-            connector.from_gpu(memory, start, end, kvcaches=cache.kv_caches, slot_mapping=slot_mapping)
-            synchronize(device)
-            t2 = time.perf_counter()
-
-            def write(kv=memory.tensor, index=index, end=end) -> None:
-                began = time.perf_counter()
-                writer.write_chunk(kv, codec, params)
-                timings.writer_s += time.perf_counter() - began  # on the saving thread only
-                if on_chunk is not None:
-                    on_chunk(index, end)
-
-            saving.submit(write)
-            timings.waiting_s += time.perf_counter() - t2  # the caller blocked: 2 chunks were in flight
-            timings.prefill_s += t1 - t0
-            timings.connector_s += t2 - t1
-        t_finish = time.perf_counter()
+            kv = prefill_and_gather(model, token_ids, request, paged, start, end, hidden, timings)
+            submitted = time.perf_counter()
+            saving.submit(_chunk_job(writer, request, kv, index, end, timings, on_chunk))
+            timings.waiting_s += time.perf_counter() - submitted  # the caller blocked: 2 chunks were in flight
+        finishing = time.perf_counter()
         saving.drain()
         if hidden:
             writer.write_extra("hidden_states", torch.cat(hidden))  # [n, E]
         if mask is not None:
             writer.write_extra("roi_mask", mask)
-    timings.waiting_s += time.perf_counter() - t_finish
-    stored_in = None
-    if store is not None:
-        with open_store(store) as chunk_store, \
-                ContainerReader(output if output is not None else BytesSource(writer.getvalue())) as reader:
-            put = ingest(reader, chunk_store, ExtraKeys(namespace=namespace or ""))
-            stored_in = {"store": chunk_store.url, "chunks": put.chunks, "stored": put.stored, "present": put.present}
-    file_bytes = Path(output).stat().st_size if output is not None else len(writer.getvalue())
-    decoded = sum(c.decoded_bytes for c in writer.chunks)
-    stored = sum(c.blob.length for c in writer.chunks)
+    timings.waiting_s += time.perf_counter() - finishing
+    return writer, timings
+
+
+def run_metadata(model: LoadedModel, request: CaptureRequest) -> dict[str, str]:
+    """What the file records of the run that computed its KV."""
+    return {"engine": "kvtool paged runner", "block_size": str(request.block_size), "device": describe(model.device),
+            "model_dtype": str(model.dtype).removeprefix("torch."), **(request.metadata or {})}
+
+
+def prefill_and_gather(model: LoadedModel, token_ids: list[int], request: CaptureRequest, paged: PagedCapture,
+                       start: int, end: int, hidden: list[torch.Tensor], timings: CaptureTimings) -> torch.Tensor:
+    """Tokens [start, end) prefilled into the paged cache (their final hidden states appended to
+    `hidden` with `hidden_states`), then their KV gathered out of it: KV_BLOB [2, L, T, C]."""
+    t0 = time.perf_counter()
+    h = paged.runner.prefill(paged.seq, token_ids[start:end], start_pos=start, prefill_chunk=request.chunk_size,
+                             logits="hidden" if request.hidden_states else "none")  # [T, E] or None
+    if h is not None:
+        hidden.append(h.cpu())  # the model's own dtype: replay's first token is then exact
+    synchronize(model.device)
+    t1 = time.perf_counter()
+    memory = paged.connector.allocate(end - start, request.kv_dtype, paged.blob_device, pin_memory=paged.pinned)
+    paged.connector.from_gpu(memory, start, end, kvcaches=paged.cache.kv_caches, slot_mapping=paged.slot_mapping)
+    synchronize(model.device)
+    timings.prefill_s += t1 - t0
+    timings.connector_s += time.perf_counter() - t1
+    return memory.tensor
+
+
+def _chunk_job(writer: ContainerWriter, request: CaptureRequest, kv: torch.Tensor, index: int, end: int,
+               timings: CaptureTimings, on_chunk: Callable[[int, int], None] | None) -> Callable[[], None]:
+    """The saving thread's job for one chunk: encode, checksum and write it, then report it."""
+    def write() -> None:
+        began = time.perf_counter()
+        writer.write_chunk(kv, request.codec, request.params)
+        timings.writer_s += time.perf_counter() - began  # on the saving thread only
+        if on_chunk is not None:
+            on_chunk(index, end)
+    return write
+
+
+def put_in_store(request: CaptureRequest, writer: ContainerWriter) -> dict[str, Any]:
+    """The capture's whole chunks put into the chunk store as encoded, read back from the file
+    (or the container built in memory). Returns the result's `store` entry."""
+    source = request.output if request.output is not None else BytesSource(writer.getvalue())
+    with open_store(request.store) as chunk_store, ContainerReader(source) as reader:
+        put = ingest(reader, chunk_store, request.extra_keys)
+        return {"store": chunk_store.url, "chunks": put.chunks, "stored": put.stored, "present": put.present}
+
+
+def capture_result(model: LoadedModel, token_ids: list[int], request: CaptureRequest, writer: ContainerWriter,
+                   timings: CaptureTimings, started: float, stored_in: dict[str, Any] | None) -> CaptureResult:
+    n, output = len(token_ids), request.output
     return CaptureResult(
-        output=str(output) if output is not None else None, model=model.name, fingerprint=model.identity.fingerprint(), num_tokens=n,
-        num_chunks=len(writer.chunks), chunk_size=chunk_size, codec=codec,
-        kv_dtype=str(kv_dtype).removeprefix("torch."), device=describe(device),
-        model_dtype=str(model.dtype).removeprefix("torch."), block_size=block_size, extras=sorted(writer.extras),
-        file_bytes=file_bytes, decoded_bytes=decoded, stored_bytes=stored,
+        output=str(output) if output is not None else None, model=model.name,
+        fingerprint=model.identity.fingerprint(), num_tokens=n, num_chunks=len(writer.chunks),
+        chunk_size=request.chunk_size, codec=request.codec, kv_dtype=str(request.kv_dtype).removeprefix("torch."),
+        device=describe(model.device), model_dtype=str(model.dtype).removeprefix("torch."),
+        block_size=request.block_size, extras=sorted(writer.extras),
+        file_bytes=Path(output).stat().st_size if output is not None else len(writer.getvalue()),
+        decoded_bytes=sum(c.decoded_bytes for c in writer.chunks),
+        stored_bytes=sum(c.blob.length for c in writer.chunks),
         seconds=time.perf_counter() - started, prefill_tokens_per_s=n / max(timings.prefill_s, 1e-9),
         timings={**asdict(timings), "overhead_share": timings.overhead_share}, store=stored_in,
-        segment=extensions["segment"] if extensions else None)
+        segment=segment_extension(0)["segment"] if request.segment else None)
 
 
 def roi_mask(num_tokens: int, ranges: list[tuple[int, int]]) -> torch.Tensor:

@@ -43,6 +43,16 @@ def check_vocabulary(token_ids, vocab_size: int | None, where: str = "") -> None
         raise PromptError(f"{where}token id {int(bad[0])} is outside the model's vocabulary [0, {vocab_size})")
 
 
+def check_token_source(prompt: str | None, prompt_file: Path | None, tokens_file: Path | None,
+                       chat: bool = False) -> None:
+    """Exactly one of a prompt, a prompt file or a token-id file; `chat` formats a prompt, so not
+    token ids."""
+    if sum(x is not None for x in (prompt, prompt_file, tokens_file)) != 1:
+        raise UsageError("give exactly one of --prompt, --prompt-file or --tokens")
+    if chat and tokens_file is not None:
+        raise UsageError("--chat formats a prompt; --tokens are token ids already")
+
+
 def read_token_file(path: Path) -> list[int]:
     """Token ids from a file: a JSON list or whitespace-separated integers."""
     text = read_text_file(path)

@@ -37,7 +37,7 @@ from ..format.hashing import prefix_hashes
 from ..fsutil import read_text_file
 from ..load import file_tasks, load
 from ..notices import notice
-from ..store.names import NO_EXTRA_KEYS, ExtraKeys
+from ..store.names import ExtraKeys
 from .compare import compare_logits
 from .engine_io import new_cache, paged_connector
 from .inputs import check_text, check_vocabulary, continuation, fraction, model_dtype_name, non_negative
@@ -203,6 +203,68 @@ def store_prefix(cache, tokens: list[int], kv_dtype: torch.dtype) -> Prefix:
                   weights="same weights (the store's key)", load=load_objects)
 
 
+# --- the request: every option checked once, before anything is opened or loaded ----------------
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """One `kvtool replay`, as the caller gives it, checked once (`__post_init__`, before anything
+    is opened or loaded).
+
+    Either `path`, a KV file (its own tokens continued, plus `suffix` / `suffix_file`; or the
+    chunks a new `prompt` / `prompt_file` shares with it), or `store`, a chunk store's URL (the
+    prompt's longest cached prefix at `chunk_size`, None: the stored size that covers the most;
+    under `namespace`). `min_top1` / `max_kl` imply `compare`. The check resolves `weights` (the
+    model's dtype), `where` (its device) and `extra_keys` (the store's partition)."""
+
+    path: str | Path | None = None
+    model: str | Path | LoadedModel | None = None
+    continue_tokens: int = 32
+    suffix: str | None = None
+    suffix_file: Path | None = None
+    prompt: str | None = None
+    prompt_file: Path | None = None
+    compare: bool = False
+    min_top1: float | None = None
+    max_kl: float | None = None
+    device: str = "auto"
+    model_dtype: str = "fp32"
+    use_hidden_states: bool = True
+    chat: bool = False
+    allow_other_weights: bool = False
+    store: str | None = None
+    chunk_size: int | None = None
+    namespace: str | None = None
+    weights: torch.dtype = field(init=False, repr=False)
+    where: torch.device = field(init=False, repr=False)
+    extra_keys: ExtraKeys = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.store is None):
+            raise UsageError("give a KV file or --store URL, not both" if self.path is not None
+                             else "give a KV file or --store URL")
+        if self.namespace is not None and self.store is None:
+            raise UsageError("--namespace names a partition of the store: give --store URL")
+        if sum(x is not None for x in (self.suffix, self.suffix_file, self.prompt, self.prompt_file)) > 1:
+            raise UsageError("give at most one of --suffix, --suffix-file, --prompt, --prompt-file")
+        if self.chat and self.prompt is None and self.prompt_file is None:
+            raise UsageError("--chat formats a new prompt: give --prompt or --prompt-file")
+        fraction("--min-top1", self.min_top1)
+        non_negative("--max-kl", self.max_kl)
+        continuation(self.continue_tokens)
+        # frozen: the values the check resolves are set once, here
+        object.__setattr__(self, "weights", dtype_from_name(model_dtype_name(self.model_dtype)))
+        object.__setattr__(self, "where", resolve_device(self.device))
+        object.__setattr__(self, "extra_keys", ExtraKeys(namespace=self.namespace or ""))
+        if self.store is not None and self.prompt is None and self.prompt_file is None:
+            raise UsageError("replay --store needs the prompt: --prompt or --prompt-file")
+
+    @property
+    def compares(self) -> bool:
+        """Runs the recompute: asked for, or implied by a threshold on the comparison."""
+        return self.compare or self.min_top1 is not None or self.max_kl is not None
+
+
 def replay(path: str | Path | None, model: str | Path | LoadedModel | None = None, *, continue_tokens: int = 32,
            suffix: str | None = None, suffix_file: Path | None = None, prompt: str | None = None,
            prompt_file: Path | None = None, compare: bool = False, min_top1: float | None = None,
@@ -219,45 +281,86 @@ def replay(path: str | Path | None, model: str | Path | LoadedModel | None = Non
 
     With `store` (a URL) instead of `path`, the longest cached prefix of the prompt comes from
     the chunk store (format-spec/store.md) at `chunk_size` (None: the stored size that covers
-    the most), and the rest is computed; `namespace`: only chunks stored under it."""
-    stage = on_stage or (lambda _text: None)
-    if (path is None) == (store is None):
-        raise UsageError("give a KV file or --store URL, not both" if path is not None else "give a KV file or --store URL")
-    if namespace is not None and store is None:
-        raise UsageError("--namespace names a partition of the store: give --store URL")
-    if sum(x is not None for x in (suffix, suffix_file, prompt, prompt_file)) > 1:
-        raise UsageError("give at most one of --suffix, --suffix-file, --prompt, --prompt-file")
-    if chat and prompt is None and prompt_file is None:
-        raise UsageError("--chat formats a new prompt: give --prompt or --prompt-file")
-    fraction("--min-top1", min_top1)
-    non_negative("--max-kl", max_kl)
-    continuation(continue_tokens)
-    compare = compare or min_top1 is not None or max_kl is not None
-    weights = dtype_from_name(model_dtype_name(model_dtype))
-    where = resolve_device(device)
-    if store is not None:
-        result = replay_from_store(store, model, weights=weights, where=where, prompt=prompt, prompt_file=prompt_file,
-                                   chat=chat, chunk_size=chunk_size, continue_tokens=continue_tokens, compare=compare,
-                                   on_stage=stage, allow_other_weights=allow_other_weights,
-                                   extra_keys=ExtraKeys(namespace=namespace or ""))
-        return _check_thresholds(result, min_top1, max_kl)
-    with ContainerReader(path) as reader:
-        stage("loading the model")
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=where)
-        prefix = file_prefix(reader, loaded, allow_other_weights)  # the file was made by this model
-        if suffix_file is not None:
-            suffix = read_text_file(suffix_file)
-        if prompt_file is not None:
-            prompt = read_text_file(prompt_file)
-        from .capture import encode_prompt
+    the most), and the rest is computed; `namespace`: only chunks stored under it.
 
-        new = encode_prompt(loaded, check_text(prompt, "--prompt"), chat) if prompt is not None else None
-        plan = plan_reuse(reader, new_tokens=new,
-                          suffix_tokens=loaded.tokenizer.encode(check_text(suffix, "--suffix")) if suffix is not None
-                          else None,
-                          use_hidden_states=use_hidden_states)
-        result = replay_plan(prefix, loaded, plan, continue_tokens=continue_tokens, compare=compare, on_stage=stage)
-    return _check_thresholds(result, min_top1, max_kl)
+    The options become one `ReplayRequest` (checked there), run by `run_replay`."""
+    request = ReplayRequest(path=path, model=model, continue_tokens=continue_tokens, suffix=suffix,
+                            suffix_file=suffix_file, prompt=prompt, prompt_file=prompt_file, compare=compare,
+                            min_top1=min_top1, max_kl=max_kl, device=device, model_dtype=model_dtype,
+                            use_hidden_states=use_hidden_states, chat=chat, allow_other_weights=allow_other_weights,
+                            store=store, chunk_size=chunk_size, namespace=namespace)
+    return run_replay(request, on_stage)
+
+
+# --- the steps of a replay -----------------------------------------------------------------------
+
+
+def run_replay(request: ReplayRequest, on_stage: Callable[[str], None] | None = None) -> ReplayResult:
+    """A checked replay: its prefix from the file or the store, run (`run_plan`), then held to
+    the request's thresholds."""
+    stage = on_stage or _no_stage
+    result = replay_from_store(request, stage) if request.store is not None else replay_from_file(request, stage)
+    return _check_thresholds(result, request.min_top1, request.max_kl)
+
+
+def _no_stage(_text: str) -> None:
+    """`on_stage` when nobody shows the stages."""
+
+
+def replay_from_file(request: ReplayRequest, stage: Callable[[str], None]) -> ReplayResult:
+    """`replay FILE`: the file checked against the model (`file_prefix`), the reuse of its chunks
+    planned for the suffix or the new prompt (`plan_reuse`), then run."""
+    with ContainerReader(request.path) as reader:
+        model = _load_model(request, stage)
+        prefix = file_prefix(reader, model, request.allow_other_weights)  # the file was made by this model
+        plan = plan_reuse(reader, new_tokens=_new_prompt_tokens(request, model),
+                          suffix_tokens=_suffix_tokens(request, model), use_hidden_states=request.use_hidden_states)
+        return run_plan(prefix, model, plan, request.continue_tokens, request.compares, stage)
+
+
+def replay_from_store(request: ReplayRequest, stage: Callable[[str], None]) -> ReplayResult:
+    """`replay --store URL --prompt-file F`: the prompt's longest cached prefix loaded from the
+    store's objects straight into the paged cache (`store_prefix`), the rest computed."""
+    from ..store import open_store
+
+    with open_store(request.store, create=False) as chunk_store:
+        model = _load_model(request, stage)
+        tokens = _new_prompt_tokens(request, model)
+        if not tokens:
+            raise PromptError("the prompt is empty")
+        check_vocabulary(tokens, model.config.vocab_size)
+        cache = chunk_store.best_cache(model.identity, tokens, request.chunk_size, request.extra_keys)
+        stored = min(cache.lookup(tokens), len(tokens) - 1)  # at least one token is computed
+        kv_dtype = cache.kv_dtype(tokens) or torch.bfloat16
+        plan = ReusePlan(tokens=tokens, reused=stored, chunks=stored // cache.chunk_size)
+        return run_plan(store_prefix(cache, tokens, kv_dtype), model, plan, request.continue_tokens,
+                        request.compares, stage)
+
+
+def _load_model(request: ReplayRequest, stage: Callable[[str], None]) -> LoadedModel:
+    stage("loading the model")
+    if isinstance(request.model, LoadedModel):
+        return request.model
+    return load_model(request.model, dtype=request.weights, device=request.where)
+
+
+def _new_prompt_tokens(request: ReplayRequest, model: LoadedModel) -> list[int] | None:
+    """The new prompt's token ids (`prompt`, or read from `prompt_file`; `chat`: as a user message
+    in the model's chat template), None without one."""
+    from .capture import encode_prompt
+
+    if request.prompt is None and request.prompt_file is None:
+        return None
+    text = read_text_file(request.prompt_file) if request.prompt_file is not None else request.prompt
+    return encode_prompt(model, check_text(text, "--prompt"), request.chat)
+
+
+def _suffix_tokens(request: ReplayRequest, model: LoadedModel) -> list[int] | None:
+    """The suffix's token ids (`suffix`, or read from `suffix_file`), None without one."""
+    if request.suffix is None and request.suffix_file is None:
+        return None
+    text = read_text_file(request.suffix_file) if request.suffix_file is not None else request.suffix
+    return model.tokenizer.encode(check_text(text, "--suffix"))
 
 
 def _check_thresholds(result: ReplayResult, min_top1: float | None, max_kl: float | None) -> ReplayResult:
@@ -271,61 +374,73 @@ def _check_thresholds(result: ReplayResult, min_top1: float | None, max_kl: floa
     return result
 
 
-def replay_from_store(store: str, model, *, weights, where, prompt: str | None, prompt_file: Path | None,
-                      chat: bool, chunk_size: int | None, continue_tokens: int, compare: bool,
-                      on_stage: Callable[[str], None], allow_other_weights: bool,
-                      extra_keys: ExtraKeys = NO_EXTRA_KEYS) -> ReplayResult:
-    """`replay --store URL --prompt-file F`: the prompt's longest cached prefix loaded from the
-    store's objects straight into the paged cache (`store_prefix`), the rest computed."""
-    from ..store import open_store
-    from .capture import encode_prompt
-
-    if prompt is None and prompt_file is None:
-        raise UsageError("replay --store needs the prompt: --prompt or --prompt-file")
-    with open_store(store, create=False) as chunk_store:
-        on_stage("loading the model")
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=weights, device=where)
-        text = read_text_file(prompt_file) if prompt_file is not None else prompt
-        tokens = encode_prompt(loaded, check_text(text, "--prompt"), chat)
-        if not tokens:
-            raise PromptError("the prompt is empty")
-        check_vocabulary(tokens, loaded.config.vocab_size)
-        cache = chunk_store.best_cache(loaded.identity, tokens, chunk_size, extra_keys)
-        stored = min(cache.lookup(tokens), len(tokens) - 1)  # at least one token is computed
-        kv_dtype = cache.kv_dtype(tokens) or torch.bfloat16
-        plan = ReusePlan(tokens=tokens, reused=stored, chunks=stored // cache.chunk_size)
-        return replay_plan(store_prefix(cache, tokens, kv_dtype), loaded, plan, continue_tokens=continue_tokens,
-                           compare=compare, on_stage=on_stage)
-
-
 def replay_plan(prefix: "Prefix | ContainerReader", model: LoadedModel, plan: ReusePlan, *,
                 continue_tokens: int = 32, compare: bool = False, block_size: int = 16,
                 on_stage: Callable[[str], None] | None = None, allow_other_weights: bool = False) -> ReplayResult:
     """Run `plan` on a prefix (`file_prefix`, `store_prefix`; an open file is taken as its
     `file_prefix`): load its reused tokens, compute the rest, continue greedily, and with
-    `compare` measure against a full recompute."""
+    `compare` measure against a full recompute. (The Python entry below `replay`: its count of
+    tokens to continue is checked here, as `ReplayRequest` checks the command's.)"""
     if isinstance(prefix, ContainerReader):
         prefix = file_prefix(prefix, model, allow_other_weights)
-    reader = prefix.reader
-    tokens = plan.tokens
-    n = len(tokens)
-    total = n + continue_tokens
-    if total > model.max_position_embeddings:
-        raise PromptError(f"{n} tokens plus {continue_tokens} to generate exceed the model's context of "
-                          f"{model.max_position_embeddings}")
     continuation(continue_tokens)
-    kv_dtype, prefill_chunk = prefix.kv_dtype, prefix.chunk_size
-    stage = on_stage or (lambda _text: None)
+    return run_plan(prefix, model, plan, continue_tokens, compare, on_stage or _no_stage, block_size)
+
+
+def run_plan(prefix: Prefix, model: LoadedModel, plan: ReusePlan, continue_tokens: int, compare: bool,
+             stage: Callable[[str], None], block_size: int = 16) -> ReplayResult:
+    """A replay's steps once its inputs are checked: the full recompute (with `compare`, the
+    reference, run first), the prefix loaded and the first new token's logits
+    (`start_from_prefix`), the continuation (greedy, or teacher-forced along the reference and
+    measured: `measure_against`), the result."""
+    n = len(plan.tokens)
+    check_context(model, n, continue_tokens)
     warm_up(model, prefix)
+    reference = None
     if compare:
         stage(f"recomputing {n} tokens and {continue_tokens} more (the reference)")
-    reference = recompute(model, tokens, continue_tokens, kv_dtype, block_size, prefill_chunk) if compare else None
+        reference = recompute(model, plan.tokens, continue_tokens, prefix.kv_dtype, block_size, prefix.chunk_size)
+    source = "the file" if prefix.reader is not None else "the store"
+    stage(f"loading {plan.reused} tokens from {source} and continuing")
+    start = start_from_prefix(prefix, model, plan, n + continue_tokens, block_size)
+    if reference is None:
+        generated, measured = greedy(start.runner, start.seq, start.first, continue_tokens), {}
+    else:
+        generated, measured = measure_against(reference, start, model, continue_tokens, prefix.chunk_size)
+    return replay_result(prefix, model, start, continue_tokens, generated, measured)
 
-    stage(f"loading {plan.reused} tokens from {'the file' if reader is not None else 'the store'} and continuing")
-    cache, seq = new_cache(model, total, kv_dtype, block_size, seed=1)
-    slot_mapping = seq.slot_mapping(total, device=model.device)
+
+def check_context(model: LoadedModel, num_tokens: int, continue_tokens: int) -> None:
+    """The prompt and the tokens to generate fit the model's context."""
+    if num_tokens + continue_tokens > model.max_position_embeddings:
+        raise PromptError(f"{num_tokens} tokens plus {continue_tokens} to generate exceed the model's context of "
+                          f"{model.max_position_embeddings}")
+
+
+@dataclass(frozen=True)
+class CachedStart:
+    """A replay's paged cache once the prefix is loaded into it and the first new token's logits
+    exist: what the continuation starts from."""
+
+    runner: Runner
+    seq: Any  # the sequence in the runner's cache, holding the prompt's KV
+    plan: ReusePlan  # as loaded: fewer reused tokens when the store could not give them all
+    reused: int  # tokens whose KV came from the prefix
+    first_from: str  # "hidden_states" or "prefill"
+    first: torch.Tensor  # [1, V], the first new token's logits
+    load_s: float
+    ttft_s: float  # from the start of the load to the first logits
+    notice: str | None  # why less was reused than planned
+
+
+def start_from_prefix(prefix: Prefix, model: LoadedModel, plan: ReusePlan, total: int,
+                      block_size: int) -> CachedStart:
+    """A fresh shuffled paged cache of `total` slots, the plan's reused tokens loaded into it
+    through the one load path (`kvtool.load.load`), then the first new token's logits
+    (`first_logits`); timed from the start of the load."""
+    cache, seq = new_cache(model, total, prefix.kv_dtype, block_size, seed=1)
+    slot_mapping = seq.slot_mapping(total, device=model.device)  # [total]
     runner = Runner(model, cache)
-    reused, first_from, why = plan.reused, "hidden_states" if plan.from_hidden else "prefill", None
     synchronize(model.device)
     t0 = time.perf_counter()
     # the one load path; slots checked on the host: no device sync per chunk (the copy is small)
@@ -334,52 +449,73 @@ def replay_plan(prefix: "Prefix | ContainerReader", model: LoadedModel, plan: Re
     seq.num_tokens = loaded
     synchronize(model.device)
     load_s = time.perf_counter() - t0
+    why = None
     if loaded < plan.reused:  # the store refused or lost a chunk: the rest is computed
         why = f"{plan.reused - loaded} cached tokens could not be loaded: computed"
-        reused = loaded
-        plan = ReusePlan(tokens=tokens, reused=loaded, chunks=-(-loaded // prefix.chunk_size))
-    hidden = None
-    if plan.from_hidden:
-        try:
-            hidden = last_hidden_state(reader, model, n)  # [1, E]
-        except DataError as err:  # the KV is intact: recompute the last token instead
-            why = f"hidden_states unusable: {err}"
-            notice(f"the stored hidden states are unusable ({err}); the last token is recomputed")
-            reused, first_from = n - 1, "prefill"
-    if hidden is not None:
-        first = logits_from_hidden(model.weights, hidden)  # [1, V]
-    elif plan.from_hidden:
-        first = runner.prefill(seq, tokens[n - 1:], start_pos=n - 1, logits="last")  # rewrites its own slot
-    else:
-        first = runner.prefill(seq, tokens[plan.reused:], start_pos=plan.reused, prefill_chunk=prefill_chunk,
-                               logits="last")  # [1, V]
+        plan = ReusePlan(tokens=plan.tokens, reused=loaded, chunks=-(-loaded // prefix.chunk_size))
+    first, reused, first_from, unusable = first_logits(runner, seq, prefix, model, plan)
     synchronize(model.device)
-    ttft_cached = time.perf_counter() - t0
-    if reference is None:
-        generated = [int(first[0].argmax())]
-        while len(generated) < continue_tokens:
-            generated.append(int(runner.decode_step(seq, generated[-1]).argmax()))
-        measured: dict[str, Any] = {}
-    else:
-        ref_logits, generated, ttft_recompute = reference
-        rest = runner.prefill(seq, generated[:-1], start_pos=n, prefill_chunk=prefill_chunk, logits="all") \
-            if continue_tokens > 1 else first[:0]
-        cached_logits = torch.cat([first, rest])  # [N, V]
-        measured = {"ttft_recompute_s": ttft_recompute, "speedup": ttft_recompute / max(ttft_cached, 1e-9),
-                    **compare_logits(ref_logits, cached_logits, generated)}
-        own = free_run_after(runner, seq, n, generated, cached_logits, measured["greedy_identical_tokens"])
-        same = measured["greedy_identical_tokens"]
-        measured.update(cached_continuation_tokens=own, cached_continuation=model.tokenizer.decode(own),
-                        agreed_continuation=model.tokenizer.decode(generated[:same]))
+    return CachedStart(runner, seq, plan, reused, first_from, first, load_s, time.perf_counter() - t0,
+                       unusable if unusable is not None else why)
+
+
+def first_logits(runner: Runner, seq, prefix: Prefix, model: LoadedModel,
+                 plan: ReusePlan) -> tuple[torch.Tensor, int, str, str | None]:
+    """The first new token's logits [1, V]: from the file's stored hidden state of the last token
+    when the plan reuses every token, else by prefilling what the plan does not reuse. Returns
+    (logits, tokens reused, "hidden_states" or "prefill", why the hidden states were unusable)."""
+    tokens, n = plan.tokens, len(plan.tokens)
+    if not plan.from_hidden:
+        return (runner.prefill(seq, tokens[plan.reused:], start_pos=plan.reused, prefill_chunk=prefix.chunk_size,
+                               logits="last"), plan.reused, "prefill", None)
+    try:
+        hidden = last_hidden_state(prefix.reader, model, n)  # [1, E]
+    except DataError as err:  # the KV is intact: recompute the last token instead
+        notice(f"the stored hidden states are unusable ({err}); the last token is recomputed")
+        first = runner.prefill(seq, tokens[n - 1:], start_pos=n - 1, logits="last")  # rewrites its own slot
+        return first, n - 1, "prefill", f"hidden_states unusable: {err}"
+    return logits_from_hidden(model.weights, hidden), plan.reused, "hidden_states", None
+
+
+def greedy(runner: Runner, seq, first: torch.Tensor, continue_tokens: int) -> list[int]:
+    """`continue_tokens` tokens of greedy decoding, the first from the logits `first` [1, V]."""
+    generated = [int(first[0].argmax())]
+    while len(generated) < continue_tokens:
+        generated.append(int(runner.decode_step(seq, generated[-1]).argmax()))
+    return generated
+
+
+def measure_against(reference: tuple[torch.Tensor, list[int], float], start: CachedStart, model: LoadedModel,
+                    continue_tokens: int, prefill_chunk: int) -> tuple[list[int], dict[str, Any]]:
+    """The cached run teacher-forced along the recompute's greedy continuation and compared with
+    it position by position (`compare_logits`), then its own greedy continuation from where they
+    part. Returns (the reference continuation, the measurements: `ReplayResult` fields)."""
+    ref_logits, generated, ttft_recompute = reference  # [N, V], N tokens, seconds
+    n = len(start.plan.tokens)
+    rest = start.runner.prefill(start.seq, generated[:-1], start_pos=n, prefill_chunk=prefill_chunk, logits="all") \
+        if continue_tokens > 1 else start.first[:0]
+    cached_logits = torch.cat([start.first, rest])  # [N, V]
+    measured: dict[str, Any] = {"ttft_recompute_s": ttft_recompute,
+                                "speedup": ttft_recompute / max(start.ttft_s, 1e-9),
+                                **compare_logits(ref_logits, cached_logits, generated)}
+    same = measured["greedy_identical_tokens"]
+    own = free_run_after(start.runner, start.seq, n, generated, cached_logits, same)
+    measured.update(cached_continuation_tokens=own, cached_continuation=model.tokenizer.decode(own),
+                    agreed_continuation=model.tokenizer.decode(generated[:same]))
+    return generated, measured
+
+
+def replay_result(prefix: Prefix, model: LoadedModel, start: CachedStart, continue_tokens: int,
+                  generated: list[int], measured: dict[str, Any]) -> ReplayResult:
+    n, reused_any = len(start.plan.tokens), start.plan.reused > 0
     return ReplayResult(
-        file=prefix.source, model=model.name, num_tokens=n, reused_tokens=reused, computed_tokens=n - reused,
-        chunks_loaded=plan.chunks, codecs=sorted(set(prefix.codecs)) if plan.reused else [],
-        device=describe(model.device),
-        model_dtype=str(model.dtype).removeprefix("torch."), first_token_from=first_from,
-        weights=prefix.weights if plan.reused else "nothing reused",
-        load_s=load_s,
-        ttft_cached_s=ttft_cached, continue_tokens=continue_tokens, continuation_tokens=generated,
-        continuation=model.tokenizer.decode(generated), notice=why, **measured)
+        file=prefix.source, model=model.name, num_tokens=n, reused_tokens=start.reused,
+        computed_tokens=n - start.reused, chunks_loaded=start.plan.chunks,
+        codecs=sorted(set(prefix.codecs)) if reused_any else [], device=describe(model.device),
+        model_dtype=str(model.dtype).removeprefix("torch."), first_token_from=start.first_from,
+        weights=prefix.weights if reused_any else "nothing reused", load_s=start.load_s,
+        ttft_cached_s=start.ttft_s, continue_tokens=continue_tokens, continuation_tokens=generated,
+        continuation=model.tokenizer.decode(generated), notice=start.notice, **measured)
 
 
 def free_run_after(runner: Runner, seq, n: int, forced: list[int], cached_logits: torch.Tensor,
