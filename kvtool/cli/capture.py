@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -11,6 +11,9 @@ from rich.console import Console
 from .options import (BinsOpt, CodecOpt, DeviceOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt, NamespaceOpt,
                       OptionalStoreOpt, ShuffleOpt)
 from .output import emit, human_bytes, plural, progress, renders
+
+if TYPE_CHECKING:  # only named here: importing it would load torch at start-up
+    from ..ops.capture import CaptureResult
 
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", help="Prompt text.")]
 PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", metavar="FILE", help="File with the prompt (UTF-8).")]
@@ -55,18 +58,18 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
 
 
 @renders("CaptureResult")
-def render(console: Console, r: dict[str, Any]) -> None:
-    t = r["timings"]
-    extras = f" + {', '.join(r['extras'])}" if r["extras"] else ""
-    if r.get("segment"):
-        extras += f"; a segment (positions from {r['segment']['stored_start']}, placeable anywhere)"
-    where = f"wrote {r['output']}" if r["output"] else "captured"
-    console.print(f"{where}: {r['num_tokens']} tokens of {r['model']} KV ({r['kv_dtype']}) in "
-                  f"{plural(r['num_chunks'], r['codec'] + ' chunk')}{extras}, {human_bytes(r['file_bytes'])}")
-    console.print(f"prefill on {r['device']} {t['prefill_s']:.2f} s ({r['prefill_tokens_per_s']:.0f} tokens/s); connector "
+def render(console: Console, r: CaptureResult) -> None:
+    t = r.timings  # CaptureTimings' fields and its overhead share, by name
+    extras = f" + {', '.join(r.extras)}" if r.extras else ""
+    if r.segment:
+        extras += f"; a segment (positions from {r.segment['stored_start']}, placeable anywhere)"
+    where = f"wrote {r.output}" if r.output else "captured"
+    console.print(f"{where}: {r.num_tokens} tokens of {r.model} KV ({r.kv_dtype}) in "
+                  f"{plural(r.num_chunks, r.codec + ' chunk')}{extras}, {human_bytes(r.file_bytes)}")
+    console.print(f"prefill on {r.device} {t['prefill_s']:.2f} s ({r.prefill_tokens_per_s:.0f} tokens/s); connector "
                   f"{t['connector_s'] * 1e3:.0f} ms, writer {t['writer_s'] * 1e3:.0f} ms beside the prefill, "
                   f"waited {t['waiting_s'] * 1e3:.0f} ms ({100 * t['overhead_share']:.1f}% of prefill)")
-    if r.get("store"):
-        s = r["store"]
+    if r.store:
+        s = r.store  # {"store": url, "chunks", "stored", "present"}
         console.print(f"{s['store']}: {s['stored']} of {plural(s['chunks'], 'whole chunk')} stored, "
                       f"{s['present']} already there")

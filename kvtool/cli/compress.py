@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from .options import BinsOpt, CodecOpt, InputPath, JsonOpt, LevelOpt, OutputPath, ShuffleOpt
 from .output import emit, human_bytes, human_rate, plural, progress, renders
+
+if TYPE_CHECKING:
+    from ..ops.compress import CompressResult
 
 
 def command(path: InputPath, output: OutputPath, codec: CodecOpt = "zstd", level: LevelOpt = None,
@@ -21,10 +24,10 @@ def command(path: InputPath, output: OutputPath, codec: CodecOpt = "zstd", level
 
 
 @renders("CompressResult")
-def render(console: Console, r: dict[str, Any]) -> None:
-    console.print(f"wrote {r['output']}: {plural(r['num_chunks'], 'chunk')} as {r['codec']}, "
-                  f"file {human_bytes(r['input_file_bytes'])} -> {human_bytes(r['output_file_bytes'])}")
-    extras = f", extras {human_bytes(r['extras_bytes'])} as they were" if r["extras_bytes"] else ""
-    console.print(f"chunks {human_bytes(r['input_bytes'])} -> {human_bytes(r['output_bytes'])} "
-                  f"({r['ratio_vs_decoded']:.2f}x vs decoded, {r['bits_per_value']:.2f} bits/value){extras}; "
-                  f"{r['seconds']:.2f} s ({human_rate(r['mb_per_s'])})")
+def render(console: Console, r: CompressResult) -> None:
+    console.print(f"wrote {r.output}: {plural(r.num_chunks, 'chunk')} as {r.codec}, "
+                  f"file {human_bytes(r.input_file_bytes)} -> {human_bytes(r.output_file_bytes)}")
+    extras = f", extras {human_bytes(r.extras_bytes)} as they were" if r.extras_bytes else ""
+    console.print(f"chunks {human_bytes(r.input_bytes)} -> {human_bytes(r.output_bytes)} "
+                  f"({r.ratio_vs_decoded:.2f}x vs decoded, {r.bits_per_value:.2f} bits/value){extras}; "
+                  f"{r.seconds:.2f} s ({human_rate(r.mb_per_s)})")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from .options import ChunksOpt, InputPath, JsonOpt, LayersOpt, OutputPath
 from .output import emit, human_bytes, plural, progress, renders
+
+if TYPE_CHECKING:
+    from ..ops.dump import DumpResult
 
 
 def command(path: InputPath, output: OutputPath, chunks: ChunksOpt = None, layers: LayersOpt = None,
@@ -21,9 +24,9 @@ def command(path: InputPath, output: OutputPath, chunks: ChunksOpt = None, layer
 
 
 @renders("DumpResult")
-def render(console: Console, r: dict[str, Any]) -> None:
-    console.print(f"wrote {r['output']} ({r['format']}, {human_bytes(r['bytes'])}): "
-                  f"{plural(r['num_tokens'], 'token')} from {plural(len(r['chunks']), 'chunk')}, "
-                  f"{plural(len(r['layers']), 'layer')}")
-    if r.get("sidecar"):
-        console.print(f"and {r['sidecar']}: which layers, chunks, positions and token ids it holds")
+def render(console: Console, r: DumpResult) -> None:
+    console.print(f"wrote {r.output} ({r.format}, {human_bytes(r.bytes)}): "
+                  f"{plural(r.num_tokens, 'token')} from {plural(len(r.chunks), 'chunk')}, "
+                  f"{plural(len(r.layers), 'layer')}")
+    if r.sidecar:
+        console.print(f"and {r.sidecar}: which layers, chunks, positions and token ids it holds")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from .options import JsonOpt
 from .output import emit, renders
+
+if TYPE_CHECKING:
+    from ..ops.info import InfoResult
 
 DevicesOpt = Annotated[bool, typer.Option(
     "--devices", help="Also ask torch about CUDA: the kernels' state and where --device auto runs (slower).")]
@@ -22,14 +25,14 @@ def command(devices: DevicesOpt = False, json: JsonOpt = False) -> None:
 
 
 @renders("InfoResult")
-def render(console: Console, r: dict[str, Any]) -> None:
-    console.print(f"kvtool {r['kvtool']} (torch {r['torch']}, {r['threads']} threads); writes format "
-                  f"{r['writes_format']}, reads {', '.join(r['reads_formats'])}")
+def render(console: Console, r: InfoResult) -> None:
+    console.print(f"kvtool {r.kvtool} (torch {r.torch}, {r.threads} threads); writes format "
+                  f"{r.writes_format}, reads {', '.join(r.reads_formats)}")
     console.print("codecs     " + ", ".join(f"{c['name']} ({c['id']}, {'lossless' if c['lossless'] else 'lossy'})"
-                                         for c in r["codecs"]))
-    for name, what in {**r["backends"], **r["devices"]}.items():
+                                         for c in r.codecs))
+    for name, what in {**r.backends, **r.devices}.items():
         console.print(f"{name:<11}{what}")
-    if not r["devices"]:
+    if not r.devices:
         console.print("devices    kvtool info --devices asks torch about CUDA")
-    console.print(f"model      default model {'installed' if r['default_model_installed'] else 'NOT installed'}"
-                  f"; cache {r['model_cache']}")
+    console.print(f"model      default model {'installed' if r.default_model_installed else 'NOT installed'}"
+                  f"; cache {r.model_cache}")

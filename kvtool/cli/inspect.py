@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -10,6 +10,9 @@ from rich.table import Table
 
 from .options import InputPath, JsonOpt
 from .output import emit, escaped, human_bytes, plural, progress, renders
+
+if TYPE_CHECKING:
+    from ..ops.inspect import FileSummary
 
 StatsOpt = Annotated[bool, typer.Option("--stats", help="Decode and show per-layer K/V statistics.")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Everything in full: hashes, fingerprint, codec parameters.")]
@@ -22,41 +25,41 @@ def command(path: InputPath, stats: StatsOpt = False, wide: WideOpt = False, jso
     with progress("decoding", "chunks", enabled=stats and not json) as update:
         summary = inspect(path, stats=stats, on_chunk=update)
     if wide and not json:  # as wide as the lines are: full hashes never wrap, whatever the terminal
-        render(Console(highlight=False, width=4096), escaped(summary.to_dict(json_safe=False)), wide=True)
+        render(Console(highlight=False, width=4096), escaped(summary), wide=True)
     else:
         emit(summary, json)
 
 
 @renders("FileSummary")
-def render(console: Console, r: dict[str, Any], wide: bool = False) -> None:
+def render(console: Console, r: FileSummary, wide: bool = False) -> None:
     """Designed for 80 columns (a pipe, a CI log): short hashes and one line per chunk;
     `--wide` prints them in full."""
-    model = r["model"]
-    console.print(f"[bold]{r['path']}[/bold]", overflow="fold")
-    console.print(f"file   kvtool format {r['format_version']}, {human_bytes(r['file_size'])}, "
-                  f"blobs aligned to {r['alignment']}")
+    model = r.model  # the file's model identity, as the manifest records it
+    console.print(f"[bold]{r.path}[/bold]", overflow="fold")
+    console.print(f"file   kvtool format {r.format_version}, {human_bytes(r.file_size)}, "
+                  f"blobs aligned to {r.alignment}")
     console.print(f"model  {model['name']} ({model['architecture']})", overflow="fold")
     console.print(f"       {model['num_layers']} layers, {model['num_kv_heads']} KV heads x {model['head_dim']}, "
                   f"{rope_text(model.get('rope'))}")
     print_fingerprint(console, model["fingerprint"], wide)
-    console.print(f"KV     {r['kv_dtype']}, {r['num_tokens']} tokens in {plural(r['num_chunks'], 'chunk')} of "
-                  f"{r['chunk_size']}; token ids {checksum_text(r['tokens_checksum'])}")
-    console.print(chunk_table(r["chunks"], wide))
-    t = r["totals"]
+    console.print(f"KV     {r.kv_dtype}, {r.num_tokens} tokens in {plural(r.num_chunks, 'chunk')} of "
+                  f"{r.chunk_size}; token ids {checksum_text(r.tokens_checksum)}")
+    console.print(chunk_table(r.chunks, wide))
+    t = r.totals
     console.print(f"total  {human_bytes(t['stored_bytes'])} for {human_bytes(t['decoded_bytes'])} of KV: "
                   f"{t['ratio']:.2f}x, {t['bits_per_value']:.2f} bits/value "
                   f"({t['file_bits_per_value']:.2f} in the file)")
     if t["bad_checksums"]:
         console.print(f"[red]{plural(t['bad_checksums'], 'bad checksum')}[/red]: verify names them")
-    parts = bits_by_part(r["chunks"])
+    parts = bits_by_part(r.chunks)
     if parts:
         console.print("bits/value by part: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if v >= 0.0005))
-    for name, e in r["extras"].items():
+    for name, e in r.extras.items():
         console.print(f"extra  {name}: {e['dtype']} [{' x '.join(str(n) for n in e['shape'])}], "
                       f"{human_bytes(e['stored_bytes'])}")
-    if r.get("stats"):
+    if r.stats:
         console.print("per-layer statistics (outliers: channel, absmax / median)")
-        console.print(stats_table(r["stats"]))
+        console.print(stats_table(r.stats))
 
 
 def chunk_table(chunks: list[dict[str, Any]], wide: bool) -> Table:

@@ -1,11 +1,14 @@
 """One result object per command, rendered for people (rich) or machines (`--json`).
 
 Each command module registers the renderer of its result type; the funnel in `app.py`
-uses the same registry to show the report an error carries (a failed `verify`).
+uses the same registry to show the report an error carries (a failed `verify`). A renderer
+takes the typed result itself (its fields by attribute), its strings made literal for rich.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -18,7 +21,7 @@ from rich.markup import escape
 stdout_console = Console(highlight=False)
 stderr_console = Console(stderr=True, highlight=False)
 
-Renderer = Callable[[Console, dict[str, Any]], None]
+Renderer = Callable[[Console, Any], None]  # (console, a result of the type it renders, escaped)
 _RENDERERS: dict[str, Renderer] = {}
 
 
@@ -36,13 +39,19 @@ def emit(result, json_mode: bool) -> None:
         sys.stdout.write(json.dumps(result.to_dict(), indent=2, default=str, allow_nan=False) + "\n")
         sys.stdout.flush()
     else:  # strings come from files and arguments: never let them act as rich markup
-        _RENDERERS[type(result).__name__](stdout_console, escaped(result.to_dict(json_safe=False)))
+        _RENDERERS[type(result).__name__](stdout_console, escaped(result))
 
 
 def escaped(value: Any) -> Any:
-    """Strings from files and arguments made literal for rich (no markup)."""
+    """Strings from files and arguments made literal for rich (no markup): a result comes back as a
+    copy of the same type, each field escaped (nested results, dicts and lists too)."""
     if isinstance(value, str):
         return escape(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        literal = copy.copy(value)  # the same type: its properties (`ok`, totals) still answer
+        for f in dataclasses.fields(value):
+            object.__setattr__(literal, f.name, escaped(getattr(value, f.name)))  # (frozen ones too)
+        return literal
     if isinstance(value, dict):
         return {k: escaped(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -12,6 +12,10 @@ from rich.text import Text
 from ..errors import UsageError
 from .options import DeviceOpt, JsonOpt, ModelDtypeOpt, ModelOpt, NamespaceOpt, OptionalStoreOpt, OtherWeightsOpt
 from .output import emit, renders, stages
+
+if TYPE_CHECKING:  # the results are only named here: importing them would load torch at start-up
+    from ..ops.blend import BlendReplayResult
+    from ..ops.replay import ReplayResult
 
 ContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help="Tokens to generate (or teacher-force with --compare).")]
 SuffixOpt = Annotated[Optional[str], typer.Option("--suffix", metavar="TEXT", help="Text to append after the cached tokens.")]
@@ -88,74 +92,73 @@ def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: Ch
 
 
 @renders("ReplayResult")
-def render(console: Console, r: dict[str, Any]) -> None:
-    console.print(f"[bold]{r['file']}[/bold] on {r['model']} ({r['device']}): {r['reused_tokens']} of {r['num_tokens']} tokens "
-                  f"from the cache ({r['chunks_loaded']} chunks, {', '.join(r['codecs'])}), "
-                  f"{r['computed_tokens']} computed"
-                  + ("; the first new token from the stored hidden states" if r.get("first_token_from") == "hidden_states"
+def render(console: Console, r: ReplayResult) -> None:
+    console.print(f"[bold]{r.file}[/bold] on {r.model} ({r.device}): {r.reused_tokens} of {r.num_tokens} tokens "
+                  f"from the cache ({r.chunks_loaded} chunks, {', '.join(r.codecs)}), "
+                  f"{r.computed_tokens} computed"
+                  + ("; the first new token from the stored hidden states" if r.first_token_from == "hidden_states"
                      else ""))
-    if r.get("weights", "").startswith("other"):
-        console.print(f"[yellow]{r['weights']}[/yellow]")
-    line = f"time to first token {r['ttft_cached_s'] * 1e3:.0f} ms with the cache (load {r['load_s'] * 1e3:.0f} ms)"
-    if r.get("ttft_recompute_s") is not None:
-        line += f" vs {r['ttft_recompute_s'] * 1e3:.0f} ms recomputed: {r['speedup']:.1f}x"
+    if r.weights.startswith("other"):
+        console.print(f"[yellow]{r.weights}[/yellow]")
+    line = f"time to first token {r.ttft_cached_s * 1e3:.0f} ms with the cache (load {r.load_s * 1e3:.0f} ms)"
+    if r.ttft_recompute_s is not None:
+        line += f" vs {r.ttft_recompute_s * 1e3:.0f} ms recomputed: {r.speedup:.1f}x"
     console.print(line)
-    if r.get("top1_agreement") is not None:
-        console.print(f"over {r['continue_tokens']} teacher-forced tokens: top-1 agreement {100 * r['top1_agreement']:.1f}%, "
-                      f"greedy identical for {r['greedy_identical_tokens']}/{r['continue_tokens']} tokens, "
-                      f"KL mean {r['kl_mean']:.3g} max {r['kl_max']:.3g}, ΔNLL {r['delta_nll']:+.4f}")
-    # r holds markup-escaped strings; recover the literal text, then print it as plain Text.
-    def text(key: str) -> str:
-        return Text.from_markup(r[key]).plain
-
-    if r.get("cached_continuation") is None:
-        console.print(Text(f"continuation: {text('continuation')!r}"), soft_wrap=True)
-        return _failures(console, r)
-    agreed, same, total = text("agreed_continuation"), r["greedy_identical_tokens"], r["continue_tokens"]
+    if r.top1_agreement is not None:
+        console.print(f"over {r.continue_tokens} teacher-forced tokens: top-1 agreement {100 * r.top1_agreement:.1f}%, "
+                      f"greedy identical for {r.greedy_identical_tokens}/{r.continue_tokens} tokens, "
+                      f"KL mean {r.kl_mean:.3g} max {r.kl_max:.3g}, ΔNLL {r.delta_nll:+.4f}")
+    if r.cached_continuation is None:
+        console.print(Text(f"continuation: {plain(r.continuation)!r}"), soft_wrap=True)
+        return _failures(console, r.failures)
+    agreed, same, total = plain(r.agreed_continuation), r.greedy_identical_tokens, r.continue_tokens
     if same == total:
         console.print(Text(f"continuation (recompute and cache alike, {total} tokens): {agreed!r}"), soft_wrap=True)
-        return _failures(console, r)
+        return _failures(console, r.failures)
     console.print(Text(f"alike for {same} of {total} tokens: {agreed!r}"), soft_wrap=True)
-    for label, key in (("then the recompute:", "continuation"), ("then the cache:   ", "cached_continuation")):
-        full = text(key)
+    for label, continued in (("then the recompute:", r.continuation), ("then the cache:   ", r.cached_continuation)):
+        full = plain(continued)
         console.print(Text(f"{label} {full[len(agreed):] if full.startswith(agreed) else full!r}"), soft_wrap=True)
-    _failures(console, r)
+    _failures(console, r.failures)
 
 
-def _failures(console: Console, r: dict[str, Any]) -> None:
-    for f in r.get("failures", []):
+def plain(escaped_text: str) -> str:
+    """The literal text of a string the renderer got markup-escaped, to print as plain `Text`."""
+    return Text.from_markup(escaped_text).plain
+
+
+def _failures(console: Console, failures: list[str]) -> None:
+    for f in failures:
         console.print(f"[red]FAIL[/red] {f}")
 
 
 @renders("BlendReplayResult")
-def render_blend(console: Console, r: dict[str, Any]) -> None:
-    sources = {}
-    for seg in r["segments"]:
-        sources[seg["source"]] = sources.get(seg["source"], 0) + seg["cached_tokens"]
-    found = ", ".join(f"{cached} from {Text.from_markup(src).plain}" for src, cached in sources.items() if cached)
-    console.print(Text(f"blend of {len(r['segments'])} segment{'s' if len(r['segments']) != 1 else ''} and the "
-                       f"question on {Text.from_markup(r['model']).plain} ({r['device']}): {r['num_tokens']} tokens, "
-                       f"{r['cached_tokens']} cached ({found or 'none'})"))
-    console.print(f"recompute ratio {r['recompute_ratio']:g} at check layer {r['check_layer']}: "
-                  f"{r['recomputed_cached']} cached tokens recomputed + {r['computed_tokens'] - r['recomputed_cached']} "
-                  f"uncached computed" + (f"; the first {r['prefix_tokens']} tokens an exact prefix"
-                                          if r["prefix_tokens"] else ""))
-    line = f"time to first token {r['ttft_blend_s'] * 1e3:.0f} ms (load {r['load_s'] * 1e3:.0f} ms)"
-    if r.get("ttft_full_s") is not None:
-        line += (f" vs full prefill {r['ttft_full_s'] * 1e3:.0f} ms: {r['speedup']:.1f}x; naive reuse "
-                 f"{r['ttft_naive_s'] * 1e3:.0f} ms")
+def render_blend(console: Console, r: BlendReplayResult) -> None:
+    sources: dict[str, int] = {}
+    for seg in r.segments:
+        sources[seg.source] = sources.get(seg.source, 0) + seg.cached_tokens
+    found = ", ".join(f"{cached} from {plain(src)}" for src, cached in sources.items() if cached)
+    console.print(Text(f"blend of {len(r.segments)} segment{'s' if len(r.segments) != 1 else ''} and the "
+                       f"question on {plain(r.model)} ({r.device}): {r.num_tokens} tokens, "
+                       f"{r.cached_tokens} cached ({found or 'none'})"))
+    console.print(f"recompute ratio {r.recompute_ratio:g} at check layer {r.check_layer}: "
+                  f"{r.recomputed_cached} cached tokens recomputed + {r.computed_tokens - r.recomputed_cached} "
+                  f"uncached computed" + (f"; the first {r.prefix_tokens} tokens an exact prefix"
+                                          if r.prefix_tokens else ""))
+    line = f"time to first token {r.ttft_blend_s * 1e3:.0f} ms (load {r.load_s * 1e3:.0f} ms)"
+    if r.ttft_full_s is not None:
+        line += (f" vs full prefill {r.ttft_full_s * 1e3:.0f} ms: {r.speedup:.1f}x; naive reuse "
+                 f"{r.ttft_naive_s * 1e3:.0f} ms")
     console.print(line)
-    if r.get("blend") is not None:
-        console.print(f"over {r['continue_tokens']} teacher-forced tokens of the full prefill's answer:")
-        for label, key in (("blend", "blend"), ("naive", "naive")):
-            m = r[key]
+    if r.blend is not None:
+        console.print(f"over {r.continue_tokens} teacher-forced tokens of the full prefill's answer:")
+        for label, m in (("blend", r.blend), ("naive", r.naive)):  # compare_logits' measures, by name
             console.print(f"  {label}: top-1 agreement {100 * m['top1_agreement']:.1f}%, greedy identical for "
-                          f"{m['greedy_identical_tokens']}/{r['continue_tokens']}, KL mean {m['kl_mean']:.3g} "
+                          f"{m['greedy_identical_tokens']}/{r.continue_tokens}, KL mean {m['kl_mean']:.3g} "
                           f"max {m['kl_max']:.3g}, ΔNLL {m['delta_nll']:+.4f}")
-    if r.get("blend_continuation") is None:
-        console.print(Text(f"continuation: {Text.from_markup(r['continuation']).plain!r}"), soft_wrap=True)
+    if r.blend_continuation is None:
+        console.print(Text(f"continuation: {plain(r.continuation)!r}"), soft_wrap=True)
     else:
-        console.print(Text(f"full prefill's continuation: {Text.from_markup(r['continuation']).plain!r}"), soft_wrap=True)
-        console.print(Text(f"the blend's own:             {Text.from_markup(r['blend_continuation']).plain!r}"),
-                      soft_wrap=True)
-    _failures(console, r)
+        console.print(Text(f"full prefill's continuation: {plain(r.continuation)!r}"), soft_wrap=True)
+        console.print(Text(f"the blend's own:             {plain(r.blend_continuation)!r}"), soft_wrap=True)
+    _failures(console, r.failures)

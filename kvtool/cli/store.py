@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -12,6 +12,10 @@ from rich.table import Table
 
 from .options import JsonOpt, ModelOpt, NamespaceOpt, OutputPath, StoreOpt
 from .output import emit, human_bytes, plural, renders
+
+if TYPE_CHECKING:
+    from ..ops.store import (StoreFsckResult, StoreGcResult, StoreGetResult, StoreListing, StorePutResult,
+                             StoreRmResult, StoreStats)
 
 app = typer.Typer(help="The chunk store: many sequences' chunks, by prefix; a folder or Redis.",
                   no_args_is_help=True, add_completion=False)
@@ -103,66 +107,66 @@ def rm_command(store: StoreOpt, names: Annotated[Optional[list[str]], typer.Argu
 
 
 @renders("StorePutResult")
-def render_put(console: Console, r: dict[str, Any]) -> None:
-    for f in r["files"]:
-        console.print(f"{f['file']}: {plural(f['chunks'], 'whole chunk')} of {f['model']} (chunk size "
-                      f"{f['chunk_size']}): {f['stored']} stored, {f['present']} already there")
-    t = r["totals"]
-    console.print(f"{r['store']}: {t['stored']} of {plural(t['chunks'], 'chunk')} stored "
+def render_put(console: Console, r: StorePutResult) -> None:
+    for f in r.files:
+        console.print(f"{f.file}: {plural(f.chunks, 'whole chunk')} of {f.model} (chunk size "
+                      f"{f.chunk_size}): {f.stored} stored, {f.present} already there")
+    t = r.totals
+    console.print(f"{r.store}: {t['stored']} of {plural(t['chunks'], 'chunk')} stored "
                   f"({human_bytes(t['stored_bytes'])}), {t['present']} deduplicated")
 
 
 @renders("StoreGetResult")
-def render_get(console: Console, r: dict[str, Any]) -> None:
-    console.print(f"wrote {r['output']}: {r['cached_tokens']} of the prompt's {r['prompt_tokens']} tokens cached "
-                  f"({plural(r['chunks'], 'chunk')}, {', '.join(r['codecs'])}), {human_bytes(r['file_bytes'])}")
-    for why in r["refused"]:
+def render_get(console: Console, r: StoreGetResult) -> None:
+    console.print(f"wrote {r.output}: {r.cached_tokens} of the prompt's {r.prompt_tokens} tokens cached "
+                  f"({plural(r.chunks, 'chunk')}, {', '.join(r.codecs)}), {human_bytes(r.file_bytes)}")
+    for why in r.refused:
         console.print(f"[yellow]refused: {why}[/yellow]")
 
 
 @renders("StoreListing")
-def render_ls(console: Console, r: dict[str, Any]) -> None:
+def render_ls(console: Console, r: StoreListing) -> None:
     table = Table(box=None, header_style="bold")
     for col in ("kind", "model", "chunk", "bytes", "last used", "name"):
         table.add_column(col, justify="right" if col in ("chunk", "bytes") else "left")
     now = time.time()
-    for o in r["objects"]:
+    for o in r.objects:  # one stored object each, as the store lists it
         table.add_row(o["kind"], o.get("model", "")[:12], str(o.get("chunk_size", "")), human_bytes(o["bytes"]),
                       _ago(now - o["last_used"]), o["name"])
     console.print(table)
-    console.print(f"{plural(len(r['objects']), 'object')} in {r['store']}")
+    console.print(f"{plural(len(r.objects), 'object')} in {r.store}")
 
 
 @renders("StoreStats")
-def render_stats(console: Console, r: dict[str, Any]) -> None:
-    kinds = ", ".join(plural(n, k) for k, n in sorted(r["by_kind"].items())) or "nothing"
-    console.print(f"{r['store']}: {plural(r['objects'], 'object')}, {human_bytes(r['bytes'])} ({kinds})")
-    for key, m in sorted(r["models"].items()):
+def render_stats(console: Console, r: StoreStats) -> None:
+    kinds = ", ".join(plural(n, k) for k, n in sorted(r.by_kind.items())) or "nothing"
+    console.print(f"{r.store}: {plural(r.objects, 'object')}, {human_bytes(r.bytes)} ({kinds})")
+    for key, m in sorted(r.models.items()):
         console.print(f"  model {key}: {plural(m['chunks'], 'chunk')}, {human_bytes(m['bytes'])}, chunk size "
                       f"{', '.join(map(str, m['chunk_sizes']))}")
-    if r["foreign"]:
-        console.print(f"[yellow]{plural(r['foreign'], 'foreign file')}: `kvtool store fsck` removes them[/yellow]")
+    if r.foreign:
+        console.print(f"[yellow]{plural(r.foreign, 'foreign file')}: `kvtool store fsck` removes them[/yellow]")
 
 
 @renders("StoreGcResult")
-def render_gc(console: Console, r: dict[str, Any]) -> None:
-    console.print(f"{r['store']}: removed {plural(r['removed'], 'object')} ({human_bytes(r['removed_bytes'])}) "
-                  f"and {plural(r['temps_removed'], 'temp file')}; {human_bytes(r['remaining_bytes'])} remain "
-                  f"(cap {human_bytes(r['max_bytes'])})")
+def render_gc(console: Console, r: StoreGcResult) -> None:
+    console.print(f"{r.store}: removed {plural(r.removed, 'object')} ({human_bytes(r.removed_bytes)}) "
+                  f"and {plural(r.temps_removed, 'temp file')}; {human_bytes(r.remaining_bytes)} remain "
+                  f"(cap {human_bytes(r.max_bytes)})")
 
 
 @renders("StoreFsckResult")
-def render_fsck(console: Console, r: dict[str, Any]) -> None:
-    for d in r["damaged"]:
+def render_fsck(console: Console, r: StoreFsckResult) -> None:
+    for d in r.damaged:
         console.print(f"[red]damaged[/red] {d['reason']}")
-    what = f", removed {r['removed']}" if r["repair"] else " (left in place: --no-repair)"
-    console.print(f"{r['store']}: {plural(r['checked'], 'object')} checked, {r['intact']} intact, "
-                  f"{len(r['damaged'])} damaged{what}; {plural(r['temps_removed'], 'temp file')} removed")
+    what = f", removed {r.removed}" if r.repair else " (left in place: --no-repair)"
+    console.print(f"{r.store}: {plural(r.checked, 'object')} checked, {r.intact} intact, "
+                  f"{len(r.damaged)} damaged{what}; {plural(r.temps_removed, 'temp file')} removed")
 
 
 @renders("StoreRmResult")
-def render_rm(console: Console, r: dict[str, Any]) -> None:
-    console.print(f"{r['store']}: removed {plural(r['removed'], 'object')} ({human_bytes(r['removed_bytes'])})")
+def render_rm(console: Console, r: StoreRmResult) -> None:
+    console.print(f"{r.store}: removed {plural(r.removed, 'object')} ({human_bytes(r.removed_bytes)})")
 
 
 def _ago(seconds: float) -> str:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -11,6 +12,10 @@ from rich.console import Console
 from .options import DeviceOpt, InputPath, JsonOpt, ModelDtypeOpt, ModelOpt, OtherWeightsOpt
 from .output import emit, plural, renders, stages
 from .replay import render as render_replay
+
+if TYPE_CHECKING:  # only named here: importing the replay's would load torch at start-up
+    from ..ops.replay import ReplayResult
+    from ..ops.verify import VerifyReport
 
 AgainstOpt = Annotated[Optional[Path], typer.Option(
     "--against", metavar="FILE", help="Compare decoded KV with this file (e.g. the raw original of a lossy file).")]
@@ -43,12 +48,12 @@ def command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 0.0, rt
 
 
 @renders("VerifyReport")
-def render(console: Console, r: dict[str, Any]) -> None:
-    good = sum(all(v in ("ok", "unchecked") for k, v in c.items() if k != "index") for c in r["chunks"])
-    console.print(f"[bold]{r['path']}[/bold]: {r['num_tokens']} tokens, {good}/{r['num_chunks']} chunks "
-                  f"intact; " + ", ".join(f"{k} {v}" for k, v in r["checks"].items()))
-    if r.get("comparison"):
-        cmp = r["comparison"]
+def render(console: Console, r: VerifyReport) -> None:
+    good = sum(all(v in ("ok", "unchecked") for k, v in c.items() if k != "index") for c in r.chunks)
+    console.print(f"[bold]{r.path}[/bold]: {r.num_tokens} tokens, {good}/{r.num_chunks} chunks "
+                  f"intact; " + ", ".join(f"{k} {v}" for k, v in r.checks.items()))
+    if r.comparison:
+        cmp = r.comparison
         console.print(f"against {cmp['against']}: max abs error {cmp['max_abs']:.4g}, "
                       f"max relative {cmp['max_rel']:.4g} (atol {cmp['atol']}, rtol {cmp['rtol']})")
         worst = sorted(cmp["layers"], key=lambda x: -x["max_rel"])[:5]
@@ -56,10 +61,19 @@ def render(console: Console, r: dict[str, Any]) -> None:
             console.print(f"  layer {w['layer']:>3} {w['kind']}: max abs {w['max_abs']:.4g}, "
                           f"max rel {w['max_rel']:.4g}, rmse {w['rmse']:.4g}"
                           + ("" if w["ok"] else "  [red]over tolerance[/red]"))
-    if r.get("replay"):
-        render_replay(console, {**r["replay"], "failures": []})
-        limit = r["replay_threshold"]
+    if r.replay:
+        render_replay(console, replay_result(r.replay))
+        limit = r.replay_threshold
         console.print(f"replay threshold: top-1 >= {limit['min_top1']:.2f} ({limit['why']})")
-    for p in r["problems"]:
+    for p in r.problems:
         console.print(f"[red]FAIL[/red] {p}")
-    console.print("[green]OK[/green]" if r["ok"] else f"[red]{plural(len(r['problems']), 'problem')}[/red]")
+    console.print("[green]OK[/green]" if r.ok else f"[red]{plural(len(r.problems), 'problem')}[/red]")
+
+
+def replay_result(replay: dict[str, Any]) -> ReplayResult:
+    """The replay's result, which the report keeps as plain data, typed again for its renderer;
+    without failures of its own: the report's problems name them."""
+    from ..ops.replay import ReplayResult  # verify ran the replay: torch is loaded already
+
+    fields = {f.name for f in dataclasses.fields(ReplayResult)} - {"failures"}
+    return ReplayResult(**{k: v for k, v in replay.items() if k in fields})
