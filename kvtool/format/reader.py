@@ -4,6 +4,13 @@ Opening reads three ranges — the 64-byte header, the 32-byte trailer, and the
 manifest the trailer points to — and validates them completely before any blob
 is touched. Each chunk is then one more range, so the same logic serves local
 files (mmap, zero-copy) and object storage (range requests).
+
+A local file may be cut short by another program while it is read. Through a mapping, pages
+past the new end fault (SIGBUS, the end of the process); so the reader reads a local file's
+bytes with pread, which reads short instead, and refuses them in one line (ChecksumMismatch:
+"the file ends inside the payload"). Only two reads use the mapping: a chunk handed to the load
+path as a `ChunkSource` (copied by the native module behind its fault guard, which turns that
+SIGBUS into the same refusal) and `chunk_view`, whose zero-copy tensor is the mapping itself.
 """
 
 from __future__ import annotations
@@ -102,8 +109,26 @@ class MappedFile:
 
     def read_into(self, offset: int, out: memoryview) -> None:
         """Copy bytes straight from the file into `out` (one pread: no page faults on the map)."""
-        if read_at(self._file.fileno(), out, offset) < out.nbytes:
+        if self.read_at(offset, out) < out.nbytes:
             raise TruncatedFile(f"{self.name}: file ended while reading")
+
+    def read_at(self, offset: int, out: memoryview) -> int:
+        """pread into `out`: how many bytes came (fewer where the file ends first, as when another
+        program cut it short since it was opened; a mapping would fault there instead)."""
+        try:
+            return read_at(self._file.fileno(), out, offset)
+        except OSError as err:
+            raise input_error(self.name, err) from None
+
+    def read_private(self, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset + length) in a fresh buffer of their own (writable, not zeroed
+        first: pread fills it), read with pread; fewer where the file ends first."""
+        length = max(0, min(length, self.size - offset))
+        out = memoryview(np.empty(length, dtype=np.uint8)).cast("B")
+        return out[:self.read_at(offset, out)] if length else out
+
+    def fileno(self) -> int:
+        return self._file.fileno()
 
     def close(self) -> None:
         try:
@@ -241,31 +266,61 @@ class ContainerReader:
     # --- blobs ------------------------------------------------------------------
 
     def blob_bytes(self, blob: BlobRef, *, verify: bool = True, what: str = "blob") -> memoryview:
-        data = memoryview(self._source.read(blob.offset, blob.length))
+        """A blob's stored bytes (checked unless `verify=False`): from a local file a private copy
+        read with pread, never the mapping (see the module docstring); from memory a view."""
+        data = self._stored(blob, what)
         if verify and crc32(data) != blob.crc32:
             raise ChecksumMismatch(f"{what}: CRC-32C mismatch (stored bytes are corrupt)")
         return data
 
     def blob_ok(self, blob: BlobRef) -> bool:
-        return crc32(self._source.read(blob.offset, blob.length)) == blob.crc32
+        """Whether the blob's stored bytes are intact (bytes cut off the end of the file are not)."""
+        try:
+            return crc32(self._stored(blob, "blob")) == blob.crc32
+        except ChecksumMismatch:
+            return False
+
+    def _stored(self, blob: BlobRef, what: str) -> memoryview:
+        """The blob's bytes as the source holds them now; all of them, or ChecksumMismatch."""
+        if isinstance(self._source, MappedFile):
+            data = self._source.read_private(blob.offset, blob.length)
+        else:
+            data = memoryview(self._source.read(blob.offset, blob.length))
+        if data.nbytes != blob.length:
+            raise cut_short(what)
+        return data
+
+    def _private(self, data: memoryview) -> bool:
+        """Whether `data` (from `_stored`) is a buffer of its own: a local file's pread copy, which
+        an array may view instead of copying (memory a caller handed in is copied first)."""
+        return isinstance(self._source, MappedFile) and not data.readonly
 
     def token_ids(self, *, verify: bool = True) -> np.ndarray:
         data = self.blob_bytes(self.manifest.tokens, verify=verify, what="token ids")
         return np.frombuffer(data, dtype="<u4").astype(np.int64)
 
     def chunk_payload(self, index: int, *, verify: bool = True) -> memoryview:
+        """Chunk `index`'s stored bytes (see `blob_bytes`)."""
         chunk = self._chunk(index)
         return self.blob_bytes(chunk.blob, verify=verify, what=f"chunk {index}")
 
     def read_chunk_array(self, index: int, *, verify: bool = True) -> np.ndarray:
         """Decode chunk `index` on the CPU into a numpy KV_BLOB `[2, L, T, C]`, without torch
         (bfloat16 as its bit patterns: `kvtool.dtypes.NUMPY_STORAGE`)."""
+        return self.decode_chunk_array(index, self.chunk_payload(index, verify=verify))
+
+    def decode_chunk_array(self, index: int, payload: memoryview) -> np.ndarray:
+        """`read_chunk_array` of a payload already read (`chunk_payload`: verify reads each chunk
+        once, to check and to decode it). A raw chunk's private copy is viewed, not copied again."""
         chunk = self._chunk(index)
-        payload = self.chunk_payload(index, verify=verify)
+        storage = NUMPY_STORAGE[chunk.dtype]
+        if self._is_tensor_bytes(chunk) and self._private(payload) \
+                and payload.nbytes == chunk.decoded_bytes:  # (another length: the codec names the error)
+            return np.frombuffer(payload, dtype=storage).reshape(chunk.shape)
         with self._decoding(chunk):
             array = codecs.get_codec(chunk.codec_id).decode_array(payload, chunk.shape, chunk.dtype,
                                                                   chunk.codec_params)
-        if tuple(array.shape) != chunk.shape or array.dtype != NUMPY_STORAGE[chunk.dtype]:
+        if tuple(array.shape) != chunk.shape or array.dtype != storage:
             raise ShapeMismatch(f"chunk {index} decoded to {list(array.shape)} {array.dtype}, "
                                 f"declared {list(chunk.shape)} {chunk.dtype}")
         return array
@@ -286,6 +341,9 @@ class ContainerReader:
             if blob.offset + blob.length > self._source.size:
                 raise TruncatedFile(f"{self.path}: chunk {index} lies past the end of the file")
             return ChunkSource(**kind, fd=os.dup(self._source.fd), offset=blob.offset)
+        if isinstance(self._source, MappedFile) and not _guarded_copies():
+            # the mapping is read only behind the native fault guard; without it, read with pread
+            return ChunkSource(**kind, fd=os.dup(self._source.fileno()), offset=blob.offset)
         data = memoryview(self._source.read(blob.offset, blob.length))
         if data.nbytes != blob.length:
             raise TruncatedFile(f"{self.path}: chunk {index} lies past the end of the file")
@@ -367,14 +425,18 @@ class ContainerReader:
             raise UsageError(f"chunk {index} needs a contiguous CPU tensor {list(chunk.shape)} {chunk.dtype}")
         if self._is_tensor_bytes(chunk) and isinstance(self._source, MappedFile) and out.numel():
             target = memoryview(out.view(torch.uint8).reshape(-1).numpy())
-            self._source.read_into(chunk.blob.offset, target)
+            if self._source.read_at(chunk.blob.offset, target) < target.nbytes:
+                raise cut_short(f"chunk {index}")
             if verify and crc32(target) != chunk.blob.crc32:
                 raise ChecksumMismatch(f"chunk {index}: CRC-32C mismatch (stored bytes are corrupt)")
             return out
         return out.copy_(self.read_chunk(index, verify=verify))
 
     def chunk_view(self, index: int, *, verify: bool = True) -> "torch.Tensor":
-        """Zero-copy tensor over a raw chunk's mapped bytes (valid until close())."""
+        """Zero-copy tensor over a raw chunk's mapped bytes (valid until close()). The bytes are
+        checked (and found all there) with pread first; the view is the mapping itself, so a file
+        cut short after that faults where the view is read: for files others may truncate, use
+        `read_chunk`, which copies."""
         import torch
 
         chunk = self._chunk(index)
@@ -382,21 +444,31 @@ class ContainerReader:
             raise UsageError(f"chunk {index} is {chunk.codec}-encoded; only raw chunks can be viewed")
         if not isinstance(self._source, MappedFile):
             raise UsageError("zero-copy views need a local, memory-mapped file")
-        payload = self.chunk_payload(index, verify=verify)
+        self.blob_bytes(chunk.blob, verify=verify, what=f"chunk {index}")  # checked, and all there
+        payload = self._source.read(chunk.blob.offset, chunk.blob.length)
         return torch.frombuffer(payload, dtype=dtype_from_name(chunk.dtype)).view(chunk.shape)
 
     def read_extra_array(self, name: str, *, verify: bool = True) -> np.ndarray:
         """An extra as a numpy array (bool, or a KV dtype's numpy storage), without torch."""
-        extra = self.manifest.extras.get(name)
-        if extra is None:
-            raise UsageError(f"{self.path} has no extra named {name!r}")
-        data = self.blob_bytes(extra.blob, verify=verify, what=f"extra {name}")
+        extra = self._extra(name)
+        return self.decode_extra_array(name, self.blob_bytes(extra.blob, verify=verify, what=f"extra {name}"))
+
+    def decode_extra_array(self, name: str, data: memoryview) -> np.ndarray:
+        """`read_extra_array` of the extra's bytes already read (`blob_bytes`)."""
+        extra = self._extra(name)
         if extra.dtype == "bool":  # bytes other than 0 and 1 are not booleans
             raw = np.frombuffer(data, dtype=np.uint8)
             if bool((raw > 1).any()):
                 raise DecodeError(f"extra {name}: bool bytes must be 0 or 1")
             return (raw == 1).reshape(extra.shape)
-        return np.frombuffer(bytearray(data), dtype=NUMPY_STORAGE[extra.dtype]).reshape(extra.shape)
+        own = data if self._private(data) else bytearray(data)
+        return np.frombuffer(own, dtype=NUMPY_STORAGE[extra.dtype]).reshape(extra.shape)
+
+    def _extra(self, name: str):
+        extra = self.manifest.extras.get(name)
+        if extra is None:
+            raise UsageError(f"{self.path} has no extra named {name!r}")
+        return extra
 
     def read_extra(self, name: str, *, verify: bool = True) -> "torch.Tensor":
         """An extra as a CPU tensor of its dtype."""
@@ -423,19 +495,29 @@ class ContainerReader:
 
     def nonzero_padding(self) -> list[tuple[int, int]]:
         """The ranges of `[64, manifest_offset)` that no blob covers and that hold a non-zero
-        byte: each `(start, end)` of such a gap (the spec requires zeros there)."""
+        byte: each `(start, end)` of such a gap (the spec requires zeros there). Read a window
+        at a time (a hostile file's gap may be most of it); ChecksumMismatch where it is gone."""
         m = self.manifest
         blobs = sorted([(c.blob.offset, c.blob.offset + c.blob.length) for c in m.chunks]
                        + [(e.blob.offset, e.blob.offset + e.blob.length) for e in m.extras.values()]
                        + [(m.tokens.offset, m.tokens.offset + m.tokens.length)])
         bad, position = [], layout.HEADER_SIZE
         for start, end in blobs + [(self.trailer.manifest_offset, self.trailer.manifest_offset)]:
-            if start > position:
-                gap = np.frombuffer(self._source.read(position, start - position), dtype=np.uint8)
-                if gap.any():
-                    bad.append((position, start))
+            if start > position and not self._zeros(position, start):
+                bad.append((position, start))
             position = max(position, end)
         return bad
+
+    PADDING_WINDOW = 1 << 20
+
+    def _zeros(self, start: int, end: int) -> bool:
+        """Whether bytes [start, end) are all zero."""
+        for at in range(start, end, self.PADDING_WINDOW):
+            size = min(self.PADDING_WINDOW, end - at)
+            window = self._stored(BlobRef(at, size, 0), f"padding [{start}, {end})")
+            if np.frombuffer(window, dtype=np.uint8).any():
+                return False
+        return True
 
     @staticmethod
     def _is_tensor_bytes(chunk: ChunkEntry) -> bool:
@@ -460,3 +542,17 @@ class ContainerReader:
 
 def open_container(path: str | os.PathLike) -> ContainerReader:
     return ContainerReader(path)
+
+
+def cut_short(what: str) -> ChecksumMismatch:
+    """Stored bytes the file no longer holds: another program cut it short after it was opened
+    (the words of `ChunkSource.truncated`, so every read of a cut file says the same)."""
+    return ChecksumMismatch(f"{what}: the file ends inside the payload (stored bytes are damaged)")
+
+
+def _guarded_copies() -> bool:
+    """Whether the native one-pass copy, with its fault guard, copies mapped chunks (built, and
+    not turned off): a mapped `ChunkSource` is safe to hand out only then."""
+    from ..chunk_source import _native  # (the chunk source's own switch: one answer for both)
+
+    return _native() is not None

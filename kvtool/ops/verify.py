@@ -19,7 +19,7 @@ from ..errors import (ChecksumMismatch, DataError, KvtoolError, ManifestInvalid,
                       VerificationFailed)
 from ..format.layout import VERSION_MAJOR, VERSION_MINOR
 from ..format import ContainerReader
-from ..format.hashing import prefix_hashes
+from ..format.hashing import crc32, prefix_hashes
 from ..identity import model_fingerprint
 from .inputs import check_vocabulary, continuation, fraction, model_dtype_name, non_negative
 from .result import Result
@@ -154,8 +154,14 @@ def check_file(reader: ContainerReader, on_chunk: Callable[[int, int], None] | N
         checks["version"] = "NEWER"
         problem(UnsupportedVersion(f"format {reader.version} is newer than this verifier's "
                                    f"{VERSION_MAJOR}.{VERSION_MINOR}: it may hold what kvtool cannot check"))
-    padding = reader.nonzero_padding()
-    checks["padding"] = "BAD" if padding else "ok"
+    try:
+        padding = reader.nonzero_padding()
+    except KvtoolError as err:  # the file ends inside the padding (cut short since it was opened)
+        padding = []
+        checks["padding"] = "BAD"
+        problem(err)
+    else:
+        checks["padding"] = "BAD" if padding else "ok"
     for start, end in padding[:3]:
         problem(PaddingNotZero(f"bytes [{start}, {end}) cover no blob and are not zero"))
     tokens = None
@@ -179,28 +185,29 @@ def check_file(reader: ContainerReader, on_chunk: Callable[[int, int], None] | N
             problem(PrefixHashMismatch(f"chunk {c.index}: prefix hash does not match the token ids"))
         elif expected_hashes is None:
             status["prefix_hash"] = "unchecked"
-        if not reader.blob_ok(c.blob):
+        payload = _intact(reader, c.blob, f"chunk {c.index}", problem)
+        if payload is None:
             status.update(checksum="BAD", decode="skipped", finite="skipped")
-            problem(ChecksumMismatch(f"chunk {c.index}: CRC-32C mismatch (stored bytes are corrupt)"))
         else:
             try:
-                bad = count_nonfinite(reader.read_chunk_array(c.index, verify=False), c.dtype)
+                bad = count_nonfinite(reader.decode_chunk_array(c.index, payload), c.dtype)
                 if bad:
                     status["finite"] = "BAD"
                     problem(NonFiniteValues(f"chunk {c.index}: {bad} non-finite value(s)"))
             except KvtoolError as err:
                 status.update(decode="BAD", finite="skipped")
                 problem(err)
+        del payload  # (a chunk's bytes: not kept while the next one is read)
         report.chunks.append(status)
         if on_chunk is not None:
             on_chunk(c.index + 1, len(m.chunks))
     for name, e in m.extras.items():
-        if not reader.blob_ok(e.blob):
+        data = _intact(reader, e.blob, f"extra {name}", problem)
+        if data is None:
             checks[f"extra:{name}"] = "BAD"
-            problem(ChecksumMismatch(f"extra {name}: CRC-32C mismatch"))
             continue
         try:
-            values = reader.read_extra_array(name, verify=False)  # roi_mask: bytes other than 0/1 are a DecodeError
+            values = reader.decode_extra_array(name, data)  # roi_mask: bytes other than 0/1 are a DecodeError
             bad = 0 if values.dtype == np.bool_ else count_nonfinite(values, e.dtype)
         except KvtoolError as err:
             checks[f"extra:{name}"] = "BAD"
@@ -210,6 +217,20 @@ def check_file(reader: ContainerReader, on_chunk: Callable[[int, int], None] | N
         if bad:
             problem(NonFiniteValues(f"extra {name}: {bad} non-finite value(s)"))
     return report
+
+
+def _intact(reader: ContainerReader, blob, what: str, problem: Callable[[KvtoolError], None]):
+    """The blob's stored bytes, read once (with pread: a file cut short meanwhile is refused,
+    not a SIGBUS) and checked; None, with the problem said, when they are gone or corrupt."""
+    try:
+        data = reader.blob_bytes(blob, verify=False, what=what)
+    except KvtoolError as err:  # the file ends inside it
+        problem(err)
+        return None
+    if crc32(data) != blob.crc32:
+        problem(ChecksumMismatch(f"{what}: CRC-32C mismatch (stored bytes are corrupt)"))
+        return None
+    return data
 
 
 @np.errstate(invalid="ignore", over="ignore", divide="ignore")  # NaN/inf KV: compared as such, not warned
