@@ -223,16 +223,10 @@ def _file_parts(model: LoadedModel, files: list[str], allow_other_weights: bool)
 
 @dataclass(frozen=True)
 class BlendRequest:
-    """One `kvtool replay --blend`, as the caller gives it, checked once (`__post_init__`, before
-    anything is read or loaded).
-
-    Without `delimiter`: the prompt is the `files`' segments, in order, then the question
-    (`prompt` / `prompt_file`, tokenized alone). With `delimiter`: the prompt text is split there
-    (`split_prompt`) and each piece's KV found in `files` or the `store` (at `chunk_size`, under
-    `namespace`: `retrieve`). `recompute_ratio` None: the default share (resolved into `ratio`);
-    `check_layer` None: the default layer (checked against the model once it is loaded).
-    `min_top1` / `max_kl` imply `compare`. The check also resolves `weights` (the model's dtype)
-    and `where` (its device)."""
+    """The options of one `blend_replay` (see there), checked once, here, before anything is read
+    or loaded. The check resolves `ratio` (`recompute_ratio`, or the default share), `weights`
+    (the model's dtype) and `where` (its device); `check_layer` is checked against the model once
+    it is loaded."""
 
     files: tuple[str | Path, ...] = ()
     model: str | Path | LoadedModel | None = None

@@ -81,16 +81,9 @@ class CaptureResult(Result):
 
 @dataclass(frozen=True)
 class CaptureRequest:
-    """What one capture writes, checked once (`__post_init__`).
-
-    The container at `output`, and/or the whole chunks in the chunk `store` (under `namespace`),
-    in chunks of `chunk_size` tokens encoded by `codec` (`params`: None, its defaults); KV in
-    `kv_dtype`, gathered from a paged cache of `block_size`-token blocks (shuffled by
-    `shuffle_seed`). Extras (format-spec/container.md): `hidden_states` stores the final hidden
-    states, `roi` marks [start, end) token ranges in a `roi_mask` (checked against the prompt's
-    length when it is known). `segment` marks the file a position-independent segment
-    (format-spec/segment.md). `metadata` adds to what the file records of the run. The check
-    resolves `extra_keys` (the store's partition)."""
+    """What one capture writes: the options of `capture` (see there), checked once, here; the
+    command line's spelling of them is parsed by `from_options`. `roi` is checked against the
+    prompt's length when it is known. The check resolves `extra_keys` (the store's partition)."""
 
     output: str | Path | None
     store: str | None = None
@@ -138,10 +131,9 @@ class CaptureRequest:
 
 @dataclass(frozen=True)
 class PromptCaptureRequest:
-    """One `kvtool capture`, checked once (`__post_init__`, before the model loads): the `model`
-    (run on `device` in `model_dtype`), its tokens (exactly one of `prompt`, `prompt_file` or
-    `tokens_file`; `chat`: the prompt is a user message in the model's chat template), and what
-    the `capture` writes. The check resolves `weights` (the model's dtype) and `where` (its
+    """One `kvtool capture` (`capture_prompt`, see there): the model, its tokens (exactly one of
+    `prompt`, `prompt_file`, `tokens_file`) and what the `capture` writes; checked once, here,
+    before the model loads. The check resolves `weights` (the model's dtype) and `where` (its
     device)."""
 
     capture: CaptureRequest

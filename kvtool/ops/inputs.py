@@ -1,5 +1,8 @@
 """What users hand the operations, checked once: prompts and token files, token ids against
-a vocabulary, index sets, regions of interest, codec options, model dtypes and devices."""
+a vocabulary, index sets, regions of interest, codec options, model dtypes and devices.
+
+An operation's request (`ReplayRequest`, `BlendRequest`, `CaptureRequest`) calls these when it
+is made, before anything is opened or loaded; its steps then trust what it holds."""
 
 from __future__ import annotations
 

@@ -208,14 +208,9 @@ def store_prefix(cache, tokens: list[int], kv_dtype: torch.dtype) -> Prefix:
 
 @dataclass(frozen=True)
 class ReplayRequest:
-    """One `kvtool replay`, as the caller gives it, checked once (`__post_init__`, before anything
-    is opened or loaded).
-
-    Either `path`, a KV file (its own tokens continued, plus `suffix` / `suffix_file`; or the
-    chunks a new `prompt` / `prompt_file` shares with it), or `store`, a chunk store's URL (the
-    prompt's longest cached prefix at `chunk_size`, None: the stored size that covers the most;
-    under `namespace`). `min_top1` / `max_kl` imply `compare`. The check resolves `weights` (the
-    model's dtype), `where` (its device) and `extra_keys` (the store's partition)."""
+    """The options of one `replay` (see there), checked once, here, before anything is opened or
+    loaded: a KV `path` or a `store` URL. The check resolves `weights` (the model's dtype),
+    `where` (its device) and `extra_keys` (the store's partition)."""
 
     path: str | Path | None = None
     model: str | Path | LoadedModel | None = None

@@ -1,5 +1,5 @@
 """The typed result every operation returns: a dataclass, rendered by the CLI as rich text
-or, through `to_dict()`, as one JSON object that always says `ok`."""
+(from its fields, by attribute) or, through `to_dict()`, as one JSON object that always says `ok`."""
 
 from __future__ import annotations
 
