@@ -41,6 +41,11 @@ MAX_HEAD_DIM = 4096
 MAX_CHUNK_DECODED_BYTES = 4 << 30
 MAX_EXPANSION = 1024  # decoded bytes may exceed stored bytes by at most this factor
 EXPANSION_SLACK = 1 << 20
+# What a manifest may list, so that any file is judged in seconds and memory near its size
+# (format-spec/container.md section 5; the revision of 1.0 of 2026-11-26).
+MAX_CHUNKS = 1 << 16  # chunk entries: MAX_TOKENS at the default 256 tokens a chunk
+MAX_JSON_SEPARATORS = 48 * MAX_CHUNKS  # `,` and `:` outside strings: a chunk entry has 25-38
+MAX_FREE_FORM_VALUES = 1 << 16  # JSON values in `model`, `metadata` and unknown top-level keys
 
 
 def align_up(offset: int, alignment: int) -> int:

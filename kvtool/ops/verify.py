@@ -25,6 +25,12 @@ from .inputs import check_vocabulary, continuation, fraction, model_dtype_name, 
 from .result import Result
 
 
+#: A report names at most this many problems and counts the rest (`problems_omitted`): a hostile
+#: file of 65,536 chunks may have two problems each, and 15 MB of them said nothing more
+#: (format-spec/container.md §5, output limits).
+MAX_LISTED_PROBLEMS = 100
+
+
 @dataclass
 class VerifyReport(Result):
     path: str
@@ -32,17 +38,25 @@ class VerifyReport(Result):
     num_tokens: int
     checks: dict[str, str]
     chunks: list[dict[str, Any]]
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # the first MAX_LISTED_PROBLEMS
     replay_threshold: dict[str, Any] | None = None  # with replay: the top-1 threshold applied, and why
-    problem_types: list[str] = field(default_factory=list)  # the error class of each problem
+    problem_types: list[str] = field(default_factory=list)  # the error class of each problem listed
     comparison: dict[str, Any] | None = None
     replay: dict[str, Any] | None = None
+    problems_omitted: int = 0  # problems found past the first MAX_LISTED_PROBLEMS, counted only
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def problem_count(self) -> int:
+        return len(self.problems) + self.problems_omitted
+
     def add(self, problem: KvtoolError) -> None:
+        if len(self.problems) >= MAX_LISTED_PROBLEMS:
+            self.problems_omitted += 1
+            return
         self.problems.append(str(problem))
         self.problem_types.append(type(problem).__name__)
 
@@ -92,7 +106,7 @@ def verify(path: str | Path, *, against: str | Path | None = None, atol: float =
         for failure in failures:
             report.add(ToleranceExceeded(f"replay: {failure}"))
     if check and report.problems:
-        more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+        more = f" (and {report.problem_count - 1} more)" if report.problem_count > 1 else ""
         raise VerificationFailed(f"verify failed: {report.problems[0]}{more}", report=report,
                                  problems=report.problems)
     return report
