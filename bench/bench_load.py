@@ -194,6 +194,21 @@ def whole_objects(fn, backend):
     return run
 
 
+def no_finiteness_scan(fn):
+    """`fn` with the scan for NaN and infinity turned off (the load path before the hostile-input
+    issue): the paired "before" of the rows that scan."""
+    from kvtool.chunk_source import ChunkSource
+
+    def run():
+        real = ChunkSource._finite_kind
+        ChunkSource._finite_kind = lambda self: 0
+        try:
+            fn()
+        finally:
+            ChunkSource._finite_kind = real
+    return run
+
+
 def crc_level(level: int, fn):
     """`fn` with the native CRC-32C held to `level` (2: the 128-bit PCLMULQDQ fold)."""
     native = paged_native.native_module()
@@ -236,7 +251,10 @@ def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int,
         fns[f"{codec}: before"] = lambda r=reader: before(r, paged, tokens)
         fns[f"{codec}: pipeline"] = lambda p=path: pipeline(p, paged, tokens)
     fns["raw: pipeline, pread + CRC + scatter"] = lambda: pipeline(files["raw"], paged, tokens, fused=False)
+    fns["raw: pipeline, without the NaN/inf scan"] = no_finiteness_scan(lambda: pipeline(files["raw"], paged, tokens))
     fns["raw: store load_prefix"] = lambda: store_cache.load_prefix(token_ids, paged.target)
+    fns["raw: store load_prefix, without the NaN/inf scan"] = no_finiteness_scan(
+        lambda: store_cache.load_prefix(token_ids, paged.target))
     fns["raw: store load_prefix, manifests parsed afresh"] = fresh_manifests(
         lambda: store_cache.load_prefix(token_ids, paged.target))
     fns["raw: store load_prefix, objects read whole"] = whole_objects(

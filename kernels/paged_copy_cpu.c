@@ -836,18 +836,49 @@ done:
 
 /* ---- scatter_checked ---------------------------------------------------------------------- */
 
+/* The finiteness check that rides on a checked copy (issue: a NaN chunk with a valid CRC reached
+ * the model). `kind` 0: none; 1 bf16, 2 fp16, 3 fp32: a value is NaN or infinite exactly when all
+ * of its exponent bits are set. Each span is scanned just before it is copied, so its bytes come
+ * from memory once and are in the cache for the copy. `bad` counts the values found. */
+typedef struct {
+    int kind;
+    uint64_t bad;
+} finite_t;
+
+typedef uint16_t u16_any __attribute__((aligned(1)));
+typedef uint32_t u32_any __attribute__((aligned(1)));
+
+static uint64_t count_nonfinite(const uint8_t *p, size_t n, int kind) {
+    uint64_t bad = 0;
+    if (kind == 1 || kind == 2) {
+        const uint16_t mask = kind == 1 ? 0x7F80u : 0x7C00u;
+        const u16_any *q = (const u16_any *)p;
+        for (size_t i = 0; i < n / 2; i++) bad += (q[i] & mask) == mask;
+    } else if (kind == 3) {
+        const u32_any *q = (const u32_any *)p;
+        for (size_t i = 0; i < n / 4; i++) bad += (q[i] & 0x7F800000u) == 0x7F800000u;
+    }
+    return bad;
+}
+
+static inline void copy_scan(crc32c_stream *s, finite_t *fin, void *dst, const void *src, size_t n, int nt) {
+    if (fin && fin->kind) fin->bad += count_nonfinite((const uint8_t *)src, n, fin->kind);
+    crc32c_stream_copy(s, dst, src, n, nt);
+}
+
 typedef struct {
     const segment_t *seg;
     size_t first, last;          /* segments [first, last) */
     const uint8_t *begin, *end;  /* this part of the payload */
     int nt;
     uint32_t crc;
+    finite_t fin;
 } part_t;
 
 /* Segments [first, last) copied from the payload bytes [begin, end) into their pages, every byte
  * of [begin, end) (those between and after the segments too) run through the CRC stream `s`.
  * `rows`, `page`: tile buffers for transposed pages, or NULL. */
-static void check_segments(crc32c_stream *s, const segment_t *seg, size_t first, size_t last,
+static void check_segments(crc32c_stream *s, finite_t *fin, const segment_t *seg, size_t first, size_t last,
                            const uint8_t *begin, const uint8_t *end, int nt, uint8_t *rows, uint8_t *page) {
     const uint8_t *pos = begin;
     for (size_t k = first; k < last; k++) {
@@ -855,7 +886,7 @@ static void check_segments(crc32c_stream *s, const segment_t *seg, size_t first,
         const uint8_t *b = (const uint8_t *)(uintptr_t)g->blob;
         uint8_t *paged = (uint8_t *)(uintptr_t)g->paged;
         const int64_t *slots = (const int64_t *)(uintptr_t)g->slots;
-        crc32c_stream_copy(s, NULL, pos, (size_t)(b - pos), 0); /* bytes between segments */
+        copy_scan(s, fin, NULL, pos, (size_t)(b - pos), 0); /* bytes between segments */
         size_t token_bytes = (size_t)(g->groups * g->run);
         if (g->stride && rows && token_bytes <= TILE_BUFFER) {
             /* transposed rows: a run's blob rows are checked as they are copied into a buffer,
@@ -863,7 +894,7 @@ static void check_segments(crc32c_stream *s, const segment_t *seg, size_t first,
             for (size_t t = 0; t < g->tokens;) {
                 size_t n = slot_run(g, slots, t, (size_t)g->tokens);
                 if (n * token_bytes > TILE_BUFFER) n = TILE_BUFFER / token_bytes;
-                crc32c_stream_copy(s, rows, b, n * token_bytes, 0);
+                copy_scan(s, fin, rows, b, n * token_bytes, 0);
                 tiles_run(g, t, n, (char *)rows, 1, nt, (char *)page);
                 b += n * token_bytes;
                 t += n;
@@ -871,6 +902,7 @@ static void check_segments(crc32c_stream *s, const segment_t *seg, size_t first,
         } else if (g->stride) {
             /* no buffer: copy in tiles, then checksum what was written, in blob order (the bytes
              * checked are still the bytes loaded; the paged side is private to this load) */
+            if (fin && fin->kind) fin->bad += count_nonfinite(b, g->tokens * g->groups * (size_t)g->run, fin->kind);
             copy_segment(g, 1, 0, NULL);
             crc32c_state r = crc32c_stream_end(s);
             for (size_t t = 0; t < g->tokens; t++)
@@ -884,18 +916,18 @@ static void check_segments(crc32c_stream *s, const segment_t *seg, size_t first,
                 size_t n = merge ? slot_run(g, slots, t, (size_t)g->tokens) : 1;
                 uint8_t *row = paged + token_at(g, slots[t]);
                 if (merge) {
-                    crc32c_stream_copy(s, row, b, n * (size_t)g->run, nt);
+                    copy_scan(s, fin, row, b, n * (size_t)g->run, nt);
                     b += n * g->run;
                 } else {
                     for (size_t gi = 0; gi < g->groups; gi++, b += g->run, row += g->sh)
-                        crc32c_stream_copy(s, row, b, (size_t)g->run, nt);
+                        copy_scan(s, fin, row, b, (size_t)g->run, nt);
                 }
                 t += n;
             }
         }
         pos = b;
     }
-    crc32c_stream_copy(s, NULL, pos, (size_t)(end - pos), 0);
+    copy_scan(s, fin, NULL, pos, (size_t)(end - pos), 0);
 }
 
 /* Tile buffers for a part's transposed pages (both or neither), NULL when it has none. */
@@ -921,7 +953,7 @@ static void split_payload(char *jobs, size_t job_size, int count, const segment_
         while (t > 0 && k < n && (const uint8_t *)(uintptr_t)seg[k].blob < mark) k++;
         const uint8_t *begin = t == 0 ? lo : (k < n ? (const uint8_t *)(uintptr_t)seg[k].blob : hi);
         part_t *part = (part_t *)(jobs + (size_t)t * job_size);
-        *part = (part_t){seg, k, n, begin, hi, nt, 0};
+        *part = (part_t){seg, k, n, begin, hi, nt, 0, {0, 0}};
         if (previous) previous->last = k, previous->end = begin;
         previous = part;
     }
@@ -953,7 +985,7 @@ static void check_part_in(void *arg) {
     part_t *p = &g->part;
     crc32c_stream s;
     crc32c_stream_begin(&s, crc32c_begin());
-    check_segments(&s, p->seg, p->first, p->last, p->begin, p->end, p->nt, g->rows, g->page);
+    check_segments(&s, &p->fin, p->seg, p->first, p->last, p->begin, p->end, p->nt, g->rows, g->page);
     p->crc = crc32c_end(crc32c_stream_end(&s));
 }
 
@@ -987,7 +1019,8 @@ static int inside_payload(const segment_t *seg, size_t n, const uint8_t *lo, con
  * exception set (`what` names the call). A fault on the payload while it is read (a mapped file
  * cut short) is an EOFError. */
 static int checked_scatter(Py_buffer *segs, const uint8_t *lo, uint64_t length, int threads, unsigned long long base,
-                           unsigned long long tokens, unsigned long long slots, const char *what, uint32_t *crc) {
+                           unsigned long long tokens, unsigned long long slots, const char *what, uint32_t *crc,
+                           int finite, uint64_t *bad) {
     int ok = -1;
     segment_t stack[STACK_SEGMENTS];
     size_t n;
@@ -1007,7 +1040,7 @@ static int checked_scatter(Py_buffer *segs, const uint8_t *lo, uint64_t length, 
     split_payload((char *)parts, sizeof(guarded_part_t), count, seg, n, lo, length, nt);
     for (int t = 0; t < count; t++)
         parts[t].lo = lo, parts[t].hi = hi, parts[t].guarded = guarded, parts[t].faulted = 0,
-        parts[t].rows = parts[t].page = NULL;
+        parts[t].rows = parts[t].page = NULL, parts[t].part.fin.kind = finite;
     Py_BEGIN_ALLOW_THREADS
     run_jobs(check_part, parts, sizeof(guarded_part_t), count, threads);
     Py_END_ALLOW_THREADS
@@ -1017,24 +1050,34 @@ static int checked_scatter(Py_buffer *segs, const uint8_t *lo, uint64_t length, 
             goto done;
         }
     *crc = combine_parts((const char *)parts, sizeof(guarded_part_t), count);
+    *bad = 0;
+    for (int t = 0; t < count; t++) *bad += parts[t].part.fin.bad;
     ok = 0;
 done:
     release_segments(seg, segs, stack);
     return ok;
 }
 
+/* What a checked copy returns: its CRC-32C; with a finiteness check asked for (`finite` > 0),
+ * (CRC-32C, how many values are NaN or infinite). */
+static PyObject *checked_result(uint32_t crc, int finite, uint64_t bad) {
+    if (!finite) return PyLong_FromUnsignedLong(crc);
+    return Py_BuildValue("(kK)", (unsigned long)crc, (unsigned long long)bad);
+}
+
 static PyObject *py_scatter_checked(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer segs, payload;
-    int threads;
+    int threads, finite = 0;
     unsigned long long base = 0, tokens = 0, slots = 0;
-    if (!PyArg_ParseTuple(args, "y*y*i|KKK", &segs, &payload, &threads, &base, &tokens, &slots)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*i|KKKi", &segs, &payload, &threads, &base, &tokens, &slots, &finite)) return NULL;
     uint32_t crc;
+    uint64_t bad = 0;
     int ok = checked_scatter(&segs, (const uint8_t *)payload.buf, (uint64_t)payload.len, threads, base, tokens, slots,
-                             "scatter_checked", &crc);
+                             "scatter_checked", &crc, finite, &bad);
     PyBuffer_Release(&segs);
     PyBuffer_Release(&payload);
-    return ok == 0 ? PyLong_FromUnsignedLong(crc) : NULL;
+    return ok == 0 ? checked_result(crc, finite, bad) : NULL;
 }
 
 /* ---- scatter_checked_file ------------------------------------------------------------------ */
@@ -1112,7 +1155,7 @@ static void *check_file_part(void *arg) {
             k++, t = 0;
         }
         f->error = read_fully(f->fd, window, (size_t)(cut - pos), f->offset + (uint64_t)(pos - (const uint8_t *)(uintptr_t)FILE_BASE));
-        if (!f->error) check_segments(&s, f->subs, 0, n, window, window + (cut - pos), p->nt, rows, page);
+        if (!f->error) check_segments(&s, &p->fin, f->subs, 0, n, window, window + (cut - pos), p->nt, rows, page);
         pos = cut;
     }
     p->crc = crc32c_end(crc32c_stream_end(&s));
@@ -1129,9 +1172,11 @@ static void *check_file_part(void *arg) {
 static PyObject *py_scatter_checked_file(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer segs;
-    int fd, threads;
+    int fd, threads, finite = 0;
     unsigned long long offset, length, tokens, slots;
-    if (!PyArg_ParseTuple(args, "y*iKKiKK", &segs, &fd, &offset, &length, &threads, &tokens, &slots)) return NULL;
+    uint64_t bad = 0;
+    if (!PyArg_ParseTuple(args, "y*iKKiKK|i", &segs, &fd, &offset, &length, &threads, &tokens, &slots, &finite))
+        return NULL;
     PyObject *result = NULL;
     long page_size = sysconf(_SC_PAGESIZE);
     uint64_t skew = page_size > 0 ? offset % (uint64_t)page_size : 0;
@@ -1149,11 +1194,11 @@ static PyObject *py_scatter_checked_file(PyObject *self, PyObject *args) {
             const uint8_t *lo = (const uint8_t *)map + skew;
             uint32_t crc;
             int ok = checked_scatter(&segs, lo, length, threads, (unsigned long long)(uintptr_t)lo, tokens, slots,
-                                     "scatter_checked_file", &crc);
+                                     "scatter_checked_file", &crc, finite, &bad);
             munmap(map, (size_t)(length + skew));
             PyBuffer_Release(&segs);
             file_maps++;
-            if (ok == 0) return PyLong_FromUnsignedLong(crc);
+            if (ok == 0) return checked_result(crc, finite, bad);
             if (PyErr_ExceptionMatches(PyExc_EOFError)) {
                 /* A fault on the mapping: the file ended (damage: refused) or, still as long, a
                  * page could not be read (an I/O error: the object is not to blame). */
@@ -1191,7 +1236,8 @@ static PyObject *py_scatter_checked_file(PyObject *self, PyObject *args) {
     file_part_t parts[MAX_JOBS];
     split_payload((char *)parts, sizeof(file_part_t), count, seg, n, lo, length, nt); /* as scatter_checked splits */
     for (int t = 0; t < count; t++)
-        parts[t].fd = fd, parts[t].offset = offset, parts[t].subs = subs + parts[t].part.first, parts[t].error = 0;
+        parts[t].fd = fd, parts[t].offset = offset, parts[t].subs = subs + parts[t].part.first, parts[t].error = 0,
+        parts[t].part.fin.kind = finite;
     Py_BEGIN_ALLOW_THREADS
     run_jobs(check_file_part, parts, sizeof(file_part_t), count, threads);
     Py_END_ALLOW_THREADS
@@ -1206,7 +1252,8 @@ static PyObject *py_scatter_checked_file(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    result = PyLong_FromUnsignedLong(combine_parts((const char *)parts, sizeof(file_part_t), count));
+    for (int t = 0; t < count; t++) bad += parts[t].part.fin.bad;
+    result = checked_result(combine_parts((const char *)parts, sizeof(file_part_t), count), finite, bad);
 done:
     free(subs);
     release_segments(seg, &segs, stack);
@@ -1220,11 +1267,21 @@ typedef struct {
     const void *src;
     size_t n;
     int nt;
+    finite_t fin;
 } checked_copy_t;
+
+#define SCAN_STEP ((size_t)64 << 10) /* scanned, then copied, a piece at a time: read once */
 
 static void checked_copy_in(void *arg) {
     checked_copy_t *c = (checked_copy_t *)arg;
-    crc32c_stream_copy(c->s, c->dst, c->src, c->n, c->nt);
+    if (!c->fin.kind) {
+        crc32c_stream_copy(c->s, c->dst, c->src, c->n, c->nt);
+        return;
+    }
+    for (size_t at = 0; at < c->n; at += SCAN_STEP) {
+        size_t n = c->n - at < SCAN_STEP ? c->n - at : SCAN_STEP;
+        copy_scan(c->s, &c->fin, (uint8_t *)c->dst + at, (const uint8_t *)c->src + at, n, c->nt);
+    }
 }
 
 /* copy_checked(dst, src) -> CRC-32C of src, copied into dst (the same size) in the same pass;
@@ -1232,7 +1289,8 @@ static void checked_copy_in(void *arg) {
 static PyObject *py_copy_checked(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer dst, src;
-    if (!PyArg_ParseTuple(args, "w*y*", &dst, &src)) return NULL;
+    int finite = 0;
+    if (!PyArg_ParseTuple(args, "w*y*|i", &dst, &src, &finite)) return NULL;
     PyObject *result = NULL;
     if (dst.len != src.len) {
         PyErr_SetString(PyExc_ValueError, "copy_checked: the buffers differ in size");
@@ -1241,7 +1299,7 @@ static PyObject *py_copy_checked(PyObject *self, PyObject *args) {
         crc32c_stream_begin(&s, crc32c_begin());
         int nt = (size_t)src.len >= nontemporal_min; /* read with the GIL held, as its setter writes it */
         int guarded = fault_guard_ready(), faulted = 0;
-        checked_copy_t copy = {&s, dst.buf, src.buf, (size_t)src.len, nt};
+        checked_copy_t copy = {&s, dst.buf, src.buf, (size_t)src.len, nt, {finite, 0}};
         const char *lo = (const char *)src.buf;
         Py_BEGIN_ALLOW_THREADS
         if (guarded)
@@ -1253,11 +1311,26 @@ static PyObject *py_copy_checked(PyObject *self, PyObject *args) {
         if (faulted)
             PyErr_SetString(PyExc_EOFError, "copy_checked: the source's file ended under the copy");
         else
-            result = PyLong_FromUnsignedLong(crc32c_end(crc32c_stream_end(&s)));
+            result = checked_result(crc32c_end(crc32c_stream_end(&s)), finite, copy.fin.bad);
     }
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     return result;
+}
+
+/* nonfinite(buffer, kind) -> how many of its values (kind 1 bf16, 2 fp16, 3 fp32) are NaN or
+ * infinite: the check of a chunk that did not come through a checked copy (a decoded one). */
+static PyObject *py_nonfinite(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer data;
+    int kind;
+    if (!PyArg_ParseTuple(args, "y*i", &data, &kind)) return NULL;
+    uint64_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = count_nonfinite((const uint8_t *)data.buf, (size_t)data.len, kind);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLongLong(bad);
 }
 
 /* slots_ok(slots, count, num_slots, distinct): `slots` the address of `count` int64 (a live tensor's) */
@@ -1341,6 +1414,7 @@ static PyMethodDef methods[] = {
      "scatter_checked of a payload in a file, mapped behind a fault guard (or read a window at a time)."},
     {"slots_ok", py_slots_ok, METH_VARARGS, "Whether slots lie in [0, num_slots) and (distinct) none repeats."},
     {"copy_checked", py_copy_checked, METH_VARARGS, "Copy a buffer into another, CRC-32C checked in the same pass."},
+    {"nonfinite", py_nonfinite, METH_VARARGS, "How many values of a buffer (1 bf16, 2 fp16, 3 fp32) are NaN or infinite."},
     {"crc32c", py_crc32c, METH_VARARGS, "CRC-32C of a buffer (this module's code; tests compare)."},
     {"crc32c_combine", py_crc32c_combine, METH_VARARGS, "crc(A||B) from crc(A), crc(B), len(B)."},
     {"crc32c_level", py_crc32c_level, METH_NOARGS, "The CRC-32C path in use: 0 table, 1 crc32, 2 folding, 3 folding on 256-bit registers."},

@@ -14,6 +14,11 @@ whatever backend or tier it came from) and the one load path (`kvtool.load`) con
 The bytes are checked once, and the bytes checked are the bytes used: a mapped or shared payload
 is never checked in place and then copied (another process could change it in between); it is
 checked as it is copied, or copied privately and checked there.
+
+Checked means the CRC-32C matches (the bytes are what was written), and, for what hands KV to a
+model (`scan_values`: the load path, the store), that every value is finite (a NaN written with a
+valid CRC is refused as `verify` refuses it, NonFiniteValues). A raw chunk's values are scanned
+in the same pass as its CRC (the native copy); a decoded chunk's once it is decoded.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from .checksum import crc32
 from .dtypes import dtype_from_name, itemsize
-from .errors import ChecksumMismatch, InputFileError, KvtoolError
+from .errors import ChecksumMismatch, InputFileError, KvtoolError, NonFiniteValues
 from .fsutil import read_at
 
 if TYPE_CHECKING:
@@ -43,7 +48,7 @@ class ChunkSource:
     where the payload is. `release()` lets go of what holds it."""
 
     __slots__ = ("what", "codec", "dtype", "shape", "length", "crc32c", "raw", "data", "fd", "offset",
-                 "mapped", "private", "checked", "batch_key", "_decode", "_decode_batch", "_on_release")
+                 "mapped", "private", "checked", "scan_values", "batch_key", "_decode", "_decode_batch", "_on_release")
 
     def __init__(self, *, what: str, codec: str, dtype: str, shape: tuple[int, ...], length: int, crc32c: int,
                  raw: bool, decode: Decoder, data: memoryview | None = None, fd: int = -1, offset: int = 0,
@@ -63,6 +68,9 @@ class ChunkSource:
         self.mapped = mapped  # `data` is a file's mapping: copies from it run behind the fault guard
         self.private = private  # `data` is a writable buffer no one else holds
         self.checked = checked  # the CRC-32C was checked on `data` already
+        # every value checked finite too (check 13 of store.md): what hands KV to a model (the
+        # load path, the store) turns it on; tools that move bits as they are (compress, dump) do not
+        self.scan_values = False
         self._decode = decode
         # chunks of one batch key decode together on a GPU (one launch: what fills a GPU)
         self.batch_key, self._decode_batch = batch if batch is not None else (None, None)
@@ -115,54 +123,97 @@ class ChunkSource:
         return out
 
     def checked_payload(self, buffer: "Callable[[int], memoryview] | None" = None) -> memoryview:
-        """The stored bytes, checked: the bytes themselves when private (ours alone), else a
-        private copy checked as it is made (what is checked is what is used: a mapping or a
-        shared buffer could change after a check in place), in `buffer(length)` when given (a
-        load's reused staging buffer: no fresh pages to fault in), else in a fresh one."""
-        crc = None
+        """The stored bytes, checked (a raw chunk's values too): the bytes themselves when private
+        (ours alone), else a private copy checked as it is made (what is checked is what is used:
+        a mapping or a shared buffer could change after a check in place), in `buffer(length)`
+        when given (a load's reused staging buffer: no fresh pages to fault in), else in a fresh one."""
+        crc, bad = None, None
         if self.private:
             data = self.data
         elif self.in_file:
             data = self.payload(None if buffer is None else buffer(self.length))  # read: private
         else:
-            data, crc = self._private_copy(buffer)
+            data, crc, bad = self._private_copy(buffer)
         if not self.checked and (crc32(data) if crc is None else crc) != self.crc32c:
             raise self.mismatch()
+        self._check_values(data, bad)
         return data
 
-    def _private_copy(self, buffer=None) -> tuple[memoryview, int | None]:
-        """`data` copied into `buffer(length)` (or a fresh buffer), and its CRC-32C when the copy
-        computed it (the native one-pass copy, behind the fault guard for a mapping)."""
+    def _private_copy(self, buffer=None) -> tuple[memoryview, int | None, int | None]:
+        """`data` copied into `buffer(length)` (or a fresh buffer), with its CRC-32C and count of
+        values that are not finite when the copy computed them (the native one-pass copy, behind
+        the fault guard for a mapping)."""
         out = memoryview(_fresh(self.length) if buffer is None else buffer(self.length)).cast("B")[:self.length]
         native = _native()
         if native is None:
             out[:] = self.data
-            return out, None
+            return out, None, None
+        kind = self._finite_kind()
         try:
-            return out, native.copy_checked(out, self.data)
+            result = native.copy_checked(out, self.data, kind)
         except EOFError:
             raise self.truncated() from None
+        return (out, result, None) if isinstance(result, int) else (out, *result)
 
     def copy_into(self, out: memoryview) -> None:
         """The payload copied into `out` (`length` bytes, writable) and checked in the same pass
         (the native one-pass copy where it is built, behind the fault guard for a mapping): a
-        raw chunk into a pinned staging buffer. Raises ChecksumMismatch after the copy."""
+        raw chunk into a pinned staging buffer. Raises ChecksumMismatch, or NonFiniteValues,
+        after the copy."""
         target = memoryview(out).cast("B")[:self.length]
+        bad = None
         if self.in_file:
             self.payload(target)
             crc = crc32(target)
         else:
-            native = _native()
+            native, kind = _native(), self._finite_kind()
             if native is not None:
                 try:
-                    crc = native.copy_checked(target, self.data)
+                    crc = native.copy_checked(target, self.data, kind)
                 except EOFError:
                     raise self.truncated() from None
+                if not isinstance(crc, int):
+                    crc, bad = crc
             else:
                 target[:] = self.data
                 crc = crc32(target)
         if not self.checked and crc != self.crc32c:
             raise self.mismatch()
+        self._check_values(target, bad)
+
+    # --- the values -----------------------------------------------------------------------
+
+    def _finite_kind(self) -> int:
+        """The native scan's code for this chunk's raw values (0: not scanned: not asked for, not
+        raw, or a dtype without NaN)."""
+        return _FINITE_KINDS.get(self.dtype, 0) if self.scan_values and self.raw else 0
+
+    def _check_values(self, data: memoryview, bad: int | None = None) -> None:
+        """A raw payload's values all finite (`bad`: the count a checked copy found already)."""
+        if bad is None and self._finite_kind():
+            bad = nonfinite_count(data, self.dtype)
+        self.refuse_nonfinite(bad)
+
+    def refuse_nonfinite(self, bad: int | None) -> None:
+        if bad:
+            raise NonFiniteValues(f"{self.what}: {bad} of its values are NaN or infinite (written so: "
+                                  "its CRC-32C is valid); never loaded")
+
+    def check_decoded(self, kv: "torch.Tensor") -> "torch.Tensor":
+        """A decoded chunk's values all finite (on its device); `kv` back."""
+        if self.scan_values and not self.raw:
+            if kv.device.type == "cpu" and kv.is_contiguous():
+                import torch
+
+                from .dtypes import dtype_name
+
+                bad = nonfinite_count(memoryview(kv.view(-1).view(torch.uint8).numpy()), dtype_name(kv.dtype))
+            else:
+                import torch
+
+                bad = int((~torch.isfinite(kv)).sum())
+            self.refuse_nonfinite(bad)
+        return kv
 
     # --- as KV --------------------------------------------------------------------------
 
@@ -177,7 +228,7 @@ class ChunkSource:
         target = None if device is None else torch.device(device)
         if self.raw and (target is None or target.type == "cpu"):
             return self.tensor(self.checked_payload(buffer))
-        return self._decode(self.checked_payload(), target)
+        return self.check_decoded(self._decode(self.checked_payload(), target))
 
     @staticmethod
     def decode_many(sources: "list[ChunkSource]", device: "torch.device | str",
@@ -194,9 +245,11 @@ class ChunkSource:
                 and all(s.batch_key == first.batch_key for s in sources):
             payloads = payloads or [s.checked_payload() for s in sources]
             try:
-                return first._decode_batch(payloads, [s.shape for s in sources], target)
+                decoded = first._decode_batch(payloads, [s.shape for s in sources], target)
             except (KvtoolError, ValueError, RuntimeError, OverflowError, IndexError):
                 pass  # decoded one by one below: the error then names its chunk
+            else:
+                return [s.check_decoded(kv) for s, kv in zip(sources, decoded)]
         return [s.decode(target) for s in sources]
 
     def tensor(self, data: memoryview) -> "torch.Tensor":
@@ -240,6 +293,26 @@ class ChunkSource:
         self.release()
 
 
+#: The native scan's codes of the KV dtypes that can hold NaN or infinity.
+_FINITE_KINDS = {"bf16": 1, "bfloat16": 1, "fp16": 2, "float16": 2, "fp32": 3, "float32": 3}
+
+
+def nonfinite_count(data: memoryview, dtype: str) -> int:
+    """How many values of the raw KV bytes `data` (of KV dtype `dtype`) are NaN or infinite: a
+    value is exactly when all its exponent bits are set (native scan, else numpy)."""
+    kind = _FINITE_KINDS.get(dtype, 0)
+    if not kind:
+        return 0
+    native = _native()
+    if native is not None and hasattr(native, "nonfinite"):
+        return native.nonfinite(data, kind)
+    import numpy as np
+
+    width, mask = (np.uint32, 0x7F800000) if kind == 3 else (np.uint16, 0x7F80 if kind == 1 else 0x7C00)
+    values = np.frombuffer(data, dtype=width)
+    return int(np.count_nonzero((values & mask) == mask))
+
+
 def _fresh(nbytes: int) -> memoryview:
     """A new writable buffer of `nbytes`, not zeroed (it is overwritten whole at once)."""
     import torch
@@ -265,4 +338,4 @@ def _native():
     return _native_module or None
 
 
-__all__ = ["BatchDecoder", "ChunkSource", "Decoder"]
+__all__ = ["BatchDecoder", "ChunkSource", "Decoder", "nonfinite_count"]

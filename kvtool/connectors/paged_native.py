@@ -159,13 +159,15 @@ def native_scatter_source(source: ChunkSource, kv_caches: Sequence[LayerKV], lay
         return False
     template = _template(kv_caches, layout, signature)
     threads = _threads(source.length)
+    kind = source._finite_kind()  # every value scanned for NaN and infinity in the same pass
     if source.in_file:  # still in its file: mapped behind a fault guard (or read a window at a time)
         index = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
         if source.length != template.parts * index.numel() * template.row_bytes * first.element_size():
             raise ValueError("paged_native: the chunk does not match the slots")  # a bug, not bad input
         try:
-            crc = module.scatter_checked_file(template.blob_order, source.fd, source.offset, source.length, threads,
-                                              index.numel(), index.data_ptr())
+            crc, bad = _checked(module.scatter_checked_file(template.blob_order, source.fd, source.offset,
+                                                            source.length, threads, index.numel(), index.data_ptr(),
+                                                            kind))
         except EOFError:
             raise source.truncated() from None
         except OSError as err:
@@ -174,12 +176,20 @@ def native_scatter_source(source: ChunkSource, kv_caches: Sequence[LayerKV], lay
         blob = source.tensor(source.data)
         base, tokens, index = _call(template, slots, blob)
         try:  # (a mapped file's payload: a file cut short under the copy faults, and is refused)
-            crc = module.scatter_checked(template.blob_order, source.data, threads, base, tokens, index.data_ptr())
+            crc, bad = _checked(module.scatter_checked(template.blob_order, source.data, threads, base, tokens,
+                                                       index.data_ptr(), kind))
         except EOFError:
             raise source.truncated() from None
     if not source.checked and crc != source.crc32c:
         raise source.mismatch()
+    source.refuse_nonfinite(bad)
     return True
+
+
+def _checked(result) -> tuple[int, int]:
+    """(CRC-32C, values not finite) of a checked copy: with a finiteness scan asked for it says
+    both, without one only the CRC."""
+    return (result, 0) if isinstance(result, int) else result
 
 
 _NAMES_OF = {torch.bfloat16: ("bf16", "bfloat16"), torch.float16: ("fp16", "float16"),
@@ -245,11 +255,13 @@ def native_token_copy(tensors: Sequence[torch.Tensor], start: int, end: int, blo
         if not scatter or source.data is None:
             raise ValueError("native_token_copy: a stored chunk in memory goes with a scatter")  # a bug
         try:
-            crc = module.scatter_checked(rows.tobytes(), source.data, threads)
+            crc, bad = _checked(module.scatter_checked(rows.tobytes(), source.data, threads, 0, 0, 0,
+                                                       source._finite_kind()))
         except EOFError:
             raise source.truncated() from None
         if not source.checked and crc != source.crc32c:
             raise source.mismatch()
+        source.refuse_nonfinite(bad)
     else:
         module.copy_segments(rows.tobytes(), int(scatter), threads)
     del index

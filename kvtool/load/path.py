@@ -74,6 +74,7 @@ def _decode_on_device(tasks: list[ChunkTask], destination: Destination, device) 
 def _opened(task: ChunkTask) -> tuple[ChunkSource, memoryview]:
     """A chunk opened, its payload read and checked (a worker's part of a GPU decode)."""
     source = task.open()
+    source.scan_values = True  # KV for a model: every value finite too
     try:
         return source, source.checked_payload()
     except BaseException:

@@ -105,6 +105,7 @@ def load_chunks(tasks: Sequence[ChunkTask], destination: Destination, *, threads
 
     def run(task: ChunkTask) -> None:
         with thread_share(share), task.open() as source:
+            source.scan_values = True  # KV for a model: every value finite too
             if copies_sources and source.raw and task.first_row == 0 and task.end - task.start == source.num_tokens:
                 destination.scatter_source(source, task.start, task.end)  # checked as copied
             else:  # (the scatter is done with the KV before this thread decodes the next chunk)

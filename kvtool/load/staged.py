@@ -89,6 +89,7 @@ def _fill(task: ChunkTask, slot: int, staging: _Staging, share: int) -> torch.Te
     """Chunk `task` in staging buffer `slot`, as a KV_BLOB of its tokens [start, end) (its native
     copies and coders on `share` threads: the others fill other buffers meanwhile)."""
     with thread_share(share), task.open() as source:
+        source.scan_values = True  # KV for a model: every value finite too
         if source.raw and task.first_row == 0 and task.end - task.start == source.num_tokens:
             buf = staging.buffer(slot, source.length)
             source.copy_into(memoryview(buf.numpy()))  # copied and checked in one pass
