@@ -235,6 +235,14 @@ class ObjectRefused(DataError):
     hostile). The store never returns it: it counts as a miss, and `fsck` removes it."""
 
 
+class ObjectUnreadable(StoreError):
+    """A stored object that cannot be read here (no permission, an I/O error): nothing is known
+    of its bytes. A load counts a miss and says so once; `fsck` reports it and leaves it (it may
+    be another user's, intact)."""
+
+    exit_code = 1
+
+
 class StoreDamaged(DataError):
     """`store fsck --no-repair` found damaged or foreign objects and left them; `report` is
     the fsck result (rendered before the error line)."""

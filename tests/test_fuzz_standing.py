@@ -52,6 +52,23 @@ def test_the_reader_fuzzer_finds_nothing_in_its_time(tmp_path):
     assert "Done" in out.stderr and "runs in" in out.stderr
 
 
+@pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="atheris not installed (pip install atheris)")
+def test_the_store_fuzzer_finds_nothing_in_its_time(tmp_path):
+    """fuzz/fuzz_store.py: chunk objects from memory, from files cut short after they were opened,
+    and under fsck (issue 27): a refusal or a clean load, never anything else."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    seconds = max(10, SECONDS * 2 // 3)
+    out = subprocess.run(with_own_peak_rss([sys.executable, str(REPO / "fuzz" / "fuzz_store.py"),
+                                            f"-max_total_time={seconds}", "-rss_limit_mb=2048", "-timeout=10",
+                                            f"-artifact_prefix={tmp_path}/", str(corpus)]),
+                         capture_output=True, text=True, timeout=seconds + 180, cwd=tmp_path)
+    crashes = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("crash-", "timeout-", "oom-")))
+    assert out.returncode == 0 and not crashes, (crashes, out.stderr[-4000:])
+    runs = re.search(r"Done (\d+) runs", out.stderr)
+    assert runs and int(runs.group(1)) > 100, out.stderr[-2000:]
+
+
 _PEAK_PROBE = """
 import resource, subprocess, sys
 sys.path.insert(0, sys.argv[1])

@@ -252,13 +252,13 @@ def test_the_store_reads_raw_payloads_as_it_scatters_them_and_refuses_one_cut_sh
 
 
 def test_a_store_object_that_cannot_be_read_is_an_error_not_damage(tmp_path):
-    """A folder where an object should be (a miss; opened, a StoreError) and an object whose reads
-    fail (an InputFileError): one-line errors, and nothing is refused or removed: a failed read
-    says nothing about the stored bytes."""
+    """A folder where an object should be (a miss; opened, refused: not an object) and an object
+    whose reads fail (an InputFileError): one-line errors; a failed read says nothing about the
+    stored bytes, so nothing is removed for it."""
     import os
     import shutil
 
-    from kvtool.errors import InputFileError, StoreError
+    from kvtool.errors import InputFileError, ObjectRefused
     from kvtool.store import objects, open_store
 
     identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
@@ -272,7 +272,7 @@ def test_a_store_object_that_cannot_be_read_is_an_error_not_damage(tmp_path):
     scatter, _ = paged_target(24, checking=True)
     hit = cache.load_prefix(tokens, scatter)  # not a file: a miss there (the existence check)
     assert hit.num_tokens == 8 and not hit.refused
-    with pytest.raises(StoreError, match="not a regular file"):  # (made a folder after that check)
+    with pytest.raises(ObjectRefused, match="not a regular file"):  # (made a folder after that check)
         cache.backend.open(second)
     assert cache.store.counters.refused == 0 and path.is_dir()
     path.rmdir()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ObjectRefused, StoreUrlInvalid, UsageError
+from ..errors import ObjectRefused, ObjectUnreadable, StoreUrlInvalid, UsageError
 from ..identity import ModelIdentity
 from ..notices import notice
 from . import loading, objects
@@ -122,6 +122,10 @@ class ChunkStore:
         for tier in getattr(self.backend, "tiers", [])[:-1]:  # never serve it from memory again
             tier.delete(name)
 
+    def unreadable(self, err: ObjectUnreadable) -> None:
+        """A stored object could not be read here: a miss, said once; nothing is removed."""
+        notice(f"store: skipped an object that cannot be read here ({err}); counted as a miss", key="store unreadable")
+
     def scan(self, prefix: str = "") -> list[ObjectInfo]:
         return list(self.backend.scan(prefix))
 
@@ -208,31 +212,41 @@ class ModelCache:
                 if isinstance(data, ObjectRefused):  # refused before it was read (its size)
                     self._refused(name, data, whole, start, refused)
                     return
+                if isinstance(data, ObjectUnreadable):
+                    self.store.unreadable(data)
+                    self.store.counters.misses += len(whole) - start // self.chunk_size
+                    return
                 if data is None:  # removed since the existence check
                     self.store.counters.misses += len(whole) - start // self.chunk_size
                     return
                 try:
                     obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
                                               prefix_hash=link.prefix_hash, start=start, extra=link.extra)
+                    obj.check_values()  # what is copied out as it is must be what a load would take
                 except ObjectRefused as err:
                     self._refused(name, err, whole, start, refused)
                     return
                 self.store.counters.hits += 1
-                yield start, obj, len(data)
+                yield start, obj, data.size if hasattr(data, "fd") else len(data)
 
     def _fetch(self, names: list[str]) -> list:
-        """The objects' bytes (None: not stored), one batch; an object the backend refuses to
-        read (a hostile size) is its ObjectRefused, in its place."""
+        """The objects (None: not stored), one batch: bytes from a backend that batches reads, or
+        each opened as a file from a folder (its header checked before anything else is read:
+        a huge file at a name is never read whole). An object the backend refuses (a hostile
+        size, a link) is its ObjectRefused, one it cannot read its ObjectUnreadable, in its place."""
+        if type(self.backend).open is not Backend.open:
+            return [self._fetch_one(name, self.backend.open) for name in names]
         try:
             return self.backend.get_many(names)
-        except ObjectRefused:
-            out: list = []
-            for name in names:
-                try:
-                    out.append(self.backend.get(name))
-                except ObjectRefused as err:
-                    out.append(err)
-            return out
+        except (ObjectRefused, ObjectUnreadable):
+            return [self._fetch_one(name, self.backend.get) for name in names]
+
+    @staticmethod
+    def _fetch_one(name: str, read):
+        try:
+            return read(name)
+        except (ObjectRefused, ObjectUnreadable) as err:
+            return err
 
     def _refused(self, name: str, err: ObjectRefused, chain: list, start: int, refused: list[str] | None) -> None:
         self.store.refuse(name, err)
@@ -333,7 +347,16 @@ class ModelCache:
         return result
 
     def _put(self, items: list[tuple[str, bytes]], result: PutResult) -> None:
-        for (_name, data), created in zip(items, self.backend.put_many(items)):
+        if type(self.backend).put_many is Backend.put_many:  # one at a time anyway: each refusal alone
+            outcomes = [self._put_one(name, data) for name, data in items]
+        else:
+            try:
+                outcomes = self.backend.put_many(items)
+            except ObjectRefused:  # something that is not an object holds a name (a folder)
+                outcomes = [self._put_one(name, data) for name, data in items]
+        for (_name, data), created in zip(items, outcomes):
+            if created is None:  # not stored, not present: said once; fsck removes what is in the way
+                continue
             if created:
                 result.stored += 1
                 result.stored_bytes += len(data)
@@ -342,6 +365,13 @@ class ModelCache:
                 result.present += 1
                 self.store.counters.deduplicated += 1
         items.clear()
+
+    def _put_one(self, name: str, data: bytes) -> bool | None:
+        try:
+            return self.backend.put(name, data)
+        except ObjectRefused as err:
+            self.store.refuse(name, err)
+            return None
 
     def delete(self, token_ids) -> int:
         """Remove the stored whole chunks of `token_ids`; how many were removed."""

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..chunk_source import ChunkSource
-from ..errors import ChecksumMismatch, DecodeError, NotCached, ObjectRefused, ShapeMismatch
+from ..errors import (ChecksumMismatch, DecodeError, NonFiniteValues, NotCached, ObjectRefused, ObjectUnreadable,
+                      ShapeMismatch)
 from . import objects
 from .names import ChunkLink
 
@@ -30,8 +31,8 @@ class _Gone(NotCached):
     """An object removed between the existence check and its read (a miss, not damage)."""
 
 
-#: Failures of the stored bytes themselves (checks 11-12): the object is refused, a miss.
-DAMAGE = (ObjectRefused, ChecksumMismatch, DecodeError, ShapeMismatch)
+#: Failures of the stored bytes themselves (checks 11-13): the object is refused, a miss.
+DAMAGE = (ObjectRefused, ChecksumMismatch, DecodeError, ShapeMismatch, NonFiniteValues)
 #: Chunks smaller than this (their KV in bf16) load on one thread, fetched FETCH_BATCH at a time
 #: from a backend without files (one round trip to Redis each batch): each costs more in Python
 #: (open, checks) than in copying, and two threads only contend for the interpreter (bench_store:
@@ -86,7 +87,7 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
             batch = chain[index:min(index + FETCH_BATCH, stored)]
             fetched.update(zip(range(index, index + len(batch)), cache._fetch([cache.name(l.prefix_hash) for l in batch])))
         data = fetched.pop(index)
-        if isinstance(data, ObjectRefused):  # refused before it was read (its size)
+        if isinstance(data, (ObjectRefused, ObjectUnreadable)):  # refused before it was read (its size)
             raise data
         return data
 
@@ -128,6 +129,9 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
             str(error) if str(error).startswith(name) else f"{name}: {error}")
         cache._refused(name, refusal, chain, failed.start, hit.refused)
     elif isinstance(error, _Gone):  # removed since the existence check
+        cache.store.counters.misses += len(chain) - outcome.loaded_tokens // cache.chunk_size
+    elif isinstance(error, ObjectUnreadable):  # not readable here: a miss, said; nothing removed
+        cache.store.unreadable(error)
         cache.store.counters.misses += len(chain) - outcome.loaded_tokens // cache.chunk_size
     elif error is not None:  # e.g. the store became unreachable: not a miss to hide
         raise error

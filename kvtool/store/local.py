@@ -9,10 +9,13 @@ file, whose lock died with it; `sweep` removes those. The last-access time is th
 
 from __future__ import annotations
 
+import errno
 import fcntl
-import re
 import json
 import os
+import re
+import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import NotAStore, ObjectRefused, OutputError, StoreError
+from ..errors import NotAStore, ObjectRefused, ObjectUnreadable, OutputError, StoreError
 from ..format.reader import PreadFile
 from ..fsutil import fsync_dir, read_at
 from .backend import Backend, ObjectInfo
@@ -47,6 +50,7 @@ class LocalBackend(Backend):
         self.url = f"file://{self.root.absolute()}"
         self._root = str(self.root)
         self.max_bytes = max_bytes
+        self._real_root: str | None = None  # the folder as the kernel names it (a link to it resolved)
         self._open(create)
         self._bytes: int | None = None
         if max_bytes is not None:  # the cap needs the total: rebuilt from the folder now
@@ -97,7 +101,7 @@ class LocalBackend(Backend):
             data = buffer(source.size)[:source.size]
             done = read_at(source.fd, data, 0)  # objects never shrink; one that did is refused by the checks
         except OSError as err:
-            raise StoreError(f"{self._path(source.name)}: cannot read ({err.strerror})") from None
+            raise self._refusal(source.name, self._path(source.name), err) from None
         finally:
             source.close()
         return data[:done]
@@ -107,19 +111,24 @@ class LocalBackend(Backend):
         return self._open_file(name)
 
     def _open_file(self, name: str) -> PreadFile | None:
-        """The object opened (a regular file of at most MAX_OBJECT_BYTES), its use recorded on
-        the LRU clock; None when it is not stored."""
+        """The object opened (a regular file of at most MAX_OBJECT_BYTES inside the store), its
+        use recorded on the LRU clock; None when it is not stored. Whatever else is at its name is
+        an ObjectRefused (a miss with a notice; `fsck` removes it): a link (never followed), a
+        folder, a FIFO (opened without blocking), a file we may not read, one reached through a
+        link to a folder outside the store."""
         path = self._path(name)
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as err:
-            raise StoreError(f"{path}: cannot read ({err.strerror})") from None
+            raise self._refusal(name, path, err) from None
         try:
             source = PreadFile(fd, name)
             if not source.regular:  # (a folder opens, then fails every read)
-                raise StoreError(f"{path}: cannot read (not a regular file)")
+                raise ObjectRefused(f"{name}: not a regular file (fsck removes it)")
+            if not self._inside(fd):
+                raise ObjectRefused(f"{name}: reached through a link out of the store (never read; fsck removes it)")
             if source.size > MAX_OBJECT_BYTES:
                 raise ObjectRefused(f"{name}: {source.size} bytes, more than an object may hold")
             try:  # the LRU clock; a store shared by several users may not let us set it
@@ -129,12 +138,37 @@ class LocalBackend(Backend):
         except BaseException as err:
             os.close(fd)
             if isinstance(err, OSError):
-                raise StoreError(f"{path}: cannot read ({err.strerror})") from None
+                raise self._refusal(name, path, err) from None
             raise
         return source
 
+    @staticmethod
+    def _refusal(name: str, path: str, err: OSError) -> ObjectRefused | ObjectUnreadable:
+        """One object that cannot be opened or read, alone: a link at its name is refused (not
+        an object: fsck removes it); one we may not read, or whose read fails, is unreadable (a
+        miss with a notice; fsck reports it and leaves it: its bytes may be intact)."""
+        if err.errno == errno.ELOOP:
+            return ObjectRefused(f"{name}: a symbolic link, not an object (never followed; fsck removes it)")
+        return ObjectUnreadable(f"{path}: cannot read ({err.strerror or err})")
+
+    def _inside(self, fd: int) -> bool:
+        """Whether the open file lies under the store's folder as the kernel resolved it (a
+        folder on the way may be a link elsewhere); True where /proc cannot say."""
+        if self._real_root is None:
+            self._real_root = os.path.realpath(self._root)
+        try:
+            where = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return True
+        return where.startswith(self._real_root + "/")
+
     def exists(self, name: str) -> bool:
-        return os.path.isfile(self._path(name))
+        """A regular file at the name, not followed if a link: anything else is not an object
+        (it is never counted as present, so a put replaces it or says why not)."""
+        try:
+            return stat.S_ISREG(os.lstat(self._path(name)).st_mode)
+        except (OSError, ValueError):
+            return False
 
     def children(self, prefix: str) -> set[str]:
         if not _SCANNED.fullmatch(prefix.rstrip("/")):
@@ -151,6 +185,9 @@ class LocalBackend(Backend):
             yield from self._scan_dir(self.root / namespace, namespace, prefix)
 
     def _scan_dir(self, directory: Path, rel: str, prefix: str) -> Iterator[ObjectInfo]:
+        """Every entry that is or takes an object's place: regular files, and, so that `fsck`
+        sees and removes them, links, FIFOs and other special files, and folders at a name an
+        object would have (never entered). Links are never followed."""
         try:
             entries = list(os.scandir(directory))
         except OSError:
@@ -159,21 +196,34 @@ class LocalBackend(Backend):
             name = f"{rel}/{entry.name}"
             if entry.name.startswith("."):  # temp files of writers
                 continue
-            if entry.is_dir(follow_symlinks=False):
+            try:
+                is_dir = entry.is_dir(follow_symlinks=False)
+            except OSError:  # removed meanwhile
+                continue
+            if is_dir and not _NAME.fullmatch(name):
                 if name.startswith(prefix) or prefix.startswith(name):
                     yield from self._scan_dir(Path(entry.path), name, prefix)
-            elif entry.is_file(follow_symlinks=False) and name.startswith(prefix):
+            elif name.startswith(prefix):
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except OSError:  # removed meanwhile
                     continue
-                yield ObjectInfo(name, st.st_size, st.st_atime)
+                regular = stat.S_ISREG(st.st_mode)
+                yield ObjectInfo(name, st.st_size if regular else 0, st.st_atime)
 
     # --- writes ----------------------------------------------------------------------
 
     def put(self, name: str, data: bytes, *, replace: bool = False) -> bool:
         path = Path(self._path(name))
-        if path.exists() and not replace:
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            mode = None
+        if mode is not None and not stat.S_ISREG(mode):  # a link, FIFO or folder is not an object
+            if stat.S_ISDIR(mode):
+                raise ObjectRefused(f"{name}: a folder is where the object goes (not stored; fsck removes it)")
+            replace = True  # the object takes its place, atomically (a rename, never followed)
+        elif mode is not None and not replace:
             return False
         if not self._write_new(path, data, replace=replace):
             return False
@@ -222,12 +272,18 @@ class LocalBackend(Backend):
         return created
 
     def delete(self, name: str) -> bool:
+        """Remove what is at `name`: an object, or a link (not what it points to), a FIFO, or a
+        folder in an object's place (with what it holds, links never followed)."""
+        path = self._path(name, _SCANNED)
         try:
-            os.unlink(self._path(name, _SCANNED))
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
         except FileNotFoundError:
             return False
         except OSError as err:
-            raise StoreError(f"{self._path(name, _SCANNED)}: cannot remove ({err.strerror})") from None
+            raise StoreError(f"{path}: cannot remove ({err.strerror})") from None
         return True
 
     def sweep(self) -> int:

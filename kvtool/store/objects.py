@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..chunk_source import ChunkSource
-from ..errors import InputFileError, KvtoolError, ObjectRefused
+from ..errors import InputFileError, KvtoolError, NonFiniteValues, ObjectRefused
 from ..format.hashing import ZERO_HASH, crc32
 from ..format.reader import BytesSource, ContainerReader, PreadFile
 from ..format.writer import ContainerWriter
@@ -67,18 +67,25 @@ class ChunkObject:
         return self.reader.source(0, what=self.name or "chunk object", private=self.owned,
                                   checked=self.payload_checked, on_release=self.reader.close)
 
+    def check_values(self) -> None:
+        """Checks 12-13 without keeping the KV: the payload decodes to the declared shape and
+        every value is finite (a raw payload scanned, others decoded on the CPU); an
+        ObjectRefused otherwise. For what copies payloads as they are (`store get`)."""
+        self.decode()  # (the tensor is dropped at once)
+
     def decode(self, device: "torch.device | str | None" = None) -> "torch.Tensor":
         """The chunk's KV_BLOB `[2, L, S, C]`; a failure to decode is an ObjectRefused. A raw
         chunk read into a writable buffer of our own (the local backend's) is a view of it,
         not a copy; shared bytes (a memory tier's, Redis') are copied privately and checked."""
         source = self.reader.source(0, what=self.name or "chunk object", private=self.owned,
                                     checked=self.payload_checked)
+        source.scan_values = True  # check 13: what the store hands out is finite
         try:
             return source.decode(device)
         except InputFileError:
             raise  # a failed read of an object opened as a file: not damage
         except KvtoolError as err:
-            raise ObjectRefused(f"chunk does not decode ({err})") from None
+            raise ObjectRefused(str(err) if isinstance(err, NonFiniteValues) else f"chunk does not decode ({err})") from None
         finally:
             source.release()
 

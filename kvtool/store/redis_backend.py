@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from ..errors import StoreError, StoreUnavailable, UsageError
+from ..errors import ObjectRefused, StoreError, StoreUnavailable, UsageError
 from .backend import Backend, ObjectInfo
 
 KEY_PREFIX = "kvtool:1:"
@@ -72,32 +72,41 @@ class RedisBackend(Backend):
     # --- reads -----------------------------------------------------------------------
 
     def get(self, name: str) -> bytes | None:
-        with self._talking():
-            return self.client.get(KEY_PREFIX + name)
+        """The object's bytes; a key of another type at its name (a hash, a list) is not an
+        object: refused (a miss), and `fsck` removes it."""
+        try:
+            with self._talking():
+                return self.client.get(_key(name))
+        except StoreError as err:
+            if "WRONGTYPE" not in str(err):
+                raise
+            raise ObjectRefused(f"{name}: a Redis value of another type than a string is at its key "
+                                "(not an object; fsck removes it)") from None
 
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
-        if not names:
+        if not names:  # (MGET answers nil for a key of another type: a miss)
             return []
         with self._talking():
-            return self.client.mget([KEY_PREFIX + n for n in names])
+            return self.client.mget([_key(n) for n in names])
 
     def exists(self, name: str) -> bool:
-        with self._talking():
-            return bool(self.client.exists(KEY_PREFIX + name))
+        return self.exists_many([name])[0]
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
+        """A string at each key (TYPE: like EXISTS it is not a use): a key of another type is not
+        an object, never counted as present, so a put replaces it."""
         if not names:
             return []
         with self._talking():
             pipe = self.client.pipeline(transaction=False)
             for n in names:
-                pipe.exists(KEY_PREFIX + n)
-            return [bool(x) for x in pipe.execute()]
+                pipe.type(_key(n))
+            return [t in (b"string", "string") for t in pipe.execute()]
 
     def scan(self, prefix: str = "") -> Iterator[ObjectInfo]:
         now = time.time()
         with self._talking():
-            keys = list(self.client.scan_iter(match=_glob_escape(KEY_PREFIX + prefix) + "*", count=1000))
+            keys = list(self.client.scan_iter(match=_key(_glob_escape(prefix)) + b"*", count=1000))
             for start in range(0, len(keys), 1000):
                 batch = keys[start:start + 1000]
                 pipe = self.client.pipeline(transaction=False)
@@ -110,32 +119,51 @@ class RedisBackend(Backend):
                     if not isinstance(size, int) or size == 0:  # removed meanwhile
                         continue
                     idle = idle if isinstance(idle, int) else 0
-                    yield ObjectInfo(key.decode()[len(KEY_PREFIX):], size, now - idle)
+                    # a key that is not UTF-8 keeps its bytes (surrogates): listed as foreign, removable
+                    yield ObjectInfo(key.decode("utf-8", "surrogateescape")[len(KEY_PREFIX):], size, now - idle)
 
     # --- writes ----------------------------------------------------------------------
 
     def put(self, name: str, data: bytes, *, replace: bool = False) -> bool:
-        with self._talking():
-            return bool(self.client.set(KEY_PREFIX + name, bytes(data), nx=not replace))
+        if replace:
+            with self._talking():
+                return bool(self.client.set(_key(name), bytes(data)))
+        return self.put_many([(name, data)])[0]
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """SET NX each (put-once); a name held by a key of another type (not an object) is
+        overwritten by the object instead of counting as stored."""
         if not items:
             return []
         with self._talking():
             pipe = self.client.pipeline(transaction=False)
             for name, data in items:
-                pipe.set(KEY_PREFIX + name, bytes(data), nx=True)
-            return [bool(x) for x in pipe.execute()]
+                pipe.set(_key(name), bytes(data), nx=True)
+            created = [bool(x) for x in pipe.execute()]
+            taken = [i for i, c in enumerate(created) if not c]
+            if taken:
+                pipe = self.client.pipeline(transaction=False)
+                for i in taken:
+                    pipe.type(_key(items[i][0]))
+                for i, kind in zip(taken, pipe.execute()):
+                    if kind not in (b"string", "string"):
+                        created[i] = bool(self.client.set(_key(items[i][0]), bytes(items[i][1])))
+            return created
 
     def delete(self, name: str) -> bool:
         with self._talking():
-            return bool(self.client.delete(KEY_PREFIX + name))
+            return bool(self.client.delete(_key(name)))
 
     def close(self) -> None:
         try:
             self.client.close()
         except Exception:  # closing a connection to a server that is gone
             pass
+
+
+def _key(name: str) -> bytes:
+    """The Redis key of a name; a name read from a key that is not UTF-8 gives its bytes back."""
+    return (KEY_PREFIX + name).encode("utf-8", "surrogateescape")
 
 
 def _glob_escape(text: str) -> str:

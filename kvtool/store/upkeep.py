@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from ..errors import ObjectRefused
+from ..errors import InputFileError, KvtoolError, ObjectRefused, ObjectUnreadable, StoreError, StoreUnavailable
+from ..format.reader import PreadFile
 from . import objects
 from .backend import ObjectInfo
 from .chunk_store import ChunkStore
@@ -23,10 +24,16 @@ class Inventory:
     foreign: int = 0  # names that are not store objects
 
 
+def printable(name: str) -> str:
+    """A name as messages show it: the bytes of a name that is not UTF-8 (a Redis key, a file
+    name) as \\x escapes, so that printing it never fails."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def describe(info: ObjectInfo) -> dict:
     """What an object's name says: kind, model key, chunk size, prefix hash."""
     parsed = objects.parse_name(info.name)
-    row = {"name": info.name, "bytes": info.size, "last_used": info.last_used, "kind": "foreign"}
+    row = {"name": printable(info.name), "bytes": info.size, "last_used": info.last_used, "kind": "foreign"}
     if parsed is None:
         return row
     kind, m = parsed
@@ -82,8 +89,10 @@ class FsckReport:
     temps_removed: int
 
 
-def check_object(name: str, data: bytes | None) -> None:
-    """§5's checks of one object by its name alone; raises ObjectRefused."""
+def check_object(name: str, data) -> None:
+    """§5's checks of one object by its name alone (its bytes, or its open file: the header and
+    manifest are checked before a payload is read, so memory stays within what they declare);
+    raises ObjectRefused."""
     if data is None:
         raise ObjectRefused(f"{name}: vanished while being checked")
     parsed = objects.parse_name(name)
@@ -92,26 +101,56 @@ def check_object(name: str, data: bytes | None) -> None:
     kind = parsed[0]
     if kind == "chunk":
         obj = objects.check_chunk(data, name)
-        obj.decode()  # the payload decodes to the declared shape
-        obj.reader.close()
+        try:
+            obj.decode()  # the payload decodes to the declared shape, every value finite
+        except KvtoolError as err:
+            raise ObjectRefused(f"{name}: {err}") from None
+        finally:
+            obj.reader.close()
     elif kind == "entry":
         objects.check_entry(data, name).close()
     else:
-        objects.check_tensor(data, name)
+        objects.check_tensor(data if not isinstance(data, PreadFile) else _whole(data), name)
+
+
+def _whole(source: PreadFile) -> bytes:
+    try:
+        return source.read(0, source.size)
+    finally:
+        source.close()
 
 
 def fsck(store: ChunkStore, *, repair: bool = True) -> FsckReport:
-    """Check every object; with `repair`, remove those that fail (and temp files of dead writers)."""
+    """Check every object; with `repair`, remove those that fail (and temp files of dead writers).
+    One object that cannot be read or removed is reported, and the sweep goes on to the next; only
+    a store that cannot be reached at all ends it."""
     temps = store.backend.sweep() if repair else 0
-    damaged, checked = [], 0
+    damaged, doomed, checked = [], [], 0
     for info in list(store.backend.scan()):
         checked += 1
+        shown = printable(info.name)
         try:
             if objects.parse_name(info.name) is None:  # a foreign file: never read as an object
-                raise ObjectRefused(f"{info.name}: not a store object's name")
-            check_object(info.name, store.backend.get(info.name))
-        except ObjectRefused as err:
-            damaged.append({"name": info.name, "reason": str(err)})
-    removed = sum(store.backend.delete(d["name"]) for d in damaged) if repair else 0
+                raise ObjectRefused(f"{shown}: not a store object's name")
+            check_object(info.name, store.backend.open(info.name))
+        except StoreUnavailable:
+            raise
+        except (ObjectUnreadable, InputFileError) as err:  # nothing known of its bytes: reported, kept
+            damaged.append({"name": shown, "reason": f"{err}; left in place (it cannot be read here)", "kept": True})
+        except (ObjectRefused, StoreError) as err:
+            damaged.append({"name": shown, "reason": printable(str(err))})
+            doomed.append((info.name, damaged[-1]))
+    removed = sum(_remove(store, name, d) for name, d in doomed) if repair else 0
     return FsckReport(checked=checked, intact=checked - len(damaged), damaged=damaged, removed=removed,
                       temps_removed=temps)
+
+
+def _remove(store: ChunkStore, name: str, damaged: dict) -> bool:
+    """Remove one damaged entry; one that cannot be removed says why in its reason."""
+    try:
+        return store.backend.delete(name)
+    except StoreUnavailable:
+        raise
+    except StoreError as err:
+        damaged["reason"] += f"; not removed: {err}"
+        return False
