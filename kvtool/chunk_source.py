@@ -249,7 +249,12 @@ class ChunkSource:
             except (KvtoolError, ValueError, RuntimeError, OverflowError, IndexError):
                 pass  # decoded one by one below: the error then names its chunk
             else:
-                return [s.check_decoded(kv) for s, kv in zip(sources, decoded)]
+                if any(s.scan_values for s in sources):  # one count per chunk, one sync for the batch
+                    counts = torch.stack([(~torch.isfinite(kv)).sum() for kv in decoded]).tolist()
+                    for s, bad in zip(sources, counts):
+                        if s.scan_values:
+                            s.refuse_nonfinite(bad)
+                return decoded
         return [s.decode(target) for s in sources]
 
     def tensor(self, data: memoryview) -> "torch.Tensor":
