@@ -2,7 +2,8 @@
 
 from ..identity import ModelIdentity, model_fingerprint
 from .reader import SUPPORTED_VERSIONS, ContainerReader, open_container
+from .sinks import FileSink, MemorySink, Sink
 from .writer import ContainerWriter, WriterState
 
-__all__ = ["ContainerReader", "ContainerWriter", "ModelIdentity", "SUPPORTED_VERSIONS",
-           "WriterState", "model_fingerprint", "open_container"]
+__all__ = ["ContainerReader", "ContainerWriter", "FileSink", "MemorySink", "ModelIdentity",
+           "SUPPORTED_VERSIONS", "Sink", "WriterState", "model_fingerprint", "open_container"]

@@ -2,31 +2,30 @@
 
 Sections go in a fixed order, enforced by a state enum (as gguf-py's writer
 does): header -> chunks (one by one, as a model produces them) -> extras ->
-tokens, manifest, trailer. Bytes go to a temporary file beside the target;
-`finish()` fsyncs it and renames it over the target, so a crash at any point
-leaves either the old file or the new one, never a mix.
+tokens, manifest, trailer. Bytes go to a sink (sinks.py), in one place
+(`_write`); `finish()` commits it. For a path the sink is a temporary file
+beside the target, fsynced and renamed over it, so a crash at any point leaves
+either the old file or the new one, never a mix.
 """
 
 from __future__ import annotations
 
 import enum
-import io
 import os
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import codecs
 from ..dtypes import dtype_name
-from ..errors import OutputError, UsageError
-from ..fsutil import open_temp_beside, replace_atomically
+from ..errors import UsageError
 from ..version import __version__
 from . import layout
 from .hashing import ZERO_HASH, chain_hash, crc32, tokens_to_bytes
 from ..identity import ModelIdentity
 from .manifest import BlobRef, ChunkEntry, ExtraEntry, Manifest
+from .sinks import Sink, open_sink
 
 if TYPE_CHECKING:
     import torch
@@ -48,13 +47,14 @@ class ContainerWriter:
     ... # leaving the block calls finish(); an exception aborts instead
     """
 
-    def __init__(self, path: str | os.PathLike | None, identity: ModelIdentity | dict[str, Any],
+    def __init__(self, path: str | os.PathLike | Sink | None, identity: ModelIdentity | dict[str, Any],
                  token_ids, *, kv_dtype: "torch.dtype | str" = "bfloat16", chunk_size: int = 256,
                  alignment: int = layout.DEFAULT_ALIGNMENT, metadata: dict[str, str] | None = None,
                  extensions: dict[str, Any] | None = None):
         """`path=None` writes into memory (`getvalue()` after `finish()`): the chunk store's
-        objects. `extensions` are further top-level manifest keys (format-spec/store.md)."""
-        self.path = Path(path) if path is not None else None
+        objects; a `Sink` is written, then committed by `finish()` or aborted (a writer that
+        refuses its arguments never touches it). `extensions` are further top-level manifest
+        keys (format-spec/store.md)."""
         if isinstance(identity, ModelIdentity):
             model = {**identity.to_dict(), "fingerprint": identity.fingerprint()}
         else:  # a manifest's model object, copied from another file (compress)
@@ -88,24 +88,10 @@ class ContainerWriter:
         self.extras: dict[str, ExtraEntry] = {}
         self._prev_hash = ZERO_HASH
         self.extensions = dict(extensions or {})
-        if self.path is None:
-            self._tmp_path = None
-            self._file = io.BytesIO()
-            self._pos = 0
-            self.state = WriterState.CHUNKS
-            self._write(layout.Header(alignment=alignment).pack())
-            self._pos = layout.HEADER_SIZE
-            return
-        fd, tmp = open_temp_beside(self.path)
-        try:  # until the state is set, abort() cannot clean up: a signal here must not leave the file
-            self._tmp_path = Path(tmp)
-            self._file = os.fdopen(fd, "wb")
-            self._pos = 0
-            self.state = WriterState.CHUNKS
-        except BaseException:
-            os.close(fd)
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        self._sink = open_sink(path)  # until the state is set, a FileSink dropped cleans up itself
+        self.path = getattr(self._sink, "path", None)
+        self._pos = 0
+        self.state = WriterState.CHUNKS
         self._write(layout.Header(alignment=alignment).pack())
         self._pos = layout.HEADER_SIZE
 
@@ -184,7 +170,8 @@ class ContainerWriter:
                                        shape=tuple(tensor.shape), dtype=dtype)
 
     def finish(self) -> Manifest:
-        """Write tokens, manifest and trailer, fsync, and rename over the target."""
+        """Write tokens, manifest and trailer, and commit the sink (a file: fsync, rename over
+        the target)."""
         try:
             return self._finish()
         except BaseException:
@@ -210,34 +197,22 @@ class ContainerWriter:
         self._pad_to(manifest_offset)
         self._write(raw)
         self._write(layout.Trailer(manifest_offset, len(raw), crc32(raw)).pack())
-        if self.path is None:
-            self.state = WriterState.FINISHED
-            return manifest
-        try:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-        except OSError as err:  # a full disk surfaces here as often as in write()
-            raise OutputError(f"{self.path}: cannot write ({err.strerror})") from None
-        self._file.close()
-        replace_atomically(self._tmp_path, self.path)
+        self._sink.commit()
         self.state = WriterState.FINISHED
         return manifest
 
     def getvalue(self) -> bytes:
         """The finished container's bytes, for a writer made with `path=None`."""
-        if self.path is not None or self.state is not WriterState.FINISHED:
+        getvalue = getattr(self._sink, "getvalue", None)
+        if getvalue is None or self.state is not WriterState.FINISHED:
             raise UsageError("getvalue() is for a finished in-memory writer")
-        return self._file.getvalue()
+        return getvalue()
 
     def abort(self) -> None:
         if self.state in (WriterState.FINISHED, WriterState.ABORTED):
             return
         self.state = WriterState.ABORTED
-        try:
-            self._file.close()
-        finally:
-            if self._tmp_path is not None:
-                self._tmp_path.unlink(missing_ok=True)
+        self._sink.abort()
 
     def __enter__(self) -> "ContainerWriter":
         return self
@@ -263,11 +238,8 @@ class ContainerWriter:
             raise UsageError(f"only {len(self.chunks)} of {self.num_chunks} chunks were written")
 
     def _write(self, data) -> None:
-        """Write to the temp file; a full disk or an I/O error names the output, not the temp file."""
-        try:
-            self._file.write(data)
-        except OSError as err:
-            raise OutputError(f"{self.path}: cannot write ({err.strerror})") from None
+        """The one place bytes leave the writer: to the sink, in order."""
+        self._sink.write(data)
 
     def _pad_to(self, offset: int) -> None:
         if offset > self._pos:
