@@ -848,13 +848,35 @@ typedef struct {
 typedef uint16_t u16_any __attribute__((aligned(1)));
 typedef uint32_t u32_any __attribute__((aligned(1)));
 
+/* Whether any value is NaN or infinite, in one pass that vectorises: with its exponent bits all
+ * set, (x & mask) + lowest mask bit carries into the top bit (bf16: 0x7F80 + 0x0080 = 0x8000; any
+ * other exponent stays below it), so the flags OR together in lanes of the value's own width. */
+static int any_nonfinite(const uint8_t *p, size_t n, int kind) {
+    if (kind == 1 || kind == 2) {
+        const uint16_t mask = kind == 1 ? 0x7F80u : 0x7C00u, low = kind == 1 ? 0x0080u : 0x0400u;
+        const u16_any *q = (const u16_any *)p;
+        uint16_t flags = 0;
+        for (size_t i = 0; i < n / 2; i++) flags |= (uint16_t)((q[i] & mask) + low);
+        return (flags & 0x8000u) != 0;
+    }
+    if (kind == 3) {
+        const u32_any *q = (const u32_any *)p;
+        uint32_t flags = 0;
+        for (size_t i = 0; i < n / 4; i++) flags |= (q[i] & 0x7F800000u) + 0x00800000u;
+        return (flags & 0x80000000u) != 0;
+    }
+    return 0;
+}
+
+/* How many values are NaN or infinite (counted only once one is found: the rare case). */
 static uint64_t count_nonfinite(const uint8_t *p, size_t n, int kind) {
+    if (!any_nonfinite(p, n, kind)) return 0;
     uint64_t bad = 0;
     if (kind == 1 || kind == 2) {
         const uint16_t mask = kind == 1 ? 0x7F80u : 0x7C00u;
         const u16_any *q = (const u16_any *)p;
         for (size_t i = 0; i < n / 2; i++) bad += (q[i] & mask) == mask;
-    } else if (kind == 3) {
+    } else {
         const u32_any *q = (const u32_any *)p;
         for (size_t i = 0; i < n / 4; i++) bad += (q[i] & 0x7F800000u) == 0x7F800000u;
     }
