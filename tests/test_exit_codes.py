@@ -51,3 +51,14 @@ def test_the_rule_is_written_in_the_readme():
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "manifest's own checksum" in readme
+
+
+def test_a_writer_refuses_more_chunks_than_a_file_holds_before_writing(tmp_path):
+    from fixtures import make_identity
+    from kvtool.errors import UsageError
+    from kvtool.format import ContainerWriter
+    from kvtool.format.layout import MAX_CHUNKS
+
+    with pytest.raises(UsageError, match=f"at most {MAX_CHUNKS}"):
+        ContainerWriter(tmp_path / "big.kvc", make_identity(), list(range(MAX_CHUNKS + 1)), chunk_size=1)
+    assert not list(tmp_path.iterdir())  # nothing written, not even a temp file

@@ -114,6 +114,22 @@ def test_inspect_lists_at_most_1000_chunks(most_chunks):
     assert len(everything.chunks) == MAX_CHUNKS and everything.chunks_omitted == 0
 
 
+def test_the_cli_says_what_it_left_out(most_chunks, capsys):
+    """The plain renderings name what is not listed: verify the problems past 100, inspect the
+    chunks past 1,000 (and `--all` lists them)."""
+    from kvtool.cli.app import run
+
+    assert run(["verify", str(most_chunks)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("FAIL") == 101 and f"and {MAX_CHUNKS - 100} more problems (not listed)" in out
+    assert f"{MAX_CHUNKS} problems" in out
+    assert run(["inspect", str(most_chunks)]) == 0
+    out = capsys.readouterr().out
+    assert f"{MAX_CHUNKS - 1000} more chunks (--all lists them)" in out
+    assert run(["inspect", "--all", "--json", str(most_chunks)]) == 0
+    assert len(json.loads(capsys.readouterr().out)["chunks"]) == MAX_CHUNKS
+
+
 # --- JSON values (`,` and `:` outside strings) ------------------------------------------------------
 
 

@@ -16,14 +16,17 @@ if TYPE_CHECKING:
 
 StatsOpt = Annotated[bool, typer.Option("--stats", help="Decode and show per-layer K/V statistics.")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Everything in full: hashes, fingerprint, codec parameters.")]
+AllOpt = Annotated[bool, typer.Option(
+    "--all", help="List every chunk (by default the first 1,000; the totals always cover all).")]
 
 
-def command(path: InputPath, stats: StatsOpt = False, wide: WideOpt = False, json: JsonOpt = False) -> None:
+def command(path: InputPath, stats: StatsOpt = False, wide: WideOpt = False, all_: AllOpt = False,
+            json: JsonOpt = False) -> None:
     """Show the header, model identity, chunk table and totals of a KV file."""
     from ..ops.inspect import inspect
 
     with progress("decoding", "chunks", enabled=stats and not json) as update:
-        summary = inspect(path, stats=stats, on_chunk=update)
+        summary = inspect(path, stats=stats, all_chunks=all_, on_chunk=update)
     if wide and not json:  # as wide as the lines are: full hashes never wrap, whatever the terminal
         render(Console(highlight=False, width=4096), escaped(summary), wide=True)
     else:
@@ -45,6 +48,8 @@ def render(console: Console, r: FileSummary, wide: bool = False) -> None:
     console.print(f"KV     {r.kv_dtype}, {r.num_tokens} tokens in {plural(r.num_chunks, 'chunk')} of "
                   f"{r.chunk_size}; token ids {checksum_text(r.tokens_checksum)}")
     console.print(chunk_table(r.chunks, wide))
+    if r.chunks_omitted:
+        console.print(f"... {plural(r.chunks_omitted, 'more chunk')} (--all lists them)")
     t = r.totals
     console.print(f"total  {human_bytes(t['stored_bytes'])} for {human_bytes(t['decoded_bytes'])} of KV: "
                   f"{t['ratio']:.2f}x, {t['bits_per_value']:.2f} bits/value "
@@ -53,7 +58,7 @@ def render(console: Console, r: FileSummary, wide: bool = False) -> None:
         console.print(f"[red]{plural(t['bad_checksums'], 'bad checksum')}[/red]: verify names them")
     parts = bits_by_part(r.chunks)
     if parts:
-        console.print("bits/value by part: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if v >= 0.0005))
+        console.print(("bits/value by part (listed chunks): " if r.chunks_omitted else "bits/value by part: ") + ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if v >= 0.0005))
     for name, e in r.extras.items():
         console.print(f"extra  {name}: {e['dtype']} [{' x '.join(str(n) for n in e['shape'])}], "
                       f"{human_bytes(e['stored_bytes'])}")

@@ -67,7 +67,9 @@ def render(console: Console, r: VerifyReport) -> None:
         console.print(f"replay threshold: top-1 >= {limit['min_top1']:.2f} ({limit['why']})")
     for p in r.problems:
         console.print(f"[red]FAIL[/red] {p}")
-    console.print("[green]OK[/green]" if r.ok else f"[red]{plural(len(r.problems), 'problem')}[/red]")
+    if r.problems_omitted:
+        console.print(f"[red]FAIL[/red] ... and {plural(r.problems_omitted, 'more problem')} (not listed)")
+    console.print("[green]OK[/green]" if r.ok else f"[red]{plural(r.problem_count, 'problem')}[/red]")
 
 
 def replay_result(replay: dict[str, Any]) -> ReplayResult:

@@ -83,6 +83,9 @@ class ContainerWriter:
                          **(metadata or {})}
         self.num_tokens = len(self.tokens)
         self.num_chunks = -(-self.num_tokens // chunk_size)
+        if self.num_chunks > layout.MAX_CHUNKS:  # refused now, not after every chunk is written
+            raise UsageError(f"{self.num_tokens} tokens in chunks of {chunk_size} make {self.num_chunks} chunks; "
+                             f"a file holds at most {layout.MAX_CHUNKS} (a larger --chunk-size)")
         self.hidden_kv = model["num_kv_heads"] * model["head_dim"]
         self.chunks: list[ChunkEntry] = []
         self.extras: dict[str, ExtraEntry] = {}
