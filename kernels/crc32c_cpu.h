@@ -37,9 +37,21 @@ typedef struct {
     uint64_t lanes[8];  /* the folding path's four 128-bit lanes */
     crc32c_state state; /* the register, when not folding */
     int folding;
+    /* The values check that rides on the same loads (crc32c_stream_values): each value's
+     * exponent bits, masked, plus the mask's lowest bit, carry into the value's top bit exactly
+     * when they are all set (NaN or infinity); the sums are OR-ed here, lane by lane. */
+    uint64_t flags[4];
+    uint32_t value_mask, value_low;
+    int value_width; /* 0: no check; 2 (bf16, fp16) or 4 (fp32) bytes a value */
 } crc32c_stream;
 
+/* begin also turns the values check off (crc32c_stream_values turns it on). */
 void crc32c_stream_begin(crc32c_stream *f, crc32c_state s);
+/* Check every value copied from now on: kind 1 bf16, 2 fp16, 3 fp32 (0: no check). Pieces must
+ * begin on a value's boundary. */
+void crc32c_stream_values(crc32c_stream *f, int kind);
+/* Whether a value copied since crc32c_stream_values was NaN or infinite. */
+int crc32c_stream_nonfinite(const crc32c_stream *f);
 void crc32c_stream_copy(crc32c_stream *f, void *dst, const void *src, size_t len, int nontemporal);
 crc32c_state crc32c_stream_end(crc32c_stream *f);
 

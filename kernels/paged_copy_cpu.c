@@ -883,8 +883,10 @@ static uint64_t count_nonfinite(const uint8_t *p, size_t n, int kind) {
     return bad;
 }
 
+/* A piece copied through the CRC stream, whose values check (crc32c_stream_values) rides on the
+ * same loads: the bytes are read once. */
 static inline void copy_scan(crc32c_stream *s, finite_t *fin, void *dst, const void *src, size_t n, int nt) {
-    if (fin && fin->kind) fin->bad += count_nonfinite((const uint8_t *)src, n, fin->kind);
+    (void)fin;
     crc32c_stream_copy(s, dst, src, n, nt);
 }
 
@@ -926,12 +928,14 @@ static void check_segments(crc32c_stream *s, finite_t *fin, const segment_t *seg
              * checked are still the bytes loaded; the paged side is private to this load) */
             if (fin && fin->kind) fin->bad += count_nonfinite(b, g->tokens * g->groups * (size_t)g->run, fin->kind);
             copy_segment(g, 1, 0, NULL);
+            if (fin) fin->bad += (uint64_t)crc32c_stream_nonfinite(s); /* (begin below clears its flags) */
             crc32c_state r = crc32c_stream_end(s);
             for (size_t t = 0; t < g->tokens; t++)
                 for (size_t gi = 0; gi < g->groups; gi++, b += g->run)
                     r = crc32c_update_strided(r, paged + row_at(g, slots[t], gi), (size_t)g->stride,
                                               (size_t)g->run, (size_t)g->elem);
             crc32c_stream_begin(s, r);
+            if (fin) crc32c_stream_values(s, fin->kind);
         } else {
             int merge = g->groups == 1 && g->so == g->run; /* adjacent slots: one copy per run of them */
             for (size_t t = 0; t < g->tokens;) {
@@ -1007,7 +1011,9 @@ static void check_part_in(void *arg) {
     part_t *p = &g->part;
     crc32c_stream s;
     crc32c_stream_begin(&s, crc32c_begin());
+    crc32c_stream_values(&s, p->fin.kind);
     check_segments(&s, &p->fin, p->seg, p->first, p->last, p->begin, p->end, p->nt, g->rows, g->page);
+    p->fin.bad += (uint64_t)crc32c_stream_nonfinite(&s);
     p->crc = crc32c_end(crc32c_stream_end(&s));
 }
 
@@ -1148,6 +1154,7 @@ static void *check_file_part(void *arg) {
     take_row_buffers(p->seg, p->first, p->last, &rows, &page);
     crc32c_stream s;
     crc32c_stream_begin(&s, crc32c_begin());
+    crc32c_stream_values(&s, p->fin.kind);
     if (!window) f->error = ENOMEM;
     size_t k = p->first, t = 0; /* the next token to move: token t of segment k */
     for (const uint8_t *pos = p->begin; pos < p->end && !f->error;) {
@@ -1180,6 +1187,7 @@ static void *check_file_part(void *arg) {
         if (!f->error) check_segments(&s, &p->fin, f->subs, 0, n, window, window + (cut - pos), p->nt, rows, page);
         pos = cut;
     }
+    p->fin.bad += (uint64_t)crc32c_stream_nonfinite(&s);
     p->crc = crc32c_end(crc32c_stream_end(&s));
     store_fence();
     tile_give((char *)window);
@@ -1292,18 +1300,11 @@ typedef struct {
     finite_t fin;
 } checked_copy_t;
 
-#define SCAN_STEP ((size_t)64 << 10) /* scanned, then copied, a piece at a time: read once */
-
 static void checked_copy_in(void *arg) {
     checked_copy_t *c = (checked_copy_t *)arg;
-    if (!c->fin.kind) {
-        crc32c_stream_copy(c->s, c->dst, c->src, c->n, c->nt);
-        return;
-    }
-    for (size_t at = 0; at < c->n; at += SCAN_STEP) {
-        size_t n = c->n - at < SCAN_STEP ? c->n - at : SCAN_STEP;
-        copy_scan(c->s, &c->fin, (uint8_t *)c->dst + at, (const uint8_t *)c->src + at, n, c->nt);
-    }
+    crc32c_stream_values(c->s, c->fin.kind);
+    crc32c_stream_copy(c->s, c->dst, c->src, c->n, c->nt);
+    c->fin.bad = (uint64_t)crc32c_stream_nonfinite(c->s);
 }
 
 /* copy_checked(dst, src) -> CRC-32C of src, copied into dst (the same size) in the same pass;

@@ -196,8 +196,8 @@ class ChunkSource:
 
     def refuse_nonfinite(self, bad: int | None) -> None:
         if bad:
-            raise NonFiniteValues(f"{self.what}: {bad} of its values are NaN or infinite (written so: "
-                                  "its CRC-32C is valid); never loaded")
+            raise NonFiniteValues(f"{self.what}: holds NaN or infinite values (written so: its CRC-32C is "
+                                  "valid); never loaded")
 
     def check_decoded(self, kv: "torch.Tensor") -> "torch.Tensor":
         """A decoded chunk's values all finite (on its device); `kv` back."""

@@ -718,3 +718,32 @@ def test_calls_from_several_threads_and_a_forked_child_share_the_kernel_threads_
         assert os.waitpid(pid, 0)[1] == 0
     finally:
         native.nontemporal_min(old)
+
+
+@pytest.mark.parametrize("dtype,kind", [(torch.bfloat16, 1), (torch.float16, 2), (torch.float32, 3)])
+def test_the_values_check_rides_on_every_crc_path_and_equals_the_reference(dtype, kind):
+    """Check 13 in the checked copy (kernels/crc32c_cpu.c: the exponent flags OR-ed on the CRC's
+    own loads, on every CRC path: table, crc32 instruction, 128- and 256-bit folds) against
+    torch.isfinite, for every length around the 64-byte folding unit and a bad value anywhere."""
+    module = paged_native.native_module()
+    if module is None:
+        pytest.skip("kvtool._paged_native is not built")
+    best = module.crc32c_level()
+    try:
+        for level in range(best + 1):
+            module.crc32c_set_level(level)
+            for n in (1, 31, 32, 33, 64, 65, 1000, 4099):
+                for pos in (None, 0, n // 2, n - 1):
+                    for value in (float("nan"), float("inf"), -float("inf"), 65504.0 * 4):
+                        a = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+                        if pos is not None:
+                            a[pos] = value
+                        want = bool((~torch.isfinite(a)).any())
+                        src = memoryview(a.view(torch.uint8).numpy())
+                        dst = bytearray(len(src))
+                        crc, bad = module.copy_checked(memoryview(dst), src, kind)
+                        assert bytes(dst) == bytes(src) and bool(bad) == want, (level, n, pos, value)
+                        assert crc == module.copy_checked(memoryview(bytearray(len(src))), src)
+                        assert module.nonfinite(src, kind) == int((~torch.isfinite(a)).sum())
+    finally:
+        module.crc32c_set_level(best)
