@@ -1341,6 +1341,23 @@ static PyObject *py_copy_checked(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* checked(buffer, kind) -> (CRC-32C, values not finite: 0, or more) of a buffer, in one pass (the
+ * check of bytes already read into a buffer of our own: nothing to copy) */
+static PyObject *py_checked(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer src;
+    int finite = 0;
+    if (!PyArg_ParseTuple(args, "y*|i", &src, &finite)) return NULL;
+    crc32c_stream s;
+    crc32c_stream_begin(&s, crc32c_begin());
+    checked_copy_t copy = {&s, NULL, src.buf, (size_t)src.len, 0, {finite, 0}};
+    Py_BEGIN_ALLOW_THREADS
+    checked_copy_in(&copy);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    return Py_BuildValue("(kK)", (unsigned long)crc32c_end(crc32c_stream_end(&s)), (unsigned long long)copy.fin.bad);
+}
+
 /* nonfinite(buffer, kind) -> how many of its values (kind 1 bf16, 2 fp16, 3 fp32) are NaN or
  * infinite: the check of a chunk that did not come through a checked copy (a decoded one). */
 static PyObject *py_nonfinite(PyObject *self, PyObject *args) {
@@ -1437,6 +1454,7 @@ static PyMethodDef methods[] = {
      "scatter_checked of a payload in a file, mapped behind a fault guard (or read a window at a time)."},
     {"slots_ok", py_slots_ok, METH_VARARGS, "Whether slots lie in [0, num_slots) and (distinct) none repeats."},
     {"copy_checked", py_copy_checked, METH_VARARGS, "Copy a buffer into another, CRC-32C checked in the same pass."},
+    {"checked", py_checked, METH_VARARGS, "(CRC-32C, values not finite) of a buffer, in one pass."},
     {"nonfinite", py_nonfinite, METH_VARARGS, "How many values of a buffer (1 bf16, 2 fp16, 3 fp32) are NaN or infinite."},
     {"crc32c", py_crc32c, METH_VARARGS, "CRC-32C of a buffer (this module's code; tests compare)."},
     {"crc32c_combine", py_crc32c_combine, METH_VARARGS, "crc(A||B) from crc(A), crc(B), len(B)."},

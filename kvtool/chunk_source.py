@@ -134,10 +134,20 @@ class ChunkSource:
             data = self.payload(None if buffer is None else buffer(self.length))  # read: private
         else:
             data, crc, bad = self._private_copy(buffer)
-        if not self.checked and (crc32(data) if crc is None else crc) != self.crc32c:
+        if crc is None and not self.checked:
+            crc, bad = self._crc_and_values(data)
+        if not self.checked and crc != self.crc32c:
             raise self.mismatch()
         self._check_values(data, bad)
         return data
+
+    def _crc_and_values(self, data: memoryview) -> tuple[int, int | None]:
+        """The CRC-32C of bytes of our own and, when asked for, whether any value is not finite:
+        one native pass over them (`checked`), else the CRC alone (the scan follows)."""
+        native, kind = _native(), self._finite_kind()
+        if native is not None and hasattr(native, "checked"):
+            return native.checked(data, kind) if kind else (native.checked(data)[0], None)
+        return crc32(data), None
 
     def _private_copy(self, buffer=None) -> tuple[memoryview, int | None, int | None]:
         """`data` copied into `buffer(length)` (or a fresh buffer), with its CRC-32C and count of
@@ -164,7 +174,7 @@ class ChunkSource:
         bad = None
         if self.in_file:
             self.payload(target)
-            crc = crc32(target)
+            crc, bad = self._crc_and_values(target)
         else:
             native, kind = _native(), self._finite_kind()
             if native is not None:

@@ -722,7 +722,7 @@ def test_calls_from_several_threads_and_a_forked_child_share_the_kernel_threads_
 
 @pytest.mark.parametrize("dtype,kind", [(torch.bfloat16, 1), (torch.float16, 2), (torch.float32, 3)])
 def test_the_values_check_rides_on_every_crc_path_and_equals_the_reference(dtype, kind):
-    """Check 13 in the checked copy (kernels/crc32c_cpu.c: the exponent flags OR-ed on the CRC's
+    """Check 13 in the checked copy and check (kernels/crc32c_cpu.c: the exponent flags OR-ed on the CRC's
     own loads, on every CRC path: table, crc32 instruction, 128- and 256-bit folds) against
     torch.isfinite, for every length around the 64-byte folding unit and a bad value anywhere."""
     module = paged_native.native_module()
@@ -744,6 +744,8 @@ def test_the_values_check_rides_on_every_crc_path_and_equals_the_reference(dtype
                         crc, bad = module.copy_checked(memoryview(dst), src, kind)
                         assert bytes(dst) == bytes(src) and bool(bad) == want, (level, n, pos, value)
                         assert crc == module.copy_checked(memoryview(bytearray(len(src))), src)
+                        in_place = module.checked(src, kind)  # bytes already ours: the same pass, no copy
+                        assert in_place[0] == crc and bool(in_place[1]) == want
                         assert module.nonfinite(src, kind) == int((~torch.isfinite(a)).sum())
     finally:
         module.crc32c_set_level(best)
