@@ -622,9 +622,11 @@ def test_checksum_mismatch(tmp_path, raw_file, zstd_file, target, which):
                 r.read_range(1, 3)
             with pytest.raises(ChecksumMismatch):
                 r.chunk_payload(1)
-            if which == "raw":
+            with r.source(1) as s:  # decoded, or copied into a buffer: checked as it goes
                 with pytest.raises(ChecksumMismatch):
-                    r.chunk_view(1)
+                    s.decode()
+                with pytest.raises(ChecksumMismatch):
+                    s.copy_into(memoryview(bytearray(s.length)))
             assert not r.blob_ok(r.chunks[1].blob)
         elif target == "tokens":
             with pytest.raises(ChecksumMismatch):

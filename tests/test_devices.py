@@ -1,7 +1,8 @@
 """`--device`: where capture and replay run the model, and decoding onto a device.
 
 The CPU half runs everywhere: device parsing and its errors, the CLI's one-line
-refusals, the device recorded in files and reports, and `read_chunk(device=)`.
+refusals, the device recorded in files and reports, `read_chunk(device=)` and
+`ChunkSource.decode_many`.
 The GPU half (skipped without CUDA, run by scripts/gpu_check.sh) runs the real
 default model on the GPU: capture's KV against the CPU capture, CacheGen chunks
 decoded on the GPU against the CPU decoder bit for bit, and replay on the GPU.
@@ -14,6 +15,7 @@ import json
 import pytest
 import torch
 
+from kvtool.chunk_source import ChunkSource
 from kvtool.cli.app import run
 from kvtool.devices import describe, resolve_device
 from kvtool.errors import UsageError
@@ -99,24 +101,34 @@ def test_read_chunk_on_the_cpu_device_is_read_chunk(tmp_path, codec):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def test_read_chunks_is_read_chunk_of_each(tmp_path):
+def decode_many(reader, indices, device="cpu"):
+    """The reader's chunk sources of `indices`, decoded together (a batch on a GPU), released."""
+    sources = [reader.source(i) for i in indices]
+    try:
+        return ChunkSource.decode_many(sources, device)
+    finally:
+        for source in sources:
+            source.release()
+
+
+def test_decode_many_is_read_chunk_of_each(tmp_path):
     f = write_kv_file(tmp_path / "f.kvc", num_tokens=40, chunk_size=8,
                       codecs_per_chunk=[("cachegen", None), ("raw", None), ("zstd", None), ("cachegen", None),
                                         ("cachegen", None)])
     with ContainerReader(f.path) as r:
         for picks in ([0, 1, 2, 3, 4], [3, 4], [4, 0], []):
-            got = r.read_chunks(picks)
+            got = decode_many(r, picks)
             assert len(got) == len(picks)
             for i, t in zip(picks, got):
                 assert torch.equal(t.view(torch.int16), r.read_chunk(i).view(torch.int16))
 
 
 @needs_gpu
-def test_read_chunks_on_the_gpu_decodes_a_batch_like_the_cpu(tmp_path):
+def test_decode_many_on_the_gpu_decodes_a_batch_like_the_cpu(tmp_path):
     f = write_kv_file(tmp_path / "f.kvc", num_tokens=100, chunk_size=16, codec="cachegen")
     with ContainerReader(f.path) as r:
         idx = list(range(len(r.chunks)))
-        for cpu, gpu in zip([r.read_chunk(i) for i in idx], r.read_chunks(idx, device="cuda")):
+        for cpu, gpu in zip([r.read_chunk(i) for i in idx], decode_many(r, idx, device="cuda")):
             assert gpu.is_cuda and torch.equal(cpu.view(torch.int16), gpu.cpu().view(torch.int16))
 
 
@@ -137,7 +149,7 @@ def _file_with_a_corrupt_chunk(tmp_path, bad_index=2):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
-def test_a_corrupt_chunk_is_named_by_read_chunk_and_read_chunks(tmp_path, device):
+def test_a_corrupt_chunk_is_named_by_read_chunk_and_decode_many(tmp_path, device):
     from kvtool.errors import DecodeError
 
     path = _file_with_a_corrupt_chunk(tmp_path)
@@ -145,8 +157,8 @@ def test_a_corrupt_chunk_is_named_by_read_chunk_and_read_chunks(tmp_path, device
         with pytest.raises(DecodeError, match=r"^chunk 2: cachegen: layer \d+: "):
             r.read_chunk(2, device=device)
         with pytest.raises(DecodeError, match=r"^chunk 2: "):
-            r.read_chunks([0, 1, 2, 3], device=device)
-        assert len(r.read_chunks([0, 1, 3], device=device)) == 3
+            decode_many(r, [0, 1, 2, 3], device=device)
+        assert len(decode_many(r, [0, 1, 3], device=device)) == 3
 
 
 # ---- the model on the CPU, by name --------------------------------------------------------------

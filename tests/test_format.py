@@ -188,8 +188,12 @@ def test_round_trip_property(dtype_name, num_layers, num_kv_heads, head_dim, num
                     assert c.codec_params == params
                 assert c.blob.offset % alignment == 0
                 assert same_tensor(r.read_chunk(i), f.chunk(i)), f"chunk {i} differs"
-                if codec == "raw":
-                    assert same_tensor(r.chunk_view(i), f.chunk(i))
+                with r.source(i) as s:
+                    assert same_tensor(s.decode(), f.chunk(i))
+                    if codec == "raw":  # a raw chunk copied straight into a buffer, checked as copied
+                        out = torch.empty(c.shape, dtype=dtype)
+                        s.copy_into(memoryview(out.view(-1).view(torch.uint8).numpy()))
+                        assert same_tensor(out, f.chunk(i))
             assert same_tensor(torch.cat([r.read_chunk(i) for i in range(n_chunks)], dim=2), kv)
             start = data.draw(st.integers(0, num_tokens - 1), label="start")
             end = data.draw(st.integers(start + 1, num_tokens), label="end")
@@ -338,7 +342,7 @@ def test_shared_prefix_shares_chunk_hashes(tmp_path):
     assert ha[:2] == hb[:2] and ha[2] != hb[2]
 
 
-# --- range reads and zero-copy views -------------------------------------------------------
+# --- range reads and chunk sources ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
@@ -364,33 +368,24 @@ def test_read_range_decodes_only_the_chunks_it_touches(tmp_path, monkeypatch):
         assert seen == [1, 2, 3]
 
 
-def test_chunk_view_is_zero_copy(tmp_path):
+def test_a_mapped_raw_chunk_decodes_to_a_private_copy(tmp_path):
+    """A local file's chunk source views the mapping; its decode is a checked copy of its own:
+    each decode a new tensor, written freely, the file and the next decode untouched."""
     f = write_kv_file(tmp_path / "v.kvc", num_tokens=9, chunk_size=4, alignment=64,
                       codecs_per_chunk=[("raw", None), ("zstd", None)])
     before = f.path.read_bytes()
-    r = ContainerReader(f.path)
-    try:
-        v0 = r.chunk_view(0)
-        assert same_tensor(v0, f.chunk(0)) and v0.shape == (2, 2, 4, 16)
-        # the same mapped bytes every time, at the blob's offset in the mapping
-        assert r.chunk_view(0).data_ptr() == v0.data_ptr()
-        mapping = r.chunk_view(2)
-        assert mapping.data_ptr() - v0.data_ptr() == r.chunks[2].blob.offset - r.chunks[0].blob.offset
-        assert v0.data_ptr() % 64 == 0
-        # read_chunk copies
-        assert r.read_chunk(0).data_ptr() != v0.data_ptr()
-        # writes go to the private mapping, never to the file
-        v0.view(-1)[0] = 123.0
-        assert r.chunk_view(0, verify=False).view(-1)[0].item() == 123.0
+    with ContainerReader(f.path) as r:
+        with r.source(0) as s:
+            a, b = s.decode(), s.decode()
+        assert same_tensor(a, f.chunk(0)) and a.shape == (2, 2, 4, 16)
+        assert a.data_ptr() != b.data_ptr()
+        a.view(-1)[0] = 123.0
+        assert same_tensor(b, f.chunk(0)) and same_tensor(r.read_chunk(0), f.chunk(0))
+        with r.source(1) as s:  # zstd: decoded
+            assert same_tensor(s.decode(), f.chunk(1))
         with pytest.raises(UsageError):
-            r.chunk_view(1)  # zstd: no view
-        with pytest.raises(UsageError):
-            r.chunk_view(3)  # no such chunk
-    finally:
-        r.close()
+            r.source(3)  # no such chunk
     assert f.path.read_bytes() == before
-    assert v0.view(-1)[1].item() == f.chunk(0).reshape(-1)[1].item()  # still readable after close()
-    del v0, mapping
 
 
 def test_reader_closes_cleanly(tmp_path):
@@ -668,7 +663,7 @@ def test_writer_killed_before_first_file_leaves_no_target(tmp_path):
     assert not target.exists()
 
 
-# --- failed writes leave no temp file; token ids are u32; read_chunk_into ------------------------
+# --- failed writes leave no temp file; token ids are u32; a chunk copied into a buffer ---------
 
 
 def test_failed_finish_in_with_leaves_no_temp_file(tmp_path):
@@ -706,8 +701,9 @@ def test_token_ids_at_the_u32_limits(tmp_path):
         assert r.token_ids().tolist() == [0, 2**32 - 1, 1]
 
 
-def test_read_chunk_into_fills_a_preallocated_tensor(tmp_path):
-    """Raw chunks go straight from the file into the caller's tensor; other codecs decode + copy."""
+def test_a_chunk_fills_a_preallocated_tensor(tmp_path):
+    """A raw chunk's source copies its bytes straight into the caller's buffer, checked as copied;
+    any chunk's KV copies into a tensor from `read_chunk`."""
     import kvtool.errors as E
 
     f = write_kv_file(tmp_path / "into.kvc", num_tokens=9, chunk_size=4)
@@ -716,19 +712,22 @@ def test_read_chunk_into_fills_a_preallocated_tensor(tmp_path):
         with ContainerReader(path) as r:
             for i, c in enumerate(r.chunks):
                 out = torch.empty(c.shape, dtype=r.kv_dtype)
-                assert r.read_chunk_into(i, out) is out
+                if c.codec == "raw":
+                    with r.source(i) as s:
+                        s.copy_into(memoryview(out.view(-1).view(torch.uint8).numpy()))
+                else:
+                    out.copy_(r.read_chunk(i))
                 assert torch.equal(out, r.read_chunk(i))
-            with pytest.raises(E.UsageError):
-                r.read_chunk_into(0, torch.empty(3, dtype=r.kv_dtype))
     data = bytearray(f.path.read_bytes())
     with ContainerReader(f.path) as r:
         blob = r.chunks[1].blob
     data[blob.offset] ^= 0xFF
     bad = tmp_path / "bad.kvc"
     bad.write_bytes(bytes(data))
-    with ContainerReader(bad) as r:
+    with ContainerReader(bad) as r, r.source(1) as s:
+        out = torch.empty(r.chunks[1].shape, dtype=r.kv_dtype)
         with pytest.raises(E.ChecksumMismatch):
-            r.read_chunk_into(1, torch.empty(r.chunks[1].shape, dtype=r.kv_dtype))
+            s.copy_into(memoryview(out.view(-1).view(torch.uint8).numpy()))
 
 
 def test_crc32c_is_the_castagnoli_crc_of_the_crc32c_package():
