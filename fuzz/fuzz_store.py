@@ -140,11 +140,29 @@ def from_a_file_cut_short(data: bytes, cut: int) -> None:
             pass
 
 
+def with_manifest_crc_fixed(data: bytes) -> bytes | None:
+    """The object with its trailer's manifest CRC made right (as fuzz_reader.py does), so that
+    mutations of the manifest reach the store's checks behind it instead of stopping there."""
+    from kvtool.format.hashing import crc32
+    from kvtool.format.layout import TRAILER_SIZE, TRAILER_STRUCT
+
+    if len(data) < TRAILER_SIZE:
+        return None
+    offset, length, _, reserved, magic = TRAILER_STRUCT.unpack(data[-TRAILER_SIZE:])
+    if offset + length > len(data) - TRAILER_SIZE:
+        return None
+    return data[:-TRAILER_SIZE] + TRAILER_STRUCT.pack(offset, length, crc32(data[offset:offset + length]), reserved,
+                                                      magic)
+
+
 def one_input(data: bytes) -> None:
     if len(data) < 4:
         return
     body, cut = data[:-4], struct.unpack("<I", data[-4:])[0]
     from_memory(body)
+    fixed = with_manifest_crc_fixed(body)
+    if fixed is not None and fixed != body:
+        from_memory(fixed)
     from_a_file_cut_short(body, cut % (len(body) + 1))
     try:
         check_object(NAME, body)  # fsck's checks, under a chunk's name (the seeds' own)
