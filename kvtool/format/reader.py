@@ -3,14 +3,25 @@
 Opening reads three ranges — the 64-byte header, the 32-byte trailer, and the
 manifest the trailer points to — and validates them completely before any blob
 is touched. Each chunk is then one more range, so the same logic serves local
-files (mmap, zero-copy) and object storage (range requests).
+files (mmap, pread) and object storage (range requests).
+
+A chunk leaves the reader one of two ways:
+
+    source(i)                  a `ChunkSource` (kvtool/chunk_source.py): THE way, for tensors.
+                               decode(device), copy_into(buffer), checked_payload(), and
+                               `ChunkSource.decode_many(sources, device)` for a GPU batch;
+                               read_chunk(i) is source(i) decoded, read_range(start, end) the
+                               KV of a token range
+    chunk_payload(i)           the stored bytes, checked, and their one numpy decode,
+    decode_chunk_array(i, p)   without torch (verify, inspect, dump); read_chunk_array(i) is
+                               the two composed
 
 A local file may be cut short by another program while it is read. Through a mapping, pages
 past the new end fault (SIGBUS, the end of the process); so the reader reads a local file's
 bytes with pread, which reads short instead, and refuses them in one line (ChecksumMismatch:
-"the file ends inside the payload"). Only two reads use the mapping: a chunk handed to the load
-path as a `ChunkSource` (copied by the native module behind its fault guard, which turns that
-SIGBUS into the same refusal) and `chunk_view`, whose zero-copy tensor is the mapping itself.
+"the file ends inside the payload"). Only one read uses the mapping: a chunk's `ChunkSource`,
+copied by the native module behind its fault guard, which turns that SIGBUS into the same
+refusal (without the native module, the source reads the file with pread too).
 """
 
 from __future__ import annotations
@@ -81,8 +92,9 @@ class BytesSource:
 
 
 class MappedFile:
-    """A local file, memory-mapped copy-on-write: views into it are writable tensors
-    that never write to the file."""
+    """A local file, memory-mapped copy-on-write (nothing written through the mapping reaches the
+    file). Only a chunk's `ChunkSource` reads the mapping, copying from it behind the native fault
+    guard; every other read is a pread (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike):
         self.name = str(path)
@@ -133,7 +145,7 @@ class MappedFile:
     def close(self) -> None:
         try:
             self.view.release()
-        except BufferError:  # a zero-copy tensor still points into the map
+        except BufferError:  # a chunk source not yet released still views the map
             pass
         if self._map is not None:
             try:
@@ -305,13 +317,15 @@ class ContainerReader:
         return self.blob_bytes(chunk.blob, verify=verify, what=f"chunk {index}")
 
     def read_chunk_array(self, index: int, *, verify: bool = True) -> np.ndarray:
-        """Decode chunk `index` on the CPU into a numpy KV_BLOB `[2, L, T, C]`, without torch
-        (bfloat16 as its bit patterns: `kvtool.dtypes.NUMPY_STORAGE`)."""
+        """`decode_chunk_array` of `chunk_payload(index)`: chunk `index` as a numpy KV_BLOB,
+        without torch."""
         return self.decode_chunk_array(index, self.chunk_payload(index, verify=verify))
 
     def decode_chunk_array(self, index: int, payload: memoryview) -> np.ndarray:
-        """`read_chunk_array` of a payload already read (`chunk_payload`: verify reads each chunk
-        once, to check and to decode it). A raw chunk's private copy is viewed, not copied again."""
+        """The one numpy decode: chunk `index`'s stored bytes `payload` (`chunk_payload`, checked
+        there) decoded on the CPU into a numpy KV_BLOB `[2, L, T, C]`, without torch (bfloat16 as
+        its bit patterns: `kvtool.dtypes.NUMPY_STORAGE`). verify reads each chunk once, to check
+        and to decode it. A raw chunk's private copy is viewed, not copied again."""
         chunk = self._chunk(index)
         storage = NUMPY_STORAGE[chunk.dtype]
         if self._is_tensor_bytes(chunk) and self._private(payload) \
@@ -328,7 +342,8 @@ class ContainerReader:
     def source(self, index: int, *, what: str | None = None, private: bool = False,
                checked: bool = False, on_release=None) -> ChunkSource:
         """Chunk `index` as a `ChunkSource` (where its bytes are, what they are, how they become
-        KV, checked as they go): the one way chunks leave a container for a load. A local file's
+        KV, checked as they go): the one way a chunk leaves a container as KV (decode, copy_into,
+        checked_payload; `ChunkSource.decode_many` for several on a GPU). A local file's
         payload is its mapping; an open file's (`PreadFile`, a store object) stays in the file,
         read as it is copied (the source owns a copy of the descriptor); bytes in memory are
         viewed (`private`: a buffer no one else holds, decoded without a copy)."""
@@ -399,54 +414,6 @@ class ContainerReader:
             raise
         except (ValueError, RuntimeError, OverflowError, IndexError) as err:
             raise DecodeError(f"chunk {index}: {chunk.codec} payload does not decode ({err})") from None
-
-    def read_chunks(self, indices: list[int], *, verify: bool = True,
-                    device: "torch.device | str | None" = None) -> list["torch.Tensor"]:
-        """`read_chunk` of each index. On a CUDA device, CacheGen chunks of one parameter set
-        decode in one launch (a batch is what fills a GPU), to the same values."""
-        sources = [self.source(i, checked=not verify) for i in indices]
-        try:
-            return ChunkSource.decode_many(sources, "cpu" if device is None else device)
-        finally:
-            for source in sources:
-                source.release()
-
-    def read_chunk_into(self, index: int, out: "torch.Tensor", *, verify: bool = True) -> "torch.Tensor":
-        """Decode chunk `index` into the preallocated contiguous CPU tensor `out` (its shape and dtype).
-
-        Raw chunks of a local file are read straight into `out` with one pread, the fastest
-        way from disk or page cache to a tensor; other chunks are decoded, then copied."""
-        import torch
-
-        chunk = self._chunk(index)
-        dtype = dtype_from_name(chunk.dtype)
-        if tuple(out.shape) != chunk.shape or out.dtype != dtype or not out.is_contiguous() \
-                or out.device.type != "cpu":
-            raise UsageError(f"chunk {index} needs a contiguous CPU tensor {list(chunk.shape)} {chunk.dtype}")
-        if self._is_tensor_bytes(chunk) and isinstance(self._source, MappedFile) and out.numel():
-            target = memoryview(out.view(torch.uint8).reshape(-1).numpy())
-            if self._source.read_at(chunk.blob.offset, target) < target.nbytes:
-                raise cut_short(f"chunk {index}")
-            if verify and crc32(target) != chunk.blob.crc32:
-                raise ChecksumMismatch(f"chunk {index}: CRC-32C mismatch (stored bytes are corrupt)")
-            return out
-        return out.copy_(self.read_chunk(index, verify=verify))
-
-    def chunk_view(self, index: int, *, verify: bool = True) -> "torch.Tensor":
-        """Zero-copy tensor over a raw chunk's mapped bytes (valid until close()). The bytes are
-        checked (and found all there) with pread first; the view is the mapping itself, so a file
-        cut short after that faults where the view is read: for files others may truncate, use
-        `read_chunk`, which copies."""
-        import torch
-
-        chunk = self._chunk(index)
-        if not self._is_tensor_bytes(chunk):
-            raise UsageError(f"chunk {index} is {chunk.codec}-encoded; only raw chunks can be viewed")
-        if not isinstance(self._source, MappedFile):
-            raise UsageError("zero-copy views need a local, memory-mapped file")
-        self.blob_bytes(chunk.blob, verify=verify, what=f"chunk {index}")  # checked, and all there
-        payload = self._source.read(chunk.blob.offset, chunk.blob.length)
-        return torch.frombuffer(payload, dtype=dtype_from_name(chunk.dtype)).view(chunk.shape)
 
     def read_extra_array(self, name: str, *, verify: bool = True) -> np.ndarray:
         """An extra as a numpy array (bool, or a KV dtype's numpy storage), without torch."""
