@@ -38,7 +38,7 @@
  *
  * scatter_checked_file(segments, fd, offset, length, threads, tokens, slots) -> CRC-32C
  *   scatter_checked of a payload still in an open file (a store object): mapped for the call
- *   behind the fault guard from map_min_bytes (16 MiB) up, else (or where it cannot be mapped)
+ *   behind the fault guard from map_min_bytes (4 MiB) up, else (or where it cannot be mapped)
  *   read a window at a time into a buffer that stays in the cache, each window checked and
  *   scattered from there (a template's call; EOFError when the file ends first, OSError when a
  *   read fails, or a mapped page could not be read). map_min_bytes(n) -> the previous threshold
@@ -1117,12 +1117,15 @@ static PyObject *py_scatter_checked(PyObject *self, PyObject *args) {
  * a file's load does; a read into a buffer first reads them twice. Payloads under
  * `map_min_bytes`, and files that cannot be mapped or where the guard cannot be installed, are
  * read a window at a time into a buffer that stays in the L2 cache instead, and each window is
- * checked and scattered from there: for a 5.9 MB payload (the default model's 256-token chunk)
- * that measured 6-10% faster than mapping it (bench_load, two runs; a mapping's page faults and
- * its unmapping are paid per object), for a 33.6 MB one (an 8B model's) 1.2-1.3x slower. For the
+ * checked and scattered from there. For a 33.6 MB payload (an 8B model's 256-token chunk) windows
+ * measured 1.2-1.3x slower than the mapping; for a 5.9 MB one (the default model's) they first
+ * measured 6-10% faster (two runs), then, once the values check rode on the CRC's loads, 1.15x
+ * slower at 2,048 tokens in three runs of three and slower at 8,192 in two of three (bench_load's
+ * paired "every payload mapped / in windows" rows, 2026-11-26): the threshold is 4 MiB. Below it
+ * (16-token chunks, ~370 KB) a mapping's page faults and unmapping cost more than they save. For the
  * windows, the segments' blobs are addresses in a virtual payload at FILE_BASE, rebased onto the
  * window. */
-static uint64_t map_min_bytes = (uint64_t)16 << 20;
+static uint64_t map_min_bytes = (uint64_t)4 << 20;
 static unsigned long long file_maps = 0; /* payloads read from a mapping so far (tests) */
 
 #define FILE_BASE ((uint64_t)1 << 20)
