@@ -37,7 +37,7 @@ changes phase within minutes, so best times of the two may come from different p
 connector's copies into and out of vLLM's CPU layout, native vs the torch reference. On a GPU
 (when torch sees one) the same files load into paged buffers on the device ("gpu" rows): the
 staged loader (pinned buffers filled and checked by worker threads, copies and scatters on a side
-stream), the batched read_chunks path before it (and CacheGen's GPU decode), safetensors
+stream; also with the old 3 buffers and threads), CacheGen decoded on the GPU in batches, safetensors
 load_file + .to(cuda), next to a pinned host-to-device copy of the same bytes ("vs copy" there).
 Goals (the load issue): CPU raw >= 0.8x the plain copy; GPU raw >= 25 GB/s; GPU cachegen >= 40 GB/s
 of decoded KV.
