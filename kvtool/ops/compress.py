@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import UsageError
 from ..format import ContainerReader, ContainerWriter
 from .inputs import codec_params
 from .result import Result
@@ -38,6 +40,8 @@ def compress(path: str | Path, output: str | Path, codec: str = "zstd", *, level
              on_chunk: Callable[[int, int], None] | None = None) -> CompressResult:
     """`kvtool compress`: options as the command line gives them."""
     params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
+    if os.path.realpath(path) == os.path.realpath(output):
+        raise UsageError(f"{output}: the output is the input; give compress another -o (it writes a new file)")
     with ContainerReader(path) as reader:
         return compress_file(reader, output, codec, params, on_chunk=on_chunk)
 

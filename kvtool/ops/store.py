@@ -208,7 +208,8 @@ def fsck(store: str, *, repair: bool = True) -> StoreFsckResult:
         result = StoreFsckResult(store=s.url, repair=repair, checked=r.checked, intact=r.intact, damaged=r.damaged,
                                  removed=r.removed, temps_removed=r.temps_removed)
     if not result.ok:
-        raise StoreDamaged(f"{result.store}: {len(result.damaged)} damaged or foreign objects "
+        n = len(result.damaged)
+        raise StoreDamaged(f"{result.store}: {n} damaged, foreign or unreadable object{'' if n == 1 else 's'} "
                            f"({result.removed} removed)", report=result)
     return result
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+_SCHEME_TYPO = re.compile(r"(redis|rediss|unix|file|memory):/?", re.IGNORECASE)
 
 
 def open_store(url: str | os.PathLike, *, memory_bytes: int = 0, max_bytes: int | None = None,
@@ -41,6 +42,9 @@ def open_store(url: str | os.PathLike, *, memory_bytes: int = 0, max_bytes: int 
     `memory_bytes` > 0 puts an in-process LRU memory tier of that size in front (write-through);
     `max_bytes` caps a local store (least recently used objects are evicted past it)."""
     text = os.fspath(url)
+    typo = _SCHEME_TYPO.match(text)
+    if typo and not _SCHEME.match(text):  # `redis:/host:6379/0`: a URL missing a slash, not a folder
+        raise StoreUrlInvalid(f"{text}: did you mean {typo.group(1)}://{text[typo.end():].lstrip('/')}?")
     m = _SCHEME.match(text)
     scheme = m.group(1).lower() if m else None
     if scheme in ("redis", "rediss", "unix"):

@@ -1,0 +1,39 @@
+"""Small things a first user trips on (issue 28, "Small things"): each one line, a clear exit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures import write_kv_file
+from kvtool.cli.app import run
+
+
+@pytest.mark.parametrize("url,meant", [("redis:/127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+                                       ("file:/tmp/x", "file://tmp/x"), ("REDIS:localhost", "REDIS://localhost")])
+def test_a_store_url_missing_a_slash_is_named_not_taken_for_a_folder(tmp_path, capsys, url, meant, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert run(["store", "stats", "--store", url]) == 2
+    err = capsys.readouterr().err
+    assert f"did you mean {meant}?" in err and err.count("\n") == 1
+    assert not any(tmp_path.iterdir())  # no folder made of the typo
+
+
+def test_compress_refuses_to_overwrite_its_own_input(tmp_path, capsys):
+    f = write_kv_file(tmp_path / "x.kvc", num_tokens=16, chunk_size=8, dtype=torch.float32)
+    before = f.path.read_bytes()
+    assert run(["compress", str(f.path), "-o", str(f.path), "--codec", "zstd"]) == 2
+    assert "the output is the input" in capsys.readouterr().err
+    assert f.path.read_bytes() == before
+
+
+def test_fsck_counts_in_the_singular(tmp_path, capsys):
+    from fixtures import make_identity, make_kv
+    from kvtool.store import open_store
+
+    cache = open_store(tmp_path / "s").for_model(make_identity(), chunk_size=8)
+    tokens = list(range(16))
+    cache.put_sequence(tokens, make_kv(make_identity(), 16, torch.float32))
+    cache.backend.put(cache.chunk_names(tokens)[0], b"junk", replace=True)
+    assert run(["store", "fsck", "--store", str(tmp_path / "s"), "--no-repair"]) == 1
+    assert "1 damaged, foreign or unreadable object (0 removed)" in capsys.readouterr().err
