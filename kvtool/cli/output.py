@@ -68,10 +68,15 @@ def progress(label: str, unit: str, enabled: bool) -> Iterator[Callable[[int, in
         return
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total} " + unit),
+    with Progress(TextColumn(label), BarColumn(), TextColumn("{task.fields[count]}"),
                   TimeElapsedColumn(), console=stderr_console, transient=True) as bar:
-        task = bar.add_task(label, total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total or None)  # 0: not known yet
+        # until the total is known (a model loading, a prompt being read) it says so, not "0/None"
+        task = bar.add_task(label, total=None, count="starting")
+
+        def update(done: int, total: int) -> None:  # total 0: not known yet
+            bar.update(task, completed=done, total=total or None,
+                       count=f"{done}/{total} {unit}" if total else "starting")
+        yield update
 
 
 def plural(n: int, word: str) -> str:
