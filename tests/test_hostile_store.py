@@ -348,3 +348,22 @@ def test_a_sparse_gigabyte_at_an_object_name_is_never_read_whole(tmp_path):
     got, damaged, grown_mb = json.loads(out.stdout)
     assert got == 1 and damaged == 1
     assert grown_mb < 64, f"reading the store grew the process by {grown_mb} MB"
+
+
+def test_a_chunk_in_the_wrong_two_digit_folder_is_foreign(tmp_path):
+    """store.md §3: the fan-out folder is the hash's first two hex digits; a copy of a valid object
+    in another folder is not a name this store gives: never read, and fsck removes it."""
+    import shutil
+
+    from kvtool.store.names import parse_name
+
+    cache = filled(str(tmp_path / "s"))
+    name = cache.chunk_names(TOKENS)[0]
+    head, fan, leaf = name.rsplit("/", 2)
+    wrong = f"{head}/{'00' if fan != '00' else '01'}/{leaf}"
+    assert parse_name(name) is not None and parse_name(wrong) is None
+    (tmp_path / "s" / wrong).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tmp_path / "s" / name, tmp_path / "s" / wrong)
+    report = fsck(cache.store)
+    assert [d["name"] for d in report.damaged] == [wrong] and "not a store object's name" in report.damaged[0]["reason"]
+    assert report.removed == 1 and (tmp_path / "s" / name).exists()

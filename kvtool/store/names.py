@@ -233,10 +233,14 @@ def entry_key(model: str, tokens: "np.ndarray | Sequence[int]", roi: np.ndarray)
 
 
 def parse_name(name: str) -> tuple[str, re.Match] | None:
-    """("chunk" | "entry" | "tensor", match) for a well-formed object name, else None."""
+    """("chunk" | "entry" | "tensor", match) for a well-formed object name, else None. A chunk's or
+    tensor's fan-out folder must be its hash's first two hex digits: one in another folder is not
+    a name this store gives (a foreign file)."""
     for kind, pattern in (("chunk", _CHUNK_NAME), ("entry", _ENTRY_NAME), ("tensor", _TENSOR_NAME)):
         m = pattern.match(name)
         if m:
+            if (kind == "chunk" and m.group(3) != m.group(4)[:2]) or (kind == "tensor" and m.group(1) != m.group(2)[:2]):
+                return None
             return kind, m
     return None
 
