@@ -367,3 +367,28 @@ def test_a_chunk_in_the_wrong_two_digit_folder_is_foreign(tmp_path):
     report = fsck(cache.store)
     assert [d["name"] for d in report.damaged] == [wrong] and "not a store object's name" in report.damaged[0]["reason"]
     assert report.removed == 1 and (tmp_path / "s" / name).exists()
+
+
+@pytest.mark.parametrize("segment,why", [({"version": 1, "stored_start": 5}, "rotated for positions from 5"),
+                                         ({"version": 2, "stored_start": 0}, "segment"),
+                                         ({"version": 1}, "stored_start")])
+def test_a_chunk_object_marked_a_rotated_or_unreadable_segment_is_refused(tmp_path, segment, why):
+    """store.md §5 check 5 and segment.md §1: the store is a prefix consumer; an object whose
+    `segment` key says its keys were rotated elsewhere, or does not check, is never loaded, and
+    fsck removes it (before, store get and fsck accepted them)."""
+    from kvtool.format import ContainerWriter
+    from kvtool.store.names import STORE_VERSION, link_hash
+
+    cache = filled(str(tmp_path / "s"))
+    link = cache._chain(TOKENS)[1]
+    tokens = TOKENS[CS:2 * CS]
+    extension = {"version": STORE_VERSION, "kind": "chunk", "start": link.start, "parent_hash": link.parent.hex(),
+                 "prefix_hash": link_hash(link.parent, tokens).hex()}
+    writer = ContainerWriter(None, cache.model, tokens, kv_dtype="float32", chunk_size=CS, alignment=64,
+                             extensions={"store": extension, "segment": segment})
+    writer.write_chunk(make_kv(identity(), CS, torch.float32))
+    writer.finish()
+    name = replace_object(cache, 1, writer.getvalue())
+    assert_a_miss_at(cache, 1)
+    report = fsck(cache.store)
+    assert [d["name"] for d in report.damaged] == [name] and why in report.damaged[0]["reason"]

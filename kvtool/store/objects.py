@@ -21,6 +21,7 @@ import numpy as np
 
 from ..chunk_source import ChunkSource
 from ..errors import InputFileError, KvtoolError, NonFiniteValues, ObjectRefused
+from ..format.segment import parse_segment
 from ..format.hashing import ZERO_HASH, crc32
 from ..format.reader import BytesSource, ContainerReader, PreadFile
 from ..format.writer import ContainerWriter
@@ -192,6 +193,7 @@ def _chunk_facts(m, name: str) -> _ChunkFacts:
         raise ObjectRefused(f"{name}: store.extra must be a non-empty object of extra keys when present")
     if len(m.chunks) != 1 or m.num_tokens != m.chunk_size or m.extras:
         raise ObjectRefused(f"{name}: a chunk object holds exactly one whole chunk and no extras")
+    _check_no_rotated_segment(m, name)
     if position % m.chunk_size or (position == 0) != (parent == ZERO_HASH.hex()):
         raise ObjectRefused(f"{name}: store.start {position} does not fit chunk size {m.chunk_size} "
                             f"and its parent hash")
@@ -227,6 +229,19 @@ def _check_chunk(reader: ContainerReader, name: str, model: str | None, chunk_si
         reader.chunk_payload(0)  # checks the payload's CRC-32C
     return ChunkObject(reader=reader, start=position, parent_hash=parent, prefix_hash=prefix, tokens=tokens,
                        extra=facts.extra, payload_checked=verify_payload)
+
+
+def _check_no_rotated_segment(m, name: str) -> None:
+    """Check 5: the store is a prefix cache, so a chunk object marked a segment whose keys were
+    rotated for other positions (`segment.stored_start` other than 0), or whose `segment` key does
+    not check (segment.md §1), is refused (segment.md §1, "Prefix consumers")."""
+    try:
+        segment = parse_segment(m.extensions, m.num_tokens)
+    except KvtoolError as err:
+        raise ObjectRefused(f"{name}: {err}") from None
+    if segment is not None and segment.stored_start != 0:
+        raise ObjectRefused(f"{name}: a segment whose keys were rotated for positions from {segment.stored_start}: "
+                            "not a prefix cache (segment.md §1)")
 
 
 def _check_fingerprint(model: dict[str, Any], name: str) -> None:
