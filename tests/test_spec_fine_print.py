@@ -1,0 +1,62 @@
+"""The fine print of format-spec/container.md that a reader written from the spec alone had to
+run the tool to learn (issue 28): each sentence added there is pinned here, on real bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures import rebuild, write_kv_file
+from kvtool.errors import CodecParamsInvalid, NotAKvtoolFile, TruncatedFile, UnsupportedVersion
+from kvtool.format import ContainerReader
+from kvtool.format.layout import MAGIC
+from kvtool.format.reader import BytesSource
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return write_kv_file(tmp_path_factory.mktemp("fp") / "g.kvc", num_tokens=16, chunk_size=8,
+                         dtype=torch.float32, codec="zstd")
+
+
+def opened(data: bytes):
+    with ContainerReader(BytesSource(data, "x.kvc")) as reader:
+        reader.read_chunk(0)
+
+
+@pytest.mark.parametrize("length,error", [(0, TruncatedFile), (5, TruncatedFile), (8, TruncatedFile),
+                                          (63, TruncatedFile), (64, TruncatedFile), (95, TruncatedFile),
+                                          (96, TruncatedFile)])
+def test_a_file_too_short_for_its_structure(good, length, error):
+    with pytest.raises(error):
+        opened(good.path.read_bytes()[:length])
+
+
+@pytest.mark.parametrize("length", [5, 8, 63, 80])
+def test_the_magic_is_checked_before_the_length(good, length):
+    data = bytearray(good.path.read_bytes()[:length])
+    data[0] ^= 0xFF
+    with pytest.raises(NotAKvtoolFile):
+        opened(bytes(data))
+
+
+def test_a_whole_header_is_checked_before_the_missing_trailer(good):
+    """64 to 95 bytes: the header's checks come first (here its major version), then the length."""
+    data = bytearray(good.path.read_bytes()[:80])
+    assert data[:len(MAGIC)] == MAGIC
+    data[8] = 99  # u16 version_major, little-endian, right after the 8-byte magic
+    with pytest.raises(UnsupportedVersion):
+        opened(bytes(data))
+
+
+@pytest.mark.parametrize("version", ["missing", 1.0, True, "1", 0, 2])
+def test_every_fault_of_a_codec_params_version_is_codec_params_invalid(good, version):
+    def mutate(doc):
+        params = doc["chunks"][0]["codec_params"]
+        if version == "missing":
+            del params["version"]
+        else:
+            params["version"] = version
+
+    with pytest.raises(CodecParamsInvalid):
+        opened(rebuild(good.path, mutate))
