@@ -60,3 +60,29 @@ def test_every_fault_of_a_codec_params_version_is_codec_params_invalid(good, ver
 
     with pytest.raises(CodecParamsInvalid):
         opened(rebuild(good.path, mutate))
+
+
+def _placed(good, moves: dict[int, int]) -> bytes:
+    """The file with chunk i's blob offset set to moves[i] (CRCs left: placement is checked first)."""
+    def mutate(doc):
+        for index, offset in moves.items():
+            doc["chunks"][index]["offset"] = offset
+    return rebuild(good.path, mutate)
+
+
+def test_placement_goes_blob_by_blob_bounds_then_alignment(good):
+    from kvtool.errors import BlobOutOfBounds, BlobOverlap
+
+    far = 1 << 40
+    with pytest.raises(BlobOverlap, match="chunk 0: offset .* not a multiple"):  # chunk 0 misaligned comes first
+        opened(_placed(good, {0: 64 + 8, 1: far}))
+    with pytest.raises(BlobOutOfBounds, match="chunk 0"):  # chunk 0 out of bounds, chunk 1 misaligned
+        opened(_placed(good, {0: far, 1: 64 + 8}))
+
+
+def test_an_offset_below_64_is_out_of_bounds_not_invalid(good):
+    from kvtool.errors import BlobOutOfBounds
+
+    for offset in (0, 8, 63):
+        with pytest.raises(BlobOutOfBounds):
+            opened(_placed(good, {0: offset}))
