@@ -86,3 +86,24 @@ def test_an_offset_below_64_is_out_of_bounds_not_invalid(good):
     for offset in (0, 8, 63):
         with pytest.raises(BlobOutOfBounds):
             opened(_placed(good, {0: offset}))
+
+
+def test_tensor_objects_name_their_dtype_as_store_md_tabulates():
+    """store.md §4.3: the safetensors dtype code and the metadata's dtype name of each dtype."""
+    import json
+    import re
+    import struct
+    from pathlib import Path
+
+    from kvtool.store.objects import check_tensor, encode_tensor
+
+    text = (Path(__file__).resolve().parents[1] / "format-spec" / "store.md").read_text()
+    table = dict(re.findall(r"\| `([A-Z0-9_]+)` \| `([a-z0-9_]+)` \|", text))
+    assert len(table) == 12
+    for code, name in table.items():
+        value = torch.zeros(3, dtype=getattr(torch, name))
+        data = encode_tensor("k", value)
+        (n,) = struct.unpack_from("<Q", data, 0)
+        header = json.loads(data[8:8 + n])
+        assert (header["value"]["dtype"], header["__metadata__"]["dtype"]) == (code, name)
+        assert check_tensor(data, "t").dtype == value.dtype
