@@ -107,3 +107,40 @@ def test_tensor_objects_name_their_dtype_as_store_md_tabulates():
         header = json.loads(data[8:8 + n])
         assert (header["value"]["dtype"], header["__metadata__"]["dtype"]) == (code, name)
         assert check_tensor(data, "t").dtype == value.dtype
+
+
+@pytest.mark.parametrize("segment,error", [({"version": 2, "stored_start": -1}, "UnsupportedVersion"),
+                                           ({"version": 2}, "MissingField"),
+                                           ({"version": 1, "stored_start": -1}, "ManifestInvalid"),
+                                           ({"version": 0, "stored_start": 0}, "ManifestInvalid")])
+def test_segment_keys_are_checked_in_the_order_segment_md_gives(good, segment, error):
+    with pytest.raises(Exception) as caught:
+        with ContainerReader(BytesSource(rebuild(good.path, lambda d: d.__setitem__("segment", segment)), "x")) as r:
+            r.segment
+    assert type(caught.value).__name__ == error
+
+
+def test_a_fingerprint_mismatch_opens_and_fails_verify_with_exit_1(good, tmp_path, capsys):
+    from kvtool.cli.app import run
+
+    bad = tmp_path / "fp.kvc"
+    bad.write_bytes(rebuild(good.path, lambda d: d["model"].__setitem__("fingerprint", "sha256:" + "0" * 64)))
+    with ContainerReader(bad) as reader:  # opening does not recompute it
+        reader.read_chunk(0)
+    assert run(["verify", "--json", str(bad)]) == 1
+    import json
+
+    report = json.loads(capsys.readouterr().out)
+    assert report["checks"]["fingerprint"] == "BAD"
+
+
+def test_a_zstd_frame_that_decodes_short_is_a_decode_error(good):
+    import zstandard
+
+    from fixtures import patch_blob, split_file
+    from kvtool.errors import DecodeError
+
+    ref = split_file(good.path).manifest["chunks"][0]
+    short = zstandard.ZstdCompressor().compress(b"\0" * 100)
+    with pytest.raises(DecodeError, match="100 bytes"):
+        opened(patch_blob(good.path, ref, short))
