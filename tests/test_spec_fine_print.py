@@ -144,3 +144,17 @@ def test_a_zstd_frame_that_decodes_short_is_a_decode_error(good):
     short = zstandard.ZstdCompressor().compress(b"\0" * 100)
     with pytest.raises(DecodeError, match="100 bytes"):
         opened(patch_blob(good.path, ref, short))
+
+
+@pytest.mark.parametrize("dtype,error", [("uint8", "UnsupportedDtype"), ("int64", "UnsupportedDtype"),
+                                         ("float32", "ManifestInvalid"), ("bfloat16", "ManifestInvalid")])
+def test_a_roi_mask_of_another_dtype(tmp_path, dtype, error):
+    f = write_kv_file(tmp_path / "e.kvc", num_tokens=16, chunk_size=8, dtype=torch.float32, extras=True)
+
+    def mutate(doc):
+        doc["extras"]["roi_mask"]["dtype"] = dtype
+
+    with pytest.raises(Exception) as caught:
+        with ContainerReader(BytesSource(rebuild(f.path, mutate), "x")) as reader:
+            reader.read_extra("roi_mask")
+    assert type(caught.value).__name__ == error
