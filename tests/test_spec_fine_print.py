@@ -158,3 +158,30 @@ def test_a_roi_mask_of_another_dtype(tmp_path, dtype, error):
         with ContainerReader(BytesSource(rebuild(f.path, mutate), "x")) as reader:
             reader.read_extra("roi_mask")
     assert type(caught.value).__name__ == error
+
+
+@pytest.mark.parametrize("bins,when", [("k:0-=32,0=16;v:*=16", "decode"), ("k:0-1=32;v:*=16", "decode"),
+                                       ("k:*=300;v:*=16", "open"), ("16\u00a0", "open"), ("\t16\n", "open"),
+                                       ("k:0-=32;v:0-=32\t", None), (" K : 0- = 32 ; v : * = 32", None)])
+def test_cachegen_bins_blanks_and_when_each_fault_is_found(tmp_path, bins, when):
+    """cachegen.md §1: blanks are ASCII spaces and tabs only; the text is checked on open, the
+    layers' coverage (it depends on the chunk's L) when a chunk is decoded."""
+    from kvtool.errors import CodecParamsInvalid
+
+    f = write_kv_file(tmp_path / "c.kvc", num_tokens=16, chunk_size=8, dtype=torch.float32, codec="cachegen")
+
+    def mutate(doc):
+        for chunk in doc["chunks"]:
+            chunk["codec_params"]["bins"] = bins
+
+    data = rebuild(f.path, mutate)
+    if when == "open":
+        with pytest.raises(CodecParamsInvalid):
+            ContainerReader(BytesSource(data, "x")).close()
+        return
+    with ContainerReader(BytesSource(data, "x")) as reader:
+        if when == "decode":
+            with pytest.raises(CodecParamsInvalid):
+                reader.read_chunk(0)
+        else:  # the file's own table, with blanks: decodes
+            reader.read_chunk(0)

@@ -28,6 +28,8 @@ from ...errors import UsageError
 
 BINS_MIN = 4
 BINS_MAX = 256
+#: What the grammar calls blanks (cachegen.md §1): ASCII space and tab, nothing else.
+BLANKS = " \t"
 LMCACHE_DEFAULT = "k:0-10=32,10-=16;v:0-2=32,2-=16"
 LMCACHE_SHALLOW = "kv:*=32"  # fewer than 10 layers
 
@@ -44,7 +46,7 @@ def _int(text: str, what: str, spec: str) -> int:
 
 
 def _bins_value(text: str, spec: str) -> int:
-    b = _int(text.strip(), "bin count", spec)
+    b = _int(text.strip(BLANKS), "bin count", spec)
     if not BINS_MIN <= b <= BINS_MAX:
         raise UsageError(f"bins spec {spec!r}: bin count {b} is outside {BINS_MIN}..{BINS_MAX}")
     return b
@@ -56,7 +58,7 @@ def parse_bins_spec(spec: str) -> list[tuple[str, int, int | None, int]]:
     Raises UsageError with a message naming the offending part."""
     if not isinstance(spec, str):
         raise UsageError(f"bins spec must be a string, got {type(spec).__name__}")
-    s = spec.strip().lower()
+    s = spec.strip(BLANKS).lower()
     if not s:
         raise UsageError("bins spec is empty; try 'default' or e.g. 'k:0-10=32,10-=16;v:0-2=32,2-=16'")
     if s == "default":
@@ -66,21 +68,21 @@ def parse_bins_spec(spec: str) -> list[tuple[str, int, int | None, int]]:
         return [("k", 0, None, b), ("v", 0, None, b)]
     out: list[tuple[str, int, int | None, int]] = []
     for part in s.split(";"):
-        part = part.strip()
+        part = part.strip(BLANKS)
         if not part:
             raise UsageError(f"bins spec {spec!r}: empty part between ';'")
         if ":" not in part:
             raise UsageError(f"bins spec {spec!r}: part {part!r} lacks 'k:', 'v:' or 'kv:'")
-        group, body = (x.strip() for x in part.split(":", 1))
+        group, body = (x.strip(BLANKS) for x in part.split(":", 1))
         if group not in ("k", "v", "kv"):
             raise UsageError(f"bins spec {spec!r}: unknown group {group!r} (expected k, v or kv)")
         if not body:
             raise UsageError(f"bins spec {spec!r}: group {group!r} has no entries")
         for entry in body.split(","):
-            entry = entry.strip()
+            entry = entry.strip(BLANKS)
             if "=" not in entry:
                 raise UsageError(f"bins spec {spec!r}: entry {entry!r} should look like 'START-END=BINS'")
-            rng, val = (x.strip() for x in entry.split("=", 1))
+            rng, val = (x.strip(BLANKS) for x in entry.split("=", 1))
             m = _RANGE.match(rng)
             if not m and ":" in rng:
                 raise UsageError(f"bins spec {spec!r}: {rng!r} looks like a new group; separate groups with ';'")
