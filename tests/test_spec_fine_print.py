@@ -185,3 +185,35 @@ def test_cachegen_bins_blanks_and_when_each_fault_is_found(tmp_path, bins, when)
                 reader.read_chunk(0)
         else:  # the file's own table, with blanks: decodes
             reader.read_chunk(0)
+
+
+DUP = '{"a": 1, "a": 2}'
+
+
+@pytest.mark.parametrize("text,error", [
+    ('{"x": %s, "y": [1, 2' % DUP, "DuplicateField"),  # a syntax error after the object closes
+    ('{"x": {"a": 1, "a": 2, "b": [1, 2}, "y": 1}', "ManifestCorrupt"),  # ... and one inside it, before its brace
+    ('{"x": %s, "y": NaN}' % DUP, "DuplicateField"),
+    ('{"y": NaN, "x": %s}' % DUP, "ManifestCorrupt"),
+    ('{"y": 1%s, "x": %s}' % ("0" * 50, DUP), "ManifestCorrupt"),
+    ('{"y": "\\ud800", "x": %s}' % DUP, "DuplicateField"),  # after parsing: loses anywhere
+    ('{"y": %s, "x": %s}' % ("[" * 70 + "]" * 70, DUP), "DuplicateField"),
+])
+def test_where_a_repeated_key_stands_in_the_order_of_checks(text, error):
+    from kvtool.format.manifest import parse_manifest
+
+    with pytest.raises(Exception) as caught:
+        parse_manifest(text.encode(), data_end=1 << 20, alignment=64)
+    assert type(caught.value).__name__ == error, caught.value
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"y": %s, "z": "\\ud800"}' % ("[" * 70 + "]" * 70), "nested deeper"),
+    ('{"z": "\\ud800", "y": %s}' % ("[" * 70 + "]" * 70), "lone surrogate"),
+])
+def test_after_parsing_the_first_in_document_order(text, message):
+    from kvtool.errors import ManifestCorrupt
+    from kvtool.format.manifest import parse_manifest
+
+    with pytest.raises(ManifestCorrupt, match=message):
+        parse_manifest(text.encode(), data_end=1 << 20, alignment=64)
