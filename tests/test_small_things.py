@@ -37,3 +37,18 @@ def test_fsck_counts_in_the_singular(tmp_path, capsys):
     cache.backend.put(cache.chunk_names(tokens)[0], b"junk", replace=True)
     assert run(["store", "fsck", "--store", str(tmp_path / "s"), "--no-repair"]) == 1
     assert "1 damaged, foreign or unreadable object (0 removed)" in capsys.readouterr().err
+
+
+def test_a_put_in_another_codec_says_why_nothing_new_was_stored(tmp_path, capsys):
+    """issue 28 #4: a put of a cachegen file after the raw one stores nothing new: say why, and how."""
+    from kvtool.cli.app import run as cli
+
+    raw = write_kv_file(tmp_path / "r.kvc", num_tokens=16, chunk_size=8, dtype=torch.float32)
+    assert cli(["compress", str(raw.path), "-o", str(tmp_path / "c.kvc"), "--codec", "zstd"]) == 0
+    store = str(tmp_path / "s")
+    assert cli(["store", "put", str(raw.path), "--store", store]) == 0
+    capsys.readouterr()
+    assert cli(["store", "put", str(tmp_path / "c.kvc"), "--store", store]) == 0
+    out = capsys.readouterr().out
+    assert "0 stored, 2 already there" in out and "kept as stored, whatever their codec" in out
+    assert "store rm" in out

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from .options import (BinsOpt, CodecOpt, DeviceOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt, NamespaceOpt,
                       OptionalStoreOpt, ShuffleOpt)
-from .output import emit, human_bytes, plural, progress, renders
+from .output import KEPT_AS_STORED, emit, human_bytes, plural, progress, renders
 
 if TYPE_CHECKING:  # only named here: importing it would load torch at start-up
     from ..ops.capture import CaptureResult
@@ -73,3 +73,5 @@ def render(console: Console, r: CaptureResult) -> None:
         s = r.store  # {"store": url, "chunks", "stored", "present"}
         console.print(f"{s['store']}: {s['stored']} of {plural(s['chunks'], 'whole chunk')} stored, "
                       f"{s['present']} already there")
+        if s["present"]:
+            console.print(KEPT_AS_STORED)

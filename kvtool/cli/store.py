@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .options import JsonOpt, ModelOpt, NamespaceOpt, OutputPath, StoreOpt
-from .output import emit, human_bytes, plural, renders
+from .output import KEPT_AS_STORED, emit, human_bytes, plural, renders
 
 if TYPE_CHECKING:
     from ..ops.store import (StoreFsckResult, StoreGcResult, StoreGetResult, StoreListing, StorePutResult,
@@ -114,12 +114,18 @@ def render_put(console: Console, r: StorePutResult) -> None:
     t = r.totals
     console.print(f"{r.store}: {t['stored']} of {plural(t['chunks'], 'chunk')} stored "
                   f"({human_bytes(t['stored_bytes'])}), {t['present']} deduplicated")
+    if t["present"]:
+        console.print(KEPT_AS_STORED)
+
 
 
 @renders("StoreGetResult")
 def render_get(console: Console, r: StoreGetResult) -> None:
     console.print(f"wrote {r.output}: {r.cached_tokens} of the prompt's {r.prompt_tokens} tokens cached "
                   f"({plural(r.chunks, 'chunk')}, {', '.join(r.codecs)}), {human_bytes(r.file_bytes)}")
+    if len(r.codecs) > 1:
+        console.print(f"the chunks are in {len(r.codecs)} codecs, each as stored; `kvtool compress` the file "
+                      "to one codec (it re-encodes every chunk)")
     for why in r.refused:
         console.print(f"[yellow]refused: {why}[/yellow]")
 
