@@ -52,3 +52,23 @@ def test_a_put_in_another_codec_says_why_nothing_new_was_stored(tmp_path, capsys
     out = capsys.readouterr().out
     assert "0 stored, 2 already there" in out and "kept as stored, whatever their codec" in out
     assert "store rm" in out
+
+
+def test_store_ls_at_80_columns_shows_whole_names_and_the_models_name(tmp_path, capsys, monkeypatch):
+    """issue 28 #3: names were cut ('chunks/d795c2699309b8814b2107...') and the model column held a
+    hash: now each name is whole (folded over lines), the model named as its objects record it."""
+    from fixtures import make_identity, make_kv
+    from kvtool.cli.app import run as cli
+    from kvtool.store import open_store
+
+    monkeypatch.setenv("COLUMNS", "80")
+    ident = make_identity(name="tiny-model")
+    cache = open_store(tmp_path / "s").for_model(ident, chunk_size=8)
+    cache.put_sequence(list(range(16)), make_kv(ident, 16, torch.float32))
+    capsys.readouterr()
+    assert cli(["store", "ls", "--store", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-model" in out and "…" not in out
+    joined = "".join(line.rstrip() for line in out.splitlines())
+    for name in cache.chunk_names(list(range(16))):
+        assert name.rsplit("/", 1)[-1] in joined.replace(" ", "")

@@ -133,11 +133,13 @@ def render_get(console: Console, r: StoreGetResult) -> None:
 @renders("StoreListing")
 def render_ls(console: Console, r: StoreListing) -> None:
     table = Table(box=None, header_style="bold")
-    for col in ("kind", "model", "chunk", "bytes", "last used", "name"):
-        table.add_column(col, justify="right" if col in ("chunk", "bytes") else "left")
+    for col in ("kind", "model", "chunk", "bytes", "last used"):
+        table.add_column(col, justify="right" if col in ("chunk", "bytes") else "left", no_wrap=True)
+    table.add_column("name", overflow="fold")  # whole, on as many lines as it takes: `store rm` takes it
     now = time.time()
     for o in r.objects:  # one stored object each, as the store lists it
-        table.add_row(o["kind"], o.get("model", "")[:12], str(o.get("chunk_size", "")), human_bytes(o["bytes"]),
+        model = o.get("model_name") or o.get("model", "")[:12]  # the model's name where its objects say it
+        table.add_row(o["kind"], model[:24], str(o.get("chunk_size", "")), human_bytes(o["bytes"]),
                       _ago(now - o["last_used"]), o["name"])
     console.print(table)
     console.print(f"{plural(len(r.objects), 'object')} in {r.store}")

@@ -145,7 +145,12 @@ def ls(store: str, *, kind: str | None = None, model: str | None = None, limit: 
         rows = [r for r in rows if (kind is None or r["kind"] == kind)
                 and (model is None or r.get("model", "").startswith(model))]
         rows.sort(key=lambda r: -r["last_used"])
-        return StoreListing(store=s.url, objects=rows[:limit] if limit else rows)
+        rows = rows[:limit] if limit else rows
+        names = upkeep.model_names(s, rows)
+        for row in rows:
+            if row.get("model") in names:
+                row["model_name"] = names[row["model"]]
+        return StoreListing(store=s.url, objects=rows)
 
 
 @dataclass

@@ -45,6 +45,31 @@ def describe(info: ObjectInfo) -> dict:
     return row
 
 
+def model_names(store: ChunkStore, rows: list[dict]) -> dict[str, str]:
+    """The model's name (as its objects' manifests record it) for each model key among `rows`
+    (`describe`'s): one object's header and manifest read per key, not every object. A key whose
+    object cannot be read or checked keeps no name (shown as the key)."""
+    names: dict[str, str] = {}
+    for row in rows:
+        key = row.get("model")
+        if not key or key in names or row["kind"] != "chunk":
+            continue
+        try:
+            data = store.backend.open(row["name"])
+            if data is None:
+                continue
+            reader = objects.open_object(data, row["name"])
+            try:
+                name = reader.manifest.model.get("name")
+            finally:
+                reader.close()
+        except KvtoolError:
+            continue
+        if isinstance(name, str) and name:
+            names[key] = printable(name)
+    return names
+
+
 def inventory(store: ChunkStore) -> Inventory:
     kinds: Counter = Counter()
     models: dict[str, dict] = defaultdict(lambda: {"chunks": 0, "bytes": 0, "chunk_sizes": set()})
