@@ -97,7 +97,9 @@ def test_replay_store_with_a_delimited_prompt(segments, capsys):
     code, r, _ = cli(capsys, "replay", "--store", folder / "store", "--prompt-file", folder / "prompt.txt",
                      "--blend-delimiter", " # # ", "--continue", "3", "--check-layer", "2", "--device", "cpu",
                      "--json")
-    assert code == 0 and r["ok"] and r["check_layer"] == 2 and len(r["continuation_tokens"]) == 3
+    tokens = r["continuation_tokens"]  # 3, or fewer ending at the model's end of sequence
+    assert code == 0 and r["ok"] and r["check_layer"] == 2 and 1 <= len(tokens) <= 3
+    assert len(tokens) == 3 or tokens[-1] == 2  # SmolLM2's <|im_end|>
     with ContainerReader(paths[0]) as a, ContainerReader(paths[1]) as b:
         n0, n1 = a.num_tokens, b.num_tokens
     assert [(s["tokens"], s["cached_tokens"]) for s in r["segments"]] == [(n, n // 8 * 8) for n in (n0, n1)]

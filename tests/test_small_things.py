@@ -72,3 +72,27 @@ def test_store_ls_at_80_columns_shows_whole_names_and_the_models_name(tmp_path, 
     joined = "".join(line.rstrip() for line in out.splitlines())
     for name in cache.chunk_names(list(range(16))):
         assert name.rsplit("/", 1)[-1] in joined.replace(" ", "")
+
+
+@pytest.mark.model
+def test_every_continuation_stops_at_the_models_end_of_sequence(tmp_path, capsys, default_model):
+    """issue 28 #2: a continuation ran on past the model's end of sequence and printed raw special
+    tokens ('<|im_end|>\\n<|im_end|><|im_start|>system...'). Now it stops there (the token kept),
+    the cached run's and the recompute's alike."""
+    import json
+
+    from kvtool.cli.app import run as cli
+
+    path = tmp_path / "q.kvc"
+    assert cli(["capture", "--prompt", "What is 2+2? Answer with a number only.", "--chat", "--dtype", "fp32", "-o", str(path),
+                "--json"]) == 0
+    eos = set(default_model.config.eos_token_ids)
+    for compare in ([], ["--compare"]):
+        capsys.readouterr()
+        assert cli(["replay", str(path), "--continue", "64", *compare, "--json"]) == 0
+        r = json.loads(capsys.readouterr().out)
+        tokens = r["continuation_tokens"]
+        assert len(tokens) < 64 and tokens[-1] in eos and not eos & set(tokens[:-1])
+        assert r["continue_tokens"] == len(tokens)
+        if compare:
+            assert r["cached_continuation_tokens"] == tokens  # lossless: the same, stopping at the same place

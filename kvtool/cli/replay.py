@@ -17,7 +17,8 @@ if TYPE_CHECKING:  # the results are only named here: importing them would load 
     from ..ops.blend import BlendReplayResult
     from ..ops.replay import ReplayResult
 
-ContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help="Tokens to generate (or teacher-force with --compare).")]
+ContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help=(
+    "Tokens to generate, up to the model's end of sequence (or teacher-force with --compare)."))]
 SuffixOpt = Annotated[Optional[str], typer.Option("--suffix", metavar="TEXT", help="Text to append after the cached tokens.")]
 SuffixFileOpt = Annotated[Optional[Path], typer.Option("--suffix-file", metavar="FILE", help="File with text to append.")]
 PromptOpt = Annotated[Optional[str], typer.Option(

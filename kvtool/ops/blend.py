@@ -472,7 +472,7 @@ def blend_result(inputs: BlendInputs, request: BlendRequest, blended: BlendRun, 
         segments=[p.report for p in inputs.parts], recompute_ratio=request.ratio, check_layer=inputs.check_layer,
         prefix_tokens=result.prefix, recomputed_cached=result.recomputed_cached,
         recompute_fraction=result.recompute_fraction, computed_tokens=int(result.recomputed.numel()),
-        load_s=inputs.load_s, ttft_blend_s=inputs.load_s + blended.seconds, continue_tokens=request.continue_tokens,
+        load_s=inputs.load_s, ttft_blend_s=inputs.load_s + blended.seconds, continue_tokens=len(generated),
         continuation_tokens=generated, continuation=model.tokenizer.decode(generated), **measured)
 
 

@@ -473,9 +473,11 @@ def first_logits(runner: Runner, seq, prefix: Prefix, model: LoadedModel,
 
 
 def greedy(runner: Runner, seq, first: torch.Tensor, continue_tokens: int) -> list[int]:
-    """`continue_tokens` tokens of greedy decoding, the first from the logits `first` [1, V]."""
+    """Up to `continue_tokens` tokens of greedy decoding, the first from the logits `first` [1, V];
+    it stops at the model's end of sequence (included), as `Runner.generate` does."""
+    stop = set(runner.config.eos_token_ids)
     generated = [int(first[0].argmax())]
-    while len(generated) < continue_tokens:
+    while len(generated) < continue_tokens and generated[-1] not in stop:
         generated.append(int(runner.decode_step(seq, generated[-1]).argmax()))
     return generated
 
@@ -488,7 +490,7 @@ def measure_against(reference: tuple[torch.Tensor, list[int], float], start: Cac
     ref_logits, generated, ttft_recompute = reference  # [N, V], N tokens, seconds
     n = len(start.plan.tokens)
     rest = start.runner.prefill(start.seq, generated[:-1], start_pos=n, prefill_chunk=prefill_chunk, logits="all") \
-        if continue_tokens > 1 else start.first[:0]
+        if len(generated) > 1 else start.first[:0]
     cached_logits = torch.cat([start.first, rest])  # [N, V]
     measured: dict[str, Any] = {"ttft_recompute_s": ttft_recompute,
                                 "speedup": ttft_recompute / max(start.ttft_s, 1e-9),
@@ -509,7 +511,7 @@ def replay_result(prefix: Prefix, model: LoadedModel, start: CachedStart, contin
         codecs=sorted(set(prefix.codecs)) if reused_any else [], device=describe(model.device),
         model_dtype=str(model.dtype).removeprefix("torch."), first_token_from=start.first_from,
         weights=prefix.weights if reused_any else "nothing reused", load_s=start.load_s,
-        ttft_cached_s=start.ttft_s, continue_tokens=continue_tokens, continuation_tokens=generated,
+        ttft_cached_s=start.ttft_s, continue_tokens=len(generated), continuation_tokens=generated,
         continuation=model.tokenizer.decode(generated), notice=start.notice, **measured)
 
 
@@ -538,9 +540,11 @@ def recompute(model: LoadedModel, tokens: list[int], continue_tokens: int, kv_dt
     logits = runner.prefill(seq, tokens, prefill_chunk=prefill_chunk, logits="last")  # [1, V]
     synchronize(model.device)
     ttft = time.perf_counter() - t0
-    ref_logits, greedy = [logits[0]], []
-    for i in range(continue_tokens):
+    ref_logits, greedy, stop = [logits[0]], [], set(model.config.eos_token_ids)
+    for i in range(continue_tokens):  # up to continue_tokens, stopping at the end of sequence (kept)
         greedy.append(int(ref_logits[-1].argmax()))
+        if greedy[-1] in stop:
+            break
         if i + 1 < continue_tokens:
             ref_logits.append(runner.decode_step(seq, greedy[-1]))
     return torch.stack(ref_logits), greedy, ttft
