@@ -392,3 +392,33 @@ def test_a_chunk_object_marked_a_rotated_or_unreadable_segment_is_refused(tmp_pa
     assert_a_miss_at(cache, 1)
     report = fsck(cache.store)
     assert [d["name"] for d in report.damaged] == [name] and why in report.damaged[0]["reason"]
+
+
+def test_fsck_removes_what_verify_refuses_non_zero_padding(tmp_path):
+    """Issue 27 #1: whatever `verify` refuses, fsck removes; padding is never loaded (it is not
+    KV), so loads need not read it, but an object with bytes there is not one a writer made. The
+    object is written with 64-byte alignment (kvtool's own are packed), so it has padding."""
+    from kvtool.format import ContainerReader, ContainerWriter
+    from kvtool.store.names import STORE_VERSION
+
+    cache = filled(str(tmp_path / "s"))
+    link = cache._chain(TOKENS)[1]
+    extension = {"version": STORE_VERSION, "kind": "chunk", "start": link.start, "parent_hash": link.parent.hex(),
+                 "prefix_hash": link.prefix_hash}
+    writer = ContainerWriter(None, cache.model, TOKENS[CS:2 * CS], kv_dtype="float32", chunk_size=CS, alignment=64,
+                             extensions={"store": extension})
+    writer.write_chunk(make_kv(identity(), CS, torch.float32), codec="zstd")  # a length that leaves padding
+    writer.finish()
+    data = bytearray(writer.getvalue())
+    name = replace_object(cache, 1, bytes(data))
+    assert not fsck(cache.store, repair=False).damaged  # as written: intact
+    path = tmp_path / "s" / name
+    with ContainerReader(path) as reader:
+        chunk = reader.manifest.chunks[0].blob
+        gap = chunk.offset + chunk.length  # the chunk's end, then zeros up to the next 64-aligned blob
+        assert gap % 64 and reader.manifest.tokens.offset > gap
+    data[gap] = 0x5A
+    path.write_bytes(bytes(data))
+    assert cache.load_prefix(TOKENS, paged()).num_tokens == 32  # loads never read padding
+    report = fsck(cache.store)
+    assert [d["name"] for d in report.damaged] == [name] and "padding" in report.damaged[0]["reason"]

@@ -128,6 +128,10 @@ def check_object(name: str, data) -> None:
         obj = objects.check_chunk(data, name)
         try:
             obj.decode()  # the payload decodes to the declared shape, every value finite
+            if obj.reader.nonzero_padding():  # what `verify` refuses, fsck removes (never loaded: not KV)
+                raise ObjectRefused(f"{name}: non-zero bytes in its padding (container.md §2.3)")
+        except ObjectRefused:
+            raise
         except KvtoolError as err:
             raise ObjectRefused(f"{name}: {err}") from None
         finally:
