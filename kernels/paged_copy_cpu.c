@@ -836,10 +836,11 @@ done:
 
 /* ---- scatter_checked ---------------------------------------------------------------------- */
 
-/* The finiteness check that rides on a checked copy (issue: a NaN chunk with a valid CRC reached
- * the model). `kind` 0: none; 1 bf16, 2 fp16, 3 fp32: a value is NaN or infinite exactly when all
- * of its exponent bits are set. Each span is scanned just before it is copied, so its bytes come
- * from memory once and are in the cache for the copy. `bad` counts the values found. */
+/* The finiteness check that rides on a checked copy (a NaN chunk with a valid CRC reached the
+ * model). `kind` 0: none; 1 bf16, 2 fp16, 3 fp32: a value is NaN or infinite exactly when all of
+ * its exponent bits are set. The CRC stream flags them on its own loads (crc32c_stream_values);
+ * the scans below serve the strided path (which checksums what it wrote) and `nonfinite`. `bad`
+ * is non-zero when one was found. */
 typedef struct {
     int kind;
     uint64_t bad;
@@ -883,13 +884,6 @@ static uint64_t count_nonfinite(const uint8_t *p, size_t n, int kind) {
     return bad;
 }
 
-/* A piece copied through the CRC stream, whose values check (crc32c_stream_values) rides on the
- * same loads: the bytes are read once. */
-static inline void copy_scan(crc32c_stream *s, finite_t *fin, void *dst, const void *src, size_t n, int nt) {
-    (void)fin;
-    crc32c_stream_copy(s, dst, src, n, nt);
-}
-
 typedef struct {
     const segment_t *seg;
     size_t first, last;          /* segments [first, last) */
@@ -910,7 +904,7 @@ static void check_segments(crc32c_stream *s, finite_t *fin, const segment_t *seg
         const uint8_t *b = (const uint8_t *)(uintptr_t)g->blob;
         uint8_t *paged = (uint8_t *)(uintptr_t)g->paged;
         const int64_t *slots = (const int64_t *)(uintptr_t)g->slots;
-        copy_scan(s, fin, NULL, pos, (size_t)(b - pos), 0); /* bytes between segments */
+        crc32c_stream_copy(s, NULL, pos, (size_t)(b - pos), 0); /* bytes between segments */
         size_t token_bytes = (size_t)(g->groups * g->run);
         if (g->stride && rows && token_bytes <= TILE_BUFFER) {
             /* transposed rows: a run's blob rows are checked as they are copied into a buffer,
@@ -918,7 +912,7 @@ static void check_segments(crc32c_stream *s, finite_t *fin, const segment_t *seg
             for (size_t t = 0; t < g->tokens;) {
                 size_t n = slot_run(g, slots, t, (size_t)g->tokens);
                 if (n * token_bytes > TILE_BUFFER) n = TILE_BUFFER / token_bytes;
-                copy_scan(s, fin, rows, b, n * token_bytes, 0);
+                crc32c_stream_copy(s, rows, b, n * token_bytes, 0);
                 tiles_run(g, t, n, (char *)rows, 1, nt, (char *)page);
                 b += n * token_bytes;
                 t += n;
@@ -942,18 +936,18 @@ static void check_segments(crc32c_stream *s, finite_t *fin, const segment_t *seg
                 size_t n = merge ? slot_run(g, slots, t, (size_t)g->tokens) : 1;
                 uint8_t *row = paged + token_at(g, slots[t]);
                 if (merge) {
-                    copy_scan(s, fin, row, b, n * (size_t)g->run, nt);
+                    crc32c_stream_copy(s, row, b, n * (size_t)g->run, nt);
                     b += n * g->run;
                 } else {
                     for (size_t gi = 0; gi < g->groups; gi++, b += g->run, row += g->sh)
-                        copy_scan(s, fin, row, b, (size_t)g->run, nt);
+                        crc32c_stream_copy(s, row, b, (size_t)g->run, nt);
                 }
                 t += n;
             }
         }
         pos = b;
     }
-    copy_scan(s, fin, NULL, pos, (size_t)(end - pos), 0);
+    crc32c_stream_copy(s, NULL, pos, (size_t)(end - pos), 0);
 }
 
 /* Tile buffers for a part's transposed pages (both or neither), NULL when it has none. */
