@@ -130,15 +130,22 @@ def test_a_zstd_payload_that_is_not_a_frame_is_a_miss_not_an_error(tmp_path):
     assert [d["name"] for d in report.damaged] == [name] and report.removed == 1
 
 
+def occupied(tmp_path, index: int):
+    """A filled store whose object `index` of TOKENS is removed, so a test can put something else at
+    its name: (cache, name, path)."""
+    cache = filled(str(tmp_path / "s"))
+    name = cache.chunk_names(TOKENS)[index]
+    path = tmp_path / "s" / name
+    path.unlink()
+    return cache, name, path
+
+
 # ---- 2. links, folders and FIFOs at object names ------------------------------------------------
 
 def test_a_link_at_an_object_name_is_never_followed(tmp_path):
     outside = tmp_path / "secret.txt"
     outside.write_text("root:x:0:0\n")
-    cache = filled(str(tmp_path / "s"))
-    name = cache.chunk_names(TOKENS)[1]
-    path = tmp_path / "s" / name
-    path.unlink()
+    cache, name, path = occupied(tmp_path, 1)
     path.symlink_to(outside)
     with pytest.raises(ObjectRefused, match="symbolic link"):
         cache.backend.open(name)
@@ -155,20 +162,15 @@ def test_a_link_at_an_object_name_is_never_followed(tmp_path):
 def test_fsck_removes_a_link_not_what_it_points_to(tmp_path):
     outside = tmp_path / "keep.txt"
     outside.write_text("mine")
-    cache = filled(str(tmp_path / "s"))
-    name = cache.chunk_names(TOKENS)[0]
-    (tmp_path / "s" / name).unlink()
-    (tmp_path / "s" / name).symlink_to(outside)
+    cache, name, path = occupied(tmp_path, 0)
+    path.symlink_to(outside)
     report = fsck(cache.store)
     assert report.removed == 1 and outside.read_text() == "mine"
     assert not os.path.lexists(tmp_path / "s" / name)
 
 
 def test_a_folder_at_an_object_name(tmp_path):
-    cache = filled(str(tmp_path / "s"))
-    name = cache.chunk_names(TOKENS)[2]
-    path = tmp_path / "s" / name
-    path.unlink()
+    cache, name, path = occupied(tmp_path, 2)
     path.mkdir()
     (path / "inside").write_text("x")
     assert not cache.backend.exists(name)
@@ -182,10 +184,7 @@ def test_a_folder_at_an_object_name(tmp_path):
 
 
 def test_a_fifo_at_an_object_name_never_blocks(tmp_path):
-    cache = filled(str(tmp_path / "s"))
-    name = cache.chunk_names(TOKENS)[1]
-    path = tmp_path / "s" / name
-    path.unlink()
+    cache, name, path = occupied(tmp_path, 1)
     os.mkfifo(path)
     with pytest.raises(ObjectRefused, match="not a regular file"):
         cache.backend.open(name)
