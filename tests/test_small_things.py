@@ -96,3 +96,11 @@ def test_every_continuation_stops_at_the_models_end_of_sequence(tmp_path, capsys
         assert r["continue_tokens"] == len(tokens)
         if compare:
             assert r["cached_continuation_tokens"] == tokens  # lossless: the same, stopping at the same place
+
+
+def test_a_mistyped_store_url_never_shows_its_password(capsys):
+    from kvtool.cli.app import run as cli
+
+    assert cli(["store", "stats", "--store", "redis:/admin:hunter2@10.0.0.1:6379/0"]) == 2
+    err = capsys.readouterr().err
+    assert "hunter2" not in err and "admin" not in err and "did you mean redis://***@10.0.0.1:6379/0?" in err

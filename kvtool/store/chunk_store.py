@@ -44,7 +44,10 @@ def open_store(url: str | os.PathLike, *, memory_bytes: int = 0, max_bytes: int 
     text = os.fspath(url)
     typo = _SCHEME_TYPO.match(text)
     if typo and not _SCHEME.match(text):  # `redis:/host:6379/0`: a URL missing a slash, not a folder
-        raise StoreUrlInvalid(f"{text}: did you mean {typo.group(1)}://{text[typo.end():].lstrip('/')}?")
+        from .redis_backend import redacted  # (a password in it is never shown)
+
+        meant = redacted(f"{typo.group(1)}://{text[typo.end():].lstrip('/')}")
+        raise StoreUrlInvalid(f"a {typo.group(1)}: store URL missing a slash: did you mean {meant}?")
     m = _SCHEME.match(text)
     scheme = m.group(1).lower() if m else None
     if scheme in ("redis", "rediss", "unix"):
