@@ -73,7 +73,7 @@ class EngineBlocks:
     def target(self, block_ids: Sequence[int], end: int) -> ConnectorTarget:
         """The blocks of a request holding `block_ids`, tokens [0, end), as the destination of a
         load (`kvtool.load`): tokens [start, stop) go to their slots; safe from several threads."""
-        return ConnectorTarget(self.paged, kvcaches=self.layers, slot_mapping=self.slots(block_ids, end))
+        return self.paged.target(kvcaches=self.layers, slot_mapping=self.slots(block_ids, end))
 
     def scatter_into(self, block_ids: Sequence[int], end: int) -> ConnectorTarget:
         """`target`, by the name bench/bench_load.py uses."""
