@@ -20,8 +20,10 @@ layout, block size 16, shuffled blocks), every chunk CRC-checked, side by side i
               that read with pread a window at a time into a cache-sized buffer; "every
               payload mapped" and "every payload in windows" force one way; "manifests parsed
               afresh": no manifest kept from an earlier load (a process's first load of the
-              prefix); "objects read whole": every object read into a buffer, then checked as it
-              is scattered, as before either)
+              prefix); "objects checked afresh": no object's checks 1-10 kept from an earlier
+              load (a hot prefix's objects, unchanged since, skip them; the payload is checked as
+              copied either way); "objects read whole": every object read into a buffer, then
+              checked as it is scattered, as before either)
   128-bit fold the pipeline with CRC-32C's 128-bit PCLMULQDQ fold forced, where the CPU has the
               256-bit VPCLMULQDQ one (which it uses otherwise)
   safetensors safetensors.torch.load_file of the same KV as one tensor, then the same scatter
@@ -66,7 +68,7 @@ import numpy  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from kvtool.connectors import ConnectorTarget, MemoryObj, PagedMemConnectorV2, paged_native  # noqa: E402
+from kvtool.connectors import MemoryObj, PagedMemConnectorV2, paged_native  # noqa: E402
 from kvtool.format import ContainerReader, ContainerWriter  # noqa: E402
 from kvtool.identity import ModelIdentity  # noqa: E402
 from kvtool.load import file_tasks, load_chunks  # noqa: E402
@@ -100,7 +102,7 @@ class Paged:
         self.connector = PagedMemConnectorV2(heads * head_dim, layers, layout="flash_attn", num_kv_heads=heads,
                                              head_dim=head_dim, use_gpu=device != "cpu")
         # the load's destination: raw chunks copied from their stored bytes, CRC-checked as copied
-        self.target = ConnectorTarget(self.connector, kvcaches=self.caches, slot_mapping=self.slots)
+        self.target = self.connector.target(kvcaches=self.caches, slot_mapping=self.slots)
         # one that takes decoded KV only: raw chunks copied privately (the load thread's reused
         # buffer) and CRC-checked first
         self.checked_first = _DecodedOnly(self)
@@ -183,6 +185,17 @@ def fresh_manifests(fn):
     return run
 
 
+def objects_checked_afresh(fn):
+    """`fn` with no object's checks kept from an earlier load (kvtool.store.loading: a hot
+    prefix's objects, opened again, skip checks 1-10; their payloads are checked as copied)."""
+    from kvtool.store import loading
+
+    def run():
+        loading.forget_checked()
+        fn()
+    return run
+
+
 def whole_objects(fn, backend):
     """`fn` with the store's objects read whole into a buffer (as before they were opened)."""
     def run():
@@ -256,6 +269,8 @@ def run_geometry(name: str, layers: int, heads: int, head_dim: int, tokens: int,
     fns["raw: store load_prefix, without the NaN/inf scan"] = no_finiteness_scan(
         lambda: store_cache.load_prefix(token_ids, paged.target))
     fns["raw: store load_prefix, manifests parsed afresh"] = fresh_manifests(
+        lambda: store_cache.load_prefix(token_ids, paged.target))
+    fns["raw: store load_prefix, objects checked afresh"] = objects_checked_afresh(
         lambda: store_cache.load_prefix(token_ids, paged.target))
     fns["raw: store load_prefix, objects read whole"] = whole_objects(
         lambda: store_cache.load_prefix(token_ids, paged.target), store_cache.backend)

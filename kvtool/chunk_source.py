@@ -97,6 +97,17 @@ class ChunkSource:
         return cls(what=what, codec="raw", dtype=dtype_name(blob.dtype), shape=tuple(blob.shape), length=data.nbytes,
                    crc32c=crc32(data), raw=True, decode=decode, data=data, private=True, checked=True)
 
+    def reopened(self, fd: int, on_release: Callable[[], None] | None = None) -> "ChunkSource":
+        """The same chunk, described as this source describes it, in another open descriptor of
+        the same file (which the new source owns): a store object opened again, whose checks ran
+        on an earlier opening (kvtool.store.loading). The payload is checked as it is copied."""
+        if self.data is not None:
+            raise ValueError("reopened: not a chunk in a file")  # a bug, not bad input
+        return ChunkSource(what=self.what, codec=self.codec, dtype=self.dtype, shape=self.shape, length=self.length,
+                           crc32c=self.crc32c, raw=self.raw, decode=self._decode, fd=fd, offset=self.offset,
+                           batch=None if self.batch_key is None else (self.batch_key, self._decode_batch),
+                           on_release=on_release)
+
     @property
     def in_file(self) -> bool:
         """The payload is still in an open file (read as it is copied)."""

@@ -165,6 +165,7 @@ class PreadFile:
         self.fd, self.name = fd, name
         st = os.fstat(fd)
         self.size, self.mtime_ns, self.regular = st.st_size, st.st_mtime_ns, stat.S_ISREG(st.st_mode)
+        self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)  # which file, as of when
 
     def read(self, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length), fewer where the file ends first (as a slice would,

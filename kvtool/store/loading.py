@@ -10,6 +10,9 @@ chunk missing or refused; a refused object is reported once, and is never loaded
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +41,48 @@ DAMAGE = (ObjectRefused, ChecksumMismatch, DecodeError, ShapeMismatch, NonFinite
 #: (open, checks) than in copying, and two threads only contend for the interpreter (bench_store:
 #: 16-token chunks of the default model, 0.37 MB, loaded 1.7x slower on two threads, one GET each).
 SMALL_CHUNK_BYTES = 1 << 20
+
+
+#: Chunk objects in files whose checks 1-10 passed on an earlier opening in this process, by the
+#: file they lie in (its device, inode, size and modification time) and what was asked of it: a
+#: hot prefix's objects are opened by every load, and those checks (header, manifest, tokens,
+#: names) cost ~90 us an object, as long as copying 1.5 MB of its KV. Such an object opened again
+#: skips them; its payload is still checked as it is copied (CRC-32C and values, checks 11-13,
+#: against the checked manifest's CRC), so what reaches a model is exactly the bytes checked.
+#: Only files last modified KEPT_AFTER_NS ago or more are kept (as git's index treats "racily
+#: clean" files): a file's time moves in clock ticks, so a change made within the tick of an
+#: earlier one could leave its size and time as they were; after that, any write moves them.
+_kept: "OrderedDict[tuple, ChunkSource]" = OrderedDict()
+_kept_lock = threading.Lock()
+KEPT_OBJECTS = 4096
+KEPT_AFTER_NS = 2_000_000_000
+
+
+def _kept_source(data, key: tuple) -> ChunkSource | None:
+    """The kept description of the object open in `data` (a `PreadFile`) under `key`, as a
+    source that owns `data`'s descriptor; None when it is not kept."""
+    with _kept_lock:
+        template = _kept.get(key)
+        if template is None:
+            return None
+        _kept.move_to_end(key)
+    fd, data.fd = data.fd, -1  # (the new source owns the descriptor now)
+    return template.reopened(fd)
+
+
+def _keep(key: tuple, source: ChunkSource, mtime_ns: int) -> None:
+    if time.time_ns() - mtime_ns < KEPT_AFTER_NS or not source.in_file:
+        return
+    with _kept_lock:
+        _kept[key] = source
+        if len(_kept) > KEPT_OBJECTS:
+            _kept.popitem(last=False)
+
+
+def forget_checked() -> None:
+    """Drop every kept check (tests; a process that wants every object checked in full again)."""
+    with _kept_lock:
+        _kept.clear()
 
 
 @dataclass
@@ -96,12 +141,22 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
         data = fetch(index, name)
         if data is None:
             raise _Gone(name)
+        identity = getattr(data, "identity", None)  # an object opened as a file: which, as of when
+        key = None if identity is None else (identity, name, cache.key, link.start)
+        if key is not None:
+            source = _kept_source(data, key)
+            if source is not None:
+                seen[index] = (source.codec, identity[2])
+                return source
         size = data.size if hasattr(data, "fd") else len(data)
         obj = objects.check_chunk(data, name, model=cache.key, chunk_size=cache.chunk_size,
                                   prefix_hash=link.prefix_hash, start=link.start, extra=link.extra,
                                   verify_payload=False)  # checked as it is copied or decoded
         seen[index] = (obj.codec, size)
-        return obj.source()
+        source = obj.source()
+        if key is not None:
+            _keep(key, source, identity[3])
+        return source
 
     tasks, first_task = [], None
     for index, link in enumerate(chain[:stored]):
