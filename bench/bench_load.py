@@ -325,6 +325,17 @@ def gpu_candidates(kv, files, tmp, store_cache, token_ids, layers, heads, head_d
             outcome = load(file_tasks(reader, tokens), paged.target)
         assert outcome.error is None and outcome.loaded_tokens == tokens, outcome
 
+    def grouped(size, fn):  # CacheGen chunks decoded `size` at a time (default: load.path.GPU_DECODE_BATCH)
+        from kvtool.load import path
+
+        def run():
+            default, path.GPU_DECODE_BATCH = path.GPU_DECODE_BATCH, size
+            try:
+                fn()
+            finally:
+                path.GPU_DECODE_BATCH = default
+        return run
+
     fns = {"gpu limit: pinned host-to-device copy": synced(lambda: on_device.copy_(pinned, non_blocking=True)),
            "gpu safetensors load_file + .to(cuda) + scatter": synced(
                lambda: paged.scatter(load_file(str(tmp / "kv.safetensors"))["kv"].to(device), 0, tokens)),
@@ -332,6 +343,8 @@ def gpu_candidates(kv, files, tmp, store_cache, token_ids, layers, heads, head_d
            "gpu raw: staged, 3 buffers and threads": synced(lambda: staged(files["raw"], staging=3, threads=3)),
            "gpu zstd: staged": synced(lambda: staged(files["zstd"])),
            "gpu cachegen: batched GPU decode": synced(lambda: batched(files["cachegen"])),
+           "gpu cachegen: batched GPU decode, groups of 16": synced(grouped(16, lambda: batched(files["cachegen"]))),
+           "gpu cachegen: batched GPU decode, groups of 8": synced(grouped(8, lambda: batched(files["cachegen"]))),
            "gpu raw: store load_prefix (staged)": synced(lambda: store_cache.load_prefix(token_ids, paged.target))}
     staged(files["raw"])
     torch.cuda.synchronize()

@@ -11,13 +11,12 @@ a batch of chunks is what fills a GPU.
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from ... import cuda_build
+from ... import cuda_build, pinned
 from ...dtypes import itemsize
 from ...errors import CodecParamsInvalid, DecodeError, NonFiniteValues, UsageError
 from .bins import canonical_bins_spec, resolve_bins
@@ -237,40 +236,80 @@ class DecodePlan:
         return [o.view(shp) for o, (shp, _) in zip(self.outs, self.metas)]
 
 
-# Pinned upload buffers kept between decodes, per device, each with the event of its last copy:
-# allocating and zeroing pinned memory per batch cost more than the copy (H200, 8B geometry).
-_PINNED: dict[torch.device, list[tuple[torch.Tensor, "torch.cuda.Event"]]] = {}
-_PINNED_LOCK = threading.Lock()
-_PINNED_KEEP = 2
-
-
 def _upload_payloads(payloads, sizes, starts, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The payloads, each at its 4-byte aligned start, copied to one device buffer through a
-    reused pinned one; returns (the pinned buffer, the device buffer)."""
+    """The payloads, each at its 4-byte aligned start, copied to one device buffer through a pinned
+    one (kvtool.pinned: kept between decodes; allocating and zeroing pinned memory per batch cost
+    more than the copy). Payloads read straight into a pinned buffer at those starts (the load
+    path does) go up from there, not copied again. Returns (the pinned buffer, the device buffer)."""
     total = int(starts[-1]) or 4
-    with _PINNED_LOCK:
-        kept = _PINNED.get(dev) or []
-        entry = kept.pop() if kept else None
-    host = None
-    if entry is not None:
-        host, last_copy = entry
-        last_copy.synchronize()  # the GPU has read what it held
-        if host.numel() < total:
-            host = None
-    if host is None:
-        host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    hv = host.numpy()
-    for pl, a, s in zip(payloads, starts[:-1], sizes):
-        hv[a:a + s] = np.frombuffer(pl, dtype=np.uint8)
-        hv[a + s:(a + s + 3) & ~3] = 0  # the padding to the next start
+    lease = _holding_in_place(payloads, starts, total)
+    if lease is None:
+        lease = pinned.take(total, dev)
+        hv = lease.buffer.numpy()
+        for pl, a, s in zip(payloads, starts[:-1], sizes):
+            hv[a:a + s] = np.frombuffer(pl, dtype=np.uint8)
+            hv[a + s:(a + s + 3) & ~3] = 0  # the padding to the next start
+    host = lease.buffer
     d_pl = host[:total].to(dev, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record(torch.cuda.current_stream(dev))
-    with _PINNED_LOCK:
-        kept = _PINNED.setdefault(dev, [])
-        if len(kept) < _PINNED_KEEP:
-            kept.append((host, copied))
+    pinned.give(lease, copied)
     return host, d_pl
+
+
+def _holding_in_place(payloads, starts, total: int) -> "pinned.Lease | None":
+    """The lease of the pinned buffer that holds every payload at its start already, if one does."""
+    addresses = [np.frombuffer(pl, dtype=np.uint8).ctypes.data for pl in payloads]
+    lease = pinned.holding(addresses[0])
+    if lease is None or lease.given or lease.buffer.numel() < total:
+        return None
+    base = lease.buffer.data_ptr()
+    return lease if all(a == base + int(s) for a, s in zip(addresses, starts[:-1])) else None
+
+
+def section_table(metas, out_addresses: Sequence[int], payloads_address: int, starts: np.ndarray, es: int,
+                  dtype_code: int, scratch_bytes) -> tuple[np.ndarray, np.ndarray, int]:
+    """The decode launch's section table (SECTION_DTYPE, one row per layer section of each chunk,
+    in order; its `scratch` column left 0), each section's scratch offset (256-byte aligned) and
+    the scratch's total bytes. `metas`: (shape, payload header) per chunk; `scratch_bytes(T, C, M)`:
+    what one section needs. Built a column at a time: a row at a time it took ~12 ms for 32
+    chunks of 64 sections, on the load's critical path (`section_rows` is that row-at-a-time
+    reference, for the tests)."""
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in ("src", "dst", "src_len", "T", "C", "M", "P", "N")}
+    for ((_, L, T, C), hdr), out, base in zip(metas, out_addresses, starts[:-1]):
+        n = 2 * L
+        columns["src"].append(np.asarray(hdr.offsets[:n], dtype=np.uint64) + np.uint64(payloads_address + int(base)))
+        columns["dst"].append(np.uint64(out) + np.arange(n, dtype=np.uint64) * np.uint64(T * C * es))
+        columns["src_len"].append(np.asarray(hdr.lengths[:n], dtype=np.uint64))
+        columns["T"].append(np.full(n, T, dtype=np.uint32))
+        columns["C"].append(np.full(n, C, dtype=np.uint32))
+        columns["M"].append(np.asarray(hdr.half_ranges[:n], dtype=np.int32))
+        columns["P"].append(np.full(n, hdr.prob_bits, dtype=np.int32))
+        columns["N"].append(np.full(n, hdr.lanes, dtype=np.int32))
+    secs = np.zeros(sum(len(c) for c in columns["T"]), dtype=SECTION_DTYPE)
+    for name, parts in columns.items():
+        secs[name] = np.concatenate(parts)
+    secs["dtype"] = dtype_code
+    keys = list(zip(secs["T"].tolist(), secs["C"].tolist(), secs["M"].tolist()))
+    needed = {key: scratch_bytes(*key) for key in set(keys)}
+    padded = (np.array([needed[key] for key in keys], dtype=np.uint64) + np.uint64(255)) & ~np.uint64(255)
+    offs = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.uint64)
+    return secs, offs, max(int(padded.sum()), 256)
+
+
+def section_rows(metas, out_addresses: Sequence[int], payloads_address: int, starts: np.ndarray, es: int,
+                 dtype_code: int, scratch_bytes) -> tuple[np.ndarray, np.ndarray, int]:
+    """`section_table`, a row at a time (the reference)."""
+    rows = []
+    for ((_, L, T, C), hdr), out, base in zip(metas, out_addresses, starts[:-1]):
+        for l in range(2 * L):
+            rows.append((payloads_address + int(base) + hdr.offsets[l], out + l * T * C * es, hdr.lengths[l], T, C,
+                         hdr.half_ranges[l], hdr.prob_bits, hdr.lanes))
+    offs, total = _layout_scratch([scratch_bytes(r[3], r[4], r[5]) for r in rows])
+    secs = np.zeros(len(rows), dtype=SECTION_DTYPE)
+    for k, (src, dst, ln, T, C, M, P, N) in enumerate(rows):
+        secs[k] = (src, dst, 0, ln, T, C, M, P, N, dtype_code, 0, 0)
+    return secs, offs, total
 
 
 def plan_decode(payloads: Sequence[bytes | memoryview], shapes: Sequence[Any], dtype: torch.dtype, params: dict,
@@ -328,21 +367,14 @@ def plan_decode(payloads: Sequence[bytes | memoryview], shapes: Sequence[Any], d
             wpb = 0  # auto: shared memory only when it does not cost resident warps (measured on an H100)
         elif tables == "smem" and wpb == 0:
             raise UsageError("cachegen: the decoder tables do not fit in shared memory for this geometry")
-    rows = []
-    for (shp, hdr), out, base in zip(metas, outs, starts[:-1]):
-        _, L, T, C = shp
+    for (shp, _), out in zip(metas, outs):
         if tuple(out.shape) != shp or out.dtype != dtype or out.device != dev or not out.is_contiguous():
             raise UsageError("cachegen: output tensor does not match the shape/dtype/device")
-        for l in range(2 * L):
-            rows.append((d_pl.data_ptr() + int(base) + hdr.offsets[l], out.data_ptr() + l * T * C * es,
-                         hdr.lengths[l], T, C, hdr.half_ranges[l], hdr.prob_bits, hdr.lanes))
-    sizes_s = [lib.cgc_decode_scratch_bytes(r[3], r[4], r[5], 0 if wpb else 1) for r in rows]
-    offs, total = _layout_scratch(sizes_s)
+    secs, offs, total = section_table(metas, [o.data_ptr() for o in outs], d_pl.data_ptr(), starts, es, dc,
+                                      lambda T, C, M: lib.cgc_decode_scratch_bytes(T, C, M, 0 if wpb else 1))
     scratch = torch.empty(total, dtype=torch.uint8, device=dev)
-    secs = np.zeros(len(rows), dtype=SECTION_DTYPE)
-    sbase = scratch.data_ptr()
-    for k, (src, dst, ln, T, C, M, P, N) in enumerate(rows):
-        secs[k] = (src, dst, sbase + int(offs[k]), ln, T, C, M, P, N, dc, 0, 0)
+    secs["scratch"] = np.uint64(scratch.data_ptr()) + offs
+    rows = secs
     errs = torch.zeros(len(rows), dtype=torch.int32, device=dev)
     d_secs = _upload(secs, dev)
     return DecodePlan(lib, metas, list(outs), d_pl, host, scratch, d_secs, errs, len(rows), max_C, max_M, wpb, dev,
