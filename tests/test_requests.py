@@ -147,13 +147,38 @@ def test_capture_prompt_refuses_bad_options_before_the_model_loads(options, mess
 def test_capture_requests_are_frozen_and_parse_the_command_lines_spelling(tmp_path):
     request = CaptureRequest.from_options(tmp_path / "x.kvc", codec="zstd", level=5, shuffle=False, kv_dtype="fp16",
                                           roi="0:4,8:9", store="s", namespace="team")
-    assert (request.kv_dtype, request.roi, request.extra_keys.namespace) == (torch.float16, [(0, 4), (8, 9)], "team")
+    assert (request.kv_dtype, request.roi, request.extra_keys.namespace) == ("float16", [(0, 4), (8, 9)], "team")
+    assert request.torch_kv_dtype == torch.float16
+    assert CaptureRequest(None, store="s", kv_dtype=torch.bfloat16).kv_dtype == "bfloat16"  # a torch dtype is named
     assert request.params["level"] == 5 and request.params["shuffle"] == "none"
     assert CaptureRequest(None, store="s").params is None  # the codec's defaults, as `capture` takes them
     prompt = PromptCaptureRequest(request, prompt="p", device="cpu", model_dtype="bf16")
     assert (prompt.weights, prompt.where) == (torch.bfloat16, torch.device("cpu"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         prompt.chat = True
+
+
+def test_the_requests_are_checked_without_torch():
+    """A usage error answers before torch loads (issue: 1.7-2.7 s for a typo): the requests'
+    module, made and checked in a fresh interpreter, imports no torch; resolving the device does."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from kvtool.ops.requests import BlendRequest, CaptureRequest, PromptCaptureRequest, ReplayRequest\n"
+            "from kvtool.errors import UsageError\n"
+            "r = ReplayRequest(path='x.kvc', device='cpu', min_top1=0.5)\n"
+            "p = PromptCaptureRequest(CaptureRequest.from_options('x.kvc', kv_dtype='fp16', roi='0:4'), prompt='p')\n"
+            "b = BlendRequest(files=('a.kvc',), prompt='q', recompute_ratio=0.2)\n"
+            "for bad in (dict(path='x.kvc', device='gpu'), dict(path='x.kvc', continue_tokens=0)):\n"
+            "    try:\n"
+            "        ReplayRequest(**bad)\n"
+            "    except UsageError:\n"
+            "        pass\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n"
+            "assert str(r.where) == 'cpu' and 'torch' in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 # --- rendering the typed results -------------------------------------------------------------------

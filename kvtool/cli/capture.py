@@ -45,15 +45,19 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
             weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False, segment: SegmentOpt = False,
             namespace: NamespaceOpt = None, json: JsonOpt = False) -> None:
     """Run a model on a prompt through a paged KV buffer and write its KV cache."""
-    from ..ops.capture import capture_prompt
+    # the request first, torch-free: a usage error answers at once
+    from ..ops.requests import CaptureRequest, PromptCaptureRequest, prompt_metadata
 
+    what = CaptureRequest.from_options(output, codec=codec, level=level, shuffle=shuffle, bins=bins, kv_dtype=dtype,
+                                       chunk_size=chunk_size, block_size=block_size, hidden_states=hidden_states,
+                                       roi=roi, store=store, segment=segment, namespace=namespace,
+                                       metadata=prompt_metadata(chat, tokens))
+    request = PromptCaptureRequest(what, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, chat=chat,
+                                   model=model, device=device, model_dtype=weights_dtype)
     with progress("capture", "tokens", enabled=not json) as update:
-        result = capture_prompt(output, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, model=model,
-                                codec=codec, level=level, shuffle=shuffle, bins=bins, kv_dtype=dtype,
-                                chunk_size=chunk_size, block_size=block_size, hidden_states=hidden_states,
-                                roi=roi, device=device, model_dtype=weights_dtype, chat=chat, store=store,
-                                segment=segment, namespace=namespace,
-                                on_chunk=lambda _index, done, total: update(done, total))
+        from ..ops.capture import run_prompt_capture
+
+        result = run_prompt_capture(request, on_chunk=lambda _index, done, total: update(done, total))
     emit(result, json)
 
 

@@ -69,26 +69,34 @@ def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: Ch
                  if value is not None]
         if given:
             raise UsageError(f"{given[0]} does not apply to --blend / --blend-delimiter")
-        from ..ops.blend import blend_replay
+        from ..ops.requests import BlendRequest  # (checked before torch loads: a usage error answers at once)
+
+        request = BlendRequest(files=tuple(blend or ()), model=model, prompt=prompt, prompt_file=prompt_file,
+                               delimiter=blend_delimiter, store=store, chunk_size=chunk_size,
+                               recompute_ratio=recompute_ratio, check_layer=check_layer,
+                               continue_tokens=continue_tokens, compare=compare, min_top1=min_top1, max_kl=max_kl,
+                               device=device, model_dtype=weights_dtype, allow_other_weights=allow_other_weights,
+                               namespace=namespace)
+        from ..ops.blend import run_blend
 
         with stages(enabled=not json) as stage:
-            result = blend_replay(blend, model, prompt=prompt, prompt_file=prompt_file, delimiter=blend_delimiter,
-                                  store=store, chunk_size=chunk_size, recompute_ratio=recompute_ratio,
-                                  check_layer=check_layer, continue_tokens=continue_tokens, compare=compare,
-                                  min_top1=min_top1, max_kl=max_kl, device=device, model_dtype=weights_dtype,
-                                  allow_other_weights=allow_other_weights, namespace=namespace, on_stage=stage)
+            result = run_blend(request, on_stage=stage)
         emit(result, json)
         return
     if recompute_ratio is not None or check_layer is not None:
         raise UsageError("--recompute-ratio and --check-layer apply to --blend / --blend-delimiter")
-    from ..ops.replay import replay
+    from ..ops.requests import ReplayRequest  # (checked before torch loads: a usage error answers at once)
+
+    request = ReplayRequest(path=path, model=model, continue_tokens=continue_tokens, suffix=suffix,
+                            suffix_file=suffix_file, prompt=prompt, prompt_file=prompt_file, compare=compare,
+                            min_top1=min_top1, max_kl=max_kl, device=device, model_dtype=weights_dtype,
+                            use_hidden_states=not no_hidden_states, chat=chat,
+                            allow_other_weights=allow_other_weights, store=store, chunk_size=chunk_size,
+                            namespace=namespace)
+    from ..ops.replay import run_replay
 
     with stages(enabled=not json) as stage:
-        result = replay(path, model, continue_tokens=continue_tokens, suffix=suffix, suffix_file=suffix_file,
-                        prompt=prompt, prompt_file=prompt_file, compare=compare, min_top1=min_top1, max_kl=max_kl,
-                        device=device, model_dtype=weights_dtype, use_hidden_states=not no_hidden_states, chat=chat,
-                        allow_other_weights=allow_other_weights, store=store, chunk_size=chunk_size,
-                        namespace=namespace, on_stage=stage)
+        result = run_replay(request, on_stage=stage)
     emit(result, json)
 
 
