@@ -210,7 +210,7 @@ def test_the_replay_renderer_reads_the_result_by_attribute(capsys):
     emit(compared, False)
     out = capsys.readouterr().out
     assert "[b]x.kvc on m (cpu): 32 of 40 tokens from the cache (2 chunks, raw, zstd), 8 computed" in out
-    assert "time to first token 20 ms with the cache (load 4 ms) vs 100 ms recomputed: 5.0x" in out
+    assert "time to first token 20ms with the cache (load 4ms) vs 100ms recomputed: 5.0x" in out
     assert "top-1 agreement 75.0%, greedy identical for 2/4 tokens, KL mean 0.01 max 0.05, ΔNLL +0.0020" in out
     assert "alike for 2 of 4 tokens: ' a [i]b[/i]'" in out
     assert "then the recompute: ' c d'" in out and "then the cache:    ' x y'" in out
@@ -239,7 +239,7 @@ def test_the_blend_renderer_reads_segments_by_attribute(capsys):
     assert "blend of 3 segments and the question on [m] (cpu): 30 tokens, 20 cached (12 from seg[1].kvc, 8 from store)" \
         in out
     assert "3 cached tokens recomputed + 10 uncached computed; the first 12 tokens an exact prefix" in out
-    assert "vs full prefill 60 ms: 2.0x; naive reuse 20 ms" in out
+    assert "vs full prefill 60ms: 2.0x; naive reuse 20ms" in out
     assert "blend: top-1 agreement 100.0%, greedy identical for 3/3" in out
     assert "naive: top-1 agreement 50.0%, greedy identical for 1/3" in out
     assert "the blend's own:             ' yes'" in out
@@ -257,8 +257,8 @@ def test_the_capture_renderer_reads_the_result_by_attribute(capsys):
     emit(result, False)
     out = capsys.readouterr().out
     assert "captured: 64 tokens of m KV (bfloat16) in 2 zstd chunks; a segment (positions from 0, placeable " \
-           "anywhere), 2.0 KiB" in out
-    assert "waited 5 ms (3.0% of prefill)" in out
+           "anywhere), 2.0KiB" in out
+    assert "waited 5ms (3.0% of prefill)" in out
     assert "file:///s[x]: 1 of 2 whole chunks stored, 1 already there" in out
 
 
@@ -270,7 +270,7 @@ def test_the_store_renderer_reads_nested_results_and_properties(capsys):
     emit(result, False)
     out = capsys.readouterr().out
     assert "[a].kvc: 3 whole chunks of m (chunk size 16): 2 stored, 1 already there" in out
-    assert "/s: 2 of 4 chunks stored (2.0 KiB), 2 deduplicated" in out
+    assert "/s: 2 of 4 chunks stored (2.0KiB), 2 deduplicated" in out
 
 
 def test_escaped_copies_a_result_and_leaves_it_as_it_was():

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .options import JsonOpt, ModelOpt, NamespaceOpt, OutputPath, StoreOpt
+from .options import WORDS, JsonOpt, ModelOpt, NamespaceOpt, OutputPath, StoreOpt
 from .output import KEPT_AS_STORED, emit, human_bytes, plural, renders
 
 if TYPE_CHECKING:
@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 app = typer.Typer(help="The chunk store: many sequences' chunks, by prefix; a folder or Redis.",
                   no_args_is_help=True, add_completion=False)
 
-FilesArg = Annotated[list[str], typer.Argument(metavar="FILE.kvc...", help="kvtool files whose chunks to store.",
-                                               show_default=False)]
+FilesArg = Annotated[list[str], typer.Argument(click_type=WORDS, metavar="FILE.kvc...",
+                                               help="kvtool files whose chunks to store.", show_default=False)]
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", help="Prompt text.")]
 PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", metavar="FILE", help="File with the prompt (UTF-8).")]
 TokensOpt = Annotated[Optional[Path], typer.Option(
@@ -93,7 +93,8 @@ def fsck_command(store: StoreOpt, repair: Annotated[bool, typer.Option(
 
 @app.command("rm")
 def rm_command(store: StoreOpt, names: Annotated[Optional[list[str]], typer.Argument(
-                   metavar="[NAME...]", help="Object names (from `store ls`).", show_default=False)] = None,
+                   click_type=WORDS, metavar="[NAME...]", help="Object names (from `store ls`).",
+                   show_default=False)] = None,
                model: Annotated[Optional[str], typer.Option("--model", metavar="KEY", help="Every object of this model key.")] = None,
                everything: Annotated[bool, typer.Option("--all", help="Every object.")] = False,
                json: JsonOpt = False) -> None:
