@@ -113,5 +113,5 @@ def human_bytes(n: float) -> str:
 #: Why a put in another codec stores nothing new, and what to do (a chunk is one object, whatever
 #: its codec: its name says whose tokens' KV it is, not how it is encoded). Said by `store put`
 #: and `capture --store`.
-KEPT_AS_STORED = ("chunks already there are kept as stored, whatever their codec (one object per chunk); "
-                  "to store them in another codec, `kvtool store rm` them first")
+KEPT_AS_STORED = ("chunks already there are kept as stored, whatever their codec (one object per chunk): "
+                  "`kvtool store get --codec` writes them in another; `kvtool store rm` them to store anew")
