@@ -95,8 +95,8 @@ def test_inspect_human(cli, kv_file):
     assert "5 tokens in 3 chunks of 2" in text
     fingerprint = kv_file.identity.fingerprint()
     assert f"fingerprint {fingerprint[:23]}…{fingerprint[-8:]}" in text  # in full with --wide
-    assert "extra hidden_states: bfloat16 [5 x 32], 320 B" in text
-    assert "extra roi_mask: bool [5], 5 B" in text
+    assert "extra hidden_states: bfloat16 [5 x 32], 320B" in text
+    assert "extra roi_mask: bool [5], 5B" in text
     assert "BAD" not in text
 
 

@@ -147,13 +147,38 @@ def test_capture_prompt_refuses_bad_options_before_the_model_loads(options, mess
 def test_capture_requests_are_frozen_and_parse_the_command_lines_spelling(tmp_path):
     request = CaptureRequest.from_options(tmp_path / "x.kvc", codec="zstd", level=5, shuffle=False, kv_dtype="fp16",
                                           roi="0:4,8:9", store="s", namespace="team")
-    assert (request.kv_dtype, request.roi, request.extra_keys.namespace) == (torch.float16, [(0, 4), (8, 9)], "team")
+    assert (request.kv_dtype, request.roi, request.extra_keys.namespace) == ("float16", [(0, 4), (8, 9)], "team")
+    assert request.torch_kv_dtype == torch.float16
+    assert CaptureRequest(None, store="s", kv_dtype=torch.bfloat16).kv_dtype == "bfloat16"  # a torch dtype is named
     assert request.params["level"] == 5 and request.params["shuffle"] == "none"
     assert CaptureRequest(None, store="s").params is None  # the codec's defaults, as `capture` takes them
     prompt = PromptCaptureRequest(request, prompt="p", device="cpu", model_dtype="bf16")
     assert (prompt.weights, prompt.where) == (torch.bfloat16, torch.device("cpu"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         prompt.chat = True
+
+
+def test_the_requests_are_checked_without_torch():
+    """A usage error answers before torch loads (issue: 1.7-2.7 s for a typo): the requests'
+    module, made and checked in a fresh interpreter, imports no torch; resolving the device does."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from kvtool.ops.requests import BlendRequest, CaptureRequest, PromptCaptureRequest, ReplayRequest\n"
+            "from kvtool.errors import UsageError\n"
+            "r = ReplayRequest(path='x.kvc', device='cpu', min_top1=0.5)\n"
+            "p = PromptCaptureRequest(CaptureRequest.from_options('x.kvc', kv_dtype='fp16', roi='0:4'), prompt='p')\n"
+            "b = BlendRequest(files=('a.kvc',), prompt='q', recompute_ratio=0.2)\n"
+            "for bad in (dict(path='x.kvc', device='gpu'), dict(path='x.kvc', continue_tokens=0)):\n"
+            "    try:\n"
+            "        ReplayRequest(**bad)\n"
+            "    except UsageError:\n"
+            "        pass\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n"
+            "assert str(r.where) == 'cpu' and 'torch' in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 # --- rendering the typed results -------------------------------------------------------------------
@@ -185,7 +210,7 @@ def test_the_replay_renderer_reads_the_result_by_attribute(capsys):
     emit(compared, False)
     out = capsys.readouterr().out
     assert "[b]x.kvc on m (cpu): 32 of 40 tokens from the cache (2 chunks, raw, zstd), 8 computed" in out
-    assert "time to first token 20 ms with the cache (load 4 ms) vs 100 ms recomputed: 5.0x" in out
+    assert "time to first token 20ms with the cache (load 4ms) vs 100ms recomputed: 5.0x" in out
     assert "top-1 agreement 75.0%, greedy identical for 2/4 tokens, KL mean 0.01 max 0.05, ΔNLL +0.0020" in out
     assert "alike for 2 of 4 tokens: ' a [i]b[/i]'" in out
     assert "then the recompute: ' c d'" in out and "then the cache:    ' x y'" in out
@@ -214,7 +239,7 @@ def test_the_blend_renderer_reads_segments_by_attribute(capsys):
     assert "blend of 3 segments and the question on [m] (cpu): 30 tokens, 20 cached (12 from seg[1].kvc, 8 from store)" \
         in out
     assert "3 cached tokens recomputed + 10 uncached computed; the first 12 tokens an exact prefix" in out
-    assert "vs full prefill 60 ms: 2.0x; naive reuse 20 ms" in out
+    assert "vs full prefill 60ms: 2.0x; naive reuse 20ms" in out
     assert "blend: top-1 agreement 100.0%, greedy identical for 3/3" in out
     assert "naive: top-1 agreement 50.0%, greedy identical for 1/3" in out
     assert "the blend's own:             ' yes'" in out
@@ -232,8 +257,8 @@ def test_the_capture_renderer_reads_the_result_by_attribute(capsys):
     emit(result, False)
     out = capsys.readouterr().out
     assert "captured: 64 tokens of m KV (bfloat16) in 2 zstd chunks; a segment (positions from 0, placeable " \
-           "anywhere), 2.0 KiB" in out
-    assert "waited 5 ms (3.0% of prefill)" in out
+           "anywhere), 2.0KiB" in out
+    assert "waited 5ms (3.0% of prefill)" in out
     assert "file:///s[x]: 1 of 2 whole chunks stored, 1 already there" in out
 
 
@@ -245,7 +270,7 @@ def test_the_store_renderer_reads_nested_results_and_properties(capsys):
     emit(result, False)
     out = capsys.readouterr().out
     assert "[a].kvc: 3 whole chunks of m (chunk size 16): 2 stored, 1 already there" in out
-    assert "/s: 2 of 4 chunks stored (2.0 KiB), 2 deduplicated" in out
+    assert "/s: 2 of 4 chunks stored (2.0KiB), 2 deduplicated" in out
 
 
 def test_escaped_copies_a_result_and_leaves_it_as_it_was():

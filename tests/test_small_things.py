@@ -104,3 +104,28 @@ def test_a_mistyped_store_url_never_shows_its_password(capsys):
     assert cli(["store", "stats", "--store", "redis:/admin:hunter2@10.0.0.1:6379/0"]) == 2
     err = capsys.readouterr().err
     assert "hunter2" not in err and "admin" not in err and "did you mean redis://***@10.0.0.1:6379/0?" in err
+
+
+def test_shuffle_and_no_shuffle_together_are_a_usage_error(tmp_path, capsys):
+    f = write_kv_file(tmp_path / "f.kvc", num_tokens=8, chunk_size=8)
+    assert run(["compress", str(f.path), "-o", str(tmp_path / "o.kvc"), "--codec", "zstd", "--shuffle",
+                "--no-shuffle"]) == 2
+    assert "--shuffle and --no-shuffle: give one" in capsys.readouterr().err
+    assert not (tmp_path / "o.kvc").exists()
+
+
+@pytest.mark.parametrize("command,most", [(["capture"], 60), (["replay"], 62), (["compress"], 30)])
+def test_help_fits_80_columns_without_cut_examples_or_type_names(monkeypatch, capsys, command, most):
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("TERM", "dumb")
+    assert run([*command, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert len(text.splitlines()) <= most
+    assert "…" not in text and "<str>" not in text and "<function>" not in text
+
+
+def test_a_value_and_its_unit_are_one_word():
+    from kvtool.cli.output import human_bytes, human_rate
+
+    assert (human_bytes(512), human_bytes(23_592_960), human_rate(1005.2), human_rate(2.314)) == \
+        ("512B", "22.5MiB", "1005MB/s", "2.31MB/s")

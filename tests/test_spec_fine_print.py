@@ -217,3 +217,83 @@ def test_after_parsing_the_first_in_document_order(text, message):
 
     with pytest.raises(ManifestCorrupt, match=message):
         parse_manifest(text.encode(), data_end=1 << 20, alignment=64)
+
+
+# --- segment.md §3: re-encoding keys (RoPE) ------------------------------------------------------
+
+def _ulp32(x):
+    import numpy as np
+
+    return np.spacing(np.abs(x).astype(np.float32)).astype(np.float64)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0},
+                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}])
+def test_the_frequencies_are_float32_as_the_spec_computes_them(scaling):
+    """theta_j: the exponent 2j/D rounded to float32, each step of the table in float32."""
+    import math
+
+    import numpy as np
+
+    from kvtool.engine.model import ModelConfig, rope_inv_freq
+
+    D, b = 128, 500000.0
+    config = ModelConfig(**{**_config_fields(), "head_dim": D, "rope_theta": b, "rope_scaling": scaling})
+    got = rope_inv_freq(config).numpy()
+    f32 = np.float32
+    e = (np.arange(0, D, 2, dtype=f32) / f32(D)).astype(f32)
+    t = (f32(1) / np.power(f32(b), e, dtype=f32)).astype(f32)
+    if scaling is None:
+        want = t
+    elif scaling["rope_type"] == "linear":
+        want = (t / f32(4.0)).astype(f32)
+    else:
+        f, lo, hi, O = f32(8), f32(1), f32(4), f32(8192)
+        w = (f32(2) * f32(math.pi) / t).astype(f32)
+        s = ((O / w - lo) / (hi - lo)).astype(f32)
+        mixed = ((f32(1) - s) * t / f + s * t).astype(f32)
+        want = np.where(w > O / lo, t / f, np.where(w < O / hi, t, mixed)).astype(f32)
+    assert np.array_equal(got, want) or np.max(np.abs(got - want) / _ulp32(want)) <= 1  # (pow may round its last bit)
+
+
+def _config_fields():
+    return dict(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1,
+                num_heads=2, num_kv_heads=1, head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                max_position_embeddings=4096, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("delta", [1, 37, -5, 4093, 131071])
+def test_a_turn_is_within_2_float32_ulp_of_the_exact_one(delta):
+    import numpy as np
+
+    from kvtool.engine.model import rerotate_keys
+
+    gen = torch.Generator().manual_seed(delta & 0xFFFF)
+    D = 64
+    k = torch.randn(3, 2, D, generator=gen)
+    inv = (1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)))
+    old = torch.tensor([0, 7, 100])
+    got = rerotate_keys(k, inv, old, old + delta).numpy().astype(np.float64)
+    angles = float(delta) * inv.numpy().astype(np.float64)
+    cos, sin = np.cos(angles).astype(np.float32).astype(np.float64), np.sin(angles).astype(np.float32).astype(np.float64)
+    x, y = k.numpy()[..., :D // 2].astype(np.float64), k.numpy()[..., D // 2:].astype(np.float64)
+    exact = np.concatenate([x * cos - y * sin, y * cos + x * sin], axis=-1)
+    size = np.concatenate([np.abs(x * cos) + np.abs(y * sin), np.abs(y * cos) + np.abs(x * sin)], axis=-1)
+    assert np.all(np.abs(got - exact) <= 2 * _ulp32(size))  # (a turn that cancels carries its terms' rounding)
+
+
+def test_reading_model_rope_theta_default_legacy_type_and_llama3_keys():
+    from kvtool.engine.loader import _rope_from_hf
+    from kvtool.engine.model import ModelConfig, rope_inv_freq
+    from kvtool.errors import ModelError
+
+    assert _rope_from_hf({}) == (10000.0, None)  # rope_theta absent: 10000
+    assert _rope_from_hf({"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}) == \
+        (5e5, {"rope_type": "linear", "factor": 2.0})  # the legacy key read as rope_type, not kept
+    assert _rope_from_hf({"rope_scaling": {"rope_type": "default"}}) == (10000.0, None)
+    for missing in ("factor", "original_max_position_embeddings"):
+        scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+        del scaling[missing]
+        with pytest.raises(ModelError, match=missing):
+            rope_inv_freq(ModelConfig(**{**_config_fields(), "rope_scaling": scaling}))

@@ -258,6 +258,21 @@ def test_capture_store_get_and_replay_store(tmp_path, capsys, default_model, sto
     with ContainerReader(out_file) as reader:
         assert reader.num_tokens == whole * 32 and len(reader.chunks) == whole
     assert call(capsys, "verify", out_file)[0] == 0
+    # --codec: what was asked for, the chunks stored in another codec re-encoded, those in it copied
+    for codec, reencoded in (("raw", whole), ("zstd", 0)):
+        as_codec = tmp_path / f"prefix-{codec}.kvc"
+        code, out, err = call(capsys, "store", "get", "--store", store_url, "--prompt", longer, "-o", as_codec,
+                              "--codec", codec, "--json")
+        assert code == 0, err
+        got = json.loads(out)
+        assert (got["codecs"], got["reencoded"], got["cached_tokens"]) == ([codec], reencoded, whole * 32)
+        with ContainerReader(as_codec) as reader, ContainerReader(out_file) as stored:
+            assert {c.codec for c in reader.chunks} == {codec}
+            assert torch.equal(reader.read_range(0, whole * 32), stored.read_range(0, whole * 32))  # lossless both
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no scratch file left
+    code, _, err = call(capsys, "store", "get", "--store", store_url, "--prompt", longer, "-o", tmp_path / "x.kvc",
+                        "--codec", "lz4")
+    assert code == 2 and "lz4" in err
 
     code, out, err = call(capsys, "replay", "--store", store_url, "--prompt", longer,
                           "--compare", "--continue", "4", "--json")

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from .options import BinsOpt, CodecOpt, InputPath, JsonOpt, LevelOpt, OutputPath, ShuffleOpt
+from .options import (BinsOpt, CodecOpt, InputPath, JsonOpt, LevelOpt, NoShuffleOpt, OutputPath, ShuffleOpt,
+                      shuffle_choice)
 from .output import emit, human_bytes, human_rate, plural, progress, renders
 
 if TYPE_CHECKING:
@@ -14,12 +15,14 @@ if TYPE_CHECKING:
 
 
 def command(path: InputPath, output: OutputPath, codec: CodecOpt = "zstd", level: LevelOpt = None,
-            shuffle: ShuffleOpt = None, bins: BinsOpt = None, json: JsonOpt = False) -> None:
+            shuffle: ShuffleOpt = None, no_shuffle: NoShuffleOpt = False, bins: BinsOpt = None,
+            json: JsonOpt = False) -> None:
     """Re-encode a KV file with another codec (streaming: one chunk in memory at a time)."""
     from ..ops.compress import compress
 
     with progress("compressing", "chunks", enabled=not json) as update:
-        result = compress(path, output, codec, level=level, shuffle=shuffle, bins=bins, on_chunk=update)
+        result = compress(path, output, codec, level=level, shuffle=shuffle_choice(shuffle, no_shuffle), bins=bins,
+                          on_chunk=update)
     emit(result, json)
 
 
@@ -30,4 +33,4 @@ def render(console: Console, r: CompressResult) -> None:
     extras = f", extras {human_bytes(r.extras_bytes)} as they were" if r.extras_bytes else ""
     console.print(f"chunks {human_bytes(r.input_bytes)} -> {human_bytes(r.output_bytes)} "
                   f"({r.ratio_vs_decoded:.2f}x vs decoded, {r.bits_per_value:.2f} bits/value){extras}; "
-                  f"{r.seconds:.2f} s ({human_rate(r.mb_per_s)})")
+                  f"{r.seconds:.2f}s ({human_rate(r.mb_per_s)})")

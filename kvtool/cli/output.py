@@ -85,8 +85,9 @@ def plural(n: int, word: str) -> str:
 
 
 def human_rate(mb_per_s: float) -> str:
-    """Three significant digits: a slow level-19 zstd is '2.31 MB/s', not '0 MB/s'."""
-    return f"{mb_per_s:.3g} MB/s" if mb_per_s < 1000 else f"{mb_per_s:.0f} MB/s"
+    """Three significant digits: a slow level-19 zstd is '2.31MB/s', not '0MB/s'. A value and its
+    unit are one word, so a line wrapped at the terminal's width never parts them."""
+    return f"{mb_per_s:.3g}MB/s" if mb_per_s < 1000 else f"{mb_per_s:.0f}MB/s"
 
 
 @contextmanager
@@ -101,15 +102,16 @@ def stages(enabled: bool) -> Iterator[Callable[[str], None]]:
 
 
 def human_bytes(n: float) -> str:
+    """'512B', '22.5MiB': one word (see `human_rate`)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1024
-    return f"{n:.1f} GiB"
+    return f"{n:.1f}GiB"
 
 
 #: Why a put in another codec stores nothing new, and what to do (a chunk is one object, whatever
 #: its codec: its name says whose tokens' KV it is, not how it is encoded). Said by `store put`
 #: and `capture --store`.
-KEPT_AS_STORED = ("chunks already there are kept as stored, whatever their codec (one object per chunk); "
-                  "to store them in another codec, `kvtool store rm` them first")
+KEPT_AS_STORED = ("chunks already there are kept as stored, whatever their codec (one object per chunk): "
+                  "`kvtool store get --codec` writes them in another; `kvtool store rm` them to store anew")

@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.text import Text
 
 from ..errors import UsageError
-from .options import DeviceOpt, JsonOpt, ModelDtypeOpt, ModelOpt, NamespaceOpt, OptionalStoreOpt, OtherWeightsOpt
+from .options import (WORDS, DeviceOpt, JsonOpt, ModelDtypeOpt, ModelOpt, NamespaceOpt, OptionalStoreOpt,
+                      OtherWeightsOpt)
 from .output import emit, renders, stages
 
 if TYPE_CHECKING:  # the results are only named here: importing them would load torch at start-up
@@ -18,39 +19,39 @@ if TYPE_CHECKING:  # the results are only named here: importing them would load 
     from ..ops.replay import ReplayResult
 
 ContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help=(
-    "Tokens to generate, up to the model's end of sequence (or teacher-force with --compare)."))]
-SuffixOpt = Annotated[Optional[str], typer.Option("--suffix", metavar="TEXT", help="Text to append after the cached tokens.")]
+    "Tokens to generate (they stop at end of sequence)."))]
+SuffixOpt = Annotated[Optional[str], typer.Option("--suffix", metavar="TEXT", help="Text after the cached tokens.")]
 SuffixFileOpt = Annotated[Optional[Path], typer.Option("--suffix-file", metavar="FILE", help="File with text to append.")]
 PromptOpt = Annotated[Optional[str], typer.Option(
-    "--prompt", metavar="TEXT", help="A new prompt: reuse the file's chunks whose prefix hashes match, compute the rest.")]
+    "--prompt", metavar="TEXT", help="A new prompt: reuse the chunks of its cached prefix, compute the rest.")]
 PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", metavar="FILE", help="A new prompt, from a file.")]
-CompareOpt = Annotated[bool, typer.Option("--compare", help="Also run the full recompute and compare.")]
+CompareOpt = Annotated[bool, typer.Option("--compare", help="Also recompute in full, and compare.")]
 NoHiddenOpt = Annotated[bool, typer.Option(
-    "--no-hidden-states", help="Ignore stored hidden states: compute the last cached token (measures the KV alone).")]
+    "--no-hidden-states", help="Ignore stored hidden states (measures the KV alone).")]
 ChatOpt = Annotated[bool, typer.Option(
-    "--chat", help="The new --prompt is a user message: apply the model's chat template.")]
+    "--chat", help="--prompt is a user message (the chat template).")]
 MinTop1Opt = Annotated[Optional[float], typer.Option(
-    "--min-top1", metavar="X", help="Exit 1 if top-1 agreement with the recompute is below this (implies --compare).")]
+    "--min-top1", metavar="X", help="Exit 1 below this top-1 agreement (implies --compare).")]
 MaxKlOpt = Annotated[Optional[float], typer.Option(
-    "--max-kl", metavar="X", help="Exit 1 if the mean KL divergence exceeds this (implies --compare).")]
+    "--max-kl", metavar="X", help="Exit 1 above this mean KL divergence (implies --compare).")]
 
 
 PathArg = Annotated[Optional[str], typer.Argument(
-    metavar="[FILE]", help="A kvtool file (.kvc); or --store URL with --prompt/--prompt-file.", show_default=False)]
+    click_type=WORDS, metavar="[FILE]", help="A kvtool file (.kvc); or --store URL with --prompt/--prompt-file.",
+    show_default=False)]
 ChunkSizeOpt = Annotated[Optional[int], typer.Option(
-    "--chunk-size", metavar="N", help="With --store: the stored chunks' size (default: the one that covers the most).")]
+    "--chunk-size", metavar="N", help="With --store: the chunk size (default: the one covering most).")]
 BlendOpt = Annotated[Optional[list[str]], typer.Option(
     "--blend", metavar="SEG.kvc", help=(
-        "Blend cached segments (CacheBlend; repeat for each, in prompt order): their KV is moved to its place "
-        "before the question (--prompt/--prompt-file) and a share of tokens recomputed."), show_default=False)]
+        "A cached segment to blend (CacheBlend), once each in prompt order, before the question "
+        "(--prompt/--prompt-file)."), show_default=False)]
 BlendDelimiterOpt = Annotated[Optional[str], typer.Option(
     "--blend-delimiter", metavar="TEXT", help=(
-        "Blend a delimited prompt: split it at TEXT (LMCache's is ' # # '); each piece but the last is a segment, "
-        "found in the --blend files or the --store, else computed; the last piece is the question."))]
+        "Blend a prompt split at TEXT (LMCache's: ' # # '): segments, then the question last."))]
 RecomputeRatioOpt = Annotated[Optional[float], typer.Option(
-    "--recompute-ratio", metavar="X", help="With --blend: the share of cached tokens recomputed (default 0.15).")]
+    "--recompute-ratio", metavar="X", help="--blend: share of cached tokens recomputed (default 0.15).")]
 CheckLayerOpt = Annotated[Optional[int], typer.Option(
-    "--check-layer", metavar="N", help="With --blend: the layer where tokens to recompute are chosen (default 1).")]
+    "--check-layer", metavar="N", help="--blend: layer choosing what to recompute (default 1).")]
 
 
 def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: ChunkSizeOpt = None,
@@ -69,26 +70,34 @@ def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: Ch
                  if value is not None]
         if given:
             raise UsageError(f"{given[0]} does not apply to --blend / --blend-delimiter")
-        from ..ops.blend import blend_replay
+        from ..ops.requests import BlendRequest  # (checked before torch loads: a usage error answers at once)
+
+        request = BlendRequest(files=tuple(blend or ()), model=model, prompt=prompt, prompt_file=prompt_file,
+                               delimiter=blend_delimiter, store=store, chunk_size=chunk_size,
+                               recompute_ratio=recompute_ratio, check_layer=check_layer,
+                               continue_tokens=continue_tokens, compare=compare, min_top1=min_top1, max_kl=max_kl,
+                               device=device, model_dtype=weights_dtype, allow_other_weights=allow_other_weights,
+                               namespace=namespace)
+        from ..ops.blend import run_blend
 
         with stages(enabled=not json) as stage:
-            result = blend_replay(blend, model, prompt=prompt, prompt_file=prompt_file, delimiter=blend_delimiter,
-                                  store=store, chunk_size=chunk_size, recompute_ratio=recompute_ratio,
-                                  check_layer=check_layer, continue_tokens=continue_tokens, compare=compare,
-                                  min_top1=min_top1, max_kl=max_kl, device=device, model_dtype=weights_dtype,
-                                  allow_other_weights=allow_other_weights, namespace=namespace, on_stage=stage)
+            result = run_blend(request, on_stage=stage)
         emit(result, json)
         return
     if recompute_ratio is not None or check_layer is not None:
         raise UsageError("--recompute-ratio and --check-layer apply to --blend / --blend-delimiter")
-    from ..ops.replay import replay
+    from ..ops.requests import ReplayRequest  # (checked before torch loads: a usage error answers at once)
+
+    request = ReplayRequest(path=path, model=model, continue_tokens=continue_tokens, suffix=suffix,
+                            suffix_file=suffix_file, prompt=prompt, prompt_file=prompt_file, compare=compare,
+                            min_top1=min_top1, max_kl=max_kl, device=device, model_dtype=weights_dtype,
+                            use_hidden_states=not no_hidden_states, chat=chat,
+                            allow_other_weights=allow_other_weights, store=store, chunk_size=chunk_size,
+                            namespace=namespace)
+    from ..ops.replay import run_replay
 
     with stages(enabled=not json) as stage:
-        result = replay(path, model, continue_tokens=continue_tokens, suffix=suffix, suffix_file=suffix_file,
-                        prompt=prompt, prompt_file=prompt_file, compare=compare, min_top1=min_top1, max_kl=max_kl,
-                        device=device, model_dtype=weights_dtype, use_hidden_states=not no_hidden_states, chat=chat,
-                        allow_other_weights=allow_other_weights, store=store, chunk_size=chunk_size,
-                        namespace=namespace, on_stage=stage)
+        result = run_replay(request, on_stage=stage)
     emit(result, json)
 
 
@@ -101,9 +110,9 @@ def render(console: Console, r: ReplayResult) -> None:
                      else ""))
     if r.weights.startswith("other"):
         console.print(f"[yellow]{r.weights}[/yellow]")
-    line = f"time to first token {r.ttft_cached_s * 1e3:.0f} ms with the cache (load {r.load_s * 1e3:.0f} ms)"
+    line = f"time to first token {r.ttft_cached_s * 1e3:.0f}ms with the cache (load {r.load_s * 1e3:.0f}ms)"
     if r.ttft_recompute_s is not None:
-        line += f" vs {r.ttft_recompute_s * 1e3:.0f} ms recomputed: {r.speedup:.1f}x"
+        line += f" vs {r.ttft_recompute_s * 1e3:.0f}ms recomputed: {r.speedup:.1f}x"
     console.print(line)
     if r.top1_agreement is not None:
         console.print(f"over {r.continue_tokens} teacher-forced tokens: top-1 agreement {100 * r.top1_agreement:.1f}%, "
@@ -146,10 +155,10 @@ def render_blend(console: Console, r: BlendReplayResult) -> None:
                   f"{r.recomputed_cached} cached tokens recomputed + {r.computed_tokens - r.recomputed_cached} "
                   f"uncached computed" + (f"; the first {r.prefix_tokens} tokens an exact prefix"
                                           if r.prefix_tokens else ""))
-    line = f"time to first token {r.ttft_blend_s * 1e3:.0f} ms (load {r.load_s * 1e3:.0f} ms)"
+    line = f"time to first token {r.ttft_blend_s * 1e3:.0f}ms (load {r.load_s * 1e3:.0f}ms)"
     if r.ttft_full_s is not None:
-        line += (f" vs full prefill {r.ttft_full_s * 1e3:.0f} ms: {r.speedup:.1f}x; naive reuse "
-                 f"{r.ttft_naive_s * 1e3:.0f} ms")
+        line += (f" vs full prefill {r.ttft_full_s * 1e3:.0f}ms: {r.speedup:.1f}x; naive reuse "
+                 f"{r.ttft_naive_s * 1e3:.0f}ms")
     console.print(line)
     if r.blend is not None:
         console.print(f"over {r.continue_tokens} teacher-forced tokens of the full prefill's answer:")

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .options import JsonOpt, ModelOpt, NamespaceOpt, OutputPath, StoreOpt
+from .options import WORDS, JsonOpt, ModelOpt, NamespaceOpt, OutputPath, StoreOpt
 from .output import KEPT_AS_STORED, emit, human_bytes, plural, renders
 
 if TYPE_CHECKING:
@@ -20,8 +20,11 @@ if TYPE_CHECKING:
 app = typer.Typer(help="The chunk store: many sequences' chunks, by prefix; a folder or Redis.",
                   no_args_is_help=True, add_completion=False)
 
-FilesArg = Annotated[list[str], typer.Argument(metavar="FILE.kvc...", help="kvtool files whose chunks to store.",
-                                               show_default=False)]
+GetCodecOpt = Annotated[Optional[str], typer.Option(
+    "--codec", metavar="CODEC", help="Every chunk in this codec (raw, zstd, cachegen): those stored in another are "
+                                     "re-encoded. Default: each as stored.")]
+FilesArg = Annotated[list[str], typer.Argument(click_type=WORDS, metavar="FILE.kvc...",
+                                               help="kvtool files whose chunks to store.", show_default=False)]
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", help="Prompt text.")]
 PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", metavar="FILE", help="File with the prompt (UTF-8).")]
 TokensOpt = Annotated[Optional[Path], typer.Option(
@@ -44,12 +47,13 @@ def put_command(files: FilesArg, store: StoreOpt, namespace: NamespaceOpt = None
 @app.command("get")
 def get_command(store: StoreOpt, output: OutputPath, prompt: PromptOpt = None, prompt_file: PromptFileOpt = None,
                 tokens: TokensOpt = None, model: ModelOpt = None, chunk_size: ChunkSizeOpt = None,
-                chat: ChatOpt = False, namespace: NamespaceOpt = None, json: JsonOpt = False) -> None:
+                chat: ChatOpt = False, namespace: NamespaceOpt = None, codec: GetCodecOpt = None,
+                json: JsonOpt = False) -> None:
     """Write the longest cached prefix of a prompt as a kvtool file (exit 1 when nothing is cached)."""
     from ..ops import store as ops
 
     emit(ops.get(store, output, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, model=model,
-                 chat=chat, chunk_size=chunk_size, namespace=namespace), json)
+                 chat=chat, chunk_size=chunk_size, namespace=namespace, codec=codec), json)
 
 
 @app.command("ls")
@@ -93,7 +97,8 @@ def fsck_command(store: StoreOpt, repair: Annotated[bool, typer.Option(
 
 @app.command("rm")
 def rm_command(store: StoreOpt, names: Annotated[Optional[list[str]], typer.Argument(
-                   metavar="[NAME...]", help="Object names (from `store ls`).", show_default=False)] = None,
+                   click_type=WORDS, metavar="[NAME...]", help="Object names (from `store ls`).",
+                   show_default=False)] = None,
                model: Annotated[Optional[str], typer.Option("--model", metavar="KEY", help="Every object of this model key.")] = None,
                everything: Annotated[bool, typer.Option("--all", help="Every object.")] = False,
                json: JsonOpt = False) -> None:
@@ -123,9 +128,11 @@ def render_put(console: Console, r: StorePutResult) -> None:
 def render_get(console: Console, r: StoreGetResult) -> None:
     console.print(f"wrote {r.output}: {r.cached_tokens} of the prompt's {r.prompt_tokens} tokens cached "
                   f"({plural(r.chunks, 'chunk')}, {', '.join(r.codecs)}), {human_bytes(r.file_bytes)}")
+    if r.reencoded:
+        console.print(f"{plural(r.reencoded, 'chunk')} re-encoded as {r.codecs[0]} (stored in another codec)")
     if len(r.codecs) > 1:
-        console.print(f"the chunks are in {len(r.codecs)} codecs, each as stored; `kvtool compress` the file "
-                      "to one codec (it re-encodes every chunk)")
+        console.print(f"the chunks are in {len(r.codecs)} codecs, each as stored; --codec CODEC writes them all in "
+                      "one")
     for why in r.refused:
         console.print(f"[yellow]refused: {why}[/yellow]")
 

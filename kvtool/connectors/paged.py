@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -115,8 +115,9 @@ class _PagedConnector(GPUConnectorInterface):
                 f"'slot_mapping' has {sm.shape[0]} entries, too short for token range {start}..{end}"
             )
         s = sm[start:end]
-        if device.type == "cpu" and native_slots_ok(s, geo.num_slots, distinct):
-            return s  # (the torch checks below, a few small ops, cost as much as copying a chunk)
+        if s.device.type == "cpu" and native_slots_ok(s, geo.num_slots, distinct):
+            return s if device.type == "cpu" else s.to(device)  # (the torch checks below, a few small
+            # ops, cost as much as copying a chunk; on the host, checked natively, for any buffers)
         s = s.to(torch.int64)
         lo, hi = torch.aminmax(s)
         lo, hi = int(lo), int(hi)
@@ -188,14 +189,28 @@ class _PagedConnector(GPUConnectorInterface):
         """The buffers and the slot mapping of a call's `kwargs`, checked."""
         kvcaches, geo, first, signature = self._check_kvcaches(kwargs)
         sm = self._slot_tensor(kwargs)
-        if first.device.type == "cpu" and sm.device.type == "cpu" and (sm.dtype != torch.int64 or not sm.is_contiguous()):
+        if sm.device.type == "cpu" and (sm.dtype != torch.int64 or not sm.is_contiguous()):
             sm = sm.to(torch.int64).contiguous()  # (the native checks and copies take int64)
         return _Bound(kvcaches, geo, first, signature, sm)
+
+    def _blob_into(self, bound: "_Bound", memory_obj: MemoryObj, start: int, end: int) -> None:
+        """`to_gpu` with the buffers and the slot mapping checked already (`bound`)."""
+        start, end = self._check_range(start, end)
+        first = bound.first
+        slots = self._slots_of(bound.slot_mapping, start, end, bound.geo, bound.slot_mapping.device, distinct=True)
+        if first.device != slots.device:  # the load's slots moved once, not once a chunk
+            slots = bound.on_device(first.device)[start:end]
+        blob = self._check_memory_obj(memory_obj, end - start, first.device, reading=True)
+        if blob.device != first.device:
+            tmp = self._device_blob(end - start, first.dtype, first.device)
+            tmp.copy_(blob, non_blocking=blob.is_pinned())
+            blob = tmp
+        scatter_paged(blob, bound.kvcaches, self.layout, slots, signature=bound.signature)
 
     def _source_into(self, bound: "_Bound", source: ChunkSource, start: int, end: int, kwargs: dict[str, Any]) -> None:
         start, end = self._check_range(start, end)
         if bound.first.device.type != "cpu" or not source.raw:
-            return self.to_gpu(MemoryObj.from_tensor(source.decode()), start, end, **kwargs)
+            return self._blob_into(bound, MemoryObj.from_tensor(source.decode()), start, end)
         slots = self._slots_of(bound.slot_mapping, start, end, bound.geo, bound.first.device, distinct=True)
         if source.shape != (2, self.num_layers, end - start, self.hidden_dim_size):
             raise ConnectorError(f"{source.what} holds KV of shape {list(source.shape)}, "
@@ -203,14 +218,23 @@ class _PagedConnector(GPUConnectorInterface):
         scatter_paged_source(source, bound.kvcaches, self.layout, slots, signature=bound.signature)
 
 
-class _Bound(NamedTuple):
+class _Bound:
     """A call's buffers and slot mapping, checked (`_PagedConnector._bind`)."""
 
-    kvcaches: list[LayerKV]
-    geo: PagedGeometry
-    first: torch.Tensor  # layer 0's first tensor
-    signature: tuple | None
-    slot_mapping: torch.Tensor
+    __slots__ = ("kvcaches", "geo", "first", "signature", "slot_mapping", "_moved")
+
+    def __init__(self, kvcaches: list[LayerKV], geo: PagedGeometry, first: torch.Tensor, signature: tuple | None,
+                 slot_mapping: torch.Tensor):
+        self.kvcaches, self.geo, self.first, self.signature = kvcaches, geo, first, signature
+        self.slot_mapping = slot_mapping  # checked range by range as chunks arrive
+        self._moved: torch.Tensor | None = None
+
+    def on_device(self, device: torch.device) -> torch.Tensor:
+        """The whole slot mapping on the buffers' device, as int64, moved once."""
+        moved = self._moved
+        if moved is None or moved.device != device:
+            moved = self._moved = self.slot_mapping.to(device=device, dtype=torch.int64)
+        return moved
 
 
 class PagedTarget(ConnectorTarget):
@@ -224,11 +248,17 @@ class PagedTarget(ConnectorTarget):
         super().__init__(connector, **kwargs)
         self._bound: _Bound | None = None
 
-    def scatter_source(self, source: ChunkSource, start: int, end: int) -> None:
+    def _bound_once(self) -> _Bound:
         bound = self._bound
         if bound is None:  # (two workers may both bind: the same checks, the same answer)
             bound = self._bound = self.connector._bind(self.kwargs)
-        self.connector._source_into(bound, source, start, end, self.kwargs)
+        return bound
+
+    def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
+        self.connector._blob_into(self._bound_once(), MemoryObj.from_tensor(kv), start, end)
+
+    def scatter_source(self, source: ChunkSource, start: int, end: int) -> None:
+        self.connector._source_into(self._bound_once(), source, start, end, self.kwargs)
 
 
 class PagedMemConnectorV2(_PagedConnector):

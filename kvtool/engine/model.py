@@ -92,6 +92,9 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
     if kind == "linear":  # positions divided by `factor` == frequencies divided by it
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
+        missing = [key for key in ("factor", "original_max_position_embeddings") if key not in scaling]
+        if missing:
+            raise ModelError(f"llama3 rope scaling without {' and '.join(missing)} (segment.md §3: required)")
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
         high = float(scaling.get("high_freq_factor", 4.0))

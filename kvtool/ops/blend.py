@@ -25,19 +25,18 @@ from typing import Any
 
 import torch
 
-from ..devices import describe, resolve_device, synchronize
-from ..dtypes import dtype_from_name
+from ..devices import describe, synchronize
 from ..engine import LoadedModel, Runner, load_model
-from ..engine.blend import (DEFAULT_CHECK_LAYER, DEFAULT_RECOMPUTE_RATIO, BlendResult, Segment, blend_prefill,
-                            check_segment)
+from ..engine.blend import DEFAULT_CHECK_LAYER, BlendResult, Segment, blend_prefill, check_segment
 from ..errors import ModelMismatch, PromptError, ToleranceExceeded, UsageError
 from ..format import ContainerReader
 from ..fsutil import read_text_file
 from ..identity import ModelIdentity
 from .compare import compare_logits
 from .engine_io import new_cache
-from .inputs import check_text, check_vocabulary, continuation, fraction, model_dtype_name, non_negative
+from .inputs import check_text, check_vocabulary
 from .replay import check_context, free_run_after, greedy, recompute
+from .requests import BlendRequest
 from .result import Result
 
 DEFAULT_DELIMITER = " # # "  # LMCache's blend_special_str
@@ -216,68 +215,6 @@ def _file_parts(model: LoadedModel, files: list[str], allow_other_weights: bool)
             parts.append(_Part([seg], SegmentReport(str(reader.path), len(seg.tokens), len(seg.tokens),
                                                     seg.stored_start, reader.segment is not None)))
     return parts
-
-
-# --- the request: every option checked once, before anything is read or loaded -------------
-
-
-@dataclass(frozen=True)
-class BlendRequest:
-    """The options of one `blend_replay` (see there), checked once, here, before anything is read
-    or loaded. The check resolves `ratio` (`recompute_ratio`, or the default share), `weights`
-    (the model's dtype) and `where` (its device); `check_layer` is checked against the model once
-    it is loaded."""
-
-    files: tuple[str | Path, ...] = ()
-    model: str | Path | LoadedModel | None = None
-    prompt: str | None = None
-    prompt_file: Path | None = None
-    delimiter: str | None = None
-    store: str | None = None
-    chunk_size: int | None = None
-    recompute_ratio: float | None = None
-    check_layer: int | None = None
-    continue_tokens: int = 32
-    compare: bool = False
-    min_top1: float | None = None
-    max_kl: float | None = None
-    device: str = "auto"
-    model_dtype: str = "fp32"
-    allow_other_weights: bool = False
-    block_size: int = 16
-    namespace: str | None = None
-    ratio: float = field(init=False, repr=False)
-    weights: torch.dtype = field(init=False, repr=False)
-    where: torch.device = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        # frozen: the values the check resolves are set once, here
-        object.__setattr__(self, "ratio", DEFAULT_RECOMPUTE_RATIO if self.recompute_ratio is None
-                           else self.recompute_ratio)
-        fraction("--recompute-ratio", self.ratio)
-        fraction("--min-top1", self.min_top1)
-        non_negative("--max-kl", self.max_kl)
-        continuation(self.continue_tokens)
-        if (self.prompt is None) == (self.prompt_file is None):
-            raise UsageError("--blend needs the question or the delimited prompt: --prompt or --prompt-file (one)")
-        if self.delimiter is None and not self.files:
-            raise UsageError("give segment files (--blend FILE) or a delimited prompt (--blend-delimiter)")
-        if self.delimiter is None and self.store is not None:
-            raise UsageError("--store with --blend: segments are found in the store by splitting the prompt: "
-                             "give --blend-delimiter")
-        if self.chunk_size is not None and self.store is None:
-            raise UsageError("--chunk-size applies to --store")
-        if self.namespace is not None and self.store is None:
-            raise UsageError("--namespace names a partition of the store: give --store URL")
-        if self.delimiter is not None:
-            check_text(self.delimiter, "--blend-delimiter")
-        object.__setattr__(self, "weights", dtype_from_name(model_dtype_name(self.model_dtype)))
-        object.__setattr__(self, "where", resolve_device(self.device))
-
-    @property
-    def compares(self) -> bool:
-        """Runs the full prefill and naive reuse: asked for, or implied by a threshold."""
-        return self.compare or self.min_top1 is not None or self.max_kl is not None
 
 
 def blend_replay(files: list[str] | None = None, model: str | Path | LoadedModel | None = None, *,

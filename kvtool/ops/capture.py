@@ -17,22 +17,19 @@ from typing import Any
 import torch
 
 from .. import codecs
-from ..devices import describe, resolve_device, synchronize
-from ..dtypes import dtype_from_name
+from ..devices import describe, synchronize
 from ..engine import LoadedModel, PagedKVCache, Runner, load_model
 from ..errors import PromptError, UsageError
 from ..format import ContainerReader, ContainerWriter
 from ..format.reader import BytesSource
 from ..store import open_store
 from ..store.containers import ingest
-from ..store.names import ExtraKeys
-from ..format.layout import MAX_CHUNK_SIZE
 from ..format.segment import segment_extension
 from ..fsutil import read_text_file
 from ..load import SavePipeline
 from .engine_io import paged_connector
-from .inputs import (check_text, check_token_source, check_vocabulary, codec_params, kv_dtype_name, model_dtype_name,
-                     parse_roi, read_token_file)
+from .inputs import check_text, check_token_source, check_vocabulary, read_token_file
+from .requests import CaptureRequest, PromptCaptureRequest, prompt_metadata
 from .result import Result
 
 
@@ -74,94 +71,6 @@ class CaptureResult(Result):
     store: dict[str, Any] | None = None
     # with segment: the file's `segment` key (format-spec/segment.md), {"version": 1, "stored_start": 0}
     segment: dict[str, int] | None = None
-
-
-# --- the requests: every option checked once, before the model loads -----------------------
-
-
-@dataclass(frozen=True)
-class CaptureRequest:
-    """What one capture writes: the options of `capture` (see there), checked once, here; the
-    command line's spelling of them is parsed by `from_options`. `roi` is checked against the
-    prompt's length when it is known. The check resolves `extra_keys` (the store's partition)."""
-
-    output: str | Path | None
-    store: str | None = None
-    namespace: str | None = None
-    chunk_size: int = 256
-    codec: str = "raw"
-    params: dict[str, Any] | None = None
-    kv_dtype: torch.dtype = torch.bfloat16
-    block_size: int = 16
-    shuffle_seed: int | None = 0
-    hidden_states: bool = False
-    roi: list[tuple[int, int]] | None = None
-    segment: bool = False
-    metadata: dict[str, str] | None = None
-    extra_keys: ExtraKeys = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.output is None and self.store is None:
-            raise UsageError("give -o OUT, --store URL, or both")
-        if self.namespace is not None and self.store is None:
-            raise UsageError("--namespace names a partition of the store: give --store URL")
-        # frozen: set once, here; a bad namespace fails before the model loads
-        object.__setattr__(self, "extra_keys", ExtraKeys(namespace=self.namespace or ""))
-        if self.segment and self.hidden_states:
-            raise UsageError("--segment and --hidden-states: a segment's hidden states are not those of a prompt it "
-                             "is placed in")
-        if not 1 <= self.chunk_size <= MAX_CHUNK_SIZE or not 1 <= self.block_size <= MAX_CHUNK_SIZE:
-            raise UsageError(f"--chunk-size and --block-size must be in 1..{MAX_CHUNK_SIZE}")
-
-    @classmethod
-    def from_options(cls, output: str | Path | None, *, codec: str = "raw", level: int | None = None,
-                     shuffle: bool | None = None, bins: str | None = None, kv_dtype: str = "bf16",
-                     chunk_size: int = 256, block_size: int = 16, hidden_states: bool = False,
-                     roi: str | None = None, store: str | None = None, segment: bool = False,
-                     namespace: str | None = None, metadata: dict[str, str] | None = None) -> "CaptureRequest":
-        """The command line's spelling (a dtype's name, a codec's options, `--roi` ranges as text)
-        parsed into a request: a typo fails before the model loads."""
-        kv = dtype_from_name(kv_dtype_name(kv_dtype))
-        ranges = parse_roi(roi) if roi is not None else None
-        params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
-        return cls(output, store=store, namespace=namespace, chunk_size=chunk_size, codec=codec, params=params,
-                   kv_dtype=kv, block_size=block_size, hidden_states=hidden_states, roi=ranges, segment=segment,
-                   metadata=metadata)
-
-
-@dataclass(frozen=True)
-class PromptCaptureRequest:
-    """One `kvtool capture` (`capture_prompt`, see there): the model, its tokens (exactly one of
-    `prompt`, `prompt_file`, `tokens_file`) and what the `capture` writes; checked once, here,
-    before the model loads. The check resolves `weights` (the model's dtype) and `where` (its
-    device)."""
-
-    capture: CaptureRequest
-    prompt: str | None = None
-    prompt_file: Path | None = None
-    tokens_file: Path | None = None
-    chat: bool = False
-    model: str | Path | LoadedModel | None = None
-    device: str = "auto"
-    model_dtype: str = "fp32"
-    weights: torch.dtype = field(init=False, repr=False)
-    where: torch.device = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.capture.segment and self.chat:
-            raise UsageError("--segment is text to place inside other prompts: --chat would wrap it in a chat "
-                             "template")
-        # frozen: the values the check resolves are set once, here
-        object.__setattr__(self, "weights", dtype_from_name(model_dtype_name(self.model_dtype)))
-        object.__setattr__(self, "where", resolve_device(self.device))
-        check_token_source(self.prompt, self.prompt_file, self.tokens_file, self.chat)
-
-
-def prompt_metadata(chat: bool, tokens_file: Path | None) -> dict[str, str] | None:
-    """What the file records of how the prompt became tokens (nothing for token ids)."""
-    if tokens_file is not None:
-        return None
-    return {"prompt_format": "chat template, user message" if chat else "plain text"}
 
 
 # --- tokens ---------------------------------------------------------------------------------
@@ -310,7 +219,7 @@ def paged_capture(model: LoadedModel, num_tokens: int, request: CaptureRequest) 
     gathers from it into KV_BLOBs placed for the codec."""
     device = model.device
     cache = PagedKVCache.for_tokens(model.config, num_tokens, block_size=request.block_size,
-                                    kv_dtype=request.kv_dtype, device=device, shuffle_seed=request.shuffle_seed)
+                                    kv_dtype=request.torch_kv_dtype, device=device, shuffle_seed=request.shuffle_seed)
     seq = cache.new_sequence(num_tokens)
     blob_device, pinned = codecs.get_codec(request.codec).input_placement(device)
     return PagedCapture(cache, Runner(model, cache), seq, seq.slot_mapping(num_tokens, device=device),
@@ -362,7 +271,7 @@ def prefill_and_gather(model: LoadedModel, token_ids: list[int], request: Captur
         hidden.append(h.cpu())  # the model's own dtype: replay's first token is then exact
     synchronize(model.device)
     t1 = time.perf_counter()
-    memory = paged.connector.allocate(end - start, request.kv_dtype, paged.blob_device, pin_memory=paged.pinned)
+    memory = paged.connector.allocate(end - start, request.torch_kv_dtype, paged.blob_device, pin_memory=paged.pinned)
     paged.connector.from_gpu(memory, start, end, kvcaches=paged.cache.kv_caches, slot_mapping=paged.slot_mapping)
     synchronize(model.device)
     timings.prefill_s += t1 - t0
@@ -397,7 +306,7 @@ def capture_result(model: LoadedModel, token_ids: list[int], request: CaptureReq
     return CaptureResult(
         output=str(output) if output is not None else None, model=model.name,
         fingerprint=model.identity.fingerprint(), num_tokens=n, num_chunks=len(writer.chunks),
-        chunk_size=request.chunk_size, codec=request.codec, kv_dtype=str(request.kv_dtype).removeprefix("torch."),
+        chunk_size=request.chunk_size, codec=request.codec, kv_dtype=request.kv_dtype,
         device=describe(model.device), model_dtype=str(model.dtype).removeprefix("torch."),
         block_size=request.block_size, extras=sorted(writer.extras),
         file_bytes=Path(output).stat().st_size if output is not None else len(writer.getvalue()),

@@ -26,21 +26,20 @@ from typing import Any
 import torch
 
 from .. import codecs
-from ..devices import describe, resolve_device, synchronize
-from ..dtypes import dtype_from_name
+from ..devices import describe, synchronize
 from ..connectors import ConnectorTarget
 from ..engine import LoadedModel, Runner, load_model, logits_from_hidden
-from ..errors import (DataError, ModelMismatch, NonFiniteValues, NotAPrefixCache, PromptError, ShapeMismatch, ToleranceExceeded,
-                      UsageError)
+from ..errors import (DataError, ModelMismatch, NonFiniteValues, NotAPrefixCache, PromptError, ShapeMismatch,
+                      ToleranceExceeded)
 from ..format import ContainerReader
 from ..format.hashing import prefix_hashes
 from ..fsutil import read_text_file
 from ..load import file_tasks, load
 from ..notices import notice
-from ..store.names import ExtraKeys
 from .compare import compare_logits
 from .engine_io import new_cache, paged_connector
-from .inputs import check_text, check_vocabulary, continuation, fraction, model_dtype_name, non_negative
+from .inputs import check_text, check_vocabulary, continuation
+from .requests import ReplayRequest
 from .result import Result
 
 
@@ -201,63 +200,6 @@ def store_prefix(cache, tokens: list[int], kv_dtype: torch.dtype) -> Prefix:
 
     return Prefix(source=cache.store.url, kv_dtype=kv_dtype, chunk_size=cache.chunk_size, codecs=codecs_seen,
                   weights="same weights (the store's key)", load=load_objects)
-
-
-# --- the request: every option checked once, before anything is opened or loaded ----------------
-
-
-@dataclass(frozen=True)
-class ReplayRequest:
-    """The options of one `replay` (see there), checked once, here, before anything is opened or
-    loaded: a KV `path` or a `store` URL. The check resolves `weights` (the model's dtype),
-    `where` (its device) and `extra_keys` (the store's partition)."""
-
-    path: str | Path | None = None
-    model: str | Path | LoadedModel | None = None
-    continue_tokens: int = 32
-    suffix: str | None = None
-    suffix_file: Path | None = None
-    prompt: str | None = None
-    prompt_file: Path | None = None
-    compare: bool = False
-    min_top1: float | None = None
-    max_kl: float | None = None
-    device: str = "auto"
-    model_dtype: str = "fp32"
-    use_hidden_states: bool = True
-    chat: bool = False
-    allow_other_weights: bool = False
-    store: str | None = None
-    chunk_size: int | None = None
-    namespace: str | None = None
-    weights: torch.dtype = field(init=False, repr=False)
-    where: torch.device = field(init=False, repr=False)
-    extra_keys: ExtraKeys = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if (self.path is None) == (self.store is None):
-            raise UsageError("give a KV file or --store URL, not both" if self.path is not None
-                             else "give a KV file or --store URL")
-        if self.namespace is not None and self.store is None:
-            raise UsageError("--namespace names a partition of the store: give --store URL")
-        if sum(x is not None for x in (self.suffix, self.suffix_file, self.prompt, self.prompt_file)) > 1:
-            raise UsageError("give at most one of --suffix, --suffix-file, --prompt, --prompt-file")
-        if self.chat and self.prompt is None and self.prompt_file is None:
-            raise UsageError("--chat formats a new prompt: give --prompt or --prompt-file")
-        fraction("--min-top1", self.min_top1)
-        non_negative("--max-kl", self.max_kl)
-        continuation(self.continue_tokens)
-        # frozen: the values the check resolves are set once, here
-        object.__setattr__(self, "weights", dtype_from_name(model_dtype_name(self.model_dtype)))
-        object.__setattr__(self, "where", resolve_device(self.device))
-        object.__setattr__(self, "extra_keys", ExtraKeys(namespace=self.namespace or ""))
-        if self.store is not None and self.prompt is None and self.prompt_file is None:
-            raise UsageError("replay --store needs the prompt: --prompt or --prompt-file")
-
-    @property
-    def compares(self) -> bool:
-        """Runs the recompute: asked for, or implied by a threshold on the comparison."""
-        return self.compare or self.min_top1 is not None or self.max_kl is not None
 
 
 def replay(path: str | Path | None, model: str | Path | LoadedModel | None = None, *, continue_tokens: int = 32,

@@ -96,33 +96,57 @@ class StoreGetResult(Result):
     codecs: list[str]
     file_bytes: int
     refused: list[str] = field(default_factory=list)
+    reencoded: int = 0  # chunks re-encoded into the asked codec (`codec`); the rest copied as stored
 
 
 def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_file: Path | None = None,
         tokens_file: Path | None = None, model: str | Path | None = None, chat: bool = False,
-        chunk_size: int | None = None, namespace: str | None = None) -> StoreGetResult:
+        chunk_size: int | None = None, namespace: str | None = None, codec: str | None = None) -> StoreGetResult:
     """`kvtool store get --prompt-file F --store URL -o OUT`: the longest cached prefix of the
     prompt, as a container (at `chunk_size`, or the stored chunk size that covers the most), of
-    the chunks stored under `namespace` (none: those stored without one)."""
+    the chunks stored under `namespace` (none: those stored without one). With `codec`, every
+    chunk ends in that codec (its default parameters): a chunk stored so is copied as it is, the
+    others are decoded and encoded again (a store keeps one object per chunk, in the codec it was
+    first put in)."""
     from ..engine import load_model
     from .capture import read_tokens
+    from .inputs import codec_params
 
+    params = codec_params(codec) if codec is not None else None  # (an unknown codec fails first)
     keys = ExtraKeys(namespace=namespace or "")
     with connect(store, create=False) as s:
         loaded = load_model(model)
         ids = read_tokens(loaded, prompt, prompt_file, tokens_file, chat)
         refused: list[str] = []
-        n, codecs_used, _writer = prefix_container(s, loaded.identity, ids, chunk_size, output, refused, keys)
-        if n == 0:
-            why = f" ({refused[0]})" if refused else ""
-            sizes = [chunk_size] if chunk_size is not None else s.chunk_sizes(loaded.identity)
-            at = f"at chunk size {', '.join(map(str, sizes))}" if sizes else "at any chunk size"
-            where = f" in namespace {namespace!r}" if namespace else ""
-            raise NotCached(f"{s.url}: no whole chunk of this prompt's {len(ids)} tokens is stored{where} "
-                            f"for {loaded.name} {at}{why}")
+        target = output if codec is None else _beside(output)
+        try:
+            n, codecs_used, _writer = prefix_container(s, loaded.identity, ids, chunk_size, target, refused, keys)
+            if n == 0:
+                why = f" ({refused[0]})" if refused else ""
+                sizes = [chunk_size] if chunk_size is not None else s.chunk_sizes(loaded.identity)
+                at = f"at chunk size {', '.join(map(str, sizes))}" if sizes else "at any chunk size"
+                where = f" in namespace {namespace!r}" if namespace else ""
+                raise NotCached(f"{s.url}: no whole chunk of this prompt's {len(ids)} tokens is stored{where} "
+                                f"for {loaded.name} {at}{why}")
+            reencoded = 0
+            if codec is not None:
+                from .compress import compress_file
+
+                with ContainerReader(target) as reader:
+                    done = compress_file(reader, output, codec, params)
+                reencoded, codecs_used = done.num_chunks - done.chunks_copied, [codec] * done.num_chunks
+        finally:
+            if target != output and os.path.exists(target):
+                os.unlink(target)
         return StoreGetResult(store=s.url, output=str(output), model=loaded.name, prompt_tokens=len(ids),
                               cached_tokens=n, chunks=len(codecs_used), codecs=sorted(set(codecs_used)),
-                              file_bytes=os.path.getsize(output), refused=refused)
+                              file_bytes=os.path.getsize(output), refused=refused, reencoded=reencoded)
+
+
+def _beside(output: str | Path) -> str:
+    """A scratch path in the output's folder (the prefix as stored, before it is re-encoded)."""
+    folder, name = os.path.split(os.path.abspath(output))
+    return os.path.join(folder, f".{name}.{os.getpid()}.stored")
 
 
 # --- upkeep ------------------------------------------------------------------------------

@@ -1,0 +1,262 @@
+"""The operations' requests: the options of one `capture`, `replay` or blended replay, each
+checked once, when the request is made, with the one-line usage errors the commands print.
+
+Nothing here imports torch: the CLI makes its request before anything heavy loads, so a usage
+error answers as fast as `--help`. What needs torch (the model's dtype, the device, which must
+exist here) is resolved the first time the operation asks for it (`weights`, `where`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..devices import check_device_spec, resolve_device
+from ..dtypes import dtype_from_name, dtype_name
+from ..errors import UsageError
+from ..format.layout import MAX_CHUNK_SIZE
+from ..store.names import ExtraKeys
+from .inputs import (check_text, check_token_source, codec_params, continuation, fraction, kv_dtype_name,
+                     model_dtype_name, non_negative, parse_roi)
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..engine import LoadedModel
+
+
+def _weights(model_dtype: str) -> "torch.dtype":
+    return dtype_from_name(model_dtype_name(model_dtype))
+
+
+# --- capture ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CaptureRequest:
+    """What one capture writes: the options of `capture` (see there), checked once, here; the
+    command line's spelling of them is parsed by `from_options`. `roi` is checked against the
+    prompt's length when it is known. The check resolves `extra_keys` (the store's partition)."""
+
+    output: str | Path | None
+    store: str | None = None
+    namespace: str | None = None
+    chunk_size: int = 256
+    codec: str = "raw"
+    params: dict[str, Any] | None = None
+    kv_dtype: Any = "bfloat16"  # a KV dtype's name (bf16, fp16, fp32 or their long names) or a torch dtype
+    block_size: int = 16
+    shuffle_seed: int | None = 0
+    hidden_states: bool = False
+    roi: list[tuple[int, int]] | None = None
+    segment: bool = False
+    metadata: dict[str, str] | None = None
+    extra_keys: ExtraKeys = field(init=False, repr=False)
+
+    @cached_property
+    def torch_kv_dtype(self) -> "torch.dtype":
+        """`kv_dtype` as torch's dtype (torch is imported here, not when the request is checked)."""
+        return dtype_from_name(self.kv_dtype)
+
+    def __post_init__(self) -> None:
+        # frozen: the KV dtype becomes its canonical name here (a torch dtype is named, not imported)
+        object.__setattr__(self, "kv_dtype", kv_dtype_name(dtype_name(self.kv_dtype) if not isinstance(
+            self.kv_dtype, str) else self.kv_dtype))
+        if self.output is None and self.store is None:
+            raise UsageError("give -o OUT, --store URL, or both")
+        if self.namespace is not None and self.store is None:
+            raise UsageError("--namespace names a partition of the store: give --store URL")
+        # frozen: set once, here; a bad namespace fails before the model loads
+        object.__setattr__(self, "extra_keys", ExtraKeys(namespace=self.namespace or ""))
+        if self.segment and self.hidden_states:
+            raise UsageError("--segment and --hidden-states: a segment's hidden states are not those of a prompt it "
+                             "is placed in")
+        if not 1 <= self.chunk_size <= MAX_CHUNK_SIZE or not 1 <= self.block_size <= MAX_CHUNK_SIZE:
+            raise UsageError(f"--chunk-size and --block-size must be in 1..{MAX_CHUNK_SIZE}")
+
+    @classmethod
+    def from_options(cls, output: str | Path | None, *, codec: str = "raw", level: int | None = None,
+                     shuffle: bool | None = None, bins: str | None = None, kv_dtype: str = "bf16",
+                     chunk_size: int = 256, block_size: int = 16, hidden_states: bool = False,
+                     roi: str | None = None, store: str | None = None, segment: bool = False,
+                     namespace: str | None = None, metadata: dict[str, str] | None = None) -> "CaptureRequest":
+        """The command line's spelling (a dtype's name, a codec's options, `--roi` ranges as text)
+        parsed into a request: a typo fails before the model loads."""
+        kv = kv_dtype_name(kv_dtype)
+        ranges = parse_roi(roi) if roi is not None else None
+        params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
+        return cls(output, store=store, namespace=namespace, chunk_size=chunk_size, codec=codec, params=params,
+                   kv_dtype=kv, block_size=block_size, hidden_states=hidden_states, roi=ranges, segment=segment,
+                   metadata=metadata)
+
+
+@dataclass(frozen=True)
+class PromptCaptureRequest:
+    """One `kvtool capture` (`capture_prompt`, see there): the model, its tokens (exactly one of
+    `prompt`, `prompt_file`, `tokens_file`) and what the `capture` writes; checked once, here,
+    before the model loads. The check resolves `weights` (the model's dtype) and `where` (its
+    device)."""
+
+    capture: CaptureRequest
+    prompt: str | None = None
+    prompt_file: Path | None = None
+    tokens_file: Path | None = None
+    chat: bool = False
+    model: str | Path | LoadedModel | None = None
+    device: str = "auto"
+    model_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.capture.segment and self.chat:
+            raise UsageError("--segment is text to place inside other prompts: --chat would wrap it in a chat "
+                             "template")
+        model_dtype_name(self.model_dtype)
+        check_device_spec(self.device)
+        check_token_source(self.prompt, self.prompt_file, self.tokens_file, self.chat)
+
+    weights = cached_property(lambda self: _weights(self.model_dtype))
+    weights.__doc__ = "The model's dtype (torch's)."
+    where = cached_property(lambda self: resolve_device(self.device))
+    where.__doc__ = "The device the model runs on (a UsageError where it does not exist)."
+
+
+def prompt_metadata(chat: bool, tokens_file: Path | None) -> dict[str, str] | None:
+    """What the file records of how the prompt became tokens (nothing for token ids)."""
+    if tokens_file is not None:
+        return None
+    return {"prompt_format": "chat template, user message" if chat else "plain text"}
+
+
+# --- replay -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """The options of one `replay` (see there), checked once, here, before anything is opened or
+    loaded: a KV `path` or a `store` URL. The check resolves `weights` (the model's dtype),
+    `where` (its device) and `extra_keys` (the store's partition)."""
+
+    path: str | Path | None = None
+    model: str | Path | LoadedModel | None = None
+    continue_tokens: int = 32
+    suffix: str | None = None
+    suffix_file: Path | None = None
+    prompt: str | None = None
+    prompt_file: Path | None = None
+    compare: bool = False
+    min_top1: float | None = None
+    max_kl: float | None = None
+    device: str = "auto"
+    model_dtype: str = "fp32"
+    use_hidden_states: bool = True
+    chat: bool = False
+    allow_other_weights: bool = False
+    store: str | None = None
+    chunk_size: int | None = None
+    namespace: str | None = None
+    extra_keys: ExtraKeys = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.store is None):
+            raise UsageError("give a KV file or --store URL, not both" if self.path is not None
+                             else "give a KV file or --store URL")
+        if self.namespace is not None and self.store is None:
+            raise UsageError("--namespace names a partition of the store: give --store URL")
+        if sum(x is not None for x in (self.suffix, self.suffix_file, self.prompt, self.prompt_file)) > 1:
+            raise UsageError("give at most one of --suffix, --suffix-file, --prompt, --prompt-file")
+        if self.chat and self.prompt is None and self.prompt_file is None:
+            raise UsageError("--chat formats a new prompt: give --prompt or --prompt-file")
+        fraction("--min-top1", self.min_top1)
+        non_negative("--max-kl", self.max_kl)
+        continuation(self.continue_tokens)
+        model_dtype_name(self.model_dtype)
+        check_device_spec(self.device)
+        # frozen: the store's partition is resolved once, here
+        object.__setattr__(self, "extra_keys", ExtraKeys(namespace=self.namespace or ""))
+        if self.store is not None and self.prompt is None and self.prompt_file is None:
+            raise UsageError("replay --store needs the prompt: --prompt or --prompt-file")
+
+    weights = cached_property(lambda self: _weights(self.model_dtype))
+    weights.__doc__ = "The model's dtype (torch's)."
+    where = cached_property(lambda self: resolve_device(self.device))
+    where.__doc__ = "The device the model runs on (a UsageError where it does not exist)."
+
+    @property
+    def compares(self) -> bool:
+        """Runs the recompute: asked for, or implied by a threshold on the comparison."""
+        return self.compare or self.min_top1 is not None or self.max_kl is not None
+
+
+# --- a blended replay ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlendRequest:
+    """The options of one `blend_replay` (see there), checked once, here, before anything is read
+    or loaded. The check resolves `ratio` (`recompute_ratio`, or the default share), `weights`
+    (the model's dtype) and `where` (its device); `check_layer` is checked against the model once
+    it is loaded."""
+
+    files: tuple[str | Path, ...] = ()
+    model: str | Path | LoadedModel | None = None
+    prompt: str | None = None
+    prompt_file: Path | None = None
+    delimiter: str | None = None
+    store: str | None = None
+    chunk_size: int | None = None
+    recompute_ratio: float | None = None
+    check_layer: int | None = None
+    continue_tokens: int = 32
+    compare: bool = False
+    min_top1: float | None = None
+    max_kl: float | None = None
+    device: str = "auto"
+    model_dtype: str = "fp32"
+    allow_other_weights: bool = False
+    block_size: int = 16
+    namespace: str | None = None
+
+    def __post_init__(self) -> None:
+        fraction("--recompute-ratio", self.recompute_ratio)
+        fraction("--min-top1", self.min_top1)
+        non_negative("--max-kl", self.max_kl)
+        continuation(self.continue_tokens)
+        if (self.prompt is None) == (self.prompt_file is None):
+            raise UsageError("--blend needs the question or the delimited prompt: --prompt or --prompt-file (one)")
+        if self.delimiter is None and not self.files:
+            raise UsageError("give segment files (--blend FILE) or a delimited prompt (--blend-delimiter)")
+        if self.delimiter is None and self.store is not None:
+            raise UsageError("--store with --blend: segments are found in the store by splitting the prompt: "
+                             "give --blend-delimiter")
+        if self.chunk_size is not None and self.store is None:
+            raise UsageError("--chunk-size applies to --store")
+        if self.namespace is not None and self.store is None:
+            raise UsageError("--namespace names a partition of the store: give --store URL")
+        if self.delimiter is not None:
+            check_text(self.delimiter, "--blend-delimiter")
+        model_dtype_name(self.model_dtype)
+        check_device_spec(self.device)
+
+    @cached_property
+    def ratio(self) -> float:
+        """`recompute_ratio`, or the engine's default share."""
+        if self.recompute_ratio is not None:
+            return self.recompute_ratio
+        from ..engine.blend import DEFAULT_RECOMPUTE_RATIO
+
+        return DEFAULT_RECOMPUTE_RATIO
+
+    weights = cached_property(lambda self: _weights(self.model_dtype))
+    weights.__doc__ = "The model's dtype (torch's)."
+    where = cached_property(lambda self: resolve_device(self.device))
+    where.__doc__ = "The device the model runs on (a UsageError where it does not exist)."
+
+    @property
+    def compares(self) -> bool:
+        """Runs the full prefill and naive reuse: asked for, or implied by a threshold."""
+        return self.compare or self.min_top1 is not None or self.max_kl is not None
+
+
+__all__ = ["BlendRequest", "CaptureRequest", "PromptCaptureRequest", "ReplayRequest", "prompt_metadata"]
