@@ -52,6 +52,8 @@ def test_readme_blend_commands_run(tmp_path, default_model):
     section = text[text.index("## Blending cached segments"):]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     script = re.sub(r"^kvtool ", f"{sys.executable} -m kvtool ", block, flags=re.M)
+    for folder in ("demo", "format-spec"):  # the documents it blends, from the repository's root
+        (tmp_path / folder).symlink_to(REPO / folder)
     out = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     flat = " ".join(out.stdout.split())
