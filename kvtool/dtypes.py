@@ -9,21 +9,32 @@ and float32 as themselves (`numpy_storage`).
 from __future__ import annotations
 
 import sys
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .errors import UnsupportedDtype
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # v1 allows exactly these three; anything else (fp8, int8, float64) must be cast by the
 # writer or encoded by a codec.
 KV_DTYPE_NAMES = ("bfloat16", "float16", "float32")
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-# numpy holds each KV dtype as: bfloat16 as its bit patterns, the others as themselves.
-NUMPY_STORAGE = {"bfloat16": np.dtype("<u2"), "float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
-# Sign bit and exponent mask of each dtype's bit pattern: a value is NaN or infinite
-# exactly when its exponent bits are all ones.
-_EXPONENT_MASK = {"bfloat16": (np.uint16, 0x7F80), "float16": (np.uint16, 0x7C00),
-                  "float32": (np.uint32, 0x7F800000)}
+# numpy holds each KV dtype as: bfloat16 as its bit patterns, the others as themselves
+# (`NUMPY_STORAGE`, made on first use: naming a dtype imports no numpy).
+_STORAGE_CODES = {"bfloat16": "<u2", "float16": "<f2", "float32": "<f4"}
+# The exponent mask of each dtype's bit pattern: a value is NaN or infinite exactly when its
+# exponent bits are all ones.
+_EXPONENT_MASK = {"bfloat16": ("<u2", 0x7F80), "float16": ("<u2", 0x7C00), "float32": ("<u4", 0x7F800000)}
+
+
+def __getattr__(name: str):
+    if name == "NUMPY_STORAGE":
+        import numpy as np
+
+        value = globals()["NUMPY_STORAGE"] = {k: np.dtype(code) for k, code in _STORAGE_CODES.items()}
+        return value
+    raise AttributeError(f"module 'kvtool.dtypes' has no attribute {name!r}")
 # Short names accepted on the command line.
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
                  "half": "float16", "float": "float32"}
@@ -62,6 +73,8 @@ def itemsize(dtype) -> int:
 
 def count_nonfinite(values: np.ndarray, name: str) -> int:
     """How many of `values` (numpy storage of KV dtype `name`) are NaN or infinite."""
+    import numpy as np
+
     bits_type, mask = _EXPONENT_MASK[canonical_name(name)]
     bits = values.view(bits_type)
     return int(np.count_nonzero((bits & mask) == mask))
@@ -69,6 +82,8 @@ def count_nonfinite(values: np.ndarray, name: str) -> int:
 
 def to_float64(values: np.ndarray, name: str) -> np.ndarray:
     """Numpy storage of KV dtype `name` -> float64 values (exact: every KV value is a float64)."""
+    import numpy as np
+
     if canonical_name(name) == "bfloat16":  # a bfloat16 is the high half of a float32
         return (values.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     return values.astype(np.float64)

@@ -160,14 +160,17 @@ def test_capture_requests_are_frozen_and_parse_the_command_lines_spelling(tmp_pa
 
 def test_the_requests_are_checked_without_torch():
     """A usage error answers before torch loads (issue: 1.7-2.7 s for a typo): the requests'
-    module, made and checked in a fresh interpreter, imports no torch; resolving the device does."""
+    module, made and checked in a fresh interpreter, imports no torch (and replay's and blend's
+    no numpy); resolving the device does."""
     import subprocess
     import sys
 
     code = ("import sys\n"
             "from kvtool.ops.requests import BlendRequest, CaptureRequest, PromptCaptureRequest, ReplayRequest\n"
             "from kvtool.errors import UsageError\n"
-            "r = ReplayRequest(path='x.kvc', device='cpu', min_top1=0.5)\n"
+            "r = ReplayRequest(path='x.kvc', device='cpu', min_top1=0.5, store=None)\n"
+            "BlendRequest(files=('a.kvc',), prompt='q')\n"
+            "assert 'numpy' not in sys.modules, 'numpy was imported'  # (a codec's options import it)\n"
             "p = PromptCaptureRequest(CaptureRequest.from_options('x.kvc', kv_dtype='fp16', roi='0:4'), prompt='p')\n"
             "b = BlendRequest(files=('a.kvc',), prompt='q', recompute_ratio=0.2)\n"
             "for bad in (dict(path='x.kvc', device='gpu'), dict(path='x.kvc', continue_tokens=0)):\n"

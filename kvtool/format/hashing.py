@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 from ..checksum import crc32  # noqa: F401  (the blobs' checksum, re-exported for the format)
 
@@ -22,6 +24,8 @@ ZERO_HASH = bytes(32)
 
 
 def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    import numpy as np  # (here: the store's names import this module before anything needs numpy)
+
     arr = np.asarray(token_ids, dtype=np.int64)
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise ValueError("token ids must fit in an unsigned 32-bit integer")
@@ -37,6 +41,8 @@ def chain_hash(previous: bytes, chunk_token_ids: Sequence[int] | np.ndarray | by
 
 def prefix_hashes(token_ids: Sequence[int] | np.ndarray, chunk_size: int) -> list[str]:
     """Hex prefix hash of every chunk of `token_ids` cut at `chunk_size`."""
+    import numpy as np
+
     arr = np.asarray(token_ids, dtype=np.int64)
     out: list[str] = []
     h = ZERO_HASH

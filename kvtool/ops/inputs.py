@@ -10,8 +10,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..errors import InputFileError, PromptError, UnsupportedDtype, UsageError
 from ..fsutil import read_text_file
 
@@ -40,6 +38,8 @@ def check_vocabulary(token_ids, vocab_size: int | None, where: str = "") -> None
     """PromptError naming the first token id outside [0, vocab_size) (no check without a size)."""
     if not isinstance(vocab_size, int):
         return
+    import numpy as np
+
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
     bad = ids[(ids < 0) | (ids >= vocab_size)]
     if bad.size:

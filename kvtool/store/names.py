@@ -15,14 +15,14 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
-
 from ..errors import UsageError
 from ..format.hashing import ZERO_HASH, chain_hash, tokens_to_bytes
 from ..identity import ModelIdentity, canonical_json
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+    import numpy as np
 
 #: The store version (§9): in every object and in the model and entry keys' inputs.
 STORE_VERSION = 2
@@ -151,6 +151,8 @@ def embeds_digest(embeds: Any, start: int, end: int) -> str:
             kind = str(rows.dtype).removeprefix("torch.")
         data, shape = rows.numpy().tobytes(), list(rows.shape)
     else:
+        import numpy as np
+
         rows = np.ascontiguousarray(np.asarray(embeds)[start:end])
         kind, data, shape = str(rows.dtype), rows.tobytes(), list(rows.shape)
     head = canonical_json({"dtype": kind, "shape": shape})
@@ -184,6 +186,8 @@ def chunk_chain(tokens: np.ndarray, chunk_size: int, extra_keys: ExtraKeys = NO_
     """The links of every whole chunk of `tokens` (up to `limit` tokens), from token 0. `tokens`:
     an int64 array of ids in [0, 2^32) (ModelCache checks them once)."""
     n = len(tokens) if limit is None else min(len(tokens), limit)
+    import numpy as np  # (here: a request's checks import this module, not numpy)
+
     raw = np.asarray(tokens[:n]).astype("<u4").tobytes()  # u32le once: each chunk's is a slice
     chain: list[ChunkLink] = []
     parent, step = ZERO_HASH, 4 * chunk_size
@@ -227,6 +231,8 @@ def tensor_name(key: str) -> str:
 
 def entry_key(model: str, tokens: "np.ndarray | Sequence[int]", roi: np.ndarray) -> str:
     """A lookup-buffer entry's key: the model, the token ids and the roi mask (§3)."""
+    import numpy as np
+
     data = (b"kvtool-entry/1\0" + model.encode() + tokens_to_bytes(tokens)
             + np.asarray(roi).astype(bool).astype(np.uint8).tobytes())
     return hashlib.sha256(data).hexdigest()
