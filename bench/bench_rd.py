@@ -12,8 +12,7 @@ from it:
   zstd        kvtool's zstd codec with its default parameters (byte-plane shuffle), lossless
   cg-default  kvtool's CacheGen codec, LMCache's default bins
               (k:0-10=32,10-=16;v:0-2=32,2-=16)
-  cg-32       CacheGen, 32 bins on every layer
-  cg-64       CacheGen, 64 bins on every layer
+  cg-16 .. cg-128  CacheGen, 16, 32, 64 or 128 bins on every layer
   kivi-4      KIVI-style 4-bit: K per channel (groups of 32 tokens), V per token
               (groups of 32 channels), asymmetric min/max, fp16 scale and zero point
   kivi-2      same, 2-bit
@@ -34,12 +33,22 @@ continuation of --continuation tokens of the same real text):
   greedy    = greedy decoding of --greedy tokens from the row's cache and from the
               exact cache; length of the identical prefix (decoding stops at the
               first difference)
-Averaged over the windows (prose and code, from files that exist offline: license
-texts under /usr/share/common-licenses, the Python language reference text in
-pydoc_data, and Python standard-library source files).
+Over the windows each row reports the mean, the worst window and a 95% bootstrap interval
+of the mean (windows resampled with replacement, 2,000 draws). Five kinds of text, all found
+offline on this machine (free licenses, Python's own files, system tables):
 
-    python bench/bench_rd.py                 # 3 prose + 3 code windows, 1024 + 100 tokens
-    python bench/bench_rd.py --quick         # 1 + 1 windows, 512 + 32 tokens, greedy 8
+  prose     license texts under /usr/share/common-licenses, the Python language reference
+            (pydoc_data)
+  code      Python standard-library source files
+  chat      the language reference's sections as a conversation (user asks, assistant answers,
+            turn after turn) through the model's own chat template
+  foreign   vim's message translations (German, French, Spanish, Italian, ...: .mo catalogs,
+            GPL), one message after another
+  numbers   tables of numbers: /etc/services, the time-zone tables (zone1970.tab, tzdata.zi),
+            numpy's random-generator test vectors (CSV)
+
+    python bench/bench_rd.py                 # 4 windows of each kind (20), 1024 + 64 tokens
+    python bench/bench_rd.py --quick         # 1 window of each kind, 512 + 32 tokens, greedy 8
 """
 
 from __future__ import annotations
@@ -59,15 +68,18 @@ _HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))
 
 CHUNK = 256
+KINDS = ("prose", "code", "chat", "foreign", "numbers")
+BOOTSTRAP = 2000
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prose", type=int, default=3, help="prose windows (default 3)")
-    ap.add_argument("--code", type=int, default=3, help="code windows (default 3)")
+    ap.add_argument("--per-kind", type=int, default=4,
+                    help="windows of each kind of text: prose, code, chat, foreign, numbers (default 4)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds (default: all five)")
     ap.add_argument("--context", type=int, default=1024, help="context tokens per window (default 1024)")
-    ap.add_argument("--continuation", type=int, default=100,
-                    help="teacher-forced continuation tokens per window (default 100)")
+    ap.add_argument("--continuation", type=int, default=64,
+                    help="teacher-forced continuation tokens per window (default 64)")
     ap.add_argument("--greedy", type=int, default=32, help="greedy tokens to compare (default 32)")
     ap.add_argument("--skip", type=int, default=512,
                     help="tokens skipped at the start of each text (module docstrings, preambles)")
@@ -81,7 +93,10 @@ def parse_args(argv=None):
     ap.add_argument("--json", default="", help="also write per-window results as JSON")
     args = ap.parse_args(argv)
     if args.quick:
-        args.prose, args.code, args.context, args.continuation, args.greedy = 1, 1, 512, 32, 8
+        args.per_kind, args.context, args.continuation, args.greedy = 1, 512, 32, 8
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    if any(k not in KINDS for k in args.kinds):
+        ap.error(f"--kinds: choose among {', '.join(KINDS)}")
     if args.context < 2 or args.continuation < 1 or args.greedy < 1:
         ap.error("--context must be >= 2, --continuation and --greedy >= 1")
     return args
@@ -130,6 +145,56 @@ CODE = [(f"stdlib {name}", _file(LIB / name)) for name in
         ("argparse.py", "dataclasses.py", "fractions.py", "pathlib.py", "typing.py", "textwrap.py")]
 
 
+def _conversation(topics):
+    """Sections of the language reference as a chat: the user asks about one, the assistant
+    answers with its text, turn after turn (rendered by the model's chat template later)."""
+    def get():
+        from pydoc_data.topics import topics as ref
+        messages = []
+        for name in topics:
+            messages.append({"role": "user", "content": f"Explain '{name}' in Python, as the reference does."})
+            messages.append({"role": "assistant", "content": ref[name].strip()})
+        return messages
+    return get
+
+
+CHAT = [(f"chat: {', '.join(t)}", _conversation(t)) for t in
+        (("assignment", "augassign", "if", "while"), ("for", "try", "with", "function"),
+         ("class", "import", "global", "lambda"), ("comparisons", "booleans", "slicings", "calls"))]
+
+
+def _mo_messages(path):
+    """The translated messages of a gettext .mo catalog, in catalog order (parsed here: Python's
+    gettext refuses catalogs whose charset is not UTF-8)."""
+    def get():
+        import re
+        import struct
+        data = pathlib.Path(path).read_bytes()
+        order = "<" if data[:4] == b"\xde\x12\x04\x95" else ">"
+        _, count, _, table = struct.unpack(order + "4I", data[4:20])
+        texts = []
+        for i in range(count):
+            length, offset = struct.unpack(order + "2I", data[table + 8 * i:table + 8 * i + 8])
+            texts.append(data[offset:offset + length])
+        header = texts[0].decode("ascii", "replace") if texts else ""
+        charset = (re.search(r"charset=([\w-]+)", header) or [None, "utf-8"])[1]
+        out = [t.decode(charset, "replace").replace("\x00", " / ") for t in texts[1:]]
+        return "\n".join(m for m in out if len(m) > 20)
+    return get
+
+
+VIM_LANG = pathlib.Path("/usr/share/vim/vim90/lang")
+FOREIGN = [(f"vim messages ({lang})", _mo_messages(VIM_LANG / lang / "LC_MESSAGES" / "vim.mo"))
+           for lang in ("de", "fr", "es", "it", "pl", "pt_BR", "nl", "sv")]
+NUMPY_DATA = pathlib.Path(__import__("importlib.util").util.find_spec("numpy").origin).parent / "random/tests/data"
+NUMBERS = [("/etc/services", _file("/etc/services")),
+           ("zone1970.tab", _file("/usr/share/zoneinfo/zone1970.tab")),
+           ("tzdata.zi", _file("/usr/share/zoneinfo/tzdata.zi")),
+           ("numpy pcg64 test vectors", _file(NUMPY_DATA / "pcg64-testset-1.csv")),
+           ("numpy sfc64 test vectors", _file(NUMPY_DATA / "sfc64-testset-1.csv"))]
+SOURCES = {"prose": PROSE, "code": CODE, "chat": CHAT, "foreign": FOREIGN, "numbers": NUMBERS}
+
+
 def make_windows(tokenizer, count, sources, kind, ctx, cont, skip):
     out = []
     need = ctx + cont
@@ -140,6 +205,8 @@ def make_windows(tokenizer, count, sources, kind, ctx, cont, skip):
             text = load()
         except (OSError, KeyError, ImportError):
             continue
+        if isinstance(text, list):  # a conversation: the model's chat template makes it text
+            text = tokenizer.apply_chat_template(text, add_generation_prompt=False)
         ids = tokenizer.encode(text)
         if len(ids) < need:
             continue
@@ -229,8 +296,10 @@ def build_rows():
          codec_transform("zstd", get_codec("zstd").default_params())),
         ("cg-default", f"kvtool cachegen, LMCache default bins {LMCACHE_DEFAULT}",
          codec_transform("cachegen", cg("default"))),
+        ("cg-16", "kvtool cachegen, 16 bins everywhere", codec_transform("cachegen", cg("16"))),
         ("cg-32", "kvtool cachegen, 32 bins everywhere", codec_transform("cachegen", cg("32"))),
         ("cg-64", "kvtool cachegen, 64 bins everywhere", codec_transform("cachegen", cg("64"))),
+        ("cg-128", "kvtool cachegen, 128 bins everywhere", codec_transform("cachegen", cg("128"))),
         ("kivi-4", "KIVI-style 4-bit (K per-channel/32 tok, V per-token/32 ch, fp16 scale+zero)",
          kivi_transform(4)),
         ("kivi-2", "KIVI-style 2-bit (same grouping)", kivi_transform(2)),
@@ -293,8 +362,8 @@ def run(args):
         if unknown:
             raise SystemExit(f"unknown rows: {', '.join(sorted(unknown))}")
         rows = [r for r in rows if r[0] in keep or r[0] == "bf16"]
-    windows = (make_windows(model.tokenizer, args.prose, PROSE, "prose", args.context, args.continuation, args.skip)
-               + make_windows(model.tokenizer, args.code, CODE, "code", args.context, args.continuation, args.skip))
+    windows = [w for kind in args.kinds for w in make_windows(model.tokenizer, args.per_kind, SOURCES[kind], kind,
+                                                              args.context, args.continuation, args.skip)]
     print(f"model {model.name}; {len(windows)} windows of {args.context} + {args.continuation} tokens; "
           f"greedy {args.greedy}; threads {args.threads}; cachegen native coder: {native_available()}",
           flush=True)
@@ -313,7 +382,7 @@ def run(args):
                 raise SystemExit(f"{name}: non-finite values after the transform")
             if name.startswith("cg-"):  # the decoder must give exactly the reference quantizer's output
                 exact = torch.equal(kv_hat, cachegen_reference_roundtrip(kv, cachegen_params(
-                    bins={"cg-default": "default", "cg-32": "32", "cg-64": "64"}[name])))
+                    bins={"cg-default": "default", "cg-16": "16", "cg-32": "32", "cg-64": "64", "cg-128": "128"}[name])))
                 checks.append((w["label"], name, exact))
             got = teacher_forced_eval(model, ctx, cont, kv=kv_hat, kv_dtype=torch.bfloat16, prefill_chunk=CHUNK)
             cmp = compare_logits(ref, got, cont)
@@ -336,41 +405,58 @@ def mean(xs):
     return sum(xs) / len(xs)
 
 
-def summarize(rows, results):
+def bootstrap(xs, seed=0):
+    """95% interval of the mean of `xs` (percentile bootstrap, BOOTSTRAP draws, fixed seed)."""
+    import numpy as np
+
+    x = np.asarray(xs, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), size=(BOOTSTRAP, len(x)))].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def summarize(rows, results, kinds):
     out = []
     for name, desc, _ in rows:
         r = results[name]
         fb = [x["file_bits_per_value"] for x in r if x["file_bits_per_value"] is not None]
         bits = mean([x["bits_per_value"] for x in r])
+        top1 = [x["top1"] for x in r]
+        worst = min(r, key=lambda x: x["top1"])
         out.append({"row": name, "desc": desc, "bits": bits, "ratio": 16.0 / bits,
+                    "bits_max": max(x["bits_per_value"] for x in r),
                     "file_bits": mean(fb) if fb else None,
-                    "top1": mean([x["top1"] for x in r]), "kl": mean([x["kl_mean"] for x in r]),
+                    "top1": mean(top1), "top1_worst": worst["top1"], "top1_worst_window": worst["window"],
+                    "top1_ci": bootstrap(top1),
+                    "kl": mean([x["kl_mean"] for x in r]), "kl_worst": max(x["kl_mean"] for x in r),
                     "dnll": mean([x["delta_nll"] for x in r]), "greedy": mean([x["greedy"] for x in r]),
                     "greedy_min": min(x["greedy"] for x in r),
                     "changed": mean([x["changed"] / x["values"] for x in r]),
-                    **{f"top1_{k}": mean([x["top1"] for x in r if x["kind"] == k] or [math.nan])
-                       for k in ("prose", "code")},
+                    **{f"top1_{k}": mean([x["top1"] for x in r if x["kind"] == k] or [math.nan]) for k in kinds},
                     **{f"dnll_{k}": mean([x["delta_nll"] for x in r if x["kind"] == k] or [math.nan])
-                       for k in ("prose", "code")},
+                       for k in kinds},
                     "rmse_k": mean([x["rmse_k"] for x in r]), "rmse_v": mean([x["rmse_v"] for x in r])})
     return out
 
 
 def markdown(summary, args, windows, checks, seconds, ref_nll, results):
     g = args.greedy
-    lines = ["| row | bits/value | file b/v | ratio vs bf16 | top-1 agree | mean KL (nats) | ΔNLL (nats/tok) "
-             f"| greedy matched (of {g}) mean / min |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| row | bits/value | file b/v | top-1 agree: mean [95% CI] | worst window | mean KL (nats) | worst KL "
+             f"| ΔNLL (nats/tok) | greedy matched (of {g}) mean / min |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summary:
         fb = f"{s['file_bits']:.3f}" if s["file_bits"] is not None else "–"
-        lines.append(f"| {s['row']} | {s['bits']:.3f} | {fb} | {s['ratio']:.2f}x | {100 * s['top1']:.1f}% "
-                     f"| {s['kl']:.2e} | {s['dnll']:+.4f} | {s['greedy']:.1f} / {s['greedy_min']} |")
-    lines += ["", "By text kind (top-1 agreement / ΔNLL):", "",
-              "| row | prose top-1 | code top-1 | prose ΔNLL | code ΔNLL | K RMSE | V RMSE |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+        lo, hi = s["top1_ci"]
+        lines.append(f"| {s['row']} | {s['bits']:.3f} | {fb} | {100 * s['top1']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] "
+                     f"| {100 * s['top1_worst']:.1f}% | {s['kl']:.2e} | {s['kl_worst']:.2e} | {s['dnll']:+.4f} "
+                     f"| {s['greedy']:.1f} / {s['greedy_min']} |")
+    kinds = args.kinds
+    lines += ["", "By kind of text (mean top-1 agreement), and the error of the restored K and V:", "",
+              "| row | " + " | ".join(kinds) + " | K RMSE | V RMSE |",
+              "|---|" + "---:|" * (len(kinds) + 2)]
     for s in summary:
-        lines.append(f"| {s['row']} | {100 * s['top1_prose']:.1f}% | {100 * s['top1_code']:.1f}% "
-                     f"| {s['dnll_prose']:+.4f} | {s['dnll_code']:+.4f} | {s['rmse_k']:.4f} | {s['rmse_v']:.4f} |")
+        lines.append(f"| {s['row']} | " + " | ".join(f"{100 * s[f'top1_{k}']:.1f}%" for k in kinds)
+                     + f" | {s['rmse_k']:.4f} | {s['rmse_v']:.4f} |")
     lines += ["", "Rows:", ""] + [f"- `{s['row']}`: {s['desc']}" for s in summary]
     bad = [c for c in checks if not c[2]]
     lines += ["", "Windows (context + continuation tokens, starting at token `start` of the text):", ""]
@@ -385,7 +471,9 @@ def markdown(summary, args, windows, checks, seconds, ref_nll, results):
         f"CacheGen decode == reference quantizer output in {len(checks) - len(bad)}/{len(checks)} "
         "chunk-sets" + (f" (MISMATCH: {bad})" if bad else "") + ". "
         "KIVI-style here has no full-precision residual window (real KIVI keeps the last ≤128 tokens "
-        "unquantized). Greedy matched = identical greedy prefix, lossy vs exact cache, "
+        "unquantized). The 95% interval is of the mean over windows (windows resampled with "
+        f"replacement, {BOOTSTRAP} draws); the worst window is the one of lowest top-1 agreement. "
+        "Greedy matched = identical greedy prefix, lossy vs exact cache, "
         f"{g} tokens decoded after the context. Top-1/KL/ΔNLL are over the teacher-forced real "
         "continuation. ΔNLL > 0 = worse.",
         (f"fp16 changes {100 * fp16['changed']:.4f}% of the values (bf16 values below fp16's normal range, "
@@ -450,9 +538,11 @@ def plot(summary, path, args, n_windows):
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 5.6))
     colors = {"bf16": "k", "fp16": "0.45", "fp8-e4m3": "tab:purple", "zstd": "tab:green",
-              "cg-default": "tab:blue", "cg-32": "tab:blue", "cg-64": "tab:blue",
+              "cg-default": "tab:blue", "cg-16": "tab:blue", "cg-32": "tab:blue", "cg-64": "tab:blue",
+              "cg-128": "tab:blue",
               "kivi-4": "tab:orange", "kivi-2": "tab:orange"}
-    markers = {"cg-default": "o", "cg-32": "s", "cg-64": "D", "kivi-4": "^", "kivi-2": "v"}
+    markers = {"cg-default": "o", "cg-16": "P", "cg-32": "s", "cg-64": "D", "cg-128": "X", "kivi-4": "^",
+               "kivi-2": "v"}
     floor = 1e-6
     panels = ((axes[0], lambda s: 100 * s["top1"], "top-1 agreement with the exact cache (%)", "linear"),
               (axes[1], lambda s: s["dnll"], "ΔNLL of the real continuation (nats/token, symlog)", "symlog"),
@@ -466,13 +556,21 @@ def plot(summary, path, args, n_windows):
             ax.scatter(s["bits"], y, s=55, c=colors.get(s["row"], "tab:red"),
                        marker=markers.get(s["row"], "o"), zorder=3)
             groups.setdefault((round(s["bits"], 2), float(f"{y:.4g}")), []).append(s["row"])
+        if ylabel.startswith("top-1"):  # each row's worst window, below its mean
+            for s in summary:
+                ax.vlines(s["bits"], 100 * s["top1_worst"], 100 * s["top1"], colors=colors.get(s["row"], "tab:red"),
+                          lw=1.2, alpha=0.6, zorder=2)
+                ax.scatter(s["bits"], 100 * s["top1_worst"], s=18, c=colors.get(s["row"], "tab:red"), marker="_",
+                           zorder=3)
+            ax.set_ylabel("top-1 agreement (%): mean, the line down to the worst window")
         if scale == "symlog":
             ax.axhline(0, color="0.5", lw=0.8)
         if scale == "log":
             ax.axhline(floor, color="0.7", lw=0.8, ls=":")
             ax.text(0.3, floor * 1.25, "KL = 0 (lossless) plotted here", fontsize=8, color="0.4")
         ax.set_xlabel("bits per value (all overheads included)")
-        ax.set_ylabel(ylabel)
+        if not ylabel.startswith("top-1"):
+            ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3, which="both" if scale != "linear" else "major", lw=0.5)
         _place_labels(ax, fig, [(x, y, ", ".join(n)) for (x, y), n in groups.items()])
     fig.suptitle(f"KV cache storage rate vs model quality — SmolLM2-135M-Instruct, {n_windows} windows "
@@ -486,7 +584,7 @@ def plot(summary, path, args, n_windows):
 def main():
     args = ARGS
     model, windows, rows, results, checks, seconds = run(args)
-    summary = summarize(rows, results)
+    summary = summarize(rows, results, args.kinds)
     ref_nll = mean([x["nll_reference"] for x in results["bf16"]])
     table = markdown(summary, args, windows, checks, seconds, ref_nll, results)
     print()
