@@ -70,6 +70,7 @@ sys.path.insert(0, str(_HERE.parent))
 CHUNK = 256
 KINDS = ("prose", "code", "chat", "foreign", "numbers")
 BOOTSTRAP = 2000
+CG_BINS = {"cg-default": "default", "cg-16": "16", "cg-32": "32", "cg-64": "64", "cg-128": "128"}
 
 
 def parse_args(argv=None):
@@ -382,7 +383,7 @@ def run(args):
                 raise SystemExit(f"{name}: non-finite values after the transform")
             if name.startswith("cg-"):  # the decoder must give exactly the reference quantizer's output
                 exact = torch.equal(kv_hat, cachegen_reference_roundtrip(kv, cachegen_params(
-                    bins={"cg-default": "default", "cg-16": "16", "cg-32": "32", "cg-64": "64", "cg-128": "128"}[name])))
+                    bins=CG_BINS[name])))
                 checks.append((w["label"], name, exact))
             got = teacher_forced_eval(model, ctx, cont, kv=kv_hat, kv_dtype=torch.bfloat16, prefill_chunk=CHUNK)
             cmp = compare_logits(ref, got, cont)
