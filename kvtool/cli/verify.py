@@ -28,12 +28,13 @@ ReplayTop1Opt = Annotated[Optional[float], typer.Option("--min-top1", metavar="X
     "With --replay: minimum top-1 agreement (default: what the file's codec promises: 1.0 lossless, "
     "0.70-0.88 cachegen by its bins)."))]
 ReplayKlOpt = Annotated[Optional[float], typer.Option("--max-kl", metavar="X", help="With --replay: maximum mean KL.")]
-ReplayContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help="With --replay: teacher-forced tokens.")]
+ReplayContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help=(
+    "With --replay: teacher-forced tokens the agreement is measured over (a promise is judged on 64)."))]
 
 
 def command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 0.0, rtol: RtolOpt = 0.0,
             replay: ReplayOpt = False, model: ModelOpt = None, min_top1: ReplayTop1Opt = None,
-            max_kl: ReplayKlOpt = None, continue_tokens: ReplayContinueOpt = 16, device: DeviceOpt = "auto",
+            max_kl: ReplayKlOpt = None, continue_tokens: ReplayContinueOpt = 64, device: DeviceOpt = "auto",
             weights_dtype: ModelDtypeOpt = "fp32", allow_other_weights: OtherWeightsOpt = False,
             json: JsonOpt = False) -> None:
     """Check structure, checksums, decoding, finiteness and prefix hashes (exit 1 if any fails)."""

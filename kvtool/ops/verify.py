@@ -63,7 +63,7 @@ class VerifyReport(Result):
 
 def verify(path: str | Path, *, against: str | Path | None = None, atol: float = 0.0, rtol: float = 0.0,
            replay: bool = False, model: str | Path | None = None, min_top1: float | None = None,
-           max_kl: float | None = None, continue_tokens: int = 16, device: str = "auto",
+           max_kl: float | None = None, continue_tokens: int = 64, device: str = "auto",
            model_dtype: str = "fp32", allow_other_weights: bool = False, check: bool = True,
            on_stage: Callable[[str], None] | None = None,
            on_chunk: Callable[[int, int], None] | None = None) -> VerifyReport:

@@ -43,11 +43,14 @@ def cachegen_payload_stats(payload: bytes | memoryview, shape: Any, params: dict
 
 
 # The top-1 agreement `verify --replay` expects by default of a CacheGen file, by the fewest bins
-# any layer has. bench/RD_RESULTS.md (the RD benchmark, SmolLM2-135M, 100 teacher-forced tokens
-# per window) measured 84.7% / 92.0% / 96.3% on prose for 16 / 32 / 64 bins (88.7 / 94.2 / 97.2%
-# over prose and code); a 16-token check of a file varies by sqrt(p(1-p)/16), 6-9 points, so the
-# thresholds sit about 1.5 of those below the prose means.
-EXPECTED_TOP1 = ((64, 0.88), (32, 0.80), (0, 0.70))
+# any layer has: what the RD benchmark measured on its WORST window (bench/RD_RESULTS.md:
+# `python bench/bench_rd.py`, SmolLM2-135M, 20 windows of prose, code, chat, foreign-language
+# messages and tables of numbers, 1,024 + 64 teacher-forced tokens; 2026-11-27): 73.4% / 87.5% /
+# 90.6% / 93.8% for 16 / 32 / 64 / 128 bins, less one standard error of a 64-token measure
+# (sqrt(p(1-p)/64), 3-6 points: verify judges a text the benchmark never saw), rounded down to
+# 0.05. The means were 86.5 / 93.4 / 97.4 / 98.2%. (Before: 0.70 / 0.80 / 0.88 from prose means
+# over 16 tokens, which a 1,291-token license failed at 0.625.)
+EXPECTED_TOP1 = ((128, 0.90), (64, 0.85), (32, 0.80), (0, 0.65))
 
 
 
@@ -76,7 +79,7 @@ class CacheGenCodec(Codec):
     def expected_top1(self, params: dict[str, Any], num_layers: int) -> tuple[float, str]:
         bins = min(resolve_bins(validate_params(params)["bins"], num_layers))
         return next(t for least, t in EXPECTED_TOP1 if bins >= least), \
-            f"cachegen with {bins} bins: the RD benchmark's expectation"
+            f"cachegen with {bins} bins: the RD benchmark's worst window"
 
     def payload_stats(self, payload: memoryview, shape: tuple[int, ...], params: dict[str, Any]) -> dict:
         return cachegen_payload_stats(payload, shape, params)
