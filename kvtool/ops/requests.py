@@ -27,8 +27,26 @@ if TYPE_CHECKING:
     from ..engine import LoadedModel
 
 
-def _weights(model_dtype: str) -> "torch.dtype":
-    return dtype_from_name(model_dtype_name(model_dtype))
+class _RunsTheModel:
+    """What a request that runs the model checks without torch (`check_model_options`, from its
+    `__post_init__`) and resolves with torch on first use (`weights`, `where`)."""
+
+    model_dtype: str
+    device: str
+
+    def check_model_options(self) -> None:
+        model_dtype_name(self.model_dtype)
+        check_device_spec(self.device)
+
+    @cached_property
+    def weights(self) -> "torch.dtype":
+        """The model's dtype (torch's)."""
+        return dtype_from_name(model_dtype_name(self.model_dtype))
+
+    @cached_property
+    def where(self) -> "torch.device":
+        """The device the model runs on (a UsageError where it does not exist here)."""
+        return resolve_device(self.device)
 
 
 # --- capture ------------------------------------------------------------------------------------
@@ -93,7 +111,7 @@ class CaptureRequest:
 
 
 @dataclass(frozen=True)
-class PromptCaptureRequest:
+class PromptCaptureRequest(_RunsTheModel):
     """One `kvtool capture` (`capture_prompt`, see there): the model, its tokens (exactly one of
     `prompt`, `prompt_file`, `tokens_file`) and what the `capture` writes; checked once, here,
     before the model loads. The check resolves `weights` (the model's dtype) and `where` (its
@@ -112,14 +130,8 @@ class PromptCaptureRequest:
         if self.capture.segment and self.chat:
             raise UsageError("--segment is text to place inside other prompts: --chat would wrap it in a chat "
                              "template")
-        model_dtype_name(self.model_dtype)
-        check_device_spec(self.device)
+        self.check_model_options()
         check_token_source(self.prompt, self.prompt_file, self.tokens_file, self.chat)
-
-    weights = cached_property(lambda self: _weights(self.model_dtype))
-    weights.__doc__ = "The model's dtype (torch's)."
-    where = cached_property(lambda self: resolve_device(self.device))
-    where.__doc__ = "The device the model runs on (a UsageError where it does not exist)."
 
 
 def prompt_metadata(chat: bool, tokens_file: Path | None) -> dict[str, str] | None:
@@ -133,7 +145,7 @@ def prompt_metadata(chat: bool, tokens_file: Path | None) -> dict[str, str] | No
 
 
 @dataclass(frozen=True)
-class ReplayRequest:
+class ReplayRequest(_RunsTheModel):
     """The options of one `replay` (see there), checked once, here, before anything is opened or
     loaded: a KV `path` or a `store` URL. The check resolves `weights` (the model's dtype),
     `where` (its device) and `extra_keys` (the store's partition)."""
@@ -171,17 +183,11 @@ class ReplayRequest:
         fraction("--min-top1", self.min_top1)
         non_negative("--max-kl", self.max_kl)
         continuation(self.continue_tokens)
-        model_dtype_name(self.model_dtype)
-        check_device_spec(self.device)
+        self.check_model_options()
         # frozen: the store's partition is resolved once, here
         object.__setattr__(self, "extra_keys", ExtraKeys(namespace=self.namespace or ""))
         if self.store is not None and self.prompt is None and self.prompt_file is None:
             raise UsageError("replay --store needs the prompt: --prompt or --prompt-file")
-
-    weights = cached_property(lambda self: _weights(self.model_dtype))
-    weights.__doc__ = "The model's dtype (torch's)."
-    where = cached_property(lambda self: resolve_device(self.device))
-    where.__doc__ = "The device the model runs on (a UsageError where it does not exist)."
 
     @property
     def compares(self) -> bool:
@@ -193,7 +199,7 @@ class ReplayRequest:
 
 
 @dataclass(frozen=True)
-class BlendRequest:
+class BlendRequest(_RunsTheModel):
     """The options of one `blend_replay` (see there), checked once, here, before anything is read
     or loaded. The check resolves `ratio` (`recompute_ratio`, or the default share), `weights`
     (the model's dtype) and `where` (its device); `check_layer` is checked against the model once
@@ -236,8 +242,7 @@ class BlendRequest:
             raise UsageError("--namespace names a partition of the store: give --store URL")
         if self.delimiter is not None:
             check_text(self.delimiter, "--blend-delimiter")
-        model_dtype_name(self.model_dtype)
-        check_device_spec(self.device)
+        self.check_model_options()
 
     @cached_property
     def ratio(self) -> float:
@@ -247,11 +252,6 @@ class BlendRequest:
         from ..engine.blend import DEFAULT_RECOMPUTE_RATIO
 
         return DEFAULT_RECOMPUTE_RATIO
-
-    weights = cached_property(lambda self: _weights(self.model_dtype))
-    weights.__doc__ = "The model's dtype (torch's)."
-    where = cached_property(lambda self: resolve_device(self.device))
-    where.__doc__ = "The device the model runs on (a UsageError where it does not exist)."
 
     @property
     def compares(self) -> bool:
