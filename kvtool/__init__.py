@@ -20,8 +20,7 @@ Every failure is a `kvtool.errors.KvtoolError` subclass.
 
 from __future__ import annotations
 
-import importlib
-
+from .lazy import lazy_attributes
 from .version import __version__
 
 _EXPORTS = {
@@ -48,17 +47,6 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'kvtool' has no attribute {name!r}")
-    module, attr = _EXPORTS[name]
-    value = getattr(importlib.import_module(module), attr)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
-
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
 __all__ = ["__version__", *_EXPORTS]

@@ -48,7 +48,7 @@ Typical capture::
     connector.save(cache.kv_caches, seq.slot_mapping(len(ids)))
 """
 
-import importlib
+from ..lazy import lazy_attributes
 
 # Loaded on first use, so that `kvtool.engine.default_model` (which `kvtool info` reads)
 # does not import torch.
@@ -62,10 +62,6 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-
+__getattr__, __dir__ = lazy_attributes(__name__, {name: f".{module}" for name, module in _EXPORTS.items()})
 
 __all__ = sorted(_EXPORTS)

@@ -2,6 +2,8 @@
 
 from typing import TYPE_CHECKING
 
+from ..lazy import lazy_attributes
+
 if TYPE_CHECKING:
     from ..identity import ModelIdentity, model_fingerprint
     from .reader import SUPPORTED_VERSIONS, ContainerReader, open_container
@@ -15,15 +17,7 @@ _WHERE = {"ModelIdentity": "..identity", "model_fingerprint": "..identity", "SUP
           "Sink": ".sinks", "ContainerWriter": ".writer", "WriterState": ".writer"}
 
 
-def __getattr__(name: str):
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvtool.format' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE)
 
 __all__ = ["ContainerReader", "ContainerWriter", "FileSink", "MemorySink", "ModelIdentity",
            "SUPPORTED_VERSIONS", "Sink", "WriterState", "model_fingerprint", "open_container"]

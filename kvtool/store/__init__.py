@@ -3,26 +3,20 @@ the prefix API engines use, and vLLM's KV lookup/store buffer API over it (`buff
 
 from typing import TYPE_CHECKING
 
+from ..lazy import lazy_attributes
+
 if TYPE_CHECKING:
     from .backend import Backend, ObjectInfo
     from .chunk_store import ChunkStore, ModelCache, PrefixHit, PutResult, StoreCounters, open_store
 
 # Loaded on first use (PEP 562): a request's checks read `store.names` alone, before numpy,
 # the container format or a backend is imported (a usage error answers as fast as --help).
-_WHERE = {"Backend": "backend", "ObjectInfo": "backend", "ChunkStore": "chunk_store", "ModelCache": "chunk_store",
-          "PrefixHit": "chunk_store", "PutResult": "chunk_store", "StoreCounters": "chunk_store",
-          "open_store": "chunk_store"}
+_WHERE = {"Backend": ".backend", "ObjectInfo": ".backend", "ChunkStore": ".chunk_store", "ModelCache": ".chunk_store",
+          "PrefixHit": ".chunk_store", "PutResult": ".chunk_store", "StoreCounters": ".chunk_store",
+          "open_store": ".chunk_store"}
 
 
-def __getattr__(name: str):
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvtool.store' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE)
 
 __all__ = ["Backend", "ChunkStore", "ModelCache", "ObjectInfo", "PrefixHit", "PutResult", "StoreCounters",
            "open_store"]
