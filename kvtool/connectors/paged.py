@@ -167,20 +167,12 @@ class _PagedConnector(GPUConnectorInterface):
             blob.copy_(tmp)
 
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        kvcaches, geo, first, signature = self._check_kvcaches(kwargs)
-        start, end = self._check_range(start, end)
-        slots = self._check_slots(kwargs, start, end, geo, first.device, distinct=True)
-        blob = self._check_memory_obj(memory_obj, end - start, first.device, reading=True)
-        if blob.device != first.device:
-            tmp = self._device_blob(end - start, first.dtype, first.device)
-            tmp.copy_(blob, non_blocking=blob.is_pinned())
-            blob = tmp
-        scatter_paged(blob, kvcaches, self.layout, slots, signature=signature)
+        self._blob_into(self._bind(kwargs), memory_obj, start, end)
 
     def to_gpu_source(self, source: ChunkSource, start: int, end: int, **kwargs: Any) -> None:
         """A stored chunk into the buffers: a raw one into host buffers straight from its stored
         bytes, checked as copied (`scatter_paged_source`); otherwise decoded from checked bytes."""
-        self._source_into(self._bind(kwargs), source, start, end, kwargs)
+        self._source_into(self._bind(kwargs), source, start, end)
 
     def target(self, **kwargs: Any) -> "PagedTarget":
         return PagedTarget(self, **kwargs)
@@ -193,13 +185,16 @@ class _PagedConnector(GPUConnectorInterface):
             sm = sm.to(torch.int64).contiguous()  # (the native checks and copies take int64)
         return _Bound(kvcaches, geo, first, signature, sm)
 
-    def _blob_into(self, bound: "_Bound", memory_obj: MemoryObj, start: int, end: int) -> None:
-        """`to_gpu` with the buffers and the slot mapping checked already (`bound`)."""
+    def _blob_into(self, bound: "_Bound", memory_obj: MemoryObj, start: int, end: int, *,
+                   whole_mapping: bool = False) -> None:
+        """`to_gpu` with the buffers and the slot mapping checked already (`bound`). Slots on the
+        host for buffers on a device: with `whole_mapping` (a load's target, many chunks) the
+        whole mapping is moved once, else this range."""
         start, end = self._check_range(start, end)
         first = bound.first
         slots = self._slots_of(bound.slot_mapping, start, end, bound.geo, bound.slot_mapping.device, distinct=True)
-        if first.device != slots.device:  # the load's slots moved once, not once a chunk
-            slots = bound.on_device(first.device)[start:end]
+        if first.device != slots.device:
+            slots = bound.on_device(first.device)[start:end] if whole_mapping else slots.to(first.device)
         blob = self._check_memory_obj(memory_obj, end - start, first.device, reading=True)
         if blob.device != first.device:
             tmp = self._device_blob(end - start, first.dtype, first.device)
@@ -207,10 +202,12 @@ class _PagedConnector(GPUConnectorInterface):
             blob = tmp
         scatter_paged(blob, bound.kvcaches, self.layout, slots, signature=bound.signature)
 
-    def _source_into(self, bound: "_Bound", source: ChunkSource, start: int, end: int, kwargs: dict[str, Any]) -> None:
+    def _source_into(self, bound: "_Bound", source: ChunkSource, start: int, end: int, *,
+                     whole_mapping: bool = False) -> None:
         start, end = self._check_range(start, end)
         if bound.first.device.type != "cpu" or not source.raw:
-            return self._blob_into(bound, MemoryObj.from_tensor(source.decode()), start, end)
+            return self._blob_into(bound, MemoryObj.from_tensor(source.decode()), start, end,
+                                   whole_mapping=whole_mapping)
         slots = self._slots_of(bound.slot_mapping, start, end, bound.geo, bound.first.device, distinct=True)
         if source.shape != (2, self.num_layers, end - start, self.hidden_dim_size):
             raise ConnectorError(f"{source.what} holds KV of shape {list(source.shape)}, "
@@ -255,10 +252,10 @@ class PagedTarget(ConnectorTarget):
         return bound
 
     def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
-        self.connector._blob_into(self._bound_once(), MemoryObj.from_tensor(kv), start, end)
+        self.connector._blob_into(self._bound_once(), MemoryObj.from_tensor(kv), start, end, whole_mapping=True)
 
     def scatter_source(self, source: ChunkSource, start: int, end: int) -> None:
-        self.connector._source_into(self._bound_once(), source, start, end, self.kwargs)
+        self.connector._source_into(self._bound_once(), source, start, end, whole_mapping=True)
 
 
 class PagedMemConnectorV2(_PagedConnector):
