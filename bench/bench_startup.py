@@ -8,7 +8,7 @@ is dropped from the children's environment, as on a user's machine), then --repe
 times; the table gives the best and median wall time of the subprocess and the
 best minus the best of `python -c pass` (what kvtool adds to the interpreter).
 Rows: `python -c pass`, `kvtool --help`, `kvtool --version` ("not available" when
-it exits non-zero), `kvtool inspect F` and `kvtool verify F` for a raw, a zstd
+it exits non-zero), three usage errors (each must exit 2: they answer before torch loads), `kvtool inspect F` and `kvtool verify F` for a raw, a zstd
 (compressed from the raw one at start) and a cachegen file (default: the small
 format-spec vectors; --files names others), and `gguf-dump --no-tensors` of the
 default model's GGUF as a peer. --python/--kvtool time another install.
@@ -30,6 +30,9 @@ from pathlib import Path
 
 VECTORS = Path(__file__).resolve().parents[1] / "format-spec" / "vectors"
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+#: Commands that must fail with a usage error (exit 2), timed like the others.
+USAGE_ERRORS = (["replay"], ["capture", "--prompt", "a", "--prompt-file", "b", "-o", "x.kvc"],
+                ["capture", "--prompt", "a", "--chunk-size", "0", "-o", "x.kvc"])
 FIND_GGUF = "from kvtool.engine.default_model import find_gguf; print(find_gguf())"
 
 
@@ -40,18 +43,18 @@ def run_once(cmd: list[str]) -> tuple[float, int, str]:
     return time.perf_counter() - t0, p.returncode, p.stderr.decode(errors="replace")
 
 
-def time_command(cmd: list[str], repeat: int) -> dict:
-    """One untimed warm-up run (which must exit 0), then `repeat` timed runs."""
+def time_command(cmd: list[str], repeat: int, expect: int = 0) -> dict:
+    """One untimed warm-up run (which must exit `expect`), then `repeat` timed runs."""
     _, rc, err = run_once(cmd)
-    if rc != 0:
+    if rc != expect:
         return {"rc": rc, "error": (err.strip().splitlines() or [""])[-1]}
     times = []
     for _ in range(repeat):
         t, rc, err = run_once(cmd)
-        if rc != 0:
+        if rc != expect:
             return {"rc": rc, "error": (err.strip().splitlines() or [""])[-1]}
         times.append(t)
-    return {"rc": 0, "best": min(times), "median": statistics.median(times), "times": times}
+    return {"rc": expect, "best": min(times), "median": statistics.median(times), "times": times}
 
 
 def find_gguf(python: str, given: str | None) -> tuple[str | None, str]:
@@ -84,6 +87,8 @@ def commands(args, files, gguf) -> list[tuple[str, list[str] | None, str]]:
             ("kvtool --help", [kv, "--help"], ""), ("kvtool --version", [kv, "--version"], "")]
     rows += [(f"kvtool {verb} {label}", [kv, verb, path], "")
              for verb in ("inspect", "verify") for label, path in files]
+    # usage errors (exit 2): answered before torch loads, so as fast as --help
+    rows += [(f"kvtool {' '.join(argv)} (usage error)", [kv, *argv], "") for argv in USAGE_ERRORS]
     dump = Path(py).parent / "gguf-dump"
     if gguf[0] is None or not dump.exists():
         rows.append(("gguf-dump --no-tensors", None, gguf[1] or f"{dump} not installed"))
@@ -139,8 +144,9 @@ def main() -> None:
         files = input_files(args.kvtool, args.files, Path(tmp))
         results, failed = [], []
         for label, cmd, why in commands(args, files, find_gguf(args.python, args.gguf)):
-            r = {"command": label, **(time_command(cmd, args.repeat) if cmd else {"note": f"skipped: {why}"})}
-            if r.get("rc", 0) != 0:
+            expect = 2 if label.endswith("(usage error)") else 0
+            r = {"command": label, **(time_command(cmd, args.repeat, expect) if cmd else {"note": f"skipped: {why}"})}
+            if r.get("rc", 0) != expect:
                 r["note"] = f"not available (exit {r['rc']})" if label == "kvtool --version" else \
                     f"FAILED (exit {r['rc']})"
                 if label != "kvtool --version":
