@@ -164,3 +164,34 @@ def test_a_paged_target_refuses_bad_buffers_at_its_first_chunk(tmp_path):
     wrong = [torch.zeros(2, 10, 4, H + 1, D) for _ in range(L)]
     with pytest.raises(ConnectorError, match="channels"):
         cache.load_prefix(TOKENS, connector.target(kvcaches=wrong, slot_mapping=torch.arange(32)))
+
+
+def test_a_kept_object_is_never_served_to_another_tenant(tmp_path):
+    """Objects kept after a full check are kept by their name, which their extra keys (namespace,
+    cache salt) decide: a request of another namespace or salt finds nothing, kept or not; the
+    owner's loads skip checks 1-10."""
+    from kvtool.store.names import ExtraKeys
+
+    store = open_store(str(tmp_path / "s"))
+    kv = make_kv(identity(), 32, torch.float32)
+    team_a = store.for_model(identity(), CS, ExtraKeys(namespace="team-a", cache_salt="salt-a"))
+    team_a.put_sequence(TOKENS, kv)
+    aged(team_a)
+    connector, caches, dest = target()
+    assert team_a.load_prefix(TOKENS, dest).num_tokens == 32 and len(loading._kept) == 4  # kept now
+    for keys in (ExtraKeys(namespace="team-b", cache_salt="salt-a"), ExtraKeys(namespace="team-a", cache_salt="b"),
+                 ExtraKeys()):
+        other = store.for_model(identity(), CS, keys)
+        assert other.load_prefix(TOKENS, target()[2]).num_tokens == 0
+    connector, caches, dest = target()
+    assert team_a.load_prefix(TOKENS, dest).num_tokens == 32
+    assert torch.equal(gathered(connector, caches), kv)
+
+
+def test_a_request_never_shows_its_store_url():
+    from kvtool.ops.requests import BlendRequest, CaptureRequest, ReplayRequest
+
+    url = "redis://kv:s3cret-pw@127.0.0.1:6379/0"
+    for request in (CaptureRequest("x.kvc", store=url), ReplayRequest(store=url, prompt="p"),
+                    BlendRequest(prompt="q", store=url, delimiter=" # # ")):
+        assert "s3cret" not in repr(request)

@@ -59,7 +59,7 @@ class CaptureRequest:
     prompt's length when it is known. The check resolves `extra_keys` (the store's partition)."""
 
     output: str | Path | None
-    store: str | None = None
+    store: str | None = field(default=None, repr=False)  # (a URL may carry a password: never in a repr)
     namespace: str | None = None
     chunk_size: int = 256
     codec: str = "raw"
@@ -165,7 +165,7 @@ class ReplayRequest(_RunsTheModel):
     use_hidden_states: bool = True
     chat: bool = False
     allow_other_weights: bool = False
-    store: str | None = None
+    store: str | None = field(default=None, repr=False)  # (a URL may carry a password: never in a repr)
     chunk_size: int | None = None
     namespace: str | None = None
     extra_keys: ExtraKeys = field(init=False, repr=False)
@@ -210,7 +210,7 @@ class BlendRequest(_RunsTheModel):
     prompt: str | None = None
     prompt_file: Path | None = None
     delimiter: str | None = None
-    store: str | None = None
+    store: str | None = field(default=None, repr=False)  # (a URL may carry a password: never in a repr)
     chunk_size: int | None = None
     recompute_ratio: float | None = None
     check_layer: int | None = None
