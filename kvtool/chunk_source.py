@@ -108,6 +108,13 @@ class ChunkSource:
                            batch=None if self.batch_key is None else (self.batch_key, self._decode_batch),
                            on_release=on_release)
 
+    def mapped_as(self, data: memoryview) -> "ChunkSource":
+        """The same chunk read from `data`, a mapping of its file kept between loads (kvtool.store.
+        loading): copies from it run behind the fault guard, and check its CRC-32C as they go."""
+        return ChunkSource(what=self.what, codec=self.codec, dtype=self.dtype, shape=self.shape, length=self.length,
+                           crc32c=self.crc32c, raw=self.raw, decode=self._decode, data=data, mapped=True,
+                           batch=None if self.batch_key is None else (self.batch_key, self._decode_batch))
+
     @property
     def in_file(self) -> bool:
         """The payload is still in an open file (read as it is copied)."""

@@ -146,6 +146,50 @@ def test_only_so_many_objects_are_kept(tmp_path, monkeypatch):
     assert len(loading._kept) == 2
 
 
+def test_a_kept_object_is_read_from_its_kept_mapping(tmp_path):
+    cache, kv = filled(tmp_path)
+    aged(cache)
+    cache.load_prefix(TOKENS, target()[2])
+    views = [view for _, view in loading._kept.values()]
+    assert len(views) == 4 and all(v is not None and v.readonly for v in views)
+    assert loading._kept_mapped == sum(v.nbytes for v in views)
+    connector, caches, dest = target()
+    assert cache.load_prefix(TOKENS, dest).num_tokens == 32
+    assert torch.equal(gathered(connector, caches), kv)
+    loading.forget_checked()
+    assert loading._kept_mapped == 0 and not loading._kept
+
+
+def test_kept_mappings_stay_under_their_limit(tmp_path, monkeypatch):
+    cache, kv = filled(tmp_path)
+    aged(cache)
+    payload = 2 * L * CS * H * D * 4  # one chunk's KV, float32
+    monkeypatch.setattr(loading, "KEPT_MAPPED_BYTES", payload * 2)  # room for two payloads
+    connector, caches, dest = target()
+    assert cache.load_prefix(TOKENS, dest).num_tokens == 32
+    assert torch.equal(gathered(connector, caches), kv)
+    assert 0 < loading._kept_mapped <= loading.KEPT_MAPPED_BYTES and len(loading._kept) == 2
+
+
+def test_a_removed_object_is_never_served_from_its_kept_mapping(tmp_path):
+    cache, _ = filled(tmp_path)
+    aged(cache)
+    cache.load_prefix(TOKENS, target()[2])
+    os.unlink(cache.backend._path(cache.chunk_names(TOKENS)[2]))
+    assert cache.load_prefix(TOKENS, target()[2]).num_tokens == 16  # a miss from there: nothing refused
+
+
+def test_a_kept_object_cut_short_in_place_its_time_put_back_is_refused(tmp_path):
+    cache, _ = filled(tmp_path)
+    aged(cache)
+    cache.load_prefix(TOKENS, target()[2])
+    path = cache.backend._path(cache.chunk_names(TOKENS)[1])
+    os.truncate(path, os.path.getsize(path) - 64)
+    os.utime(path, ns=(OLD_NS, OLD_NS))
+    hit = cache.load_prefix(TOKENS, target()[2])
+    assert hit.num_tokens == CS and hit.refused
+
+
 def test_a_paged_target_checks_each_chunks_slots(tmp_path):
     """The buffers are checked once a load; each chunk's slots every time: a slot repeated in the
     third chunk is the caller's error, said as such (a ConnectorError, not a miss)."""
