@@ -1,4 +1,4 @@
-"""The model families of kvtool's engine against transformers (issue 30).
+"""The model families of kvtool's engine against transformers (issue 30): every architecture it runs.
 
 Each family is a tiny random-weight model made with transformers' own config class (seeded; 4
 layers, 4 query heads over 2 KV heads, a head_dim other than hidden/heads where the family allows
@@ -43,6 +43,12 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
 
 
 def _hf_config(kind: str):
+    if kind == "llama":  # llama3 RoPE scaling, head_dim 32
+        return transformers.LlamaConfig(**COMMON, head_dim=32, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    if kind == "qwen2":  # q/k/v biases
+        return transformers.Qwen2Config(**COMMON)
     if kind == "qwen3":  # head_dim 32 != 64 / 4; the last two layers slide (max_window_layers)
         return transformers.Qwen3Config(**COMMON, head_dim=32, use_sliding_window=True, sliding_window=8,
                                         max_window_layers=2)
@@ -62,8 +68,8 @@ def _hf_config(kind: str):
     return transformers.Olmo2Config(**COMMON)
 
 
-KINDS = ["qwen3", "gemma2", "gemma3", "phi3", "mistral", "olmo2"]
-ARCH = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+KINDS = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral", "olmo2"]
+ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
         "phi3": "Phi3ForCausalLM", "mistral": "MistralForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 
 
@@ -164,6 +170,8 @@ def test_kv_of_every_layer_matches_transformers_fp32(built, kind):
 def test_the_families_are_what_their_configs_say(built):
     """The switches each family's config turns on (and the head_dim taken from the config)."""
     cfg = {kind: built(kind).model.config for kind in KINDS}
+    assert cfg["llama"].head_dim == 32 and cfg["llama"].rope_scaling["rope_type"] == "llama3"
+    assert built("qwen2").model.weights.layers[0].bqkv is not None and cfg["qwen2"].sliding_window is None
     assert cfg["qwen3"].head_dim == 32 and cfg["qwen3"].qk_norm == "head"
     assert (cfg["qwen3"].sliding_window, cfg["qwen3"].sliding_layers) == (8, (2, 3))
     assert cfg["gemma2"].sliding_layers == (0, 2) and cfg["gemma2"].attn_softcap == 5.0
@@ -325,7 +333,7 @@ def test_llama_mistral_qwen2_keep_the_fingerprints_they_had():
 
 
 def test_every_family_states_whether_blending_holds():
-    assert set(ARCH.values()) | {"LlamaForCausalLM", "Qwen2ForCausalLM"} == set(FAMILIES)
+    assert set(ARCH.values()) == set(FAMILIES)
     for family in FAMILIES.values():
         assert family.blend.startswith("holds")
 
