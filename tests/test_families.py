@@ -332,6 +332,25 @@ def test_llama_mistral_qwen2_keep_the_fingerprints_they_had():
                                      "final_softcap": 3.0}
 
 
+def test_transformers_4_config_spellings_read_as_the_5_ones():
+    """Configs saved by transformers 4.x (Gemma 3 1B's, Qwen3's on the Hub) spell RoPE and the
+    layer layout differently: rope_theta / rope_local_base_freq / rope_scaling, and no layer_types
+    (Gemma's sliding_window_pattern, Qwen's max_window_layers). They read as the 5.x spelling."""
+    def v4(kind: str, **layout) -> dict:
+        hf = _hf_config(kind).to_dict() | {"architectures": [ARCH[kind]]}
+        return {k: v for k, v in hf.items() if k not in ("layer_types", "rope_parameters")} | layout
+
+    g3 = _hf_config("gemma3").to_dict() | {"architectures": ["Gemma3ForCausalLM"],
+                                           "layer_types": ["sliding_attention", "full_attention"] * 2}
+    assert config_from_hf(v4("gemma3", rope_theta=1e6, rope_local_base_freq=100.0, sliding_window_pattern=2,
+                             rope_scaling={"type": "linear", "factor": 4.0})) == config_from_hf(g3)
+    g2 = _hf_config("gemma2").to_dict() | {"architectures": ["Gemma2ForCausalLM"]}
+    assert config_from_hf(v4("gemma2", rope_theta=10000.0)) == config_from_hf(g2)
+    q3 = _hf_config("qwen3").to_dict() | {"architectures": ["Qwen3ForCausalLM"]}
+    assert config_from_hf(v4("qwen3", rope_theta=10000.0)) == config_from_hf(q3)
+    assert config_from_hf(v4("gemma3", rope_theta=1e6)).sliding_layers == (0, 1, 2, 3)  # pattern 6: 5 of 6
+
+
 def test_every_family_states_whether_blending_holds():
     assert set(ARCH.values()) == set(FAMILIES)
     for family in FAMILIES.values():
