@@ -369,16 +369,15 @@ def test_selective_recompute_is_closer_to_the_full_prefill_than_naive_reuse(defa
 def test_query_groups_attend_only_the_keys_up_to_their_last_row():
     import kvtool.engine.blend as blend_module
 
-    cfg = _config(None)
     rows = torch.cat([torch.arange(100, 400), torch.arange(700, 912)])  # 512 rows
-    groups = blend_module.query_groups(rows, cfg, torch.float32, square=False)
+    groups = blend_module.query_groups(rows, None, torch.float32, square=False)
     assert [(a, b, end) for a, b, end, _, _ in groups] == [(0, 128, 228), (128, 256, 356), (256, 384, 784),
                                                             (384, 512, 912)]
     for a, b, end, mask, causal in groups:
         assert not causal and mask.shape == (b - a, end)
         assert torch.equal(mask == 0, rows[a:b, None] >= torch.arange(end)[None, :])
-    assert len(blend_module.query_groups(rows[:200], cfg, torch.float32, square=False)) == 1
-    (a, b, end, mask, causal), = blend_module.query_groups(torch.arange(300), cfg, torch.float32, square=True)
+    assert len(blend_module.query_groups(rows[:200], None, torch.float32, square=False)) == 1
+    (a, b, end, mask, causal), = blend_module.query_groups(torch.arange(300), None, torch.float32, square=True)
     assert (a, b, end, mask, causal) == (0, 300, 300, None, True)
 
 
@@ -391,7 +390,7 @@ def test_rows_attending_in_groups_equal_one_pass_over_every_key(default_model, r
     monkeypatch.setattr(blend_module, "MIN_GROUP_ROWS", 10 ** 9)  # one group: every row over every key
     _, _, one = _blend(default_model, segments, question, ratio)
     monkeypatch.setattr(blend_module, "MIN_GROUP_ROWS", 8)  # four groups on this small prompt
-    assert len(blend_module.query_groups(one.recomputed, default_model.config, torch.float32, False)) == 4
+    assert len(blend_module.query_groups(one.recomputed, None, torch.float32, False)) == 4
     _, _, four = _blend(default_model, segments, question, ratio)
     assert torch.equal(one.recomputed, four.recomputed)
     torch.testing.assert_close(four.logits, one.logits, atol=1e-3, rtol=1e-4)

@@ -1,4 +1,5 @@
-"""kvtool's built-in engine: a small Llama-family runner on a real paged KV cache.
+"""kvtool's built-in engine: a small runner of the Llama family and its relatives (Mistral,
+Qwen2/3, Gemma 2/3, Phi-3, OLMo 2: `families.py`) on a real paged KV cache.
 
 Public API::
 

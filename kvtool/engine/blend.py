@@ -36,7 +36,10 @@ Afterwards the paged cache holds the blended KV of the whole prompt and
 The whole prompt runs in one chunk (activations of [n, E] and masks of [chosen, n] at most);
 the rows run in a layer attend in up to four groups, each over the keys up to its last
 position (`query_groups`). RoPE re-encoding is exact for the default, linear and llama3
-variants the engine runs.
+variants the engine runs, in every family it runs (`families.py`, `Family.blend`): norms of
+q/k (Qwen3, Gemma 3, OLMo 2) come before RoPE, so a cached key is still one turn from its new
+position; each layer turns with its own table (Gemma 3's sliding layers have their own base) and
+attends with its own window and soft-capping, in the blend as in `forward`.
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import ModelMismatch, PromptError, RopeMismatch, ShapeMismatch, UsageError
@@ -53,11 +55,13 @@ from .loader import LoadedModel
 from .model import (
     LayerWeights,
     ModelConfig,
-    apply_rope,
     attention,
-    attention_mask,
+    attention_plan,
+    embed,
+    finish_layer,
+    layer_inv_freq,
     logits_from_hidden,
-    mlp,
+    project_qkv,
     read_kv,
     rerotate_keys,
     rms_norm,
@@ -166,33 +170,26 @@ def check_segment(segment: Segment, model: LoadedModel, index: int, name: str | 
 
 
 def place_segment(runner: Runner, segment: Segment, slots: Tensor, start: int) -> None:
-    """Write a cached segment into the paged cache at positions start.., keys re-rotated there."""
+    """Write a cached segment into the paged cache at positions start.., keys re-rotated there
+    (each layer's keys with the frequencies that layer turned them by)."""
     cfg, device = runner.config, runner.inv_freq.device
     n = len(segment.tokens)
     kv = segment.kv.to(device)  # [2, L, T, C]
-    k = kv[0].transpose(0, 1).reshape(n, cfg.num_layers * cfg.num_kv_heads, cfg.head_dim)  # [T, L*Hkv, D]
+    k = kv[0].transpose(0, 1).reshape(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)  # [T, L, Hkv, D]
     if start != segment.stored_start:
         old = torch.arange(segment.stored_start, segment.stored_start + n, device=device)  # [T]
-        k = rerotate_keys(k, runner.inv_freq, old, old + (start - segment.stored_start))
-    k = k.view(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)  # [T, L, Hkv, D]
+        new = old + (start - segment.stored_start)
+        if runner.local_inv_freq is runner.inv_freq:  # one table: every layer's keys in one call
+            k = rerotate_keys(k.reshape(n, -1, cfg.head_dim), runner.inv_freq, old, new).view_as(k)
+        else:  # Gemma 3: the sliding layers' keys turn by their own table
+            k = torch.stack([rerotate_keys(k[:, i], layer_inv_freq(cfg, i, runner.rope_tables), old, new)
+                             for i in range(cfg.num_layers)], dim=1)  # [T, L, Hkv, D]
     v = kv[1].reshape(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)  # [L, T, Hkv, D]
     for layer, kv_cache in enumerate(runner.cache.kv_caches):
         write_kv(kv_cache, slots, k[:, layer], v[layer])
 
 
 # --- the blended pass: one layer split at the point where tokens are chosen ----------
-
-
-def qkv_rope(x: Tensor, w: LayerWeights, config: ModelConfig, cos: Tensor,
-             sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The first half of `layer_forward`: q [n, H, D], k [n, Hkv, D] (RoPE'd) and v [n, Hkv, D]."""
-    n = x.shape[0]
-    h, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
-    qkv = F.linear(rms_norm(x, w.attn_norm, config.rms_norm_eps), w.wqkv, w.bqkv)  # [n, (H+2Hkv)*D]
-    qk, v = qkv.split([(h + hkv) * d, hkv * d], dim=-1)
-    qk = apply_rope(qk.view(n, h + hkv, d), cos, sin)  # [n, H+Hkv, D]
-    q, k = qk.split([h, hkv], dim=1)  # [n, H, D], [n, Hkv, D]
-    return q, k, v.view(n, hkv, d)
 
 
 def kv_deviation(fresh_k: Tensor, fresh_v: Tensor, cached_k: Tensor, cached_v: Tensor, cached: Tensor) -> Tensor:
@@ -224,18 +221,6 @@ def choose_tokens(deviation: Tensor, candidate: Tensor, forced: Tensor, ratio: f
     return chosen.nonzero().flatten()  # [k], ascending
 
 
-def blend_mask(q_pos: Tensor, num_keys: int, config: ModelConfig, dtype: torch.dtype,
-               square: bool) -> tuple[Tensor | None, bool]:
-    """(mask, causal) for queries at q_pos (the last one at num_keys - 1) over keys
-    0..num_keys-1, as `forward` picks them."""
-    window = config.sliding_window if config.sliding_window and config.sliding_window < num_keys else None
-    if q_pos.shape[0] == 1 and window is None:
-        return None, False  # one query, the last position: it sees every key
-    if square and window is None:
-        return None, True  # the queries are positions 0..num_keys-1: SDPA's causal path
-    return attention_mask(q_pos, torch.arange(num_keys, device=q_pos.device), window, dtype), False
-
-
 # Rows run in a layer are cut into at most this many groups of at least this many rows; each
 # group attends only the keys up to its last position. One explicit mask over every key would make
 # SDPA compute all of them for every row (about twice the work of causal attention for rows spread
@@ -246,19 +231,35 @@ MIN_GROUP_ROWS = 128
 Group = tuple[int, int, int, "Tensor | None", bool]  # rows [a, b), keys [0, end), mask, causal
 
 
-def query_groups(rows: Tensor, config: ModelConfig, dtype: torch.dtype, square: bool) -> list[Group]:
-    """How the rows (ascending positions [k]) attend: (a, b, end, mask, causal) per group of rows
-    a..b-1, over keys 0..end-1 (end = the group's last position + 1)."""
+def query_groups(rows: Tensor, window: int | None, dtype: torch.dtype, square: bool) -> list[Group]:
+    """How the rows (ascending positions [k]) attend in a layer with this sliding `window` (None:
+    none): (a, b, end, mask, causal) per group of rows a..b-1, over keys 0..end-1 (end = the
+    group's last position + 1)."""
     k, n = rows.shape[0], int(rows[-1]) + 1
     if square:  # positions 0..n-1: one causal pass
-        return [(0, k, n, *blend_mask(rows, n, config, dtype, square=True))]
+        return [(0, k, n, *attention_plan(rows, n, window, dtype, square=True))]
     count = max(1, min(MAX_QUERY_GROUPS, k // MIN_GROUP_ROWS))
     bounds = [round(i * k / count) for i in range(count + 1)]
     groups = []
     for a, b in zip(bounds, bounds[1:]):
         end = int(rows[b - 1]) + 1
-        groups.append((a, b, end, *blend_mask(rows[a:b], end, config, dtype, square=False)))
+        groups.append((a, b, end, *attention_plan(rows[a:b], end, window, dtype, square=False)))
     return groups
+
+
+Plans = dict["int | None", tuple[Tensor, Tensor, list[Group]]]  # per window: cos, sin, groups
+
+
+def layer_plans(runner: Runner, rows: Tensor, dtype: torch.dtype, square: bool) -> Plans:
+    """What each kind of layer needs to run `rows`: RoPE's cos/sin [k, 1, D] (the layer's own
+    table) and its query groups (its own window), once per window."""
+    cfg, plans = runner.config, {}
+    for layer in range(cfg.num_layers):
+        window = cfg.layer_window(layer)
+        if window not in plans:
+            cos, sin = rope_cos_sin(layer_inv_freq(cfg, layer, runner.rope_tables), rows, dtype)
+            plans[window] = (cos, sin, query_groups(rows, window, dtype, square))
+    return plans
 
 
 def attend_groups_mlp(x: Tensor, q: Tensor, w: LayerWeights, config: ModelConfig, kv_cache: Tensor,
@@ -268,17 +269,18 @@ def attend_groups_mlp(x: Tensor, q: Tensor, w: LayerWeights, config: ModelConfig
     parts = []
     for a, b, end, mask, causal in groups:
         k_all, v_all = read_kv(kv_cache, slots[:end], x.dtype)  # [end, Hkv, D] each
-        parts.append(attention(q[a:b], k_all, v_all, mask, causal))  # [b - a, H*D]
+        parts.append(attention(q[a:b], k_all, v_all, mask, causal,
+                               config.attn_scale, config.attn_softcap))  # [b - a, H*D]
     attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-    x.add_(F.linear(attn, w.wo, w.bo))  # [k, E]
-    return x.add_(mlp(rms_norm(x, w.mlp_norm, config.rms_norm_eps), w))  # [k, E]
+    return finish_layer(x, attn, w, config)  # [k, E]
 
 
-def blend_layer(x: Tensor, w: LayerWeights, config: ModelConfig, cos: Tensor, sin: Tensor, kv_cache: Tensor,
-                write_slots: Tensor, slots: Tensor, groups: list[Group]) -> Tensor:
-    """`layer_forward` for the rows of `groups`: their fresh K/V written at write_slots, then
-    attention by groups and the MLP."""
-    q, k, v = qkv_rope(x, w, config, cos, sin)
+def blend_layer(x: Tensor, w: LayerWeights, config: ModelConfig, plan: tuple[Tensor, Tensor, list[Group]],
+                kv_cache: Tensor, write_slots: Tensor, slots: Tensor) -> Tensor:
+    """`layer_forward` for the rows of the plan's groups: their fresh K/V written at write_slots,
+    then attention by groups and the MLP."""
+    cos, sin, groups = plan
+    q, k, v = project_qkv(x, w, config, cos, sin)
     write_kv(kv_cache, write_slots, k, v)
     return attend_groups_mlp(x, q, w, config, kv_cache, slots, groups)
 
@@ -328,15 +330,16 @@ def blend_prefill(runner: Runner, seq: Sequence, segments: list[Segment], questi
     weights, dtype = model.weights, model.weights.embed.dtype
     kv_caches = runner.cache.kv_caches
     rows = torch.arange(prefix, n, device=device)  # [m] positions run in layers < check_layer
-    x = weights.embed[torch.tensor(tokens[prefix:], dtype=torch.long, device=device)]  # [m, E]
-    cos, sin = rope_cos_sin(runner.inv_freq, rows, dtype)  # [m, 1, D] each
-    groups = query_groups(rows, cfg, dtype, square=prefix == 0)
-    for w, kv_cache in zip(weights.layers[:check_layer], kv_caches):
-        x = blend_layer(x, w, cfg, cos, sin, kv_cache, slots[rows], slots, groups)
+    x = embed(weights, cfg, torch.tensor(tokens[prefix:], dtype=torch.long, device=device))  # [m, E]
+    plans = layer_plans(runner, rows, dtype, square=prefix == 0)
+    for layer in range(check_layer):
+        x = blend_layer(x, weights.layers[layer], cfg, plans[cfg.layer_window(layer)], kv_caches[layer],
+                        slots[rows], slots)
 
     # The check layer: fresh K of every row against the cached K still in the cache.
     w, kv_cache = weights.layers[check_layer], kv_caches[check_layer]
-    q, k, v = qkv_rope(x, w, cfg, cos, sin)
+    cos, sin, _ = plans[cfg.layer_window(check_layer)]
+    q, k, v = project_qkv(x, w, cfg, cos, sin)
     old_k, old_v = read_kv(kv_cache, slots[rows], torch.float32)  # [m, Hkv, D] each
     deviation = kv_deviation(k, v, old_k, old_v, cached[rows])  # [m]; meaningless where the row is uncached
     forced = ~cached[rows]
@@ -344,15 +347,15 @@ def blend_prefill(runner: Runner, seq: Sequence, segments: list[Segment], questi
     keep = choose_tokens(deviation, cached[rows], forced, recompute_ratio)  # [k] indices into rows
     if keep.shape[0] != rows.shape[0]:
         rows, x, q, k, v = rows[keep], x[keep], q[keep], k[keep], v[keep]
-        cos, sin = cos[keep], sin[keep]
-        groups = query_groups(rows, cfg, dtype, square=False)
+        plans = layer_plans(runner, rows, dtype, square=False)
     write_kv(kv_cache, slots[rows], k, v)
-    x = attend_groups_mlp(x, q, w, cfg, kv_cache, slots, groups)
-    for w, kv_cache in zip(weights.layers[check_layer + 1:], kv_caches[check_layer + 1:]):
-        x = blend_layer(x, w, cfg, cos, sin, kv_cache, slots[rows], slots, groups)
+    x = attend_groups_mlp(x, q, w, cfg, kv_cache, slots, plans[cfg.layer_window(check_layer)][2])
+    for layer in range(check_layer + 1, cfg.num_layers):
+        x = blend_layer(x, weights.layers[layer], cfg, plans[cfg.layer_window(layer)], kv_caches[layer],
+                        slots[rows], slots)
     seq.num_tokens = n
 
-    logits = logits_from_hidden(weights, rms_norm(x[-1:], weights.norm, cfg.rms_norm_eps))[0]  # [V]
+    logits = logits_from_hidden(weights, rms_norm(x[-1:], weights.norm, cfg.rms_norm_eps), cfg.final_softcap)[0]
     dev = torch.full((n,), float("nan"))
     measured = cached.cpu().clone()
     measured[:prefix] = False

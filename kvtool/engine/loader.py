@@ -2,7 +2,8 @@
 
 Reads `config.json`, `*.safetensors` (single file or sharded with
 `model.safetensors.index.json`) and `tokenizer.json` (with the `tokenizers`
-package). No transformers import, nothing fetched from any hub.
+package). No transformers import, nothing fetched from any hub. Which families
+it reads, and how each config maps onto the engine, is `families.py`'s.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import torch
 
 from ..errors import ModelError
 from ..identity import ModelIdentity
+from .families import FAMILIES, family_fields, identity_extra, identity_rope, rope_from_hf, unsupported
 from .model import LayerWeights, ModelConfig, Weights, rope_inv_freq
 from .weights_digest import weights_digest
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+_rope_from_hf = rope_from_hf  # its old name here (tests/test_spec_fine_print.py)
 
 
 class Tokenizer:
@@ -117,8 +120,9 @@ class LoadedModel:
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> LoadedModel:
-    """Load a Llama-family model: a local HF folder, a Hub id already in the local Hugging Face
-    cache (never downloaded), or `None`: the embedded default model."""
+    """Load a model of a family the engine runs (`families.FAMILIES`): a local HF folder, a Hub
+    id already in the local Hugging Face cache (never downloaded), or `None`: the embedded
+    default model."""
     if path is None:
         from .default_model import MODEL_NAME, default_model_path
 
@@ -185,44 +189,19 @@ def _read_json(path: Path) -> dict:
     return doc
 
 
-def _rope_from_hf(hf: dict) -> tuple[float, dict | None]:
-    """(theta, scaling) from a transformers 4.x (rope_theta/rope_scaling) or 5.x
-    (rope_parameters) config; scaling is None for plain RoPE, else a dict with
-    "rope_type" (never the legacy "type") and its factors, without the theta."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta = params["rope_theta"]
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = hf.get("rope_theta", 10000.0)
-        scaling = dict(hf.get("rope_scaling") or {})
-    if "type" in scaling and "rope_type" not in scaling:
-        scaling["rope_type"] = scaling.pop("type")
-    scaling.pop("type", None)
-    if scaling.get("rope_type", "default") == "default":
-        scaling = None
-    return float(theta), scaling
-
-
 def config_from_hf(hf: dict, path: Path | str = "") -> ModelConfig:
     archs = hf.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(f"{path}: unsupported architecture {arch!r} "
-                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise unsupported(arch, path)
     try:
         hidden = int(hf["hidden_size"])
         heads = int(hf["num_attention_heads"])
         kv_heads = int(hf.get("num_key_value_heads") or heads)
         head_dim = int(hf.get("head_dim") or hidden // heads)
-        theta, scaling = _rope_from_hf(hf)
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ModelError(f"{path}: activation {hf['hidden_act']!r} is not supported")
         if hf.get("mlp_bias"):
             raise ModelError(f"{path}: MLP biases are not supported")
-        window = hf.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
-            window = None
+        fields = family_fields(arch, hf, path, *rope_from_hf(hf))
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         cfg = ModelConfig(
@@ -235,24 +214,28 @@ def config_from_hf(hf: dict, path: Path | str = "") -> ModelConfig:
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            sliding_window=int(window) if window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **fields,
         )
     except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as err:
         raise ModelError(f"{path}: bad config.json ({type(err).__name__}: {err})") from None
+    theta = cfg.rope_theta
     sizes = {"hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
              "head_dim": head_dim, "num_hidden_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
-             "intermediate_size": cfg.intermediate_size, "max_position_embeddings": cfg.max_position_embeddings}
+             "intermediate_size": cfg.intermediate_size, "max_position_embeddings": cfg.max_position_embeddings,
+             "sliding_window": cfg.sliding_window or 1}
     bad = [f"{k} = {v}" for k, v in sizes.items() if v < 1] + ([f"rope_theta = {theta}"] if not theta > 0 else [])
+    bad += [f"rope_local_base_freq = {cfg.rope_local_theta}"] if cfg.rope_local_theta is not None \
+        and not cfg.rope_local_theta > 0 else []
     if bad:
         raise ModelError(f"{path}: bad config.json ({', '.join(bad)}: must be positive)")
     if heads % kv_heads:
         raise ModelError(f"{path}: {heads} attention heads not divisible by {kv_heads} KV heads")
+    if head_dim % 2:
+        raise ModelError(f"{path}: bad config.json (head_dim = {head_dim}: RoPE needs it even)")
     rope_inv_freq(cfg)  # raises ModelError for an unsupported scaling type
     return cfg
 
@@ -271,7 +254,8 @@ def identity_from_config(config: ModelConfig, name: str, weights_digest: str | N
         vocab_size=config.vocab_size,
         rms_norm_eps=config.rms_norm_eps,
         tie_word_embeddings=config.tie_word_embeddings,
-        rope={"rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling},
+        rope=identity_rope(config),
+        extra=identity_extra(config),
     )
 
 
@@ -304,15 +288,18 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def _load_weights(path: Path, cfg: ModelConfig, hf: dict, dtype: torch.dtype,
                   device: torch.device | str) -> Weights:
     raw = _read_safetensors(path)
+    family = FAMILIES[cfg.architecture]
     # Some checkpoints omit the "model." prefix.
     prefix = "model." if "model.embed_tokens.weight" in raw else ""
 
-    def take(name: str, required: bool = True) -> torch.Tensor | None:
+    def take(name: str, required: bool = True, norm: bool = False) -> torch.Tensor | None:
         t = raw.pop(name, None)
         if t is None:
             if required:
                 raise ModelError(f"{path}: weight {name} missing")
             return None
+        if norm and family.float32_norms:  # these families scale in float32 (model.rms_norm)
+            return t.to(device=device, dtype=torch.float32) + (1.0 if family.gemma_norms else 0.0)
         # Always a fresh, owned copy: safetensors hands out views of the memory-mapped
         # file, which GEMMs stream more slowly than anonymous memory (and which would
         # tie the model to a file that a re-conversion may replace).
@@ -327,24 +314,29 @@ def _load_weights(path: Path, cfg: ModelConfig, hf: dict, dtype: torch.dtype,
         return torch.cat(parts, dim=0).contiguous()
 
     layers = []
+    qk_norm = cfg.qk_norm is not None
     for i in range(cfg.num_layers):
         p = f"{prefix}layers.{i}."
-        q, k, v = (take(p + f"self_attn.{x}_proj.weight") for x in "qkv")
-        bq, bk, bv = (take(p + f"self_attn.{x}_proj.bias", False) for x in "qkv")
-        gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
+        if family.fused:  # Phi-3: q, k, v and gate, up already stacked as kvtool stacks them
+            wqkv, bqkv = take(p + "self_attn.qkv_proj.weight"), take(p + "self_attn.qkv_proj.bias", False)
+            w_gate_up = take(p + "mlp.gate_up_proj.weight")
+        else:
+            wqkv = cat(*(take(p + f"self_attn.{x}_proj.weight") for x in "qkv"))  # [(H+2Hkv)*D, E]
+            bqkv = cat(*(take(p + f"self_attn.{x}_proj.bias", False) for x in "qkv"))
+            w_gate_up = cat(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))  # [2F, E]
         layers.append(LayerWeights(
-            attn_norm=take(p + "input_layernorm.weight"),
-            wqkv=cat(q, k, v),  # [(H+2Hkv)*D, E]
-            bqkv=cat(bq, bk, bv),
+            wqkv=wqkv, bqkv=bqkv, w_gate_up=w_gate_up,
             wo=take(p + "self_attn.o_proj.weight"),
             bo=take(p + "self_attn.o_proj.bias", False),
-            mlp_norm=take(p + "post_attention_layernorm.weight"),
-            w_gate_up=cat(gate, up),  # [2F, E]
             w_down=take(p + "mlp.down_proj.weight"),
+            q_norm=take(p + "self_attn.q_norm.weight", norm=True) if qk_norm else None,
+            k_norm=take(p + "self_attn.k_norm.weight", norm=True) if qk_norm else None,
+            **{"attn_norm": None, "mlp_norm": None,  # the family's norms, by its names
+               **{field: take(p + name + ".weight", norm=True) for field, name in family.norms.items()}},
         ))
-        del q, k, v, gate, up
+        del wqkv, w_gate_up
     embed = take(prefix + "embed_tokens.weight")
-    norm = take(prefix + "norm.weight")
+    norm = take(prefix + "norm.weight", norm=True)
     lm_head = take("lm_head.weight", required=False)
     if lm_head is None or cfg.tie_word_embeddings:
         lm_head = embed
@@ -355,4 +347,10 @@ def _load_weights(path: Path, cfg: ModelConfig, hf: dict, dtype: torch.dtype,
     q_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     if layers and tuple(layers[0].wqkv.shape) != (q_rows, cfg.hidden_size):
         raise ModelError(f"{path}: attention weights do not match config.json's head counts")
+    if layers and tuple(layers[0].w_gate_up.shape) != (2 * cfg.intermediate_size, cfg.hidden_size):
+        raise ModelError(f"{path}: MLP weights do not match config.json's intermediate_size")
+    if qk_norm and layers:
+        width = cfg.head_dim if cfg.qk_norm == "head" else cfg.num_kv_heads * cfg.head_dim
+        if tuple(layers[0].k_norm.shape) != (width,):
+            raise ModelError(f"{path}: k_norm has shape {tuple(layers[0].k_norm.shape)}, the family needs ({width},)")
     return Weights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)

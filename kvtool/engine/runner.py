@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..errors import PromptError, UsageError
 from .loader import LoadedModel
-from .model import DEFAULT_PREFILL_CHUNK, LogitsMode, forward, rope_inv_freq
+from .model import DEFAULT_PREFILL_CHUNK, LogitsMode, forward, rope_tables
 from .paged import PagedKVCache, Sequence
 
 
@@ -26,7 +26,13 @@ class Runner:
         self.model = model
         self.config = cfg
         self.cache = cache
-        self.inv_freq = rope_inv_freq(cfg).to(model.weights.embed.device)
+        # RoPE's inverse frequencies: the global layers', and the sliding layers' (the same tensor
+        # unless the model gives them their own base, Gemma 3).
+        self.inv_freq, self.local_inv_freq = rope_tables(cfg, model.weights.embed.device)
+
+    @property
+    def rope_tables(self) -> tuple[Tensor, Tensor]:
+        return self.inv_freq, self.local_inv_freq
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence, tokens, start_pos: int = 0,
@@ -59,7 +65,7 @@ class Runner:
             hi = min(lo + prefill_chunk, n)
             p0, p1 = start_pos + lo, start_pos + hi
             mode: LogitsMode = logits if logits != "last" else ("last" if hi == n else "none")
-            out = forward(self.model.weights, self.config, self.inv_freq, tokens[lo:hi], p0,
+            out = forward(self.model.weights, self.config, self.rope_tables, tokens[lo:hi], p0,
                           self.cache.kv_caches, all_slots[p0:p1], all_slots[:p1], mode)
             seq.num_tokens = p1
             if out is not None:

@@ -411,7 +411,7 @@ def first_logits(runner: Runner, seq, prefix: Prefix, model: LoadedModel,
         notice(f"the stored hidden states are unusable ({err}); the last token is recomputed")
         first = runner.prefill(seq, tokens[n - 1:], start_pos=n - 1, logits="last")  # rewrites its own slot
         return first, n - 1, "prefill", f"hidden_states unusable: {err}"
-    return logits_from_hidden(model.weights, hidden), plan.reused, "hidden_states", None
+    return logits_from_hidden(model.weights, hidden, model.config.final_softcap), plan.reused, "hidden_states", None
 
 
 def greedy(runner: Runner, seq, first: torch.Tensor, continue_tokens: int) -> list[int]:
