@@ -30,11 +30,12 @@ from ..engine import LoadedModel, Runner, load_model
 from ..engine.blend import DEFAULT_CHECK_LAYER, BlendResult, Segment, blend_prefill, check_segment
 from ..errors import ModelMismatch, PromptError, ToleranceExceeded, UsageError
 from ..format import ContainerReader
+from ..format.made_by import check_vocabulary
 from ..fsutil import read_text_file
 from ..identity import ModelIdentity
 from .compare import compare_logits
 from .engine_io import new_cache
-from .inputs import check_text, check_vocabulary
+from .inputs import check_text
 from .replay import check_context, free_run_after, greedy, recompute
 from .requests import BlendRequest
 from .result import Result

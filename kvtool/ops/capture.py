@@ -21,6 +21,7 @@ from ..devices import describe, synchronize
 from ..engine import LoadedModel, PagedKVCache, Runner, load_model
 from ..errors import PromptError, UsageError
 from ..format import ContainerReader, ContainerWriter
+from ..format.made_by import check_vocabulary
 from ..format.reader import BytesSource
 from ..store import open_store
 from ..store.containers import ingest
@@ -28,7 +29,7 @@ from ..format.segment import segment_extension
 from ..fsutil import read_text_file
 from ..load import SavePipeline
 from .engine_io import paged_connector
-from .inputs import check_text, check_token_source, check_vocabulary, read_token_file
+from .inputs import check_text, check_token_source, read_token_file
 from .requests import CaptureRequest, PromptCaptureRequest, prompt_metadata
 from .result import Result
 

@@ -34,18 +34,6 @@ def continuation(tokens: int) -> int:
     return tokens
 
 
-def check_vocabulary(token_ids, vocab_size: int | None, where: str = "") -> None:
-    """PromptError naming the first token id outside [0, vocab_size) (no check without a size)."""
-    if not isinstance(vocab_size, int):
-        return
-    import numpy as np
-
-    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-    bad = ids[(ids < 0) | (ids >= vocab_size)]
-    if bad.size:
-        raise PromptError(f"{where}token id {int(bad[0])} is outside the model's vocabulary [0, {vocab_size})")
-
-
 def check_token_source(prompt: str | None, prompt_file: Path | None, tokens_file: Path | None,
                        chat: bool = False) -> None:
     """Exactly one of a prompt, a prompt file or a token-id file; `chat` formats a prompt, so not

@@ -29,16 +29,16 @@ from .. import codecs
 from ..devices import describe, synchronize
 from ..connectors import ConnectorTarget
 from ..engine import LoadedModel, Runner, load_model, logits_from_hidden
-from ..errors import (DataError, ModelMismatch, NonFiniteValues, NotAPrefixCache, PromptError, ShapeMismatch,
-                      ToleranceExceeded)
+from ..errors import DataError, NonFiniteValues, PromptError, ShapeMismatch, ToleranceExceeded
 from ..format import ContainerReader
 from ..format.hashing import prefix_hashes
+from ..format.made_by import check_made_by, check_vocabulary
 from ..fsutil import read_text_file
 from ..load import file_tasks, load
 from ..notices import notice
 from .compare import compare_logits
 from .engine_io import new_cache, paged_connector
-from .inputs import check_text, check_vocabulary, continuation
+from .inputs import check_text, continuation
 from .requests import ReplayRequest
 from .result import Result
 
@@ -98,32 +98,9 @@ class ReusePlan:
 
 
 def check_model(reader: ContainerReader, model: LoadedModel, allow_other_weights: bool = False) -> str:
-    """The file was made by this model: same fingerprint, the same weights when the file records
-    their digest, and (since a fingerprint is only a claim) KV of this model's shape and token ids
-    inside its vocabulary. Returns what was found of the weights, for the report."""
-    segment = reader.segment  # segment.md §1: a prefix consumer refuses keys rotated elsewhere
-    if segment is not None and segment.stored_start != 0:
-        raise NotAPrefixCache(f"{reader.path}: a segment whose keys are rotated for positions from "
-                              f"{segment.stored_start}, not a prefix cache: blend it (replay --blend) instead")
-    if reader.fingerprint != model.identity.fingerprint():
-        raise ModelMismatch(
-            f"{reader.path} was made by {reader.model.get('name')!r} ({reader.fingerprint[:19]}...), "
-            f"not by the loaded model {model.name!r} ({model.identity.fingerprint()[:19]}...)")
-    cfg, m = model.config, reader.manifest
-    if (m.num_layers, m.hidden_kv) != (cfg.num_layers, cfg.num_kv_heads * cfg.head_dim):
-        raise ModelMismatch(f"{reader.path} holds {m.num_layers} layers x {m.hidden_kv} KV channels, the model "
-                            f"has {cfg.num_layers} x {cfg.num_kv_heads * cfg.head_dim} (its fingerprint is forged)")
-    check_vocabulary(reader.token_ids(), cfg.vocab_size, where=f"{reader.path}: ")
-    recorded, loaded = reader.model.get("weights_digest"), model.identity.weights_digest
-    if recorded is None or loaded is None:
-        return "not recorded in the file"
-    if recorded == loaded:
-        return "same weights"
-    if not allow_other_weights:
-        raise ModelMismatch(f"{reader.path} was computed with other weights than the loaded model's: "
-                            f"{reader.model.get('name')!r} {recorded[:19]}... vs {model.name!r} {loaded[:19]}... "
-                            f"(--allow-other-weights to replay it anyway)")
-    return "other weights (allowed by --allow-other-weights)"
+    """The file was made by this model (`check_made_by`, the check every engine runs on its
+    identity). Returns what was found of the weights, for the report."""
+    return check_made_by(reader, model.identity, allow_other_weights=allow_other_weights)
 
 
 def plan_reuse(reader: ContainerReader, new_tokens: list[int] | None = None,

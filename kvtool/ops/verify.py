@@ -20,8 +20,9 @@ from ..errors import (ChecksumMismatch, DataError, KvtoolError, ManifestInvalid,
 from ..format.layout import VERSION_MAJOR, VERSION_MINOR
 from ..format import ContainerReader
 from ..format.hashing import crc32, prefix_hashes
+from ..format.made_by import check_vocabulary
 from ..identity import model_fingerprint
-from .inputs import check_vocabulary, continuation, fraction, model_dtype_name, non_negative
+from .inputs import continuation, fraction, model_dtype_name, non_negative
 from .result import Result
 
 
