@@ -177,6 +177,12 @@ class ModelMismatch(KvtoolError):
     """A KV file was made by a different model than the one given."""
 
 
+class UnsupportedCache(ModelError):
+    """A model (or a cache object) whose KV cache is not plain K/V per layer for every token:
+    linear attention or a recurrent state, multi-head latent attention, layers that share KV,
+    sliding-window layers that dropped tokens, a batch of several sequences. The message says which."""
+
+
 class NotAPrefixCache(UsageError):
     """A segment file whose keys are rotated for positions other than 0 (format-spec/segment.md
     §1) used as a prefix cache (replay FILE, store put): its KV belongs elsewhere; blend it."""

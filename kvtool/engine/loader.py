@@ -160,6 +160,24 @@ def model_identity(path: str | Path) -> ModelIdentity:
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
+def model_folder(path: str | Path | None) -> tuple[Path, str]:
+    """(folder, name) of a model as `load_model` finds it: a local folder, a Hub id already in the
+    local Hugging Face cache (never downloaded), or `None`: the embedded default model. For other
+    engines that read the same folders (transformers)."""
+    if path is None:
+        from .default_model import MODEL_NAME, default_model_path
+
+        return default_model_path(), MODEL_NAME
+    if Path(path).expanduser().exists() or not HUB_ID.fullmatch(str(path)):
+        folder = Path(path).expanduser()
+        name = folder.resolve().name if folder.exists() else folder.name
+    else:
+        folder, name = hub_cache_folder(str(path)), str(path).split("/")[-1]
+    if not folder.is_dir():
+        raise ModelError(f"model folder not found: {folder}")
+    return folder, name
+
+
 def hub_cache_folder(repo_id: str) -> Path:
     """The snapshot folder of a Hub model in the local Hugging Face cache, found by
     huggingface_hub's own resolution with local files only: nothing is downloaded."""
