@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.console import Console
 
-from .options import (BinsOpt, CodecOpt, DeviceOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt, NamespaceOpt,
-                      NoShuffleOpt, OptionalStoreOpt, ShuffleOpt, shuffle_choice)
+from .options import (BinsOpt, CodecOpt, DeviceOpt, EngineOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt,
+                      NamespaceOpt, NoGenerationPromptOpt, NoShuffleOpt, OptionalStoreOpt, ShuffleOpt, shuffle_choice)
 from .output import KEPT_AS_STORED, emit, human_bytes, plural, progress, renders
 
 if TYPE_CHECKING:  # only named here: importing it would load torch at start-up
@@ -42,8 +42,9 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
             codec: CodecOpt = "raw", level: LevelOpt = None, shuffle: ShuffleOpt = None,
             no_shuffle: NoShuffleOpt = False, bins: BinsOpt = None, dtype: DtypeOpt = "bf16", block_size: BlockSizeOpt = 16,
             hidden_states: HiddenOpt = False, roi: RoiOpt = None, device: DeviceOpt = "auto",
-            weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False, segment: SegmentOpt = False,
-            namespace: NamespaceOpt = None, json: JsonOpt = False) -> None:
+            weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False,
+            no_generation_prompt: NoGenerationPromptOpt = False, segment: SegmentOpt = False,
+            namespace: NamespaceOpt = None, engine: EngineOpt = "kvtool", json: JsonOpt = False) -> None:
     """Run a model on a prompt through a paged KV buffer and write its KV cache."""
     # the request first, torch-free: a usage error answers at once
     from ..ops.requests import CaptureRequest, PromptCaptureRequest, prompt_metadata
@@ -51,9 +52,10 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
     what = CaptureRequest.from_options(output, codec=codec, level=level, shuffle=shuffle_choice(shuffle, no_shuffle), bins=bins, kv_dtype=dtype,
                                        chunk_size=chunk_size, block_size=block_size, hidden_states=hidden_states,
                                        roi=roi, store=store, segment=segment, namespace=namespace,
-                                       metadata=prompt_metadata(chat, tokens))
+                                       metadata=prompt_metadata(chat, tokens, not no_generation_prompt))
     request = PromptCaptureRequest(what, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, chat=chat,
-                                   model=model, device=device, model_dtype=weights_dtype)
+                                   generation_prompt=not no_generation_prompt, model=model, device=device,
+                                   model_dtype=weights_dtype, engine=engine)
     with progress("capture", "tokens", enabled=not json) as update:
         from ..ops.capture import run_prompt_capture
 
@@ -70,7 +72,9 @@ def render(console: Console, r: CaptureResult) -> None:
     where = f"wrote {r.output}" if r.output else "captured"
     console.print(f"{where}: {r.num_tokens} tokens of {r.model} KV ({r.kv_dtype}) in "
                   f"{plural(r.num_chunks, r.codec + ' chunk')}{extras}, {human_bytes(r.file_bytes)}")
-    console.print(f"prefill on {r.device} {t['prefill_s']:.2f}s ({r.prefill_tokens_per_s:.0f} tokens/s); connector "
+    engine = " with transformers" if r.engine == "hf" else ""
+    console.print(f"prefill{engine} on {r.device} {t['prefill_s']:.2f}s ({r.prefill_tokens_per_s:.0f} tokens/s); "
+                  f"connector "
                   f"{t['connector_s'] * 1e3:.0f}ms, writer {t['writer_s'] * 1e3:.0f}ms beside the prefill, "
                   f"waited {t['waiting_s'] * 1e3:.0f}ms ({100 * t['overhead_share']:.1f}% of prefill)")
     if r.store:

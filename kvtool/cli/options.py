@@ -53,6 +53,12 @@ DeviceOpt = Annotated[str, typer.Option(
     "--device", metavar="DEVICE", help="auto (a GPU if torch sees one), cpu, cuda or cuda:N.")]
 ModelDtypeOpt = Annotated[str, typer.Option(
     "--model-dtype", metavar="DTYPE", help="The model's weights and arithmetic: fp32, bf16 or fp16.")]
+EngineOpt = Annotated[str, typer.Option(
+    "--engine", metavar="ENGINE", help=(
+        "kvtool (its paged runner: Llama, Mistral, Qwen2) or hf (Hugging Face transformers: any decoder-only "
+        "model with a plain KV cache)."))]
+NoGenerationPromptOpt = Annotated[bool, typer.Option(
+    "--no-generation-prompt", help="--chat: end the template after the user's message (no assistant turn opened).")]
 OtherWeightsOpt = Annotated[bool, typer.Option(
     "--allow-other-weights", help="Accept KV computed with other weights (said in the report).")]
 ChunksOpt = Annotated[Optional[str], typer.Option(

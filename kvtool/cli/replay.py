@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.text import Text
 
 from ..errors import UsageError
-from .options import (WORDS, DeviceOpt, JsonOpt, ModelDtypeOpt, ModelOpt, NamespaceOpt, OptionalStoreOpt,
-                      OtherWeightsOpt)
+from .options import (WORDS, DeviceOpt, EngineOpt, JsonOpt, ModelDtypeOpt, ModelOpt, NamespaceOpt,
+                      NoGenerationPromptOpt, OptionalStoreOpt, OtherWeightsOpt)
 from .output import emit, renders, stages
 
 if TYPE_CHECKING:  # the results are only named here: importing them would load torch at start-up
@@ -60,13 +60,17 @@ def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: Ch
             prompt_file: PromptFileOpt = None, compare: CompareOpt = False, min_top1: MinTop1Opt = None,
             max_kl: MaxKlOpt = None, no_hidden_states: NoHiddenOpt = False, device: DeviceOpt = "auto",
             weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False,
+            no_generation_prompt: NoGenerationPromptOpt = False,
             allow_other_weights: OtherWeightsOpt = False, blend: BlendOpt = None,
             blend_delimiter: BlendDelimiterOpt = None, recompute_ratio: RecomputeRatioOpt = None,
-            check_layer: CheckLayerOpt = None, namespace: NamespaceOpt = None, json: JsonOpt = False) -> None:
+            check_layer: CheckLayerOpt = None, namespace: NamespaceOpt = None, engine: EngineOpt = "kvtool",
+            json: JsonOpt = False) -> None:
     """Load a KV file into a fresh paged KV buffer, continue from it, and (--compare) check it."""
     if blend or blend_delimiter is not None:
         given = [name for name, value in (("FILE", path), ("--suffix", suffix), ("--suffix-file", suffix_file),
-                                          ("--chat", chat or None), ("--no-hidden-states", no_hidden_states or None))
+                                          ("--chat", chat or None), ("--no-hidden-states", no_hidden_states or None),
+                                          ("--no-generation-prompt", no_generation_prompt or None),
+                                          ("--engine hf", engine if engine == "hf" else None))
                  if value is not None]
         if given:
             raise UsageError(f"{given[0]} does not apply to --blend / --blend-delimiter")
@@ -92,8 +96,8 @@ def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: Ch
                             suffix_file=suffix_file, prompt=prompt, prompt_file=prompt_file, compare=compare,
                             min_top1=min_top1, max_kl=max_kl, device=device, model_dtype=weights_dtype,
                             use_hidden_states=not no_hidden_states, chat=chat,
-                            allow_other_weights=allow_other_weights, store=store, chunk_size=chunk_size,
-                            namespace=namespace)
+                            generation_prompt=not no_generation_prompt, allow_other_weights=allow_other_weights,
+                            store=store, chunk_size=chunk_size, namespace=namespace, engine=engine)
     from ..ops.replay import run_replay
 
     with stages(enabled=not json) as stage:
@@ -103,7 +107,9 @@ def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: Ch
 
 @renders("ReplayResult")
 def render(console: Console, r: ReplayResult) -> None:
-    console.print(f"[bold]{r.file}[/bold] on {r.model} ({r.device}): {r.reused_tokens} of {r.num_tokens} tokens "
+    engine = ", transformers" if r.engine == "hf" else ""
+    console.print(f"[bold]{r.file}[/bold] on {r.model} ({r.device}{engine}): {r.reused_tokens} of {r.num_tokens} "
+                  f"tokens "
                   f"from the cache ({r.chunks_loaded} chunks, {', '.join(r.codecs)}), "
                   f"{r.computed_tokens} computed"
                   + ("; the first new token from the stored hidden states" if r.first_token_from == "hidden_states"

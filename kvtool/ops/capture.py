@@ -8,11 +8,12 @@ chunk is on disk as soon as the model has produced it.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 import torch
 
@@ -32,6 +33,12 @@ from .engine_io import paged_connector
 from .inputs import check_text, check_token_source, read_token_file
 from .requests import CaptureRequest, PromptCaptureRequest, prompt_metadata
 from .result import Result
+
+if TYPE_CHECKING:  # (imports transformers: loaded only for --engine hf)
+    from ..integrations.hf.models import HFModel
+
+#: the engines a capture runs: kvtool's paged runner, or a transformers model (`--engine hf`)
+AnyModel = Union[LoadedModel, "HFModel"]
 
 
 @dataclass
@@ -72,21 +79,23 @@ class CaptureResult(Result):
     store: dict[str, Any] | None = None
     # with segment: the file's `segment` key (format-spec/segment.md), {"version": 1, "stored_start": 0}
     segment: dict[str, int] | None = None
+    engine: str = "kvtool"  # "kvtool" (its paged runner) or "hf" (transformers; its cache one block of every token)
 
 
 # --- tokens ---------------------------------------------------------------------------------
 
 
-def read_tokens(model: LoadedModel, prompt: str | None = None, prompt_file: Path | None = None,
-                tokens_file: Path | None = None, chat: bool = False) -> list[int]:
+def read_tokens(model: AnyModel, prompt: str | None = None, prompt_file: Path | None = None,
+                tokens_file: Path | None = None, chat: bool = False, generation_prompt: bool = True) -> list[int]:
     """Token ids from exactly one of: a prompt, a prompt file, or a token-id file. With `chat`,
-    the prompt is a user message in the model's chat template (as transformers applies it)."""
+    the prompt is a user message in the model's chat template (as transformers applies it; with
+    `generation_prompt`, the assistant's turn opened after it)."""
     check_token_source(prompt, prompt_file, tokens_file, chat)
-    return _source_tokens(model, prompt, prompt_file, tokens_file, chat)
+    return _source_tokens(model, prompt, prompt_file, tokens_file, chat, generation_prompt)
 
 
-def _source_tokens(model: LoadedModel, prompt: str | None, prompt_file: Path | None, tokens_file: Path | None,
-                   chat: bool) -> list[int]:
+def _source_tokens(model: AnyModel, prompt: str | None, prompt_file: Path | None, tokens_file: Path | None,
+                   chat: bool, generation_prompt: bool = True) -> list[int]:
     """The token ids of a checked source (`check_token_source`), checked against the model: inside
     its vocabulary, not empty, within its context."""
     if tokens_file is not None:
@@ -94,7 +103,7 @@ def _source_tokens(model: LoadedModel, prompt: str | None, prompt_file: Path | N
         check_vocabulary(ids, model.config.vocab_size)
     else:
         text = check_text(prompt if prompt is not None else read_text_file(prompt_file), "--prompt")
-        ids = encode_prompt(model, text, chat)
+        ids = encode_prompt(model, text, chat, generation_prompt)
     if not ids:
         raise PromptError("the prompt is empty")
     if len(ids) > model.max_position_embeddings:
@@ -103,11 +112,31 @@ def _source_tokens(model: LoadedModel, prompt: str | None, prompt_file: Path | N
     return ids
 
 
-def encode_prompt(model: LoadedModel, text: str, chat: bool) -> list[int]:
-    """Token ids of `text`, as plain text or (chat) as a user message in the model's chat template."""
+def encode_prompt(model: AnyModel, text: str, chat: bool, generation_prompt: bool = True) -> list[int]:
+    """Token ids of `text`: as plain text (with the special tokens the engine's convention adds:
+    `adds_special_tokens`), or (chat) as a user message in the model's chat template, which
+    writes its special tokens itself (as transformers' `apply_chat_template` encodes it), the
+    assistant's turn opened after it with `generation_prompt`."""
     if chat:
-        text = model.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return model.tokenizer.encode(text)
+        text = model.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                   add_generation_prompt=generation_prompt)
+        return model.tokenizer.encode(text, add_special_tokens=False)
+    return model.tokenizer.encode(text, add_special_tokens=adds_special_tokens(model))
+
+
+def adds_special_tokens(model: AnyModel) -> bool:
+    """Whether plain text gets the tokenizer's special tokens (a BOS, for many models): with
+    transformers, as `tokenizer(text)` does; kvtool's engine takes the text as it is."""
+    return not isinstance(model, LoadedModel)
+
+
+def tokenizer_metadata(model: AnyModel, chat: bool) -> dict[str, str]:
+    """What the file records of the model's part in making the tokens: for a chat, the SHA-256 of
+    the chat template rendered; for plain text, whether special tokens were added."""
+    if chat:
+        template = model.tokenizer.chat_template or ""
+        return {"chat_template_sha256": "sha256:" + hashlib.sha256(template.encode("utf-8")).hexdigest()}
+    return {"add_special_tokens": "true" if adds_special_tokens(model) else "false"}
 
 
 # --- the operations -------------------------------------------------------------------------
@@ -119,20 +148,24 @@ def capture_prompt(output: str | Path | None, *, prompt: str | None = None, prom
                    bins: str | None = None, kv_dtype: str = "bf16", chunk_size: int = 256,
                    block_size: int = 16, hidden_states: bool = False, roi: str | None = None,
                    device: str = "auto", model_dtype: str = "fp32", chat: bool = False,
-                   store: str | None = None, segment: bool = False, namespace: str | None = None,
+                   generation_prompt: bool = True, store: str | None = None, segment: bool = False,
+                   namespace: str | None = None, engine: str = "kvtool",
                    on_chunk: Callable[[int, int, int], None] | None = None) -> CaptureResult:
     """`kvtool capture` as a function: options as the command line gives them, every one
     checked before the model loads; `on_chunk(index, tokens_done, tokens_total)` reports progress.
     `store` (a URL) also puts the whole chunks into the chunk store; without `output`, only there.
-    `segment` marks the file a position-independent segment (format-spec/segment.md).
+    `segment` marks the file a position-independent segment (format-spec/segment.md). `engine`
+    "hf" runs the model with transformers (any decoder-only model with a plain KV cache).
 
     The options become one `PromptCaptureRequest` (checked there), run by `run_prompt_capture`."""
     what = CaptureRequest.from_options(output, codec=codec, level=level, shuffle=shuffle, bins=bins,
                                        kv_dtype=kv_dtype, chunk_size=chunk_size, block_size=block_size,
                                        hidden_states=hidden_states, roi=roi, store=store, segment=segment,
-                                       namespace=namespace, metadata=prompt_metadata(chat, tokens_file))
+                                       namespace=namespace,
+                                       metadata=prompt_metadata(chat, tokens_file, generation_prompt))
     request = PromptCaptureRequest(what, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens_file, chat=chat,
-                                   model=model, device=device, model_dtype=model_dtype)
+                                   generation_prompt=generation_prompt, model=model, device=device,
+                                   model_dtype=model_dtype, engine=engine)
     return run_prompt_capture(request, on_chunk)
 
 
@@ -144,14 +177,33 @@ def run_prompt_capture(request: PromptCaptureRequest,
         open_store(request.capture.store).close()
     if on_chunk is not None:
         on_chunk(0, 0, 0)  # the model is loading
-    model = request.model if isinstance(request.model, LoadedModel) \
-        else load_model(request.model, dtype=request.weights, device=request.where)
-    ids = _source_tokens(model, request.prompt, request.prompt_file, request.tokens_file, request.chat)
+    model = engine_model(request)
+    ids = _source_tokens(model, request.prompt, request.prompt_file, request.tokens_file, request.chat,
+                         request.generation_prompt)
+    what = request.capture
+    if request.tokens_file is None:  # how the text became these tokens, the model's part included
+        what = replace(what, metadata={**(what.metadata or {}), **tokenizer_metadata(model, request.chat)})
     progress = None if on_chunk is None else (lambda index, end: on_chunk(index, end, len(ids)))
-    return run_capture(model, ids, request.capture, progress)
+    return run_capture(model, ids, what, progress)
 
 
-def capture(model: LoadedModel, token_ids: list[int], output: str | Path | None, *, chunk_size: int = 256,
+def engine_model(request) -> AnyModel:
+    """The request's model in its engine (`request.engine`): kvtool's runner's `LoadedModel`, or a
+    transformers model (`HFModel`), loaded in the request's dtype on its device unless given."""
+    if request.engine == "hf":
+        from ..integrations.hf.models import HFModel, load_hf_model
+
+        if isinstance(request.model, LoadedModel):
+            raise UsageError("--engine hf runs a transformers model: give its folder or Hub id, or the model")
+        if isinstance(request.model, (str, Path)) or request.model is None:
+            return load_hf_model(request.model, dtype=request.weights, device=request.where)
+        return HFModel.of(request.model)
+    if isinstance(request.model, LoadedModel):
+        return request.model
+    return load_model(request.model, dtype=request.weights, device=request.where)
+
+
+def capture(model: AnyModel, token_ids: list[int], output: str | Path | None, *, chunk_size: int = 256,
             codec: str = "raw", params: dict[str, Any] | None = None,
             kv_dtype: torch.dtype = torch.bfloat16, block_size: int = 16, shuffle_seed: int | None = 0,
             hidden_states: bool = False, roi: list[tuple[int, int]] | None = None,
@@ -160,6 +212,8 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path | None,
             segment: bool = False, namespace: str | None = None) -> CaptureResult:
     """Prefill `token_ids` chunk by chunk and write each chunk's KV as soon as it exists.
 
+    `model` is kvtool's engine's (`kvtool.load_model`) or a transformers causal LM (whose cache,
+    one block of every token, the same connector gathers from; `block_size` does not apply).
     The paged buffers live where the model does (`model.device`). On a GPU the
     connector's gather is the fused CUDA kernel; the chunk stays on the GPU for
     a codec that encodes there (CacheGen) and goes to pinned host memory for the
@@ -182,29 +236,45 @@ def capture(model: LoadedModel, token_ids: list[int], output: str | Path | None,
     request = CaptureRequest(output, store=store, namespace=namespace, chunk_size=chunk_size, codec=codec,
                              params=params, kv_dtype=kv_dtype, block_size=block_size, shuffle_seed=shuffle_seed,
                              hidden_states=hidden_states, roi=roi, segment=segment, metadata=metadata)
+    if not isinstance(model, LoadedModel):
+        from ..integrations.hf.models import HFModel
+
+        model = HFModel.of(model)
     return run_capture(model, token_ids, request, on_chunk)
 
 
 # --- the steps of a capture -----------------------------------------------------------------
 
 
-def run_capture(model: LoadedModel, token_ids: list[int], request: CaptureRequest,
+def run_capture(model: AnyModel, token_ids: list[int], request: CaptureRequest,
                 on_chunk: Callable[[int, int], None] | None = None) -> CaptureResult:
     """A checked capture of `token_ids`: the roi mask (its ranges checked against the prompt), a
-    paged cache for the tokens (`paged_capture`), the chunks prefilled and written as they come
-    (`write_chunks`), the whole chunks put into the store (`put_in_store`), the result.
-    `on_chunk(index, tokens_done)` after each chunk is written."""
+    cache for the tokens (`paged_capture`, or transformers' own: `hf_capture`), the chunks
+    prefilled and written as they come (`write_chunks`), the whole chunks put into the store
+    (`put_in_store`), the result. `on_chunk(index, tokens_done)` after each chunk is written."""
     mask = roi_mask(len(token_ids), request.roi) if request.roi is not None else None
-    paged = paged_capture(model, len(token_ids), request)
+    steps = paged_capture(model, len(token_ids), request) if isinstance(model, LoadedModel) \
+        else hf_capture(model, len(token_ids), request)
     started = time.perf_counter()
-    writer, timings = write_chunks(model, token_ids, request, paged, mask, on_chunk)
+    writer, timings = write_chunks(model, token_ids, request, steps, mask, on_chunk)
     stored_in = put_in_store(request, writer) if request.store is not None else None
     return capture_result(model, token_ids, request, writer, timings, started, stored_in)
 
 
+class CaptureSteps(Protocol):
+    """A capture's two steps per chunk, whichever engine runs the model: `prefill` tokens [start,
+    end) into its cache, then `gather` their KV out of it through the paged connector."""
+
+    def prefill(self, token_ids: list[int], start: int, end: int, hidden: bool) -> torch.Tensor | None:
+        """Tokens [start, end) computed; their final hidden states [n, E] with `hidden`, else None."""
+
+    def gather(self, start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end)'s KV_BLOB [2, L, n, C], placed for the codec."""
+
+
 @dataclass(frozen=True)
 class PagedCapture:
-    """The paged cache a capture prefills, and how each chunk's KV leaves it."""
+    """The paged cache a capture prefills, and how each chunk's KV leaves it (`CaptureSteps`)."""
 
     cache: PagedKVCache
     runner: Runner
@@ -213,6 +283,17 @@ class PagedCapture:
     connector: Any  # the paged connector: from_gpu gathers a chunk
     blob_device: torch.device  # where a chunk's KV_BLOB goes: where the codec encodes it
     pinned: bool  # a host KV_BLOB in pinned memory (a GPU model's chunk bound for a CPU codec)
+    kv_dtype: torch.dtype
+    prefill_chunk: int
+
+    def prefill(self, token_ids: list[int], start: int, end: int, hidden: bool) -> torch.Tensor | None:
+        return self.runner.prefill(self.seq, token_ids[start:end], start_pos=start, prefill_chunk=self.prefill_chunk,
+                                   logits="hidden" if hidden else "none")  # [n, E] or None
+
+    def gather(self, start: int, end: int) -> torch.Tensor:
+        memory = self.connector.allocate(end - start, self.kv_dtype, self.blob_device, pin_memory=self.pinned)
+        self.connector.from_gpu(memory, start, end, kvcaches=self.cache.kv_caches, slot_mapping=self.slot_mapping)
+        return memory.tensor
 
 
 def paged_capture(model: LoadedModel, num_tokens: int, request: CaptureRequest) -> PagedCapture:
@@ -224,10 +305,19 @@ def paged_capture(model: LoadedModel, num_tokens: int, request: CaptureRequest) 
     seq = cache.new_sequence(num_tokens)
     blob_device, pinned = codecs.get_codec(request.codec).input_placement(device)
     return PagedCapture(cache, Runner(model, cache), seq, seq.slot_mapping(num_tokens, device=device),
-                        paged_connector(model), blob_device, pinned)
+                        paged_connector(model), blob_device, pinned, request.torch_kv_dtype, request.chunk_size)
 
 
-def write_chunks(model: LoadedModel, token_ids: list[int], request: CaptureRequest, paged: PagedCapture,
+def hf_capture(model: "HFModel", num_tokens: int, request: CaptureRequest) -> CaptureSteps:
+    """transformers' own cache for `num_tokens` (as `generate` makes it), which the paged connector
+    gathers from as one block of every token (`kvtool.integrations.hf.runs.PromptPrefill`)."""
+    from ..integrations.hf.runs import PromptPrefill
+
+    blob_device, pinned = codecs.get_codec(request.codec).input_placement(model.device)
+    return PromptPrefill(model, num_tokens, request.torch_kv_dtype, blob_device, pinned)
+
+
+def write_chunks(model: AnyModel, token_ids: list[int], request: CaptureRequest, steps: CaptureSteps,
                  mask: torch.Tensor | None, on_chunk: Callable[[int, int], None] | None
                  ) -> tuple[ContainerWriter, CaptureTimings]:
     """The container written chunk by chunk: each chunk prefilled and gathered
@@ -241,7 +331,7 @@ def write_chunks(model: LoadedModel, token_ids: list[int], request: CaptureReque
                          chunk_size=request.chunk_size, metadata=run_metadata(model, request),
                          extensions=extensions) as writer, SavePipeline(max_pending=2) as saving:
         for index, (start, end) in enumerate(writer.chunk_ranges()):
-            kv = prefill_and_gather(model, token_ids, request, paged, start, end, hidden, timings)
+            kv = prefill_and_gather(model, token_ids, request, steps, start, end, hidden, timings)
             submitted = time.perf_counter()
             saving.submit(_chunk_job(writer, request, kv, index, end, timings, on_chunk))
             timings.waiting_s += time.perf_counter() - submitted  # the caller blocked: 2 chunks were in flight
@@ -255,29 +345,30 @@ def write_chunks(model: LoadedModel, token_ids: list[int], request: CaptureReque
     return writer, timings
 
 
-def run_metadata(model: LoadedModel, request: CaptureRequest) -> dict[str, str]:
-    """What the file records of the run that computed its KV."""
-    return {"engine": "kvtool paged runner", "block_size": str(request.block_size), "device": describe(model.device),
-            "model_dtype": str(model.dtype).removeprefix("torch."), **(request.metadata or {})}
+def run_metadata(model: AnyModel, request: CaptureRequest) -> dict[str, str]:
+    """What the file records of the run that computed its KV: the engine (transformers': its
+    version, attention implementation and the config's digest), device, dtype, and the request's."""
+    engine = {"engine": "kvtool paged runner", "block_size": str(request.block_size)} \
+        if isinstance(model, LoadedModel) else model.engine_metadata()
+    return {**engine, "device": describe(model.device), "model_dtype": str(model.dtype).removeprefix("torch."),
+            **(request.metadata or {})}
 
 
-def prefill_and_gather(model: LoadedModel, token_ids: list[int], request: CaptureRequest, paged: PagedCapture,
+def prefill_and_gather(model: AnyModel, token_ids: list[int], request: CaptureRequest, steps: CaptureSteps,
                        start: int, end: int, hidden: list[torch.Tensor], timings: CaptureTimings) -> torch.Tensor:
-    """Tokens [start, end) prefilled into the paged cache (their final hidden states appended to
+    """Tokens [start, end) prefilled into the cache (their final hidden states appended to
     `hidden` with `hidden_states`), then their KV gathered out of it: KV_BLOB [2, L, T, C]."""
     t0 = time.perf_counter()
-    h = paged.runner.prefill(paged.seq, token_ids[start:end], start_pos=start, prefill_chunk=request.chunk_size,
-                             logits="hidden" if request.hidden_states else "none")  # [T, E] or None
+    h = steps.prefill(token_ids, start, end, request.hidden_states)  # [T, E] or None
     if h is not None:
         hidden.append(h.cpu())  # the model's own dtype: replay's first token is then exact
     synchronize(model.device)
     t1 = time.perf_counter()
-    memory = paged.connector.allocate(end - start, request.torch_kv_dtype, paged.blob_device, pin_memory=paged.pinned)
-    paged.connector.from_gpu(memory, start, end, kvcaches=paged.cache.kv_caches, slot_mapping=paged.slot_mapping)
+    kv = steps.gather(start, end)
     synchronize(model.device)
     timings.prefill_s += t1 - t0
     timings.connector_s += time.perf_counter() - t1
-    return memory.tensor
+    return kv
 
 
 def _chunk_job(writer: ContainerWriter, request: CaptureRequest, kv: torch.Tensor, index: int, end: int,
@@ -301,7 +392,7 @@ def put_in_store(request: CaptureRequest, writer: ContainerWriter) -> dict[str, 
         return {"store": chunk_store.url, "chunks": put.chunks, "stored": put.stored, "present": put.present}
 
 
-def capture_result(model: LoadedModel, token_ids: list[int], request: CaptureRequest, writer: ContainerWriter,
+def capture_result(model: AnyModel, token_ids: list[int], request: CaptureRequest, writer: ContainerWriter,
                    timings: CaptureTimings, started: float, stored_in: dict[str, Any] | None) -> CaptureResult:
     n, output = len(token_ids), request.output
     return CaptureResult(
@@ -309,13 +400,15 @@ def capture_result(model: LoadedModel, token_ids: list[int], request: CaptureReq
         fingerprint=model.identity.fingerprint(), num_tokens=n, num_chunks=len(writer.chunks),
         chunk_size=request.chunk_size, codec=request.codec, kv_dtype=request.kv_dtype,
         device=describe(model.device), model_dtype=str(model.dtype).removeprefix("torch."),
-        block_size=request.block_size, extras=sorted(writer.extras),
+        # transformers' cache is one block of every token
+        block_size=request.block_size if isinstance(model, LoadedModel) else n, extras=sorted(writer.extras),
         file_bytes=Path(output).stat().st_size if output is not None else len(writer.getvalue()),
         decoded_bytes=sum(c.decoded_bytes for c in writer.chunks),
         stored_bytes=sum(c.blob.length for c in writer.chunks),
         seconds=time.perf_counter() - started, prefill_tokens_per_s=n / max(timings.prefill_s, 1e-9),
         timings={**asdict(timings), "overhead_share": timings.overhead_share}, store=stored_in,
-        segment=segment_extension(0)["segment"] if request.segment else None)
+        segment=segment_extension(0)["segment"] if request.segment else None,
+        engine="kvtool" if isinstance(model, LoadedModel) else "hf")
 
 
 def roi_mask(num_tokens: int, ranges: list[tuple[int, int]]) -> torch.Tensor:

@@ -21,14 +21,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import codecs
 from ..devices import describe, synchronize
 from ..connectors import ConnectorTarget
-from ..engine import LoadedModel, Runner, load_model, logits_from_hidden
+from ..engine import LoadedModel, Runner, logits_from_hidden
 from ..errors import DataError, NonFiniteValues, PromptError, ShapeMismatch, ToleranceExceeded
 from ..format import ContainerReader
 from ..format.hashing import prefix_hashes
@@ -41,6 +41,10 @@ from .engine_io import new_cache, paged_connector
 from .inputs import check_text, continuation
 from .requests import ReplayRequest
 from .result import Result
+
+if TYPE_CHECKING:  # (imports transformers: loaded only for --engine hf)
+    from ..integrations.hf.models import HFModel
+    from .capture import AnyModel
 
 
 @dataclass
@@ -83,6 +87,7 @@ class ReplayResult(Result):
     thresholds: dict[str, float | None] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     notice: str | None = None
+    engine: str = "kvtool"  # "kvtool" (its paged runner) or "hf" (transformers: a cache of all but the last token)
 
     @property
     def ok(self) -> bool:
@@ -97,7 +102,7 @@ class ReusePlan:
     from_hidden: bool = False  # every token is reused; the first new token's logits come from the file's hidden states
 
 
-def check_model(reader: ContainerReader, model: LoadedModel, allow_other_weights: bool = False) -> str:
+def check_model(reader: ContainerReader, model: "AnyModel", allow_other_weights: bool = False) -> str:
     """The file was made by this model (`check_made_by`, the check every engine runs on its
     identity). Returns what was found of the weights, for the report."""
     return check_made_by(reader, model.identity, allow_other_weights=allow_other_weights)
@@ -150,7 +155,7 @@ class Prefix:
     reader: ContainerReader | None = None  # a file's (its hidden states, its codecs to warm up)
 
 
-def file_prefix(reader: ContainerReader, model: LoadedModel, allow_other_weights: bool = False) -> Prefix:
+def file_prefix(reader: ContainerReader, model: "AnyModel", allow_other_weights: bool = False) -> Prefix:
     """A container file's chunks as a replay's prefix, after `check_model`."""
     weights = check_model(reader, model, allow_other_weights)
 
@@ -183,8 +188,9 @@ def replay(path: str | Path | None, model: str | Path | LoadedModel | None = Non
            suffix: str | None = None, suffix_file: Path | None = None, prompt: str | None = None,
            prompt_file: Path | None = None, compare: bool = False, min_top1: float | None = None,
            max_kl: float | None = None, device: str = "auto", model_dtype: str = "fp32",
-           use_hidden_states: bool = True, chat: bool = False, allow_other_weights: bool = False,
-           store: str | None = None, chunk_size: int | None = None, namespace: str | None = None,
+           use_hidden_states: bool = True, chat: bool = False, generation_prompt: bool = True,
+           allow_other_weights: bool = False, store: str | None = None, chunk_size: int | None = None,
+           namespace: str | None = None, engine: str = "kvtool",
            on_stage: Callable[[str], None] | None = None) -> ReplayResult:
     """Load a KV file into a fresh paged buffer and continue from it (`kvtool replay`).
 
@@ -197,12 +203,16 @@ def replay(path: str | Path | None, model: str | Path | LoadedModel | None = Non
     the chunk store (format-spec/store.md) at `chunk_size` (None: the stored size that covers
     the most), and the rest is computed; `namespace`: only chunks stored under it.
 
+    `engine` "hf" replays with transformers (`model`: a folder, a Hub id in the local cache or a
+    transformers model): the prefix loads into a transformers cache and `generate` continues.
+
     The options become one `ReplayRequest` (checked there), run by `run_replay`."""
     request = ReplayRequest(path=path, model=model, continue_tokens=continue_tokens, suffix=suffix,
                             suffix_file=suffix_file, prompt=prompt, prompt_file=prompt_file, compare=compare,
                             min_top1=min_top1, max_kl=max_kl, device=device, model_dtype=model_dtype,
-                            use_hidden_states=use_hidden_states, chat=chat, allow_other_weights=allow_other_weights,
-                            store=store, chunk_size=chunk_size, namespace=namespace)
+                            use_hidden_states=use_hidden_states, chat=chat, generation_prompt=generation_prompt,
+                            allow_other_weights=allow_other_weights, store=store, chunk_size=chunk_size,
+                            namespace=namespace, engine=engine)
     return run_replay(request, on_stage)
 
 
@@ -227,8 +237,10 @@ def replay_from_file(request: ReplayRequest, stage: Callable[[str], None]) -> Re
     with ContainerReader(request.path) as reader:
         model = _load_model(request, stage)
         prefix = file_prefix(reader, model, request.allow_other_weights)  # the file was made by this model
+        # transformers' convention computes the prompt's last token: its stored hidden state is not used
         plan = plan_reuse(reader, new_tokens=_new_prompt_tokens(request, model),
-                          suffix_tokens=_suffix_tokens(request, model), use_hidden_states=request.use_hidden_states)
+                          suffix_tokens=_suffix_tokens(request, model),
+                          use_hidden_states=request.use_hidden_states and isinstance(model, LoadedModel))
         return run_plan(prefix, model, plan, request.continue_tokens, request.compares, stage)
 
 
@@ -251,14 +263,15 @@ def replay_from_store(request: ReplayRequest, stage: Callable[[str], None]) -> R
                         request.compares, stage)
 
 
-def _load_model(request: ReplayRequest, stage: Callable[[str], None]) -> LoadedModel:
+def _load_model(request: ReplayRequest, stage: Callable[[str], None]) -> "AnyModel":
+    """The request's model in its engine (`ops.capture.engine_model`)."""
+    from .capture import engine_model
+
     stage("loading the model")
-    if isinstance(request.model, LoadedModel):
-        return request.model
-    return load_model(request.model, dtype=request.weights, device=request.where)
+    return engine_model(request)
 
 
-def _new_prompt_tokens(request: ReplayRequest, model: LoadedModel) -> list[int] | None:
+def _new_prompt_tokens(request: ReplayRequest, model: "AnyModel") -> list[int] | None:
     """The new prompt's token ids (`prompt`, or read from `prompt_file`; `chat`: as a user message
     in the model's chat template), None without one."""
     from .capture import encode_prompt
@@ -266,15 +279,16 @@ def _new_prompt_tokens(request: ReplayRequest, model: LoadedModel) -> list[int] 
     if request.prompt is None and request.prompt_file is None:
         return None
     text = read_text_file(request.prompt_file) if request.prompt_file is not None else request.prompt
-    return encode_prompt(model, check_text(text, "--prompt"), request.chat)
+    return encode_prompt(model, check_text(text, "--prompt"), request.chat, request.generation_prompt)
 
 
-def _suffix_tokens(request: ReplayRequest, model: LoadedModel) -> list[int] | None:
-    """The suffix's token ids (`suffix`, or read from `suffix_file`), None without one."""
+def _suffix_tokens(request: ReplayRequest, model: "AnyModel") -> list[int] | None:
+    """The suffix's token ids (`suffix`, or read from `suffix_file`; no special tokens: it goes on
+    after the cached ones), None without one."""
     if request.suffix is None and request.suffix_file is None:
         return None
     text = read_text_file(request.suffix_file) if request.suffix_file is not None else request.suffix
-    return model.tokenizer.encode(check_text(text, "--suffix"))
+    return model.tokenizer.encode(check_text(text, "--suffix"), add_special_tokens=False)
 
 
 def _check_thresholds(result: ReplayResult, min_top1: float | None, max_kl: float | None) -> ReplayResult:
@@ -301,12 +315,14 @@ def replay_plan(prefix: "Prefix | ContainerReader", model: LoadedModel, plan: Re
     return run_plan(prefix, model, plan, continue_tokens, compare, on_stage or _no_stage, block_size)
 
 
-def run_plan(prefix: Prefix, model: LoadedModel, plan: ReusePlan, continue_tokens: int, compare: bool,
+def run_plan(prefix: Prefix, model: "AnyModel", plan: ReusePlan, continue_tokens: int, compare: bool,
              stage: Callable[[str], None], block_size: int = 16) -> ReplayResult:
     """A replay's steps once its inputs are checked: the full recompute (with `compare`, the
     reference, run first), the prefix loaded and the first new token's logits
     (`start_from_prefix`), the continuation (greedy, or teacher-forced along the reference and
-    measured: `measure_against`), the result."""
+    measured: `measure_against`), the result. A transformers model runs `run_hf_plan`."""
+    if not isinstance(model, LoadedModel):
+        return run_hf_plan(prefix, model, plan, continue_tokens, compare, stage)
     n = len(plan.tokens)
     check_context(model, n, continue_tokens)
     warm_up(model, prefix)
@@ -324,7 +340,7 @@ def run_plan(prefix: Prefix, model: LoadedModel, plan: ReusePlan, continue_token
     return replay_result(prefix, model, start, continue_tokens, generated, measured)
 
 
-def check_context(model: LoadedModel, num_tokens: int, continue_tokens: int) -> None:
+def check_context(model: "AnyModel", num_tokens: int, continue_tokens: int) -> None:
     """The prompt and the tokens to generate fit the model's context."""
     if num_tokens + continue_tokens > model.max_position_embeddings:
         raise PromptError(f"{num_tokens} tokens plus {continue_tokens} to generate exceed the model's context of "
@@ -467,6 +483,88 @@ def recompute(model: LoadedModel, tokens: list[int], continue_tokens: int, kv_dt
         if i + 1 < continue_tokens:
             ref_logits.append(runner.decode_step(seq, greedy[-1]))
     return torch.stack(ref_logits), greedy, ttft
+
+
+# --- with transformers (--engine hf) --------------------------------------------------------------
+#
+# The prefix (a file's chunks or the store's objects) loads through the one load path into a
+# transformers cache (`kvtool.integrations.hf.caches.load_cache`: the contiguous cache as one block
+# of a paged buffer) holding at most all but the prompt's last token, transformers' convention;
+# `generate` (greedy) continues from it. With `compare`, a fresh `generate` of the whole prompt is
+# the reference, and the cached run is teacher-forced along its continuation and measured as for
+# kvtool's runner (`compare_logits`).
+
+
+def run_hf_plan(prefix: Prefix, model: "HFModel", plan: ReusePlan, continue_tokens: int, compare: bool,
+                stage: Callable[[str], None]) -> ReplayResult:
+    """`run_plan` for a transformers model: the reference (with `compare`), the prefix loaded into
+    a transformers cache, the continuation (greedy `generate`, or teacher-forced along the
+    reference and measured), the result."""
+    from ..integrations.hf.caches import load_cache
+    from ..integrations.hf.runs import greedy
+
+    n = len(plan.tokens)
+    check_context(model, n, continue_tokens)
+    reference = None
+    if compare:
+        stage(f"recomputing {n} tokens and {continue_tokens} more with transformers (the reference)")
+        reference = greedy(model, plan.tokens, None, continue_tokens)
+    source = "the file" if prefix.reader is not None else "the store"
+    stage(f"loading {plan.reused} tokens from {source} into a transformers cache and continuing")
+    synchronize(model.device)
+    started = time.perf_counter()
+    cache = load_cache(model, plan.reused, prefix.load)
+    synchronize(model.device)
+    load_s = time.perf_counter() - started
+    loaded = cache.get_seq_length()
+    why = None
+    if loaded < plan.reused:  # the store refused or lost a chunk: the rest is computed
+        why = f"{plan.reused - loaded} cached tokens could not be loaded: computed"
+        plan = ReusePlan(tokens=plan.tokens, reused=loaded, chunks=-(-loaded // prefix.chunk_size))
+    if reference is None:
+        generated, _, first_s = greedy(model, plan.tokens, cache, continue_tokens)
+        ttft_s, measured = load_s + first_s, {}
+    else:
+        generated, ttft_s, measured = _measure_hf(model, plan, cache, reference, started)
+    reused = plan.reused
+    return ReplayResult(
+        file=prefix.source, model=model.name, num_tokens=n, reused_tokens=reused, computed_tokens=n - reused,
+        chunks_loaded=plan.chunks, codecs=sorted(set(prefix.codecs)) if reused else [],
+        device=describe(model.device), model_dtype=str(model.dtype).removeprefix("torch."),
+        first_token_from="prefill", weights=prefix.weights if reused else "nothing reused", load_s=load_s,
+        ttft_cached_s=ttft_s, continue_tokens=len(generated), continuation_tokens=generated,
+        continuation=model.tokenizer.decode(generated), notice=why, engine="hf", **measured)
+
+
+def _measure_hf(model: "HFModel", plan: ReusePlan, cache, reference: tuple[list[int], torch.Tensor, float],
+                started: float) -> tuple[list[int], float, dict[str, Any]]:
+    """The cached run teacher-forced along the reference's continuation and compared with it
+    position by position, then its own greedy continuation from where they part (the cache cut
+    back there). Returns (the reference continuation, the cached run's time to first token,
+    the measurements: `ReplayResult` fields)."""
+    from ..integrations.hf.runs import forced_logits, greedy
+
+    generated, ref_logits, ttft_recompute = reference
+    n = len(plan.tokens)
+    first = forced_logits(model, plan.tokens, cache, plan.reused)[-1:]  # [1, V]: the first new token's
+    synchronize(model.device)
+    ttft_s = time.perf_counter() - started
+    rest = forced_logits(model, plan.tokens + generated[:-1], cache, n) if len(generated) > 1 else first[:0]
+    cached_logits = torch.cat([first, rest])  # [N, V]
+    measured: dict[str, Any] = {"ttft_recompute_s": ttft_recompute, "speedup": ttft_recompute / max(ttft_s, 1e-9),
+                                **compare_logits(ref_logits, cached_logits, generated)}
+    same = measured["greedy_identical_tokens"]
+    own = list(generated)
+    if same < len(generated):  # from the first difference on, the cached run's own choices
+        own = generated[:same] + [int(cached_logits[same].argmax())]
+        surplus = len(generated) - 1 - same  # teacher-forced tokens past the difference: the cache keeps n + same
+        if surplus:
+            cache.crop(-surplus)
+        if len(own) < len(generated):
+            own += greedy(model, plan.tokens + own, cache, len(generated) - len(own))[0]
+    measured.update(cached_continuation_tokens=own, cached_continuation=model.tokenizer.decode(own),
+                    agreed_continuation=model.tokenizer.decode(generated[:same]))
+    return generated, ttft_s, measured
 
 
 def last_hidden_state(reader: ContainerReader, model: LoadedModel, n: int) -> torch.Tensor:

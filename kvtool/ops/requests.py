@@ -27,16 +27,23 @@ if TYPE_CHECKING:
     from ..engine import LoadedModel
 
 
+#: the engines that run a model: kvtool's paged runner, or Hugging Face transformers
+ENGINES = ("kvtool", "hf")
+
+
 class _RunsTheModel:
     """What a request that runs the model checks without torch (`check_model_options`, from its
     `__post_init__`) and resolves with torch on first use (`weights`, `where`)."""
 
     model_dtype: str
     device: str
+    engine: str = "kvtool"
 
     def check_model_options(self) -> None:
         model_dtype_name(self.model_dtype)
         check_device_spec(self.device)
+        if self.engine not in ENGINES:
+            raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
 
     @cached_property
     def weights(self) -> "torch.dtype":
@@ -122,23 +129,40 @@ class PromptCaptureRequest(_RunsTheModel):
     prompt_file: Path | None = None
     tokens_file: Path | None = None
     chat: bool = False
+    generation_prompt: bool = True
     model: str | Path | LoadedModel | None = None
     device: str = "auto"
     model_dtype: str = "fp32"
+    engine: str = "kvtool"
 
     def __post_init__(self) -> None:
         if self.capture.segment and self.chat:
             raise UsageError("--segment is text to place inside other prompts: --chat would wrap it in a chat "
                              "template")
+        check_generation_prompt(self.chat, self.generation_prompt)
         self.check_model_options()
         check_token_source(self.prompt, self.prompt_file, self.tokens_file, self.chat)
+        if self.engine == "hf" and self.capture.block_size != 16:
+            raise UsageError("--block-size is kvtool's paged cache; transformers' cache (--engine hf) is one block")
 
 
-def prompt_metadata(chat: bool, tokens_file: Path | None) -> dict[str, str] | None:
-    """What the file records of how the prompt became tokens (nothing for token ids)."""
+def check_generation_prompt(chat: bool, generation_prompt: bool) -> None:
+    """`--no-generation-prompt` says how `--chat` renders the template: without a chat, nothing."""
+    if not generation_prompt and not chat:
+        raise UsageError("--no-generation-prompt applies to --chat")
+
+
+def prompt_metadata(chat: bool, tokens_file: Path | None, generation_prompt: bool = True) -> dict[str, str] | None:
+    """What the file records of how the prompt became tokens (nothing for token ids): the format
+    and, for a chat, whether the template ended with the assistant's turn opened (transformers'
+    `add_generation_prompt`). The model's part (its template's digest, the special tokens its
+    tokenizer adds) is added once it is loaded (`ops.capture.tokenizer_metadata`)."""
     if tokens_file is not None:
         return None
-    return {"prompt_format": "chat template, user message" if chat else "plain text"}
+    if chat:
+        return {"prompt_format": "chat template, user message",
+                "add_generation_prompt": "true" if generation_prompt else "false"}
+    return {"prompt_format": "plain text"}
 
 
 # --- replay -------------------------------------------------------------------------------------
@@ -164,10 +188,12 @@ class ReplayRequest(_RunsTheModel):
     model_dtype: str = "fp32"
     use_hidden_states: bool = True
     chat: bool = False
+    generation_prompt: bool = True
     allow_other_weights: bool = False
     store: str | None = field(default=None, repr=False)  # (a URL may carry a password: never in a repr)
     chunk_size: int | None = None
     namespace: str | None = None
+    engine: str = "kvtool"
     extra_keys: ExtraKeys = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -180,6 +206,7 @@ class ReplayRequest(_RunsTheModel):
             raise UsageError("give at most one of --suffix, --suffix-file, --prompt, --prompt-file")
         if self.chat and self.prompt is None and self.prompt_file is None:
             raise UsageError("--chat formats a new prompt: give --prompt or --prompt-file")
+        check_generation_prompt(self.chat, self.generation_prompt)
         fraction("--min-top1", self.min_top1)
         non_negative("--max-kl", self.max_kl)
         continuation(self.continue_tokens)
@@ -259,4 +286,5 @@ class BlendRequest(_RunsTheModel):
         return self.compare or self.min_top1 is not None or self.max_kl is not None
 
 
-__all__ = ["BlendRequest", "CaptureRequest", "PromptCaptureRequest", "ReplayRequest", "prompt_metadata"]
+__all__ = ["BlendRequest", "CaptureRequest", "ENGINES", "PromptCaptureRequest", "ReplayRequest",
+           "check_generation_prompt", "prompt_metadata"]
