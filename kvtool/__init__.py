@@ -15,6 +15,11 @@ The Python API, loaded on first use (so `import kvtool` is cheap and imports no 
     store = kvtool.open_store("kvstore")                        # a folder, or "redis://host:6379/0"
     store.for_model(model.identity).lookup(ids)                 # tokens covered by stored chunks
 
+With Hugging Face transformers (`import kvtool.hf`, which imports transformers)::
+
+    cache, input_ids = kvtool.hf.to_cache("notes.kvc", hf_model)   # ready for hf_model.generate
+    kvtool.hf.from_cache(cache, token_ids, "out.kvc", hf_model)     # a transformers cache to a file
+
 Every failure is a `kvtool.errors.KvtoolError` subclass.
 """
 

@@ -61,3 +61,12 @@ def test_readme_blend_commands_run(tmp_path, default_model):
     assert "blend of 2 segments and the question" in flat and "naive: top-1 agreement" in flat
     assert flat.count("recompute ratio 0.15 at check layer 1") == 2
     assert (tmp_path / "prompt.txt").read_text().count(" # # ") == 2
+
+
+@pytest.mark.model
+def test_readme_transformers_example_runs(tmp_path, default_model):
+    pytest.importorskip("transformers")
+    lines = run_example("## Hugging Face transformers", tmp_path)
+    assert re.fullmatch(r"'.+' \| as without the cache: True", lines[0])
+    assert re.fullmatch(r"\d+ tokens saved; continued: '.+'", lines[1])
+    assert (tmp_path / "story.kvc").is_file() and (tmp_path / "blocks.kvc").is_file()

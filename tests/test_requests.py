@@ -38,6 +38,8 @@ REPLAY_ERRORS = [
     ({"path": "x.kvc", "model_dtype": "int8"}, "--model-dtype 'int8': expected fp32, bf16 or fp16"),
     ({"path": "x.kvc", "device": "gpu"}, "--device 'gpu': expected auto, cpu, cuda or cuda:N"),
     ({"store": "s"}, "replay --store needs the prompt: --prompt or --prompt-file"),
+    ({"path": "x.kvc", "engine": "vllm"}, "--engine must be one of kvtool, hf, got 'vllm'"),
+    ({"path": "x.kvc", "prompt": "p", "generation_prompt": False}, "--no-generation-prompt applies to --chat"),
 ]
 
 
@@ -132,6 +134,10 @@ CAPTURE_ERRORS = [
      "--segment is text to place inside other prompts: --chat would wrap it in a chat template"),
     ({"model_dtype": "int8"}, "--model-dtype 'int8': expected fp32, bf16 or fp16"),
     ({"device": "cuda:x"}, "--device 'cuda:x': expected auto, cpu, cuda or cuda:N"),
+    ({"engine": "vllm"}, "--engine must be one of kvtool, hf, got 'vllm'"),
+    ({"generation_prompt": False}, "--no-generation-prompt applies to --chat"),
+    ({"engine": "hf", "block_size": 32},
+     "--block-size is kvtool's paged cache; transformers' cache (--engine hf) is one block"),
 ]
 
 
@@ -263,6 +269,13 @@ def test_the_capture_renderer_reads_the_result_by_attribute(capsys):
            "anywhere), 2.0KiB" in out
     assert "waited 5ms (3.0% of prefill)" in out
     assert "file:///s[x]: 1 of 2 whole chunks stored, 1 already there" in out
+    emit(dataclasses.replace(result, engine="hf", block_size=64), False)
+    assert "prefill with transformers on cpu 0.50s" in capsys.readouterr().out
+
+
+def test_the_renderers_say_when_transformers_ran_the_model(capsys):
+    emit(_replay_result(engine="hf"), False)
+    assert "[b]x.kvc on m (cpu, transformers): 32 of 40 tokens from the cache" in capsys.readouterr().out
 
 
 def test_the_store_renderer_reads_nested_results_and_properties(capsys):

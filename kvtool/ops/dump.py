@@ -7,11 +7,13 @@ safetensors output holds, for the selected tokens T and each selected layer i:
   positions         [T] int64   (position of each exported token in the sequence)
   hidden_states     [T, hidden]  (when the file has them; their dtype)
   roi_mask          [T] bool     (when the file has one)
-and the model name, fingerprint and source path in the metadata.
+and in the metadata the model's name, fingerprint and weights digest, the source path, and the
+file's own metadata (how its KV was computed, how its prompt became tokens: the prompt format,
+the chat template's digest, add_generation_prompt), which a reader needs to rebuild the input.
 .npy output holds one KV_BLOB array [2, layers, T, kv_heads * head_dim]; bf16 is
 widened to float32 (numpy has no bfloat16; the widening is exact). What it holds is
-said beside it, in OUT.npy.json: the source, model, fingerprint, KV dtype, the
-layers and chunks selected (axis 1 and 2 of the array), each token's position and id;
+said beside it, in OUT.npy.json: the source, model, fingerprint, weights digest, KV dtype, the
+file's metadata, the layers and chunks selected (axis 1 and 2 of the array), each token's position and id;
 the file's extras at the same tokens go to OUT.hidden_states.npy and OUT.roi_mask.npy.
 """
 
@@ -95,7 +97,7 @@ def _write_npy(output: Path, kv: np.ndarray, token_ids: np.ndarray, positions: n
     array = numpy_values(kv, m.kv_dtype)
     atomic_write(output, lambda f: np.save(f, array))
     about = {"source": source, "model": m.model["name"], "fingerprint": m.model["fingerprint"],
-             "kv_dtype": m.kv_dtype, "array_dtype": str(array.dtype),
+             "weights_digest": m.model.get("weights_digest"), "metadata": m.metadata, "kv_dtype": m.kv_dtype, "array_dtype": str(array.dtype),
              "shape": "[2 (K, V), layers, tokens, kv_heads * head_dim]", "layers": layer_ids, "chunks": chunk_ids,
              "positions": positions.tolist(), "token_ids": token_ids.tolist(), "extras": written}
     sidecar = Path(f"{output}.json")
@@ -119,8 +121,10 @@ def _write_safetensors(output: Path, kv: np.ndarray, token_ids: np.ndarray, posi
     for name, values in extras.items():  # hidden_states [T, E] in its dtype, roi_mask [T] bool
         tensor = torch.from_numpy(np.ascontiguousarray(values))
         tensors[name] = tensor if values.dtype == np.bool_ else tensor.view(dtype_from_name(m.extras[name].dtype))
-    meta = {"model": m.model["name"], "fingerprint": m.model["fingerprint"], "kv_dtype": m.kv_dtype,
-            "source": source}
+    meta = {**m.metadata, "model": m.model["name"], "fingerprint": m.model["fingerprint"], "kv_dtype": m.kv_dtype,
+            "source": source}  # the file's metadata: how the KV and the prompt's tokens were made
+    if m.model.get("weights_digest"):
+        meta["weights_digest"] = m.model["weights_digest"]
     data = safetensors_save(tensors, metadata=meta)
     atomic_write(output, lambda f: f.write(data))
 

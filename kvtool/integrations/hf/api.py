@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from ...devices import describe
+from ...dtypes import canonical_name
 from ...errors import ModelMismatch, NotAPrefixCache, UsageError
 from ...format import ContainerReader, ContainerWriter
 from ...format.made_by import check_made_by, check_vocabulary
@@ -130,6 +131,8 @@ def from_cache(cache, token_ids, path: str | os.PathLike, model, *, codec: str =
     stored = cache.layers[0].keys.dtype
     if kv_dtype is None:
         kv_dtype = stored if stored in (torch.float32, torch.float16, torch.bfloat16) else torch.bfloat16
+    elif isinstance(kv_dtype, str):  # bf16, fp16, fp32 or the long names, as `kvtool capture --dtype` takes them
+        kv_dtype = canonical_name(kv_dtype)
     run = {**hf.engine_metadata(), "device": describe(torch.device(cache.layers[0].keys.device)),
            "model_dtype": str(hf.dtype).removeprefix("torch."), **(metadata or {})}
     with ContainerWriter(path, hf.identity, ids, kv_dtype=kv_dtype, chunk_size=chunk_size, metadata=run) as writer:
