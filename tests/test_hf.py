@@ -176,6 +176,21 @@ def test_both_engines_write_the_same_model_and_kv(llama, tmp_path):
         assert b.manifest.metadata["attn_implementation"] == "sdpa"
 
 
+def test_kvtool_capture_takes_a_transformers_model(llama, tmp_path):
+    """The Python API: `kvtool.capture` of a transformers model, and `capture_prompt` with one
+    (its tokenizer found in the folder it was loaded from)."""
+    folder, model = llama
+    ids = prompt_ids(folder)
+    result = kvtool.capture(model, ids, tmp_path / "c.kvc", kv_dtype=torch.float32, chunk_size=16)
+    assert (result.engine, result.block_size, result.num_tokens) == ("hf", len(ids), len(ids))
+    assert kvtool.capture_prompt(tmp_path / "p.kvc", prompt=PROMPT, model=model, engine="hf", kv_dtype="fp32",
+                                 chunk_size=16).num_tokens == len(ids)
+    with ContainerReader(tmp_path / "c.kvc") as a, ContainerReader(tmp_path / "p.kvc") as b:
+        assert torch.equal(a.read_range(0, len(ids)), b.read_range(0, len(ids))) and a.model == b.model
+    with pytest.raises(UsageError, match="a LlamaForCausalLM runs with engine='hf'"):
+        kvtool.capture_prompt(tmp_path / "x.kvc", prompt=PROMPT, model=model)
+
+
 def test_a_whole_cache_continues_with_more_tokens_and_a_new_prompt_reuses_what_it_shares(llama, tmp_path):
     folder, model = llama
     ids = prompt_ids(folder)

@@ -132,7 +132,7 @@ def adds_special_tokens(model: AnyModel) -> bool:
 
 def tokenizer_metadata(model: AnyModel, chat: bool) -> dict[str, str]:
     """What the file records of the model's part in making the tokens: for a chat, the SHA-256 of
-    the chat template rendered; for plain text, whether special tokens were added."""
+    the chat template's text; for plain text, whether special tokens were added."""
     if chat:
         template = model.tokenizer.chat_template or ""
         return {"chat_template_sha256": "sha256:" + hashlib.sha256(template.encode("utf-8")).hexdigest()}
@@ -200,6 +200,8 @@ def engine_model(request) -> AnyModel:
         return HFModel.of(request.model)
     if isinstance(request.model, LoadedModel):
         return request.model
+    if not isinstance(request.model, (str, Path)) and request.model is not None:
+        raise UsageError(f"a {type(request.model).__name__} runs with engine='hf' (kvtool's engine loads a folder)")
     return load_model(request.model, dtype=request.weights, device=request.where)
 
 

@@ -10,7 +10,7 @@ built from the config the same way, with the config's digest among the fingerpri
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -66,17 +66,28 @@ class HFTokenizer:
 
 @dataclass
 class HFModel:
-    """A transformers model (and its tokenizer, when it has one) with what kvtool records of it.
-    `identity` is the file's model object; `config_digest` the SHA-256 of its canonical config."""
+    """A transformers model with what kvtool records of it: `identity` is the file's model object,
+    `config_digest` the SHA-256 of its canonical config; `folder` where it was loaded from."""
 
     model: Any  # transformers.PreTrainedModel, a causal LM
     identity: ModelIdentity
     config_digest: str
-    tokenizer: HFTokenizer | None = None
+    folder: Path | None = None
+    _tokenizer: HFTokenizer | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
         return self.identity.name
+
+    @property
+    def tokenizer(self) -> HFTokenizer:
+        """The model's tokenizer: the one it was given, or its folder's (loaded when first asked for:
+        a cache moves without one)."""
+        if self._tokenizer is None:
+            if self.folder is None:
+                raise ModelError(f"{self.name}: no tokenizer (the model was not loaded from a folder): give token ids")
+            self._tokenizer = HFTokenizer(_auto_tokenizer(self.folder))
+        return self._tokenizer
 
     @property
     def config(self):
@@ -118,7 +129,7 @@ class HFModel:
         name = folder.resolve().name if folder is not None else (str(model.name_or_path).split("/")[-1]
                                                                   or type(model).__name__)
         identity, digest = model_identity(model.config, name, folder, architecture=type(model).__name__)
-        return cls(model, identity, digest, HFTokenizer(tokenizer) if tokenizer is not None else None)
+        return cls(model, identity, digest, folder, HFTokenizer(tokenizer) if tokenizer is not None else None)
 
 
 def load_hf_model(path: str | Path | None, *, dtype: torch.dtype = torch.float32,
@@ -136,16 +147,22 @@ def load_hf_model(path: str | Path | None, *, dtype: torch.dtype = torch.float32
     transformers.utils.logging.disable_progress_bar()  # kvtool prints its own progress, nothing else
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, KeyError, ImportError) as err:
-        raise ModelError(f"{folder}: transformers cannot load it as a causal LM with its tokenizer "
-                         f"({_first_line(err)})") from None
+        raise ModelError(f"{folder}: transformers cannot load it as a causal LM ({_first_line(err)})") from None
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
     model = model.to(device).eval()
     identity, digest = model_identity(model.config, name, folder, architecture=type(model).__name__)
-    return HFModel(model, identity, digest, HFTokenizer(tokenizer))
+    return HFModel(model, identity, digest, folder, HFTokenizer(_auto_tokenizer(folder)))
+
+
+def _auto_tokenizer(folder: Path):
+    """The folder's tokenizer, as `AutoTokenizer` finds it."""
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, ImportError) as err:
+        raise ModelError(f"{folder}: transformers cannot load its tokenizer ({_first_line(err)})") from None
 
 
 # --- identity -----------------------------------------------------------------------------------
