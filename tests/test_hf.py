@@ -118,7 +118,8 @@ def test_a_transformers_cache_round_trips_through_a_file_unchanged(tiny, tmp_pat
     ids = prompt_ids(folder)
     cache = prefilled(model, ids)
     saved = kvtool.hf.from_cache(cache, ids, tmp_path / "c.kvc", model, codec=codec, chunk_size=16)
-    assert (saved.num_tokens, saved.num_chunks, saved.kv_dtype, saved.codec) == (len(ids), -(-len(ids) // 16), "float32", codec)
+    chunks = -(-len(ids) // 16)
+    assert (saved.num_tokens, saved.num_chunks, saved.kv_dtype, saved.codec) == (len(ids), chunks, "float32", codec)
     back, input_ids = kvtool.hf.to_cache(tmp_path / "c.kvc", model, leave_last_token=False)
     assert input_ids.tolist() == [ids] and back.get_seq_length() == len(ids)
     for mine, theirs in zip(back.layers, cache.layers):
@@ -253,7 +254,8 @@ def test_a_file_of_another_model_or_other_weights_is_refused(llama, qwen2, tmp_p
     with pytest.raises(ModelMismatch, match=r"p.kvc was made by 'llama\d*' .*, not by the loaded model 'qwen2\d*'"):
         kvtool.hf.to_cache(tmp_path / "p.kvc", qwen2[1])
     tuned = load(save_tiny_model(tmp_path / "tuned", "llama", seed=1))  # the same config, other weights
-    with pytest.raises(ModelMismatch, match=r"other weights than the loaded model's: .* \(allow_other_weights=True to load it anyway\)"):
+    with pytest.raises(ModelMismatch, match=r"other weights than the loaded model's: .* "
+                                            r"\(allow_other_weights=True to load it anyway\)"):
         kvtool.hf.to_cache(tmp_path / "p.kvc", tuned)
     assert kvtool.hf.to_cache(tmp_path / "p.kvc", tuned, allow_other_weights=True).cache.get_seq_length() \
         == len(ids) - 1
@@ -344,9 +346,11 @@ def test_capture_and_replay_with_transformers(llama, tmp_path, capsys):
     folder, model = llama
     ids = prompt_ids(folder)
     code, r, err = cli(capsys, "capture", "--engine", "hf", "--model", folder, "--prompt", PROMPT, "--chunk-size", "16",
-                       "--dtype", "fp32", "-o", tmp_path / "p.kvc", "--device", "cpu", "--json")
+                       "--dtype", "fp32", "--hidden-states", "-o", tmp_path / "p.kvc", "--device", "cpu", "--json")
     assert code == 0, err
-    assert (r["engine"], r["num_tokens"], r["block_size"], r["num_chunks"]) == ("hf", len(ids), len(ids), -(-len(ids) // 16))
+    chunks = -(-len(ids) // 16)
+    assert (r["engine"], r["num_tokens"], r["block_size"], r["num_chunks"]) == ("hf", len(ids), len(ids), chunks)
+    assert r["extras"] == ["hidden_states"]
     code, r, err = cli(capsys, "replay", tmp_path / "p.kvc", "--engine", "hf", "--model", folder, "--compare",
                        "--continue", "8", "--device", "cpu", "--json")
     assert code == 0, err
@@ -356,10 +360,32 @@ def test_capture_and_replay_with_transformers(llama, tmp_path, capsys):
     code, r, err = cli(capsys, "replay", tmp_path / "p.kvc", "--model", folder, "--compare", "--continue", "8",
                        "--device", "cpu", "--json")  # kvtool's engine replays what transformers computed
     assert code == 0 and r["engine"] == "kvtool" and r["top1_agreement"] == 1.0, err
+    assert r["first_token_from"] == "hidden_states"  # transformers' final hidden states give kvtool's first logits
     code, r, err = cli(capsys, "replay", tmp_path / "p.kvc", "--engine", "hf", "--model", folder, "--suffix",
                        " And", "--continue", "4", "--device", "cpu", "--json")
     assert code == 0 and (r["reused_tokens"], r["num_tokens"]) == (len(ids), len(ids) + 4), err
     assert r["continuation_tokens"] == greedy_reference(model, ids + prompt_ids(folder, " And"), 4)
+
+
+def test_replay_with_transformers_measures_a_cache_that_parts_from_the_recompute(llama, tmp_path, capsys):
+    """A cache of other values (noise): the cached run is measured along the recompute's tokens, then
+    goes its own greedy way from where they part, which is what generate makes from that cache."""
+    folder, model = llama
+    ids = prompt_ids(folder)
+    cache = prefilled(model, ids)
+    torch.manual_seed(3)
+    for layer in cache.layers:
+        layer.keys.normal_(0, 3.0)
+        layer.values.normal_(0, 3.0)
+    kvtool.hf.from_cache(cache, ids, tmp_path / "noise.kvc", model)
+    code, r, err = cli(capsys, "replay", tmp_path / "noise.kvc", "--engine", "hf", "--model", folder, "--compare",
+                       "--continue", "8", "--device", "cpu", "--json")
+    assert code == 0, err
+    same = r["greedy_identical_tokens"]
+    assert same < 8 and r["top1_agreement"] < 1.0 and r["kl_mean"] > 0
+    assert r["continuation_tokens"] == greedy_reference(model, ids, 8)
+    own = kvtool.hf.generate(model, tmp_path / "noise.kvc", max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    assert r["cached_continuation_tokens"] == own and own[:same] == r["continuation_tokens"][:same]
 
 
 def test_replay_with_transformers_from_the_store(llama, tmp_path, capsys):

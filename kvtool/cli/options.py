@@ -54,11 +54,9 @@ DeviceOpt = Annotated[str, typer.Option(
 ModelDtypeOpt = Annotated[str, typer.Option(
     "--model-dtype", metavar="DTYPE", help="The model's weights and arithmetic: fp32, bf16 or fp16.")]
 EngineOpt = Annotated[str, typer.Option(
-    "--engine", metavar="ENGINE", help=(
-        "kvtool (its paged runner: Llama, Mistral, Qwen2) or hf (Hugging Face transformers: any decoder-only "
-        "model with a plain KV cache)."))]
-NoGenerationPromptOpt = Annotated[bool, typer.Option(
-    "--no-generation-prompt", help="--chat: end the template after the user's message (no assistant turn opened).")]
+    "--engine", metavar="ENGINE", show_default=False,
+    help="kvtool (default), hf (transformers).")]
+NoGenerationPromptOpt = Annotated[bool, typer.Option("--no-generation-prompt", help="--chat: open no assistant turn.")]
 OtherWeightsOpt = Annotated[bool, typer.Option(
     "--allow-other-weights", help="Accept KV computed with other weights (said in the report).")]
 ChunksOpt = Annotated[Optional[str], typer.Option(

@@ -28,8 +28,7 @@ PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", metavar=
 CompareOpt = Annotated[bool, typer.Option("--compare", help="Also recompute in full, and compare.")]
 NoHiddenOpt = Annotated[bool, typer.Option(
     "--no-hidden-states", help="Ignore stored hidden states (measures the KV alone).")]
-ChatOpt = Annotated[bool, typer.Option(
-    "--chat", help="--prompt is a user message (the chat template).")]
+ChatOpt = Annotated[bool, typer.Option("--chat", help="--prompt in the chat template.")]
 MinTop1Opt = Annotated[Optional[float], typer.Option(
     "--min-top1", metavar="X", help="Exit 1 below this top-1 agreement (implies --compare).")]
 MaxKlOpt = Annotated[Optional[float], typer.Option(
