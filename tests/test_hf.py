@@ -461,6 +461,15 @@ def test_kvtool_and_its_operations_never_import_transformers_unless_asked():
     assert out.stdout.split() == ["False"], out.stderr
 
 
+def test_engine_hf_without_transformers_is_refused_in_one_line(tmp_path):
+    code = ("import sys\n"
+            "sys.modules['transformers'] = None  # as if it were not installed\n"
+            "from kvtool.cli.app import run\n"
+            f"sys.exit(run(['capture', '--engine', 'hf', '--prompt', 'p', '-o', {str(tmp_path / 'x.kvc')!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--engine hf needs transformers" in one_line_error(out.stderr)
+
+
 # --- the default model ---------------------------------------------------------------------------
 
 

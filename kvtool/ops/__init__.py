@@ -10,4 +10,7 @@ imports it.
 - `verify` (verify.py), `inspect` (inspect.py): prove a file intact, show what it holds
 - `compress` (compress.py), `dump` (dump.py): re-encode, export
 - `info` (info.py): versions and backends
+
+`capture` and `replay` run kvtool's engine, or with `engine="hf"` a transformers model
+(`kvtool.integrations.hf`, imported only then).
 """

@@ -20,7 +20,7 @@ import torch
 from .. import codecs
 from ..devices import describe, synchronize
 from ..engine import LoadedModel, PagedKVCache, Runner, load_model
-from ..errors import PromptError, UsageError
+from ..errors import ModelError, PromptError, UsageError
 from ..format import ContainerReader, ContainerWriter
 from ..format.made_by import check_vocabulary
 from ..format.reader import BytesSource
@@ -191,8 +191,10 @@ def engine_model(request) -> AnyModel:
     """The request's model in its engine (`request.engine`): kvtool's runner's `LoadedModel`, or a
     transformers model (`HFModel`), loaded in the request's dtype on its device unless given."""
     if request.engine == "hf":
-        from ..integrations.hf.models import HFModel, load_hf_model
-
+        try:
+            from ..integrations.hf.models import HFModel, load_hf_model
+        except ImportError as err:  # (transformers is an extra: kvtool[model])
+            raise ModelError(f"--engine hf needs transformers ({err}): pip install 'kvtool[model]'") from None
         if isinstance(request.model, LoadedModel):
             raise UsageError("--engine hf runs a transformers model: give its folder or Hub id, or the model")
         if isinstance(request.model, (str, Path)) or request.model is None:

@@ -235,7 +235,7 @@ def _ids(ids, what: str) -> list[int]:
             raise UsageError(f"{what} holds a batch of {ids.shape[0]} sequences; a kvtool file holds one")
         if ids.dim() not in (1, 2):
             raise UsageError(f"{what} must be [T] or [1, T], got {list(ids.shape)}")
-        return ids.reshape(-1).tolist()
+        ids = ids.reshape(-1).tolist()
     ids = list(ids)
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise UsageError(f"{what} must be integer token ids")

@@ -10,6 +10,7 @@ built from the config the same way, with the config's digest among the fingerpri
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -125,9 +126,7 @@ class HFModel:
         if not isinstance(model, transformers.PreTrainedModel):
             raise UsageError(f"expected a transformers model (PreTrainedModel), got {type(model).__name__}")
         check_plain_kv(model.config)
-        folder = _folder_of(model)
-        name = folder.resolve().name if folder is not None else (str(model.name_or_path).split("/")[-1]
-                                                                  or type(model).__name__)
+        folder, name = _folder_and_name(model)
         identity, digest = model_identity(model.config, name, folder, architecture=type(model).__name__)
         return cls(model, identity, digest, folder, HFTokenizer(tokenizer) if tokenizer is not None else None)
 
@@ -210,22 +209,27 @@ def config_digest(config, architecture: str | None = None) -> str:
     doc = {k: v for k, v in config.to_dict().items() if k not in NOT_DIGESTED}
     if architecture is not None:  # a model made in memory has none until it is saved
         doc["architectures"] = [architecture]
-    return "sha256:" + hashlib.sha256(canonical_json(doc)).hexdigest()
+    try:
+        text = canonical_json(doc)
+    except (TypeError, ValueError):  # a value JSON does not hold (an infinity, an object): named by its repr
+        text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=repr).encode()
+    return "sha256:" + hashlib.sha256(text).hexdigest()
 
 
-def _folder_of(model) -> Path | None:
-    """The folder a model was loaded from: its path, or its Hub id in the local cache."""
+def _folder_and_name(model) -> tuple[Path | None, str]:
+    """The folder a model was loaded from (its path, or its Hub id in the local cache; None when
+    neither is known), and its name as kvtool's loader gives it (the folder's, or the Hub id's)."""
     where = str(getattr(model, "name_or_path", "") or "")
-    if not where:
-        return None
-    if Path(where).expanduser().is_dir():
-        return Path(where).expanduser()
+    if where and Path(where).expanduser().is_dir():
+        folder = Path(where).expanduser()
+        return folder, folder.resolve().name
+    name = where.split("/")[-1] or type(model).__name__
     if HUB_ID.fullmatch(where):
         try:
-            return hub_cache_folder(where)
+            return hub_cache_folder(where), name
         except ModelError:  # not in the local cache: no folder, no weights digest
-            return None
-    return None
+            pass
+    return None, name
 
 
 # --- what kvtool can hold -----------------------------------------------------------------------
