@@ -45,7 +45,7 @@ def save_tiny_model(folder: Path, kind: str, seed: int = 0, **config) -> Path:
                   num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
                   pad_token_id=None, **config)
     make = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-            "mistral": transformers.MistralConfig}[kind]
+            "mistral": transformers.MistralConfig, "gemma2": transformers.Gemma2Config}[kind]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(make(**common))
     with torch.no_grad():  # biases too (they start at zero), so Qwen2's q/k/v biases matter
@@ -313,6 +313,21 @@ def test_a_capture_longer_than_the_sliding_window_is_refused(tmp_path, capsys):
     model = load(folder)
     with pytest.raises(UnsupportedCache, match="sliding-window layer that kept the last 7 of 12 tokens"):
         kvtool.hf.from_cache(prefilled(model, list(range(12))), list(range(12)), tmp_path / "x.kvc", model)
+
+
+def test_sliding_window_layers_take_a_longer_file_as_transformers_keeps_them(tmp_path):
+    """Gemma 2 alternates sliding (window 16) and global layers. kvtool's engine keeps every token
+    of a longer prompt; loaded into transformers' cache, each sliding layer keeps what its window
+    needs (its own `update`), and generate continues as it does from the whole prompt."""
+    folder = save_tiny_model(tmp_path / "gemma2", "gemma2", sliding_window=16, head_dim=16)
+    model = load(folder)
+    ids = prompt_ids(folder)
+    kvtool.capture_prompt(tmp_path / "g.kvc", prompt=PROMPT, model=folder, kv_dtype="fp32", chunk_size=16,
+                          device="cpu")
+    cache, input_ids = kvtool.hf.to_cache(tmp_path / "g.kvc", model)
+    assert [layer.keys.shape[2] for layer in cache.layers] == [15, len(ids) - 1]
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    assert out[0, len(ids):].tolist() == greedy_reference(model, ids, 8)
 
 
 def test_a_model_without_plain_kv_is_refused_by_the_command_before_its_weights_load(tmp_path, capsys):

@@ -2,8 +2,9 @@
 of its config, the digest of its weights), its tokenizer, and whether its KV cache is one kvtool can
 hold (plain K and V of every token, per layer).
 
-The identity is kvtool's own engine's for the architectures that engine runs (Llama, Mistral,
-Qwen2): a file captured by either engine loads into the other. For any other architecture it is
+The identity is kvtool's own engine's for the architectures that engine runs (`engine.families`:
+Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2): a file captured by either engine loads into the
+other. For any other architecture it is
 built from the config the same way, with the config's digest among the fingerprinted facts.
 """
 
@@ -21,8 +22,9 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from ...engine.families import rope_from_hf
 from ...engine.loader import (HUB_ID, SUPPORTED_ARCHITECTURES, config_from_hf, hub_cache_folder, identity_from_config,
-                              model_folder, weights_files, _rope_from_hf)
+                              model_folder, weights_files)
 from ...engine.weights_digest import weights_digest
 from ...errors import ModelError, UnsupportedCache, UsageError
 from ...format import layout
@@ -186,7 +188,7 @@ def model_identity(config, name: str, folder: Path | None, *, architecture: str)
         except ModelError:  # a variant kvtool's engine does not run (another activation, biases)
             pass
     heads = int(text.num_attention_heads)
-    theta, scaling = _rope_from_hf(as_dict)
+    theta, scaling = rope_from_hf(as_dict)
     identity = ModelIdentity(
         name=name, architecture=arch, num_layers=int(text.num_hidden_layers), num_attention_heads=heads,
         num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
