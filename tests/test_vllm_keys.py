@@ -213,3 +213,119 @@ def test_vllms_cpu_pages_read_back_as_kvtool_reads_them(dtype):
     from kvtool.integrations.vllm.layout import check_cpu_pages
 
     check_cpu_pages(EngineBlocks([torch.zeros(4, 2, 32, 128, dtype=dtype)], 32, "vllm_cpu"))
+
+
+# --- a sliding-window model: the blocks vLLM does not keep ------------------------------------
+
+BLOCK, WINDOW_CHUNK = 128, 256  # vLLM's CPU block size; the connector's default chunk
+
+
+def test_kept_from_starts_past_the_last_null_block():
+    from kvtool.integrations.vllm.scheduler import NULL_BLOCK, kept_from
+
+    assert NULL_BLOCK == 0  # vLLM 0.32's null block (block_pool.py): never a request's own block
+    assert kept_from([5, 6, 7, 8, 9, 10, 11], 0, 768, BLOCK) == 0  # full attention: every block kept
+    assert kept_from([0, 0, 0, 0, 9, 10, 11], 0, 768, BLOCK) == 512  # a window's leading null blocks
+    assert kept_from([0, 0, 0, 0, 9, 10, 11], 256, 768, BLOCK) == 512
+    assert kept_from([0, 0, 0, 0, 9, 10, 11], 640, 768, BLOCK) == 640  # none null in the range
+    assert kept_from([0, 0, 0, 0, 0, 0, 11], 0, 768, BLOCK) == 768  # nothing kept up to 768
+    assert kept_from([0, 0, 7], 0, 300, BLOCK) == 256
+
+
+def tiny_model_folder(folder) -> str:
+    """A folder kvtool reads a model identity from (its config and a weights file): the connector
+    names chunks by it; nothing here runs the model."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096}))
+    save_file({"weights": torch.zeros(4)}, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def scheduler_side(tmp_path, kv_cache_config=None):
+    from types import SimpleNamespace
+
+    from kvtool.integrations.vllm.config import ConnectorConfig
+    from kvtool.integrations.vllm.scheduler import SchedulerSide
+
+    config = ConnectorConfig(store_url=str(tmp_path / "store"), codec="raw", chunk_size=WINDOW_CHUNK,
+                             block_size=BLOCK, save_generated=False, namespace="", lookup_wait_s=0.05)
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=tiny_model_folder(tmp_path / "tiny")))
+    return SchedulerSide(config, vllm_config, kv_cache_config)
+
+
+def first_step(req_id: str, blocks: list[int], computed: int, scheduled: int):
+    """vLLM's SchedulerOutput for a request's first step, the fields the connector reads."""
+    from types import SimpleNamespace
+
+    new = SimpleNamespace(req_id=req_id, block_ids=(blocks,), num_computed_tokens=computed)
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={req_id: scheduled}, finished_req_ids=set())
+
+
+def matched(side, req, computed: int) -> int:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        answer, _ = side.matched_tokens(req, computed)
+        if answer is not None:
+            return answer
+    raise AssertionError("the lookup did not answer")
+
+
+def test_a_sliding_window_request_loads_and_saves_only_the_blocks_vllm_keeps(tmp_path):
+    """vLLM gives a sliding-window layer's blocks before its window as the null block (id 0): a store
+    hit of 768 tokens with a window of 256 has blocks 0-3 null. The connector loads tokens 512..768
+    only (into 0 they would be refused: the same slot again and again, and the load failed), and
+    never saves a chunk with a null block (it would store block 0's contents as the chunk's KV)."""
+    from kvtool.engine.loader import model_identity
+
+    side = scheduler_side(tmp_path)
+    tokens = list(range(1, 854))  # 853 tokens: 3 whole chunks, vLLM computes the last token
+    identity = model_identity(tmp_path / "tiny")
+    with open_store(str(tmp_path / "store")) as store:
+        kv = torch.randn(2, identity.num_layers, 3 * WINDOW_CHUNK, identity.num_kv_heads * identity.head_dim)
+        store.for_model(identity, WINDOW_CHUNK).put_sequence(tokens[:3 * WINDOW_CHUNK], kv)
+
+    full, sliding = request("full", tokens), request("sliding", tokens)
+    for req in (full, sliding):
+        assert matched(side, req, 0) == 3 * WINDOW_CHUNK
+        side.allocated(req, 3 * WINDOW_CHUNK)
+    meta = side.build_meta(first_step("full", [5, 6, 7, 8, 9, 10, 11], 0, 85))
+    assert [(load.start, load.end) for load in meta.loads] == [(0, 768)] and not meta.saves
+    meta = side.build_meta(first_step("sliding", [0, 0, 0, 0, 9, 10, 11], 0, 85))
+    assert [(load.start, load.end) for load in meta.loads] == [(512, 768)] and not meta.saves
+
+    # vLLM's own prefix cache held 512 tokens of another prompt, only its window's blocks kept: the
+    # chunk [256, 512) has a null block, so the first chunk saved is [512, 768)
+    other = request("other", list(range(2000, 2853)))
+    assert matched(side, other, 512) == 0
+    side.allocated(other, 0)
+    meta = side.build_meta(first_step("other", [0, 0, 0, 4, 5, 6, 7], 512, 341))
+    assert not meta.loads and [(save.start, save.end) for save in meta.saves] == [(512, 768)]
+    side.shutdown()
+
+
+def test_a_sliding_window_shorter_than_a_chunk_is_refused_at_start(tmp_path):
+    """vLLM frees a sliding layer's blocks before its window while a request runs: with a window
+    shorter than a chunk, the start of a chunk could be freed (and reused) before the chunk is
+    saved. vLLM does not start, told which chunk size would do."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    def groups(spec):
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+
+    spec = dict(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="chunk_size 256 is longer than the model's sliding window of 128 tokens"):
+        scheduler_side(tmp_path, groups(SlidingWindowSpec(**spec, sliding_window=128)))
+    scheduler_side(tmp_path, groups(SlidingWindowSpec(**spec, sliding_window=256))).shutdown()  # a whole chunk
+    # vLLM keeps every block of a model whose sliding layers it runs as full ones (its hybrid manager off)
+    scheduler_side(tmp_path, groups(FullAttentionSpec(**spec, sliding_window=128))).shutdown()

@@ -25,7 +25,7 @@ class KVToolConnector(KVConnectorBase_V1):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(config, vllm_config)
+            self.scheduler_side = SchedulerSide(config, vllm_config, kv_cache_config)
         else:
             self.worker_side = WorkerSide(config, self._vllm_config)
 

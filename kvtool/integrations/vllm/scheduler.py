@@ -19,6 +19,35 @@ from .stats import KVToolConnectorStats, StatsRecorder
 
 log = logging.getLogger("vllm.kvtool")  # under vLLM's logger: its handler and format
 
+#: The id vLLM gives a block it does not keep (vllm/v1/core/block_pool.py, the null block): a
+#: sliding-window layer's blocks before its window, once vLLM no longer needs them.
+NULL_BLOCK = 0
+
+
+def kept_from(blocks: list[int], start: int, end: int, block_size: int) -> int:
+    """The first token of [start, end) from which vLLM keeps every block up to `end`: just past the
+    last null block in that range (`end` when that is the range's last block; `start` when none is
+    null). A sliding-window model's tokens before the window have no blocks to load into or read."""
+    first, last = start // block_size, (end - 1) // block_size
+    for i in range(min(last, len(blocks) - 1), first - 1, -1):
+        if blocks[i] == NULL_BLOCK:
+            return min(end, (i + 1) * block_size)
+    return start
+
+
+def check_sliding_windows(kv_cache_config, chunk_size: int) -> None:
+    """A chunk is read from vLLM's blocks in the step that completes it; vLLM frees a sliding
+    layer's blocks before its window as the request goes on, so a window shorter than a chunk could
+    free the start of a chunk before the chunk is saved (a chunked prefill). Refused at start."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec) and spec.sliding_window < chunk_size:
+            raise ValueError(f"KVToolConnector: chunk_size {chunk_size} is longer than the model's sliding window "
+                             f"of {spec.sliding_window} tokens (vLLM frees blocks outside it): use a chunk_size of "
+                             f"at most {spec.sliding_window}, a multiple of vLLM's block size")
+
 
 @dataclass(frozen=True)
 class LookupResult:
@@ -53,7 +82,8 @@ class RequestState:
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, vllm_config):
+    def __init__(self, config: ConnectorConfig, vllm_config, kv_cache_config=None):
+        check_sliding_windows(kv_cache_config, config.chunk_size)
         self.config = config
         self.caches = StoreCaches(config, vllm_config.model_config.model)
         self.stats = StatsRecorder()
@@ -153,8 +183,13 @@ class SchedulerSide:
         if state.load is None:
             return
         start, end = state.load.start, state.load.end
-        meta.loads.append(LoadSpec(req_id, state.tokens[:end], list(state.blocks), start, end,
-                                   keys_up_to(state.keys, end)))
+        kept = kept_from(state.blocks, start, end, self.config.block_size)
+        if kept > start:  # vLLM's blocks before its sliding window are null: nothing to load there
+            log.info("kvtool: request %s: tokens %d..%d are before vLLM's sliding window: not loaded", req_id,
+                     start, kept)
+        if kept < end:
+            meta.loads.append(LoadSpec(req_id, state.tokens[:end], list(state.blocks), kept, end,
+                                       keys_up_to(state.keys, end)))
         state.saved = max(state.saved, end // self.config.chunk_size * self.config.chunk_size)  # stored already
         state.load = None
 
@@ -164,10 +199,13 @@ class SchedulerSide:
         tokens = state.tokens
         if self.config.save_generated and state.keys.prompt_embeds is None:
             tokens = state.request.all_token_ids
-        end = min(computed, len(tokens)) // self.config.chunk_size * self.config.chunk_size
-        if end > state.saved:
-            meta.saves.append(SaveSpec(req_id, list(tokens[:end]), list(state.blocks), state.saved, end,
-                                       keys_up_to(state.keys, end)))
+        chunk = self.config.chunk_size
+        end = min(computed, len(tokens)) // chunk * chunk
+        if end > state.saved:  # from the first whole chunk all of whose blocks vLLM keeps (a sliding window's)
+            start = -(-kept_from(state.blocks, state.saved, end, self.config.block_size) // chunk) * chunk
+            if start < end:
+                meta.saves.append(SaveSpec(req_id, list(tokens[:end]), list(state.blocks), start, end,
+                                           keys_up_to(state.keys, end)))
             state.saved = end
 
     # --- the end of a request, of the engine ----------------------------------------------
