@@ -388,3 +388,37 @@ def test_what_the_engine_does_not_run_is_refused_in_one_line():
     assert "sliding layers" in local
     assert "layer_types" in _refused("gemma2", layer_types=["sliding_attention"])
 
+
+
+# --- transformers: a kvtool file continues in transformers' generate; transformers' own capture ---
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_kvtool_file_continues_in_transformers_generate(built, kind, tmp_path):
+    """The README's family table, `--engine hf` column: a file of kvtool's engine becomes a
+    transformers cache (kvtool.hf.to_cache) that `generate` continues as transformers' own run."""
+    import kvtool.hf
+
+    b = built(kind)
+    path = tmp_path / f"{kind}.kvc"
+    kvtool.capture(b.model, b.ids, path, codec="raw", chunk_size=16, kv_dtype=torch.float32)
+    folder_model = transformers.AutoModelForCausalLM.from_pretrained(b.model.path, attn_implementation="eager").float()
+    cache, input_ids = kvtool.hf.to_cache(path, folder_model)
+    with torch.inference_mode():
+        out = folder_model.generate(input_ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False, num_beams=1,
+                                    pad_token_id=0, eos_token_id=VOCAB - 1)
+    assert out[0, len(b.ids):].tolist() == _hf_greedy(b)
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k in ("llama", "qwen2", "olmo2")])
+def test_transformers_captures_what_kvtools_engine_captures(built, kind, tmp_path):
+    """`capture --engine hf` on the families whose cache keeps every token here (no sliding layer):
+    the same model identity and the same KV within 1e-5 as kvtool's engine."""
+    b = built(kind)
+    ours, theirs = tmp_path / "ours.kvc", tmp_path / "hf.kvc"
+    kvtool.capture(b.model, b.ids, ours, codec="raw", chunk_size=16, kv_dtype=torch.float32)
+    folder_model = transformers.AutoModelForCausalLM.from_pretrained(b.model.path, attn_implementation="eager").float()
+    kvtool.capture(folder_model, b.ids, theirs, codec="raw", chunk_size=16, kv_dtype=torch.float32)
+    with kvtool.open(ours) as a, kvtool.open(theirs) as h:
+        assert a.model == h.model
+        _assert_within(h.read_range(0, PROMPT), a.read_range(0, PROMPT), 1e-5, f"{kind}: hf capture")
