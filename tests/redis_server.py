@@ -27,12 +27,13 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, *, maxmemory: str | None = None, policy: str = "allkeys-lru", port: int | None = None):
+    def __init__(self, *, maxmemory: str | None = None, policy: str = "allkeys-lru", port: int | None = None,
+                 extra: tuple[str, ...] = ()):
         self.binary = redis_server_path()
         if self.binary is None:
             raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
         self.port = port or free_port()
-        self.maxmemory, self.policy = maxmemory, policy
+        self.maxmemory, self.policy, self.extra = maxmemory, policy, tuple(extra)  # (more server arguments)
         self.dir = tempfile.mkdtemp(prefix="kvtool-redis-")
         self.proc: subprocess.Popen | None = None
 
@@ -46,13 +47,14 @@ class RedisServer:
                 "--proto-max-bulk-len", "1gb", "--loglevel", "warning"]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy]
+        args += list(self.extra)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # (answering: a password is asked)
                         return self
             except OSError:
                 pass

@@ -440,3 +440,29 @@ def test_a_redis_password_never_appears_in_messages(capsys):
     assert "s3cret" not in redacted("redis://:s3cret@host:notaport/0")
     code, out, err = call(capsys, "store", "stats", "--store", "redis://:s3cret@127.0.0.1:1/0", "--json")
     assert code != 0 and "s3cret" not in out + err and "***@127.0.0.1:1/0" in out + err
+
+
+def test_a_wrong_redis_password_or_an_acl_refusal_is_said_as_such(capsys, tmp_path):
+    """A Redis server that answers and refuses the user name or password is not "unreachable", and
+    is not retried as a lost server is; nor is a user whose ACL keys do not include kvtool's. The
+    password never appears."""
+    import time
+
+    from redis_server import RedisServer
+
+    users = ("--user", "default", "off", "--user", "kv", "on", ">s3cret-pw", "~kvtool:*", "+@all",
+             "--user", "other", "on", ">0ther-pw", "~someone-else:*", "+@all")
+    with RedisServer(extra=users) as server:
+        url = "redis://{}@127.0.0.1:%d/0" % server.port
+        code, out, err = call(capsys, "store", "stats", "--store", url.format("kv:s3cret-pw"), "--json")
+        assert code == 0, err
+        began = time.monotonic()
+        code, out, err = call(capsys, "store", "stats", "--store", url.format("kv:wrong-pw"))
+        assert code != 0 and "refused the user name or password" in err and "cannot be reached" not in err
+        assert time.monotonic() - began < 3  # (a lost server is retried for ~5 s)
+        assert "wrong-pw" not in out + err and len(err.strip().splitlines()) == 1
+        kv = write_kv_file(tmp_path / "a.kvc", identity=make_identity(), num_tokens=16, chunk_size=4).path
+        code, out, err = call(capsys, "store", "put", kv, "--store", url.format("other:0ther-pw"))
+        assert code != 0 and "may not do this" in err and "0ther-pw" not in out + err, err
+        code, out, err = call(capsys, "store", "put", kv, "--store", url.format("kv:s3cret-pw"))
+        assert code == 0, err

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from ..errors import ObjectRefused, StoreError, StoreUnavailable, UsageError
+from ..errors import ObjectRefused, StoreAccessDenied, StoreError, StoreUnavailable, UsageError
 from .backend import Backend, ObjectInfo
 
 KEY_PREFIX = "kvtool:1:"
@@ -36,6 +36,19 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def _retry_but_not_refusals(retry_class):
+    """redis-py's Retry, except that a refused user name or password (an AuthenticationError,
+    which redis-py counts as a lost connection) is not tried again: it would not change."""
+    from redis.exceptions import AuthenticationError
+
+    class RetryButNotRefusals(retry_class):
+        def call_with_retry(self, do, fail, is_retryable=None, *args, **kwargs):
+            def retryable(error):
+                return not isinstance(error, AuthenticationError) and (is_retryable is None or is_retryable(error))
+            return super().call_with_retry(do, fail, retryable, *args, **kwargs)
+    return RetryButNotRefusals
+
+
 class RedisBackend(Backend):
     def __init__(self, url: str, *, retry_seconds: float = RETRY_SECONDS):
         try:
@@ -52,7 +65,7 @@ class RedisBackend(Backend):
         try:
             self.client = redis.Redis.from_url(
                 url, socket_connect_timeout=1.0, socket_timeout=5.0,
-                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+                retry=_retry_but_not_refusals(Retry)(ExponentialBackoff(cap=0.5, base=0.05), retries),
                 retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError])
         except ValueError as err:
             raise StoreError(f"{self.url}: not a Redis URL ({err})") from None
@@ -64,6 +77,11 @@ class RedisBackend(Backend):
         """Redis' exceptions become one line naming the server."""
         try:
             yield
+        except self._errors.AuthenticationError as err:  # (a ConnectionError to redis-py: not one to us)
+            raise StoreAccessDenied(f"{self.url}: the Redis server refused the user name or password "
+                                    f"({_first_line(err)})") from None
+        except self._errors.NoPermissionError as err:
+            raise StoreAccessDenied(f"{self.url}: the Redis user may not do this (ACL: {_first_line(err)})") from None
         except (self._errors.ConnectionError, self._errors.TimeoutError) as err:
             raise StoreUnavailable(f"{self.url}: the Redis server cannot be reached ({_first_line(err)})") from None
         except self._errors.RedisError as err:
