@@ -466,3 +466,28 @@ def test_a_wrong_redis_password_or_an_acl_refusal_is_said_as_such(capsys, tmp_pa
         assert code != 0 and "may not do this" in err and "0ther-pw" not in out + err, err
         code, out, err = call(capsys, "store", "put", kv, "--store", url.format("kv:s3cret-pw"))
         assert code == 0, err
+
+
+def test_a_redis_password_can_stay_out_of_the_url(capsys, tmp_path, monkeypatch):
+    """From KVTOOL_REDIS_PASSWORD, or the file the URL's password_file names; a password in the URL
+    wins. None of them is ever shown."""
+    from redis_server import RedisServer
+
+    users = ("--user", "default", "off", "--user", "kv", "on", ">s3cret-pw", "~kvtool:*", "+@all")
+    secret = tmp_path / "redis-password"
+    secret.write_text("s3cret-pw\n")
+    with RedisServer(extra=users) as server:
+        at = f"redis://kv@127.0.0.1:{server.port}/0"
+        monkeypatch.delenv("KVTOOL_REDIS_PASSWORD", raising=False)
+        code, out, err = call(capsys, "store", "stats", "--store", at)
+        assert code != 0 and "refused the user name or password" in err
+        code, out, err = call(capsys, "store", "stats", "--store", f"{at}?password_file={secret}", "--json")
+        assert code == 0 and "s3cret" not in out + err, err
+        monkeypatch.setenv("KVTOOL_REDIS_PASSWORD", "s3cret-pw")
+        code, out, err = call(capsys, "store", "stats", "--store", at, "--json")
+        assert code == 0 and "s3cret" not in out + err, err
+        monkeypatch.setenv("KVTOOL_REDIS_PASSWORD", "wrong-pw")  # the URL's own wins
+        code, out, err = call(capsys, "store", "stats", "--store", f"redis://kv:s3cret-pw@127.0.0.1:{server.port}/0")
+        assert code == 0, err
+        code, out, err = call(capsys, "store", "stats", "--store", f"{at}?password_file={tmp_path / 'missing'}")
+        assert code != 0 and "cannot read its password_file" in err and len(err.strip().splitlines()) == 1
