@@ -491,3 +491,15 @@ def test_a_redis_password_can_stay_out_of_the_url(capsys, tmp_path, monkeypatch)
         assert code == 0, err
         code, out, err = call(capsys, "store", "stats", "--store", f"{at}?password_file={tmp_path / 'missing'}")
         assert code != 0 and "cannot read its password_file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_tls_only_redis_with_client_certificates(capsys, redis_tls_server):
+    """rediss:// with the CA, a client certificate and an ACL user works, and shows no password;
+    the same server without the client certificate is one line, never a traceback."""
+    url = redis_tls_server.url.replace("rediss://", "rediss://kv:tls-s3cret@", 1)
+    code, out, err = call(capsys, "store", "stats", "--store", url, "--json")
+    assert code == 0 and "tls-s3cret" not in out + err and "***@127.0.0.1" in out, err
+    bare = url.split("&ssl_certfile=")[0]  # the CA only: the server asks for a client certificate
+    code, out, err = call(capsys, "store", "stats", "--store", bare)
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "tls-s3cret" not in out + err
