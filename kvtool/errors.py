@@ -230,6 +230,11 @@ class StoreUnavailable(StoreError):
     """The store's server cannot be reached, or went away and did not come back in time."""
 
 
+class StoreAccessDenied(StoreError):
+    """The store's server answered and refused us: a wrong user name or password, or an ACL that
+    does not let this user run the command or touch the key (never retried: it would not change)."""
+
+
 class NotCached(StoreError):
     """Nothing the store holds covers the request (e.g. `store get` of a prompt never stored)."""
 

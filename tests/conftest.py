@@ -132,6 +132,37 @@ def redis_server():
     server.close()
 
 
+@pytest.fixture(scope="session")
+def redis_tls_server(redis_server, tmp_path_factory):
+    """A TLS-only redis-server (certificates made by openssl for the session, client certificates
+    asked for) with an ACL user `kv` and no default user: the store's URL carries the user, its
+    password and redis-py's TLS arguments. Skipped or failed as `redis_server` is."""
+    import shutil as _shutil
+
+    from redis_server import RedisServer, TlsFiles
+
+    if _shutil.which("openssl") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("openssl is not installed")
+        pytest.skip("openssl is not installed")
+    users = ("--user", "default", "off", "--user", "kv", "on", ">tls-s3cret", "~kvtool:*", "+@all")
+    server = RedisServer(tls=TlsFiles(tmp_path_factory.mktemp("tls")), extra=users).start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def rediss_url(redis_tls_server):
+    """The session's TLS Redis as its ACL user, emptied for this test."""
+    import redis
+
+    url = redis_tls_server.url.replace("rediss://", "rediss://kv:tls-s3cret@", 1)
+    client = redis.Redis.from_url(url)
+    client.flushall()
+    client.close()
+    return url
+
+
 @pytest.fixture
 def redis_url(redis_server):
     """The session's Redis, emptied for this test."""

@@ -440,3 +440,66 @@ def test_a_redis_password_never_appears_in_messages(capsys):
     assert "s3cret" not in redacted("redis://:s3cret@host:notaport/0")
     code, out, err = call(capsys, "store", "stats", "--store", "redis://:s3cret@127.0.0.1:1/0", "--json")
     assert code != 0 and "s3cret" not in out + err and "***@127.0.0.1:1/0" in out + err
+
+
+def test_a_wrong_redis_password_or_an_acl_refusal_is_said_as_such(capsys, tmp_path):
+    """A Redis server that answers and refuses the user name or password is not "unreachable", and
+    is not retried as a lost server is; nor is a user whose ACL keys do not include kvtool's. The
+    password never appears."""
+    import time
+
+    from redis_server import RedisServer
+
+    users = ("--user", "default", "off", "--user", "kv", "on", ">s3cret-pw", "~kvtool:*", "+@all",
+             "--user", "other", "on", ">0ther-pw", "~someone-else:*", "+@all")
+    with RedisServer(extra=users) as server:
+        url = "redis://{}@127.0.0.1:%d/0" % server.port
+        code, out, err = call(capsys, "store", "stats", "--store", url.format("kv:s3cret-pw"), "--json")
+        assert code == 0, err
+        began = time.monotonic()
+        code, out, err = call(capsys, "store", "stats", "--store", url.format("kv:wrong-pw"))
+        assert code != 0 and "refused the user name or password" in err and "cannot be reached" not in err
+        assert time.monotonic() - began < 3  # (a lost server is retried for ~5 s)
+        assert "wrong-pw" not in out + err and len(err.strip().splitlines()) == 1
+        kv = write_kv_file(tmp_path / "a.kvc", identity=make_identity(), num_tokens=16, chunk_size=4).path
+        code, out, err = call(capsys, "store", "put", kv, "--store", url.format("other:0ther-pw"))
+        assert code != 0 and "may not do this" in err and "0ther-pw" not in out + err, err
+        code, out, err = call(capsys, "store", "put", kv, "--store", url.format("kv:s3cret-pw"))
+        assert code == 0, err
+
+
+def test_a_redis_password_can_stay_out_of_the_url(capsys, tmp_path, monkeypatch):
+    """From KVTOOL_REDIS_PASSWORD, or the file the URL's password_file names; a password in the URL
+    wins. None of them is ever shown."""
+    from redis_server import RedisServer
+
+    users = ("--user", "default", "off", "--user", "kv", "on", ">s3cret-pw", "~kvtool:*", "+@all")
+    secret = tmp_path / "redis-password"
+    secret.write_text("s3cret-pw\n")
+    with RedisServer(extra=users) as server:
+        at = f"redis://kv@127.0.0.1:{server.port}/0"
+        monkeypatch.delenv("KVTOOL_REDIS_PASSWORD", raising=False)
+        code, out, err = call(capsys, "store", "stats", "--store", at)
+        assert code != 0 and "refused the user name or password" in err
+        code, out, err = call(capsys, "store", "stats", "--store", f"{at}?password_file={secret}", "--json")
+        assert code == 0 and "s3cret" not in out + err, err
+        monkeypatch.setenv("KVTOOL_REDIS_PASSWORD", "s3cret-pw")
+        code, out, err = call(capsys, "store", "stats", "--store", at, "--json")
+        assert code == 0 and "s3cret" not in out + err, err
+        monkeypatch.setenv("KVTOOL_REDIS_PASSWORD", "wrong-pw")  # the URL's own wins
+        code, out, err = call(capsys, "store", "stats", "--store", f"redis://kv:s3cret-pw@127.0.0.1:{server.port}/0")
+        assert code == 0, err
+        code, out, err = call(capsys, "store", "stats", "--store", f"{at}?password_file={tmp_path / 'missing'}")
+        assert code != 0 and "cannot read its password_file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_tls_only_redis_with_client_certificates(capsys, redis_tls_server):
+    """rediss:// with the CA, a client certificate and an ACL user works, and shows no password;
+    the same server without the client certificate is one line, never a traceback."""
+    url = redis_tls_server.url.replace("rediss://", "rediss://kv:tls-s3cret@", 1)
+    code, out, err = call(capsys, "store", "stats", "--store", url, "--json")
+    assert code == 0 and "tls-s3cret" not in out + err and "***@127.0.0.1" in out, err
+    bare = url.split("&ssl_certfile=")[0]  # the CA only: the server asks for a client certificate
+    code, out, err = call(capsys, "store", "stats", "--store", bare)
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "tls-s3cret" not in out + err

@@ -49,7 +49,7 @@ from fixtures import (
 
 CHUNK = 4
 IDENTITY = make_identity(num_layers=2, num_kv_heads=2, head_dim=8)
-BACKENDS = ["local", "redis", "memory", "tiered-local", "tiered-redis"]
+BACKENDS = ["local", "redis", "rediss", "memory", "tiered-local", "tiered-redis"]  # rediss: TLS only, an ACL user
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -58,7 +58,9 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def open_kind(kind: str, request, tmp_path, **kw) -> ChunkStore:
-    if "redis" in kind:
+    if kind == "rediss":
+        url = request.getfixturevalue("rediss_url")
+    elif "redis" in kind:
         url = request.getfixturevalue("redis_url")
     elif "local" in kind:
         url = str(tmp_path / "store")

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from ..errors import ObjectRefused, StoreError, StoreUnavailable, UsageError
+from ..errors import ObjectRefused, StoreAccessDenied, StoreError, StoreUnavailable, UsageError
 from .backend import Backend, ObjectInfo
 
 KEY_PREFIX = "kvtool:1:"
@@ -36,6 +36,53 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+#: Where a password kept out of the store's URL comes from: this environment variable, or the file
+#: named by the URL's `password_file` query argument (its first line). A password in the URL wins.
+PASSWORD_VARIABLE = "KVTOOL_REDIS_PASSWORD"
+
+
+def _password_outside(url: str, shown: str) -> tuple[str, str | None]:
+    """`url` without a `password_file` argument, and the password kept outside it (None: the URL's
+    own, or none). Errors name the store as `shown` (redacted) and never hold the password."""
+    import os
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    files = [value for key, value in query if key == "password_file"]
+    if files:
+        url = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "password_file"])))
+    try:
+        has_own = parts.password is not None
+    except ValueError:
+        has_own = False
+    if has_own:
+        return url, None
+    if files:
+        try:
+            with open(files[-1], encoding="utf-8") as f:
+                first = f.readline().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as err:
+            raise StoreError(f"{shown}: cannot read its password_file ({getattr(err, 'strerror', None) or err})") from None
+        if not first:
+            raise StoreError(f"{shown}: its password_file is empty")
+        return url, first
+    return url, os.environ.get(PASSWORD_VARIABLE) or None
+
+
+def _retry_but_not_refusals(retry_class):
+    """redis-py's Retry, except that a refused user name or password (an AuthenticationError,
+    which redis-py counts as a lost connection) is not tried again: it would not change."""
+    from redis.exceptions import AuthenticationError
+
+    class RetryButNotRefusals(retry_class):
+        def call_with_retry(self, do, fail, is_retryable=None, *args, **kwargs):
+            def retryable(error):
+                return not isinstance(error, AuthenticationError) and (is_retryable is None or is_retryable(error))
+            return super().call_with_retry(do, fail, retryable, *args, **kwargs)
+    return RetryButNotRefusals
+
+
 class RedisBackend(Backend):
     def __init__(self, url: str, *, retry_seconds: float = RETRY_SECONDS):
         try:
@@ -49,10 +96,11 @@ class RedisBackend(Backend):
         # redis-py waits 0.1, 0.2, 0.4, then 0.5 s between tries: about `retry_seconds` of waiting
         # for a refused connection, plus up to 1 s per try for a host that does not answer
         retries = max(1, int((retry_seconds - 0.7) / 0.5) + 3)
+        url, password = _password_outside(url, self.url)
         try:
             self.client = redis.Redis.from_url(
-                url, socket_connect_timeout=1.0, socket_timeout=5.0,
-                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+                url, socket_connect_timeout=1.0, socket_timeout=5.0, **({"password": password} if password else {}),
+                retry=_retry_but_not_refusals(Retry)(ExponentialBackoff(cap=0.5, base=0.05), retries),
                 retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError])
         except ValueError as err:
             raise StoreError(f"{self.url}: not a Redis URL ({err})") from None
@@ -64,6 +112,11 @@ class RedisBackend(Backend):
         """Redis' exceptions become one line naming the server."""
         try:
             yield
+        except self._errors.AuthenticationError as err:  # (a ConnectionError to redis-py: not one to us)
+            raise StoreAccessDenied(f"{self.url}: the Redis server refused the user name or password "
+                                    f"({_first_line(err)})") from None
+        except self._errors.NoPermissionError as err:
+            raise StoreAccessDenied(f"{self.url}: the Redis user may not do this (ACL: {_first_line(err)})") from None
         except (self._errors.ConnectionError, self._errors.TimeoutError) as err:
             raise StoreUnavailable(f"{self.url}: the Redis server cannot be reached ({_first_line(err)})") from None
         except self._errors.RedisError as err:
