@@ -7,6 +7,7 @@ full recompute.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -625,6 +626,13 @@ def test_a_hub_id_resolves_from_the_local_hugging_face_cache(tmp_path, default_m
     assert json.loads(out.stdout)["model"] == "tiny-chat"
     with ContainerReader(tmp_path / "h.kvc") as reader:
         assert reader.fingerprint == default_model.identity.fingerprint()  # the same weights and config
+    if importlib.util.find_spec("transformers") is not None:  # the same Hub id, run by transformers
+        out = subprocess.run([*run_kvtool, "capture", "--model", "SomeOrg/tiny-chat", "--engine", "hf", "--prompt",
+                              "Hello there", "-o", str(tmp_path / "t.kvc"), "--device", "cpu", "--json"], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        with ContainerReader(tmp_path / "t.kvc") as reader:
+            assert reader.fingerprint == default_model.identity.fingerprint()
     out = subprocess.run([*run_kvtool, "capture", "--model", "SomeOrg/absent", "--prompt", "x", "-o",
                           str(tmp_path / "a.kvc")], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.count("\n") == 1
