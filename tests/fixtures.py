@@ -329,3 +329,15 @@ def raw_source(shape, dtype, *, data=None, fd: int = -1, offset: int = 0, crc: i
     return ChunkSource(what=what, codec="raw", dtype=dtype_name(dtype), shape=tuple(shape), length=length,
                        crc32c=crc, raw=True, decode=decode, data=None if data is None else memoryview(data).cast("B"),
                        fd=fd, offset=offset, mapped=mapped)
+
+
+def cli(capsys, *argv) -> tuple[int, "dict | str", str]:
+    """`kvtool ARGV...` in this process: (exit code, stdout (parsed when --json), stderr)."""
+    from kvtool.cli.app import run
+
+    capsys.readouterr()  # drop what earlier, uncaptured calls printed
+    code = run([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    if "--json" in argv and out.strip():
+        return code, json.loads(out), err
+    return code, out, err

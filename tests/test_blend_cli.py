@@ -6,9 +6,10 @@ exit code (and, with --json, `{"ok": false, "error": {...}}`), never a traceback
 
 from __future__ import annotations
 
-import json
 
 import pytest
+
+from fixtures import cli
 
 from kvtool.cli.app import run
 from kvtool.format import ContainerReader, ContainerWriter
@@ -22,13 +23,6 @@ DOCS = ["Alice lives in Paris. She works as a baker and her favourite colour is 
 QUESTION = "\nQuestion: What is Bob's favourite colour?\nAnswer:"
 
 
-def cli(capsys, *argv) -> tuple[int, dict | str, str]:
-    capsys.readouterr()
-    code = run([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    if "--json" in argv and out.strip():
-        return code, json.loads(out), err
-    return code, out, err
 
 
 def assert_one_line_error(code: int, out, err: str, want_code: int, error_type: str | None = None) -> str:

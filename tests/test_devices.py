@@ -10,7 +10,6 @@ decoded on the GPU against the CPU decoder bit for bit, and replay on the GPU.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from kvtool.devices import describe, resolve_device
 from kvtool.errors import UsageError
 from kvtool.format import ContainerReader
 
-from fixtures import kv_relative_error, write_kv_file
+from fixtures import cli, kv_relative_error, write_kv_file
 
 HAS_CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (GPU tests: scripts/gpu_check.sh)")
@@ -29,11 +28,6 @@ PROMPT = ("A paged KV cache keeps each sequence's keys and values in fixed-size 
           "requests sharing a prefix can share its blocks. ") * 4
 
 
-def cli(capsys, *argv):
-    capsys.readouterr()
-    code = run([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, (json.loads(out) if "--json" in argv and out.strip() else out), err
 
 
 # ---- parsing -----------------------------------------------------------------------------------

@@ -13,19 +13,19 @@ byte-level tokenizer and a chat template, and on the default model where it is c
 from __future__ import annotations
 
 import hashlib
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fixtures import cli
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 import kvtool  # noqa: E402
 import kvtool.hf  # noqa: E402
-from kvtool.cli.app import run  # noqa: E402
 from kvtool.errors import ModelMismatch, NotAPrefixCache, UnsupportedCache, UsageError  # noqa: E402
 from kvtool.format import ContainerReader, ContainerWriter  # noqa: E402
 from kvtool.format.segment import segment_extension  # noqa: E402
@@ -95,13 +95,6 @@ def prefilled(model, ids: list[int]):
         return model(torch.tensor([ids]), use_cache=True).past_key_values
 
 
-def cli(capsys, *argv) -> tuple[int, dict | str, str]:
-    capsys.readouterr()
-    code = run([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    if "--json" in argv and out.strip():
-        return code, json.loads(out), err
-    return code, out, err
 
 
 def one_line_error(err: str) -> str:

@@ -21,7 +21,7 @@ import torch
 from kvtool.cli.app import run
 from kvtool.format import ContainerReader, ContainerWriter
 
-from fixtures import kv_relative_error
+from fixtures import cli, kv_relative_error
 
 pytestmark = pytest.mark.model
 
@@ -32,13 +32,6 @@ PROMPT = (
 ) * 3
 
 
-def cli(capsys, *argv) -> tuple[int, dict | str, str]:
-    capsys.readouterr()  # drop what earlier, uncaptured calls printed
-    code = run(list(argv))
-    out, err = capsys.readouterr()
-    if "--json" in argv and out.strip():
-        return code, json.loads(out), err
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
