@@ -92,6 +92,9 @@ def parse_args(argv=None):
     ap.add_argument("--md", default=str(_HERE / "RD_RESULTS.md"), help="markdown output ('' = none)")
     ap.add_argument("--png", default=str(_HERE / "rd_curve.png"), help="plot output ('' = none)")
     ap.add_argument("--json", default="", help="also write per-window results as JSON")
+    ap.add_argument("--pca-calibration", default="",
+                    help="digest of a pca calibration object to use (default: learn one on the texts the "
+                         "benchmark does not take, and keep it in kvtool's calibration folder)")
     args = ap.parse_args(argv)
     if args.quick:
         args.per_kind, args.context, args.continuation, args.greedy = 1, 512, 32, 8
@@ -232,7 +235,9 @@ def codec_transform(name, params):
     def run(kv):
         params_ok = codec.validate_params(params)
         out, stored, blobs = [], 0, []
-        for c in chunks_of(kv):
+        for index, c in enumerate(chunks_of(kv)):
+            if getattr(codec, "needs_position", False):  # the chunk's first position, as the writer gives it
+                params_ok = dict(params_ok, position=index * CHUNK)
             payload, recorded = codec.encode(c, params_ok)
             stored += len(payload)
             blobs.append((payload, codec.name, recorded))
@@ -287,8 +292,35 @@ def kivi_transform(bits, group=32):
     return run
 
 
-def build_rows():
+PCA_ROWS = ("pca-99", "pca-97", "pca-95", "pca-89")
+
+
+def pca_calibration(model, args):
+    """The digest of the pca calibration object: --pca-calibration, or one learned now on one
+    window of each text source the benchmark does not take (saved in kvtool's calibration folder)."""
+    from kvtool.codecs.pca.calibration import default_dir, find
+    from kvtool.ops.calibrate import calibrate
+
+    if args.pca_calibration:
+        return find(args.pca_calibration).digest
+    ids = []
+    for kind in KINDS:
+        for source in SOURCES[kind][args.per_kind:]:
+            try:
+                ids += [w["context"] for w in make_windows(model.tokenizer, 1, [source], kind, 1024, 64, args.skip)]
+            except SystemExit:  # too short or missing on this machine
+                pass
+    cal = calibrate(model, ids).save(default_dir())
+    print(f"pca calibration learned on {len(ids)} windows the benchmark does not take: {cal.digest}", flush=True)
+    return cal.digest
+
+
+def build_rows(pca_digest=None):
+    from kvtool.codecs.pca import params_for
+
     cg = lambda bins: cachegen_params(bins=bins)  # noqa: E731
+    pca = [(f"pca-{q}", f"kvtool pca, quality {q} (step {params_for('0' * 64, q)['step']})",
+            codec_transform("pca", params_for(pca_digest, q))) for q in ("99", "97", "95", "89")] if pca_digest else []
     return [
         ("bf16", "reference: engine bf16 KV, raw codec", codec_transform("raw", {"version": 1})),
         ("fp16", "cast bf16->fp16->bf16", cast_transform(torch.float16, 16)),
@@ -304,7 +336,7 @@ def build_rows():
         ("kivi-4", "KIVI-style 4-bit (K per-channel/32 tok, V per-token/32 ch, fp16 scale+zero)",
          kivi_transform(4)),
         ("kivi-2", "KIVI-style 2-bit (same grouping)", kivi_transform(2)),
-    ]
+    ] + pca
 
 
 # --------------------------------------------------------------------------- engine helpers
@@ -356,7 +388,8 @@ def run(args):
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     model = load_model(None)
-    rows = build_rows()
+    wanted = set(args.rows.split(",")) if args.rows else None
+    rows = build_rows(pca_calibration(model, args) if wanted is None or wanted & set(PCA_ROWS) else None)
     if args.rows:
         keep = set(args.rows.split(","))
         unknown = keep - {r[0] for r in rows}

@@ -511,7 +511,7 @@ def test_zero_length_blob_shares_no_byte(tmp_path, raw_file):
 # --- codecs and dtypes ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("codec_id", [3, 99, 2**31 - 1])
+@pytest.mark.parametrize("codec_id", [4, 99, 2**31 - 1])
 def test_unknown_codec(tmp_path, raw_file, codec_id):
     def mutate(d):
         d["chunks"][1].update(codec="future", codec_id=codec_id)

@@ -763,7 +763,7 @@ def test_every_command_is_registered_and_listed_in_help(cli):
     from kvtool.cli.app import app
 
     names = [c.name for c in app.registered_commands]
-    assert names == ["capture", "compress", "inspect", "verify", "replay", "dump", "info"]
+    assert names == ["capture", "compress", "inspect", "verify", "replay", "dump", "info", "calibrate"]
     r = cli("--help")
     assert r.code == 0 and all(name in r.out for name in names)
 

@@ -16,7 +16,7 @@ import typer
 
 from ..errors import Interrupted, KvtoolError, OutOfMemory, OutputError, UsageError
 from ..version import __version__
-from . import capture, compress, dump, info, inspect, replay, store, verify
+from . import calibrate, capture, compress, dump, info, inspect, replay, store, verify
 from .output import emit
 
 app = typer.Typer(
@@ -27,7 +27,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 for _name, _module in (("capture", capture), ("compress", compress), ("inspect", inspect), ("verify", verify),
-                       ("replay", replay), ("dump", dump), ("info", info)):
+                       ("replay", replay), ("dump", dump), ("info", info), ("calibrate", calibrate)):
     app.command(_name)(_module.command)
 app.add_typer(store.app, name="store")
 

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from .options import (BinsOpt, CodecOpt, InputPath, JsonOpt, LevelOpt, NoShuffleOpt, OutputPath, ShuffleOpt,
-                      shuffle_choice)
+from .options import (BinsOpt, CalibrationOpt, CodecOpt, InputPath, JsonOpt, LevelOpt, NoShuffleOpt, OutputPath,
+                      QualityOpt, ShuffleOpt, shuffle_choice)
 from .output import emit, human_bytes, human_rate, plural, progress, renders
 
 if TYPE_CHECKING:
@@ -16,13 +16,13 @@ if TYPE_CHECKING:
 
 def command(path: InputPath, output: OutputPath, codec: CodecOpt = "zstd", level: LevelOpt = None,
             shuffle: ShuffleOpt = None, no_shuffle: NoShuffleOpt = False, bins: BinsOpt = None,
-            json: JsonOpt = False) -> None:
+            quality: QualityOpt = None, calibration: CalibrationOpt = None, json: JsonOpt = False) -> None:
     """Re-encode a KV file with another codec (streaming: one chunk in memory at a time)."""
     from ..ops.compress import compress
 
     with progress("compressing", "chunks", enabled=not json) as update:
         result = compress(path, output, codec, level=level, shuffle=shuffle_choice(shuffle, no_shuffle), bins=bins,
-                          on_chunk=update)
+                          quality=quality, calibration=calibration, on_chunk=update)
     emit(result, json)
 
 

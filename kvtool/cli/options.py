@@ -36,7 +36,11 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for
 InputPath = Annotated[str, typer.Argument(metavar="FILE", help="A kvtool file (.kvc).", show_default=False,
                                           click_type=WORDS)]
 OutputPath = Annotated[Path, typer.Option("-o", "--output", metavar="OUT", help="Output path.", show_default=False)]
-CodecOpt = Annotated[str, typer.Option("--codec", metavar="CODEC", help="Chunk codec: raw, zstd or cachegen.")]
+CodecOpt = Annotated[str, typer.Option("--codec", metavar="CODEC", help="Chunk codec: raw, zstd, cachegen or pca.")]
+QualityOpt = Annotated[Optional[str], typer.Option(
+    "--quality", metavar="Q", help="pca: the operating point, 99, 97 (default), 95 or 89 (README: what each promises).")]
+CalibrationOpt = Annotated[Optional[str], typer.Option(
+    "--calibration", metavar="DIGEST", help="pca: the calibration object (default: the model's, from kvtool calibrate).")]
 LevelOpt = Annotated[Optional[int], typer.Option("--level", metavar="N", help="zstd level (default 1: on shuffled KV it beats 3 in ratio and speed).")]
 ShuffleOpt = Annotated[Optional[bool], typer.Option(
     "--shuffle", help="zstd: shuffle byte planes before compressing (on by default; --no-shuffle: off).",

@@ -1,7 +1,7 @@
 """The codec table: stable names and ids, resolved in one place.
 
 Ids are part of the format (format-spec/container.md, "Codec registry") and are
-never reused: 0 raw, 1 zstd, 2 cachegen. The table is static: a codec's module is
+never reused: 0 raw, 1 zstd, 2 cachegen, 3 pca. The table is static: a codec's module is
 imported the first time the codec is asked for, and nothing registers itself at import.
 A codec whose module cannot load (a broken native build) is one line saying why.
 """
@@ -18,6 +18,7 @@ TABLE: tuple[tuple[int, str, str, str], ...] = (
     (0, "raw", ".raw", "RawCodec"),
     (1, "zstd", ".zstd", "ZstdCodec"),
     (2, "cachegen", ".cachegen", "CacheGenCodec"),
+    (3, "pca", ".pca", "PcaCodec"),
 )
 _made: dict[int, Codec] = {}
 

@@ -124,6 +124,8 @@ class ContainerWriter:
         impl = codecs.get_codec(codec)
         kv = kv.detach().to(dtype=self.kv_dtype).contiguous()  # the codec encodes it where it is, or copies
         params = impl.validate_params(params if params is not None else impl.default_params())
+        if getattr(impl, "needs_position", False):  # a codec that turns keys back by their positions
+            params = dict(params, position=start)
         payload, recorded = impl.encode(kv, params)
         return self._append_chunk(payload, impl, recorded)
 

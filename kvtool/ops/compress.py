@@ -36,13 +36,18 @@ class CompressResult(Result):
 
 
 def compress(path: str | Path, output: str | Path, codec: str = "zstd", *, level: int | None = None,
-             shuffle: bool | None = None, bins: str | None = None,
+             shuffle: bool | None = None, bins: str | None = None, quality: str | None = None,
+             calibration: str | None = None,
              on_chunk: Callable[[int, int], None] | None = None) -> CompressResult:
     """`kvtool compress`: options as the command line gives them."""
-    params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
+    if codec != "pca":  # (pca's parameters need the file's model: below)
+        params = codec_params(codec, level=level, shuffle=shuffle, bins=bins, quality=quality, calibration=calibration)
     if os.path.realpath(path) == os.path.realpath(output):
         raise UsageError(f"{output}: the output is the input; give compress another -o (it writes a new file)")
     with ContainerReader(path) as reader:
+        if codec == "pca":
+            params = codec_params(codec, level=level, shuffle=shuffle, bins=bins, quality=quality,
+                                  calibration=calibration, model_fingerprint=reader.manifest.model["fingerprint"])
         return compress_file(reader, output, codec, params, on_chunk=on_chunk)
 
 

@@ -97,11 +97,18 @@ def parse_roi(spec: str) -> list[tuple[int, int]]:
 
 
 def codec_params(codec: str, *, level: int | None = None, shuffle: bool | None = None,
-                 bins: str | None = None) -> dict[str, Any]:
-    """Codec options (`--level`, `--shuffle`, `--bins`) -> parameters validated by the codec."""
+                 bins: str | None = None, quality: str | None = None, calibration: str | None = None,
+                 model_fingerprint: str | None = None) -> dict[str, Any]:
+    """Codec options (`--level`, `--shuffle`, `--bins`, `--quality`, `--calibration`) -> parameters
+    validated by the codec. pca's calibration defaults to the one `kvtool calibrate` made for
+    the model `model_fingerprint`."""
     from .. import codecs
 
     impl = codecs.get_codec(codec)
+    if (quality is not None or calibration is not None) and codec != "pca":
+        raise UsageError("--quality and --calibration apply to the pca codec only")
+    if codec == "pca":
+        return pca_params(quality, calibration, model_fingerprint)
     params = impl.default_params()
     if level is not None or shuffle is not None:
         if "level" not in params:
@@ -115,6 +122,18 @@ def codec_params(codec: str, *, level: int | None = None, shuffle: bool | None =
             raise UsageError("--bins applies to the cachegen codec only")
         params["bins"] = bins  # resolved against the model's layer count when a chunk is encoded
     return impl.validate_params(params)
+
+
+def pca_params(quality: str | None, calibration: str | None, model_fingerprint: str | None) -> dict[str, Any]:
+    from ..codecs.pca import DEFAULT_QUALITY, params_for
+    from ..codecs.pca.calibration import find, for_model
+
+    digest = calibration or (for_model(model_fingerprint) if model_fingerprint else None)
+    if digest is None:
+        raise UsageError("--codec pca: no calibration object for this model; run `kvtool calibrate` "
+                         "(with the same --model) once, or give --calibration DIGEST")
+    find(digest)  # present and intact, before any chunk is written
+    return params_for(digest, quality or DEFAULT_QUALITY)
 
 
 def model_dtype_name(name: str) -> str:

@@ -1,0 +1,33 @@
+"""`kvtool calibrate [--model M] [--text FILE ...]`: learn the pca codec's calibration object."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from .options import JsonOpt, ModelOpt
+from .output import emit, human_bytes, renders
+
+if TYPE_CHECKING:
+    from ..ops.calibrate import CalibrateResult
+
+TextOpt = Annotated[Optional[list[Path]], typer.Option(
+    "--text", metavar="FILE", help="UTF-8 text to learn on (repeatable; default: Python's own documentation "
+                                   "and modules, texts no benchmark here measures on).")]
+
+
+def command(model: ModelOpt = None, text: TextOpt = None, json: JsonOpt = False) -> None:
+    """Learn the pca codec's calibration object for a model (once per model and machine)."""
+    from ..ops.calibrate import calibrate_model
+
+    emit(calibrate_model(model, text), json)
+
+
+@renders("CalibrateResult")
+def render(console: Console, r: CalibrateResult) -> None:
+    console.print(f"calibration {r.digest} for {r.model}: {r.tokens} tokens in {r.sequences} sequences, "
+                  f"{human_bytes(r.bytes)}, {r.seconds:.1f}s")
+    console.print(f"saved as {r.path}; `--codec pca` now uses it for this model")

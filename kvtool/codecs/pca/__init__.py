@@ -1,0 +1,106 @@
+"""The pca codec (codec id 3): a per-model basis, one quantizer step, rANS (format-spec/pca.md).
+
+Keys are turned back to before RoPE, every channel weighted by how much the model feels an
+error in it, and the weighted vectors written in a basis learned once per model (the
+calibration object, named by its SHA-256 in every chunk's parameters). The coefficients are
+quantized with one step and entropy-coded; the first tokens of a sequence (attention sinks)
+are kept exact. Named quality points choose the step.
+
+- `calibration`: the calibration object (file, digest, search path)
+- `fit`: learning one from samples (`kvtool.ops.calibrate` runs the model)
+- `reference`: the coder in numpy, the spec in executable form
+- here: `PcaCodec`, its parameters and quality points
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...errors import CodecParamsInvalid
+from ..base import Codec
+from . import reference
+from .calibration import find
+
+if TYPE_CHECKING:
+    import torch
+
+PARAMS_VERSION = 1
+DEFAULT_SINKS = 4
+DEFAULT_LANES = 16
+#: quality name -> (step, the top-1 agreement promised on bench_rd's worst window). Measured:
+#: bench/RESULTS.md §25 (`python bench/bench_rd.py --rows pca-89,pca-95,pca-97,pca-99`).
+QUALITY = {"99": (0.2, 0.95), "97": (0.5, 0.92), "95": (0.9, 0.88), "89": (2.0, 0.78)}
+DEFAULT_QUALITY = "97"
+STORAGE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
+
+
+def params_for(calibration: str, quality: str = DEFAULT_QUALITY, sinks: int = DEFAULT_SINKS) -> dict[str, Any]:
+    """The parameters of a named quality point with this calibration object."""
+    if quality not in QUALITY:
+        raise CodecParamsInvalid(f"pca: quality {quality!r} is not one of {', '.join(QUALITY)}")
+    return {"version": PARAMS_VERSION, "calibration": calibration, "quality": quality, "step": QUALITY[quality][0],
+            "sinks": sinks, "lanes": DEFAULT_LANES, "position": 0}
+
+
+class PcaCodec(Codec):
+    name = "pca"
+    codec_id = 3
+    params_version = PARAMS_VERSION
+    lossless = False
+    needs_position = True  # the writer records each chunk's first token position in its parameters
+
+    def default_params(self) -> dict[str, Any]:
+        raise CodecParamsInvalid("pca: needs a calibration object (kvtool calibrate), named in its parameters")
+
+    def validate_params(self, params: Any) -> dict[str, Any]:
+        p = self._check_version(params)
+        known = {"version", "calibration", "quality", "step", "sinks", "lanes", "position"}
+        if set(p) - known:
+            raise CodecParamsInvalid(f"pca: unknown parameters {sorted(set(p) - known)}")
+        if "quality" in p and "step" not in p and p["quality"] in QUALITY:
+            p["step"] = QUALITY[p["quality"]][0]
+        cal = p.get("calibration")
+        if not isinstance(cal, str) or len(cal) != 64 or any(c not in "0123456789abcdef" for c in cal):
+            raise CodecParamsInvalid("pca: 'calibration' must be a SHA-256 digest (64 lower-case hex digits)")
+        step = p.get("step")
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) \
+                or not 2.0 ** -10 <= step <= 2.0 ** 10:
+            raise CodecParamsInvalid("pca: 'step' must be a number in [2^-10, 2^10]")
+        p["step"] = float(step)
+        for key, default, low, high in (("sinks", DEFAULT_SINKS, 0, 1 << 20), ("lanes", DEFAULT_LANES, 1, 64),
+                                        ("position", 0, 0, 1 << 40)):
+            value = p.setdefault(key, default)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise CodecParamsInvalid(f"pca: '{key}' must be an integer in [{low}, {high}]")
+        if "quality" in p and p["quality"] not in QUALITY:
+            raise CodecParamsInvalid(f"pca: quality {p['quality']!r} is not one of {', '.join(QUALITY)}")
+        return p
+
+    def encode_host(self, kv: "torch.Tensor", params: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+        from ...dtypes import dtype_name
+
+        p = self.validate_params(params)
+        dtype = dtype_name(kv.dtype)
+        import torch
+
+        raw = kv.contiguous().view(torch.int16 if dtype == "bfloat16" else kv.dtype).numpy()
+        raw = raw.view(STORAGE[dtype])
+        payload = reference.encode_chunk(raw, dtype, find(p["calibration"]), p["step"], p["sinks"], p["position"],
+                                         p["lanes"])
+        return payload, p
+
+    def decode_array(self, payload: memoryview, shape: tuple[int, ...], dtype: str,
+                     params: dict[str, Any]) -> np.ndarray:
+        p = self.validate_params(params)
+        if dtype not in STORAGE:
+            raise CodecParamsInvalid(f"pca: KV dtype {dtype} is not one of {', '.join(STORAGE)}")
+        return reference.decode_chunk(payload, tuple(shape), dtype, find(p["calibration"]), p["step"], p["position"])
+
+    def expected_top1(self, params: dict[str, Any], num_layers: int) -> tuple[float, str] | None:
+        quality = self.validate_params(params).get("quality")
+        if quality is None:
+            return None
+        return QUALITY[quality][1], f"pca quality {quality}: its promise on bench_rd's worst window"

@@ -1,0 +1,148 @@
+"""Learning the pca codec's calibration object for a model (format-spec/pca.md §3).
+
+A few thousand tokens of the caller's text are run through kvtool's engine; the keys (turned
+back to before RoPE) and values of every layer are the samples; the queries that read each key
+channel and the o_proj columns that read each value channel give the weights. The fit itself
+is `kvtool.codecs.pca.fit`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sysconfig
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..codecs.pca.calibration import Calibration
+from ..codecs.pca.fit import Moments, fit, key_metric, value_metric
+from ..engine import LoadedModel, PagedKVCache, Runner
+from ..engine import model as engine_model
+from ..errors import UsageError
+from .engine_io import paged_connector
+from .result import Result
+
+if TYPE_CHECKING:
+    from ..engine import AnyModel  # noqa: F401
+
+DEFAULT_KSCALE = 16.0  # keys' weight against values' (bench/RESULTS.md §24: 16 of 1, 4, 16, 64)
+MIN_TOKENS = 512
+WINDOW = 1024  # tokens per calibration sequence
+MAX_SEQUENCES = 24  # ~25k tokens: the basis no longer moves with more (a minute on one core)
+
+# The default calibration text: what every Python installation holds, none of it a text
+# bench/bench_rd.py measures on (its windows: other reference sections, other modules).
+DEFAULT_TOPICS = ("numbers", "formatstrings", "specialnames", "exceptions", "typesseq", "bltin-code-objects")
+DEFAULT_MODULES = ("json/decoder.py", "shutil.py", "calendar.py", "difflib.py")
+
+
+def default_texts() -> list[str]:
+    from pydoc_data.topics import topics
+
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    texts = [topics[name] for name in DEFAULT_TOPICS if name in topics]
+    for name in DEFAULT_MODULES:
+        try:
+            texts.append((stdlib / name).read_text(encoding="utf-8"))
+        except OSError:
+            pass
+    return texts
+
+
+@dataclass
+class CalibrateResult(Result):
+    digest: str
+    path: str
+    model: str
+    model_fingerprint: str
+    sequences: int
+    tokens: int
+    bytes: int
+    seconds: float
+
+
+def calibrate_model(model_path: str | pathlib.Path | None = None, text_files: list[pathlib.Path] | None = None,
+                    kscale: float = DEFAULT_KSCALE) -> CalibrateResult:
+    """`kvtool calibrate`: learn the pca codec's calibration object for a model on text files
+    (default: Python's own documentation and modules), save it in kvtool's calibration folder
+    and make it the model's default."""
+    from ..codecs.pca.calibration import default_dir, register
+    from ..engine import load_model
+    from ..fsutil import read_text_file
+
+    started = time.perf_counter()
+    model = load_model(model_path)
+    texts = [read_text_file(p) for p in text_files] if text_files else default_texts()
+    ids = [i for text in texts for i in model.tokenizer.encode(text, add_special_tokens=False)]
+    sequences = [ids[s:s + WINDOW] for s in range(0, len(ids) - WINDOW // 2, WINDOW)][:MAX_SEQUENCES]
+    cal = calibrate(model, sequences, kscale).save(default_dir())
+    fingerprint = model.identity.fingerprint()
+    register(fingerprint, cal.digest)
+    path = default_dir() / f"{cal.digest}.kvcal"
+    return CalibrateResult(digest=cal.digest, path=str(path), model=model.name, model_fingerprint=fingerprint,
+                           sequences=len(sequences), tokens=sum(len(s) for s in sequences),
+                           bytes=path.stat().st_size, seconds=time.perf_counter() - started)
+
+
+def calibrate(model: LoadedModel, token_lists: list[list[int]], kscale: float = DEFAULT_KSCALE) -> Calibration:
+    """The calibration object learned from these token sequences (each run from position 0)."""
+    if sum(len(t) for t in token_lists) < MIN_TOKENS:
+        raise UsageError(f"calibration needs at least {MIN_TOKENS} tokens of text")
+    cfg = model.config
+    tables = engine_model.rope_tables(cfg)
+    inv_freq = torch.stack([engine_model.layer_inv_freq(cfg, layer, tables).float().cpu()
+                            for layer in range(cfg.num_layers)])  # [L, D/2]
+    C = cfg.num_kv_heads * cfg.head_dim
+    energy, seen = torch.zeros(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float64), 0
+    keys, values = Moments(cfg.num_layers, C), Moments(cfg.num_layers, C)
+    for ids in token_lists:
+        kv, q_energy = run_with_query_energy(model, ids)
+        energy += q_energy
+        seen += len(ids)
+        keys.add(before_rope(kv[0].float(), inv_freq, cfg.num_kv_heads, cfg.head_dim))
+        values.add(kv[1].float())
+    wo = torch.stack([layer.wo.float().cpu() for layer in model.weights.layers])
+    return fit(keys, values, key_metric((energy / seen).float(), kscale),
+               value_metric(wo, cfg.num_kv_heads, cfg.head_dim), inv_freq, cfg.head_dim, model.identity.fingerprint())
+
+
+def run_with_query_energy(model: LoadedModel, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV_BLOB [2, L, T, C] (bfloat16) of `ids`, and the summed squared queries [L, Hkv, D] (over
+    tokens and the query heads of each KV head). The queries are seen by wrapping the engine's
+    attention function for the length of this call (the engine keeps no hook for it)."""
+    cfg = model.config
+    energy = torch.zeros(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float64)
+    calls = [0]
+    real = engine_model.attention
+
+    def seeing_queries(q, *args, **kwargs):
+        layer = calls[0] % cfg.num_layers
+        group = cfg.num_heads // cfg.num_kv_heads
+        energy[layer] += q.float().pow(2).view(q.shape[0], cfg.num_kv_heads, group, cfg.head_dim).sum((0, 2)).double().cpu()
+        calls[0] += 1
+        return real(q, *args, **kwargs)
+
+    n = len(ids)
+    cache = PagedKVCache.for_tokens(cfg, n, kv_dtype=torch.bfloat16, device=model.device, shuffle_seed=0)
+    seq = cache.new_sequence(n)
+    engine_model.attention = seeing_queries
+    try:
+        Runner(model, cache).prefill(seq, ids, prefill_chunk=n, logits="none")
+    finally:
+        engine_model.attention = real
+    connector = paged_connector(model)
+    memory = connector.allocate(n, torch.bfloat16, model.device)
+    connector.from_gpu(memory, 0, n, kvcaches=cache.kv_caches, slot_mapping=seq.slot_mapping(n))
+    return memory.tensor.cpu().clone(), energy
+
+
+def before_rope(keys: torch.Tensor, inv_freq: torch.Tensor, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Keys [L, T, Hkv*D] turned back by their positions 0..T-1 (rotate-half pairs (i, i+D/2))."""
+    layers, tokens, _ = keys.shape
+    angle = torch.arange(tokens, dtype=torch.float64)[None, :, None] * inv_freq.double()[:, None, :]  # [L, T, D/2]
+    cos, sin = angle.cos().float()[:, :, None, :], angle.sin().float()[:, :, None, :]
+    x = keys.view(layers, tokens, kv_heads, head_dim)
+    a, b = x[..., : head_dim // 2], x[..., head_dim // 2:]
+    return torch.cat([a * cos + b * sin, b * cos - a * sin], -1).reshape(layers, tokens, -1)

@@ -1,0 +1,226 @@
+"""The pca codec (format-spec/pca.md): its reference coder's round trip against the spec's
+transform, its parameters, its calibration object, and its refusals of damaged payloads.
+
+The calibration here is fitted on random data of a small geometry (2 layers, 2 KV heads of 8):
+the coder's properties do not depend on the model; tests/test_pca_model.py runs the real one."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from kvtool.codecs import get_codec
+from kvtool.codecs.pca import QUALITY, PcaCodec, params_for
+from kvtool.codecs.pca import calibration as calmod
+from kvtool.codecs.pca import reference as ref
+from kvtool.codecs.pca.fit import Moments, fit
+from kvtool.errors import CodecParamsInvalid, DecodeError, NonFiniteValues
+
+L, H, D = 2, 2, 8
+C = H * D
+
+
+def small_calibration(seed: int = 0) -> calmod.Calibration:
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(L, C, C, generator=g) * torch.linspace(2.0, 0.05, C)  # a few strong directions
+    moments = []
+    for _ in range(2):
+        m = Moments(L, C)
+        m.add(torch.randn(L, 400, C, generator=g) @ mix + 0.3)
+        moments.append(m)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2) / D))).repeat(L, 1)
+    metric = torch.rand(2, L, C, generator=g) + 0.5
+    return fit(moments[0], moments[1], metric[0], metric[1], inv_freq, D, "sha256:" + "0" * 64)
+
+
+@pytest.fixture()
+def cal(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", str(tmp_path / "cal"))
+    monkeypatch.delenv("KVTOOL_CALIBRATION_PATH", raising=False)
+    calmod._loaded.clear()
+    saved = small_calibration().save(tmp_path / "cal")
+    yield saved
+    calmod._loaded.clear()
+
+
+def sample_kv(tokens: int, seed: int = 1, dtype=torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, L, tokens, C, generator=g) * 2 + 0.3).to(dtype)
+
+
+def expected(kv: torch.Tensor, cal, step: float, sinks: int, position: int) -> torch.Tensor:
+    """The spec's reconstruction (§5), written out: sinks exact, the rest forward then inverse."""
+    x = kv.float().numpy()
+    s = min(kv.shape[2], max(0, sinks - position))
+    out = kv.clone()
+    if s < kv.shape[2]:
+        q = ref.forward(x[:, :, s:], cal, position + s, step)
+        out[:, :, s:] = torch.from_numpy(ref.inverse(q, cal, position + s, step)).to(kv.dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("position", [0, 2, 256])
+def test_round_trip_is_the_spec_transform(cal, dtype, position):
+    codec = get_codec("pca")
+    kv = sample_kv(37, dtype=dtype)
+    params = dict(params_for(cal.digest, "97"), position=position)
+    payload, recorded = codec.encode(kv, params)
+    out = codec.decode(memoryview(payload), tuple(kv.shape), dtype, recorded)
+    assert torch.equal(out, expected(kv, cal, recorded["step"], 4, position))
+    if position < 4:
+        assert torch.equal(out[:, :, :4 - position], kv[:, :, :4 - position])  # sinks kept exact
+    err = (out.float() - kv.float()).pow(2).mean().sqrt()
+    assert 0 < err < 0.5 * kv.float().std()
+
+
+def test_finer_steps_cost_more_and_err_less(cal):
+    codec = get_codec("pca")
+    kv = sample_kv(64)
+    sizes, errors = [], []
+    for quality in ("89", "95", "97", "99"):
+        payload, p = codec.encode(kv, params_for(cal.digest, quality))
+        out = codec.decode(memoryview(payload), tuple(kv.shape), kv.dtype, p)
+        sizes.append(len(payload))
+        errors.append(float((out.float() - kv.float()).pow(2).mean()))
+    assert sizes == sorted(sizes) and errors == sorted(errors, reverse=True)
+
+
+def test_a_zero_chunk_and_a_chunk_of_sinks_only(cal):
+    codec = get_codec("pca")
+    mean = torch.from_numpy(cal.mean)  # [2, L, C]: at the mean (V) every coefficient is 0
+    kv = mean[:, :, None, :].expand(2, L, 9, C).to(torch.float32).contiguous()
+    payload, p = codec.encode(kv, dict(params_for(cal.digest, "97"), position=10, sinks=0))
+    out = codec.decode(memoryview(payload), tuple(kv.shape), kv.dtype, p)
+    assert torch.allclose(out[1], kv[1], atol=1e-5)
+    short = sample_kv(3)
+    payload, p = codec.encode(short, params_for(cal.digest, "97"))
+    assert torch.equal(codec.decode(memoryview(payload), tuple(short.shape), short.dtype, p), short)
+
+
+def test_the_payload_is_deterministic_and_the_reader_checks_its_lengths(cal):
+    codec = get_codec("pca")
+    kv = sample_kv(40)
+    params = params_for(cal.digest, "95")
+    a, p = codec.encode(kv, params)
+    b, _ = codec.encode(kv.clone(), params)
+    assert a == b
+    for cut in (0, 10, len(a) // 2, len(a) - 1):
+        with pytest.raises(DecodeError):
+            codec.decode(memoryview(a[:cut]), tuple(kv.shape), kv.dtype, p)
+    with pytest.raises(DecodeError):
+        codec.decode(memoryview(a + b"\0\0\0\0"), tuple(kv.shape), kv.dtype, p)
+    with pytest.raises(DecodeError):
+        codec.decode(memoryview(a), (2, L, 41, C), kv.dtype, p)  # another shape
+
+
+def test_flipped_bytes_never_crash(cal):
+    codec = get_codec("pca")
+    kv = sample_kv(48)
+    payload, p = codec.encode(kv, params_for(cal.digest, "89"))
+    rng = np.random.default_rng(5)
+    refused = 0
+    for _ in range(150):
+        damaged = bytearray(payload)
+        for i in rng.integers(0, len(damaged), size=int(rng.integers(1, 4))):
+            damaged[i] ^= 1 << int(rng.integers(0, 8))
+        try:
+            out = codec.decode(memoryview(bytes(damaged)), tuple(kv.shape), kv.dtype, p)
+            assert out.shape == kv.shape
+        except DecodeError:
+            refused += 1
+    assert refused > 50  # most damage is seen (the rANS end state, the counts, the lengths)
+
+
+def test_a_side_byte_with_shift_seven_is_refused(cal):
+    codec = get_codec("pca")
+    kv = sample_kv(20)
+    payload, p = codec.encode(kv, params_for(cal.digest, "97"))
+    lanes, sinks, entries, sink_at, rows_at = ref.parse(payload, tuple(kv.shape), "bfloat16")
+    damaged = bytearray(payload)
+    damaged[rows_at] = 7 << 5
+    with pytest.raises(DecodeError, match="shift 7"):
+        codec.decode(memoryview(bytes(damaged)), tuple(kv.shape), kv.dtype, p)
+
+
+def test_non_finite_input_is_refused(cal):
+    kv = sample_kv(8)
+    kv[1, 0, 5, 3] = float("nan")
+    with pytest.raises(NonFiniteValues):
+        get_codec("pca").encode(kv, params_for(cal.digest, "97"))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"calibration": "abc"}, "SHA-256"),
+    ({"step": 0.0}, "step"),
+    ({"step": float("inf")}, "step"),
+    ({"step": True}, "step"),
+    ({"sinks": -1}, "sinks"),
+    ({"lanes": 65}, "lanes"),
+    ({"position": 1.5}, "position"),
+    ({"quality": "98"}, "quality"),
+    ({"colour": 1}, "unknown"),
+    ({"version": 2}, "version"),
+])
+def test_bad_parameters_are_one_named_error(bad, match):
+    params = dict(params_for("a" * 64, "97"), **bad)
+    with pytest.raises(CodecParamsInvalid, match=match):
+        PcaCodec().validate_params(params)
+
+
+def test_no_default_parameters_without_a_calibration():
+    with pytest.raises(CodecParamsInvalid, match="calibration"):
+        PcaCodec().default_params()
+
+
+def test_a_missing_calibration_is_one_line(cal, tmp_path):
+    kv = sample_kv(8)
+    payload, p = get_codec("pca").encode(kv, params_for(cal.digest, "97"))
+    calmod._loaded.clear()
+    (tmp_path / "cal" / f"{cal.digest}.kvcal").unlink()
+    with pytest.raises(calmod.CalibrationNotFound) as err:
+        get_codec("pca").decode(memoryview(payload), tuple(kv.shape), kv.dtype, p)
+    assert cal.digest[:16] in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_calibration_whose_bytes_do_not_match_its_name_is_refused(cal, tmp_path):
+    path = tmp_path / "cal" / f"{cal.digest}.kvcal"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    calmod._loaded.clear()
+    with pytest.raises(DecodeError, match="hash"):
+        calmod.find(cal.digest)
+
+
+def test_the_calibration_file_is_named_by_its_digest_and_round_trips(cal, tmp_path):
+    path = tmp_path / "cal" / f"{cal.digest}.kvcal"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == cal.digest
+    back = calmod.from_bytes(path.read_bytes(), cal.digest)
+    for name in ("mean", "weight", "basis", "inv_freq"):
+        assert np.array_equal(getattr(back, name), getattr(cal, name))
+    # the basis is orthonormal within its Q14 rounding
+    b = back.basis[0, 0].astype(np.float64) / calmod.BASIS_ONE
+    assert np.abs(b.T @ b - np.eye(C)).max() < 1e-3
+
+
+def test_a_calibration_for_another_geometry_is_refused(cal):
+    kv = torch.zeros(2, L, 4, 2 * C, dtype=torch.bfloat16)
+    with pytest.raises(DecodeError, match="calibration is for"):
+        get_codec("pca").decode(memoryview(b"KVPC"), tuple(kv.shape), kv.dtype, params_for(cal.digest, "97"))
+
+
+def test_the_model_index_gives_the_default_calibration(cal):
+    assert calmod.for_model("sha256:" + "1" * 64) is None
+    calmod.register("sha256:" + "1" * 64, cal.digest)
+    assert calmod.for_model("sha256:" + "1" * 64) == cal.digest
+
+
+def test_tables_are_what_the_spec_says():
+    assert ref.FREQ.shape == (32, 16) and (ref.FREQ.sum(1) == 4096).all() and ref.FREQ.min() >= 1
+    cost = np.rint(-np.log2(ref.FREQ / 4096) * 256)
+    assert np.array_equal(cost, ref.COST)
+    assert set(QUALITY) == {"99", "97", "95", "89"}
