@@ -55,10 +55,25 @@ def redacted(url: str) -> str:
 def key_prefix(namespace: str) -> str:
     """The Redis key prefix of a namespace's objects ("" : those without one), store.md §6.2.
     The ACL key pattern that confines a tenant to namespace N is `~` + key_prefix(N) + `*`."""
-    if not namespace:
-        return KEY_PREFIX
-    escaped = "".join(c if c in _PLAIN else "".join(f"%{b:02X}" for b in c.encode("utf-8")) for c in namespace)
-    return f"{NAMESPACE_PREFIX}{escaped}:1:"
+    return f"{NAMESPACE_PREFIX}{_escaped(namespace)}:1:" if namespace else KEY_PREFIX
+
+
+def _escaped(namespace: str) -> str:
+    return "".join(c if c in _PLAIN else "".join(f"%{b:02X}" for b in c.encode("utf-8")) for c in namespace)
+
+
+#: What a tenant's Redis user needs (store.md §6.2): the commands the backend sends, no others.
+TENANT_COMMANDS = ("-@all", "+ping", "+get", "+mget", "+set", "+type", "+del", "+scan", "+object|idletime",
+                   "+memory|usage")
+#: ... and on a Redis Cluster, what redis-py asks to learn the slot map.
+CLUSTER_COMMANDS = ("+cluster|slots", "+cluster|shards", "+cluster|nodes", "+command|info", "+command|docs")
+
+
+def tenant_acl(namespace: str, *, cluster: bool = False) -> list[str]:
+    """The ACL rules (for `ACL SETUSER name on >password ...rules`, or `user name on >password
+    ...rules` in an ACL file) that confine a user to `namespace`'s chunks (store.md §6.2)."""
+    return ["resetkeys", f"~{NAMESPACE_PREFIX}{_escaped(namespace)}:*", "resetchannels", *TENANT_COMMANDS,
+            *(CLUSTER_COMMANDS if cluster else ())]
 
 
 def _namespace_of(key: str) -> tuple[str, str] | None:
@@ -187,14 +202,18 @@ class RedisBackend(Backend):
             raise StoreAccessDenied(f"{self.url}: the Redis server refused the user name or password "
                                     f"({_first_line(err)})") from None
         except self._errors.NoPermissionError as err:
-            raise StoreAccessDenied(f"{self.url}: the Redis user may not do this (ACL: {_first_line(err)})") from None
+            raise self._refused(err) from None
         except (self._errors.ConnectionError, self._errors.TimeoutError) as err:
             raise StoreUnavailable(f"{self.url}: the Redis server cannot be reached ({_first_line(err)})") from None
         except self._errors.RedisError as err:
-            if "NOPERM" in str(err):  # (a pipeline's NOPERM reply reaches us as a plain ResponseError)
-                raise StoreAccessDenied(f"{self.url}: the Redis user may not do this "
-                                        f"(ACL: {_first_line(err)})") from None
+            if "NOPERM" in str(err) or "no permissions" in str(err):  # (a pipeline's, as a ResponseError)
+                raise self._refused(err) from None
             raise StoreError(f"{self.url}: Redis refused the command ({_first_line(err)})") from None
+
+    def _refused(self, err: Exception) -> StoreAccessDenied:
+        """An ACL refusal, naming the namespace asked for: a tenant's user reading another's."""
+        what = f"read or write namespace {self.namespace!r}" if self.namespace else "do this"
+        return StoreAccessDenied(f"{self.url}: the Redis user may not {what} (ACL: {_first_line(err)})")
 
     def _key(self, name: str) -> bytes:
         """The Redis key of a name; a name read from a key that is not UTF-8 gives its bytes back."""
@@ -278,9 +297,8 @@ class RedisBackend(Backend):
             replies = self._run(do)
             for i, (_key, namespace, name) in enumerate(batch):
                 idle, size = replies[2 * i], replies[2 * i + 1]
-                if isinstance(size, Exception) and "NOPERM" in str(size):
-                    with self._talking():
-                        raise size
+                if isinstance(size, self._errors.NoPermissionError):  # another tenant's key: refused
+                    raise self._refused(size) from None
                 if not isinstance(size, int) or size == 0:  # removed meanwhile
                     continue
                 idle = idle if isinstance(idle, int) else 0
