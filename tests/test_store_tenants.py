@@ -139,3 +139,38 @@ def test_fsck_removes_a_chunk_found_under_another_namespace(tenants_server, caps
     assert "another namespace" in report["damaged"][0]["reason"]
     store.close()
     admin.close()
+
+
+def test_the_spec_gives_the_rules_tenant_acl_gives():
+    """store.md §6.2's ACL line is `tenant_acl`'s: what the tests confine tenants with is what
+    operators are told to write."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "format-spec" / "store.md").read_text()
+    assert "user tenant-a on >PASSWORD " + " ".join(tenant_acl("tenant-a")) + "\n" in text
+    cluster_extra = tenant_acl("tenant-a", cluster=True)[len(tenant_acl("tenant-a")):]
+    assert "`" + " ".join(cluster_extra) + "`" in text
+
+
+def test_a_tenant_on_a_redis_cluster(capsys):
+    """The same confinement on a real Redis Cluster (3 masters, a replica each), with the cluster's
+    extra rules: the tenant's chunks spread over the primaries; another namespace is refused, a
+    wrong password too, each in one line."""
+    from conftest import _require_redis_cluster_tools
+    from redis_server import RedisClusterServers
+
+    _require_redis_cluster_tools()
+    users = ("--user", "tenant-a", "on", ">tenant-a-pw", *tenant_acl("tenant-a", cluster=True))
+    with RedisClusterServers(extra=users) as cluster:  # the default user stays: redis-cli makes the cluster
+        url = cluster.url.replace("redis+cluster://", "redis+cluster://tenant-a:tenant-a-pw@")
+        store = open_store(url)
+        cache = store.for_model(IDENTITY, CHUNK, ExtraKeys(namespace="tenant-a"))
+        tokens = list(range(1000, 1000 + 12 * CHUNK))
+        assert cache.put_sequence(tokens, make_kv(IDENTITY, len(tokens))).stored == 12
+        assert cache.get_prefix(tokens).num_tokens == len(tokens)
+        with pytest.raises(StoreAccessDenied, match="namespace 'tenant-b'"):
+            store.for_model(IDENTITY, CHUNK, ExtraKeys(namespace="tenant-b")).lookup(tokens)
+        store.close()
+        code, out, err = call(capsys, "store", "stats", "--store", url.replace("tenant-a-pw", "wrong-pw"))
+        assert code == 2 and "refused the user name or password" in err and "wrong-pw" not in out + err
+        assert len(err.strip().splitlines()) == 1

@@ -66,7 +66,7 @@ def _escaped(namespace: str) -> str:
 TENANT_COMMANDS = ("-@all", "+ping", "+get", "+mget", "+set", "+type", "+del", "+scan", "+object|idletime",
                    "+memory|usage")
 #: ... and on a Redis Cluster, what redis-py asks to learn the slot map.
-CLUSTER_COMMANDS = ("+cluster|slots", "+cluster|shards", "+cluster|nodes", "+command|info", "+command|docs")
+CLUSTER_COMMANDS = ("+cluster|slots", "+cluster|shards", "+cluster|nodes", "+command")
 
 
 def tenant_acl(namespace: str, *, cluster: bool = False) -> list[str]:
@@ -155,7 +155,8 @@ class RedisBackend(Backend):
         url, password = _password_outside(url, self.url)
         self.retry_seconds = retry_seconds
         try:
-            self.client = self._connect(redis, url, password)
+            with self._talking():  # (a cluster client talks to its seeds as it is made)
+                self.client = self._connect(redis, url, password)
         except ValueError as err:
             raise StoreError(f"{self.url}: not a Redis URL ({err})") from None
         self._run(self._ping)

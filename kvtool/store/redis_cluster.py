@@ -74,9 +74,9 @@ class RedisClusterBackend(RedisBackend):
         from redis.cluster import ClusterNode, RedisCluster
         from redis.retry import Retry
 
-        first, seeds = seed_nodes(url, self.url)
         self._cluster_errors = (redis.exceptions.ClusterError, redis.exceptions.TryAgainError,
                                 redis.exceptions.MovedError, redis.exceptions.RedisClusterException)
+        first, seeds = seed_nodes(url, self.url)
 
         def make():
             # the client's own retries only follow a moved slot at once; waiting for a failover is
@@ -88,7 +88,7 @@ class RedisClusterBackend(RedisBackend):
         for wait in [*_backoff(self.retry_seconds), None]:
             try:
                 return make()
-            except redis.exceptions.AuthenticationError:
+            except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError):
                 raise  # (said by `_talking`, at once: it would not change)
             except self._cluster_errors + (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
                 text = str(err)
