@@ -290,3 +290,18 @@ def test_a_node_that_stays_down_is_one_line(own_cluster, capsys):
     store.close()
     code, out, cli_err = call(capsys, "store", "stats", "--store", own_cluster.url)
     assert code == 2 and len(cli_err.strip().splitlines()) == 1 and "Traceback" not in cli_err, cli_err
+
+
+def test_an_unreachable_cluster_is_one_line_and_fast():
+    from redis_server import free_port
+
+    from kvtool.store.redis_cluster import RedisClusterBackend
+
+    url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}/0"  # nothing listens there
+    began = time.monotonic()
+    with pytest.raises(StoreUnavailable) as err:
+        RedisClusterBackend(url, retry_seconds=0.5)
+    assert time.monotonic() - began < 10
+    message = str(err.value)
+    assert "\n" not in message and url in message and "the Redis cluster cannot be reached" in message
+    assert err.value.__cause__ is None and err.value.__suppress_context__

@@ -141,13 +141,12 @@ class RedisClusterBackend(RedisBackend):
             pipe = self.client.pipeline(transaction=False)
             for name in names:
                 pipe.get(self._key(name))
-            return pipe.execute(raise_on_error=False)
-        replies = self._run(do)
-        for reply in replies:
-            if isinstance(reply, Exception) and "WRONGTYPE" not in str(reply):
-                with self._talking():
+            replies = pipe.execute(raise_on_error=False)
+            for reply in replies:  # (raised here, a lost node is tried again by `_run`)
+                if isinstance(reply, Exception) and "WRONGTYPE" not in str(reply):
                     raise reply
-        return [None if isinstance(r, Exception) else r for r in replies]
+            return [None if isinstance(r, Exception) else r for r in replies]
+        return self._run(do)
 
     def _scan_keys(self, pattern: bytes) -> list[bytes]:
         """SCAN on every primary (each holds its own slots' keys)."""
