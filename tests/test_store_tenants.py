@@ -41,6 +41,7 @@ def test_a_namespace_is_its_own_key_prefix():
         assert _namespace_of(key_prefix(namespace) + "chunks/n.kvc") == (namespace, "chunks/n.kvc")
     assert _namespace_of("kvtool:ns:a%3ab:1:x") is None  # not how kvtool spells it: not a namespace's key
     assert _namespace_of("kvtool:ns:oops") is None
+    assert _namespace_of("kvtool:ns:%FF:1:x") is None and _namespace_of(b"kvtool:ns:\xff:1:x".decode("utf-8", "surrogateescape")) is None
     assert tenant_acl("tenant-a")[:2] == ["resetkeys", "~kvtool:ns:tenant-a:*"]
 
 
@@ -133,10 +134,13 @@ def test_fsck_removes_a_chunk_found_under_another_namespace(tenants_server, caps
     cache.put_sequence(TOKENS, make_kv(IDENTITY, len(TOKENS)))
     name = cache.chunk_names(TOKENS)[0]
     admin.set(key_prefix("tenant-a") + name, admin.get(key_prefix("tenant-b") + name))
+    for junk in (b"kvtool:ns:\xff:1:x", b"kvtool:ns:junk", b"kvtool:ns:a%3ab:1:x"):  # no namespace's keys
+        admin.set(junk, b"not the store's")
     code, out, err = call(capsys, "store", "fsck", "--store", admin_url, "--json")
     report = json.loads(out)
     assert code == 0 and report["checked"] == 5 and report["removed"] == 1, err
     assert "another namespace" in report["damaged"][0]["reason"]
+    assert admin.exists(b"kvtool:ns:\xff:1:x", b"kvtool:ns:junk", b"kvtool:ns:a%3ab:1:x") == 3  # left alone
     store.close()
     admin.close()
 

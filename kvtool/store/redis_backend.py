@@ -86,9 +86,9 @@ def _namespace_of(key: str) -> tuple[str, str] | None:
         return None
     try:
         namespace = unquote(escaped, errors="strict")
-    except UnicodeDecodeError:
+        return (namespace, rest) if key_prefix(namespace) == key[:len(key) - len(rest)] else None
+    except UnicodeError:  # %-escapes that are not UTF-8, or a key's own bytes that are not
         return None
-    return (namespace, rest) if key_prefix(namespace) == key[:len(key) - len(rest)] else None
 
 
 #: Where a password kept out of the store's URL comes from: this environment variable, or the file
