@@ -140,6 +140,8 @@ class RedisClusterServers:
                  extra: tuple[str, ...] = ()):
         if redis_cli_path() is None:
             raise FileNotFoundError("redis-cli is not installed (apt-get install redis-tools)")
+        if not (masters >= 3 or (masters == 1 and replicas == 0)):  # what `redis-cli --cluster create` makes
+            raise ValueError("a cluster of 3 or more masters, or 1 master without replicas")
         self.masters, self.replicas = masters, replicas
         self.nodes = [RedisServer(extra=("--cluster-enabled", "yes", "--cluster-port", str(free_port()),
                                          "--cluster-node-timeout", str(node_timeout_ms), *extra))
@@ -154,7 +156,7 @@ class RedisClusterServers:
         try:
             for node in self.nodes:
                 node.start()
-            if len(self.nodes) > 1 or self.masters > 1:
+            if self.masters > 1:
                 self._cli("--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
                           "--cluster-replicas", str(self.replicas), "--cluster-yes")
             else:  # one master: `--cluster create` wants three; give it every slot itself

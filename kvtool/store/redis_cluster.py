@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from urllib.parse import unquote
 
-from ..errors import StoreError, StoreUnavailable, StoreUrlInvalid
+from ..errors import StoreUnavailable, StoreUrlInvalid
 from .redis_backend import RedisBackend, _first_line
 
 #: The URL schemes of a cluster: redis-py's own (`redis://`, `rediss://`) with `+cluster`.
