@@ -53,8 +53,8 @@ def redacted(url: str) -> str:
 
 
 def key_prefix(namespace: str) -> str:
-    """The Redis key prefix of a namespace's objects ("" : those without one), store.md §6.2.
-    The ACL key pattern that confines a tenant to namespace N is `~` + key_prefix(N) + `*`."""
+    """The Redis key prefix of a namespace's objects ("": those without one), store.md §6.2. The
+    ACL key pattern that confines a tenant to namespace N is `tenant_acl(N)`'s `~kvtool:ns:<N>:*`."""
     return f"{NAMESPACE_PREFIX}{_escaped(namespace)}:1:" if namespace else KEY_PREFIX
 
 
