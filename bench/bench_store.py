@@ -1,6 +1,6 @@
 """The chunk store's throughput, deduplication and lookup latency, next to plain peers.
 
-    python bench/bench_store.py [--quick] [--repeat 3] [--json OUT] [--dir TMP] [--fresh-malloc]
+    python bench/bench_store.py [--quick] [--repeat 3] [--json OUT] [--dir TMP] [--fresh-malloc] [--only cluster]
 
 1. put/get throughput of the memory tier (memory://), the local store (a folder) and Redis (a
    redis-server this bench starts, no maxmemory), each next to its plain peer moving the same
@@ -18,6 +18,12 @@
 4. `lookup` latency of a 16-chunk prompt in stores of 1k and 100k chunks (a 1-layer, 1-head,
    head_dim 8 model at chunk size 16; filled through backend.put_many of encoded chunk objects),
    median and p99, next to the bare existence checks of the same names.
+5. Redis Cluster and TLS (`--only cluster` runs this part alone): put_many/get_many throughput of
+   one client process's threads (the same count in every row) through the store's backend against
+   one plain redis-server, a cluster of 1 master and one of 3 masters (no replicas: what is
+   measured is the spreading, not the replication), batches of 8; and the same server reached in
+   plain text and over TLS (one redis-server with a plain and a TLS port, certificates made by
+   openssl for the run).
 
 Temp folders and the Redis server are removed at the end, on Ctrl-C and on SIGTERM.
 """
@@ -54,7 +60,7 @@ from kvtool.format.manifest import parse_manifest  # noqa: E402
 from kvtool.identity import ModelIdentity  # noqa: E402
 from kvtool.store import open_store, objects  # noqa: E402
 from kvtool.store.redis_backend import KEY_PREFIX  # noqa: E402
-from tests.redis_server import RedisServer, redis_server_path  # noqa: E402
+from tests.redis_server import RedisClusterServers, RedisServer, TlsFiles, free_port, redis_server_path  # noqa: E402
 
 SMOL = ModelIdentity(
     name="SmolLM2-135M-Instruct", architecture="LlamaForCausalLM", num_layers=30, num_attention_heads=9,
@@ -709,6 +715,89 @@ def lookup_bench(work: Path, server: RedisServer, sizes: list[int], calls: int) 
     return results
 
 
+# --- 5. Redis Cluster and TLS ---------------------------------------------------------------
+
+
+def spread_throughput(url: str, items: list[tuple[str, bytes]], clients: int, repeat: int) -> dict:
+    """Best of `repeat` passes: `clients` threads put (then get) their share of `items` through
+    one store's backend (one client, shared as engines' threads share it), batches of 8."""
+    store = open_store(url)
+    backend = store.backend
+    shares = [items[i::clients] for i in range(clients)]
+    total = sum(len(d) for _, d in items)
+    best = {"put": float("inf"), "get": float("inf")}
+
+    def put(share):
+        for i in range(0, len(share), 8):
+            assert all(backend.put_many(share[i:i + 8]))
+
+    def get(share):
+        for i in range(0, len(share), 8):
+            got = backend.get_many([n for n, _ in share[i:i + 8]])
+            assert all(g is not None for g in got)
+
+    with ThreadPoolExecutor(clients) as pool:
+        for _ in range(repeat):
+            for what, fn in (("put", put), ("get", get)):
+                gc.collect()
+                t0 = time.perf_counter()
+                list(pool.map(fn, shares))
+                best[what] = min(best[what], time.perf_counter() - t0)
+            for name, _ in items:
+                backend.delete(name)
+    store.close()
+    return {what: {"seconds": s, "objects_per_s": len(items) / s, "mb_per_s": total / s / 1e6}
+            for what, s in best.items()}
+
+
+def cluster_tls_bench(work: Path, quick: bool, repeat: int) -> dict:
+    clients = 4
+    rng = np.random.default_rng(13)
+    sets = {}
+    for model, cs, n in ((SMOL, 16, 48 if quick else 256), (TINY, 16, 400 if quick else 4000)):
+        cache = open_store("memory://").for_model(model, cs)
+        objs: list[tuple[str, bytes]] = []
+        while len(objs) < n:
+            objs += chunk_objects(cache, random_tokens(cs * 16, rng), random_kv(model, cs * 16, len(objs))
+                                  if model is SMOL else None)
+        sets[f"{len(objs[0][1]) / 1e3:,.1f} KB objects"] = objs[:n]
+    rows, results = [], {}
+    tls = TlsFiles(work)
+    tls_port = free_port()
+    servers = {
+        "one redis-server (redis://)": lambda: RedisServer(),
+        "cluster, 1 master (redis+cluster://)": lambda: RedisClusterServers(masters=1, replicas=0),
+        "cluster, 3 masters (redis+cluster://)": lambda: RedisClusterServers(masters=3, replicas=0),
+        "one redis-server, its plain port": None,  # (below: the TLS server's own plain port)
+        "the same server, its TLS port (rediss://)": None,
+    }
+    tls_args = ("--tls-port", str(tls_port), "--tls-cert-file", str(tls.server_cert), "--tls-key-file",
+                str(tls.server_key), "--tls-ca-cert-file", str(tls.ca), "--tls-auth-clients", "no")
+    for label, make in servers.items():
+        if make is None:
+            continue
+        with make() as server:
+            for what, objs in sets.items():
+                r = spread_throughput(server.url, objs, clients, repeat)
+                results[f"{label} / {what}"] = r
+                rows.append([label, what, f"{r['put']['objects_per_s']:,.0f}", f"{r['put']['mb_per_s']:,.0f}",
+                             f"{r['get']['objects_per_s']:,.0f}", f"{r['get']['mb_per_s']:,.0f}"])
+    with RedisServer(extra=tls_args) as server:
+        tls_url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={tls.ca}"
+        for what, objs in sets.items():
+            for label, url in (("one redis-server, its plain port", server.url),
+                               ("the same server, its TLS port (rediss://)", tls_url)):
+                r = spread_throughput(url, objs, clients, repeat)
+                results[f"{label} / {what}"] = r
+                rows.append([label, what, f"{r['put']['objects_per_s']:,.0f}", f"{r['put']['mb_per_s']:,.0f}",
+                             f"{r['get']['objects_per_s']:,.0f}", f"{r['get']['mb_per_s']:,.0f}"])
+    print(f"\n## Redis Cluster and TLS: {clients} client threads, one store (one client), put_many / get_many "
+          f"in batches of 8, best of {repeat}; every node on this machine's {os.cpu_count()} cores\n")
+    print(table(["server", "objects", "put objects/s", "put MB/s", "get objects/s", "get MB/s"], rows))
+    results["clients"] = clients
+    return results
+
+
 # --- main ---------------------------------------------------------------------------------
 
 
@@ -720,6 +809,8 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="folder for the temp stores (default: the system temp)")
     ap.add_argument("--fresh-malloc", action="store_true",
                     help="leave glibc's mmap threshold where a fresh process has it (see warm_malloc)")
+    ap.add_argument("--only", choices=["all", "cluster"], default="all",
+                    help="cluster: part 5 alone (Redis Cluster at 1 and 3 masters, TLS against plain)")
     args = ap.parse_args()
     q = args.quick
     repeat = args.repeat or (2 if q else 3)
@@ -749,6 +840,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvtool-bench-store-", dir=args.dir))
     server = None
     try:
+        if args.only == "cluster":
+            out["cluster_tls"] = cluster_tls_bench(work, q, repeat)
+            out["load_end"] = os.getloadavg()[0]
+            print(f"\n1-min load at the end: {out['load_end']:.2f}")
+            save(args.json, out)
+            return
         server = RedisServer().start()
         print(f"## put/get throughput: best of {repeat}, each row over the same object bytes; "
               f"page cache warm; Redis on localhost (no maxmemory)")
@@ -770,6 +867,7 @@ def main() -> None:
         out["encode"] = encode_breakdown(iters)
         out["dedup"] = dedup(work, prompts, 2048, (256, 768), 256)
         out["lookup"] = lookup_bench(work, server, sizes, calls)
+        out["cluster_tls"] = cluster_tls_bench(work, q, repeat)
         out["load_end"] = os.getloadavg()[0]
         print(f"\n1-min load at the end: {out['load_end']:.2f}")
     except KeyboardInterrupt:
@@ -779,9 +877,13 @@ def main() -> None:
         if server is not None:
             server.close()
         shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1, default=str) + "\n")
-        print(f"(results written to {args.json})")
+    save(args.json, out)
+
+
+def save(path: Path | None, out: dict) -> None:
+    if path:
+        path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+        print(f"(results written to {path})")
 
 
 def _has(module: str) -> bool:

@@ -172,3 +172,46 @@ def redis_url(redis_server):
     client.flushall()
     client.close()
     return redis_server.url
+
+
+def _require_redis_cluster_tools() -> None:
+    """redis-server, redis-cli (Debian's redis-tools) and redis-py, or a skip locally and a
+    failure in CI (which installs them: the cluster tests must run there)."""
+    from redis_server import redis_cli_path, redis_server_path
+
+    missing = None
+    if redis_server_path() is None:
+        missing = "redis-server is not installed (apt-get install redis-server)"
+    elif redis_cli_path() is None:
+        missing = "redis-cli is not installed (apt-get install redis-tools)"
+    elif importlib.util.find_spec("redis") is None:
+        missing = "redis-py is not installed (pip install redis)"
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(missing)
+        pytest.skip(missing)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real Redis Cluster for the session: 3 masters with a replica each on loopback ports
+    (tests/redis_server.py's RedisClusterServers), node timeout 1 s. Tests that kill nodes start
+    their own."""
+    _require_redis_cluster_tools()
+    from redis_server import RedisClusterServers
+
+    cluster = RedisClusterServers(masters=3, replicas=1).start()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster):
+    """The session's cluster as a `redis+cluster://` URL (every node a seed), emptied for this test."""
+    import redis
+
+    for node in redis_cluster.primaries():
+        client = redis.Redis(port=node.port)
+        client.flushall()
+        client.close()
+    return redis_cluster.url

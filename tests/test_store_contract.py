@@ -8,7 +8,8 @@ server, memory://, and a memory tier in front of the local folder and of Redis.
 - hostile objects: bad bytes written under a real chunk's name are never returned; the prefix
   stops before them and `counters.refused` grows;
 - the local store: a restart in a new process keeps every object, `max_bytes` evicts the least
-  recently used, a folder that is not a store is refused; an unreachable Redis is one line, fast.
+  recently used, a folder that is not a store is refused; an unreachable Redis is one line, fast. Redis Cluster's own (one
+  round trip per node, scans over every primary) is in test_store_cluster.py.
 
 Stress (processes, kill -9, a Redis restart) is in test_store_stress.py.
 """
@@ -49,7 +50,8 @@ from fixtures import (
 
 CHUNK = 4
 IDENTITY = make_identity(num_layers=2, num_kv_heads=2, head_dim=8)
-BACKENDS = ["local", "redis", "rediss", "memory", "tiered-local", "tiered-redis"]  # rediss: TLS only, an ACL user
+# rediss: TLS only, an ACL user; redis-cluster: 3 masters with a replica each (redis+cluster://)
+BACKENDS = ["local", "redis", "rediss", "redis-cluster", "memory", "tiered-local", "tiered-redis"]
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -60,6 +62,8 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 def open_kind(kind: str, request, tmp_path, **kw) -> ChunkStore:
     if kind == "rediss":
         url = request.getfixturevalue("rediss_url")
+    elif kind == "redis-cluster":
+        url = request.getfixturevalue("redis_cluster_url")
     elif "redis" in kind:
         url = request.getfixturevalue("redis_url")
     elif "local" in kind:

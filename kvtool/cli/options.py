@@ -67,13 +67,14 @@ ChunksOpt = Annotated[Optional[str], typer.Option(
     "--chunks", metavar="LIST", help="Chunk indices, e.g. '0-3,7' (default: all).")]
 LayersOpt = Annotated[Optional[str], typer.Option(
     "--layers", metavar="LIST", help="Layer indices, e.g. '0,5-9' (default: all).")]
+STORE_HELP = "The chunk store: a folder, file://PATH, redis://HOST:PORT/DB or redis+cluster://HOST:PORT,HOST:PORT/0."
 StoreOpt = Annotated[str, typer.Option(
-    "--store", metavar="URL", help="The chunk store: a folder, file://PATH or redis://HOST:PORT/DB.", show_default=False)]
+    "--store", metavar="URL", help=STORE_HELP, show_default=False)]
 NamespaceOpt = Annotated[Optional[str], typer.Option(
     "--namespace", metavar="NAME", help="The store's partition: its chunks are never served to another.",
     show_default=False)]
 OptionalStoreOpt = Annotated[Optional[str], typer.Option(
-    "--store", metavar="URL", help="The chunk store: a folder, file://PATH or redis://HOST:PORT/DB.", show_default=False)]
+    "--store", metavar="URL", help=STORE_HELP, show_default=False)]
 
 
 def shuffle_choice(shuffle: bool | None, no_shuffle: bool) -> bool | None:

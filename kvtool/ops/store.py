@@ -263,7 +263,7 @@ def rm(store: str, names: list[str] | None = None, *, model: str | None = None, 
             targets = [o for o in infos if upkeep.describe(o).get("model", "").startswith(model)]
         else:
             targets = infos
-        removed = [o for o in targets if s.backend.delete(o.name)]
+        removed = [o for o in targets if s.backend.within(o.namespace).delete(o.name)]
         return StoreRmResult(store=s.url, removed=len(removed), removed_bytes=sum(o.size for o in removed))
 
 

@@ -20,6 +20,9 @@ class ObjectInfo:
     name: str
     size: int  # bytes spent on it: the length (files, memory); Redis' MEMORY USAGE (a little more)
     last_used: float  # seconds since the epoch (the LRU clock); 0 where the backend cannot tell
+    #: the namespace whose keys it was found among, where a backend keeps them apart (Redis: its
+    #: key prefix); `backend.within(namespace)` reads and removes it. "" elsewhere.
+    namespace: str = ""
 
 
 class Backend(ABC):
@@ -43,6 +46,12 @@ class Backend(ABC):
         window at a time), instead of reading it whole first. Every backend, tiers included,
         answers it: the fast path is never lost behind a memory tier."""
         return self.get(name)
+
+    def within(self, namespace: str) -> "Backend":
+        """The backend as requests of `namespace` see it. A chunk's name already holds its
+        namespace (in its hash), so by default that is this backend; Redis also puts the namespace
+        in the key, where its ACL key patterns can confine a tenant's user to its own chunks."""
+        return self
 
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         """`get` of each name; backends with a network batch them into one round trip."""
@@ -87,7 +96,7 @@ class Backend(ABC):
         for info in objects:
             if total <= max_bytes:
                 break
-            if self.delete(info.name):
+            if self.within(info.namespace).delete(info.name):
                 removed.append(info)
             total -= info.size
         return removed

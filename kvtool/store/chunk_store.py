@@ -33,12 +33,13 @@ if TYPE_CHECKING:
     import torch
 
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-_SCHEME_TYPO = re.compile(r"(redis|rediss|unix|file|memory):/?", re.IGNORECASE)
+_SCHEME_TYPO = re.compile(r"(redis\+cluster|rediss\+cluster|redis|rediss|unix|file|memory):/?", re.IGNORECASE)
 
 
 def open_store(url: str | os.PathLike, *, memory_bytes: int = 0, max_bytes: int | None = None,
                create: bool = True) -> "ChunkStore":
-    """A store from a URL: a folder path, `file://PATH`, `redis://host:port/db`, or `memory://`.
+    """A store from a URL: a folder path, `file://PATH`, `redis://host:port/db` (`rediss://`: TLS),
+    `redis+cluster://host:port,host:port/0` (a Redis Cluster; `rediss+cluster://`), or `memory://`.
     `memory_bytes` > 0 puts an in-process LRU memory tier of that size in front (write-through);
     `max_bytes` caps a local store (least recently used objects are evicted past it)."""
     text = os.fspath(url)
@@ -50,13 +51,14 @@ def open_store(url: str | os.PathLike, *, memory_bytes: int = 0, max_bytes: int 
         raise StoreUrlInvalid(f"a {typo.group(1)}: store URL missing a slash: did you mean {meant}?")
     m = _SCHEME.match(text)
     scheme = m.group(1).lower() if m else None
-    if scheme in ("redis", "rediss", "unix"):
+    if scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
         from .redis_backend import RedisBackend
+        from .redis_cluster import RedisClusterBackend
 
         if max_bytes is not None:
             raise UsageError("a Redis store is capped by the server: set its maxmemory and "
                              "maxmemory-policy allkeys-lru (format-spec/store.md §6)")
-        backend: Backend = RedisBackend(text)
+        backend: Backend = (RedisClusterBackend if scheme.endswith("+cluster") else RedisBackend)(text)
     elif scheme == "memory":
         backend = MemoryBackend(max_bytes or (1 << 30))
     elif scheme == "file" or scheme is None:
@@ -65,7 +67,8 @@ def open_store(url: str | os.PathLike, *, memory_bytes: int = 0, max_bytes: int 
             raise StoreUrlInvalid(f"{text}: give the store's folder")
         backend = LocalBackend(path, max_bytes=max_bytes, create=create)
     else:
-        raise StoreUrlInvalid(f"{text}: a store is a folder, file://PATH or redis://HOST:PORT/DB")
+        raise StoreUrlInvalid(f"{text}: a store is a folder, file://PATH, redis://HOST:PORT/DB "
+                              "or redis+cluster://HOST:PORT,HOST:PORT/0")
     if memory_bytes > 0:
         backend = TieredBackend([MemoryBackend(memory_bytes), backend])
     return ChunkStore(backend)
@@ -105,10 +108,10 @@ class ChunkStore:
         (namespace, cache salt, adapter...: store.md §3): it never sees another's chunks."""
         return ModelCache(self, model, chunk_size, extra_keys)
 
-    def chunk_sizes(self, model: ModelIdentity | dict[str, Any]) -> list[int]:
-        """The chunk sizes this store holds chunks of `model` at."""
-        key = ModelCache(self, model, 1).key
-        return sorted(int(c) for c in self.backend.children(f"chunks/{key}/") if c.isdigit())
+    def chunk_sizes(self, model: ModelIdentity | dict[str, Any], extra_keys: ExtraKeys = NO_EXTRA_KEYS) -> list[int]:
+        """The chunk sizes this store holds chunks of `model` at (in `extra_keys`' namespace)."""
+        cache = ModelCache(self, model, 1, extra_keys)
+        return sorted(int(c) for c in cache.backend.children(f"chunks/{cache.key}/") if c.isdigit())
 
     def best_cache(self, model: ModelIdentity | dict[str, Any], token_ids,
                    chunk_size: int | None = None, extra_keys: ExtraKeys = NO_EXTRA_KEYS) -> "ModelCache":
@@ -116,7 +119,7 @@ class ChunkStore:
         most of `token_ids` (256 when nothing is stored)."""
         if chunk_size is not None:
             return self.for_model(model, chunk_size, extra_keys)
-        caches = ([self.for_model(model, s, extra_keys) for s in self.chunk_sizes(model)]
+        caches = ([self.for_model(model, s, extra_keys) for s in self.chunk_sizes(model, extra_keys)]
                   or [self.for_model(model, 256, extra_keys)])
         return max(caches, key=lambda c: (c.lookup(token_ids), -c.chunk_size))
 
@@ -160,10 +163,8 @@ class ModelCache:
         self.model = dict(model)
         self.key = objects.model_key(self.model)
         self.chunk_size = chunk_size
-
-    @property
-    def backend(self) -> Backend:
-        return self.store.backend
+        #: the store as this namespace sees it (Redis: the namespace's key prefix, store.md §6.2)
+        self.backend: Backend = store.backend.within(extra_keys.namespace)
 
     def _chain(self, token_ids, limit: int | None = None) -> list[ChunkLink]:
         """The link (start, parent, prefix hash, extra keys) of each whole chunk of `token_ids`

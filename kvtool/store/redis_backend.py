@@ -1,10 +1,12 @@
-"""The Redis backend: the store many hosts share (format-spec/store.md §6).
+"""The Redis backend: the store many hosts share (format-spec/store.md §6.2).
 
-Each object is one Redis string under `kvtool:1:<name>`, written with `SET ... NX` (put-once,
-atomic). Batches go in one pipeline (one round trip). Eviction is Redis' own: run the server
-with `maxmemory` and `maxmemory-policy allkeys-lru`. A server that is unreachable, or goes away
-mid-run, is retried with backoff for a few seconds, then reported in one line; the next call
-reconnects by itself when the server is back.
+Each object is one Redis string under `kvtool:1:<name>`, or for a chunk of a namespace under
+`kvtool:ns:<namespace>:1:<name>` (`key_prefix`), so that a Redis ACL key pattern can confine a
+tenant's user to its own chunks; written with `SET ... NX` (put-once, atomic). Batches go in one
+pipeline (one round trip). Eviction is Redis' own: run the server with `maxmemory` and
+`maxmemory-policy allkeys-lru`. A server that is unreachable, or goes away mid-run, is retried
+with backoff for a few seconds, then reported in one line; the next call reconnects by itself
+when the server is back. Redis Cluster is `redis_cluster.py`, this class with another client.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from contextlib import contextmanager
 from ..errors import ObjectRefused, StoreAccessDenied, StoreError, StoreUnavailable, UsageError
 from .backend import Backend, ObjectInfo
 
+#: The key prefix of objects without a namespace (1: the backend layout's version, §9).
 KEY_PREFIX = "kvtool:1:"
+#: Where each namespace's keys start: `kvtool:ns:<escaped namespace>:1:`.
+NAMESPACE_PREFIX = "kvtool:ns:"
+#: Characters a namespace keeps as they are in its key prefix; any other is %XX of its UTF-8 bytes,
+#: so that no prefix is another's (no ':'), and an ACL pattern or SCAN glob, or a cluster hash
+#: tag ('{...}'), never reads one as anything but literal text.
+_PLAIN = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 #: How long a command keeps retrying a lost server before it reports it (seconds of backoff).
 RETRY_SECONDS = 5.0
 
@@ -27,13 +36,59 @@ def redacted(url: str) -> str:
 
     try:
         parts = urlsplit(url)
-        if parts.password is None and parts.username is None:
-            return url
-        host = parts.hostname or ""
-        netloc = "***@" + (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
-    except ValueError:  # (a malformed port): show only the scheme
+    except ValueError:  # (a malformed address): show only the scheme
         return url.split("://", 1)[0] + "://***"
-    return urlunsplit(parts._replace(netloc=netloc))
+    # the last "@" ends the user part (a password may hold an unescaped "@"); what follows is the
+    # host, or a cluster's host:port,host:port, shown as written
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    query = parts.query
+    if "password=" in query.lower():  # redis-py also reads `?password=`: never shown either
+        from urllib.parse import parse_qsl, urlencode
+
+        query = urlencode([(k, "***" if k.lower() == "password" else v)
+                           for k, v in parse_qsl(query, keep_blank_values=True)], safe="*/")
+    if not at and query == parts.query:
+        return url
+    return urlunsplit(parts._replace(netloc=("***@" if at else "") + hosts, query=query))
+
+
+def key_prefix(namespace: str) -> str:
+    """The Redis key prefix of a namespace's objects ("": those without one), store.md §6.2. The
+    ACL key pattern that confines a tenant to namespace N is `tenant_acl(N)`'s `~kvtool:ns:<N>:*`."""
+    return f"{NAMESPACE_PREFIX}{_escaped(namespace)}:1:" if namespace else KEY_PREFIX
+
+
+def _escaped(namespace: str) -> str:
+    return "".join(c if c in _PLAIN else "".join(f"%{b:02X}" for b in c.encode("utf-8")) for c in namespace)
+
+
+#: What a tenant's Redis user needs (store.md §6.2): the commands the backend sends, no others.
+TENANT_COMMANDS = ("-@all", "+ping", "+get", "+mget", "+set", "+type", "+del", "+scan", "+object|idletime",
+                   "+memory|usage")
+#: ... and on a Redis Cluster, what redis-py asks to learn the slot map.
+CLUSTER_COMMANDS = ("+cluster|slots", "+cluster|shards", "+cluster|nodes", "+command")
+
+
+def tenant_acl(namespace: str, *, cluster: bool = False) -> list[str]:
+    """The ACL rules (for `ACL SETUSER name on >password ...rules`, or `user name on >password
+    ...rules` in an ACL file) that confine a user to `namespace`'s chunks (store.md §6.2)."""
+    return ["resetkeys", f"~{NAMESPACE_PREFIX}{_escaped(namespace)}:*", "resetchannels", *TENANT_COMMANDS,
+            *(CLUSTER_COMMANDS if cluster else ())]
+
+
+def _namespace_of(key: str) -> tuple[str, str] | None:
+    """(namespace, name) of a key under NAMESPACE_PREFIX; None for one that no namespace's
+    prefix gives (a foreign key: not the store's, never read or removed by it)."""
+    from urllib.parse import unquote
+
+    escaped, sep, rest = key[len(NAMESPACE_PREFIX):].partition(":1:")
+    if not sep or not escaped:
+        return None
+    try:
+        namespace = unquote(escaped, errors="strict")
+        return (namespace, rest) if key_prefix(namespace) == key[:len(key) - len(rest)] else None
+    except UnicodeError:  # %-escapes that are not UTF-8, or a key's own bytes that are not
+        return None
 
 
 #: Where a password kept out of the store's URL comes from: this environment variable, or the file
@@ -84,28 +139,60 @@ def _retry_but_not_refusals(retry_class):
 
 
 class RedisBackend(Backend):
+    """One Redis server (or, in `RedisClusterBackend`, a cluster). `within(namespace)` is the same
+    connection seen through that namespace's key prefix: what a `ModelCache` of the namespace uses."""
+
     def __init__(self, url: str, *, retry_seconds: float = RETRY_SECONDS):
         try:
             import redis
-            from redis.backoff import ExponentialBackoff
-            from redis.retry import Retry
         except ImportError:
             raise UsageError("a redis:// store needs redis-py: pip install 'redis>=5'") from None
         self._errors = redis.exceptions
         self.url = redacted(url)  # what messages and logs show: never the password
-        # redis-py waits 0.1, 0.2, 0.4, then 0.5 s between tries: about `retry_seconds` of waiting
-        # for a refused connection, plus up to 1 s per try for a host that does not answer
-        retries = max(1, int((retry_seconds - 0.7) / 0.5) + 3)
+        self.namespace = ""
+        self._prefix = KEY_PREFIX
+        self._root, self._views = self, {}
         url, password = _password_outside(url, self.url)
+        self.retry_seconds = retry_seconds
         try:
-            self.client = redis.Redis.from_url(
-                url, socket_connect_timeout=1.0, socket_timeout=5.0, **({"password": password} if password else {}),
-                retry=_retry_but_not_refusals(Retry)(ExponentialBackoff(cap=0.5, base=0.05), retries),
-                retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError])
+            with self._talking():  # (a cluster client talks to its seeds as it is made)
+                self.client = self._connect(redis, url, password)
         except ValueError as err:
             raise StoreError(f"{self.url}: not a Redis URL ({err})") from None
+        self._run(self._ping)
+
+    def _connect(self, redis, url: str, password: str | None):
+        from redis.backoff import ExponentialBackoff
+        from redis.retry import Retry
+
+        # redis-py waits 0.1, 0.2, 0.4, then 0.5 s between tries: about `retry_seconds` of waiting
+        # for a refused connection, plus up to 1 s per try for a host that does not answer
+        retries = max(1, int((self.retry_seconds - 0.7) / 0.5) + 3)
+        return redis.Redis.from_url(
+            url, socket_connect_timeout=1.0, socket_timeout=5.0, **({"password": password} if password else {}),
+            retry=_retry_but_not_refusals(Retry)(ExponentialBackoff(cap=0.5, base=0.05), retries),
+            retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError])
+
+    def _ping(self) -> None:
+        self.client.ping()
+
+    def within(self, namespace: str) -> "RedisBackend":
+        """This store as a namespace's requests see it: the same connection, that namespace's keys."""
+        root = self._root
+        if not namespace:
+            return root
+        view = root._views.get(namespace)
+        if view is None:
+            view = object.__new__(type(root))
+            view.__dict__.update(root.__dict__)
+            view.namespace, view._prefix, view._views = namespace, key_prefix(namespace), {}
+            root._views[namespace] = view
+        return view
+
+    def _run(self, do):
+        """`do()`, its Redis exceptions one line naming the server (a subclass retries here)."""
         with self._talking():
-            self.client.ping()
+            return do()
 
     @contextmanager
     def _talking(self):
@@ -116,11 +203,35 @@ class RedisBackend(Backend):
             raise StoreAccessDenied(f"{self.url}: the Redis server refused the user name or password "
                                     f"({_first_line(err)})") from None
         except self._errors.NoPermissionError as err:
-            raise StoreAccessDenied(f"{self.url}: the Redis user may not do this (ACL: {_first_line(err)})") from None
+            raise self._refused(err) from None
         except (self._errors.ConnectionError, self._errors.TimeoutError) as err:
             raise StoreUnavailable(f"{self.url}: the Redis server cannot be reached ({_first_line(err)})") from None
         except self._errors.RedisError as err:
+            if "NOPERM" in str(err) or "no permissions" in str(err):  # (a pipeline's, as a ResponseError)
+                raise self._refused(err) from None
             raise StoreError(f"{self.url}: Redis refused the command ({_first_line(err)})") from None
+
+    def _refused(self, err: Exception) -> StoreAccessDenied:
+        """An ACL refusal, naming the namespace asked for: a tenant's user reading another's."""
+        what = f"read or write namespace {self.namespace!r}" if self.namespace else "do this"
+        return StoreAccessDenied(f"{self.url}: the Redis user may not {what} (ACL: {_first_line(err)})")
+
+    def _key(self, name: str) -> bytes:
+        """The Redis key of a name; a name read from a key that is not UTF-8 gives its bytes back."""
+        return (self._prefix + name).encode("utf-8", "surrogateescape")
+
+    def _pipelined(self, command: str, keys: Sequence[bytes], *args, **kwargs) -> list:
+        """`command key *args` for each key, in one non-transactional pipeline: one round trip (a
+        cluster's pipeline sends each node its own keys, one round trip per node)."""
+        if not keys:
+            return []
+
+        def do():
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                getattr(pipe, command)(key, *args, **kwargs)
+            return pipe.execute()
+        return self._run(do)
 
     # --- reads -----------------------------------------------------------------------
 
@@ -128,8 +239,7 @@ class RedisBackend(Backend):
         """The object's bytes; a key of another type at its name (a hash, a list) is not an
         object: refused (a miss), and `fsck` removes it."""
         try:
-            with self._talking():
-                return self.client.get(_key(name))
+            return self._run(lambda: self.client.get(self._key(name)))
         except StoreError as err:
             if "WRONGTYPE" not in str(err):
                 raise
@@ -139,8 +249,7 @@ class RedisBackend(Backend):
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         if not names:  # (MGET answers nil for a key of another type: a miss)
             return []
-        with self._talking():
-            return self.client.mget([_key(n) for n in names])
+        return self._run(lambda: self.client.mget([self._key(n) for n in names]))
 
     def exists(self, name: str) -> bool:
         return self.exists_many([name])[0]
@@ -148,39 +257,64 @@ class RedisBackend(Backend):
     def exists_many(self, names: Sequence[str]) -> list[bool]:
         """A string at each key (TYPE: like EXISTS it is not a use): a key of another type is not
         an object, never counted as present, so a put replaces it."""
-        if not names:
-            return []
-        with self._talking():
-            pipe = self.client.pipeline(transaction=False)
-            for n in names:
-                pipe.type(_key(n))
-            return [t in (b"string", "string") for t in pipe.execute()]
+        return [t in (b"string", "string") for t in self._pipelined("type", [self._key(n) for n in names])]
+
+    def _scan_keys(self, pattern: bytes) -> list[bytes]:
+        """Every key matching `pattern` (SCAN, never KEYS: the server keeps answering others)."""
+        return self._run(lambda: list(self.client.scan_iter(match=pattern, count=1000)))
+
+    def _scan_partition(self, prefix: str) -> list[tuple[bytes, str, str]]:
+        """(key, namespace, name) of this view's objects whose name starts with `prefix`."""
+        pattern = (self._prefix + _glob_escape(prefix)).encode("utf-8", "surrogateescape") + b"*"
+        # a key that is not UTF-8 keeps its bytes (surrogates): listed as foreign, removable
+        return [(key, self.namespace, key.decode("utf-8", "surrogateescape")[len(self._prefix):])
+                for key in self._scan_keys(pattern)]
+
+    def _scan_namespaces(self, prefix: str) -> list[tuple[bytes, str, str]]:
+        """(key, namespace, name) of every namespace's objects whose name starts with `prefix`."""
+        found = []
+        for key in self._scan_keys(NAMESPACE_PREFIX.encode() + b"*"):
+            place = _namespace_of(key.decode("utf-8", "surrogateescape"))
+            if place is not None and place[1].startswith(prefix):
+                found.append((key, *place))
+        return found
 
     def scan(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """This view's objects; the store itself (no namespace) lists every namespace's too, so
+        that stats, gc and fsck see the whole store (an ACL-confined user cannot: refused)."""
         now = time.time()
-        with self._talking():
-            keys = list(self.client.scan_iter(match=_key(_glob_escape(prefix)) + b"*", count=1000))
-            for start in range(0, len(keys), 1000):
-                batch = keys[start:start + 1000]
+        keys = self._scan_partition(prefix)
+        if self is self._root:
+            keys += self._scan_namespaces(prefix)
+        for start in range(0, len(keys), 1000):
+            batch = keys[start:start + 1000]
+
+            def do():
                 pipe = self.client.pipeline(transaction=False)
-                for key in batch:  # neither counts as a use (STRLEN would: it resets the LRU clock)
+                for key, _, _ in batch:  # neither counts as a use (STRLEN would: it resets the LRU clock)
                     pipe.object("idletime", key)
                     pipe.memory_usage(key)
-                replies = pipe.execute(raise_on_error=False)
-                for i, key in enumerate(batch):
-                    idle, size = replies[2 * i], replies[2 * i + 1]
-                    if not isinstance(size, int) or size == 0:  # removed meanwhile
-                        continue
-                    idle = idle if isinstance(idle, int) else 0
-                    # a key that is not UTF-8 keeps its bytes (surrogates): listed as foreign, removable
-                    yield ObjectInfo(key.decode("utf-8", "surrogateescape")[len(KEY_PREFIX):], size, now - idle)
+                return pipe.execute(raise_on_error=False)
+            replies = self._run(do)
+            for i, (_key, namespace, name) in enumerate(batch):
+                idle, size = replies[2 * i], replies[2 * i + 1]
+                if isinstance(size, self._errors.NoPermissionError):  # another tenant's key: refused
+                    raise self._refused(size) from None
+                if not isinstance(size, int) or size == 0:  # removed meanwhile
+                    continue
+                idle = idle if isinstance(idle, int) else 0
+                yield ObjectInfo(name, size, now - idle, namespace)
+
+    def children(self, prefix: str) -> set[str]:
+        """The next name parts under `prefix` among this view's own objects (a namespace's chunk
+        sizes are its own)."""
+        return {name[len(prefix):].split("/", 1)[0] for _, _, name in self._scan_partition(prefix)}
 
     # --- writes ----------------------------------------------------------------------
 
     def put(self, name: str, data: bytes, *, replace: bool = False) -> bool:
         if replace:
-            with self._talking():
-                return bool(self.client.set(_key(name), bytes(data)))
+            return bool(self._run(lambda: self.client.set(self._key(name), bytes(data))))
         return self.put_many([(name, data)])[0]
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
@@ -188,35 +322,30 @@ class RedisBackend(Backend):
         overwritten by the object instead of counting as stored."""
         if not items:
             return []
-        with self._talking():
+
+        def do():
             pipe = self.client.pipeline(transaction=False)
             for name, data in items:
-                pipe.set(_key(name), bytes(data), nx=True)
-            created = [bool(x) for x in pipe.execute()]
-            taken = [i for i, c in enumerate(created) if not c]
-            if taken:
-                pipe = self.client.pipeline(transaction=False)
-                for i in taken:
-                    pipe.type(_key(items[i][0]))
-                for i, kind in zip(taken, pipe.execute()):
-                    if kind not in (b"string", "string"):
-                        created[i] = bool(self.client.set(_key(items[i][0]), bytes(items[i][1])))
-            return created
+                pipe.set(self._key(name), bytes(data), nx=True)
+            return [bool(x) for x in pipe.execute()]
+        created = self._run(do)
+        taken = [i for i, c in enumerate(created) if not c]
+        kinds = self._pipelined("type", [self._key(items[i][0]) for i in taken])
+        for i, kind in zip(taken, kinds):
+            if kind not in (b"string", "string"):
+                created[i] = bool(self._run(lambda i=i: self.client.set(self._key(items[i][0]), bytes(items[i][1]))))
+        return created
 
     def delete(self, name: str) -> bool:
-        with self._talking():
-            return bool(self.client.delete(_key(name)))
+        return bool(self._run(lambda: self.client.delete(self._key(name))))
 
     def close(self) -> None:
+        if self is not self._root:  # a view: the connection is the store's
+            return
         try:
             self.client.close()
         except Exception:  # closing a connection to a server that is gone
             pass
-
-
-def _key(name: str) -> bytes:
-    """The Redis key of a name; a name read from a key that is not UTF-8 gives its bytes back."""
-    return (KEY_PREFIX + name).encode("utf-8", "surrogateescape")
 
 
 def _glob_escape(text: str) -> str:

@@ -19,6 +19,16 @@ class TieredBackend(Backend):
     def durable(self) -> Backend:
         return self.tiers[-1]
 
+    def within(self, namespace: str) -> Backend:
+        """The same upper tiers (names differ by namespace anyway) over the durable tier's view."""
+        durable = self.durable.within(namespace)
+        if durable is self.durable:
+            return self
+        views = self.__dict__.setdefault("_views", {})
+        if namespace not in views:
+            views[namespace] = TieredBackend([*self.tiers[:-1], durable])
+        return views[namespace]
+
     def get(self, name: str) -> bytes | None:
         for i, tier in enumerate(self.tiers):
             data = tier.get(name)

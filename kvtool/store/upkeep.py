@@ -34,6 +34,8 @@ def describe(info: ObjectInfo) -> dict:
     """What an object's name says: kind, model key, chunk size, prefix hash."""
     parsed = objects.parse_name(info.name)
     row = {"name": printable(info.name), "bytes": info.size, "last_used": info.last_used, "kind": "foreign"}
+    if info.namespace:
+        row["namespace"] = printable(info.namespace)
     if parsed is None:
         return row
     kind, m = parsed
@@ -55,7 +57,7 @@ def model_names(store: ChunkStore, rows: list[dict]) -> dict[str, str]:
         if not key or key in names or row["kind"] != "chunk":
             continue
         try:
-            data = store.backend.open(row["name"])
+            data = store.backend.within(row.get("namespace", "")).open(row["name"])
             if data is None:
                 continue
             reader = objects.open_object(data, row["name"])
@@ -114,19 +116,25 @@ class FsckReport:
     temps_removed: int
 
 
-def check_object(name: str, data) -> None:
+def check_object(name: str, data, namespace: str = "") -> None:
     """§5's checks of one object by its name alone (its bytes, or its open file: the header and
     manifest are checked before a payload is read, so memory stays within what they declare);
-    raises ObjectRefused."""
+    raises ObjectRefused. `namespace`: found among that namespace's keys (Redis, §6.2), where only
+    chunks of that namespace are ever written."""
     if data is None:
         raise ObjectRefused(f"{name}: vanished while being checked")
     parsed = objects.parse_name(name)
     if parsed is None:
         raise ObjectRefused(f"{name}: not a store object's name")
     kind = parsed[0]
+    if namespace and kind != "chunk":
+        raise ObjectRefused(f"{name}: a {kind} among namespace {printable(namespace)!r}'s keys (only chunks are)")
     if kind == "chunk":
         obj = objects.check_chunk(data, name)
         try:
+            if namespace and obj.extra.get("namespace") != namespace:
+                raise ObjectRefused(f"{name}: a chunk of another namespace than {printable(namespace)!r} "
+                                    "among its keys")
             obj.decode()  # the payload decodes to the declared shape, every value finite
             if obj.reader.nonzero_padding():  # what `verify` refuses, fsck removes (never loaded: not KV)
                 raise ObjectRefused(f"{name}: non-zero bytes in its padding (container.md §2.3)")
@@ -161,23 +169,23 @@ def fsck(store: ChunkStore, *, repair: bool = True) -> FsckReport:
         try:
             if objects.parse_name(info.name) is None:  # a foreign file: never read as an object
                 raise ObjectRefused(f"{shown}: not a store object's name")
-            check_object(info.name, store.backend.open(info.name))
+            check_object(info.name, store.backend.within(info.namespace).open(info.name), info.namespace)
         except StoreUnavailable:
             raise
         except (ObjectUnreadable, InputFileError) as err:  # nothing known of its bytes: reported, kept
             damaged.append({"name": shown, "reason": f"{err}; left in place (it cannot be read here)", "kept": True})
         except (ObjectRefused, StoreError) as err:
             damaged.append({"name": shown, "reason": printable(str(err))})
-            doomed.append((info.name, damaged[-1]))
-    removed = sum(_remove(store, name, d) for name, d in doomed) if repair else 0
+            doomed.append((info, damaged[-1]))
+    removed = sum(_remove(store, info, d) for info, d in doomed) if repair else 0
     return FsckReport(checked=checked, intact=checked - len(damaged), damaged=damaged, removed=removed,
                       temps_removed=temps)
 
 
-def _remove(store: ChunkStore, name: str, damaged: dict) -> bool:
+def _remove(store: ChunkStore, info: ObjectInfo, damaged: dict) -> bool:
     """Remove one damaged entry; one that cannot be removed says why in its reason."""
     try:
-        return store.backend.delete(name)
+        return store.backend.within(info.namespace).delete(info.name)
     except StoreUnavailable:
         raise
     except StoreError as err:
