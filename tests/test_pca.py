@@ -224,3 +224,14 @@ def test_tables_are_what_the_spec_says():
     cost = np.rint(-np.log2(ref.FREQ / 4096) * 256)
     assert np.array_equal(cost, ref.COST)
     assert set(QUALITY) == {"99", "97", "95", "89"}
+
+
+def test_payload_stats_account_for_every_byte(cal):
+    codec = get_codec("pca")
+    kv = sample_kv(50)
+    payload, p = codec.encode(kv, params_for(cal.digest, "95"))
+    stats = codec.payload_stats(memoryview(payload), tuple(kv.shape), p)
+    parts = stats["bits_per_value_by_part"]
+    assert abs(sum(parts.values()) - stats["bits_per_value"]) < 1e-9
+    assert min(parts.values()) >= 0 and parts["rans"] > 0 and parts["sinks"] > 0
+    assert 0 < stats["components_coded"] <= stats["components"] == 2 * L * C

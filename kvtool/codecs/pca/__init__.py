@@ -99,6 +99,15 @@ class PcaCodec(Codec):
             raise CodecParamsInvalid(f"pca: KV dtype {dtype} is not one of {', '.join(STORAGE)}")
         return reference.decode_chunk(payload, tuple(shape), dtype, find(p["calibration"]), p["step"], p["position"])
 
+    def payload_stats(self, payload: memoryview, shape: tuple[int, ...],
+                      params: dict[str, Any]) -> dict[str, Any] | None:
+        p = self.validate_params(params)
+        dtype = {v: k for k, v in reference.DTYPE_CODES.items()}.get(payload[5] if len(payload) > 5 else -1)
+        stats = reference.payload_stats(payload, tuple(shape), dtype or "bfloat16")
+        stats["ratio_vs_bf16"] = 16.0 / stats["bits_per_value"]
+        stats["params"] = p
+        return stats
+
     def expected_top1(self, params: dict[str, Any], num_layers: int) -> tuple[float, str] | None:
         quality = self.validate_params(params).get("quality")
         if quality is None:

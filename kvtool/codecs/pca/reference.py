@@ -363,3 +363,33 @@ def decode_chunk(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str
     if Tc:
         out[:, :, n_sink:] = to_dtype(inverse(q.reshape(2, L, Tc, C), cal, start + n_sink, step), dtype)
     return out
+
+
+def payload_stats(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str) -> dict:
+    """Bits per value of everything in a payload, by part (parses the framing only), and how many
+    components were coded at all."""
+    _, L, T, C = shape
+    lanes, n_sink, entries, sink_at, rows_at = parse(payload, shape, dtype)
+    values = 2 * L * T * C
+    acc = {"header": 8 * sink_at, "sinks": 8 * (rows_at - sink_at), "side": 0, "lane_states": 0, "rans": 0,
+           "low_bits": 0, "signs": 0, "escapes": 0, "padding": 0}
+    pos, live = rows_at, 0
+    data = bytes(payload)
+    for words, lo_bits, sign_bits, escapes in entries:
+        sizes = _row_sizes(C, lanes, words, lo_bits, sign_bits, escapes)
+        live += int((np.frombuffer(data, np.uint8, count=C, offset=pos) != ALL_ZERO).sum())
+        acc["side"] += 8 * C
+        acc["lane_states"] += 8 * sizes[1]
+        acc["rans"] += 16 * words
+        acc["low_bits"] += lo_bits
+        acc["signs"] += sign_bits
+        acc["escapes"] += 16 * escapes
+        acc["padding"] += 8 * (sizes[0] - C) + 16 * (words % 2) + 8 * (sizes[3] + sizes[4] + sizes[6]) \
+            - lo_bits - sign_bits
+        pos += sum(sizes)
+    total = 8 * len(payload)
+    return {"values": values, "bytes": len(payload), "bits_per_value": total / values,
+            **{f"bpv_{k}": v / values for k, v in acc.items()},
+            "bits_per_value_by_part": {k: v / values for k, v in acc.items()},
+            "share": {k: v / total for k, v in acc.items()},
+            "lanes": lanes, "sink_tokens": n_sink, "components_coded": live, "components": 2 * L * C}
