@@ -144,8 +144,14 @@ def engine_url(text: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """A bad argument is one line, as kvtool's commands say it, and exit status 2."""
+        self.exit(2, f"kvtool: error: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtool.integrations.disagg_proxy",
+    parser = _Parser(prog="python -m kvtool.integrations.disagg_proxy",
                                      description="Prefill on one vLLM engine, decode on another (a kvtool store between them).")
     parser.add_argument("--prefill", type=engine_url, action="append", required=True,
                         help="a prefill engine (kv_role kv_producer), http://host:port; repeat for several")
