@@ -9,8 +9,8 @@ kv_producer) and a decode engine (kv_consumer), with a store between the two (a 
 folder, or --store, e.g. redis://...; raw codec), and kvtool's proxy in front of them. vLLM's own
 prefix cache is off in all three. Prompts: bench_vllm.py's (a ~970-token document they share, then
 each its own ~160-token question: ~1,135 tokens, 4 whole chunks), served one at a time, streamed,
-16 greedy tokens: first by the single engine, then through the proxy. Each engine first serves one
-prompt of its own (not timed). Per prompt:
+16 greedy tokens: each by the single engine, then through the proxy (in turn, so that a change in the
+machine's load falls on both alike). Each engine first serves one prompt of its own (not timed). Per prompt:
   - TTFT on the single engine and on the decode engine: vLLM's own (the growth of its
     vllm:time_to_first_token_seconds sum in /metrics, from the request's arrival in the engine);
     the decode engine's holds its load of the stored chunks and the computation of the rest;
@@ -145,11 +145,12 @@ def run(args, root: Path) -> dict:
             warm = cold_prompts(2)
             stream(client, url["single"], warm[0])
             stream(client, url["proxy"], warm[1])
-            texts = prompts(args.prompts)
-            single = [served(client, url["single"], t, {"single": url["single"]}) for t in texts]
-            print("… single engine done", file=sys.stderr, flush=True)
-            split = [served(client, url["proxy"], t, {"prefill": url["prefill"], "decode": url["decode"]})
-                     for t in texts]
+            single, split = [], []
+            for i, text in enumerate(prompts(args.prompts)):  # in turn: a machine's load changes hit both alike
+                single.append(served(client, url["single"], text, {"single": url["single"]}))
+                split.append(served(client, url["proxy"], text, {"prefill": url["prefill"], "decode": url["decode"]}))
+                print(f"… prompt {i + 1}: TTFT {1e3 * single[-1]['single_ttft_s']:.0f} ms alone, "
+                      f"{1e3 * split[-1]['decode_ttft_s']:.0f} ms on the decode engine", file=sys.stderr, flush=True)
         return {"engines_ready_s": started, "single": single, "split": split}
     finally:
         for proc in procs:

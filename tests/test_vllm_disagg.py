@@ -67,6 +67,24 @@ def complete(port: int, prompt: str) -> dict:
             "cached": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
+def complete_streamed(port: int, prompt: str) -> dict:
+    """The same, streamed (server-sent events, passed through by the proxy)."""
+    import httpx
+
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    tokens, usage = [], None
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600) as answer:
+        assert answer.status_code == 200, answer.read()
+        for line in answer.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[len("data: "):])
+                tokens += [t for c in event.get("choices") or [] for t in c.get("token_ids") or []]
+                usage = event.get("usage") or usage
+    return {"tokens": tokens, "prompt_tokens": usage["prompt_tokens"],
+            "cached": usage["prompt_tokens_details"]["cached_tokens"]}
+
+
 def whole_chunks(prompt_tokens: int) -> int:
     return (prompt_tokens - 1) // CHUNK * CHUNK  # vLLM computes the chunk that holds the last prompt token
 
@@ -129,14 +147,16 @@ def test_readme_commands_prefill_here_decode_there(deployment):
 @pytest.mark.model
 @pytest.mark.slow
 def test_each_prompt_is_loaded_whole_and_decodes_as_one_engine_alone(deployment):
-    """Four prompts that share a first part, through the proxy; then the same prompts to the prefill
-    engine alone; then a new prompt to the decode engine alone, which saves nothing."""
+    """Four prompts that share a first part, through the proxy (the first again, streamed); then the
+    same prompts to the prefill engine alone; then a new prompt to the decode engine alone, which
+    saves nothing."""
     proxy, prefill, decode, store = (deployment[k] for k in ("proxy", "prefill", "decode", "store"))
     split = [complete(proxy, prompt) for prompt in PROMPTS]
     for got in split:
         print(f"P/D: {got['prompt_tokens']} prompt tokens, {got['cached']} loaded by the decode engine")
         assert got["prompt_tokens"] > 3 * CHUNK
         assert got["cached"] == whole_chunks(got["prompt_tokens"])
+    assert complete_streamed(proxy, PROMPTS[0]) == split[0]  # streamed through the proxy: the same
     saved = stored_objects(store)
     alone = [complete(prefill, prompt) for prompt in PROMPTS]
     assert [a["cached"] for a in alone] == [0] * len(PROMPTS)  # every chunk is stored: a producer never loads

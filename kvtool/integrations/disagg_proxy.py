@@ -50,7 +50,6 @@ def build_app(prefill: list[str], decode: list[str], timeout_s: float = 600.0):
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from starlette.background import BackgroundTask
 
     prefills, decodes = itertools.cycle(prefill), itertools.cycle(decode)
 
@@ -94,8 +93,13 @@ def build_app(prefill: list[str], decode: list[str], timeout_s: float = 600.0):
             return unreachable("decode", url, err)
         media = answer.headers.get("content-type")
         if body.get("stream") and answer.status_code == 200:
-            return StreamingResponse(answer.aiter_raw(), status_code=200, media_type=media,
-                                     background=BackgroundTask(answer.aclose))
+            async def relay():
+                try:
+                    async for part in answer.aiter_raw():
+                        yield part
+                finally:  # also when the client goes away mid-answer: the decode engine's stream is closed
+                    await answer.aclose()
+            return StreamingResponse(relay(), status_code=200, media_type=media)
         try:
             content = await answer.aread()
         finally:
