@@ -21,6 +21,11 @@ vLLM builds the class twice, in two processes, and each object delegates to its 
     stats.py      kvtool's counters in vLLM's "KV Transfer metrics" log line
     metadata.py   what the scheduler side sends the worker side each step (typed, pickled)
 
+vLLM's `kv_role`: `kv_both` loads and saves; `kv_producer` saves and never loads, and ends each step
+with the chunks it completed stored, so that the step's output (a prefill's one token) leaves after
+them; `kv_consumer` loads and never saves. A producer and a consumer behind
+`kvtool.integrations.disagg_proxy`: prefill on one engine, decode on another.
+
 A missing, damaged or foreign chunk is never loaded: its blocks are reported to vLLM as load
 errors (`kv_load_failure_policy` decides: recompute or fail).
 

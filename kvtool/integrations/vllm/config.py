@@ -18,6 +18,21 @@ class ConnectorConfig:
     save_generated: bool  # also save whole chunks that generated tokens complete
     namespace: str  # the user's partition of a shared store ("" for none)
     lookup_wait_s: float  # how long the scheduler waits for a store lookup before asking again later
+    role: str = "kv_both"  # vLLM's kv_role: kv_producer never loads, kv_consumer never saves
+
+    @property
+    def loads(self) -> bool:
+        return self.role != "kv_producer"
+
+    @property
+    def saves(self) -> bool:
+        return self.role != "kv_consumer"
+
+    @property
+    def saves_before_reply(self) -> bool:
+        """A producer (prefill here, decode there): its step ends with the step's chunks stored,
+        so the reply that step produces (the first token) leaves after them."""
+        return self.role == "kv_producer"
 
 
 def read_config(vllm_config) -> ConnectorConfig:
@@ -44,4 +59,4 @@ def read_config(vllm_config) -> ConnectorConfig:
         raise ValueError(f"KVToolConnector: lookup_wait_ms must be >= 0, got {wait_ms}")
     return ConnectorConfig(store_url=str(url), codec=codec, chunk_size=chunk_size, block_size=block_size,
                            save_generated=bool(extra.get_from_extra_config("save_generated", False)),
-                           namespace=namespace, lookup_wait_s=wait_ms / 1e3)
+                           namespace=namespace, lookup_wait_s=wait_ms / 1e3, role=extra.kv_role or "kv_both")

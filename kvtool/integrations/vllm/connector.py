@@ -21,7 +21,7 @@ class KVToolConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
-        config = read_config(vllm_config)
+        config = self.config = read_config(vllm_config)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -32,13 +32,19 @@ class KVToolConnector(KVConnectorBase_V1):
     # --- scheduler side ----------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler_side.matched_tokens(request, num_computed_tokens)
+        matched, is_async = self.scheduler_side.matched_tokens(request, num_computed_tokens)
+        if matched and not self.config.loads:  # kv_producer: its lookup gave the keys its saves need; it never loads
+            return 0, False
+        return matched, is_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self.scheduler_side.allocated(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self.scheduler_side.build_meta(scheduler_output)
+        meta = self.scheduler_side.build_meta(scheduler_output)
+        if not self.config.saves:  # kv_consumer: loads only
+            meta.saves.clear()
+        return meta
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.scheduler_side.forget(request.request_id)

@@ -39,9 +39,9 @@ class WorkerSide:
         self._blocks = EngineBlocks(list(kv_caches.values()), self.config.block_size, layout.paged)  # in model order
         if layout.paged is PagedLayout.VLLM_CPU:
             check_cpu_pages(self._blocks)
-        log.info("kvtool: store %s, codec %s, chunks of %d tokens, vLLM's KV (%s, %s) in kvtool layout %r",
-                 self.caches.url, self.config.codec, self.config.chunk_size, layout.backend, layout.cache_layout,
-                 layout.paged.value)
+        log.info("kvtool: store %s, codec %s, chunks of %d tokens, %s, vLLM's KV (%s, %s) in kvtool layout %r",
+                 self.caches.url, self.config.codec, self.config.chunk_size, self.config.role, layout.backend,
+                 layout.cache_layout, layout.paged.value)
 
     # --- loads, before the forward pass --------------------------------------------------
 
@@ -92,6 +92,8 @@ class WorkerSide:
             if self._saving is None:
                 self._saving = SavePipeline(max_pending=4, name="kvtool-vllm-save")
             self._saving.submit(lambda save=save, kv=kv, gathered=gathered: self._store_chunks(save, kv, gathered))
+        if self.config.saves_before_reply and self._saving is not None:
+            self._saving.drain()  # kv_producer: vLLM sends this step's output (a first token) after its chunks are stored
 
     def _store_chunks(self, save: SaveSpec, kv: torch.Tensor, gathered: float) -> None:
         """On the saving thread."""
