@@ -86,44 +86,28 @@ static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost,
 }
 
 /* ------------------------------------------------------------------------ */
-/* bits, LSB first                                                           */
-typedef struct { uint8_t *p; uint64_t pos; } bitw; /* buffer zeroed, 8 bytes of slack */
-
-static inline void bw_put(bitw *w, uint32_t v, int n) {
-    uint8_t *q = w->p + (w->pos >> 3);
-    uint64_t cur;
-    memcpy(&cur, q, 8);
-    cur |= (uint64_t)v << (w->pos & 7u);
-    memcpy(q, &cur, 8);
-    w->pos += (uint64_t)n;
-}
-
+/* bits, LSB first (the writers are inline in encode_row)                    */
 typedef struct { const uint8_t *p; size_t n, at; uint64_t buf; int cnt; } bitr; /* never reads past n */
 
-static inline uint32_t br_get(bitr *r, int nbits) {
-    if (r->cnt < nbits) {
-        /* refill to 57..64 bits. The bits loaded past cnt are the stream's own next bits, so
-         * OR-ing them in again at the next refill changes nothing */
-        if (r->at + 8 <= r->n) {
-            uint64_t v;
-            memcpy(&v, r->p + r->at, 8);
-            r->buf |= v << r->cnt;
-            const int k = (63 - r->cnt) >> 3;
-            r->at += (size_t)k;
-            r->cnt += 8 * k;
-        } else {
-            while (r->cnt <= 56) {
-                const uint64_t b = r->at < r->n ? r->p[r->at] : 0u;
-                r->buf |= b << r->cnt;
-                r->at++;
-                r->cnt += 8;
-            }
+/* refill to 57..64 bits (only called with cnt < 8). Past the stream's end it adds zero bits. The
+ * bits loaded past cnt are the stream's own next bits, so OR-ing them in again at the next refill
+ * changes nothing. */
+static inline void br_refill(bitr *r) {
+    if (r->at + 8 <= r->n) {
+        uint64_t v;
+        memcpy(&v, r->p + r->at, 8);
+        r->buf |= v << r->cnt;
+        const int k = (63 - r->cnt) >> 3;
+        r->at += (size_t)k;
+        r->cnt += 8 * k;
+    } else {
+        while (r->cnt <= 56) {
+            const uint64_t b = r->at < r->n ? r->p[r->at] : 0u;
+            r->buf |= b << r->cnt;
+            r->at++;
+            r->cnt += 8;
         }
     }
-    const uint32_t v = (uint32_t)(r->buf & ((1ull << nbits) - 1u));
-    r->buf >>= nbits;
-    r->cnt -= nbits;
-    return v;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -146,12 +130,14 @@ typedef struct {
     uint32_t nwords, lo_bits, sign_bits, nesc;
 } row_in;
 
-typedef struct { int16_t *q; int32_t *y; uint32_t *l1, *last, *pairs; uint16_t *live; } dscratch;
+typedef struct { int16_t *q; int32_t *y; uint32_t *l1, *last, *pairs, *mag; uint16_t *live; uint8_t *sym; } dscratch;
 
 #define FAIL(...) do { snprintf(msg, msglen, __VA_ARGS__); return PCA_ERR_CORRUPT; } while (0)
 
-/* entropy decode of one row into s->q ([Tp][C] token-major; zero where nothing is coded) */
-static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *s, char *msg, size_t msglen) {
+/* entropy decode of one row into s->q, pair-major ([C/2][Tp][2]: component k of token t at
+ * ((k/2) Tp + t) 2 + k%2, so one component's tokens are written in memory order), zero where
+ * nothing is coded */
+__attribute__((noinline)) static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *s, char *msg, size_t msglen) {
     const uint32_t C = g->ck->channels, Tc = g->Tc;
     uint32_t nl = 0;
     uint64_t lo_expect = 0;
@@ -168,52 +154,78 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
     uint32_t nd = 0;
     for (uint32_t k = 0; k < C; k++)
         if (ri->side[k] == ALL_ZERO) dead[nd++] = (uint16_t)k;
-    for (uint32_t t = 0; t < g->Tp; t++) {
-        s->l1[t] = 0;
-        s->last[t] = 0;
-        int16_t *qt = s->q + (size_t)t * C;
-        if (t >= Tc) { memset(qt, 0, C * sizeof(int16_t)); continue; }
-        for (uint32_t j = 0; j < nd; j++) qt[dead[j]] = 0;
+    const size_t Tp = g->Tp;
+    for (uint32_t t = 0; t < Tp; t++) s->l1[t] = s->last[t] = 0;
+    for (uint32_t j = 0; j < nd; j++) {
+        int16_t *qk = s->q + (size_t)(dead[j] / 2) * Tp * 2 + (dead[j] & 1u);
+        for (uint32_t t = 0; t < Tc; t++) qk[2 * (size_t)t] = 0;
     }
+    for (uint32_t p = 0; p < C / 2; p++) /* padding tokens */
+        memset(s->q + ((size_t)p * Tp + Tc) * 2, 0, (Tp - Tc) * 2 * sizeof(int16_t));
     uint32_t x[64];
     for (uint32_t n = 0; n < N; n++) x[n] = get_u32(ri->states + 4 * n);
     bitr lo = {ri->lo, (size_t)(((uint64_t)ri->lo_bits + 7u) / 8u), 0, 0, 0};
     bitr sg = {ri->sign, (size_t)(((uint64_t)ri->sign_bits + 7u) / 8u), 0, 0, 0};
-    uint32_t wp = 0, ep = 0, sp = 0, lane = 0;
+    /* Per component, three tight passes without data-dependent branches: the rANS symbols, the
+     * magnitudes (escapes, rare, branch), the signs. Overruns are counted, not branched on, and
+     * judged after the row: reads stay inside each stream (bitr never reads past its bytes; a
+     * word index past the end reads word 0 of a one-word dummy). */
+    static const uint16_t no_words[1] = {0};
+    const uint8_t *words = ri->nwords ? ri->words : (const uint8_t *)no_words;
+    const uint32_t wlast = ri->nwords ? ri->nwords - 1 : 0;
+    uint32_t wp = 0, ep = 0, sp = 0, lane = 0, big = 0;
+    uint8_t *sym = s->sym;
     for (uint32_t j = 0; j < nl; j++) {
         const uint32_t k = s->live[j], tab = ri->side[k] & 31u;
         const int sh = ri->side[k] >> 5;
         const uint32_t *F = g->tb.freq[tab], *CU = g->tb.cum[tab];
         const uint8_t *S2S = g->tb.slot_sym + (size_t)tab * (1u << PROB_BITS);
-        int16_t *qk = s->q + k;
+        uint32_t nesc = 0;
         for (uint32_t t = 0; t < Tc; t++) {
             uint32_t xs = x[lane];
-            const uint32_t slot = xs & ((1u << PROB_BITS) - 1u), sym = S2S[slot];
-            xs = F[sym] * (xs >> PROB_BITS) + slot - CU[sym];
-            if (xs < RANS_L) {
-                if (wp >= ri->nwords) FAIL("a row's rANS words end early");
-                xs = (xs << 16) | get_u16(ri->words + 2u * wp++);
+            const uint32_t slot = xs & ((1u << PROB_BITS) - 1u), sy = S2S[slot];
+            xs = F[sy] * (xs >> PROB_BITS) + slot - CU[sy];
+            const uint32_t need = xs < RANS_L;
+            const uint32_t w = get_u16(words + 2u * (wp < wlast ? wp : wlast));
+            x[lane] = need ? (xs << 16) | w : xs;
+            wp += need;
+            lane = lane + 1 == N ? 0 : lane + 1;
+            sym[t] = (uint8_t)sy;
+            nesc += sy == ESCAPE;
+        }
+        uint32_t *m = s->mag;
+        for (uint32_t t = 0; t < Tc; t++) m[t] = sym[t];
+        if (nesc) {
+            if ((uint64_t)ep + nesc > ri->nesc) FAIL("a row's escape count does not match its symbols");
+            for (uint32_t t = 0; t < Tc; t++)
+                if (sym[t] == ESCAPE) m[t] += get_u16(ri->esc + 2u * ep++);
+        }
+        if (sh) {
+            const uint32_t mask = (1u << sh) - 1u;
+            for (uint32_t t = 0; t < Tc; t++) {
+                if (lo.cnt < sh) br_refill(&lo);
+                m[t] = (m[t] << sh) | (uint32_t)(lo.buf & mask);
+                lo.buf >>= sh;
+                lo.cnt -= sh;
             }
-            x[lane] = xs;
-            if (++lane == N) lane = 0;
-            uint32_t hi = sym;
-            if (sym == ESCAPE) {
-                if (ep >= ri->nesc) FAIL("a row's escape count does not match its symbols");
-                hi += get_u16(ri->esc + 2u * ep++);
-            }
-            const uint32_t m = (hi << sh) | (sh ? br_get(&lo, sh) : 0u);
-            if (m > Q_LIMIT) FAIL("a coefficient exceeds 32767");
-            int32_t v = 0;
-            if (m) {
-                if (sp >= ri->sign_bits) FAIL("a row's sign-bit count does not match its coefficients");
-                sp++;
-                v = br_get(&sg, 1) ? -(int32_t)m : (int32_t)m;
-                s->l1[t] += m;
-                s->last[t] = k + 1;
-            }
-            qk[(size_t)t * C] = (int16_t)v;
+        }
+        int16_t *qk = s->q + (size_t)(k / 2) * Tp * 2 + (k & 1u);
+        for (uint32_t t = 0; t < Tc; t++) {
+            const uint32_t mt = m[t], nz = mt != 0;
+            if (!sg.cnt) br_refill(&sg);
+            const uint32_t neg = (uint32_t)sg.buf & nz;
+            sg.buf >>= nz;
+            sg.cnt -= (int)nz;
+            sp += nz;
+            big |= mt > Q_LIMIT;
+            const int32_t v = neg ? -(int32_t)mt : (int32_t)mt;
+            qk[2 * (size_t)t] = (int16_t)v;
+            s->l1[t] += mt;
+            s->last[t] = nz ? k + 1 : s->last[t];
         }
     }
+    if (wp > ri->nwords) FAIL("a row's rANS words end early");
+    if (big) FAIL("a coefficient exceeds 32767");
     for (uint32_t n = 0; n < N; n++)
         if (x[n] != RANS_L) FAIL("a row's rANS stream does not end where it began");
     if (wp != ri->nwords) FAIL("a row's rANS stream does not end where it began");
@@ -225,7 +237,7 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
 }
 
 /* x = f32(acc) * h + mean (multiply, then add), K turned forward, rounded to the dtype */
-static void inverse_rows(const geo *g, uint32_t row, const int32_t *y, size_t ys, uint32_t t0, uint32_t nt,
+__attribute__((noinline)) static void inverse_rows(const geo *g, uint32_t row, const int32_t *y, size_t ys, uint32_t t0, uint32_t nt,
                          uint8_t *out) {
     const pca_chunk *ck = g->ck;
     const uint32_t C = ck->channels, D = ck->head_dim, H = D / 2, L = ck->layers;
@@ -239,7 +251,8 @@ static void inverse_rows(const geo *g, uint32_t row, const int32_t *y, size_t ys
             x[c] = p + mean[c];
         }
         if (row < L) {
-            const float *cs = ck->cos + ((size_t)row * g->Tc + t) * H, *sn = ck->sin + ((size_t)row * g->Tc + t) * H;
+            const size_t at = ((size_t)ck->rope_of_layer[row] * g->Tc + t) * H;
+            const float *cs = ck->cos + at, *sn = ck->sin + at;
             for (uint32_t b = 0; b < C; b += D)
                 for (uint32_t j = 0; j < H; j++) {
                     const float u = x[b + j], v = x[b + j + H];
@@ -271,7 +284,7 @@ static int decode_row(const geo *g, uint32_t row, const row_in *ri, uint32_t N, 
     }
     for (uint32_t t0 = 0; t0 < g->Tc; t0 += TBLK) {
         const uint32_t nt = g->Tc - t0 < TBLK ? g->Tc - t0 : TBLK, np = (nt + PCA_TB - 1) / PCA_TB * PCA_TB;
-        pca_matmul(s->q + (size_t)t0 * C, C, m2, ck->cols, s->pairs + t0 / PCA_TB, np, s->y, ck->cols);
+        pca_matmul((const int32_t *)s->q + t0, g->Tp, m2, ck->cols, s->pairs + t0 / PCA_TB, np, s->y, ck->cols);
         inverse_rows(g, row, s->y, ck->cols, t0, nt, out);
     }
     return PCA_OK;
@@ -282,23 +295,25 @@ static int decode_row(const geo *g, uint32_t row, const row_in *ri, uint32_t N, 
 typedef struct { uint8_t *buf; size_t len; uint32_t words, lo_bits, sign_bits, nesc; int rc; char msg[96]; } row_out;
 
 typedef struct {
-    int16_t *x, *qT;       /* U of a token block [TBLK][C]; q component-major [C][Tc] */
+    int16_t *x, *qT;       /* U of a token block, pair-major [C/2][TBLK][2]; q component-major [C][Tc] */
+    int16_t *qb;           /* q of a token block, token-major [TBLK][C] (transposed into qT) */
     int32_t *y;            /* [TBLK][cols] */
     int64_t *u;            /* [C] one token's U (the exact path) */
     uint32_t *pairs;
     uint8_t *side;
-    uint16_t *words;
+    uint16_t *words, *mag;
 } escratch;
 
 /* U of one coded token t of a row: x turned back (K), centred, weighted, in Q8, clamped */
-static void forward_token(const geo *g, uint32_t row, const uint8_t *src, uint32_t t, int64_t *U) {
+__attribute__((noinline)) static void forward_token(const geo *g, uint32_t row, const uint8_t *src, uint32_t t, int64_t *U) {
     const pca_chunk *ck = g->ck;
     const uint32_t C = ck->channels, D = ck->head_dim, H = D / 2;
     const float *mean = row_vec(ck->mean, ck, row), *w = row_vec(ck->weight, ck, row);
     float x[4096];
     for (uint32_t c = 0; c < C; c++) x[c] = load_f32(src, ck->dtype, c);
     if (row < ck->layers) {
-        const float *cs = ck->cos + ((size_t)row * g->Tc + t) * H, *sn = ck->sin + ((size_t)row * g->Tc + t) * H;
+        const size_t at = ((size_t)ck->rope_of_layer[row] * g->Tc + t) * H;
+            const float *cs = ck->cos + at, *sn = ck->sin + at;
         for (uint32_t b = 0; b < C; b += D)
             for (uint32_t j = 0; j < H; j++) {
                 const float a = x[b + j], v = x[b + j + H];
@@ -323,7 +338,7 @@ static inline int16_t quantize(double acc, double r) {
 }
 
 /* q of every coded token of a row into s->qT; PCA_ERR_RANGE if a token's sum |q| > 2^16 */
-static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s, char *msg, size_t msglen) {
+__attribute__((noinline)) static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s, char *msg, size_t msglen) {
     const pca_chunk *ck = g->ck;
     const uint32_t C = ck->channels, Tc = g->Tc;
     const int16_t *m2 = ck->m2 + (size_t)row * (C / 2) * ck->cols * 2;
@@ -336,9 +351,12 @@ static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch
     for (uint32_t t0 = 0; t0 < Tc; t0 += TBLK) {
         const uint32_t nt = Tc - t0 < TBLK ? Tc - t0 : TBLK, np = (nt + PCA_TB - 1) / PCA_TB * PCA_TB;
         for (uint32_t i = 0; i < np; i++) {
-            int16_t *xi = s->x + (size_t)i * C;
+            int16_t *xi = s->x + 2 * (size_t)i; /* channel c of this token at xi[(c/2) 2 TBLK + c%2] */
             exact[i] = 0;
-            if (i >= nt) { memset(xi, 0, C * sizeof(int16_t)); continue; }
+            if (i >= nt) {
+                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * TBLK] = xi[(size_t)p * 2 * TBLK + 1] = 0;
+                continue;
+            }
             forward_token(g, row, base + (size_t)(t0 + i) * rowstride, t0 + i, s->u);
             /* int16 path only when |U| < 2^15 and sum U^2 * max_k |B_k|^2 < 2^62: then by
              * Cauchy-Schwarz every partial sum of U . B_k is below 2^31 (exact in int32) */
@@ -350,38 +368,45 @@ static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch
             }
             if (mx > 32767 || ss > limit) {
                 exact[i] = 1;
-                memset(xi, 0, C * sizeof(int16_t));
+                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * TBLK] = xi[(size_t)p * 2 * TBLK + 1] = 0;
+                int16_t *qi = s->qb + (size_t)i * C;
                 int64_t l1 = 0;
                 for (uint32_t k = 0; k < C; k++) {
                     int64_t acc = 0; /* |acc| < 2^23 * 2^15 * 4096 = 2^50: exact */
                     for (uint32_t c = 0; c < C; c++) acc += s->u[c] * basis[(size_t)c * C + k];
-                    const int16_t q = quantize((double)acc, ck->r);
-                    s->qT[(size_t)k * Tc + t0 + i] = q;
-                    l1 += q < 0 ? -q : q;
+                    qi[k] = quantize((double)acc, ck->r);
+                    l1 += qi[k] < 0 ? -qi[k] : qi[k];
                 }
                 if (l1 > L1_LIMIT) {
                     snprintf(msg, msglen, "%lld", (long long)l1);
                     return PCA_ERR_RANGE;
                 }
             } else {
-                for (uint32_t c = 0; c < C; c++) xi[c] = (int16_t)s->u[c];
+                for (uint32_t p = 0; p < C / 2; p++) {
+                    xi[(size_t)p * 2 * TBLK] = (int16_t)s->u[2 * p];
+                    xi[(size_t)p * 2 * TBLK + 1] = (int16_t)s->u[2 * p + 1];
+                }
             }
         }
-        pca_matmul(s->x, C, m2, ck->cols, s->pairs, np, s->y, ck->cols);
+        pca_matmul((const int32_t *)s->x, TBLK, m2, ck->cols, s->pairs, np, s->y, ck->cols);
         for (uint32_t i = 0; i < nt; i++) {
             if (exact[i]) continue;
             const int32_t *yi = s->y + (size_t)i * ck->cols;
-            int16_t *qt = s->qT + t0 + i;
+            int16_t *qi = s->qb + (size_t)i * C;
             uint32_t l1 = 0;
             for (uint32_t k = 0; k < C; k++) {
-                const int16_t q = quantize((double)yi[k], ck->r);
-                qt[(size_t)k * Tc] = q;
-                l1 += (uint32_t)(q < 0 ? -q : q);
+                qi[k] = quantize((double)yi[k], ck->r);
+                l1 += (uint32_t)(qi[k] < 0 ? -qi[k] : qi[k]);
             }
             if (l1 > L1_LIMIT) {
                 snprintf(msg, msglen, "%u", l1);
                 return PCA_ERR_RANGE;
             }
+        }
+        /* into component-major order: runs of nt tokens per component, written in order */
+        for (uint32_t k = 0; k < C; k++) {
+            int16_t *dst = s->qT + (size_t)k * Tc + t0;
+            for (uint32_t i = 0; i < nt; i++) dst[i] = s->qb[(size_t)i * C + k];
         }
     }
     return PCA_OK;
@@ -392,19 +417,28 @@ static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch
  * they are not tried. The histograms at every shift come from two: of min(m, 63) (exact for
  * shifts 0..2, whose escapes start below 63, and for all when m < 64) and of min(m >> 3, 127)
  * (shifts 3..6: their escapes start at multiples of 8 up to 960 < 1024). */
-static uint8_t choose(const geo *g, const int16_t *q, uint32_t Tc) {
-    uint32_t F[64] = {0}, G[128] = {0}, maxm = 0;
+__attribute__((noinline)) static uint8_t choose(const geo *g, const int16_t *q, uint32_t Tc, uint16_t *m) {
+    /* four interleaved histograms: one counter bumped back to back waits on its own store */
+    uint32_t F4[4][64], G4[4][128], F[64], G[128], maxm = 0;
+    memset(F4, 0, sizeof F4);
     for (uint32_t t = 0; t < Tc; t++) {
-        const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]);
-        maxm = m > maxm ? m : maxm;
-        F[m < 63 ? m : 63]++;
+        const uint32_t a = (uint32_t)(q[t] < 0 ? -q[t] : q[t]);
+        m[t] = (uint16_t)a;
+        maxm = a > maxm ? a : maxm;
     }
     if (maxm == 0) return ALL_ZERO;
-    if (maxm >= 64)
-        for (uint32_t t = 0; t < Tc; t++) {
-            const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]) >> 3;
-            G[m < 127 ? m : 127]++;
-        }
+    uint32_t t = 0;
+    for (; t + 4 <= Tc; t += 4)
+        for (int i = 0; i < 4; i++) F4[i][m[t + i] < 63 ? m[t + i] : 63]++;
+    for (; t < Tc; t++) F4[0][m[t] < 63 ? m[t] : 63]++;
+    for (int v = 0; v < 64; v++) F[v] = F4[0][v] + F4[1][v] + F4[2][v] + F4[3][v];
+    if (maxm >= 64) {
+        memset(G4, 0, sizeof G4);
+        for (t = 0; t + 4 <= Tc; t += 4)
+            for (int i = 0; i < 4; i++) G4[i][(m[t + i] >> 3) < 127 ? (m[t + i] >> 3) : 127]++;
+        for (; t < Tc; t++) G4[0][(m[t] >> 3) < 127 ? (m[t] >> 3) : 127]++;
+        for (int v = 0; v < 128; v++) G[v] = G4[0][v] + G4[1][v] + G4[2][v] + G4[3][v];
+    }
     int smax = 0;
     while (smax < 6 && (maxm >> smax) != 0) smax++;
     uint64_t best = UINT64_MAX;
@@ -436,32 +470,45 @@ static int encode_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s
     if (rc != PCA_OK) return rc;
     uint64_t count = 0, lo_bits = 0;
     for (uint32_t k = 0; k < C; k++) {
-        s->side[k] = Tc ? choose(g, s->qT + (size_t)k * Tc, Tc) : ALL_ZERO;
+        s->side[k] = Tc ? choose(g, s->qT + (size_t)k * Tc, Tc, s->mag) : ALL_ZERO;
         if (s->side[k] != ALL_ZERO) { count += Tc; lo_bits += (uint64_t)(s->side[k] >> 5) * Tc; }
     }
-    /* the raw parts, forward; sizes bounded by count (< 2^31: checked by the caller) */
+    /* the raw parts, forward, through 64-bit registers flushed 4 bytes at a time; sizes bounded
+     * by count (< 2^31: checked by the caller) */
     const size_t lo_cap = (size_t)(lo_bits + 7) / 8 + 8, sg_cap = (size_t)(count + 7) / 8 + 8;
     uint8_t *lo = (uint8_t *)calloc(lo_cap + sg_cap, 1);
     uint16_t *esc = (uint16_t *)malloc((size_t)count * 2 + 2);
     if (!lo || !esc) { free(lo); free(esc); return PCA_ERR_NOMEM; }
-    bitw lw = {lo, 0}, sw = {lo + lo_cap, 0};
-    uint32_t nesc = 0;
+    uint8_t *lp = lo, *sp = lo + lo_cap;
+    uint64_t lacc = 0, sacc = 0;
+    int ln = 0, sn = 0;
+    uint32_t nesc = 0, nsign = 0;
     for (uint32_t k = 0; k < C; k++) {
         if (s->side[k] == ALL_ZERO) continue;
         const int sh = s->side[k] >> 5;
         const uint32_t mask = (1u << sh) - 1u;
         const int16_t *q = s->qT + (size_t)k * Tc;
         for (uint32_t t = 0; t < Tc; t++) {
-            const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]), hi = m >> sh;
-            if (sh) bw_put(&lw, m & mask, sh);
-            if (hi >= ESCAPE) esc[nesc++] = (uint16_t)(hi - ESCAPE);
-            if (m) bw_put(&sw, q[t] < 0, 1);
+            const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]), nz = m != 0;
+            lacc |= (uint64_t)(m & mask) << ln;
+            ln += sh;
+            if (ln >= 32) { memcpy(lp, &lacc, 4); lp += 4; lacc >>= 32; ln -= 32; }
+            sacc |= (uint64_t)(q[t] < 0) << sn;
+            sn += (int)nz;
+            nsign += nz;
+            if (sn >= 32) { memcpy(sp, &sacc, 4); sp += 4; sacc >>= 32; sn -= 32; }
+            if ((m >> sh) >= ESCAPE) esc[nesc++] = (uint16_t)((m >> sh) - ESCAPE);
         }
     }
+    memcpy(lp, &lacc, 8);
+    memcpy(sp, &sacc, 8);
     /* rANS, backwards: symbol i (lane i mod N) from the last to the first; words are written from
-     * the end of the buffer back, so they come out in the decoder's reading order */
+     * the end of the buffer back, so they come out in the decoder's reading order. Branch-free:
+     * a word is always stored one below wp, and wp moves only when it is emitted (words[0] is a
+     * spare slot for that store). */
     uint32_t x[64];
     for (uint32_t n = 0; n < N; n++) x[n] = RANS_L;
+    uint16_t *words = s->words + 1;
     size_t wp = (size_t)count;
     uint32_t lane = count ? (uint32_t)((count - 1) % N) : 0;
     for (uint32_t kk = C; kk-- > 0;) {
@@ -475,15 +522,20 @@ static int encode_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s
             const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]), hi = m >> sh, sym = hi < ESCAPE ? hi : ESCAPE;
             const uint32_t f = F[sym];
             uint32_t xs = x[lane];
-            if (xs >= (f << (32 - PROB_BITS))) { s->words[--wp] = (uint16_t)xs; xs >>= 16; }
+            const uint32_t emit = xs >= (f << (32 - PROB_BITS));
+            words[wp - 1] = (uint16_t)xs;
+            wp -= emit;
+            xs = emit ? xs >> 16 : xs;
             uint32_t d = (uint32_t)(((uint64_t)xs * R[sym]) >> 32), rem = xs - d * f;
-            if (rem >= f) { d++; rem -= f; }
+            const uint32_t over = rem >= f;
+            d += over;
+            rem -= over ? f : 0;
             x[lane] = (d << PROB_BITS) + rem + CU[sym];
             lane = lane ? lane - 1 : N - 1;
         }
     }
     const uint32_t nwords = (uint32_t)(count - wp);
-    const size_t lob = (size_t)(lo_bits + 7) / 8, sgb = (size_t)(sw.pos + 7) / 8, eb = 2u * (size_t)nesc;
+    const size_t lob = (size_t)(lo_bits + 7) / 8, sgb = ((size_t)nsign + 7) / 8, eb = 2u * (size_t)nesc;
     const size_t len = C + pad4(C) + 4u * N + 2u * nwords + 2u * (nwords & 1u) + lob + sgb + eb + pad4(lob + sgb + eb);
     uint8_t *buf = (uint8_t *)calloc(len, 1);
     if (!buf) { free(lo); free(esc); return PCA_ERR_NOMEM; }
@@ -491,7 +543,7 @@ static int encode_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s
     memcpy(p, s->side, C);
     p += C + pad4(C);
     for (uint32_t n = 0; n < N; n++, p += 4) put_u32(p, x[n]);
-    memcpy(p, s->words + wp, 2u * (size_t)nwords);
+    memcpy(p, words + wp, 2u * (size_t)nwords);
     p += 2u * nwords + 2u * (nwords & 1u);
     memcpy(p, lo, lob);
     p += lob;
@@ -504,7 +556,7 @@ static int encode_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s
     o->len = len;
     o->words = nwords;
     o->lo_bits = (uint32_t)lo_bits;
-    o->sign_bits = (uint32_t)sw.pos;
+    o->sign_bits = nsign;
     o->nesc = nesc;
     return PCA_OK;
 }
@@ -544,7 +596,9 @@ static void *decode_worker(void *arg) {
     s.y = (int32_t *)malloc((size_t)TBLK * g->ck->cols * sizeof(int32_t));
     s.l1 = (uint32_t *)malloc(((size_t)g->Tp * 3 + 4) * sizeof(uint32_t));
     s.live = (uint16_t *)malloc(C * sizeof(uint16_t));
-    if (!s.q || !s.y || !s.l1 || !s.live) {
+    s.mag = (uint32_t *)malloc(((size_t)g->Tc + 1) * sizeof(uint32_t));
+    s.sym = (uint8_t *)malloc((size_t)g->Tc + 1);
+    if (!s.q || !s.y || !s.l1 || !s.live || !s.mag || !s.sym) {
         record_failure(jb, 0, PCA_ERR_NOMEM, "out of memory");
     } else {
         s.last = s.l1 + g->Tp;
@@ -556,7 +610,7 @@ static void *decode_worker(void *arg) {
             if (rc != PCA_OK) record_failure(jb, (uint32_t)r, rc, msg);
         }
     }
-    free(s.q); free(s.y); free(s.l1); free(s.live);
+    free(s.q); free(s.y); free(s.l1); free(s.live); free(s.mag); free(s.sym);
     return NULL;
 }
 
@@ -566,13 +620,15 @@ static void *encode_worker(void *arg) {
     const uint32_t C = g->ck->channels, rows = 2u * g->ck->layers;
     escratch s;
     s.x = (int16_t *)malloc((size_t)TBLK * C * sizeof(int16_t));
+    s.qb = (int16_t *)malloc((size_t)TBLK * C * sizeof(int16_t));
     s.qT = (int16_t *)malloc(((size_t)C * g->Tc + 1) * sizeof(int16_t));
     s.y = (int32_t *)malloc((size_t)TBLK * g->ck->cols * sizeof(int32_t));
     s.u = (int64_t *)malloc(C * sizeof(int64_t));
     s.pairs = (uint32_t *)malloc(TBLK / PCA_TB * sizeof(uint32_t));
     s.side = (uint8_t *)malloc(C);
-    s.words = (uint16_t *)malloc(((size_t)C * g->Tc + 1) * sizeof(uint16_t));
-    if (!s.x || !s.qT || !s.y || !s.u || !s.pairs || !s.side || !s.words) {
+    s.words = (uint16_t *)malloc(((size_t)C * g->Tc + 2) * sizeof(uint16_t));
+    s.mag = (uint16_t *)malloc(((size_t)g->Tc + 1) * sizeof(uint16_t));
+    if (!s.x || !s.qb || !s.qT || !s.y || !s.u || !s.pairs || !s.side || !s.words || !s.mag) {
         record_failure(jb, 0, PCA_ERR_NOMEM, "out of memory");
     } else {
         for (int r; (r = __atomic_fetch_add(&jb->next, 1, __ATOMIC_RELAXED)) < (int)rows;) {
@@ -581,7 +637,7 @@ static void *encode_worker(void *arg) {
             if (rc != PCA_OK) record_failure(jb, (uint32_t)r, rc, rc == PCA_ERR_NOMEM ? "out of memory" : jb->outs[r].msg);
         }
     }
-    free(s.x); free(s.qT); free(s.y); free(s.u); free(s.pairs); free(s.side); free(s.words);
+    free(s.x); free(s.qb); free(s.qT); free(s.y); free(s.u); free(s.pairs); free(s.side); free(s.words); free(s.mag);
     return NULL;
 }
 

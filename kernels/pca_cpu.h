@@ -36,8 +36,10 @@ typedef struct {
     const int16_t *basis; /* [2][L][C][C] as stored (encode: the exact path of large tokens) */
     const int64_t *sumsq_limit; /* [2][L] (encode): a token whose sum of U^2 is at most this has
                                  * every partial sum of its transform within int32 */
-    const float *cos;     /* [L][T - S][D/2]: positions start + S ... */
-    const float *sin;
+    const float *cos;     /* [nrope][T - S][D/2]: positions start + S ... (layers with the same */
+    const float *sin;     /* RoPE frequencies share one table) */
+    uint32_t nrope;
+    const int32_t *rope_of_layer; /* [L]: the table of layer l, < nrope */
     double r;             /* encode: f64(1 / (step * 2^22)) */
     const int32_t *freq;  /* [32][16] FREQ of _tables.py */
     const int32_t *cost;  /* [32][16] COST_Q8 */

@@ -42,12 +42,18 @@ static const void *take(bufs *b, PyObject *obj, unsigned long long size, int wri
 
 /* the buffers both directions share; sizes from the geometry in ck */
 static int take_common(bufs *b, pca_chunk *ck, PyObject *mean, PyObject *m2, PyObject *cos, PyObject *sin,
-                       PyObject *freq, PyObject *cost, PyObject *slot) {
-    const unsigned long long L = ck->layers, C = ck->channels, Tc = ck->tokens - ck->sinks;
+                       PyObject *rope_map, PyObject *freq, PyObject *cost, PyObject *slot) {
+    const unsigned long long L = ck->layers, C = ck->channels, Tc = ck->tokens - ck->sinks, U = ck->nrope;
+    if (!(ck->rope_of_layer = (const int32_t *)take(b, rope_map, 4ull * L, 0, "rope_map"))) return 0;
+    for (unsigned long long l = 0; l < L; l++)
+        if (ck->rope_of_layer[l] < 0 || (unsigned long long)ck->rope_of_layer[l] >= U) {
+            PyErr_SetString(PyExc_ValueError, "rope_map: a table index out of range");
+            return 0;
+        }
     if (!(ck->mean = (const float *)take(b, mean, 4ull * 2 * L * C, 0, "mean"))) return 0;
     if (!(ck->m2 = (const int16_t *)take(b, m2, 2ull * 2 * L * C * ck->cols, 0, "m2"))) return 0;
-    if (!(ck->cos = (const float *)take(b, cos, 4ull * L * Tc * (ck->head_dim / 2), 0, "cos"))) return 0;
-    if (!(ck->sin = (const float *)take(b, sin, 4ull * L * Tc * (ck->head_dim / 2), 0, "sin"))) return 0;
+    if (!(ck->cos = (const float *)take(b, cos, 4ull * U * Tc * (ck->head_dim / 2), 0, "cos"))) return 0;
+    if (!(ck->sin = (const float *)take(b, sin, 4ull * U * Tc * (ck->head_dim / 2), 0, "sin"))) return 0;
     if (!(ck->freq = (const int32_t *)take(b, freq, 4ull * 32 * 16, 0, "freq"))) return 0;
     if (!(ck->cost = (const int32_t *)take(b, cost, 4ull * 32 * 16, 0, "cost"))) return 0;
     if (!(ck->slot_sym = (const uint8_t *)take(b, slot, 32ull * 4096, 0, "slot_sym"))) return 0;
@@ -65,23 +71,23 @@ static int geometry_ok(const pca_chunk *ck) {
 
 static unsigned long long elem(int dtype) { return dtype == PCA_DTYPE_F32 ? 4u : 2u; }
 
-/* encode(kv, dtype, L, T, C, D, sinks, lanes, cols, r, mean, weight, m2, basis, sumsq_limit, cos, sin,
- *        freq, cost, slot_sym, threads) -> bytes */
+/* encode(kv, dtype, L, T, C, D, sinks, lanes, cols, r, mean, weight, m2, basis, sumsq_limit, nrope, cos, sin,
+ *        rope_map, freq, cost, slot_sym, threads) -> bytes */
 static PyObject *py_encode(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *kv, *mean, *weight, *m2, *basis, *lim, *cos, *sin, *freq, *cost, *slot;
+    PyObject *kv, *mean, *weight, *m2, *basis, *lim, *cos, *sin, *rmap, *freq, *cost, *slot;
     pca_chunk ck;
     memset(&ck, 0, sizeof ck);
     int threads;
-    if (!PyArg_ParseTuple(args, "OiIIIIIIIdOOOOOOOOOOi", &kv, &ck.dtype, &ck.layers, &ck.tokens, &ck.channels,
+    if (!PyArg_ParseTuple(args, "OiIIIIIIIdOOOOOIOOOOOOi", &kv, &ck.dtype, &ck.layers, &ck.tokens, &ck.channels,
                           &ck.head_dim, &ck.sinks, &ck.lanes, &ck.cols, &ck.r, &mean, &weight, &m2, &basis, &lim,
-                          &cos, &sin, &freq, &cost, &slot, &threads))
+                          &ck.nrope, &cos, &sin, &rmap, &freq, &cost, &slot, &threads))
         return NULL;
     if (!geometry_ok(&ck)) return NULL;
     bufs b = {.n = 0};
     const unsigned long long L = ck.layers, C = ck.channels;
     const void *src = take(&b, kv, 2ull * L * ck.tokens * C * elem(ck.dtype), 0, "kv");
-    if (!src || !take_common(&b, &ck, mean, m2, cos, sin, freq, cost, slot) ||
+    if (!src || !take_common(&b, &ck, mean, m2, cos, sin, rmap, freq, cost, slot) ||
         !(ck.weight = (const float *)take(&b, weight, 4ull * 2 * L * C, 0, "weight")) ||
         !(ck.basis = (const int16_t *)take(&b, basis, 2ull * 2 * L * C * C, 0, "basis")) ||
         !(ck.sumsq_limit = (const int64_t *)take(&b, lim, 8ull * 2 * L, 0, "sumsq_limit"))) {
@@ -102,17 +108,17 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
     return res;
 }
 
-/* decode(payload, out, dtype, L, T, C, D, sinks, cols, mean, gain, m2, cos, sin, freq, cost, slot_sym,
- *        threads) -> None */
+/* decode(payload, out, dtype, L, T, C, D, sinks, cols, mean, gain, m2, nrope, cos, sin, rope_map, freq, cost,
+ *        slot_sym, threads) -> None */
 static PyObject *py_decode(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *payload, *out, *mean, *gain, *m2, *cos, *sin, *freq, *cost, *slot;
+    PyObject *payload, *out, *mean, *gain, *m2, *cos, *sin, *rmap, *freq, *cost, *slot;
     pca_chunk ck;
     memset(&ck, 0, sizeof ck);
     int threads;
-    if (!PyArg_ParseTuple(args, "OOiIIIIIIOOOOOOOOi", &payload, &out, &ck.dtype, &ck.layers, &ck.tokens,
-                          &ck.channels, &ck.head_dim, &ck.sinks, &ck.cols, &mean, &gain, &m2, &cos, &sin, &freq,
-                          &cost, &slot, &threads))
+    if (!PyArg_ParseTuple(args, "OOiIIIIIIOOOIOOOOOOi", &payload, &out, &ck.dtype, &ck.layers, &ck.tokens,
+                          &ck.channels, &ck.head_dim, &ck.sinks, &ck.cols, &mean, &gain, &m2, &ck.nrope, &cos, &sin,
+                          &rmap, &freq, &cost, &slot, &threads))
         return NULL;
     if (!geometry_ok(&ck)) return NULL;
     bufs b = {.n = 0};
@@ -121,7 +127,7 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     b.n++;
     const unsigned long long L = ck.layers, C = ck.channels;
     void *dst = (void *)take(&b, out, 2ull * L * ck.tokens * C * elem(ck.dtype), 1, "out");
-    if (!dst || !take_common(&b, &ck, mean, m2, cos, sin, freq, cost, slot) ||
+    if (!dst || !take_common(&b, &ck, mean, m2, cos, sin, rmap, freq, cost, slot) ||
         !(ck.gain = (const float *)take(&b, gain, 4ull * 2 * L * C, 0, "gain"))) {
         release(&b);
         return NULL;

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -107,6 +107,12 @@ class _Prepared:
         norm2 = (b.astype(np.int64) ** 2).sum(2).max(-1)  # [2, L]
         self.sumsq_limit = np.ascontiguousarray(((1 << 62) - 1) // np.maximum(norm2, 1), dtype=np.int64)
         self.gains: dict[float, np.ndarray] = {}
+        # layers turned with the same frequencies share one table: rope_tables for the distinct
+        # rows only (each entry depends on its position and frequency alone, so the values are
+        # those of the full tables), a 30x smaller table for the default model
+        rows, of_layer = np.unique(cal.inv_freq, axis=0, return_inverse=True)
+        self.rope = SimpleNamespace(inv_freq=rows)
+        self.rope_map = np.ascontiguousarray(of_layer.reshape(-1), dtype=np.int32)
 
     def _pairs(self, m: np.ndarray) -> np.ndarray:
         """[2, L, R, J] -> [2, L, R/2, cols, 2]: rows 2i and 2i+1 side by side, columns padded with 0."""
@@ -159,12 +165,13 @@ def encode_chunk(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sin
                          f"has {L} x {C}")
     prep = prepared(cal)
     n_sink = min(T, max(0, sinks - start))
-    cos, sin = rope_tables(cal, start + n_sink, T - n_sink)
+    cos, sin = rope_tables(prep.rope, start + n_sink, T - n_sink)  # type: ignore[arg-type]
     r = 1.0 / (float(step) * float(1 << (reference.U_FRACTION + 14)))
     data = np.ascontiguousarray(raw).view(_STORAGE[dtype])
     try:
         return mod.encode(data, DTYPE_CODES[dtype], L, T, C, cal.head_dim, n_sink, lanes, prep.cols, r, prep.mean,
-                          prep.weight, prep.m2_encode, prep.basis, prep.sumsq_limit, cos, sin, FREQ, COST, SLOT_SYM,
+                          prep.weight, prep.m2_encode, prep.basis, prep.sumsq_limit, len(prep.rope.inv_freq), cos, sin,
+                          prep.rope_map, FREQ, COST, SLOT_SYM,
                           _threads(threads))
     except mod.NonFiniteError:
         raise NonFiniteValues("pca: the KV input holds NaN or infinity") from None
@@ -187,11 +194,12 @@ def decode_chunk(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str
     # the tables start after the sinks the payload says it holds (the C coder checks the rest)
     n_sink = struct.unpack_from("<I", payload, 20)[0] if len(payload) >= reference.HEADER.size else 0
     n_sink = n_sink if n_sink <= T else 0
-    cos, sin = rope_tables(cal, start + n_sink, T - n_sink)
+    cos, sin = rope_tables(prep.rope, start + n_sink, T - n_sink)  # type: ignore[arg-type]
     out = np.empty((2, L, T, C), dtype=_OUT[dtype])
     try:
         mod.decode(payload, out.view(_STORAGE[dtype]), DTYPE_CODES[dtype], L, T, C, cal.head_dim, n_sink, prep.cols,
-                   prep.mean, prep.gain(cal, step), prep.m2_decode, cos, sin, FREQ, COST, SLOT_SYM, _threads(threads))
+                   prep.mean, prep.gain(cal, step), prep.m2_decode, len(prep.rope.inv_freq), cos, sin, prep.rope_map,
+                   FREQ, COST, SLOT_SYM, _threads(threads))
     except mod.CorruptError as exc:
         raise DecodeError(f"pca: {exc}") from None
     return out
