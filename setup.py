@@ -1,5 +1,6 @@
 """Build script for kvtool's native code: the CacheGen coder (kernels/ -> kvtool._cachegen_native),
-the pca coder (kvtool._pca_native) and the CPU paged gather/scatter (kernels/paged_copy_cpu.c -> kvtool._paged_native).
+the pca coder (kvtool._pca_native) and the CPU paged gather/scatter (kernels/paged_copy_cpu.c ->
+kvtool._paged_native).
 
 Project metadata lives in pyproject.toml; this file only declares the C
 extension. It needs a C compiler and nothing else (no torch headers). When the

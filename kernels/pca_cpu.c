@@ -137,7 +137,7 @@ typedef struct { int16_t *q; int32_t *y; uint32_t *l1, *last, *pairs, *mag; uint
 /* entropy decode of one row into s->q, pair-major ([C/2][Tp][2]: component k of token t at
  * ((k/2) Tp + t) 2 + k%2, so one component's tokens are written in memory order), zero where
  * nothing is coded */
-__attribute__((noinline)) static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *s, char *msg, size_t msglen) {
+static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *s, char *msg, size_t msglen) {
     const uint32_t C = g->ck->channels, Tc = g->Tc;
     uint32_t nl = 0;
     uint64_t lo_expect = 0;
@@ -173,26 +173,44 @@ __attribute__((noinline)) static int decode_symbols(const geo *g, const row_in *
     static const uint16_t no_words[1] = {0};
     const uint8_t *words = ri->nwords ? ri->words : (const uint8_t *)no_words;
     const uint32_t wlast = ri->nwords ? ri->nwords - 1 : 0;
-    uint32_t wp = 0, ep = 0, sp = 0, lane = 0, big = 0;
-    uint8_t *sym = s->sym;
-    for (uint32_t j = 0; j < nl; j++) {
-        const uint32_t k = s->live[j], tab = ri->side[k] & 31u;
-        const int sh = ri->side[k] >> 5;
+    uint32_t wp = 0, ep = 0, sp = 0, big = 0;
+    /* rANS over the whole row, N symbols (one per lane, lanes in order) at a time: first the N
+     * independent state updates, then the renormalisations, which share the word pointer */
+    const size_t count = (size_t)nl * Tc;
+    if (count) {
+        uint32_t jc = 0, tc = 0, tab = ri->side[s->live[0]] & 31u;
         const uint32_t *F = g->tb.freq[tab], *CU = g->tb.cum[tab];
         const uint8_t *S2S = g->tb.slot_sym + (size_t)tab * (1u << PROB_BITS);
-        uint32_t nesc = 0;
-        for (uint32_t t = 0; t < Tc; t++) {
-            uint32_t xs = x[lane];
-            const uint32_t slot = xs & ((1u << PROB_BITS) - 1u), sy = S2S[slot];
-            xs = F[sy] * (xs >> PROB_BITS) + slot - CU[sy];
-            const uint32_t need = xs < RANS_L;
-            const uint32_t w = get_u16(words + 2u * (wp < wlast ? wp : wlast));
-            x[lane] = need ? (xs << 16) | w : xs;
-            wp += need;
-            lane = lane + 1 == N ? 0 : lane + 1;
-            sym[t] = (uint8_t)sy;
-            nesc += sy == ESCAPE;
+        for (size_t i = 0; i < count; i += N) {
+            const uint32_t n = count - i < N ? (uint32_t)(count - i) : N;
+            for (uint32_t j = 0; j < n; j++) {
+                const uint32_t xs = x[j], slot = xs & ((1u << PROB_BITS) - 1u), sy = S2S[slot];
+                x[j] = F[sy] * (xs >> PROB_BITS) + slot - CU[sy];
+                s->sym[i + j] = (uint8_t)sy;
+                if (++tc == Tc) {
+                    tc = 0;
+                    if (++jc < nl) {
+                        tab = ri->side[s->live[jc]] & 31u;
+                        F = g->tb.freq[tab];
+                        CU = g->tb.cum[tab];
+                        S2S = g->tb.slot_sym + (size_t)tab * (1u << PROB_BITS);
+                    }
+                }
+            }
+            for (uint32_t j = 0; j < n; j++) {
+                const uint32_t xs = x[j], need = xs < RANS_L;
+                const uint32_t w = get_u16(words + 2u * (wp < wlast ? wp : wlast));
+                x[j] = xs ^ ((xs ^ ((xs << 16) | w)) & (0u - need)); /* masks: a branch here mispredicts */
+                wp += need;
+            }
         }
+    }
+    for (uint32_t j = 0; j < nl; j++) {
+        const uint32_t k = s->live[j];
+        const int sh = ri->side[k] >> 5;
+        const uint8_t *sym = s->sym + (size_t)j * Tc;
+        uint32_t nesc = 0;
+        for (uint32_t t = 0; t < Tc; t++) nesc += sym[t] == ESCAPE;
         uint32_t *m = s->mag;
         for (uint32_t t = 0; t < Tc; t++) m[t] = sym[t];
         if (nesc) {
@@ -218,10 +236,10 @@ __attribute__((noinline)) static int decode_symbols(const geo *g, const row_in *
             sg.cnt -= (int)nz;
             sp += nz;
             big |= mt > Q_LIMIT;
-            const int32_t v = neg ? -(int32_t)mt : (int32_t)mt;
+            const int32_t v = (int32_t)((mt ^ (0u - neg)) + neg);
             qk[2 * (size_t)t] = (int16_t)v;
             s->l1[t] += mt;
-            s->last[t] = nz ? k + 1 : s->last[t];
+            s->last[t] = ((k + 1) & (0u - nz)) | (s->last[t] & (nz - 1u));
         }
     }
     if (wp > ri->nwords) FAIL("a row's rANS words end early");
@@ -237,7 +255,7 @@ __attribute__((noinline)) static int decode_symbols(const geo *g, const row_in *
 }
 
 /* x = f32(acc) * h + mean (multiply, then add), K turned forward, rounded to the dtype */
-__attribute__((noinline)) static void inverse_rows(const geo *g, uint32_t row, const int32_t *y, size_t ys, uint32_t t0, uint32_t nt,
+static void inverse_rows(const geo *g, uint32_t row, const int32_t *y, size_t ys, uint32_t t0, uint32_t nt,
                          uint8_t *out) {
     const pca_chunk *ck = g->ck;
     const uint32_t C = ck->channels, D = ck->head_dim, H = D / 2, L = ck->layers;
@@ -305,7 +323,7 @@ typedef struct {
 } escratch;
 
 /* U of one coded token t of a row: x turned back (K), centred, weighted, in Q8, clamped */
-__attribute__((noinline)) static void forward_token(const geo *g, uint32_t row, const uint8_t *src, uint32_t t, int64_t *U) {
+static void forward_token(const geo *g, uint32_t row, const uint8_t *src, uint32_t t, int64_t *U) {
     const pca_chunk *ck = g->ck;
     const uint32_t C = ck->channels, D = ck->head_dim, H = D / 2;
     const float *mean = row_vec(ck->mean, ck, row), *w = row_vec(ck->weight, ck, row);
@@ -338,7 +356,7 @@ static inline int16_t quantize(double acc, double r) {
 }
 
 /* q of every coded token of a row into s->qT; PCA_ERR_RANGE if a token's sum |q| > 2^16 */
-__attribute__((noinline)) static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s, char *msg, size_t msglen) {
+static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s, char *msg, size_t msglen) {
     const pca_chunk *ck = g->ck;
     const uint32_t C = ck->channels, Tc = g->Tc;
     const int16_t *m2 = ck->m2 + (size_t)row * (C / 2) * ck->cols * 2;
@@ -417,7 +435,7 @@ __attribute__((noinline)) static int transform_row(const geo *g, uint32_t row, c
  * they are not tried. The histograms at every shift come from two: of min(m, 63) (exact for
  * shifts 0..2, whose escapes start below 63, and for all when m < 64) and of min(m >> 3, 127)
  * (shifts 3..6: their escapes start at multiples of 8 up to 960 < 1024). */
-__attribute__((noinline)) static uint8_t choose(const geo *g, const int16_t *q, uint32_t Tc, uint16_t *m) {
+static uint8_t choose(const geo *g, const int16_t *q, uint32_t Tc, uint16_t *m) {
     /* four interleaved histograms: one counter bumped back to back waits on its own store */
     uint32_t F4[4][64], G4[4][128], F[64], G[128], maxm = 0;
     memset(F4, 0, sizeof F4);
@@ -525,11 +543,11 @@ static int encode_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s
             const uint32_t emit = xs >= (f << (32 - PROB_BITS));
             words[wp - 1] = (uint16_t)xs;
             wp -= emit;
-            xs = emit ? xs >> 16 : xs;
+            xs >>= 16 * emit; /* no branch: emission is a coin toss */
             uint32_t d = (uint32_t)(((uint64_t)xs * R[sym]) >> 32), rem = xs - d * f;
             const uint32_t over = rem >= f;
             d += over;
-            rem -= over ? f : 0;
+            rem -= f & (0u - over);
             x[lane] = (d << PROB_BITS) + rem + CU[sym];
             lane = lane ? lane - 1 : N - 1;
         }
@@ -597,7 +615,7 @@ static void *decode_worker(void *arg) {
     s.l1 = (uint32_t *)malloc(((size_t)g->Tp * 3 + 4) * sizeof(uint32_t));
     s.live = (uint16_t *)malloc(C * sizeof(uint16_t));
     s.mag = (uint32_t *)malloc(((size_t)g->Tc + 1) * sizeof(uint32_t));
-    s.sym = (uint8_t *)malloc((size_t)g->Tc + 1);
+    s.sym = (uint8_t *)malloc((size_t)C * g->Tc + 1);
     if (!s.q || !s.y || !s.l1 || !s.live || !s.mag || !s.sym) {
         record_failure(jb, 0, PCA_ERR_NOMEM, "out of memory");
     } else {
