@@ -491,6 +491,10 @@ static int encode_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s
         s->side[k] = Tc ? choose(g, s->qT + (size_t)k * Tc, Tc, s->mag) : ALL_ZERO;
         if (s->side[k] != ALL_ZERO) { count += Tc; lo_bits += (uint64_t)(s->side[k] >> 5) * Tc; }
     }
+    if (lo_bits > 0xFFFFFFFFu) { /* the row table's u32 (the reference's struct.pack refuses it too) */
+        snprintf(o->msg, sizeof o->msg, "a row's low bits pass 2^32");
+        return PCA_ERR_PARAM;
+    }
     /* the raw parts, forward, through 64-bit registers flushed 4 bytes at a time; sizes bounded
      * by count (< 2^31: checked by the caller) */
     const size_t lo_cap = (size_t)(lo_bits + 7) / 8 + 8, sg_cap = (size_t)(count + 7) / 8 + 8;
