@@ -1,5 +1,6 @@
-"""Build script for kvtool's native code: the CacheGen coder (kernels/ -> kvtool._cachegen_native)
-and the CPU paged gather/scatter (kernels/paged_copy_cpu.c -> kvtool._paged_native).
+"""Build script for kvtool's native code: the CacheGen coder (kernels/ -> kvtool._cachegen_native),
+the pca coder (kvtool._pca_native) and the CPU paged gather/scatter (kernels/paged_copy_cpu.c ->
+kvtool._paged_native).
 
 Project metadata lives in pyproject.toml; this file only declares the C
 extension. It needs a C compiler and nothing else (no torch headers). When the
@@ -59,6 +60,15 @@ native = Extension(
     extra_compile_args=extra_compile,
     extra_link_args=extra_link,
 )
+# The pca coder (kvtool/codecs/pca/native.py); optional the same way: without it the numpy reference codes.
+pca = Extension(
+    "kvtool._pca_native",
+    sources=["kernels/pca_cpu.c", "kernels/pca_kernels.c", "kernels/pca_pymod.c"],
+    depends=["kernels/pca_cpu.h", "kernels/pca_kernels.h"],
+    include_dirs=["kernels"],
+    extra_compile_args=extra_compile,
+    extra_link_args=extra_link,
+)
 # The CPU paged gather/scatter (connectors/paged_native.py); optional the same way.
 paged = Extension(
     "kvtool._paged_native",
@@ -83,4 +93,4 @@ class BuildPyWithKernels(build_py):
                 shutil.copy2(source, target)
 
 
-setup(ext_modules=[native, paged], cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithKernels})
+setup(ext_modules=[native, pca, paged], cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithKernels})

@@ -9,6 +9,7 @@ are kept exact. Named quality points choose the step.
 - `calibration`: the calibration object (file, digest, search path)
 - `fit`: learning one from samples (`kvtool.ops.calibrate` runs the model)
 - `reference`: the coder in numpy, the spec in executable form
+- `native`: the C coder (kernels/pca_cpu.c), the same bytes and values, used when built
 - here: `PcaCodec`, its parameters and quality points
 """
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from ...errors import CodecParamsInvalid
 from ..base import Codec
-from . import reference
+from . import native
 from .calibration import find
 
 if TYPE_CHECKING:
@@ -88,8 +89,8 @@ class PcaCodec(Codec):
 
         raw = kv.contiguous().view(torch.int16 if dtype == "bfloat16" else kv.dtype).numpy()
         raw = raw.view(STORAGE[dtype])
-        payload = reference.encode_chunk(raw, dtype, find(p["calibration"]), p["step"], p["sinks"], p["position"],
-                                         p["lanes"])
+        payload = native.coder().encode_chunk(raw, dtype, find(p["calibration"]), p["step"], p["sinks"],
+                                              p["position"], p["lanes"])
         return payload, p
 
     def decode_array(self, payload: memoryview, shape: tuple[int, ...], dtype: str,
@@ -97,7 +98,8 @@ class PcaCodec(Codec):
         p = self.validate_params(params)
         if dtype not in STORAGE:
             raise CodecParamsInvalid(f"pca: KV dtype {dtype} is not one of {', '.join(STORAGE)}")
-        return reference.decode_chunk(payload, tuple(shape), dtype, find(p["calibration"]), p["step"], p["position"])
+        return native.coder().decode_chunk(payload, tuple(shape), dtype, find(p["calibration"]), p["step"],
+                                           p["position"])
 
     def payload_stats(self, payload: memoryview, shape: tuple[int, ...],
                       params: dict[str, Any]) -> dict[str, Any] | None:

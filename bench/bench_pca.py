@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Speed of kvtool's pca coder (native, 1 thread) at its four quality points, next to kvtool's
+CacheGen (native, 1 thread), in the same run on the same 256-token chunks of real KV of the
+default model (bench_cachegen.real_kv; --source synthetic for its stand-in).
+
+MB/s are MB of bf16 KV per CPU-second of the process (per core), each the sum over chunks of
+the best of --repeat runs (bench_cachegen.per_item_best), through the codecs' Python entry
+points (cachegen_encode/decode, pca native.encode_chunk/decode_chunk: what PcaCodec calls),
+so Python's share and pca's RoPE tables are counted. The goal (issue 29): pca's decode and encode
+per core at least CacheGen's.
+
+The calibration object: --calibration FILE, else the only *.kvcal in $KVTOOL_CALIBRATION_PATH.
+
+    KVTOOL_CALIBRATION_PATH=/tmp/pca/cli/cal python bench/bench_pca.py [--tokens 1024] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_cachegen import CHUNK, per_item_best, real_kv, synthetic_kv  # noqa: E402
+
+from kvtool.codecs.cachegen import cachegen_decode, cachegen_encode, cachegen_params  # noqa: E402
+from kvtool.codecs.pca import QUALITY, native  # noqa: E402
+from kvtool.codecs.pca import calibration as calmod  # noqa: E402
+
+
+def load_calibration(path: str | None) -> calmod.Calibration:
+    if path is None:
+        found = [f for d in os.environ.get("KVTOOL_CALIBRATION_PATH", "").split(os.pathsep) if d
+                 for f in glob.glob(os.path.join(d, "*" + calmod.SUFFIX))]
+        if len(found) != 1:
+            sys.exit(f"give --calibration FILE (found {len(found)} objects in $KVTOOL_CALIBRATION_PATH)")
+        path = found[0]
+    with open(path, "rb") as f:
+        return calmod.from_bytes(f.read())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", choices=["real", "synthetic"], default="real")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--calibration")
+    ap.add_argument("--kv", help="a torch.save'd [2, L, T, C] bf16 tensor to use instead of running the model")
+    args = ap.parse_args(argv)
+
+    cal = load_calibration(args.calibration)
+    if args.kv:
+        kv = torch.load(args.kv)[:, :, :args.tokens].contiguous()
+    else:
+        kv = real_kv(args.tokens) if args.source == "real" else synthetic_kv(tokens=args.tokens)
+    _, L, T, C = kv.shape
+    chunks = [(t, kv[:, :, t:t + CHUNK].contiguous()) for t in range(0, T - CHUNK + 1, CHUNK)]
+    mb = sum(c.numel() for _, c in chunks) * 2 / 1e6
+    print(f"{args.source} KV: {len(chunks)} chunks of [2, {L}, {CHUNK}, {C}] bf16 = {mb:.1f} MB; "
+          f"pca native: {native.native_available()} ({native.native_module().simd()}); load: {os.getloadavg()}")
+
+    rows = {}
+    params = cachegen_params("default")
+    enc, _, ce = per_item_best(lambda pc: cachegen_encode(pc[1], params, threads=1), chunks, args.repeat)
+    _, _, cd = per_item_best(lambda e: cachegen_decode(e[0][0], e[1][1].shape, e[1][1].dtype, e[0][1], threads=1),
+                             list(zip(enc, chunks)), args.repeat)
+    rows["cachegen"] = (sum(len(p) for p, _ in enc), ce, cd, None)
+    for quality, (step, _) in QUALITY.items():
+        raws = [(t, c.view(torch.int16).numpy().view(np.uint16)) for t, c in chunks]
+        enc, _, ce = per_item_best(
+            lambda tr: native.encode_chunk(tr[1], "bfloat16", cal, step, 4, tr[0], 16, threads=1), raws, args.repeat)
+        dec, _, cd = per_item_best(
+            lambda pt: native.decode_chunk(pt[0], pt[1][1].shape, "bfloat16", cal, step, pt[1][0], threads=1),
+            list(zip(enc, raws)), args.repeat)
+        got = np.concatenate([(d.astype(np.uint32) << 16).view(np.float32) for d in dec], 2)
+        want = np.concatenate([c.float().numpy() for _, c in chunks], 2)
+        rel = float(np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean()))
+        rows[f"pca-{quality}"] = (sum(len(p) for p in enc), ce, cd, rel)
+    nvals = sum(c.numel() for _, c in chunks)
+    print(f"\n{'method':<10}{'bits/val':>9}{'enc MB/s/core':>15}{'dec MB/s/core':>15}{'relRMSE':>9}")
+    for name, (size, ce, cd, rel) in rows.items():
+        print(f"{name:<10}{size * 8 / nvals:>9.3f}{mb / ce:>15.1f}{mb / cd:>15.1f}"
+              f"{'' if rel is None else f'{rel:.4f}':>9}")
+    cg = rows["cachegen"]
+    worst_enc = min(cg[1] / r[1] for k, r in rows.items() if k != "cachegen")
+    worst_dec = min(cg[2] / r[2] for k, r in rows.items() if k != "cachegen")
+    print(f"\npca / cachegen per core, worst quality point: encode {worst_enc:.2f}x, decode {worst_dec:.2f}x "
+          f"(goal, issue 29: >= 1.00x both)")
+
+
+if __name__ == "__main__":
+    main()

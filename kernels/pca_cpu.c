@@ -1,0 +1,835 @@
+/*
+ * pca CPU coder: the chunk payload of format-spec/pca.md, encoded and decoded one row (one part
+ * of one layer) per task, rows spread over pthreads. Bytes and values equal
+ * kvtool/codecs/pca/reference.py's: rows are coded independently (the reference advances all
+ * rows' rANS lanes together, which changes nothing in any one row) and the payload is assembled
+ * in row order, so the thread count changes nothing either.
+ *
+ * Per row, the decoder runs one pass over the row's symbols in their order (component-major):
+ * the rANS lane of symbol i is i mod N and the lanes' words, low bits, sign bits and escapes are
+ * all read in that same order, so one sequential loop reads every stream once. The coefficients
+ * land in a token-major int16 matrix, and the inverse transform is one int16 product (skipping,
+ * per block of tokens, the trailing components that are zero). The encoder is the mirror image.
+ */
+#include "pca_cpu.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pca_kernels.h"
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "kvtool's pca coder assumes a little-endian host"
+#endif
+
+#define NSYM 16
+#define NTAB 32
+#define ESCAPE 15
+#define PROB_BITS 12
+#define RANS_L (1u << 16)
+#define ALL_ZERO 0xFFu
+#define Q_LIMIT 32767
+#define U_LIMIT ((1 << 23) - 1)
+#define L1_LIMIT (1u << 16)
+#define HEADER 24u
+#define ENTRY 16u
+#define TBLK 64u /* tokens per block of the transform (a multiple of PCA_TB): keeps Y in cache */
+
+static size_t pad4(size_t n) { return (4u - (n & 3u)) & 3u; }
+static uint32_t get_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint16_t get_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static void put_u32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static size_t esize(int dtype) { return dtype == PCA_DTYPE_F32 ? 4u : 2u; }
+
+/* round to nearest even of |d| <= 2^51: adding 1.5 * 2^52 leaves no fraction bits (the FPU
+ * rounds to nearest even), and subtracting it back is exact. Needs no SSE4.1 roundsd. */
+static inline double rne(double d) {
+    const double magic = 6755399441055744.0;
+    return (d + magic) - magic;
+}
+
+static inline float load_f32(const uint8_t *row, int dtype, size_t c) {
+    if (dtype == PCA_DTYPE_F32) { float f; memcpy(&f, row + 4 * c, 4); return f; }
+    uint16_t h;
+    memcpy(&h, row + 2 * c, 2);
+    return dtype == PCA_DTYPE_BF16 ? pca_f32((uint32_t)h << 16) : pca_f16_to_f32(h);
+}
+
+/* ------------------------------------------------------------------------ */
+/* tables (format-spec/pca.md §6; given by the caller from _tables.py)        */
+typedef struct {
+    uint32_t freq[NTAB][NSYM], cum[NTAB][NSYM + 1];
+    uint64_t cost_t[NSYM][NTAB];   /* COST_Q8 transposed: the choice sums over tables */
+    uint64_t rcp[NTAB][NSYM];      /* floor(2^32 / f): the encoder's x / f with one correction */
+    const uint8_t *slot_sym;       /* [32][4096] */
+} tables;
+
+static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost, const uint8_t *slot_sym) {
+    for (int t = 0; t < NTAB; t++) {
+        uint32_t c = 0;
+        for (int j = 0; j < NSYM; j++) {
+            const int32_t f = freq[t * NSYM + j];
+            if (f < 1 || f > (1 << PROB_BITS)) return 0;
+            tb->freq[t][j] = (uint32_t)f;
+            tb->cum[t][j] = c;
+            tb->rcp[t][j] = (1ull << 32) / (uint64_t)f;
+            tb->cost_t[j][t] = (uint64_t)(uint32_t)cost[t * NSYM + j];
+            c += (uint32_t)f;
+        }
+        if (c != 1u << PROB_BITS) return 0;
+        tb->cum[t][NSYM] = c;
+    }
+    tb->slot_sym = slot_sym;
+    return 1;
+}
+
+/* ------------------------------------------------------------------------ */
+/* bits, LSB first (the writers are inline in encode_row)                    */
+typedef struct { const uint8_t *p; size_t n, at; uint64_t buf; int cnt; } bitr; /* never reads past n */
+
+/* refill to 57..64 bits (only called with cnt < 8). Past the stream's end it adds zero bits. The
+ * bits loaded past cnt are the stream's own next bits, so OR-ing them in again at the next refill
+ * changes nothing. */
+static inline void br_refill(bitr *r) {
+    if (r->at + 8 <= r->n) {
+        uint64_t v;
+        memcpy(&v, r->p + r->at, 8);
+        r->buf |= v << r->cnt;
+        const int k = (63 - r->cnt) >> 3;
+        r->at += (size_t)k;
+        r->cnt += 8 * k;
+    } else {
+        while (r->cnt <= 56) {
+            const uint64_t b = r->at < r->n ? r->p[r->at] : 0u;
+            r->buf |= b << r->cnt;
+            r->at++;
+            r->cnt += 8;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* shared geometry                                                           */
+typedef struct {
+    const pca_chunk *ck;
+    tables tb;
+    uint32_t Tc, Tp;      /* coded tokens; rounded up to PCA_TB */
+    size_t es;
+} geo;
+
+static const float *row_vec(const float *base, const pca_chunk *ck, uint32_t row) {
+    return base + (size_t)row * ck->channels;
+}
+
+/* ------------------------------------------------------------------------ */
+/* decoder                                                                   */
+typedef struct {
+    const uint8_t *side, *states, *words, *lo, *sign, *esc;
+    uint32_t nwords, lo_bits, sign_bits, nesc;
+} row_in;
+
+typedef struct { int16_t *q; int32_t *y; uint32_t *l1, *last, *pairs, *mag; uint16_t *live; uint8_t *sym; } dscratch;
+
+#define FAIL(...) do { snprintf(msg, msglen, __VA_ARGS__); return PCA_ERR_CORRUPT; } while (0)
+
+/* entropy decode of one row into s->q, pair-major ([C/2][Tp][2]: component k of token t at
+ * ((k/2) Tp + t) 2 + k%2, so one component's tokens are written in memory order), zero where
+ * nothing is coded */
+static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *s, char *msg, size_t msglen) {
+    const uint32_t C = g->ck->channels, Tc = g->Tc;
+    uint32_t nl = 0;
+    uint64_t lo_expect = 0;
+    for (uint32_t k = 0; k < C; k++) {
+        const uint8_t sb = ri->side[k];
+        if (sb == ALL_ZERO) continue;
+        if ((sb >> 5) == 7) FAIL("a side byte names shift 7");
+        s->live[nl++] = (uint16_t)k;
+        lo_expect += (uint64_t)(sb >> 5) * Tc;
+    }
+    if (lo_expect != ri->lo_bits) FAIL("a row's low-bit count does not match its side bytes");
+    /* columns of components not coded, and the padding tokens, are zero */
+    uint16_t *dead = s->live + nl;
+    uint32_t nd = 0;
+    for (uint32_t k = 0; k < C; k++)
+        if (ri->side[k] == ALL_ZERO) dead[nd++] = (uint16_t)k;
+    const size_t Tp = g->Tp;
+    for (uint32_t t = 0; t < Tp; t++) s->l1[t] = s->last[t] = 0;
+    for (uint32_t j = 0; j < nd; j++) {
+        int16_t *qk = s->q + (size_t)(dead[j] / 2) * Tp * 2 + (dead[j] & 1u);
+        for (uint32_t t = 0; t < Tc; t++) qk[2 * (size_t)t] = 0;
+    }
+    for (uint32_t p = 0; p < C / 2; p++) /* padding tokens */
+        memset(s->q + ((size_t)p * Tp + Tc) * 2, 0, (Tp - Tc) * 2 * sizeof(int16_t));
+    uint32_t x[64];
+    for (uint32_t n = 0; n < N; n++) x[n] = get_u32(ri->states + 4 * n);
+    bitr lo = {ri->lo, (size_t)(((uint64_t)ri->lo_bits + 7u) / 8u), 0, 0, 0};
+    bitr sg = {ri->sign, (size_t)(((uint64_t)ri->sign_bits + 7u) / 8u), 0, 0, 0};
+    /* Per component, three tight passes without data-dependent branches: the rANS symbols, the
+     * magnitudes (escapes, rare, branch), the signs. Overruns are counted, not branched on, and
+     * judged after the row: reads stay inside each stream (bitr never reads past its bytes; a
+     * word index past the end reads word 0 of a one-word dummy). */
+    static const uint16_t no_words[1] = {0};
+    const uint8_t *words = ri->nwords ? ri->words : (const uint8_t *)no_words;
+    const uint32_t wlast = ri->nwords ? ri->nwords - 1 : 0;
+    uint32_t wp = 0, ep = 0, sp = 0, big = 0;
+    /* rANS over the whole row, N symbols (one per lane, lanes in order) at a time: first the N
+     * independent state updates, then the renormalisations, which share the word pointer */
+    const size_t count = (size_t)nl * Tc;
+    if (count) {
+        uint32_t jc = 0, tc = 0, tab = ri->side[s->live[0]] & 31u;
+        const uint32_t *F = g->tb.freq[tab], *CU = g->tb.cum[tab];
+        const uint8_t *S2S = g->tb.slot_sym + (size_t)tab * (1u << PROB_BITS);
+        for (size_t i = 0; i < count; i += N) {
+            const uint32_t n = count - i < N ? (uint32_t)(count - i) : N;
+            for (uint32_t j = 0; j < n; j++) {
+                const uint32_t xs = x[j], slot = xs & ((1u << PROB_BITS) - 1u), sy = S2S[slot];
+                x[j] = F[sy] * (xs >> PROB_BITS) + slot - CU[sy];
+                s->sym[i + j] = (uint8_t)sy;
+                if (++tc == Tc) {
+                    tc = 0;
+                    if (++jc < nl) {
+                        tab = ri->side[s->live[jc]] & 31u;
+                        F = g->tb.freq[tab];
+                        CU = g->tb.cum[tab];
+                        S2S = g->tb.slot_sym + (size_t)tab * (1u << PROB_BITS);
+                    }
+                }
+            }
+            for (uint32_t j = 0; j < n; j++) {
+                const uint32_t xs = x[j], need = xs < RANS_L;
+                const uint32_t w = get_u16(words + 2u * (wp < wlast ? wp : wlast));
+                x[j] = xs ^ ((xs ^ ((xs << 16) | w)) & (0u - need)); /* masks: a branch here mispredicts */
+                wp += need;
+            }
+        }
+    }
+    for (uint32_t j = 0; j < nl; j++) {
+        const uint32_t k = s->live[j];
+        const int sh = ri->side[k] >> 5;
+        const uint8_t *sym = s->sym + (size_t)j * Tc;
+        uint32_t nesc = 0;
+        for (uint32_t t = 0; t < Tc; t++) nesc += sym[t] == ESCAPE;
+        uint32_t *m = s->mag;
+        for (uint32_t t = 0; t < Tc; t++) m[t] = sym[t];
+        if (nesc) {
+            if ((uint64_t)ep + nesc > ri->nesc) FAIL("a row's escape count does not match its symbols");
+            for (uint32_t t = 0; t < Tc; t++)
+                if (sym[t] == ESCAPE) m[t] += get_u16(ri->esc + 2u * ep++);
+        }
+        if (sh) {
+            const uint32_t mask = (1u << sh) - 1u;
+            for (uint32_t t = 0; t < Tc; t++) {
+                if (lo.cnt < sh) br_refill(&lo);
+                m[t] = (m[t] << sh) | (uint32_t)(lo.buf & mask);
+                lo.buf >>= sh;
+                lo.cnt -= sh;
+            }
+        }
+        int16_t *qk = s->q + (size_t)(k / 2) * Tp * 2 + (k & 1u);
+        for (uint32_t t = 0; t < Tc; t++) {
+            const uint32_t mt = m[t], nz = mt != 0;
+            if (!sg.cnt) br_refill(&sg);
+            const uint32_t neg = (uint32_t)sg.buf & nz;
+            sg.buf >>= nz;
+            sg.cnt -= (int)nz;
+            sp += nz;
+            big |= mt > Q_LIMIT;
+            const int32_t v = (int32_t)((mt ^ (0u - neg)) + neg);
+            qk[2 * (size_t)t] = (int16_t)v;
+            s->l1[t] += mt;
+            s->last[t] = ((k + 1) & (0u - nz)) | (s->last[t] & (nz - 1u));
+        }
+    }
+    if (wp > ri->nwords) FAIL("a row's rANS words end early");
+    if (big) FAIL("a coefficient exceeds 32767");
+    for (uint32_t n = 0; n < N; n++)
+        if (x[n] != RANS_L) FAIL("a row's rANS stream does not end where it began");
+    if (wp != ri->nwords) FAIL("a row's rANS stream does not end where it began");
+    if (ep != ri->nesc) FAIL("a row's escape count does not match its symbols");
+    if (sp != ri->sign_bits) FAIL("a row's sign-bit count does not match its coefficients");
+    for (uint32_t t = 0; t < Tc; t++)
+        if (s->l1[t] > L1_LIMIT) FAIL("a token's coefficients sum past 65536");
+    return PCA_OK;
+}
+
+/* x = f32(acc) * h + mean (multiply, then add), K turned forward, rounded to the dtype */
+static void inverse_rows(const geo *g, uint32_t row, const int32_t *y, size_t ys, uint32_t t0, uint32_t nt,
+                         uint8_t *out) {
+    const pca_chunk *ck = g->ck;
+    const uint32_t C = ck->channels, D = ck->head_dim, H = D / 2, L = ck->layers;
+    const float *h = row_vec(ck->gain, ck, row), *mean = row_vec(ck->mean, ck, row);
+    float x[4096];
+    for (uint32_t i = 0; i < nt; i++) {
+        const uint32_t t = t0 + i;
+        const int32_t *a = y + (size_t)i * ys;
+        for (uint32_t c = 0; c < C; c++) {
+            const float p = (float)a[c] * h[c];
+            x[c] = p + mean[c];
+        }
+        if (row < L) {
+            const size_t at = ((size_t)ck->rope_of_layer[row] * g->Tc + t) * H;
+            const float *cs = ck->cos + at, *sn = ck->sin + at;
+            for (uint32_t b = 0; b < C; b += D)
+                for (uint32_t j = 0; j < H; j++) {
+                    const float u = x[b + j], v = x[b + j + H];
+                    const float uc = u * cs[j], vs = v * sn[j], vc = v * cs[j], us = u * sn[j];
+                    x[b + j] = uc - vs;
+                    x[b + j + H] = vc + us;
+                }
+        }
+        uint8_t *dst = out + ((size_t)row * ck->tokens + ck->sinks + t) * C * g->es;
+        if (ck->dtype == PCA_DTYPE_F32) memcpy(dst, x, C * 4u);
+        else if (ck->dtype == PCA_DTYPE_BF16)
+            for (uint32_t c = 0; c < C; c++) { const uint16_t b = pca_f32_to_bf16(x[c]); memcpy(dst + 2 * c, &b, 2); }
+        else
+            for (uint32_t c = 0; c < C; c++) { const uint16_t b = pca_f32_to_f16(x[c]); memcpy(dst + 2 * c, &b, 2); }
+    }
+}
+
+static int decode_row(const geo *g, uint32_t row, const row_in *ri, uint32_t N, dscratch *s, uint8_t *out,
+                      char *msg, size_t msglen) {
+    const pca_chunk *ck = g->ck;
+    const uint32_t C = ck->channels;
+    int rc = decode_symbols(g, ri, N, s, msg, msglen);
+    if (rc != PCA_OK) return rc;
+    const int16_t *m2 = ck->m2 + (size_t)row * (C / 2) * ck->cols * 2;
+    for (uint32_t b = 0; b < g->Tp / PCA_TB; b++) { /* pairs of components up to the block's last nonzero */
+        uint32_t last = 0;
+        for (uint32_t t = b * PCA_TB; t < (b + 1) * PCA_TB; t++) last = s->last[t] > last ? s->last[t] : last;
+        s->pairs[b] = (last + 1u) / 2u;
+    }
+    for (uint32_t t0 = 0; t0 < g->Tc; t0 += TBLK) {
+        const uint32_t nt = g->Tc - t0 < TBLK ? g->Tc - t0 : TBLK, np = (nt + PCA_TB - 1) / PCA_TB * PCA_TB;
+        pca_matmul((const int32_t *)s->q + t0, g->Tp, m2, ck->cols, s->pairs + t0 / PCA_TB, np, s->y, ck->cols);
+        inverse_rows(g, row, s->y, ck->cols, t0, nt, out);
+    }
+    return PCA_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* encoder                                                                   */
+typedef struct { uint8_t *buf; size_t len; uint32_t words, lo_bits, sign_bits, nesc; int rc; char msg[96]; } row_out;
+
+typedef struct {
+    int16_t *x, *qT;       /* U of a token block, pair-major [C/2][TBLK][2]; q component-major [C][Tc] */
+    int16_t *qb;           /* q of a token block, token-major [TBLK][C] (transposed into qT) */
+    int32_t *y;            /* [TBLK][cols] */
+    int64_t *u;            /* [C] one token's U (the exact path) */
+    uint32_t *pairs;
+    uint8_t *side;
+    uint16_t *words, *mag;
+} escratch;
+
+/* U of one coded token t of a row: x turned back (K), centred, weighted, in Q8, clamped */
+static void forward_token(const geo *g, uint32_t row, const uint8_t *src, uint32_t t, int64_t *U) {
+    const pca_chunk *ck = g->ck;
+    const uint32_t C = ck->channels, D = ck->head_dim, H = D / 2;
+    const float *mean = row_vec(ck->mean, ck, row), *w = row_vec(ck->weight, ck, row);
+    float x[4096];
+    for (uint32_t c = 0; c < C; c++) x[c] = load_f32(src, ck->dtype, c);
+    if (row < ck->layers) {
+        const size_t at = ((size_t)ck->rope_of_layer[row] * g->Tc + t) * H;
+            const float *cs = ck->cos + at, *sn = ck->sin + at;
+        for (uint32_t b = 0; b < C; b += D)
+            for (uint32_t j = 0; j < H; j++) {
+                const float a = x[b + j], v = x[b + j + H];
+                const float ac = a * cs[j], vs = v * sn[j], vc = v * cs[j], as = a * sn[j];
+                x[b + j] = ac + vs;
+                x[b + j + H] = vc - as;
+            }
+    }
+    for (uint32_t c = 0; c < C; c++) {
+        const float d = x[c] - mean[c];
+        const float u = d * w[c];
+        double v = (double)u * 256.0;
+        v = v > U_LIMIT ? U_LIMIT : v < -U_LIMIT ? -U_LIMIT : v; /* clamp, then round: the same */
+        U[c] = (int64_t)rne(v);
+    }
+}
+
+static inline int16_t quantize(double acc, double r) {
+    double v = acc * r;
+    v = v > Q_LIMIT ? Q_LIMIT : v < -Q_LIMIT ? -Q_LIMIT : v;
+    return (int16_t)rne(v);
+}
+
+/* q of every coded token of a row into s->qT; PCA_ERR_RANGE if a token's sum |q| > 2^16 */
+static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s, char *msg, size_t msglen) {
+    const pca_chunk *ck = g->ck;
+    const uint32_t C = ck->channels, Tc = g->Tc;
+    const int16_t *m2 = ck->m2 + (size_t)row * (C / 2) * ck->cols * 2;
+    const int16_t *basis = ck->basis + (size_t)row * C * C;
+    const int64_t limit = ck->sumsq_limit[row];
+    const size_t rowstride = (size_t)C * g->es;
+    const uint8_t *base = kv + ((size_t)row * ck->tokens + ck->sinks) * rowstride;
+    for (uint32_t b = 0; b < TBLK / PCA_TB; b++) s->pairs[b] = C / 2;
+    uint8_t exact[TBLK];
+    for (uint32_t t0 = 0; t0 < Tc; t0 += TBLK) {
+        const uint32_t nt = Tc - t0 < TBLK ? Tc - t0 : TBLK, np = (nt + PCA_TB - 1) / PCA_TB * PCA_TB;
+        for (uint32_t i = 0; i < np; i++) {
+            int16_t *xi = s->x + 2 * (size_t)i; /* channel c of this token at xi[(c/2) 2 TBLK + c%2] */
+            exact[i] = 0;
+            if (i >= nt) {
+                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * TBLK] = xi[(size_t)p * 2 * TBLK + 1] = 0;
+                continue;
+            }
+            forward_token(g, row, base + (size_t)(t0 + i) * rowstride, t0 + i, s->u);
+            /* int16 path only when |U| < 2^15 and sum U^2 * max_k |B_k|^2 < 2^62: then by
+             * Cauchy-Schwarz every partial sum of U . B_k is below 2^31 (exact in int32) */
+            int64_t ss = 0, mx = 0;
+            for (uint32_t c = 0; c < C; c++) {
+                const int64_t v = s->u[c], a = v < 0 ? -v : v;
+                mx = a > mx ? a : mx;
+                ss += v * v;
+            }
+            if (mx > 32767 || ss > limit) {
+                exact[i] = 1;
+                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * TBLK] = xi[(size_t)p * 2 * TBLK + 1] = 0;
+                int16_t *qi = s->qb + (size_t)i * C;
+                int64_t l1 = 0;
+                for (uint32_t k = 0; k < C; k++) {
+                    int64_t acc = 0; /* |acc| < 2^23 * 2^15 * 4096 = 2^50: exact */
+                    for (uint32_t c = 0; c < C; c++) acc += s->u[c] * basis[(size_t)c * C + k];
+                    qi[k] = quantize((double)acc, ck->r);
+                    l1 += qi[k] < 0 ? -qi[k] : qi[k];
+                }
+                if (l1 > L1_LIMIT) {
+                    snprintf(msg, msglen, "%lld", (long long)l1);
+                    return PCA_ERR_RANGE;
+                }
+            } else {
+                for (uint32_t p = 0; p < C / 2; p++) {
+                    xi[(size_t)p * 2 * TBLK] = (int16_t)s->u[2 * p];
+                    xi[(size_t)p * 2 * TBLK + 1] = (int16_t)s->u[2 * p + 1];
+                }
+            }
+        }
+        pca_matmul((const int32_t *)s->x, TBLK, m2, ck->cols, s->pairs, np, s->y, ck->cols);
+        for (uint32_t i = 0; i < nt; i++) {
+            if (exact[i]) continue;
+            const int32_t *yi = s->y + (size_t)i * ck->cols;
+            int16_t *qi = s->qb + (size_t)i * C;
+            uint32_t l1 = 0;
+            for (uint32_t k = 0; k < C; k++) {
+                qi[k] = quantize((double)yi[k], ck->r);
+                l1 += (uint32_t)(qi[k] < 0 ? -qi[k] : qi[k]);
+            }
+            if (l1 > L1_LIMIT) {
+                snprintf(msg, msglen, "%u", l1);
+                return PCA_ERR_RANGE;
+            }
+        }
+        /* into component-major order: runs of nt tokens per component, written in order */
+        for (uint32_t k = 0; k < C; k++) {
+            int16_t *dst = s->qT + (size_t)k * Tc + t0;
+            for (uint32_t i = 0; i < nt; i++) dst[i] = s->qb[(size_t)i * C + k];
+        }
+    }
+    return PCA_OK;
+}
+
+/* §6.2: the (table, shift) of fewest bits, ties to the smaller shift, then the smaller table.
+ * Shifts past the magnitudes' bit length only add Tc bits each (the symbols stay all 0), so
+ * they are not tried. The histograms at every shift come from two: of min(m, 63) (exact for
+ * shifts 0..2, whose escapes start below 63, and for all when m < 64) and of min(m >> 3, 127)
+ * (shifts 3..6: their escapes start at multiples of 8 up to 960 < 1024). */
+static uint8_t choose(const geo *g, const int16_t *q, uint32_t Tc, uint16_t *m) {
+    /* four interleaved histograms: one counter bumped back to back waits on its own store */
+    uint32_t F4[4][64], G4[4][128], F[64], G[128], maxm = 0;
+    memset(F4, 0, sizeof F4);
+    for (uint32_t t = 0; t < Tc; t++) {
+        const uint32_t a = (uint32_t)(q[t] < 0 ? -q[t] : q[t]);
+        m[t] = (uint16_t)a;
+        maxm = a > maxm ? a : maxm;
+    }
+    if (maxm == 0) return ALL_ZERO;
+    uint32_t t = 0;
+    for (; t + 4 <= Tc; t += 4)
+        for (int i = 0; i < 4; i++) F4[i][m[t + i] < 63 ? m[t + i] : 63]++;
+    for (; t < Tc; t++) F4[0][m[t] < 63 ? m[t] : 63]++;
+    for (int v = 0; v < 64; v++) F[v] = F4[0][v] + F4[1][v] + F4[2][v] + F4[3][v];
+    if (maxm >= 64) {
+        memset(G4, 0, sizeof G4);
+        for (t = 0; t + 4 <= Tc; t += 4)
+            for (int i = 0; i < 4; i++) G4[i][(m[t + i] >> 3) < 127 ? (m[t + i] >> 3) : 127]++;
+        for (; t < Tc; t++) G4[0][(m[t] >> 3) < 127 ? (m[t] >> 3) : 127]++;
+        for (int v = 0; v < 128; v++) G[v] = G4[0][v] + G4[1][v] + G4[2][v] + G4[3][v];
+    }
+    int smax = 0;
+    while (smax < 6 && (maxm >> smax) != 0) smax++;
+    uint64_t best = UINT64_MAX;
+    uint8_t side = 0;
+    for (int s = 0; s <= smax; s++) {
+        uint64_t h[NSYM] = {0};
+        if (s <= 2 || maxm < 64)
+            for (uint32_t v = 0; v < 64; v++) h[(v >> s) < ESCAPE ? (v >> s) : ESCAPE] += F[v];
+        else
+            for (uint32_t v = 0; v < 128; v++) h[(v >> (s - 3)) < ESCAPE ? (v >> (s - 3)) : ESCAPE] += G[v];
+        uint64_t cost[NTAB];
+        const uint64_t fixed = 256u * ((uint64_t)s * Tc + 16u * h[ESCAPE]);
+        for (int t = 0; t < NTAB; t++) cost[t] = fixed;
+        for (int j = 0; j < NSYM; j++) {
+            if (!h[j]) continue;
+            const uint64_t n = h[j], *ct = g->tb.cost_t[j];
+            for (int t = 0; t < NTAB; t++) cost[t] += n * ct[t];
+        }
+        for (int t = 0; t < NTAB; t++)
+            if (cost[t] < best) { best = cost[t]; side = (uint8_t)(t | (s << 5)); }
+    }
+    return side;
+}
+
+static int encode_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s, row_out *o) {
+    const pca_chunk *ck = g->ck;
+    const uint32_t C = ck->channels, Tc = g->Tc, N = ck->lanes;
+    int rc = transform_row(g, row, kv, s, o->msg, sizeof o->msg);
+    if (rc != PCA_OK) return rc;
+    uint64_t count = 0, lo_bits = 0;
+    for (uint32_t k = 0; k < C; k++) {
+        s->side[k] = Tc ? choose(g, s->qT + (size_t)k * Tc, Tc, s->mag) : ALL_ZERO;
+        if (s->side[k] != ALL_ZERO) { count += Tc; lo_bits += (uint64_t)(s->side[k] >> 5) * Tc; }
+    }
+    if (lo_bits > 0xFFFFFFFFu) { /* the row table's u32 (the reference's struct.pack refuses it too) */
+        snprintf(o->msg, sizeof o->msg, "a row's low bits pass 2^32");
+        return PCA_ERR_PARAM;
+    }
+    /* the raw parts, forward, through 64-bit registers flushed 4 bytes at a time; sizes bounded
+     * by count (< 2^31: checked by the caller) */
+    const size_t lo_cap = (size_t)(lo_bits + 7) / 8 + 8, sg_cap = (size_t)(count + 7) / 8 + 8;
+    uint8_t *lo = (uint8_t *)calloc(lo_cap + sg_cap, 1);
+    uint16_t *esc = (uint16_t *)malloc((size_t)count * 2 + 2);
+    if (!lo || !esc) { free(lo); free(esc); return PCA_ERR_NOMEM; }
+    uint8_t *lp = lo, *sp = lo + lo_cap;
+    uint64_t lacc = 0, sacc = 0;
+    int ln = 0, sn = 0;
+    uint32_t nesc = 0, nsign = 0;
+    for (uint32_t k = 0; k < C; k++) {
+        if (s->side[k] == ALL_ZERO) continue;
+        const int sh = s->side[k] >> 5;
+        const uint32_t mask = (1u << sh) - 1u;
+        const int16_t *q = s->qT + (size_t)k * Tc;
+        for (uint32_t t = 0; t < Tc; t++) {
+            const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]), nz = m != 0;
+            lacc |= (uint64_t)(m & mask) << ln;
+            ln += sh;
+            if (ln >= 32) { memcpy(lp, &lacc, 4); lp += 4; lacc >>= 32; ln -= 32; }
+            sacc |= (uint64_t)(q[t] < 0) << sn;
+            sn += (int)nz;
+            nsign += nz;
+            if (sn >= 32) { memcpy(sp, &sacc, 4); sp += 4; sacc >>= 32; sn -= 32; }
+            if ((m >> sh) >= ESCAPE) esc[nesc++] = (uint16_t)((m >> sh) - ESCAPE);
+        }
+    }
+    memcpy(lp, &lacc, 8);
+    memcpy(sp, &sacc, 8);
+    /* rANS, backwards: symbol i (lane i mod N) from the last to the first; words are written from
+     * the end of the buffer back, so they come out in the decoder's reading order. Branch-free:
+     * a word is always stored one below wp, and wp moves only when it is emitted (words[0] is a
+     * spare slot for that store). */
+    uint32_t x[64];
+    for (uint32_t n = 0; n < N; n++) x[n] = RANS_L;
+    uint16_t *words = s->words + 1;
+    size_t wp = (size_t)count;
+    uint32_t lane = count ? (uint32_t)((count - 1) % N) : 0;
+    for (uint32_t kk = C; kk-- > 0;) {
+        if (s->side[kk] == ALL_ZERO) continue;
+        const uint32_t tab = s->side[kk] & 31u;
+        const int sh = s->side[kk] >> 5;
+        const uint32_t *F = g->tb.freq[tab], *CU = g->tb.cum[tab];
+        const uint64_t *R = g->tb.rcp[tab];
+        const int16_t *q = s->qT + (size_t)kk * Tc;
+        for (uint32_t t = Tc; t-- > 0;) {
+            const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]), hi = m >> sh, sym = hi < ESCAPE ? hi : ESCAPE;
+            const uint32_t f = F[sym];
+            uint32_t xs = x[lane];
+            const uint32_t emit = xs >= (f << (32 - PROB_BITS));
+            words[wp - 1] = (uint16_t)xs;
+            wp -= emit;
+            xs >>= 16 * emit; /* no branch: emission is a coin toss */
+            uint32_t d = (uint32_t)(((uint64_t)xs * R[sym]) >> 32), rem = xs - d * f;
+            const uint32_t over = rem >= f;
+            d += over;
+            rem -= f & (0u - over);
+            x[lane] = (d << PROB_BITS) + rem + CU[sym];
+            lane = lane ? lane - 1 : N - 1;
+        }
+    }
+    const uint32_t nwords = (uint32_t)(count - wp);
+    const size_t lob = (size_t)(lo_bits + 7) / 8, sgb = ((size_t)nsign + 7) / 8, eb = 2u * (size_t)nesc;
+    const size_t len = C + pad4(C) + 4u * N + 2u * nwords + 2u * (nwords & 1u) + lob + sgb + eb + pad4(lob + sgb + eb);
+    uint8_t *buf = (uint8_t *)calloc(len, 1);
+    if (!buf) { free(lo); free(esc); return PCA_ERR_NOMEM; }
+    uint8_t *p = buf;
+    memcpy(p, s->side, C);
+    p += C + pad4(C);
+    for (uint32_t n = 0; n < N; n++, p += 4) put_u32(p, x[n]);
+    memcpy(p, words + wp, 2u * (size_t)nwords);
+    p += 2u * nwords + 2u * (nwords & 1u);
+    memcpy(p, lo, lob);
+    p += lob;
+    memcpy(p, lo + lo_cap, sgb);
+    p += sgb;
+    memcpy(p, esc, eb);
+    free(lo);
+    free(esc);
+    o->buf = buf;
+    o->len = len;
+    o->words = nwords;
+    o->lo_bits = (uint32_t)lo_bits;
+    o->sign_bits = nsign;
+    o->nesc = nesc;
+    return PCA_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* threads                                                                   */
+typedef struct {
+    const geo *g;
+    const uint8_t *src; /* encode: kv; decode: payload */
+    uint8_t *dst;       /* decode: out */
+    row_out *outs;      /* encode */
+    const row_in *ins;  /* decode */
+    uint32_t N;
+    int next, failed, fail_rc;
+    uint32_t fail_row;
+    char fail_msg[160];
+    pthread_mutex_t mu;
+} job;
+
+static void record_failure(job *jb, uint32_t row, int rc, const char *msg) {
+    pthread_mutex_lock(&jb->mu);
+    if (!jb->failed || row < jb->fail_row) {
+        jb->fail_rc = rc;
+        jb->fail_row = row;
+        snprintf(jb->fail_msg, sizeof jb->fail_msg, "%s", msg);
+    }
+    __atomic_store_n(&jb->failed, 1, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&jb->mu);
+}
+
+static void *decode_worker(void *arg) {
+    job *jb = (job *)arg;
+    const geo *g = jb->g;
+    const uint32_t C = g->ck->channels, rows = 2u * g->ck->layers;
+    dscratch s;
+    s.q = (int16_t *)malloc(((size_t)g->Tp * C + 16) * sizeof(int16_t));
+    s.y = (int32_t *)malloc((size_t)TBLK * g->ck->cols * sizeof(int32_t));
+    s.l1 = (uint32_t *)malloc(((size_t)g->Tp * 3 + 4) * sizeof(uint32_t));
+    s.live = (uint16_t *)malloc(C * sizeof(uint16_t));
+    s.mag = (uint32_t *)malloc(((size_t)g->Tc + 1) * sizeof(uint32_t));
+    s.sym = (uint8_t *)malloc((size_t)C * g->Tc + 1);
+    if (!s.q || !s.y || !s.l1 || !s.live || !s.mag || !s.sym) {
+        record_failure(jb, 0, PCA_ERR_NOMEM, "out of memory");
+    } else {
+        s.last = s.l1 + g->Tp;
+        s.pairs = s.last + g->Tp;
+        char msg[128];
+        for (int r; (r = __atomic_fetch_add(&jb->next, 1, __ATOMIC_RELAXED)) < (int)rows;) {
+            if (__atomic_load_n(&jb->failed, __ATOMIC_RELAXED)) break;
+            int rc = decode_row(g, (uint32_t)r, &jb->ins[r], jb->N, &s, jb->dst, msg, sizeof msg);
+            if (rc != PCA_OK) record_failure(jb, (uint32_t)r, rc, msg);
+        }
+    }
+    free(s.q); free(s.y); free(s.l1); free(s.live); free(s.mag); free(s.sym);
+    return NULL;
+}
+
+static void *encode_worker(void *arg) {
+    job *jb = (job *)arg;
+    const geo *g = jb->g;
+    const uint32_t C = g->ck->channels, rows = 2u * g->ck->layers;
+    escratch s;
+    s.x = (int16_t *)malloc((size_t)TBLK * C * sizeof(int16_t));
+    s.qb = (int16_t *)malloc((size_t)TBLK * C * sizeof(int16_t));
+    s.qT = (int16_t *)malloc(((size_t)C * g->Tc + 1) * sizeof(int16_t));
+    s.y = (int32_t *)malloc((size_t)TBLK * g->ck->cols * sizeof(int32_t));
+    s.u = (int64_t *)malloc(C * sizeof(int64_t));
+    s.pairs = (uint32_t *)malloc(TBLK / PCA_TB * sizeof(uint32_t));
+    s.side = (uint8_t *)malloc(C);
+    s.words = (uint16_t *)malloc(((size_t)C * g->Tc + 2) * sizeof(uint16_t));
+    s.mag = (uint16_t *)malloc(((size_t)g->Tc + 1) * sizeof(uint16_t));
+    if (!s.x || !s.qb || !s.qT || !s.y || !s.u || !s.pairs || !s.side || !s.words || !s.mag) {
+        record_failure(jb, 0, PCA_ERR_NOMEM, "out of memory");
+    } else {
+        for (int r; (r = __atomic_fetch_add(&jb->next, 1, __ATOMIC_RELAXED)) < (int)rows;) {
+            if (__atomic_load_n(&jb->failed, __ATOMIC_RELAXED)) break;
+            int rc = encode_row(g, (uint32_t)r, jb->src, &s, &jb->outs[r]);
+            if (rc != PCA_OK) record_failure(jb, (uint32_t)r, rc, rc == PCA_ERR_NOMEM ? "out of memory" : jb->outs[r].msg);
+        }
+    }
+    free(s.x); free(s.qb); free(s.qT); free(s.y); free(s.u); free(s.pairs); free(s.side); free(s.words); free(s.mag);
+    return NULL;
+}
+
+static void run_threads(job *jb, int threads, uint32_t rows, void *(*fn)(void *)) {
+    if (threads < 1) threads = 1;
+    if ((uint32_t)threads > rows) threads = (int)(rows ? rows : 1);
+    if (threads > 256) threads = 256;
+    pthread_t tid[256];
+    int started = 0;
+    pthread_mutex_init(&jb->mu, NULL);
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&tid[started], NULL, fn, jb) != 0) break;
+        started++;
+    }
+    fn(jb);
+    for (int i = 0; i < started; i++) pthread_join(tid[i], NULL);
+    pthread_mutex_destroy(&jb->mu);
+}
+
+/* ------------------------------------------------------------------------ */
+/* chunk entry points                                                        */
+static int check_chunk(const pca_chunk *ck, geo *g, char *err, size_t errlen) {
+    const uint32_t C = ck->channels, D = ck->head_dim;
+    if (ck->dtype < PCA_DTYPE_BF16 || ck->dtype > PCA_DTYPE_F32 || ck->layers < 1 || ck->layers > (1u << 16) ||
+        C < 2 || C > 4096 || D < 2 || D % 2 || C % D || ck->sinks > ck->tokens || ck->cols < C ||
+        ck->cols % PCA_JB || (uint64_t)C * ck->tokens >= (1ull << 31)) {
+        snprintf(err, errlen, "bad chunk geometry");
+        return 0;
+    }
+    memset(g, 0, sizeof *g);
+    g->ck = ck;
+    g->Tc = ck->tokens - ck->sinks;
+    g->Tp = (g->Tc + PCA_TB - 1) / PCA_TB * PCA_TB;
+    g->es = esize(ck->dtype);
+    if (!pca_tables_init(&g->tb, ck->freq, ck->cost, ck->slot_sym)) {
+        snprintf(err, errlen, "bad frequency tables");
+        return 0;
+    }
+    return 1;
+}
+
+int pca_encode_chunk(const void *kv, const pca_chunk *ck, int threads, uint8_t **out, size_t *out_len, char *err,
+                     size_t errlen) {
+    *out = NULL;
+    *out_len = 0;
+    geo g;
+    if (!check_chunk(ck, &g, err, errlen)) return PCA_ERR_PARAM;
+    if (ck->lanes < 1 || ck->lanes > 64) { snprintf(err, errlen, "lanes out of range"); return PCA_ERR_PARAM; }
+    const uint32_t L = ck->layers, T = ck->tokens, C = ck->channels, S = ck->sinks, rows = 2u * L;
+    const size_t n = (size_t)rows * T * C; /* every value, sinks too, must be finite (as the reference checks) */
+    if (ck->dtype == PCA_DTYPE_F32) {
+        const uint32_t *v = (const uint32_t *)kv;
+        uint32_t bad = 0;
+        for (size_t i = 0; i < n; i++) bad |= (v[i] & 0x7F800000u) == 0x7F800000u;
+        if (bad) { snprintf(err, errlen, "the KV input holds NaN or infinity"); return PCA_ERR_NONFINITE; }
+    } else {
+        const uint16_t *v = (const uint16_t *)kv, e = ck->dtype == PCA_DTYPE_BF16 ? 0x7F80u : 0x7C00u;
+        uint32_t bad = 0;
+        for (size_t i = 0; i < n; i++) bad |= (v[i] & e) == e;
+        if (bad) { snprintf(err, errlen, "the KV input holds NaN or infinity"); return PCA_ERR_NONFINITE; }
+    }
+    job jb;
+    memset(&jb, 0, sizeof jb);
+    jb.g = &g;
+    jb.src = (const uint8_t *)kv;
+    jb.outs = (row_out *)calloc(rows, sizeof(row_out));
+    if (!jb.outs) { snprintf(err, errlen, "out of memory"); return PCA_ERR_NOMEM; }
+    run_threads(&jb, threads, rows, encode_worker);
+    int rc = PCA_OK;
+    if (jb.failed) {
+        rc = jb.fail_rc;
+        snprintf(err, errlen, "%s", jb.fail_msg);
+    }
+    const size_t sink_bytes = (size_t)rows * S * C * g.es;
+    size_t total = HEADER + (size_t)ENTRY * rows + sink_bytes + pad4(sink_bytes);
+    for (uint32_t r = 0; rc == PCA_OK && r < rows; r++) total += jb.outs[r].len;
+    uint8_t *buf = rc == PCA_OK ? (uint8_t *)malloc(total) : NULL;
+    if (rc == PCA_OK && !buf) { rc = PCA_ERR_NOMEM; snprintf(err, errlen, "out of memory"); }
+    if (rc == PCA_OK) {
+        uint8_t *p = buf;
+        memcpy(p, "KVPC", 4);
+        p[4] = 1;
+        p[5] = (uint8_t)ck->dtype;
+        p[6] = (uint8_t)ck->lanes;
+        p[7] = 0;
+        put_u32(p + 8, rows);
+        put_u32(p + 12, T);
+        put_u32(p + 16, C);
+        put_u32(p + 20, S);
+        p += HEADER;
+        for (uint32_t r = 0; r < rows; r++, p += ENTRY) {
+            put_u32(p, jb.outs[r].words);
+            put_u32(p + 4, jb.outs[r].lo_bits);
+            put_u32(p + 8, jb.outs[r].sign_bits);
+            put_u32(p + 12, jb.outs[r].nesc);
+        }
+        const size_t rowb = (size_t)S * C * g.es;
+        for (uint32_t r = 0; r < rows; r++, p += rowb) memcpy(p, (const uint8_t *)kv + (size_t)r * T * C * g.es, rowb);
+        memset(p, 0, pad4(sink_bytes));
+        p += pad4(sink_bytes);
+        for (uint32_t r = 0; r < rows; r++) {
+            memcpy(p, jb.outs[r].buf, jb.outs[r].len);
+            p += jb.outs[r].len;
+        }
+        *out = buf;
+        *out_len = total;
+    }
+    for (uint32_t r = 0; r < rows; r++) free(jb.outs[r].buf);
+    free(jb.outs);
+    return rc;
+}
+
+int pca_decode_chunk(const uint8_t *p, size_t len, const pca_chunk *ck, void *out, int threads, char *err,
+                     size_t errlen) {
+    geo g;
+    if (!check_chunk(ck, &g, err, errlen)) return PCA_ERR_PARAM;
+    const uint32_t L = ck->layers, T = ck->tokens, C = ck->channels, rows = 2u * L;
+    /* the header and the row table, as reference.parse checks them */
+    if (len < HEADER) { snprintf(err, errlen, "payload shorter than its header"); return PCA_ERR_CORRUPT; }
+    if (memcmp(p, "KVPC", 4) != 0 || p[4] != 1 || p[7] != 0) {
+        snprintf(err, errlen, "not a pca payload of version 1");
+        return PCA_ERR_CORRUPT;
+    }
+    const uint32_t N = p[6], S = get_u32(p + 20);
+    if (p[5] != (uint8_t)ck->dtype || get_u32(p + 8) != rows || get_u32(p + 12) != T || get_u32(p + 16) != C ||
+        N < 1 || N > 64 || S > T) {
+        snprintf(err, errlen, "the payload's header does not match the chunk's shape and dtype");
+        return PCA_ERR_CORRUPT;
+    }
+    if (S != ck->sinks) { snprintf(err, errlen, "sink count differs from the caller's"); return PCA_ERR_PARAM; }
+    if (len - HEADER < (uint64_t)ENTRY * rows) { snprintf(err, errlen, "payload shorter than its row table"); return PCA_ERR_CORRUPT; }
+    const size_t sink_at = HEADER + (size_t)ENTRY * rows, sink_bytes = (size_t)rows * S * C * g.es;
+    row_in *ins = (row_in *)calloc(rows, sizeof(row_in));
+    if (!ins) { snprintf(err, errlen, "out of memory"); return PCA_ERR_NOMEM; }
+    uint64_t pos = sink_at + sink_bytes + pad4(sink_bytes);
+    for (uint32_t r = 0; r < rows; r++) {
+        const uint8_t *e = p + HEADER + (size_t)ENTRY * r;
+        row_in *ri = &ins[r];
+        ri->nwords = get_u32(e);
+        ri->lo_bits = get_u32(e + 4);
+        ri->sign_bits = get_u32(e + 8);
+        ri->nesc = get_u32(e + 12);
+        const uint64_t lob = ((uint64_t)ri->lo_bits + 7) / 8, sgb = ((uint64_t)ri->sign_bits + 7) / 8,
+                       eb = 2ull * ri->nesc, tail = lob + sgb + eb;
+        const uint64_t size = C + pad4(C) + 4ull * N + 2ull * ri->nwords + 2ull * (ri->nwords & 1u) + tail + pad4((size_t)tail);
+        if (pos + size > len) { free(ins); snprintf(err, errlen, "payload is %zu bytes, shorter than its tables say", len); return PCA_ERR_CORRUPT; }
+        ri->side = p + pos;
+        ri->states = ri->side + C + pad4(C);
+        ri->words = ri->states + 4u * N;
+        ri->lo = ri->words + 2ull * ri->nwords + 2ull * (ri->nwords & 1u);
+        ri->sign = ri->lo + lob;
+        ri->esc = ri->sign + sgb;
+        pos += size;
+    }
+    if (pos != len) { free(ins); snprintf(err, errlen, "payload is %zu bytes, its tables say %llu", len, (unsigned long long)pos); return PCA_ERR_CORRUPT; }
+    /* sinks: the first S tokens of every row, as stored */
+    const size_t rowb = (size_t)S * C * g.es;
+    for (uint32_t r = 0; r < rows; r++) memcpy((uint8_t *)out + (size_t)r * T * C * g.es, p + sink_at + r * rowb, rowb);
+    job jb;
+    memset(&jb, 0, sizeof jb);
+    jb.g = &g;
+    jb.src = p;
+    jb.dst = (uint8_t *)out;
+    jb.ins = ins;
+    jb.N = N;
+    run_threads(&jb, threads, rows, decode_worker);
+    free(ins);
+    if (jb.failed) {
+        snprintf(err, errlen, "%s", jb.fail_msg);
+        return jb.fail_rc;
+    }
+    return PCA_OK;
+}

@@ -1,0 +1,43 @@
+/* The arithmetic kernels of the pca CPU coder: the integer transform and the float conversions. */
+#ifndef KVTOOL_PCA_KERNELS_H
+#define KVTOOL_PCA_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PCA_TB 4   /* tokens per block of the transform */
+#define PCA_JB 24  /* columns per block of the transform (m2's width is a multiple of it) */
+
+/* Y[t][j] = sum over i < 2*pairs[t / PCA_TB] of X[t][i] * M[i][j], for t < tokens (a multiple of
+ * PCA_TB) and j < cols (a multiple of PCA_JB). X comes pair-major, X[t][2p] and X[t][2p+1] the low
+ * and high int16 of xp[p * ps + t] (so a coder writing one component walks memory in order); M
+ * comes as m2[i/2][j][2]. int32 throughout: the caller guarantees every partial sum fits (decode:
+ * sum|q| <= 2^16; encode: the sumsq bound), so any order of summation gives the same result. */
+void pca_matmul(const int32_t *xp, size_t ps, const int16_t *m2, size_t cols, const uint32_t *pairs,
+                size_t tokens, int32_t *Y, size_t ys);
+
+/* 1 when the AVX2 path is in use (x86-64 with AVX2 and KVTOOL_PCA_SIMD not 0). */
+int pca_simd_avx2(void);
+
+static inline float pca_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t pca_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* bf16 rounding as reference.to_dtype writes it: (bits + 0x7FFF + lsb) >> 16, wrapping in 32 bits
+ * (numpy's uint64 sum keeps the same low 32 bits), NaN and infinity included */
+static inline uint16_t pca_f32_to_bf16(float f) {
+    uint32_t u = pca_bits(f);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float pca_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    if (exp == 0x1Fu) return pca_f32(sign | 0x7F800000u | (man << 13));
+    if (exp == 0) { /* zero or subnormal: man * 2^-24, exact */
+        float v = (float)man * 5.9604644775390625e-08f;
+        return sign ? -v : v;
+    }
+    return pca_f32(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+#endif

@@ -1,0 +1,205 @@
+"""The native pca coder (`kvtool._pca_native`, kernels/pca_cpu.c), with the reference's interface.
+
+`encode_chunk` / `decode_chunk` take what `reference.encode_chunk` / `reference.decode_chunk` take
+(plus `threads`) and give the same bytes and values. What the C coder needs from the calibration
+object is prepared here once per object: the basis as pairs of rows for the int16 transform (and
+its transpose for the decoder), and per layer the bound on a token's sum of U^2 under which the
+encoder's int32 sums are exact. The RoPE tables come from `calibration.rope_tables`, the one
+function every coder takes them from.
+
+When the extension is missing (no compiler at install time) `coder()` gives the reference and
+says so once, in one line. KVTOOL_PCA_NATIVE=0 forces the reference (tests and debugging).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from ...devices import host_threads
+from ...errors import DecodeError, NonFiniteValues, UsageError
+from ...notices import notice
+from . import reference
+from .calibration import Calibration, rope_tables
+
+_module: ModuleType | None = None
+_error: str | None = None
+_loaded = False
+_lock = threading.Lock()
+
+JB = 24  # the C transform's column block (kernels/pca_kernels.h PCA_JB): m2's width is a multiple of it
+DTYPE_CODES = reference.DTYPE_CODES
+_STORAGE = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.float32}  # what the C coder reads/writes
+_OUT = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}  # what decode_chunk returns
+FREQ = np.ascontiguousarray(reference.FREQ, dtype=np.int32)
+COST = np.ascontiguousarray(reference.COST, dtype=np.int32)
+SLOT_SYM = np.ascontiguousarray(reference.SYMBOL_OF_SLOT, dtype=np.uint8)
+
+
+def _load() -> None:
+    global _module, _error, _loaded
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        try:
+            from ... import _pca_native as m  # type: ignore[attr-defined]
+
+            _module = m
+        except ImportError as exc:  # pragma: no cover - depends on the build
+            _module, _error = None, str(exc)
+        _loaded = True
+
+
+def native_module(warn: bool = True) -> ModuleType | None:
+    """The extension module, or None (forced off, or not built)."""
+    if os.environ.get("KVTOOL_PCA_NATIVE", "1").strip() in ("0", "false", "no", "off"):
+        return None
+    _load()
+    if _module is None and warn:
+        notice(f"native pca coder unavailable ({_error}); using the slow numpy reference "
+               "(reinstall kvtool with a C compiler: pip install -e .)", key="pca_native")
+    return _module
+
+
+def native_available() -> bool:
+    return native_module(warn=False) is not None
+
+
+def coder(impl: str = "auto") -> Any:
+    """What codes a chunk: this module (native) or `reference`. impl: 'auto', 'native', 'reference'."""
+    if impl == "reference":
+        return reference
+    if impl == "native":
+        if native_module(warn=False) is None:
+            raise UsageError("pca: the native coder is not built (pip install -e .)")
+        return _this()
+    if impl != "auto":
+        raise UsageError(f"pca: impl must be 'auto', 'native' or 'reference', got {impl!r}")
+    return _this() if native_module(warn=True) is not None else reference
+
+
+def _this() -> ModuleType:
+    import sys
+
+    return sys.modules[__name__]
+
+
+# --------------------------------------------------------------------------- prepared calibration
+class _Prepared:
+    def __init__(self, cal: Calibration):
+        two, L, C, _ = cal.basis.shape
+        self.cols = -(-C // JB) * JB
+        b = cal.basis
+        self.mean = np.ascontiguousarray(cal.mean, dtype=np.float32)
+        self.weight = np.ascontiguousarray(cal.weight, dtype=np.float32)
+        self.basis = np.ascontiguousarray(b, dtype=np.int16)
+        self.m2_encode = self._pairs(b)  # rows c, columns k
+        self.m2_decode = self._pairs(b.transpose(0, 1, 3, 2))  # rows k, columns c
+        # Cauchy-Schwarz: |sum over any channels of U[c] B[c, k]| <= |U| |B_k|; int32 is exact
+        # when sum U^2 * max_k |B_k|^2 < 2^62
+        norm2 = (b.astype(np.int64) ** 2).sum(2).max(-1)  # [2, L]
+        self.sumsq_limit = np.ascontiguousarray(((1 << 62) - 1) // np.maximum(norm2, 1), dtype=np.int64)
+        self.gains: dict[float, np.ndarray] = {}
+        # layers turned with the same frequencies share one table: rope_tables for the distinct
+        # rows only (each entry depends on its position and frequency alone, so the values are
+        # those of the full tables), a 30x smaller table for the default model
+        rows, of_layer = np.unique(cal.inv_freq, axis=0, return_inverse=True)
+        self.rope = SimpleNamespace(inv_freq=rows)
+        self.rope_map = np.ascontiguousarray(of_layer.reshape(-1), dtype=np.int32)
+
+    def _pairs(self, m: np.ndarray) -> np.ndarray:
+        """[2, L, R, J] -> [2, L, R/2, cols, 2]: rows 2i and 2i+1 side by side, columns padded with 0."""
+        two, L, R, J = m.shape
+        out = np.zeros((two, L, R // 2, self.cols, 2), np.int16)
+        out[:, :, :, :J, :] = m.reshape(two, L, R // 2, 2, J).transpose(0, 1, 2, 4, 3)
+        return out
+
+    def gain(self, cal: Calibration, step: float) -> np.ndarray:
+        g = self.gains.get(step)
+        if g is None:
+            g = self.gains[step] = np.ascontiguousarray(reference.gains(cal, step))
+        return g
+
+
+_prepared: dict[int, tuple[Calibration, _Prepared]] = {}
+
+
+def prepared(cal: Calibration) -> _Prepared:
+    """The arrays the C coder reads for `cal` (kept for the last few objects)."""
+    hit = _prepared.get(id(cal))
+    if hit is not None and hit[0] is cal:
+        return hit[1]
+    with _lock:
+        if len(_prepared) >= 4:
+            _prepared.pop(next(iter(_prepared)))
+        prep = _Prepared(cal)
+        _prepared[id(cal)] = (cal, prep)
+    return prep
+
+
+def _threads(threads: int | None) -> int:
+    if threads is None:
+        return host_threads()
+    if not isinstance(threads, int) or threads < 1:
+        raise UsageError(f"pca: threads must be a positive integer, got {threads!r}")
+    return threads
+
+
+# --------------------------------------------------------------------------- the coder
+def encode_chunk(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sinks: int, start: int,
+                 lanes: int = 16, threads: int | None = None) -> bytes:
+    """As reference.encode_chunk: raw [2, L, T, C] as stored (bf16 as uint16 bits) -> the payload."""
+    mod = native_module(warn=False)
+    if mod is None:
+        raise UsageError("pca: the native coder is not built (pip install -e .)")
+    _, L, T, C = raw.shape
+    if cal.layers != L or cal.channels != C:
+        raise UsageError(f"pca: the calibration is for {cal.layers} layers x {cal.channels} channels, the chunk "
+                         f"has {L} x {C}")
+    prep = prepared(cal)
+    n_sink = min(T, max(0, sinks - start))
+    cos, sin = rope_tables(prep.rope, start + n_sink, T - n_sink)  # type: ignore[arg-type]
+    r = 1.0 / (float(step) * float(1 << (reference.U_FRACTION + 14)))
+    data = np.ascontiguousarray(raw).view(_STORAGE[dtype])
+    try:
+        return mod.encode(data, DTYPE_CODES[dtype], L, T, C, cal.head_dim, n_sink, lanes, prep.cols, r, prep.mean,
+                          prep.weight, prep.m2_encode, prep.basis, prep.sumsq_limit, len(prep.rope.inv_freq), cos, sin,
+                          prep.rope_map, FREQ, COST, SLOT_SYM,
+                          _threads(threads))
+    except mod.NonFiniteError:
+        raise NonFiniteValues("pca: the KV input holds NaN or infinity") from None
+    except mod.RangeError as exc:
+        raise UsageError(f"pca: a token's coefficients are too large for step {step} (sum of |q| {exc} > "
+                         f"{reference.TOKEN_L1_LIMIT}); use a larger step or another codec") from None
+
+
+def decode_chunk(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str, cal: Calibration, step: float,
+                 start: int, threads: int | None = None) -> np.ndarray:
+    """As reference.decode_chunk: the chunk [2, L, T, C] in dtype's storage (bf16 as uint16 bits)."""
+    mod = native_module(warn=False)
+    if mod is None:
+        raise UsageError("pca: the native coder is not built (pip install -e .)")
+    _, L, T, C = shape
+    if cal.layers != L or cal.channels != C:
+        raise DecodeError(f"pca: the calibration is for {cal.layers} layers x {cal.channels} channels, the chunk "
+                          f"has {L} x {C}")
+    prep = prepared(cal)
+    # the tables start after the sinks the payload says it holds (the C coder checks the rest)
+    n_sink = struct.unpack_from("<I", payload, 20)[0] if len(payload) >= reference.HEADER.size else 0
+    n_sink = n_sink if n_sink <= T else 0
+    cos, sin = rope_tables(prep.rope, start + n_sink, T - n_sink)  # type: ignore[arg-type]
+    out = np.empty((2, L, T, C), dtype=_OUT[dtype])
+    try:
+        mod.decode(payload, out.view(_STORAGE[dtype]), DTYPE_CODES[dtype], L, T, C, cal.head_dim, n_sink, prep.cols,
+                   prep.mean, prep.gain(cal, step), prep.m2_decode, len(prep.rope.inv_freq), cos, sin, prep.rope_map,
+                   FREQ, COST, SLOT_SYM, _threads(threads))
+    except mod.CorruptError as exc:
+        raise DecodeError(f"pca: {exc}") from None
+    return out
