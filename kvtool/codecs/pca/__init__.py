@@ -22,7 +22,7 @@ import numpy as np
 
 from ...errors import CodecParamsInvalid
 from ..base import Codec
-from . import native
+from . import native, reference
 from .calibration import find
 
 if TYPE_CHECKING:

@@ -236,6 +236,9 @@ def encode_chunk(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sin
                  lanes: int = 16) -> bytes:
     """raw: the chunk [2, L, T, C] as stored (bf16 as uint16 bits). Returns the payload."""
     _, L, T, C = raw.shape
+    if cal.layers != L or cal.channels != C:
+        raise UsageError(f"pca: the calibration is for {cal.layers} layers x {cal.channels} channels, the chunk "
+                         f"has {L} x {C}")
     x = from_dtype(raw, dtype)
     if not np.isfinite(x).all():
         raise NonFiniteValues("pca: the KV input holds NaN or infinity")
