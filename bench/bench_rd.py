@@ -92,6 +92,8 @@ def parse_args(argv=None):
     ap.add_argument("--md", default=str(_HERE / "RD_RESULTS.md"), help="markdown output ('' = none)")
     ap.add_argument("--png", default=str(_HERE / "rd_curve.png"), help="plot output ('' = none)")
     ap.add_argument("--json", default="", help="also write per-window results as JSON")
+    ap.add_argument("--pca-steps", default="",
+                    help="comma-separated extra pca quantizer steps, as rows pca-step-<step> (calibration as below)")
     ap.add_argument("--pca-calibration", default="",
                     help="digest of a pca calibration object to use (default: learn one on the texts the "
                          "benchmark does not take, and keep it in kvtool's calibration folder)")
@@ -315,12 +317,15 @@ def pca_calibration(model, args):
     return cal.digest
 
 
-def build_rows(pca_digest=None):
+def build_rows(pca_digest=None, pca_steps=()):
     from kvtool.codecs.pca import params_for
 
     cg = lambda bins: cachegen_params(bins=bins)  # noqa: E731
     pca = [(f"pca-{q}", f"kvtool pca, quality {q} (step {params_for('0' * 64, q)['step']})",
             codec_transform("pca", params_for(pca_digest, q))) for q in ("99", "97", "95", "89")] if pca_digest else []
+    pca += [(f"pca-step-{step:g}", f"kvtool pca, step {step:g}",
+             codec_transform("pca", {**{k: v for k, v in params_for(pca_digest, "97").items() if k != "quality"}, "step": step}))
+            for step in pca_steps] if pca_digest else []
     return [
         ("bf16", "reference: engine bf16 KV, raw codec", codec_transform("raw", {"version": 1})),
         ("fp16", "cast bf16->fp16->bf16", cast_transform(torch.float16, 16)),
@@ -389,9 +394,13 @@ def run(args):
     t_start = time.perf_counter()
     model = load_model(None)
     wanted = set(args.rows.split(",")) if args.rows else None
-    rows = build_rows(pca_calibration(model, args) if wanted is None or wanted & set(PCA_ROWS) else None)
+    steps = [float(x) for x in args.pca_steps.split(",") if x]
+    wanted_pca = wanted is None or wanted & set(PCA_ROWS) or steps
+    rows = build_rows(pca_calibration(model, args) if wanted_pca else None, steps)
+    if wanted is not None:
+        wanted |= {f"pca-step-{step:g}" for step in steps}
     if args.rows:
-        keep = set(args.rows.split(","))
+        keep = wanted
         unknown = keep - {r[0] for r in rows}
         if unknown:
             raise SystemExit(f"unknown rows: {', '.join(sorted(unknown))}")
