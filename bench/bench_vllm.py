@@ -105,7 +105,8 @@ def serve(python: str, workdir: Path, job: dict) -> dict:
     lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         raise SystemExit(f"bench_vllm: engine failed:\n{out.stderr[-3000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    # (the first JSON value on the line: a log line of vLLM's other process may run on after it)
+    result, _ = json.JSONDecoder().raw_decode(lines[-1][len("RESULT "):])
     saves: dict[str, list[float]] = {}  # KVToolConnector's own save times per request (its log, on stdout)
     for m in SAVED.finditer(out.stdout + out.stderr):
         total, in_step = saves.setdefault(m.group(1), [0.0, 0.0]), float(m.group(3)) / 1e3
