@@ -712,6 +712,42 @@ def lookup_bench(work: Path, server: RedisServer, sizes: list[int], calls: int) 
     return results
 
 
+def cachegen_by_size(work: Path) -> dict:
+    """What small pieces cost CacheGen's ratio: real KV (the default model, kvtool's engine, a
+    1,024-token prompt of prose) cut into pieces of 16..256 tokens, each encoded alone with the
+    codec's default parameters (as a piece or chunk object holds it): raw bytes / CacheGen bytes."""
+    from kvtool.codecs import get_codec
+    from kvtool.engine import load_model
+    from kvtool.format import ContainerReader
+    from kvtool.ops.capture import capture
+
+    model = load_model(None)
+    text = " ".join(f"Section {i}. The river town kept records of its {i * 3} bridges, its markets and the "
+                    f"weather; in year {1800 + i} the council counted {i * 17 % 101} boats." for i in range(60))
+    ids = model.tokenizer.encode(text)[:1024]
+    path = work / "cachegen-kv.kvc"
+    capture(model, ids, path, chunk_size=1024)
+    with ContainerReader(path) as reader:
+        kv = reader.read_chunk(0)
+    codec = get_codec("cachegen")
+    params = codec.default_params()
+    rows, out = [], {}
+    for size in (16, 32, 64, 128, 256):
+        raw = total = 0
+        for start in range(0, 1024, size):
+            part = kv[:, :, start:start + size].contiguous()
+            payload, _ = codec.encode(part, params)
+            raw += part.numel() * part.element_size()
+            total += len(payload)
+        out[size] = raw / total
+        rows.append([size, f"{raw / total:.1f}×"])
+    rows = [r + [f"{out[r[0]] / out[256]:.2f}"] for r in rows]
+    print(f"\nCacheGen ratio (raw bf16 bytes / CacheGen bytes) by piece size, real KV of the default model "
+          f"({len(ids)} tokens), default parameters:\n")
+    print(table(["tokens per piece", "ratio", "vs 256-token chunks"], rows))
+    return out
+
+
 def blocks_bench(work: Path, server: RedisServer, sequences: int, calls: int) -> dict:
     """Block prefixes (store.md §7): what they cost.
 
@@ -772,6 +808,8 @@ def blocks_bench(work: Path, server: RedisServer, sequences: int, calls: int) ->
         open_store(server.url).backend.client.flushall()
     print("\nput_sequence of a 2,288-token prompt (8 chunks, then 240 tokens), best of 3:\n")
     print(table(["store", "whole chunks ms", "block size 16 ms", "time", "extra objects", "bytes"], rows))
+
+    out["cachegen_by_size"] = cachegen_by_size(work)
 
     cs, block = 16, 4
     probe = open_store("memory://").for_model(TINY, cs, block_size=block)
