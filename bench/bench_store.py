@@ -801,7 +801,8 @@ def blocks_bench(work: Path, server: RedisServer, sequences: int, calls: int) ->
                 times[block] = (best, put)
         (plain, p0), (blocks, p1) = times[None], times[16]
         rows.append([kind, f"{plain * 1e3:.0f}", f"{blocks * 1e3:.0f}", f"{blocks / plain - 1:+.0%}",
-                     f"{p1.pieces} piece, {p1.block_entries} entries", f"{p1.stored_bytes / p0.stored_bytes - 1:+.1%}"])
+                     f"{p1.pieces} piece, {p1.block_entries} entries", f"{p1.stored_bytes / p0.stored_bytes - 1:+.1%}"
+                     f" (entries {p1.block_entries * len(entry) / p0.stored_bytes:.3%}; the rest the piece's KV)"])
         out[f"put/{kind}"] = {"whole_s": plain, "blocks_s": blocks, "entries": p1.block_entries,
                               "bytes_whole": p0.stored_bytes, "bytes_blocks": p1.stored_bytes}
     if server is not None:
@@ -838,10 +839,12 @@ def blocks_bench(work: Path, server: RedisServer, sequences: int, calls: int) ->
           f"({len(fill):,} objects; filled in {time.perf_counter() - t0:.0f} s of encoding); a prompt of 16 "
           f"chunks and 10 tokens, chunk size {cs}, block size {block}: median and p99 of {calls:,} calls\n")
     rows = []
+    local_cap = 6 * 20_000  # a folder fills at ~1,000 fsynced files/s: 20k sequences (its lookup is stats, not a scan)
     for kind, url in (("memory", "memory://"), ("local", str(work / "blocks-lookup")), ("redis", server.url)):
         with open_store(url) as store:
             t0 = time.perf_counter()
-            parts = [fill[i:i + 1000] for i in range(0, len(fill), 1000)]
+            mine = fill[:local_cap] if kind == "local" else fill
+            parts = [mine[i:i + 1000] for i in range(0, len(mine), 1000)]
             if kind == "local":
                 with ThreadPoolExecutor(4) as pool:
                     list(pool.map(store.backend.put_many, parts))
@@ -856,8 +859,8 @@ def blocks_bench(work: Path, server: RedisServer, sequences: int, calls: int) ->
             assert cache.lookup(partial) == cs * 15 + 8
             got = latencies({"hit": lambda: cache.lookup(query), "partial": lambda: cache.lookup(partial),
                              "miss": lambda: cache.lookup(novel)}, calls)
-            rows.append([kind, f"{len(fill):,}"] + [f"{got[k][0]:.0f} / {got[k][1]:.0f}" for k in ("hit", "partial", "miss")]
-                        + [f"{len(fill) / fill_s:,.0f}", "met" if max(got[k][1] for k in got) < LOOKUP_GOAL_US else "NOT met"])
+            rows.append([kind, f"{len(mine):,}"] + [f"{got[k][0]:.0f} / {got[k][1]:.0f}" for k in ("hit", "partial", "miss")]
+                        + [f"{len(mine) / fill_s:,.0f}", "met" if max(got[k][1] for k in got) < LOOKUP_GOAL_US else "NOT met"])
             out[f"lookup/{kind}"] = {k: {"median_us": v[0], "p99_us": v[1]} for k, v in got.items()}
             if kind == "redis":
                 store.backend.client.flushall()
