@@ -266,7 +266,7 @@ def replay_from_store(request: ReplayRequest, stage: Callable[[str], None]) -> R
         last = (len(tokens) - 1) // cache.block_size * cache.block_size  # at least one token is computed
         stored = min(cache.lookup(tokens), last)
         kv_dtype = cache.kv_dtype(tokens) or torch.bfloat16
-        plan = ReusePlan(tokens=tokens, reused=stored, chunks=stored // cache.chunk_size)
+        plan = ReusePlan(tokens=tokens, reused=stored, chunks=-(-stored // cache.chunk_size))  # (a piece counts)
         return run_plan(store_prefix(cache, tokens, kv_dtype), model, plan, request.continue_tokens,
                         request.compares, stage)
 
