@@ -120,7 +120,9 @@ def stored_codecs(store: Path) -> set[str]:
     from kvtool.format import ContainerReader
     from kvtool.store import open_store
 
-    names = [o.name for o in open_store(str(store)).backend.scan() if o.name.startswith("chunks/")]
+    # chunks and pieces (containers); block index entries (.kvi) are pointers, no KV
+    names = [o.name for o in open_store(str(store)).backend.scan() if o.name.startswith("chunks/")
+             and o.name.endswith(".kvc")]
     codecs = set()
     for name in names:
         with ContainerReader(store / name) as reader:
