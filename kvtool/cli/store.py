@@ -31,6 +31,9 @@ TokensOpt = Annotated[Optional[Path], typer.Option(
     "--tokens", metavar="FILE", help="File of token ids (JSON list or whitespace-separated).")]
 ChunkSizeOpt = Annotated[Optional[int], typer.Option(
     "--chunk-size", metavar="N", help="Tokens per chunk of the stored KV (default: the stored size that covers the most).")]
+BlockSizeOpt = Annotated[int, typer.Option(
+    "--block-size", metavar="N", help="Match the prefix to a multiple of N tokens past the whole chunks "
+                                      "(the engine's block; N = the chunk size: whole chunks only).")]
 ChatOpt = Annotated[bool, typer.Option("--chat", help="The prompt is a user message: apply the chat template.")]
 MaxBytesOpt = Annotated[str, typer.Option("--max-bytes", metavar="SIZE", help="Keep at most this much, e.g. 10G.",
                                           show_default=False)]
@@ -48,12 +51,13 @@ def put_command(files: FilesArg, store: StoreOpt, namespace: NamespaceOpt = None
 def get_command(store: StoreOpt, output: OutputPath, prompt: PromptOpt = None, prompt_file: PromptFileOpt = None,
                 tokens: TokensOpt = None, model: ModelOpt = None, chunk_size: ChunkSizeOpt = None,
                 chat: ChatOpt = False, namespace: NamespaceOpt = None, codec: GetCodecOpt = None,
-                json: JsonOpt = False) -> None:
-    """Write the longest cached prefix of a prompt as a kvtool file (exit 1 when nothing is cached)."""
+                block_size: BlockSizeOpt = 16, json: JsonOpt = False) -> None:
+    """Write the longest cached prefix of a prompt as a kvtool file (exit 1 when nothing is cached):
+    its whole chunks, then the longest block-aligned run of tokens past them that a stored sequence shares."""
     from ..ops import store as ops
 
     emit(ops.get(store, output, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, model=model,
-                 chat=chat, chunk_size=chunk_size, namespace=namespace, codec=codec), json)
+                 chat=chat, chunk_size=chunk_size, namespace=namespace, codec=codec, block_size=block_size), json)
 
 
 @app.command("ls")

@@ -392,7 +392,7 @@ def put_in_store(request: CaptureRequest, writer: ContainerWriter) -> dict[str, 
     (or the container built in memory). Returns the result's `store` entry."""
     source = request.output if request.output is not None else BytesSource(writer.getvalue())
     with open_store(request.store) as chunk_store, ContainerReader(source) as reader:
-        put = ingest(reader, chunk_store, request.extra_keys)
+        put = ingest(reader, chunk_store, request.extra_keys, block_size=request.block_size)
         return {"store": chunk_store.url, "chunks": put.chunks, "stored": put.stored, "present": put.present}
 
 

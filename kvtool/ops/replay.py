@@ -169,8 +169,13 @@ def file_prefix(reader: ContainerReader, model: "AnyModel", allow_other_weights:
                   codecs=sorted({c.codec for c in reader.chunks}), weights=weights, load=load_file, reader=reader)
 
 
+#: The paged cache's block (tokens) that `replay --store` runs with (run_plan's default): the
+#: granularity its prefix is matched to in the store.
+ENGINE_BLOCK = 16
+
+
 def store_prefix(cache, tokens: list[int], kv_dtype: torch.dtype) -> Prefix:
-    """The store's whole chunks of `tokens` (a `ModelCache`: this model, its weights, the request's
+    """The store's whole chunks of `tokens`, then its longest stored block prefix (a `ModelCache`: this model, its weights, the request's
     extra keys) as a replay's prefix: loaded straight from the objects into the paged cache, each
     checked (a refused one ends the prefix: the rest is computed)."""
     codecs_seen: list[str] = []
@@ -255,10 +260,13 @@ def replay_from_store(request: ReplayRequest, stage: Callable[[str], None]) -> R
         if not tokens:
             raise PromptError("the prompt is empty")
         check_vocabulary(tokens, model.config.vocab_size)
-        cache = chunk_store.best_cache(model.identity, tokens, request.chunk_size, request.extra_keys)
-        stored = min(cache.lookup(tokens), len(tokens) - 1)  # at least one token is computed
+        # prefixes match to the engine's block (store.md §7): whole chunks, then block-aligned tokens past them
+        cache = chunk_store.best_cache(model.identity, tokens, request.chunk_size, request.extra_keys,
+                                       block_size=ENGINE_BLOCK)
+        last = (len(tokens) - 1) // cache.block_size * cache.block_size  # at least one token is computed
+        stored = min(cache.lookup(tokens), last)
         kv_dtype = cache.kv_dtype(tokens) or torch.bfloat16
-        plan = ReusePlan(tokens=tokens, reused=stored, chunks=stored // cache.chunk_size)
+        plan = ReusePlan(tokens=tokens, reused=stored, chunks=-(-stored // cache.chunk_size))  # (a piece counts)
         return run_plan(store_prefix(cache, tokens, kv_dtype), model, plan, request.continue_tokens,
                         request.compares, stage)
 

@@ -101,13 +101,16 @@ class StoreGetResult(Result):
 
 def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_file: Path | None = None,
         tokens_file: Path | None = None, model: str | Path | None = None, chat: bool = False,
-        chunk_size: int | None = None, namespace: str | None = None, codec: str | None = None) -> StoreGetResult:
+        chunk_size: int | None = None, namespace: str | None = None, codec: str | None = None,
+        block_size: int | None = 16) -> StoreGetResult:
     """`kvtool store get --prompt-file F --store URL -o OUT`: the longest cached prefix of the
     prompt, as a container (at `chunk_size`, or the stored chunk size that covers the most), of
     the chunks stored under `namespace` (none: those stored without one). With `codec`, every
     chunk ends in that codec (its default parameters): a chunk stored so is copied as it is, the
     others are decoded and encoded again (a store keeps one object per chunk, in the codec it was
-    first put in)."""
+    first put in). With `block_size`, the prefix goes on past the whole chunks to the longest
+    block-aligned run of tokens a stored sequence shares (store.md §7; at a chunk size it does
+    not divide, whole chunks only)."""
     from ..engine import load_model
     from .capture import read_tokens
     from .inputs import codec_params
@@ -120,7 +123,8 @@ def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_fil
         refused: list[str] = []
         target = output if codec is None else _beside(output)
         try:
-            n, codecs_used, _writer = prefix_container(s, loaded.identity, ids, chunk_size, target, refused, keys)
+            n, codecs_used, _writer = prefix_container(s, loaded.identity, ids, chunk_size, target, refused, keys,
+                                                   block_size=block_size)
             if n == 0:
                 why = f" ({refused[0]})" if refused else ""
                 sizes = [chunk_size] if chunk_size is not None else s.chunk_sizes(loaded.identity)

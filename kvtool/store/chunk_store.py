@@ -23,7 +23,8 @@ from ..identity import ModelIdentity
 from ..notices import notice
 from . import loading, objects
 from .loading import FETCH_BATCH, PrefixHit
-from .names import NO_EXTRA_KEYS, ChunkLink, ExtraKeys, chunk_chain
+from .names import BLOCK_SUFFIX, NO_EXTRA_KEYS, BlockLink, ChunkLink, ExtraKeys, block_links, chunk_chain
+from ..format.hashing import ZERO_HASH
 from .backend import Backend, ObjectInfo
 from .local import LocalBackend
 from .memory import MemoryBackend
@@ -91,7 +92,26 @@ class PutResult:
     chunks: int  # whole chunks of the sequence
     stored: int  # written now
     present: int  # already stored (deduplicated)
-    stored_bytes: int  # bytes written now
+    stored_bytes: int  # bytes written now (block index entries and the piece included)
+    pieces: int = 0  # a piece (the block-aligned tokens past the last whole chunk) written now
+    block_entries: int = 0  # block index entries written now
+
+
+@dataclass
+class Found:
+    """What one existence probe found of a prompt (store.md §7): its whole chunks (the chain, to
+    the limit), how many lead it stored, and the longest stored block prefix after them."""
+
+    chain: list[ChunkLink]
+    run: int  # leading chain links stored
+    block: BlockLink | None = None  # the block prefix of position `run` to load after them
+    via: str = ""  # the name found for it: its piece, or a block index entry naming its object
+    chunk_size: int = 256
+    ids: Any = None  # the prompt's token ids (int64)
+
+    @property
+    def tokens(self) -> int:
+        return self.run * self.chunk_size + (self.block.tokens if self.block is not None else 0)
 
 
 class ChunkStore:
@@ -103,10 +123,12 @@ class ChunkStore:
         self.counters = StoreCounters()
 
     def for_model(self, model: ModelIdentity | dict[str, Any], chunk_size: int = 256,
-                  extra_keys: ExtraKeys = NO_EXTRA_KEYS) -> "ModelCache":
+                  extra_keys: ExtraKeys = NO_EXTRA_KEYS, block_size: int | None = None) -> "ModelCache":
         """The prefix API for one model at one chunk size, for requests of these extra keys
-        (namespace, cache salt, adapter...: store.md §3): it never sees another's chunks."""
-        return ModelCache(self, model, chunk_size, extra_keys)
+        (namespace, cache salt, adapter...: store.md §3): it never sees another's chunks. With a
+        `block_size` (the engine's, dividing the chunk size), prefixes match to that many tokens:
+        block-aligned tokens past the last whole chunk are stored and found too."""
+        return ModelCache(self, model, chunk_size, extra_keys, block_size)
 
     def chunk_sizes(self, model: ModelIdentity | dict[str, Any], extra_keys: ExtraKeys = NO_EXTRA_KEYS) -> list[int]:
         """The chunk sizes this store holds chunks of `model` at (in `extra_keys`' namespace)."""
@@ -114,13 +136,18 @@ class ChunkStore:
         return sorted(int(c) for c in cache.backend.children(f"chunks/{cache.key}/") if c.isdigit())
 
     def best_cache(self, model: ModelIdentity | dict[str, Any], token_ids,
-                   chunk_size: int | None = None, extra_keys: ExtraKeys = NO_EXTRA_KEYS) -> "ModelCache":
+                   chunk_size: int | None = None, extra_keys: ExtraKeys = NO_EXTRA_KEYS,
+                   block_size: int | None = None) -> "ModelCache":
         """The model's cache at `chunk_size`, or (None) at the stored chunk size that covers the
-        most of `token_ids` (256 when nothing is stored)."""
+        most of `token_ids` (256 when nothing is stored); block prefixes at `block_size` count
+        (a chunk size it does not divide is used at whole chunks)."""
+        def at(size: int) -> "ModelCache":
+            block = block_size if block_size is not None and size % block_size == 0 else None
+            return self.for_model(model, size, extra_keys, block)
+
         if chunk_size is not None:
-            return self.for_model(model, chunk_size, extra_keys)
-        caches = ([self.for_model(model, s, extra_keys) for s in self.chunk_sizes(model, extra_keys)]
-                  or [self.for_model(model, 256, extra_keys)])
+            return at(chunk_size)
+        caches = [at(s) for s in self.chunk_sizes(model, extra_keys)] or [at(256)]
         return max(caches, key=lambda c: (c.lookup(token_ids), -c.chunk_size))
 
     def refuse(self, name: str, err: ObjectRefused) -> None:
@@ -153,9 +180,13 @@ class ModelCache:
     """The chunks of one model at one chunk size: the prefix API engines use."""
 
     def __init__(self, store: ChunkStore, model: ModelIdentity | dict[str, Any], chunk_size: int,
-                 extra_keys: ExtraKeys = NO_EXTRA_KEYS):
+                 extra_keys: ExtraKeys = NO_EXTRA_KEYS, block_size: int | None = None):
         if not isinstance(chunk_size, int) or not 1 <= chunk_size <= 65536:
             raise UsageError(f"chunk size must be in [1, 65536], got {chunk_size}")
+        if block_size is not None and (not isinstance(block_size, int) or block_size < 1 or chunk_size % block_size):
+            raise UsageError(f"block size must divide the chunk size {chunk_size}, got {block_size}")
+        #: the engine's block: prefixes match to a multiple of it (the chunk size: whole chunks only)
+        self.block_size = block_size or chunk_size
         self.store = store
         self.extra_keys = extra_keys
         if isinstance(model, ModelIdentity):
@@ -181,9 +212,82 @@ class ModelCache:
     # --- reads -----------------------------------------------------------------------
 
     def lookup(self, token_ids) -> int:
-        """How many leading tokens stored whole chunks cover (a multiple of the chunk size).
-        Existence only: `get_prefix` checks each object and may return fewer."""
-        return self._stored_run(self._chain(token_ids)) * self.chunk_size
+        """How many leading tokens the store covers: whole chunks, then the longest stored block
+        prefix after them (a multiple of the block size). Existence only, one probe (two when the
+        whole chunks stop before the prompt's last): `get_prefix` checks each object and may
+        return fewer."""
+        return self.find(token_ids).tokens
+
+    def find(self, token_ids, limit: int | None = None, count_misses: bool = False) -> Found:
+        """The existence probe of a prompt (up to `limit` tokens): its whole chunks' names and the
+        block prefixes after its last whole chunk (pieces and block index entries) in one batch;
+        when the stored chunks stop earlier, a second batch for the block prefixes there."""
+        tokens = _as_token_array(token_ids)
+        chain = chunk_chain(tokens, self.chunk_size, self.extra_keys, limit)
+        blocks = self._blocks_at(tokens, chain, len(chain), limit)
+        names = [self.name(link.prefix_hash) for link in chain]
+        candidates = self._block_names(blocks)
+        exists = self.backend.exists_many(names + candidates) if names or candidates else []
+        run = next((i for i, f in enumerate(exists[:len(chain)]) if not f), len(chain))
+        if run < len(chain):
+            if count_misses:
+                self.store.counters.misses += len(chain) - run
+            blocks = self._blocks_at(tokens, chain, run, limit)
+            candidates = self._block_names(blocks)
+            exists = [False] * len(chain) + (self.backend.exists_many(candidates) if candidates else [])
+        found = Found(chain, run, chunk_size=self.chunk_size, ids=tokens)
+        for j in range(len(blocks) - 1, -1, -1):  # the longest: a piece itself, else an entry naming an object
+            piece, entry = exists[len(chain) + 2 * j], exists[len(chain) + 2 * j + 1]
+            if piece or entry:
+                found.block, found.via = blocks[j], candidates[2 * j + (0 if piece else 1)]
+                break
+        return found
+
+    def _blocks_at(self, tokens: np.ndarray, chain: list[ChunkLink], i: int, limit: int | None) -> list[BlockLink]:
+        """The block prefixes of chunk position `i` (after `i` whole chunks of `chain`)."""
+        parent = bytes.fromhex(chain[i - 1].prefix_hash) if i else ZERO_HASH
+        return block_links(tokens, i * self.chunk_size, parent, self.chunk_size, self.block_size, self.extra_keys,
+                           limit)
+
+    def _block_names(self, blocks: list[BlockLink]) -> list[str]:
+        """Each block prefix's piece name, then its block index entry's name."""
+        return [name for b in blocks for name in (objects.piece_name(self.key, self.chunk_size, b.prefix_hash),
+                                                  objects.block_name(self.key, self.chunk_size, b.prefix_hash))]
+
+    def open_block(self, found: Found, *, verify_payload: bool = False, opener=None) -> tuple[objects.ChunkObject, str, int]:
+        """The object that serves `found.block` (its piece, or the chunk or piece its block index
+        entry names), checked (§5 1-10, and that it begins with these tokens after this parent,
+        for these extra keys): (object, its name, stored bytes). ObjectRefused carries `.name`,
+        the name to refuse: the entry when it names an object that does not serve it."""
+        block, via = found.block, found.via
+        name, kind = via, "piece"
+        if via.endswith(BLOCK_SUFFIX):
+            data = self.backend.get(via)
+            if data is None:
+                raise loading.Gone(via)
+            try:
+                count, name = objects.check_block_entry(data, via)
+            except ObjectRefused as err:
+                raise _named(err, via) from None
+            if count != block.tokens:
+                raise _named(ObjectRefused(f"{via}: names {count} tokens where its name hashes {block.tokens}"), via)
+            kind = objects.parse_name(name)[0]
+        data = (opener or self.backend.open)(name)
+        if data is None:
+            raise loading.Gone(name)
+        size = data.size if hasattr(data, "fd") else len(data)
+        try:
+            obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size, start=block.start,
+                                      verify_payload=verify_payload, kind=kind)
+        except ObjectRefused as err:
+            raise _named(err, name) from None
+        try:
+            objects.check_serves(obj, name, block.parent.hex(), found.ids[block.start:block.start + block.tokens],
+                                 block.extra)
+        except ObjectRefused as err:
+            obj.reader.close()
+            raise _named(err, via) from None
+        return obj, name, size
 
     def _exists(self, chain: list[ChunkLink]) -> list[bool]:
         """The existence probe, for reads and puts alike: a stat each, or one pipelined round trip;
@@ -202,16 +306,41 @@ class ModelCache:
     def contains(self, token_ids) -> bool:
         """Whether every whole chunk of `token_ids` is stored (and there is at least one)."""
         chain = self._chain(token_ids)
-        return bool(chain) and self.lookup(token_ids) == len(chain) * self.chunk_size
+        return bool(chain) and self._stored_run(chain) == len(chain)
 
     def checked_objects(self, token_ids, max_tokens: int | None = None,
-                        refused: list[str] | None = None) -> Iterator[tuple[int, objects.ChunkObject, int]]:
-        """(start, checked object, stored bytes) of each stored whole chunk from token 0, in
-        order, until the first chunk that is missing or refused (its reason goes to `refused`).
-        The objects are not decoded: `store get` copies their payloads as they are."""
-        chain = self._chain(token_ids, max_tokens)
-        stored = self._stored_run(chain, count_misses=True)
-        chain, whole = chain[:stored], chain
+                        refused: list[str] | None = None) -> Iterator[tuple[int, int, objects.ChunkObject, int]]:
+        """(start, end, checked object, stored bytes) of each stored whole chunk from token 0, in
+        order, until the first chunk that is missing or refused (its reason goes to `refused`),
+        then of the longest stored block prefix after them (an object serving its first `end -
+        start` tokens: a piece, or a longer chunk or piece). The objects are not decoded: `store
+        get` copies their payloads as they are (or a part of a longer one, decoded)."""
+        found = self.find(token_ids, max_tokens, count_misses=True)
+        served = 0
+        for item in self._checked_chunks(found, refused):
+            served += 1
+            yield item
+        if found.block is None or served < found.run:  # (nothing past a chunk missing or refused)
+            return
+        try:
+            obj, _name, size = self.open_block(found, verify_payload=True)
+            obj.check_values()
+        except ObjectRefused as err:
+            self.store.refuse(getattr(err, "name", found.via), err)
+            self.store.counters.misses += 1
+            if refused is not None:
+                refused.append(str(err))
+            return
+        except (ObjectUnreadable, loading.Gone) as err:
+            if isinstance(err, ObjectUnreadable):
+                self.store.unreadable(err)
+            self.store.counters.misses += 1
+            return
+        self.store.counters.hits += 1
+        yield found.block.start, found.block.start + found.block.tokens, obj, size
+
+    def _checked_chunks(self, found: Found, refused: list[str] | None) -> Iterator[tuple[int, int, objects.ChunkObject, int]]:
+        chain, whole = found.chain[:found.run], found.chain
         for first in range(0, len(chain), FETCH_BATCH):
             batch = chain[first:first + FETCH_BATCH]
             names = [self.name(link.prefix_hash) for link in batch]
@@ -235,7 +364,7 @@ class ModelCache:
                     self._refused(name, err, whole, start, refused)
                     return
                 self.store.counters.hits += 1
-                yield start, obj, data.size if hasattr(data, "fd") else len(data)
+                yield start, start + self.chunk_size, obj, data.size if hasattr(data, "fd") else len(data)
 
     def _fetch(self, names: list[str]) -> list:
         """The objects (None: not stored), one batch: bytes from a backend that batches reads, or
@@ -301,27 +430,72 @@ class ModelCache:
     def put_sequence(self, token_ids, kv: "torch.Tensor", codec: str = "raw",
                      params: dict[str, Any] | None = None, *, start: int = 0) -> PutResult:
         """Store the whole chunks of a sequence's KV_BLOB `kv` `[2, L, T, C]` (T >= the tokens
-        given; a last partial chunk is not stored: only the same tokens to the end could reuse
-        it). Chunks already stored, by any codec, are not encoded again. With `start` (a
+        given). Chunks already stored, by any codec, are not encoded again. At a block size, each
+        whole chunk also gets its block index entries, and the tokens past the last whole chunk,
+        to the last whole block, are stored as a piece (store.md §7); without one, a last partial
+        chunk is not stored. With `start` (a
         multiple of the chunk size), `kv` holds tokens `[start, ...)` and only the chunks from
         there are stored (an engine saving what a step completed)."""
         from ..dtypes import dtype_name
 
         if start % self.chunk_size:
             raise UsageError(f"start {start} is not a multiple of the chunk size {self.chunk_size}")
-        chain = [link for link in self._chain(token_ids) if link.start >= start]
         tokens = _as_token_array(token_ids)
+        whole = chunk_chain(tokens, self.chunk_size, self.extra_keys)
+        chain = [link for link in whole if link.start >= start]
         if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[2] < len(chain) * self.chunk_size:
             raise UsageError(f"kv must be a KV_BLOB [2, L, T, C] covering the tokens, got {list(kv.shape)}")
         kv_dtype = dtype_name(kv.dtype)
 
-        def encode(i: int, link: ChunkLink, tokens_of_chunk) -> bytes:
-            first, end = link.start, link.start + self.chunk_size
+        def encode(i: int, link, tokens_of_chunk, piece_of: int | None = None) -> bytes:
+            first, end = link.start, link.start + len(tokens_of_chunk)
             return objects.encode_chunk(self.model, kv_dtype, link.parent, first, tokens_of_chunk,
                                         kv=kv[:, :, first - start:end - start], codec=codec, params=params,
-                                        extra=link.extra)
+                                        extra=link.extra, piece_of=piece_of)
 
-        return self._store(chain, tokens, encode)
+        result = self._store(chain, tokens, encode)
+        if self.block_size < self.chunk_size:
+            self._store_blocks(tokens, whole, chain, start, start + kv.shape[2], encode, result)
+        return result
+
+    def _store_blocks(self, tokens: np.ndarray, whole: list[ChunkLink], chain: list[ChunkLink], start: int,
+                      kv_end: int, encode, result: PutResult) -> None:
+        """Block prefixes (store.md §7): a block index entry for each block prefix of each whole
+        chunk stored here, naming it; and the tokens past the last whole chunk, to the last whole
+        block, as a piece with an entry for each of its shorter block prefixes. A piece whose
+        tokens an object holds already (an entry at its own prefix) is not written. One probe."""
+        entries: list[tuple[BlockLink, str]] = []  # (block prefix, the object it names)
+        for link in chain:
+            target = self.name(link.prefix_hash)
+            entries += [(b, target) for b in self._blocks_at(tokens, whole, link.start // self.chunk_size, None)]
+        tail = self._blocks_at(tokens, whole, len(whole), None) if len(whole) * self.chunk_size >= start else []
+        while tail and tail[-1].start + tail[-1].tokens > kv_end:  # (what kv holds only)
+            tail.pop()
+        piece = tail[-1] if tail else None
+        names = [objects.block_name(self.key, self.chunk_size, b.prefix_hash) for b, _ in entries]
+        if piece is not None:
+            piece_name = objects.piece_name(self.key, self.chunk_size, piece.prefix_hash)
+            tail_entries = [(b, piece_name) for b in tail[:-1]]
+            names += [objects.block_name(self.key, self.chunk_size, b.prefix_hash) for b, _ in tail_entries]
+            names += [piece_name, objects.block_name(self.key, self.chunk_size, piece.prefix_hash)]
+        found = self.backend.exists_many(names) if names else []
+        items = [(name, objects.encode_block_entry(b.tokens, target))
+                 for (b, target), name, present in zip(entries, names, found) if not present]
+        if piece is not None and not any(found[-2:]):  # no object holds these tokens yet
+            items += [(name, objects.encode_block_entry(b.tokens, target))
+                      for (b, target), name, present in zip(tail_entries, names[len(entries):], found[len(entries):])
+                      if not present]
+            data = encode(0, piece, tokens[piece.start:piece.start + piece.tokens], piece_of=self.chunk_size)
+            items.insert(0, (piece_name, data))  # (before the entries that name it)
+        for first in range(0, len(items), FETCH_BATCH):
+            batch = items[first:first + FETCH_BATCH]
+            for (name, data), created in zip(batch, self._put_all(batch)):
+                if created:
+                    result.stored_bytes += len(data)
+                    if name.endswith(BLOCK_SUFFIX):
+                        result.block_entries += 1
+                    else:
+                        result.pieces += 1
 
     def put_encoded(self, token_ids, payloads: Sequence[tuple[Any, str, dict[str, Any]]],
                     kv_dtype: str) -> PutResult:
@@ -334,7 +508,11 @@ class ModelCache:
             return objects.encode_chunk(self.model, kv_dtype, link.parent, link.start, tokens_of_chunk,
                                         payload=payload, codec=codec, params=params, extra=link.extra)
 
-        return self._store(chain, _as_token_array(token_ids), encode)
+        tokens = _as_token_array(token_ids)
+        result = self._store(chain, tokens, encode)
+        if self.block_size < self.chunk_size:  # each whole chunk's block index entries (no piece: no KV past them)
+            self._store_blocks(tokens, self._chain(tokens), chain, 0, len(chain) * self.chunk_size, encode, result)
+        return result
 
     def _store(self, chain: list[ChunkLink], tokens: np.ndarray, encode) -> PutResult:
         """The one put: the links not stored yet (one existence probe) encoded (`encode(i, link,
@@ -374,6 +552,15 @@ class ModelCache:
                 self.store.counters.deduplicated += 1
         items.clear()
 
+    def _put_all(self, items: list[tuple[str, bytes]]) -> list[bool | None]:
+        """Put a batch (one round trip where the backend batches), each refusal alone."""
+        if type(self.backend).put_many is Backend.put_many:
+            return [self._put_one(name, data) for name, data in items]
+        try:
+            return self.backend.put_many(items)
+        except ObjectRefused:
+            return [self._put_one(name, data) for name, data in items]
+
     def _put_one(self, name: str, data: bytes) -> bool | None:
         try:
             return self.backend.put(name, data)
@@ -382,8 +569,20 @@ class ModelCache:
             return None
 
     def delete(self, token_ids) -> int:
-        """Remove the stored whole chunks of `token_ids`; how many were removed."""
-        return sum(self.backend.delete(self.name(link.prefix_hash)) for link in self._chain(token_ids))
+        """Remove the stored whole chunks of `token_ids` (and, at a block size, their block index
+        entries and the piece past them); how many objects were removed."""
+        tokens = _as_token_array(token_ids)
+        chain = self._chain(tokens)
+        names = [self.name(link.prefix_hash) for link in chain]
+        for i in range(len(chain) + 1):
+            names += self._block_names(self._blocks_at(tokens, chain, i, None))
+        return sum(self.backend.delete(name) for name in names)
+
+
+def _named(err: ObjectRefused, name: str) -> ObjectRefused:
+    """`err`, saying which object to refuse for it (`err.name`)."""
+    err.name = name
+    return err
 
 
 def _as_token_array(token_ids) -> np.ndarray:

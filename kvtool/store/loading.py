@@ -32,8 +32,11 @@ if TYPE_CHECKING:
     import torch
 
 
-class _Gone(NotCached):
+class Gone(NotCached):
     """An object removed between the existence check and its read (a miss, not damage)."""
+
+
+_Gone = Gone
 
 
 #: Failures of the stored bytes themselves (checks 11-13): the object is refused, a miss.
@@ -163,8 +166,9 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
     from .backend import Backend
 
     hit = PrefixHit(num_tokens=0, chunks=[], codecs=[], refused=[], stored_bytes=0)
-    chain = cache._chain(token_ids, max_tokens)
-    stored = cache._stored_run(chain, count_misses=True)
+    found = cache.find(token_ids, max_tokens, count_misses=True)
+    chain, stored = found.chain, found.run
+    block_refusal: list[str] = []  # the name to refuse when the block prefix's object fails (entry or object)
     seen: dict[int, tuple[str, int]] = {}  # chain index -> codec, stored bytes
     model = cache.model
     small = 2 * model["num_layers"] * cache.chunk_size * model["num_kv_heads"] * model["head_dim"] * 2 < SMALL_CHUNK_BYTES
@@ -202,6 +206,17 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
         source = obj.source()
         return source if key is None else _keep(key, source, identity[3])
 
+    def open_block() -> ChunkSource:
+        block_refusal[:] = [found.via]
+        try:
+            obj, name, size = cache.open_block(found)
+        except ObjectRefused as err:
+            block_refusal[:] = [getattr(err, "name", found.via)]
+            raise
+        block_refusal[:] = [name]
+        seen[stored] = (obj.codec, size)
+        return obj.source()
+
     tasks, first_task = [], None
     for index, link in enumerate(chain[:stored]):
         end = link.start + cache.chunk_size
@@ -211,6 +226,14 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
         first_task = index if first_task is None else first_task
         tasks.append(ChunkTask(max(link.start, from_token), end, lambda i=index, k=link: open_source(i, k),
                                origin=link.start))
+    block = found.block
+    if block is not None:
+        end = block.start + block.tokens
+        if end <= from_token:
+            hit.num_tokens = max(hit.num_tokens, end)
+        else:
+            first_task = stored if first_task is None else first_task
+            tasks.append(ChunkTask(max(block.start, from_token), end, open_block, origin=block.start))
     outcome = load(tasks, destination, threads=1 if small else None)
     first_task = first_task or 0
     if tasks:
@@ -221,7 +244,18 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
         hit.stored_bytes += size
     cache.store.counters.hits += outcome.chunks
     error = outcome.error
-    if isinstance(error, DAMAGE):
+    if error is not None and first_task + outcome.failed == stored:  # the block prefix's object
+        if isinstance(error, DAMAGE):
+            name = block_refusal[0] if block_refusal else found.via
+            refusal = error if isinstance(error, ObjectRefused) else ObjectRefused(f"{name}: {error}")
+            cache.store.refuse(name, refusal)
+            hit.refused.append(str(refusal))
+        elif isinstance(error, ObjectUnreadable):
+            cache.store.unreadable(error)
+        elif not isinstance(error, _Gone):
+            raise error
+        cache.store.counters.misses += 1
+    elif isinstance(error, DAMAGE):
         failed = chain[first_task + outcome.failed]
         name = cache.name(failed.prefix_hash)
         refusal = error if isinstance(error, ObjectRefused) else ObjectRefused(

@@ -31,7 +31,7 @@ from .objects import MAX_OBJECT_BYTES
 
 MARKER = "kvtool-store.json"
 #: What an object name looks like (format-spec/store.md §3); anything else is refused.
-_NAME = re.compile(r"(chunks|entries|tensors)(/[0-9a-z][0-9a-z_-]*)+\.(kvc|safetensors)")
+_NAME = re.compile(r"(chunks|entries|tensors)(/[0-9a-z][0-9a-z_-]*)+\.(kvc|kvi|safetensors)")
 #: What `scan` may report and `delete` may remove: any file in the namespaces that is not hidden
 #: (fsck removes foreign files too), never outside them.
 _SCANNED = re.compile(r"(chunks|entries|tensors)(/[^/.][^/]*)+")

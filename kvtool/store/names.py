@@ -33,6 +33,9 @@ EXTRA_TAG = b"kvtool-extra/2\0"
 _CHUNK_NAME = re.compile(r"chunks/([0-9a-f]{32})/([1-9][0-9]{0,4})/([0-9a-f]{2})/([0-9a-f]{64})\.kvc\Z")
 _ENTRY_NAME = re.compile(r"entries/([0-9a-f]{32})/([0-9a-f]{64})\.kvc\Z")
 _TENSOR_NAME = re.compile(r"tensors/([0-9a-f]{2})/([0-9a-f]{64})\.safetensors\Z")
+_PIECE_NAME = re.compile(r"chunks/([0-9a-f]{32})/([1-9][0-9]{0,4})/pieces/([0-9a-f]{2})/([0-9a-f]{64})\.kvc\Z")
+_BLOCK_NAME = re.compile(r"chunks/([0-9a-f]{32})/([1-9][0-9]{0,4})/blocks/([0-9a-f]{2})/([0-9a-f]{64})\.kvi\Z")
+BLOCK_SUFFIX = ".kvi"
 #: Longest text a namespace, cache salt or adapter name may be (characters).
 MAX_KEY_TEXT = 1024
 #: Most multimodal inputs one request may carry.
@@ -202,6 +205,53 @@ def chunk_chain(tokens: np.ndarray, chunk_size: int, extra_keys: ExtraKeys = NO_
     return chain
 
 
+class BlockLink(NamedTuple):
+    """The first `tokens` tokens of the chunk position starting at `start` (fewer than a whole
+    chunk, a multiple of the block size): P = SHA-256(H[i-1] || u32le(those tokens) || E(their
+    extra keys)), computed as a chunk's link is (store.md §3, "Block prefixes")."""
+
+    start: int
+    parent: bytes  # H[i-1] of the whole-chunk chain
+    tokens: int  # how many tokens from `start`
+    prefix_hash: str  # hex P
+    extra: dict[str, Any]  # the extra keys of tokens [start, start + tokens)
+
+
+def block_links(tokens: np.ndarray, start: int, parent: bytes, chunk_size: int, block_size: int,
+                extra_keys: ExtraKeys = NO_EXTRA_KEYS, limit: int | None = None) -> list[BlockLink]:
+    """The block prefixes of the chunk position at `start` (a multiple of `chunk_size`): every
+    multiple of `block_size` tokens short of a whole chunk that `tokens` (up to `limit`) reach,
+    shortest first. None when the block size is the chunk size (whole chunks only), or for a
+    request with prompt embeddings (their digest covers a chunk's rows; a part of it cannot be
+    told apart from the object alone, so such requests share whole chunks only)."""
+    n = len(tokens) if limit is None else min(len(tokens), limit)
+    if block_size >= chunk_size or extra_keys.prompt_embeds is not None:
+        return []
+    import numpy as np
+
+    top = min(chunk_size - 1, n - start) // block_size * block_size
+    raw = np.asarray(tokens[start:start + max(top, 0)]).astype("<u4").tobytes()
+    links = []
+    for m in range(block_size, top + 1, block_size):
+        extra = {} if extra_keys.empty else extra_keys.for_chunk(start, start + m)
+        h = chain_hash(parent, raw[:4 * m], extra_bytes(extra))
+        links.append(BlockLink(start, parent, m, h.hex(), extra))
+    return links
+
+
+def restrict_extra(extra: dict[str, Any], start: int, end: int) -> dict[str, Any]:
+    """The extra keys a chunk's object records (`extra`, of its tokens) as they apply to its
+    tokens [start, end) only: the request-wide keys, and the multimodal inputs overlapping them.
+    A prompt-embeddings digest stays (it covers all the object's rows): a part of such an
+    object never matches a request's part, so it is never served by block."""
+    doc = {k: v for k, v in extra.items() if k != "mm"}
+    mm = [m for m in extra.get("mm", []) if isinstance(m, list) and len(m) == 3
+          and isinstance(m[1], int) and isinstance(m[2], int) and m[1] < end and m[1] + m[2] > start]
+    if mm:
+        doc["mm"] = mm
+    return doc
+
+
 # --- keys and names -------------------------------------------------------------------------
 
 
@@ -218,6 +268,16 @@ def model_key(model: ModelIdentity | dict[str, Any]) -> str:
 
 def chunk_name(model: str, chunk_size: int, prefix_hash: str) -> str:
     return f"chunks/{model}/{chunk_size}/{prefix_hash[:2]}/{prefix_hash}{CHUNK_SUFFIX}"
+
+
+def piece_name(model: str, chunk_size: int, prefix_hash: str) -> str:
+    """A piece: the first tokens of a chunk position, fewer than a whole chunk (a prompt's tail)."""
+    return f"chunks/{model}/{chunk_size}/pieces/{prefix_hash[:2]}/{prefix_hash}{CHUNK_SUFFIX}"
+
+
+def block_name(model: str, chunk_size: int, prefix_hash: str) -> str:
+    """A block index entry: names the chunk or piece object whose first tokens hash to it."""
+    return f"chunks/{model}/{chunk_size}/blocks/{prefix_hash[:2]}/{prefix_hash}{BLOCK_SUFFIX}"
 
 
 def entry_name(model: str, key: str) -> str:
@@ -239,18 +299,20 @@ def entry_key(model: str, tokens: "np.ndarray | Sequence[int]", roi: np.ndarray)
 
 
 def parse_name(name: str) -> tuple[str, re.Match] | None:
-    """("chunk" | "entry" | "tensor", match) for a well-formed object name, else None. A chunk's or
-    tensor's fan-out folder must be its hash's first two hex digits: one in another folder is not
-    a name this store gives (a foreign file)."""
-    for kind, pattern in (("chunk", _CHUNK_NAME), ("entry", _ENTRY_NAME), ("tensor", _TENSOR_NAME)):
+    """("chunk" | "piece" | "block" | "entry" | "tensor", match) for a well-formed object name, else
+    None. A chunk's, piece's, block entry's or tensor's fan-out folder must be its hash's first two
+    hex digits: one in another folder is not a name this store gives (a foreign file)."""
+    for kind, pattern in (("chunk", _CHUNK_NAME), ("piece", _PIECE_NAME), ("block", _BLOCK_NAME),
+                          ("entry", _ENTRY_NAME), ("tensor", _TENSOR_NAME)):
         m = pattern.match(name)
         if m:
-            if (kind == "chunk" and m.group(3) != m.group(4)[:2]) or (kind == "tensor" and m.group(1) != m.group(2)[:2]):
+            if (kind in ("chunk", "piece", "block") and m.group(3) != m.group(4)[:2]) or (
+                    kind == "tensor" and m.group(1) != m.group(2)[:2]):
                 return None
             return kind, m
     return None
 
 
-__all__ = ["ChunkLink", "ExtraKeys", "MultimodalKey", "NO_EXTRA_KEYS", "STORE_VERSION", "chunk_chain",
+__all__ = ["BlockLink", "block_links", "block_name", "piece_name", "restrict_extra", "ChunkLink", "ExtraKeys", "MultimodalKey", "NO_EXTRA_KEYS", "STORE_VERSION", "chunk_chain",
            "chunk_name", "embeds_digest", "entry_key", "entry_name", "extra_bytes", "link_hash", "model_key",
            "parse_name", "salt_digest", "tensor_name"]

@@ -27,8 +27,9 @@ from ..format.reader import BytesSource, ContainerReader, PreadFile
 from ..format.writer import ContainerWriter
 from ..identity import model_fingerprint
 from ..format.hashing import chain_hash
-from .names import (CHUNK_SUFFIX, STORE_VERSION, TENSOR_SUFFIX, chunk_name, entry_key, entry_name,  # noqa: F401
-                    extra_bytes, link_hash, model_key, parse_name, tensor_name)
+from .names import (CHUNK_SUFFIX, STORE_VERSION, TENSOR_SUFFIX, block_name, chunk_name, entry_key,  # noqa: F401
+                    entry_name, extra_bytes, link_hash, model_key, parse_name, piece_name, restrict_extra,
+                    tensor_name)
 
 if TYPE_CHECKING:
     import torch
@@ -93,14 +94,18 @@ class ChunkObject:
 
 def encode_chunk(model: dict[str, Any], kv_dtype: str, parent_hash: bytes, start: int, tokens,
                  *, kv: "torch.Tensor | None" = None, payload=None, codec: str = "raw",
-                 params: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> bytes:
+                 params: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+                 piece_of: int | None = None) -> bytes:
     """One chunk object's bytes, from a KV_BLOB `kv` (encoded with `codec`) or an already
     encoded `payload` (copied as it is: `store put` of a container). `extra`: the chunk's extra
-    keys (`ExtraKeys.for_chunk`), recorded in the object and in its prefix hash."""
+    keys (`ExtraKeys.for_chunk`), recorded in the object and in its prefix hash. With `piece_of`
+    (the chunk size S), a piece (§4.5): the first tokens of a chunk position, fewer than S."""
     tokens = np.asarray(tokens, dtype=np.int64)
     prefix = link_hash(parent_hash, tokens, extra).hex()
-    extension = {"version": STORE_VERSION, "kind": "chunk", "start": int(start),
+    extension = {"version": STORE_VERSION, "kind": "chunk" if piece_of is None else "piece", "start": int(start),
                  "parent_hash": parent_hash.hex(), "prefix_hash": prefix}
+    if piece_of is not None:
+        extension["chunk_size"] = int(piece_of)
     if extra:
         extension["extra"] = extra
     writer = ContainerWriter(None, model, tokens, kv_dtype=kv_dtype, chunk_size=len(tokens),
@@ -132,12 +137,13 @@ def open_object(data, name: str) -> ContainerReader:
 
 def check_chunk(data, name: str, *, model: str | None = None, chunk_size: int | None = None,
                 prefix_hash: str | None = None, start: int | None = None, extra: dict[str, Any] | None = None,
-                verify_payload: bool = True) -> ChunkObject:
+                verify_payload: bool = True, kind: str = "chunk") -> ChunkObject:
     """Every check of §5 on a chunk object's bytes, against what its name promises; the
-    expected model key, chunk size, prefix hash, start and extra keys when the caller knows them."""
+    expected model key, chunk size, prefix hash, start and extra keys when the caller knows them.
+    `kind` "piece": a piece object (§4.5), whose `chunk_size` is the chunk size of its position."""
     reader = open_object(data, name)
     with _refusing(reader, name):
-        obj = _check_chunk(reader, name, model, chunk_size, prefix_hash, start, extra, verify_payload)
+        obj = _check_chunk(reader, name, model, chunk_size, prefix_hash, start, extra, verify_payload, kind)
     obj.owned = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
     obj.name = name
     return obj
@@ -165,6 +171,8 @@ class _ChunkFacts:
     model_key: str
     extra: dict[str, Any]
     extra_bytes: bytes  # what the extra keys add to the prefix hash's input
+    chunk_size: int  # the chunk size of its position: the container's (a chunk), store.chunk_size (a piece)
+    kind: str  # "chunk" or "piece"
 
 
 #: The facts of manifests checked already, by manifest: readers of the same manifest bytes share
@@ -174,11 +182,11 @@ class _ChunkFacts:
 _facts_seen: "weakref.WeakKeyDictionary[Any, _ChunkFacts]" = weakref.WeakKeyDictionary()
 
 
-def _chunk_facts(m, name: str) -> _ChunkFacts:
+def _chunk_facts(m, name: str, kind: str = "chunk") -> _ChunkFacts:
     facts = _facts_seen.get(m)
-    if facts is not None:
+    if facts is not None and facts.kind == kind:
         return facts
-    ext = _extension(m.extensions, "chunk", name)
+    ext = _extension(m.extensions, kind, name)
     position, parent, prefix = ext.get("start"), ext.get("parent_hash"), ext.get("prefix_hash")
     if not (isinstance(position, int) and not isinstance(position, bool) and position >= 0):
         raise ObjectRefused(f"{name}: store.start must be a non-negative integer")
@@ -194,20 +202,25 @@ def _chunk_facts(m, name: str) -> _ChunkFacts:
     if len(m.chunks) != 1 or m.num_tokens != m.chunk_size or m.extras:
         raise ObjectRefused(f"{name}: a chunk object holds exactly one whole chunk and no extras")
     _check_no_rotated_segment(m, name)
-    if position % m.chunk_size or (position == 0) != (parent == ZERO_HASH.hex()):
-        raise ObjectRefused(f"{name}: store.start {position} does not fit chunk size {m.chunk_size} "
+    span = m.chunk_size
+    if kind == "piece":  # fewer tokens than a whole chunk of its position's chunk size
+        span = ext.get("chunk_size")
+        if not (type(span) is int and m.num_tokens < span <= 65536):
+            raise ObjectRefused(f"{name}: a piece's store.chunk_size must be an integer in ({m.num_tokens}, 65536]")
+    if position % span or (position == 0) != (parent == ZERO_HASH.hex()):
+        raise ObjectRefused(f"{name}: store.start {position} does not fit chunk size {span} "
                             f"and its parent hash")
     _check_fingerprint(m.model, name)
-    facts = _ChunkFacts(position, parent, prefix, model_key(m.model), extra, extra_input)
+    facts = _ChunkFacts(position, parent, prefix, model_key(m.model), extra, extra_input, span, kind)
     _facts_seen[m] = facts
     return facts
 
 
 def _check_chunk(reader: ContainerReader, name: str, model: str | None, chunk_size: int | None,
                  prefix_hash: str | None, start: int | None, extra: dict[str, Any] | None,
-                 verify_payload: bool) -> ChunkObject:
+                 verify_payload: bool, kind: str = "chunk") -> ChunkObject:
     m = reader.manifest
-    facts = _chunk_facts(m, name)
+    facts = _chunk_facts(m, name, kind)
     position, parent, prefix, own = facts.position, facts.parent, facts.prefix, facts.model_key
     tokens = reader.token_ids()  # checks the tokens' CRC-32C
     if chain_hash(bytes.fromhex(parent), tokens, facts.extra_bytes).hex() != prefix:
@@ -215,15 +228,15 @@ def _check_chunk(reader: ContainerReader, name: str, model: str | None, chunk_si
     if extra is not None and extra != facts.extra:  # (the prefix hash differs too: this says why)
         raise ObjectRefused(f"{name}: holds a chunk of other extra keys than asked for (another namespace, "
                             "cache salt, adapter or input)")
-    expected = {"model": (model, own), "chunk size": (chunk_size, m.chunk_size),
+    expected = {"model": (model, own), "chunk size": (chunk_size, facts.chunk_size),
                 "prefix hash": (prefix_hash, prefix), "start": (start, position)}
     for what, (want, got) in expected.items():
         if want is not None and want != got:
             raise ObjectRefused(f"{name}: holds another {what} than asked for ({got} vs {want})")
     parsed = parse_name(name)
-    if parsed is not None and parsed[0] == "chunk":
+    if parsed is not None and parsed[0] in ("chunk", "piece"):
         g = parsed[1]
-        if (g.group(1), int(g.group(2)), g.group(4)) != (own, m.chunk_size, prefix):
+        if parsed[0] != kind or (g.group(1), int(g.group(2)), g.group(4)) != (own, facts.chunk_size, prefix):
             raise ObjectRefused(f"{name}: the object's contents do not belong under its name")
     if verify_payload:
         reader.chunk_payload(0)  # checks the payload's CRC-32C
@@ -262,6 +275,55 @@ def _extension(extensions: dict[str, Any], kind: str, name: str) -> dict[str, An
     if ext.get("kind") != kind:
         raise ObjectRefused(f"{name}: a {ext.get('kind')!r} object where a {kind} was expected")
     return ext
+
+
+# --- block index entries (§4.6) ----------------------------------------------------------
+
+#: A block index entry is a few hundred bytes of JSON; anything larger is not one.
+MAX_BLOCK_ENTRY_BYTES = 4096
+
+
+def encode_block_entry(tokens: int, target: str) -> bytes:
+    """A block index entry: the object (`target`, a chunk or piece name) whose first `tokens`
+    tokens are the block prefix the entry's name hashes."""
+    doc = {"version": STORE_VERSION, "kind": "block", "tokens": int(tokens), "target": target}
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode() + b"\n"
+
+
+def check_block_entry(data, name: str) -> tuple[int, str]:
+    """(tokens, target) of a block index entry, checked as far as it can be alone: its JSON, its
+    version, a target of the same model and chunk size that holds more tokens than it names. That
+    the target's first tokens are the ones hashed into the name is checked on the target itself
+    (`check_serves`, and `fsck`)."""
+    if len(data) > MAX_BLOCK_ENTRY_BYTES:
+        raise ObjectRefused(f"{name}: {len(data)} bytes is not a block index entry")
+    try:
+        doc = json.loads(bytes(data))
+    except ValueError:
+        raise ObjectRefused(f"{name}: a block index entry is JSON") from None
+    if not isinstance(doc, dict) or type(doc.get("version")) is not int or doc.get("version") != STORE_VERSION \
+            or doc.get("kind") != "block":
+        raise ObjectRefused(f"{name}: not a block index entry of store version {STORE_VERSION}")
+    tokens, target = doc.get("tokens"), doc.get("target")
+    own, parsed = parse_name(name), parse_name(target) if isinstance(target, str) else None
+    if not (type(tokens) is int and tokens > 0 and own is not None and own[0] == "block" and parsed is not None
+            and parsed[0] in ("chunk", "piece") and parsed[1].group(1, 2) == own[1].group(1, 2)
+            and tokens < int(own[1].group(2))):
+        raise ObjectRefused(f"{name}: a block index entry must name a chunk or piece of its model and chunk size, "
+                            "and fewer tokens than a chunk")
+    return tokens, target
+
+
+def check_serves(obj: ChunkObject, name: str, parent: str, tokens: np.ndarray, extra: dict[str, Any]) -> None:
+    """A checked chunk or piece object serves a request's block prefix (its first `len(tokens)`
+    tokens): same parent, those tokens first, and the same extra keys for them (`restrict_extra`
+    of what the object records). ObjectRefused (as a foreign object) otherwise."""
+    m = len(tokens)
+    if obj.parent_hash != parent or len(obj.tokens) < m or not np.array_equal(obj.tokens[:m], tokens):
+        raise ObjectRefused(f"{name}: does not begin with the {m} tokens asked for after that parent")
+    if restrict_extra(obj.extra, obj.start, obj.start + m) != extra:
+        raise ObjectRefused(f"{name}: holds a chunk of other extra keys than asked for (another namespace, "
+                            "cache salt, adapter or input)")
 
 
 # --- lookup-buffer entries (§4.2) -------------------------------------------------------

@@ -40,7 +40,7 @@ def describe(info: ObjectInfo) -> dict:
         return row
     kind, m = parsed
     row["kind"] = kind
-    if kind == "chunk":
+    if kind in ("chunk", "piece", "block"):
         row.update(model=m.group(1), chunk_size=int(m.group(2)), prefix_hash=m.group(4))
     elif kind == "entry":
         row.update(model=m.group(1), key=m.group(2))
@@ -81,7 +81,7 @@ def inventory(store: ChunkStore) -> Inventory:
         kinds[row["kind"]] += 1
         count += 1
         total += info.size
-        if row["kind"] == "chunk":
+        if row["kind"] in ("chunk", "piece", "block"):
             entry = models[row["model"]]
             entry["chunks"] += 1
             entry["bytes"] += info.size
@@ -116,21 +116,49 @@ class FsckReport:
     temps_removed: int
 
 
-def check_object(name: str, data, namespace: str = "") -> None:
+def check_block_entry(store: ChunkStore | None, name: str, data, namespace: str = "") -> None:
+    """A block index entry (store.md §4.6) checks when it parses, and the object it names (read
+    from `store`) is there and begins with the tokens its name hashes: the same parent, those
+    tokens, their extra keys. One whose object is gone is stale (removed like a damaged one: it
+    would only send lookups to a miss)."""
+    if isinstance(data, PreadFile):
+        data = _whole(data)
+    tokens, target = objects.check_block_entry(data, name)
+    if store is None:
+        return
+    kind = objects.parse_name(target)[0]
+    held = store.backend.within(namespace).open(target)  # (an entry names objects of its own namespace)
+    if held is None:
+        raise ObjectRefused(f"{name}: stale: the object it names ({target}) is not stored")
+    obj = objects.check_chunk(held, target, verify_payload=False, kind=kind)
+    try:
+        part = obj.tokens[:tokens]
+        extra = objects.restrict_extra(obj.extra, obj.start, obj.start + tokens)
+        if len(part) < tokens or objects.link_hash(bytes.fromhex(obj.parent_hash), part, extra).hex() != \
+                objects.parse_name(name)[1].group(4):
+            raise ObjectRefused(f"{name}: the object it names ({target}) does not begin with the tokens it hashes")
+    finally:
+        obj.reader.close()
+
+
+def check_object(name: str, data, store: ChunkStore | None = None, namespace: str = "") -> None:
     """§5's checks of one object by its name alone (its bytes, or its open file: the header and
     manifest are checked before a payload is read, so memory stays within what they declare);
     raises ObjectRefused. `namespace`: found among that namespace's keys (Redis, §6.2), where only
-    chunks of that namespace are ever written."""
+    chunks, pieces and block entries of that namespace are ever written."""
     if data is None:
         raise ObjectRefused(f"{name}: vanished while being checked")
     parsed = objects.parse_name(name)
     if parsed is None:
         raise ObjectRefused(f"{name}: not a store object's name")
     kind = parsed[0]
-    if namespace and kind != "chunk":
-        raise ObjectRefused(f"{name}: a {kind} among namespace {printable(namespace)!r}'s keys (only chunks are)")
-    if kind == "chunk":
-        obj = objects.check_chunk(data, name)
+    if namespace and kind not in ("chunk", "piece", "block"):
+        raise ObjectRefused(f"{name}: a {kind} among namespace {printable(namespace)!r}'s keys (only chunks, pieces "
+                            "and block entries are)")
+    if kind == "block":
+        return check_block_entry(store, name, data, namespace)
+    if kind in ("chunk", "piece"):
+        obj = objects.check_chunk(data, name, kind=kind)
         try:
             if namespace and obj.extra.get("namespace") != namespace:
                 raise ObjectRefused(f"{name}: a chunk of another namespace than {printable(namespace)!r} "
@@ -169,7 +197,7 @@ def fsck(store: ChunkStore, *, repair: bool = True) -> FsckReport:
         try:
             if objects.parse_name(info.name) is None:  # a foreign file: never read as an object
                 raise ObjectRefused(f"{shown}: not a store object's name")
-            check_object(info.name, store.backend.within(info.namespace).open(info.name), info.namespace)
+            check_object(info.name, store.backend.within(info.namespace).open(info.name), store, info.namespace)
         except StoreUnavailable:
             raise
         except (ObjectUnreadable, InputFileError) as err:  # nothing known of its bytes: reported, kept

@@ -14,12 +14,14 @@ class StoreCaches:
         self.store = open_store(config.store_url)  # an unreachable store stops vLLM here, named
         self.url = self.store.url
         self.chunk_size = config.chunk_size
+        self.block_size = config.block_size  # prefixes match to vLLM's block (store.md §7)
         identity = model_identity(model_path)
         self._model = {**identity.to_dict(), "fingerprint": identity.fingerprint()}  # hashed once, not per request
 
     def cache(self, keys: ExtraKeys) -> ModelCache:
-        """The model's chunks under a request's keys: it never sees another's."""
-        return self.store.for_model(self._model, self.chunk_size, keys)
+        """The model's chunks under a request's keys: it never sees another's. Prefixes match to
+        vLLM's block: whole chunks, then the block-aligned tokens a stored sequence shares past them."""
+        return self.store.for_model(self._model, self.chunk_size, keys, self.block_size)
 
     def close(self) -> None:
         self.store.close()

@@ -26,7 +26,7 @@ class SaveSpec:
     req_id: str
     token_ids: list[int]  # the request's tokens up to `end`
     block_ids: list[int]
-    start: int  # whole chunks [start, end) were completed by this step
+    start: int  # whole chunks [start, end) were completed by this step (or [start, end) is the prompt's tail: a piece)
     end: int
     keys: ExtraKeys
 

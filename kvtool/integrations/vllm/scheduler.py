@@ -52,7 +52,7 @@ def check_sliding_windows(kv_cache_config, chunk_size: int) -> None:
 @dataclass(frozen=True)
 class LookupResult:
     keys: ExtraKeys | None  # None: the request's keys could not be built; it neither loads nor saves
-    stored: int  # leading tokens that stored whole chunks under those keys cover
+    stored: int  # leading tokens the store covers under those keys (whole chunks, then blocks)
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ class RequestState:
     blocks: list[int] = field(default_factory=list)  # its blocks, in token order
     saved: int = 0  # whole chunks of tokens [0, saved) are stored
     load: LoadRange | None = None  # tokens to load the next time it is scheduled
+    tail_saved: bool = False  # the prompt's block-aligned tokens past its last whole chunk: stored (or loaded)
 
 
 class SchedulerSide:
@@ -100,8 +101,8 @@ class SchedulerSide:
         if result is None:
             return None, False
         usable = 0
-        if result.keys is not None:  # whole chunks only, and vLLM computes the last prompt token
-            last = (request.num_prompt_tokens - 1) // self.config.chunk_size * self.config.chunk_size
+        if result.keys is not None:  # whole blocks, and vLLM computes the last prompt token
+            last = (request.num_prompt_tokens - 1) // self.config.block_size * self.config.block_size
             usable = min(result.stored, last)
         self._answers[request.request_id] = Answer(result.keys, num_computed_tokens)
         return max(0, usable - num_computed_tokens), False
@@ -191,6 +192,7 @@ class SchedulerSide:
             meta.loads.append(LoadSpec(req_id, state.tokens[:end], list(state.blocks), kept, end,
                                        keys_up_to(state.keys, end)))
         state.saved = max(state.saved, end // self.config.chunk_size * self.config.chunk_size)  # stored already
+        state.tail_saved = state.tail_saved or end >= self._tail(state)[1]  # (the store holds the tail: loaded from it)
         state.load = None
 
     def _take_saves(self, meta: KVToolMetadata, req_id: str, state: RequestState, computed: int) -> None:
@@ -207,6 +209,23 @@ class SchedulerSide:
                 meta.saves.append(SaveSpec(req_id, list(tokens[:end]), list(state.blocks), start, end,
                                            keys_up_to(state.keys, end)))
             state.saved = end
+        self._take_tail(meta, req_id, state, computed)
+
+    def _tail(self, state: RequestState) -> tuple[int, int]:
+        """The prompt's tokens past its last whole chunk, to its last whole block: [start, end)."""
+        n = len(state.tokens)
+        return n // self.config.chunk_size * self.config.chunk_size, n // self.config.block_size * self.config.block_size
+
+    def _take_tail(self, meta: KVToolMetadata, req_id: str, state: RequestState, computed: int) -> None:
+        """Once the prompt is computed, its block-aligned tokens past the last whole chunk are
+        saved as a piece (store.md §7), so that a prompt sharing them loads them too."""
+        start, end = self._tail(state)
+        if state.tail_saved or end <= start or computed < end:
+            return
+        state.tail_saved = True
+        if kept_from(state.blocks, start, end, self.config.block_size) == start:  # (a window kept every block)
+            meta.saves.append(SaveSpec(req_id, list(state.tokens[:end]), list(state.blocks), start, end,
+                                       keys_up_to(state.keys, end)))
 
     # --- the end of a request, of the engine ----------------------------------------------
 

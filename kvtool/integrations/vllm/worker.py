@@ -108,7 +108,8 @@ class WorkerSide:
         finally:  # stored (the store keeps its own bytes) or given up: the buffer is free again
             self._save_buffers.give(kv)
         seconds = gathered + time.perf_counter() - began
-        self.stats.add(saved_chunks=result.stored, saved_bytes=result.stored_bytes, save_seconds=seconds)
+        self.stats.add(saved_chunks=result.stored + result.pieces, saved_bytes=result.stored_bytes,
+                       save_seconds=seconds)
         log.info("kvtool: request %s: saved %d chunks (%d bytes) in %.1f ms (%.1f ms in vLLM's step)",
                  save.req_id, result.stored, result.stored_bytes, 1e3 * seconds, 1e3 * gathered)
 
