@@ -154,3 +154,21 @@ def test_block_entry_names_are_refused_outside_their_form():
     name = block_name("ab" * 16, 16, "cd" * 32)
     assert parse_name(name)[0] == "block"
     assert parse_name(name.replace("/cd/", "/ce/")) is None
+
+
+@pytest.mark.parametrize("damage", [b"", b'{"version": 1, "ki'])
+def test_an_entry_a_crash_emptied_or_cut_is_a_miss_and_fsck_removes_it(store, damage):  # noqa: F811
+    """Entries are written without fsync on a folder (store.md §6.1): what a power failure can leave
+    of one, nothing or a prefix of its bytes, is never trusted."""
+    doc = ids(45)
+    c = cache(store)
+    c.put_sequence(doc, make_kv(IDENTITY, 45))
+    prompt = doc[:8] + [50_003] * 4
+    link = c.find(prompt)
+    assert link.tokens == 8 and link.via.endswith(".kvi")
+    store.backend.put(link.via, damage, replace=True)
+    hit = c.get_prefix(prompt)
+    assert hit.num_tokens == 0
+    report = upkeep.fsck(store)
+    assert [d["name"] for d in report.damaged] == [link.via]
+    assert c.get_prefix(doc).num_tokens == 44  # the rest is untouched

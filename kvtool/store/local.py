@@ -31,6 +31,15 @@ from .objects import MAX_OBJECT_BYTES
 
 MARKER = "kvtool-store.json"
 #: What an object name looks like (format-spec/store.md §3); anything else is refused.
+def _is_block_entry(name: str) -> bool:
+    """A block index entry (store.md §4.6) is written without fsync: it is a hint that a lookup
+    checks against the object it names before anything loads, so one lost or emptied by a power
+    failure is a miss (and fsck removes it), never wrong KV; kill -9 cannot tear it (it is still
+    written to a temp file and linked into place). At block 16 a chunk has 15 of them, and their
+    fsyncs were most of a put's time (bench_store section 5)."""
+    return name.endswith(".kvi") and "/blocks/" in name
+
+
 _NAME = re.compile(r"(chunks|entries|tensors)(/[0-9a-z][0-9a-z_-]*)+\.(kvc|kvi|safetensors)")
 #: What `scan` may report and `delete` may remove: any file in the namespaces that is not hidden
 #: (fsck removes foreign files too), never outside them.
@@ -225,7 +234,7 @@ class LocalBackend(Backend):
             replace = True  # the object takes its place, atomically (a rename, never followed)
         elif mode is not None and not replace:
             return False
-        if not self._write_new(path, data, replace=replace):
+        if not self._write_new(path, data, replace=replace, durable=not _is_block_entry(name)):
             return False
         if self._bytes is not None:
             self._bytes += len(data)
@@ -235,8 +244,9 @@ class LocalBackend(Backend):
                 del removed
         return True
 
-    def _write_new(self, path: Path, data, replace: bool = False) -> bool:
-        """Write `path` atomically, unless it appears meanwhile (False) and `replace` is off."""
+    def _write_new(self, path: Path, data, replace: bool = False, durable: bool = True) -> bool:
+        """Write `path` atomically, unless it appears meanwhile (False) and `replace` is off.
+        `durable`: fsync the file and its folder (not for block index entries: see `_is_block_entry`)."""
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -248,7 +258,8 @@ class LocalBackend(Backend):
             view = memoryview(data).cast("B")
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
             created = True
             if replace:  # rename over the old object, atomically
                 os.replace(tmp, path)
@@ -267,7 +278,7 @@ class LocalBackend(Backend):
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        if created:
+        if created and durable:
             fsync_dir(path.parent)
         return created
 
