@@ -178,3 +178,32 @@ def test_a_tenant_on_a_redis_cluster(capsys):
         code, out, err = call(capsys, "store", "stats", "--store", url.replace("tenant-a-pw", "wrong-pw"))
         assert code == 2 and "refused the user name or password" in err and "wrong-pw" not in out + err
         assert len(err.strip().splitlines()) == 1
+
+
+def test_a_tenant_stores_and_finds_block_prefixes_within_its_namespace(tenants_server, capsys):
+    """Block prefixes (pieces and block index entries, store.md §4.5-4.6) of a tenant go under its
+    own key prefix too: its confined user writes and finds them, another tenant finds none, and the
+    admin's fsck checks every one of them within its namespace (an entry's object is looked up there)."""
+    import redis
+
+    admin_url = url_of(tenants_server, "admin")
+    admin = redis.Redis.from_url(admin_url)
+    admin.flushall()
+    tokens = TOKENS + [900, 901, 902, 903, 904, 905]  # 5 whole chunks of 4, then a piece of 1 block of 2
+    kv = make_kv(IDENTITY, len(tokens))
+    a = open_store(url_of(tenants_server, "tenant-a"))
+    cache = a.for_model(IDENTITY, CHUNK, ExtraKeys(namespace="tenant-a"), 2)  # blocks of 2 tokens
+    put = cache.put_sequence(tokens, kv)
+    assert (put.stored, put.pieces) == (5, 1) and put.block_entries > 0
+    assert cache.lookup(tokens[:-1] + [999]) == 20 and cache.get_prefix(tokens).num_tokens == 22
+    keys = [k.decode() for k in admin.scan_iter(match="*")]
+    assert keys and all(k.startswith("kvtool:ns:tenant-a:1:chunks/") for k in keys)
+    assert any("/pieces/" in k for k in keys) and any("/blocks/" in k for k in keys)
+    b = open_store(url_of(tenants_server, "tenant-b"))
+    assert b.for_model(IDENTITY, CHUNK, ExtraKeys(namespace="tenant-b"), 2).lookup(tokens) == 0
+    code, out, err = call(capsys, "store", "fsck", "--store", admin_url, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["damaged"] == [] and report["intact"] == len(keys), err
+    for store in (a, b):
+        store.close()
+    admin.close()
