@@ -36,7 +36,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for
 InputPath = Annotated[str, typer.Argument(metavar="FILE", help="A kvtool file (.kvc).", show_default=False,
                                           click_type=WORDS)]
 OutputPath = Annotated[Path, typer.Option("-o", "--output", metavar="OUT", help="Output path.", show_default=False)]
-CodecOpt = Annotated[str, typer.Option("--codec", metavar="CODEC", help="Chunk codec: raw, zstd, cachegen or pca.")]
+CodecOpt = Annotated[str, typer.Option("--codec", metavar="CODEC", help="Codec: raw, zstd, cachegen or pca.")]
 QualityOpt = Annotated[Optional[str], typer.Option(
     "--quality", metavar="Q", help="pca: the operating point, 99, 97 (default), 95 or 89 (README: what each promises).")]
 CalibrationOpt = Annotated[Optional[str], typer.Option(
@@ -67,7 +67,7 @@ ChunksOpt = Annotated[Optional[str], typer.Option(
     "--chunks", metavar="LIST", help="Chunk indices, e.g. '0-3,7' (default: all).")]
 LayersOpt = Annotated[Optional[str], typer.Option(
     "--layers", metavar="LIST", help="Layer indices, e.g. '0,5-9' (default: all).")]
-STORE_HELP = "The chunk store: a folder, file://PATH, redis://HOST:PORT/DB or redis+cluster://HOST:PORT,HOST:PORT/0."
+STORE_HELP = "The chunk store: a folder, file://, redis://, redis+cluster://."
 StoreOpt = Annotated[str, typer.Option(
     "--store", metavar="URL", help=STORE_HELP, show_default=False)]
 NamespaceOpt = Annotated[Optional[str], typer.Option(
