@@ -235,3 +235,44 @@ def test_payload_stats_account_for_every_byte(cal):
     assert abs(sum(parts.values()) - stats["bits_per_value"]) < 1e-9
     assert min(parts.values()) >= 0 and parts["rans"] > 0 and parts["sinks"] > 0
     assert 0 < stats["components_coded"] <= stats["components"] == 2 * L * C
+
+
+def golden_calibration() -> calmod.Calibration:
+    """A calibration of exact numbers (no fit, no BLAS): a 16 x 16 Hadamard basis (entries +-1/4,
+    exactly 4096 in Q14), simple means and weights, power-of-two frequencies."""
+    h = np.array([[1]], dtype=np.int64)
+    while h.shape[0] < C:
+        h = np.block([[h, h], [h, -h]])
+    basis = np.broadcast_to((h * 4096).astype(np.int16), (2, L, C, C)).copy()
+    mean = (np.arange(2 * L * C, dtype=np.float32).reshape(2, L, C) % 5 - 2) / 8
+    weight = 1 + (np.arange(2 * L * C, dtype=np.float32).reshape(2, L, C) % 3) / 4
+    inv_freq = np.broadcast_to(2.0 ** -np.arange(D // 2, dtype=np.float32), (L, D // 2)).copy()
+    return calmod.Calibration(mean=mean, weight=weight.astype(np.float32), basis=basis, inv_freq=inv_freq,
+                              head_dim=D, model="sha256:" + "0" * 64)
+
+
+# The payload of golden_kv() coded with golden_calibration() at step 0.5 from position 2: a change
+# of these bytes is a change of the bitstream (format-spec/pca.md), never a refactoring.
+GOLDEN_SHA256 = "4e133fd3211507bb36fe3964716d3e43b39caeb3f9f2659208ae7332a9dd07b2"
+
+
+def golden_kv() -> torch.Tensor:
+    i = torch.arange(2 * L * 24 * C, dtype=torch.float32).view(2, L, 24, C)
+    return (torch.sin(i * 0.37) * 3 + torch.cos(i * 0.011) * (i % 7 - 3)).to(torch.bfloat16)
+
+
+def test_the_golden_payload(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTOOL_CALIBRATION_PATH", str(tmp_path))
+    calmod._loaded.clear()
+    cal = golden_calibration().save(tmp_path)
+    kv = golden_kv()
+    params = dict(params_for(cal.digest, "97"), step=0.5, position=2)
+    payload, p = get_codec("pca").encode(kv, params)
+    raw = kv.view(torch.int16).numpy().view(np.uint16)
+    assert payload == ref.encode_chunk(raw, "bfloat16", cal, 0.5, 4, 2, 16)  # whichever coder ran
+    digest = hashlib.sha256(payload).hexdigest()
+    print("golden pca payload:", len(payload), digest)
+    assert digest == GOLDEN_SHA256
+    out = get_codec("pca").decode(memoryview(payload), tuple(kv.shape), kv.dtype, p)
+    assert torch.equal(out[:, :, :2], kv[:, :, :2])  # positions 2 and 3: sinks
+    calmod._loaded.clear()
