@@ -415,9 +415,9 @@ def test_missing_native_coder_is_one_notice_and_falls_back(monkeypatch, capsys):
     from kvtool import notices
     from kvtool.codecs.cachegen import native
 
-    monkeypatch.setattr(native, "_loaded", True)
-    monkeypatch.setattr(native, "_module", None)
-    monkeypatch.setattr(native, "_error", "no module named kvtool._cachegen_native")
+    monkeypatch.setattr(native.EXTENSION, "_loaded", True)
+    monkeypatch.setattr(native.EXTENSION, "_module", None)
+    monkeypatch.setattr(native.EXTENSION, "error", "no module named kvtool._cachegen_native")
     notices.forget()
     kv = kv_like((2, 1, 3, 4), torch.bfloat16)
     payload, params = cachegen_encode(kv, None)

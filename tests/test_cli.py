@@ -779,9 +779,9 @@ def test_quiet_silences_notices_but_not_errors(cli, tmp_path, monkeypatch):
     from kvtool import notices
     from kvtool.codecs.cachegen import native
 
-    monkeypatch.setattr(native, "_loaded", True)  # the native coder "missing": a notice per process
-    monkeypatch.setattr(native, "_module", None)
-    monkeypatch.setattr(native, "_error", "not built")
+    monkeypatch.setattr(native.EXTENSION, "_loaded", True)  # the native coder "missing": a notice per process
+    monkeypatch.setattr(native.EXTENSION, "_module", None)
+    monkeypatch.setattr(native.EXTENSION, "error", "not built")
     f = write_kv_file(tmp_path / "c.kvc", num_tokens=5, chunk_size=4, codec="cachegen")
     notices.forget()
     r = cli("verify", f.path)

@@ -241,9 +241,9 @@ def test_the_codec_uses_the_native_coder(monkeypatch, tmp_path):
 def test_a_missing_native_coder_is_one_notice_and_falls_back(monkeypatch, capsys):
     from kvtool import notices
 
-    monkeypatch.setattr(native, "_loaded", True)
-    monkeypatch.setattr(native, "_module", None)
-    monkeypatch.setattr(native, "_error", "no module named kvtool._pca_native")
+    monkeypatch.setattr(native.EXTENSION, "_loaded", True)
+    monkeypatch.setattr(native.EXTENSION, "_module", None)
+    monkeypatch.setattr(native.EXTENSION, "error", "no module named kvtool._pca_native")
     notices.forget()
     assert native.coder() is ref
     assert native.coder() is ref

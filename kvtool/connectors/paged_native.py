@@ -11,8 +11,6 @@ when the extension was not built, or KVTOOL_PAGED_NATIVE=0, the torch reference 
 
 from __future__ import annotations
 
-import os
-import threading
 from types import ModuleType
 from typing import Sequence
 
@@ -20,33 +18,19 @@ import numpy as np
 import torch
 
 from ..chunk_source import ChunkSource
+from ..native_loader import NativeExtension
 from ..devices import host_threads
 from .paged_layout import (LayerKV, PagedLayout, buffers_signature, channel_stride, layer_tensors, paged_geometry,
                            run_offset, tensors_signature)
 
-_module: ModuleType | None = None
-_loaded = False
-_lock = threading.Lock()
+EXTENSION = NativeExtension("_paged_native", "KVTOOL_PAGED_NATIVE", "paged copy", "the torch path")
 MIN_BYTES_PER_THREAD = 1 << 20  # below this a thread costs more than it copies
 
 
 def native_module() -> ModuleType | None:
-    """The extension, imported once; `_loaded` is set only after the import, under a lock (a
-    thread that saw it set first would have taken the torch path for no reason)."""
-    global _module, _loaded
-    if os.environ.get("KVTOOL_PAGED_NATIVE", "1").strip() in ("0", "false", "no", "off"):
-        return None
-    if not _loaded:
-        with _lock:
-            if not _loaded:
-                try:
-                    from .. import _paged_native as m  # type: ignore[attr-defined]
-
-                    _module = m
-                except ImportError:  # not built (no compiler at install): the torch path runs
-                    _module = None
-                _loaded = True
-    return _module
+    """The extension, imported once (`kvtool.native_loader`); None when not built or switched off
+    (the torch path runs, silently: it is exact, only slower)."""
+    return EXTENSION.module()
 
 
 def _threads(total_bytes: int) -> int:

@@ -13,7 +13,6 @@ says so once, in one line. KVTOOL_PCA_NATIVE=0 forces the reference (tests and d
 
 from __future__ import annotations
 
-import os
 import struct
 import threading
 from types import ModuleType, SimpleNamespace
@@ -23,14 +22,11 @@ import numpy as np
 
 from ...devices import host_threads
 from ...errors import DecodeError, NonFiniteValues, UsageError
-from ...notices import notice
+from ...native_loader import NativeExtension
 from . import reference
 from .calibration import Calibration, rope_tables
 
-_module: ModuleType | None = None
-_error: str | None = None
-_loaded = False
-_lock = threading.Lock()
+EXTENSION = NativeExtension("_pca_native", "KVTOOL_PCA_NATIVE", "pca coder", "the slow numpy reference")
 
 JB = 24  # the C transform's column block (kernels/pca_kernels.h PCA_JB): m2's width is a multiple of it
 DTYPE_CODES = reference.DTYPE_CODES
@@ -41,31 +37,9 @@ COST = np.ascontiguousarray(reference.COST, dtype=np.int32)
 SLOT_SYM = np.ascontiguousarray(reference.SYMBOL_OF_SLOT, dtype=np.uint8)
 
 
-def _load() -> None:
-    global _module, _error, _loaded
-    if _loaded:
-        return
-    with _lock:
-        if _loaded:
-            return
-        try:
-            from ... import _pca_native as m  # type: ignore[attr-defined]
-
-            _module = m
-        except ImportError as exc:  # pragma: no cover - depends on the build
-            _module, _error = None, str(exc)
-        _loaded = True
-
-
 def native_module(warn: bool = True) -> ModuleType | None:
     """The extension module, or None (forced off, or not built)."""
-    if os.environ.get("KVTOOL_PCA_NATIVE", "1").strip() in ("0", "false", "no", "off"):
-        return None
-    _load()
-    if _module is None and warn:
-        notice(f"native pca coder unavailable ({_error}); using the slow numpy reference "
-               "(reinstall kvtool with a C compiler: pip install -e .)", key="pca_native")
-    return _module
+    return EXTENSION.module(warn)
 
 
 def native_available() -> bool:
@@ -129,6 +103,7 @@ class _Prepared:
 
 
 _prepared: dict[int, tuple[Calibration, _Prepared]] = {}
+_lock = threading.Lock()
 
 
 def prepared(cal: Calibration) -> _Prepared:
