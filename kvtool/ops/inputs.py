@@ -125,14 +125,19 @@ def codec_params(codec: str, *, level: int | None = None, shuffle: bool | None =
 
 
 def pca_params(quality: str | None, calibration: str | None, model_fingerprint: str | None) -> dict[str, Any]:
-    from ..codecs.pca import DEFAULT_QUALITY, params_for
-    from ..codecs.pca.calibration import find, for_model
+    from ..codecs.pca import DEFAULT_QUALITY, QUALITY, params_for
+    from ..codecs.pca.calibration import CalibrationNotFound, find, for_model
 
+    if quality is not None and quality not in QUALITY:  # before the calibration is looked for
+        raise UsageError(f"--quality {quality!r}: choose {', '.join(QUALITY)}")
     digest = calibration or (for_model(model_fingerprint) if model_fingerprint else None)
     if digest is None:
         raise UsageError("--codec pca: no calibration object for this model; run `kvtool calibrate` "
                          "(with the same --model) once, or give --calibration DIGEST")
-    find(digest)  # present and intact, before any chunk is written
+    try:
+        find(digest)  # present and intact, before any chunk is written
+    except CalibrationNotFound as err:  # an option that names nothing here: a usage error (exit 2)
+        raise UsageError(str(err)) from None
     return params_for(digest, quality or DEFAULT_QUALITY)
 
 

@@ -1,0 +1,102 @@
+"""The pca codec on the real default model, from the command line a user types: `kvtool calibrate`
+on text, `capture`, `compress --codec pca`, `verify --replay` against the point's promise, `inspect`,
+and the one-line refusals (a missing calibration, a wrong quality, no calibration for the model)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from kvtool.codecs.pca import QUALITY
+from kvtool.codecs.pca import calibration as calmod
+
+from fixtures import cli
+
+# ~1,100 tokens of Python's own documentation: one calibration sequence (the real default texts
+# take minutes; the codec's behaviour does not depend on how much text the basis saw)
+CALIBRATION_TOPICS = ("numbers", "exceptions")
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory, default_model):
+    from pydoc_data.topics import topics
+
+    folder = tmp_path_factory.mktemp("pca")
+    text = folder / "cal.txt"
+    text.write_text("\n".join(topics[t] for t in CALIBRATION_TOPICS))
+    prompt = folder / "prompt.txt"  # another text: the codec is judged on what it was not fitted to
+    prompt.write_text(pathlib.Path(__import__("argparse").__file__).read_text()[:4000])
+    return folder, text, prompt
+
+
+@pytest.fixture()
+def cal_dir(calibrated, monkeypatch):
+    monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", str(calibrated[0] / "calibration"))
+    monkeypatch.delenv("KVTOOL_CALIBRATION_PATH", raising=False)
+    calmod._loaded.clear()
+    yield calibrated[0] / "calibration"
+    calmod._loaded.clear()
+
+
+@pytest.mark.model
+def test_calibrate_capture_compress_verify(calibrated, cal_dir, capsys):
+    folder, text, prompt = calibrated
+    code, out, err = cli(capsys, "calibrate", "--text", text, "--json")
+    assert code == 0, err
+    digest = out["digest"]
+    assert (cal_dir / f"{digest}.kvcal").stat().st_size == out["bytes"] and out["tokens"] >= 512
+    assert calmod.for_model(out["model_fingerprint"]) == digest
+    raw = folder / "p.kvc"
+    code, _, err = cli(capsys, "capture", "--prompt-file", prompt, "-o", raw)
+    assert code == 0, err
+    packed = folder / "p.pca.kvc"
+    code, out, err = cli(capsys, "compress", raw, "-o", packed, "--codec", "pca", "--quality", "89", "--json")
+    assert code == 0, err
+    assert 1.0 < out["bits_per_value"] < 3.0  # bf16 is 16: a real reduction, nowhere near raw
+    code, out, err = cli(capsys, "inspect", packed, "--json")
+    parts = out["chunks"][0]["codec_stats"]["bits_per_value_by_part"]
+    assert code == 0 and parts["rans"] > 0 and out["chunks"][0]["codec_params"]["calibration"] == digest
+    code, out, err = cli(capsys, "verify", packed, "--replay", "--json")
+    assert code == 0, err
+    assert out["replay"]["continue_tokens"] == 64
+    assert out["replay"]["top1_agreement"] >= QUALITY["89"][1]
+    code, out, err = cli(capsys, "verify", packed, "--against", raw, "--rtol", "10", "--atol", "10")
+    assert code == 0, err
+
+    # the calibration gone: one line naming it, exit 1 (the file's data cannot be decoded here)
+    calmod._loaded.clear()
+    (cal_dir / f"{digest}.kvcal").rename(folder / "moved.kvcal")
+    try:
+        code, out, err = cli(capsys, "verify", packed)
+        assert code == 1 and digest[:16] in err and "Traceback" not in err
+        assert err.strip().count("\n") == 0
+    finally:
+        (folder / "moved.kvcal").rename(cal_dir / f"{digest}.kvcal")
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("args, message", [
+    (["--quality", "98"], "--quality '98': choose 99, 97, 95, 89"),
+    (["--calibration", "f" * 64], "not found"),
+    (["--calibration", "xyz"], "SHA-256"),
+])
+def test_bad_pca_options_are_one_line(calibrated, cal_dir, capsys, tmp_path, args, message):
+    from fixtures import write_kv_file
+
+    f = write_kv_file(tmp_path / "a.kvc", num_tokens=8)
+    out_path = tmp_path / "o.kvc"
+    code, _, err = cli(capsys, "compress", f.path, "-o", out_path, "--codec", "pca", *args)
+    assert code == 2 and message in err and err.strip().count("\n") == 0 and "Traceback" not in err
+    assert not out_path.exists()
+
+
+def test_no_calibration_for_the_model_is_one_line(capsys, tmp_path, monkeypatch):
+    from fixtures import write_kv_file
+
+    monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", str(tmp_path / "none"))
+    f = write_kv_file(tmp_path / "a.kvc", num_tokens=8)
+    code, _, err = cli(capsys, "compress", f.path, "-o", tmp_path / "o.kvc", "--codec", "pca")
+    assert code == 2 and "run `kvtool calibrate`" in err and err.strip().count("\n") == 0
+    code, _, err = cli(capsys, "compress", f.path, "-o", tmp_path / "o.kvc", "--codec", "zstd", "--quality", "97")
+    assert code == 2 and "apply to the pca codec only" in err
