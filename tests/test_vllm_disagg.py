@@ -228,3 +228,20 @@ def test_a_port_in_use_is_one_line_and_exit_2():
                              timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 2
     assert out.stderr.strip() == f"kvtool: error: cannot listen on 127.0.0.1:{port} (Address already in use)"
+
+
+def test_an_engine_url_s_password_is_never_shown():
+    """An engine behind basic auth (http://user:pw@host:port): its password is not in the 502's
+    message, the health report or the start-up line."""
+    from fastapi.testclient import TestClient
+
+    from kvtool.integrations.disagg_proxy import build_app, shown
+
+    port = free_port()
+    dead = f"http://kv:s3cret-pw@127.0.0.1:{port}"
+    assert shown(dead) == f"http://***@127.0.0.1:{port}" and shown("http://h:1") == "http://h:1"
+    with TestClient(build_app([dead], [dead], timeout_s=10)) as client:
+        answer = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+        health = client.get("/health")
+        assert answer.status_code == 502 and health.status_code == 503
+        assert "s3cret-pw" not in answer.text + health.text and "***@127.0.0.1" in answer.text

@@ -36,6 +36,12 @@ PASSED_HEADERS = ("authorization", "x-request-id")  # vLLM's --api-key; one id i
 DROPPED_FOR_PREFILL = ("stream", "stream_options", "min_tokens", "n", "best_of")
 
 
+def shown(url: str) -> str:
+    """An engine's URL as messages and logs show it: any user:password@ in it as ***@."""
+    parts = urlsplit(url)
+    return url if "@" not in parts.netloc else url.replace(parts.netloc, "***@" + parts.netloc.rsplit("@", 1)[1], 1)
+
+
 def prefill_request(body: dict) -> dict:
     """The request the prefill engine gets: the same prompt and settings, one token, not streamed."""
     first = {key: value for key, value in body.items() if key not in DROPPED_FOR_PREFILL}
@@ -66,7 +72,7 @@ def build_app(prefill: list[str], decode: list[str], timeout_s: float = 600.0):
         return JSONResponse({"error": {"message": message, "type": "ProxyError", "code": status}}, status_code=status)
 
     def unreachable(which: str, url: str, err: Exception) -> JSONResponse:
-        return failure(502, f"the {which} engine {url} cannot be reached ({type(err).__name__}: {err})")
+        return failure(502, f"the {which} engine {shown(url)} cannot be reached ({type(err).__name__}: {err})")
 
     async def generate(request: Request):
         try:
@@ -128,7 +134,7 @@ def build_app(prefill: list[str], decode: list[str], timeout_s: float = 600.0):
             except httpx.HTTPError:
                 ok = False
             if not ok:
-                down.append(f"{which} {url}")
+                down.append(f"{which} {shown(url)}")
         if down:
             return failure(503, "not ready: " + ", ".join(down))
         return {"ok": True, "prefill": prefill, "decode": decode}
@@ -144,7 +150,7 @@ def engine_url(text: str) -> str:
     except ValueError:
         port = None
     if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.path.strip("/"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an engine's base URL such as http://127.0.0.1:8100")
+        raise argparse.ArgumentTypeError(f"{shown(text.strip())!r} is not an engine's base URL such as http://127.0.0.1:8100")
     return f"{parts.scheme}://{parts.netloc}"
 
 
@@ -182,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         print(f"kvtool: error: cannot listen on {args.host}:{args.port} ({err.strerror or err})", file=sys.stderr)
         return 2
-    print(f"kvtool disaggregated-prefill proxy on http://{args.host}:{args.port}: prefill {', '.join(args.prefill)}, "
-          f"then decode {', '.join(args.decode)}", file=sys.stderr, flush=True)
+    print(f"kvtool disaggregated-prefill proxy on http://{args.host}:{args.port}: prefill {', '.join(map(shown, args.prefill))}, "
+          f"then decode {', '.join(map(shown, args.decode))}", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     server.run(sockets=[listener])
     return 0
