@@ -12,7 +12,6 @@ import pathlib
 import sysconfig
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,9 +22,6 @@ from ..engine import model as engine_model
 from ..errors import UsageError
 from .engine_io import paged_connector
 from .result import Result
-
-if TYPE_CHECKING:
-    from ..engine import AnyModel  # noqa: F401
 
 DEFAULT_KSCALE = 16.0  # keys' weight against values' (bench/RESULTS.md §24: 16 of 1, 4, 16, 64)
 MIN_TOKENS = 512
