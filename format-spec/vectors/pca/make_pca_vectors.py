@@ -79,6 +79,25 @@ def make_calibration(layers: int, seed: int) -> calmod.Calibration:
 CALIBRATIONS = {"walk": (1, 101), "main": (2, 202)}  # name: (layers, seed)
 
 
+def calibration_bytes(cal: calmod.Calibration) -> bytes:
+    """The object as a safetensors file laid out one fixed way: the header's JSON compact with its
+    keys sorted (metadata first), the tensors in name order, spaces to a multiple of 8. (The
+    safetensors library writes the metadata in an order that changes from run to run, and the
+    name of the object is the digest of its bytes.)"""
+    tensors = {"basis": cal.basis, "inv_freq": cal.inv_freq, "mean": cal.mean, "weight": cal.weight}
+    header: dict = {"__metadata__": {"format": calmod.FORMAT, "head_dim": str(cal.head_dim), "model": cal.model}}
+    data, at = [], 0
+    for name, array in tensors.items():
+        raw = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
+        header[name] = {"dtype": {"int16": "I16", "float32": "F32"}[array.dtype.name], "shape": list(array.shape),
+                        "data_offsets": [at, at + len(raw)]}
+        data.append(raw)
+        at += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + b"".join(data)
+
+
 # --------------------------------------------------------------------------- the vectors
 # name: calibration, dtype, tokens T, sinks, position, step, lanes, seed; the coefficients of each
 # vector are `coefficients(...)`'s, with its outliers
@@ -133,8 +152,12 @@ def build() -> dict[str, calmod.Calibration]:
     from kvtool.codecs.pca import reference as ref
 
     cals = {}
+    for old in HERE.glob("*.kvcal"):
+        old.unlink()
     for name, (layers, seed) in CALIBRATIONS.items():
-        cal = make_calibration(layers, seed).save(HERE)
+        data = calibration_bytes(make_calibration(layers, seed))
+        cal = calmod.from_bytes(data)
+        (HERE / f"{cal.digest}.kvcal").write_bytes(data)
         cals[name] = cal
     for name, (calname, dtype, T, sinks, position, step, lanes, seed) in VECTORS.items():
         cal = cals[calname]

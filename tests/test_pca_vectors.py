@@ -1,0 +1,313 @@
+"""The pca test vectors (format-spec/vectors/pca, format-spec/pca.md section 9): every coder
+reproduces their payloads and decoded values byte for byte, their calibration objects and RoPE
+tables are what they say, the spec's walk-through is what the files give, and damaged copies of
+them are refused as section 7 says.
+
+Three decoders are checked: the reference (numpy), the native C coder (when built) and
+`make_pca_vectors.spec_decode`, a scalar decoder written from the text of pca.md alone."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvtool.codecs import get_codec
+from kvtool.codecs.pca import PcaCodec, native
+from kvtool.codecs.pca import calibration as calmod
+from kvtool.codecs.pca import reference as ref
+from kvtool.errors import DecodeError
+
+HERE = Path(__file__).resolve().parents[1] / "format-spec" / "vectors" / "pca"
+_spec = importlib.util.spec_from_file_location("make_pca_vectors", HERE / "make_pca_vectors.py")
+mv = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mv)
+
+ALL = list(mv.VECTORS)
+needs_native = pytest.mark.skipif(not native.native_available(),
+                                  reason="native pca coder not built (pip install -e .)")
+
+
+def vector(name: str) -> dict:
+    v = mv.load(name)
+    v["step"], v["sinks"], v["position"], v["lanes"] = (v["params"][k] for k in ("step", "sinks", "position", "lanes"))
+    v["S"] = struct.unpack_from("<I", v["payload"], 20)[0]
+    return v
+
+
+def same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+# --------------------------------------------------------------------------- the files
+@pytest.mark.parametrize("name", ALL)
+def test_the_files_are_what_their_json_says(name):
+    v = vector(name)
+    digest = v["params"]["calibration"]
+    assert hashlib.sha256(v["cal_bytes"]).hexdigest() == digest  # the object is named by its bytes
+    assert hashlib.sha256(v["payload"]).hexdigest() == v["meta"]["payload_sha256"]
+    assert PcaCodec().validate_params(dict(v["params"])) == v["params"]  # complete, nothing unknown
+    _, L, T, C = v["shape"]
+    assert (v["cal"].layers, v["cal"].channels, v["cal"].head_dim) == (L, C, mv.D)
+    assert v["S"] == mv.sink_count(T, v["sinks"], v["position"])
+    for suffix in ("json", "in.bin", "payload.bin", "out.bin", "rope.bin"):
+        path = HERE / f"{name}.{suffix}"
+        assert not path.exists() or path.stat().st_size < 4096  # small enough to read by hand
+    assert (HERE / f"{name}.rope.bin").exists() == (T > v["S"])
+
+
+def test_the_calibration_objects_are_the_generator_s():
+    """Exact rationals for the basis, grid values for the rest, one fixed file layout: the same
+    bytes on any machine; and only the objects the vectors name are in the folder."""
+    names = set()
+    for layers, seed in mv.CALIBRATIONS.values():
+        data = mv.calibration_bytes(mv.make_calibration(layers, seed))
+        digest = hashlib.sha256(data).hexdigest()
+        assert (HERE / f"{digest}.kvcal").read_bytes() == data
+        stored = calmod.from_bytes(data, digest)
+        b = stored.basis.astype(np.float64) / calmod.BASIS_ONE  # orthonormal within its Q14 rounding
+        for p in range(2):
+            for layer in range(layers):
+                assert np.abs(b[p, layer].T @ b[p, layer] - np.eye(mv.D)).max() < 1e-3
+        names.add(f"{digest}.kvcal")
+    assert {p.name for p in HERE.glob("*.kvcal")} == names
+    assert {vector(name)["params"]["calibration"] + ".kvcal" for name in ALL} == names
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if n != "bf16_sinks_only"])
+def test_the_rope_tables_are_pinned(name):
+    """pca.md section 5: every coder takes calibration.rope_tables; the vectors hold what it gave."""
+    v = vector(name)
+    _, L, T, C = v["shape"]
+    cos, sin = mv.rope_of(name, L, T - v["S"])
+    want_cos, want_sin = calmod.rope_tables(v["cal"], v["position"] + v["S"], T - v["S"])
+    assert same(cos, want_cos) and same(sin, want_sin)
+
+
+def test_the_vectors_cover_what_a_decoder_meets():
+    dtypes, lanes, shifts, odd_words, positions, partial_byte = set(), set(), set(), False, [], False
+    for name in ALL:
+        v = vector(name)
+        trace: dict = {}
+        mv.spec_decode(v["payload"], v["shape"], v["dtype"], v["cal"], v["step"], v["position"], trace=trace)
+        dtypes.add(v["dtype"])
+        lanes.add(v["lanes"])
+        positions.append((v["position"], v["S"], v["shape"][2]))
+        for row in trace.get("rows", []):
+            coded = v["shape"][2] > v["S"]
+            assert (0xFF in row["side"]) and (not coded or row["counts"][3] >= 1)  # zero components, escapes
+            shifts |= {b >> 5 for b in row["side"] if b != 0xFF}
+            odd_words |= row["counts"][0] % 2 == 1
+            partial_byte |= row["counts"][1] % 8 != 0  # lo bits that do not fill their last byte
+    assert dtypes == {"bfloat16", "float16", "float32"}
+    assert {1, 2, 3, 4, 16} <= lanes
+    assert shifts == set(range(7)) and odd_words and partial_byte
+    assert any(0 < s < t and p > 0 for p, s, t in positions)  # some sinks, the chunk not at 0
+    assert any(s == 4 and p == 0 for p, s, t in positions)  # S = 4 exact tokens at position 0
+    assert any(s == 0 and p > 4 for p, s, t in positions)  # past the sinks
+    assert any(s == t for p, s, t in positions)  # nothing coded
+
+
+# --------------------------------------------------------------------------- the coders
+@pytest.mark.parametrize("name", ALL)
+def test_the_reference_encoder_writes_the_payload(name):
+    v = vector(name)
+    assert ref.encode_chunk(v["input"], v["dtype"], v["cal"], v["step"], v["sinks"], v["position"],
+                            v["lanes"]) == v["payload"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_reference_decoder_gives_the_values(name):
+    v = vector(name)
+    out = ref.decode_chunk(v["payload"], v["shape"], v["dtype"], v["cal"], v["step"], v["position"])
+    assert same(out, v["output"])
+
+
+@needs_native
+@pytest.mark.parametrize("name", ALL)
+def test_the_native_coder_writes_the_payload_and_gives_the_values(name):
+    v = vector(name)
+    assert native.encode_chunk(np.array(v["input"]), v["dtype"], v["cal"], v["step"], v["sinks"], v["position"],
+                               v["lanes"]) == v["payload"]
+    out = native.decode_chunk(v["payload"], v["shape"], v["dtype"], v["cal"], v["step"], v["position"])
+    assert same(out, v["output"])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_decoder_written_from_the_text_gives_the_values(name):
+    """With the pinned tables, and with the spec's formula for them."""
+    v = vector(name)
+    _, L, T, C = v["shape"]
+    tables = mv.rope_of(name, L, T - v["S"]) or (None, None)
+    for cos, sin in (tables, (None, None)):
+        out = mv.spec_decode(v["payload"], v["shape"], v["dtype"], v["cal"], v["step"], v["position"], cos, sin)
+        assert same(out, v["output"])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_codec_finds_the_calibration_by_its_digest_and_decodes(name, monkeypatch):
+    """As a reader of a container would: the parameters name the object, the search path finds it."""
+    monkeypatch.setenv("KVTOOL_CALIBRATION_PATH", str(HERE))
+    calmod._loaded.clear()
+    try:
+        v = vector(name)
+        out = get_codec("pca").decode(memoryview(v["payload"]), v["shape"], getattr(torch, v["dtype"]),
+                                      v["params"])
+        storage = {"bfloat16": torch.int16, "float16": torch.float16, "float32": torch.float32}[v["dtype"]]
+        assert out.contiguous().view(storage).numpy().tobytes() == v["output"].tobytes()
+    finally:
+        calmod._loaded.clear()
+
+
+def test_the_spec_prints_what_the_files_give():
+    """pca.md section 9 is rendered from the files (make_pca_vectors.py writes it): no table drifts."""
+    text = mv.SPEC.read_text()
+    section = text.split(mv.BEGIN)[1].split(mv.END)[0]
+    assert section == "\n" + mv.walkthrough()
+    for name in ALL:
+        assert f"`{name}`" in section
+
+
+# --------------------------------------------------------------------------- damaged copies (section 7)
+def _set_u32(data: bytearray, at: int, value: int) -> None:
+    data[at:at + 4] = struct.pack("<I", value)
+
+
+def _walk_damage(kind: str) -> tuple[bytes, str]:
+    """A damaged copy of walk_bf16's payload and the reference's words for what is wrong."""
+    v = vector(mv.WALK)
+    data = bytearray(v["payload"])
+    lanes, S, entries, sink_at, rows_at = ref.parse(v["payload"], v["shape"], v["dtype"])
+    row0 = 24  # the row table's first entry: words, lo bits, sign bits, escapes
+    side0 = rows_at
+    states0 = side0 + 8
+    words0 = states0 + 4 * lanes
+    if kind == "magic":
+        data[0:4] = b"KVPD"
+        return bytes(data), "not a pca payload"
+    if kind == "version":
+        data[4] = 2
+        return bytes(data), "not a pca payload"
+    if kind == "reserved byte":
+        data[7] = 1
+        return bytes(data), "not a pca payload"
+    if kind == "dtype":
+        data[5] = 1  # says fp16, the chunk is bf16
+        return bytes(data), "header does not match"
+    if kind == "lanes 0":
+        data[6] = 0
+        return bytes(data), "header does not match"
+    if kind == "lanes 65":
+        data[6] = 65
+        return bytes(data), "header does not match"
+    if kind == "rows":
+        _set_u32(data, 8, 4)
+        return bytes(data), "header does not match"
+    if kind == "channels":
+        _set_u32(data, 16, 16)
+        return bytes(data), "header does not match"
+    if kind == "lo bits":  # 20 -> 19: the same 3 bytes, so the length still holds
+        assert entries[0][1] == 20
+        _set_u32(data, row0 + 4, 19)
+        return bytes(data), "low-bit count"
+    if kind == "sign bits":  # 13 -> 12: the same 2 bytes
+        assert entries[0][2] == 13
+        _set_u32(data, row0 + 8, 12)
+        return bytes(data), "sign-bit count"
+    if kind == "escapes":  # 1 -> 0: lo 3 + sign 2 (+ escape 2) bytes pad to 8 either way
+        assert entries[0][3] == 1
+        _set_u32(data, row0 + 12, 0)
+        return bytes(data), "escape count"
+    if kind == "words end early":  # row 0's 2 words dropped, the table saying 0: the length holds
+        assert entries[0][0] == 2
+        _set_u32(data, row0, 0)
+        del data[words0:words0 + 4]
+        return bytes(data), "end early"
+    if kind == "final state":  # lane 0 of row 0 one more: the same symbols, another end
+        _set_u32(data, states0, struct.unpack_from("<I", data, states0)[0] + 1)
+        return bytes(data), "does not end where it began"
+    if kind == "escape too large":  # row 1's escape: m = (15 + 65535) << shift > 32767
+        at = len(data) - 3
+        assert struct.unpack_from("<H", data, at)[0] == 266
+        data[at:at + 2] = b"\xff\xff"
+        return bytes(data), "exceeds 32767"
+    if kind == "truncated row table":
+        return bytes(data[:40]), "shorter than its row table"
+    raise AssertionError(kind)
+
+
+DAMAGE = ["magic", "version", "reserved byte", "dtype", "lanes 0", "lanes 65", "rows", "channels", "lo bits",
+          "sign bits", "escapes", "words end early", "final state", "escape too large", "truncated row table"]
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damage_is_refused_by_every_decoder(kind):
+    v = vector(mv.WALK)
+    damaged, reason = _walk_damage(kind)
+    args = (damaged, v["shape"], v["dtype"], v["cal"], v["step"], v["position"])
+    with pytest.raises(DecodeError, match=reason):
+        ref.decode_chunk(*args)
+    with pytest.raises(mv.SpecError):
+        mv.spec_decode(*args)
+    if native.native_available():
+        with pytest.raises(DecodeError):
+            native.decode_chunk(*args)
+
+
+def test_a_token_whose_coefficients_sum_past_2_16_is_refused(monkeypatch):
+    """A writer cannot make one (it refuses to code it), so the reference's forward transform is
+    replaced to write one: all eight V coefficients of a token at 10000 (a sum of 80000)."""
+    v = vector(mv.WALK)
+    _, L, T, C = v["shape"]
+    q = np.zeros((2, L, T - v["S"], C), np.int64)
+    q[1, 0, 1] = 10000
+    q[0, 0, 2, 0] = -3
+    monkeypatch.setattr(ref, "forward", lambda x, cal, start, step: q)
+    payload = ref.encode_chunk(v["input"], v["dtype"], v["cal"], v["step"], v["sinks"], v["position"], v["lanes"])
+    monkeypatch.undo()
+    args = (payload, v["shape"], v["dtype"], v["cal"], v["step"], v["position"])
+    with pytest.raises(DecodeError, match="sum past"):
+        ref.decode_chunk(*args)
+    with pytest.raises(mv.SpecError, match="token sum"):
+        mv.spec_decode(*args)
+    if native.native_available():
+        with pytest.raises(DecodeError):
+            native.decode_chunk(*args)
+    q[1, 0, 1] = 8192  # 65536: the limit itself is allowed
+    monkeypatch.setattr(ref, "forward", lambda x, cal, start, step: q)
+    payload = ref.encode_chunk(v["input"], v["dtype"], v["cal"], v["step"], v["sinks"], v["position"], v["lanes"])
+    monkeypatch.undo()
+    out = ref.decode_chunk(payload, v["shape"], v["dtype"], v["cal"], v["step"], v["position"])
+    assert same(out, mv.spec_decode(payload, v["shape"], v["dtype"], v["cal"], v["step"], v["position"]))
+
+
+def test_a_calibration_of_other_layers_is_refused():
+    v = vector("bf16_sinks")  # 2 layers; the walk-through's object has 1 (and the same channels)
+    other = vector(mv.WALK)["cal"]
+    args = (v["payload"], v["shape"], v["dtype"], other, v["step"], v["position"])
+    with pytest.raises(DecodeError, match="calibration is for"):
+        ref.decode_chunk(*args)
+    if native.native_available():
+        with pytest.raises(DecodeError, match="calibration is for"):
+            native.decode_chunk(*args)
+
+
+def test_padding_is_not_read():
+    """pca.md section 4: padding is written as zeros and a reader does not look at it."""
+    v = vector(mv.WALK)
+    data = bytearray(v["payload"])
+    lanes, S, entries, sink_at, rows_at = ref.parse(v["payload"], v["shape"], v["dtype"])
+    for at in (147, 166, 167, 179):  # row 0's tail pad, row 1's word pad and tail pad (section 9.2)
+        assert data[at] == 0
+        data[at] = 0xA5
+    data[142] |= 0xF0  # row 0's lo bits: 20 of 24, the last byte's high nibble unused
+    args = (bytes(data), v["shape"], v["dtype"], v["cal"], v["step"], v["position"])
+    assert same(ref.decode_chunk(*args), v["output"])
+    assert same(mv.spec_decode(*args), v["output"])
+    if native.native_available():
+        assert same(native.decode_chunk(*args), v["output"])
