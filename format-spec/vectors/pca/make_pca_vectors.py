@@ -365,7 +365,7 @@ def _round_to(x: np.float32, dtype: str):
 
 # --------------------------------------------------------------------------- the spec's section
 NOTES = {
-    WALK: "the walk-through (9.2): 2 sinks, lanes 2, an odd word count, an escape, shifts 0-6",
+    WALK: "the walk-through (9.2): 2 sinks, lanes 2, an odd word count, an escape, shifts 0-4 and 6",
     "bf16_sinks": "position 0: S = 4 exact tokens, 6 coded; 16 lanes, no rANS word",
     "fp16_position": "position 1000 (no sinks), lanes 4",
     "fp32_lanes1": "position 3: S = 1; one lane, so every word in one stream",
