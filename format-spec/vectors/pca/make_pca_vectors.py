@@ -19,8 +19,9 @@ and the "Test vectors" section of format-spec/pca.md (between its markers) and R
 table. tests/test_pca_vectors.py checks the coders against the files, and the text against
 what `walkthrough()` renders from them.
 
-`spec_decode` is a second decoder, scalar and written from the text of pca.md alone (no code
-of the reference): the walk-through's tables are its trace.
+`spec_decode` is a second decoder, scalar, following the text of pca.md step by step and sharing
+no code with the reference coder (only the normative tables of _tables.py, and rope_tables when
+no pinned tables are given): the walk-through's tables are its trace.
 """
 
 from __future__ import annotations
@@ -481,7 +482,8 @@ def walkthrough() -> str:
         parts = [(C, f"row {r}: side bytes, one per component"), ((-C) % 4, "zeros to 4"),
                  (4 * lanes, f"row {r}: {lanes} final lane states, u32"),
                  (2 * nwords, f"row {r}: {nwords} rANS words, u16"), (2 * (nwords % 2), "one u16 zero (odd count)"),
-                 ((lo_bits + 7) // 8, f"row {r}: {lo_bits} lo bits"), ((sign_bits + 7) // 8, f"row {r}: {sign_bits} sign bits"),
+                 ((lo_bits + 7) // 8, f"row {r}: {lo_bits} lo bits"),
+                 ((sign_bits + 7) // 8, f"row {r}: {sign_bits} sign bits"),
                  (2 * nesc, f"row {r}: {nesc} escape, u16")]
         tail = sum(n for n, _ in parts[5:])
         parts.append(((-tail) % 4, "zeros to a multiple of 4 (lo, sign, escapes together)"))
@@ -572,7 +574,8 @@ def walkthrough() -> str:
     for i in (0, 3):
         a, b = trace["x"][(0, 0, t, i)][2], trace["x"][(0, 0, t, i + 4)][2]
         cs, sn = cos[0, t, i], sin[0, t, i]
-        ta, tb = np.float32(np.float32(a * cs) - np.float32(b * sn)), np.float32(np.float32(b * cs) + np.float32(a * sn))
+        ta = np.float32(np.float32(a * cs) - np.float32(b * sn))
+        tb = np.float32(np.float32(b * cs) + np.float32(a * sn))
         krows.append([i, f"acc {trace['x'][(0, 0, t, i)][0]}: {_f32s(a)}", f"acc {trace['x'][(0, 0, t, i + 4)][0]}: "
                       f"{_f32s(b)}", _f32s(cs), _f32s(sn), _f32s(ta), _f32s(tb),
                       f"{_bf16s(int(v['output'][0, 0, S + t, i]))}, {_bf16s(int(v['output'][0, 0, S + t, i + 4]))}"])
