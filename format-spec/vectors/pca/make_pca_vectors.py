@@ -446,9 +446,26 @@ def walkthrough() -> str:
     o += _para("Every row of every vector that codes tokens has components that are zero at every coded "
                "token (side byte `0xFF`) and one escape; together the rows use every shift from 0 to 6.") + [""]
     # ---- the walk-through
-    o += [f"### 9.2 Walk-through: `{WALK}`", "",
-          f"Calibration `{p['calibration']}`", f"(`L = {L}`, `D = C = {C}`), parameters:", "",
-          "```json", json.dumps(p), "```", ""]
+    o += [f"### 9.2 Walk-through: `{WALK}`", "", "The parameters:", "", "```json", json.dumps(p), "```", ""]
+    raw = v["cal_bytes"]
+    (n,) = struct.unpack_from("<Q", raw, 0)
+    o += _para(f"The calibration object they name (`{p['calibration'][:16]}...kvcal`, {len(raw)} bytes, "
+               f"`L = {L}`, `D = C = {C}`) is a safetensors file: a u64 header length ({n}), the header's JSON "
+               "(then spaces to a multiple of 8), the tensors' bytes at the offsets it gives, little-endian:")
+    o += ["", "```json", raw[8:8 + n].decode().rstrip(), "```", ""]
+    o += _para("Its tensors (`mean` and `weight` of part 0 = K, then part 1 = V; `basis[p][0][c]` as rows "
+               "`c`, columns `k`, in Q14):") + ["", "```"]
+    for name in ("mean", "weight"):
+        for part in range(2):
+            values = ", ".join(np.format_float_positional(x, unique=True, trim="-")
+                               for x in getattr(cal, name)[part, 0])
+            o.append(f"{name}[{part}][0]".ljust(14) + f" = [{values}]")
+    for part in range(2):
+        for c in range(C):
+            o.append(f"basis[{part}][0][{c}]".ljust(14) + " = [" + ", ".join(f"{int(x):6d}" for x in cal.basis[part, 0, c]) + "]")
+    o.append("inv_freq[0]".ljust(14) + " = [" + ", ".join(np.format_float_positional(x, unique=True, trim="-")
+                                                        for x in cal.inv_freq[0]) + "]")
+    o += ["```", ""]
     o += _para(f"`T = {T}` tokens at positions {p['position']}..{p['position'] + T - 1}; `S = min({T}, max(0, "
                f"{p['sinks']} - {p['position']})) = {S}` of them are sinks (positions {p['position']} and "
                f"{p['position'] + 1}), so the coded tokens `t = 0..{Tc - 1}` are positions "
