@@ -563,6 +563,24 @@ def walkthrough() -> str:
     for r in range(2):
         o.append(f"row {r}: " + "  ".join("[" + ", ".join(f"{int(x):4d}" for x in q[r, t]) + "]" for t in range(Tc)))
     o += ["```", ""]
+    # the writer's choice for one component
+    k = 0
+    mags = [abs(int(x)) for x in q[0, :, k]]
+    o += _para(f"The writer's choice (section 6.2) for row 0's component {k} (magnitudes "
+               f"{', '.join(map(str, mags))}): per shift, the symbols, the table of least cost and that cost in "
+               "1/256 bits, `Σ_j count[j] * COST_Q8[table][j] + 256 * (shift * Tc + 16 * count[15])`:") + [""]
+    crows, best = [], None
+    for shift in range(7):
+        sym = [min(m >> shift, 15) for m in mags]
+        costs = [sum(TB.COST_Q8[tab][j] for j in sym) + 256 * (shift * Tc + 16 * sym.count(15)) for tab in range(32)]
+        tab = min(range(32), key=lambda j: (costs[j], j))
+        crows.append([shift, ", ".join(map(str, sym)), tab, costs[tab]])
+        if best is None or costs[tab] < best[2]:
+            best = (shift, tab, costs[tab])
+    o += _table(["shift", "symbols", "table", "cost"], crows, "r-rr")
+    o += [""] + _para(f"Least: shift {best[0]}, table {best[1]} (ties would go to the smaller shift, then the "
+                      f"smaller table): side byte `{best[1] | best[0] << 5:02x}`, as the payload has.") + [""]
+    assert best[1] | best[0] << 5 == rows[0]["side"][k]
     # the values
     step = p["step"]
     esc_t = [next(t for (k, t, hi, lo, neg, qv) in rows[r]["coefs"] if hi >= 15) for r in range(2)]
