@@ -276,3 +276,33 @@ def test_the_golden_payload(tmp_path, monkeypatch):
     out = get_codec("pca").decode(memoryview(payload), tuple(kv.shape), kv.dtype, p)
     assert torch.equal(out[:, :, :2], kv[:, :, :2])  # positions 2 and 3: sinks
     calmod._loaded.clear()
+
+
+def test_calibration_bytes_are_the_same_at_every_save(tmp_path):
+    """One calibration saved twice (and in two processes) has one name: its bytes are laid out one
+    fixed way (format-spec/pca.md §3), not in the metadata order safetensors happens to pick."""
+    import subprocess
+    import sys
+
+    from kvtool.codecs.pca.calibration import from_bytes
+
+    rng = np.random.default_rng(5)
+    L, C, D = 2, 8, 8
+    basis = np.linalg.qr(rng.standard_normal((C, C)))[0]
+    cal = calmod.Calibration(
+        mean=rng.standard_normal((2, L, C)).astype(np.float32),
+        weight=rng.uniform(0.5, 2, (2, L, C)).astype(np.float32),
+        basis=np.rint(np.broadcast_to(basis, (2, L, C, C)) * 16384).astype(np.int16),
+        inv_freq=np.array([[1, 0.1, 0.01, 0.001]] * L, np.float32), head_dim=D, model="m" * 16)
+    first = cal.to_bytes()
+    assert all(cal.to_bytes() == first for _ in range(20))
+    path = tmp_path / "cal.bin"
+    path.write_bytes(first)
+    again = subprocess.run([sys.executable, "-c", "import sys, pathlib\n"
+                            "from kvtool.codecs.pca.calibration import from_bytes\n"
+                            "sys.stdout.buffer.write(from_bytes(pathlib.Path(sys.argv[1]).read_bytes()).to_bytes())",
+                            str(path)], capture_output=True, check=True).stdout
+    assert again == first
+    back = from_bytes(first)
+    assert np.array_equal(back.basis, cal.basis) and np.array_equal(back.weight, cal.weight)
+    assert cal.save(tmp_path).digest == cal.save(tmp_path / "other").digest

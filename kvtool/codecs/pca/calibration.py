@@ -14,8 +14,10 @@ coded with it records. A reader finds it by that digest (`find`), never by model
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pathlib
+import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,11 +74,23 @@ class Calibration:
 
     # ---- files --------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
-        from safetensors.numpy import save
-
-        tensors = {"mean": self.mean, "weight": self.weight, "basis": self.basis, "inv_freq": self.inv_freq}
-        meta = {"format": FORMAT, "head_dim": str(self.head_dim), "model": self.model}
-        return save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=meta)
+        """The object as a safetensors file laid out one fixed way (format-spec/pca.md §3): the
+        header's JSON compact, the metadata first, then the tensors in name order, padded with
+        spaces to a multiple of 8. Its name is the digest of these bytes, so the same tensors must
+        give the same bytes: the safetensors library writes its metadata keys in an order that
+        changes from run to run (0.8.0), which named one calibration anew at every save."""
+        tensors = {"basis": self.basis, "inv_freq": self.inv_freq, "mean": self.mean, "weight": self.weight}
+        header: dict = {"__metadata__": {"format": FORMAT, "head_dim": str(self.head_dim), "model": self.model}}
+        parts, at = [], 0
+        for name, array in tensors.items():
+            raw = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+            header[name] = {"dtype": {"int16": "I16", "float32": "F32"}[array.dtype.name], "shape": list(array.shape),
+                            "data_offsets": [at, at + len(raw)]}
+            parts.append(raw)
+            at += len(raw)
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        return struct.pack("<Q", len(text)) + text + b"".join(parts)
 
     def save(self, folder: str | os.PathLike) -> "Calibration":
         """Write `<digest>.kvcal` into `folder` (atomically) and return self with its digest."""
