@@ -306,3 +306,31 @@ def test_calibration_bytes_are_the_same_at_every_save(tmp_path):
     back = from_bytes(first)
     assert np.array_equal(back.basis, cal.basis) and np.array_equal(back.weight, cal.weight)
     assert cal.save(tmp_path).digest == cal.save(tmp_path / "other").digest
+
+
+def test_row_gains_follow_the_square_root_of_sensitivity_within_limits():
+    from kvtool.ops.calibrate import row_gains
+
+    s = np.array([[1.0, 4.0, 16.0, 0.25], [1.0, 1.0, 1.0, 1.0]])
+    g = row_gains(s)
+    assert g.shape == (2, 4) and abs(np.log(g).mean()) < 1e-12  # geometric mean 1: a step keeps its rate
+    assert np.allclose(g[0] / g[0, 0], [1, 2, 4, 0.5])  # the square root of the ratio
+    g = row_gains(np.array([[1.0, 1.0, 1e-9, 1e9]]))
+    assert np.isclose(g.max() / g.min(), 16)  # within [1/4, 4] before the rescale: a row of ~0 is not dropped
+    assert np.allclose(row_gains(np.full((2, 3), 0.01)), 1)
+
+
+def test_with_gains_scales_only_the_rows_weights():
+    from kvtool.ops.calibrate import with_gains
+
+    rng = np.random.default_rng(2)
+    L, C = 3, 8
+    cal = calmod.Calibration(mean=rng.standard_normal((2, L, C)).astype(np.float32),
+                             weight=rng.uniform(0.5, 2, (2, L, C)).astype(np.float32),
+                             basis=rng.integers(-16384, 16384, (2, L, C, C)).astype(np.int16),
+                             inv_freq=np.ones((L, 4), np.float32), head_dim=8, model="m", digest="x" * 64)
+    g = np.array([[1.0, 2.0, 0.5], [4.0, 1.0, 0.25]])
+    out = with_gains(cal, g)
+    assert out.digest == "" and out.basis is cal.basis and np.array_equal(out.mean, cal.mean)
+    assert np.allclose(out.weight, cal.weight * g[:, :, None], rtol=1e-6)
+    out.check()

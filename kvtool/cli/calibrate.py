@@ -30,4 +30,6 @@ def command(model: ModelOpt = None, text: TextOpt = None, json: JsonOpt = False)
 def render(console: Console, r: CalibrateResult) -> None:
     console.print(f"calibration {r.digest} for {r.model}: {r.tokens} tokens in {r.sequences} sequences, "
                   f"{human_bytes(r.bytes)}, {r.seconds:.1f}s")
+    console.print(f"layers' K and V weighted by how much the model feels their errors: {r.gains_low:.2f}x to "
+                  f"{r.gains_high:.2f}x")
     console.print(f"saved as {r.path}; `--codec pca` now uses it for this model")

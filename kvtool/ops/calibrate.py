@@ -4,15 +4,28 @@ A few thousand tokens of the caller's text are run through kvtool's engine; the 
 back to before RoPE) and values of every layer are the samples; the queries that read each key
 channel and the o_proj columns that read each value channel give the weights. The fit itself
 is `kvtool.codecs.pca.fit`.
+
+Then each layer's K and V get a gain (`row_gains`): those weights say how much an error moves
+that layer's attention, not how much it moves the model's answer, and layers differ there by
+100x or more (bench/RESULTS.md §30: the first layers' values matter most, the last layers'
+hardly at all). The model is run on a few calibration windows with one row at a time coded at
+one step, the rest exact; the row's mean KL from the exact answer is its sensitivity s, and its
+weights are scaled by sqrt(s / mean s) (geometric mean), within 4x either way. A larger weight
+is a finer step there (the step is divided by it): the quantizer's error in a row goes as the
+step squared, so this equalises what a bit buys in every row (for a high-rate quantizer,
+distortion times rate slope is equal where s * step^2 is). The file format does not change:
+the gains live in the calibration's `weight`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import sysconfig
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..codecs.pca.calibration import Calibration
@@ -27,6 +40,10 @@ DEFAULT_KSCALE = 16.0  # keys' weight against values' (bench/RESULTS.md §24: 16
 MIN_TOKENS = 512
 WINDOW = 1024  # tokens per calibration sequence
 MAX_SEQUENCES = 24  # ~25k tokens: the basis no longer moves with more (a minute on one core)
+GAIN_STEP = 1.0  # the step at which each row's sensitivity is measured (near quality 97-95)
+GAIN_WINDOWS = 4  # calibration windows run for it (each: every row coded alone, 2L + 1 runs)
+GAIN_CONTEXT, GAIN_CONTINUATION = 512, 64  # tokens per window: the coded context, the judged continuation
+GAIN_LIMIT = 4.0  # a row's gain stays within [1/4, 4]: the square-root rule is a high-rate estimate
 
 # The default calibration text: what every Python installation holds, none of it a text
 # bench/bench_rd.py measures on (its windows: other reference sections, other modules).
@@ -56,6 +73,8 @@ class CalibrateResult(Result):
     sequences: int
     tokens: int
     bytes: int
+    gains_low: float  # the smallest and largest row gain (`row_gains`): how unequal the rows' sensitivity was
+    gains_high: float
     seconds: float
 
 
@@ -73,17 +92,27 @@ def calibrate_model(model_path: str | pathlib.Path | None = None, text_files: li
     texts = [read_text_file(p) for p in text_files] if text_files else default_texts()
     ids = [i for text in texts for i in model.tokenizer.encode(text, add_special_tokens=False)]
     sequences = [ids[s:s + WINDOW] for s in range(0, len(ids) - WINDOW // 2, WINDOW)][:MAX_SEQUENCES]
-    cal = calibrate(model, sequences, kscale).save(default_dir())
+    cal, gains = learn(model, sequences, kscale)
+    cal = cal.save(default_dir())
     fingerprint = model.identity.fingerprint()
     register(fingerprint, cal.digest)
     path = default_dir() / f"{cal.digest}.kvcal"
     return CalibrateResult(digest=cal.digest, path=str(path), model=model.name, model_fingerprint=fingerprint,
                            sequences=len(sequences), tokens=sum(len(s) for s in sequences),
-                           bytes=path.stat().st_size, seconds=time.perf_counter() - started)
+                           bytes=path.stat().st_size, gains_low=float(gains.min()), gains_high=float(gains.max()),
+                           seconds=time.perf_counter() - started)
 
 
-def calibrate(model: LoadedModel, token_lists: list[list[int]], kscale: float = DEFAULT_KSCALE) -> Calibration:
-    """The calibration object learned from these token sequences (each run from position 0)."""
+def calibrate(model: LoadedModel, token_lists: list[list[int]], kscale: float = DEFAULT_KSCALE,
+              gains: bool = True) -> Calibration:
+    """The calibration object learned from these token sequences (each run from position 0);
+    `gains`: each row's weights scaled by its sensitivity (`row_gains`, module docstring)."""
+    return learn(model, token_lists, kscale, gains)[0]
+
+
+def learn(model: LoadedModel, token_lists: list[list[int]], kscale: float = DEFAULT_KSCALE,
+          gains: bool = True) -> tuple[Calibration, np.ndarray]:
+    """`calibrate`'s object and its rows' gains ([2, L]; ones without `gains`)."""
     if sum(len(t) for t in token_lists) < MIN_TOKENS:
         raise UsageError(f"calibration needs at least {MIN_TOKENS} tokens of text")
     cfg = model.config
@@ -100,8 +129,62 @@ def calibrate(model: LoadedModel, token_lists: list[list[int]], kscale: float = 
         keys.add(before_rope(kv[0].float(), inv_freq, cfg.num_kv_heads, cfg.head_dim))
         values.add(kv[1].float())
     wo = torch.stack([layer.wo.float().cpu() for layer in model.weights.layers])
-    return fit(keys, values, key_metric((energy / seen).float(), kscale),
-               value_metric(wo, cfg.num_kv_heads, cfg.head_dim), inv_freq, cfg.head_dim, model.identity.fingerprint())
+    cal = fit(keys, values, key_metric((energy / seen).float(), kscale),
+              value_metric(wo, cfg.num_kv_heads, cfg.head_dim), inv_freq, cfg.head_dim, model.identity.fingerprint())
+    if not gains:
+        return cal, np.ones((2, cfg.num_layers))
+    g = row_gains(row_sensitivity(model, cal, gain_windows(token_lists)))
+    return with_gains(cal, g), g
+
+
+def gain_windows(token_lists: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """Up to GAIN_WINDOWS (context, continuation) pairs from the calibration sequences, spread
+    over them (the last of each sequence's tokens continue its first)."""
+    usable = [ids for ids in token_lists if len(ids) >= 2 * GAIN_CONTINUATION]
+    picked = usable[::max(1, len(usable) // GAIN_WINDOWS)][:GAIN_WINDOWS]
+    return [(ids[:GAIN_CONTEXT + GAIN_CONTINUATION][:-GAIN_CONTINUATION], ids[:GAIN_CONTEXT + GAIN_CONTINUATION][-GAIN_CONTINUATION:])
+            for ids in picked]
+
+
+def row_sensitivity(model: LoadedModel, cal: Calibration, windows, step: float = GAIN_STEP) -> np.ndarray:
+    """[2, L]: the mean KL (nats per judged token) of the model's next-token distributions along
+    each window's continuation, from the exact context KV's, when only that row (part, layer) of
+    the context KV is coded with `cal` at `step` (kvtool's own coder, sinks as the codec keeps them)."""
+    from ..codecs.pca import DEFAULT_SINKS, native
+    from .compare import compare_logits, teacher_forced_eval
+
+    L = model.config.num_layers
+    total = np.zeros((2, L))
+    for context, continuation in windows:
+        kv, _ = run_with_query_energy(model, context)  # [2, L, T, C] bfloat16
+        raw = kv.view(torch.int16).numpy().view(np.uint16)
+        coder = native.coder()
+        payload = coder.encode_chunk(raw, "bfloat16", cal, step, DEFAULT_SINKS, 0)
+        coded = torch.from_numpy(np.ascontiguousarray(coder.decode_chunk(payload, tuple(raw.shape), "bfloat16", cal,
+                                                                          step, 0)).view(np.int16)).view(torch.bfloat16)
+        exact = teacher_forced_eval(model, context, continuation, kv=kv)
+        for part in range(2):
+            for layer in range(L):
+                mixed = kv.clone()
+                mixed[part, layer] = coded[part, layer]
+                got = teacher_forced_eval(model, context, continuation, kv=mixed)
+                total[part, layer] += compare_logits(exact, got, continuation)["kl_mean"]
+    return total / max(1, len(windows))
+
+
+def row_gains(sensitivity: np.ndarray, limit: float = GAIN_LIMIT) -> np.ndarray:
+    """[2, L] gains: sqrt(s / geometric mean of s), clipped to [1/limit, limit], then scaled to a
+    geometric mean of 1 (so a step means about the same rate with or without them)."""
+    s = np.maximum(np.asarray(sensitivity, np.float64), 1e-12)
+    g = np.clip(np.sqrt(s / np.exp(np.log(s).mean())), 1 / limit, limit)
+    return g / np.exp(np.log(g).mean())
+
+
+def with_gains(cal: Calibration, gains: np.ndarray) -> Calibration:
+    """`cal` with each row's weights times its gain (the basis is unchanged: scaling a layer's
+    weights scales its weighted covariance, not its eigenvectors)."""
+    weight = (cal.weight.astype(np.float64) * gains[:, :, None]).astype(np.float32)
+    return dataclasses.replace(cal, weight=weight, digest="")
 
 
 def run_with_query_energy(model: LoadedModel, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
