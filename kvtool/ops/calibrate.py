@@ -7,7 +7,7 @@ is `kvtool.codecs.pca.fit`.
 
 Then each layer's K and V get a gain (`row_gains`): those weights say how much an error moves
 that layer's attention, not how much it moves the model's answer, and layers differ there by
-100x or more (bench/RESULTS.md §30: the first layers' values matter most, the last layers'
+100x or more (bench/RESULTS.md §32: the first layers' values matter most, the last layers'
 hardly at all). The model is run on a few calibration windows with one row at a time coded at
 one step, the rest exact; the row's mean KL from the exact answer is its sensitivity s, and its
 weights are scaled by sqrt(s / mean s) (geometric mean), within 4x either way. A larger weight
