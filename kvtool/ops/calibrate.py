@@ -41,9 +41,11 @@ MIN_TOKENS = 512
 WINDOW = 1024  # tokens per calibration sequence
 MAX_SEQUENCES = 24  # ~25k tokens: the basis no longer moves with more (a minute on one core)
 GAIN_STEP = 1.0  # the step at which each row's sensitivity is measured (near quality 97-95)
-GAIN_WINDOWS = 4  # calibration windows run for it (each: every row coded alone, 2L + 1 runs)
-GAIN_CONTEXT, GAIN_CONTINUATION = 512, 64  # tokens per window: the coded context, the judged continuation
-GAIN_LIMIT = 4.0  # a row's gain stays within [1/4, 4]: the square-root rule is a high-rate estimate
+GAIN_WINDOWS = 3  # calibration windows run for it (each: every row coded alone, 2L + 1 runs)
+# tokens per window: the coded context, the judged continuation (KL, smoother than top-1, needs
+# fewer; each run costs the continuation's forward pass: SmolLM2-135M, 61 runs, ~15 s a window)
+GAIN_CONTEXT, GAIN_CONTINUATION = 384, 32
+GAIN_LIMIT = 4.0  # gains within [1/4, 4] before the rescale: the square-root rule is a high-rate estimate
 
 # The default calibration text: what every Python installation holds, none of it a text
 # bench/bench_rd.py measures on (its windows: other reference sections, other modules).
