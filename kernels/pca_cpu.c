@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "pca_kernels.h"
+#include "pca_rans.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "kvtool's pca coder assumes a little-endian host"
@@ -62,11 +63,15 @@ static inline float load_f32(const uint8_t *row, int dtype, size_t c) {
 typedef struct {
     uint32_t freq[NTAB][NSYM], cum[NTAB][NSYM + 1];
     uint64_t cost_t[NSYM][NTAB];   /* COST_Q8 transposed: the choice sums over tables */
+    uint32_t cost32_t[NSYM][NTAB]; /* the same in 32 bits, used when no cost sum can reach 2^32 */
+    int cost32;                    /* every COST_Q8 <= 4096 (so Tc < 2^18 keeps sums below 2^32) */
     uint64_t rcp[NTAB][NSYM];      /* floor(2^32 / f): the encoder's x / f with one correction */
     const uint8_t *slot_sym;       /* [32][4096] */
+    uint32_t *dec;                 /* decode: [32][4096] pca_dec_entry of each slot (malloc'ed) */
 } tables;
 
 static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost, const uint8_t *slot_sym) {
+    tb->cost32 = 1;
     for (int t = 0; t < NTAB; t++) {
         uint32_t c = 0;
         for (int j = 0; j < NSYM; j++) {
@@ -76,6 +81,8 @@ static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost,
             tb->cum[t][j] = c;
             tb->rcp[t][j] = (1ull << 32) / (uint64_t)f;
             tb->cost_t[j][t] = (uint64_t)(uint32_t)cost[t * NSYM + j];
+            tb->cost32_t[j][t] = (uint32_t)cost[t * NSYM + j];
+            if ((uint32_t)cost[t * NSYM + j] > 4096u) tb->cost32 = 0;
             c += (uint32_t)f;
         }
         if (c != 1u << PROB_BITS) return 0;
@@ -175,26 +182,33 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
     const uint32_t wlast = ri->nwords ? ri->nwords - 1 : 0;
     uint32_t wp = 0, ep = 0, sp = 0, big = 0;
     /* rANS over the whole row, N symbols (one per lane, lanes in order) at a time: first the N
-     * independent state updates, then the renormalisations, which share the word pointer */
+     * independent state updates, then the renormalisations, which share the word pointer. Runs of
+     * whole steps inside one component (one table) go to the AVX2 loop while N words remain; the
+     * rest (steps across two components, the stream's last words) to this loop. */
     const size_t count = (size_t)nl * Tc;
     if (count) {
-        uint32_t jc = 0, tc = 0, tab = ri->side[s->live[0]] & 31u;
-        const uint32_t *F = g->tb.freq[tab], *CU = g->tb.cum[tab];
-        const uint8_t *S2S = g->tb.slot_sym + (size_t)tab * (1u << PROB_BITS);
-        for (size_t i = 0; i < count; i += N) {
+        uint32_t jc = 0, tc = 0;
+        const uint32_t *DEC = g->tb.dec + (size_t)(ri->side[s->live[0]] & 31u) * PCA_SLOTS;
+        for (size_t i = 0; i < count;) {
+            const size_t run = (Tc - tc) / N;
+            if (run) {
+                const size_t done = pca_rans_dec_steps(x, N, DEC, (const uint16_t *)words, &wp, ri->nwords, s->sym + i, run);
+                i += done * N;
+                tc += (uint32_t)(done * N);
+                if (tc == Tc) {
+                    tc = 0;
+                    if (++jc < nl) DEC = g->tb.dec + (size_t)(ri->side[s->live[jc]] & 31u) * PCA_SLOTS;
+                }
+                if (i == count) break;
+            }
             const uint32_t n = count - i < N ? (uint32_t)(count - i) : N;
             for (uint32_t j = 0; j < n; j++) {
-                const uint32_t xs = x[j], slot = xs & ((1u << PROB_BITS) - 1u), sy = S2S[slot];
-                x[j] = F[sy] * (xs >> PROB_BITS) + slot - CU[sy];
-                s->sym[i + j] = (uint8_t)sy;
+                const uint32_t xs = x[j], e = DEC[xs & (PCA_SLOTS - 1u)];
+                x[j] = (e >> 20) * (xs >> PROB_BITS) + ((e >> 4) & (PCA_SLOTS - 1u));
+                s->sym[i + j] = (uint8_t)(e & 15u);
                 if (++tc == Tc) {
                     tc = 0;
-                    if (++jc < nl) {
-                        tab = ri->side[s->live[jc]] & 31u;
-                        F = g->tb.freq[tab];
-                        CU = g->tb.cum[tab];
-                        S2S = g->tb.slot_sym + (size_t)tab * (1u << PROB_BITS);
-                    }
+                    if (++jc < nl) DEC = g->tb.dec + (size_t)(ri->side[s->live[jc]] & 31u) * PCA_SLOTS;
                 }
             }
             for (uint32_t j = 0; j < n; j++) {
@@ -203,6 +217,7 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
                 x[j] = xs ^ ((xs ^ ((xs << 16) | w)) & (0u - need)); /* masks: a branch here mispredicts */
                 wp += need;
             }
+            i += n;
         }
     }
     for (uint32_t j = 0; j < nl; j++) {
@@ -467,16 +482,8 @@ static uint8_t choose(const geo *g, const int16_t *q, uint32_t Tc, uint16_t *m) 
             for (uint32_t v = 0; v < 64; v++) h[(v >> s) < ESCAPE ? (v >> s) : ESCAPE] += F[v];
         else
             for (uint32_t v = 0; v < 128; v++) h[(v >> (s - 3)) < ESCAPE ? (v >> (s - 3)) : ESCAPE] += G[v];
-        uint64_t cost[NTAB];
-        const uint64_t fixed = 256u * ((uint64_t)s * Tc + 16u * h[ESCAPE]);
-        for (int t = 0; t < NTAB; t++) cost[t] = fixed;
-        for (int j = 0; j < NSYM; j++) {
-            if (!h[j]) continue;
-            const uint64_t n = h[j], *ct = g->tb.cost_t[j];
-            for (int t = 0; t < NTAB; t++) cost[t] += n * ct[t];
-        }
-        for (int t = 0; t < NTAB; t++)
-            if (cost[t] < best) { best = cost[t]; side = (uint8_t)(t | (s << 5)); }
+        pca_choose_shift(h, s, Tc, (const uint64_t (*)[NTAB])g->tb.cost_t,
+                         g->tb.cost32 && Tc < (1u << 18) ? (const uint32_t (*)[NTAB])g->tb.cost32_t : NULL, &best, &side);
     }
     return side;
 }
@@ -825,7 +832,11 @@ int pca_decode_chunk(const uint8_t *p, size_t len, const pca_chunk *ck, void *ou
     jb.dst = (uint8_t *)out;
     jb.ins = ins;
     jb.N = N;
+    g.tb.dec = (uint32_t *)malloc(sizeof(uint32_t) * PCA_NTAB * PCA_SLOTS);
+    if (!g.tb.dec) { free(ins); snprintf(err, errlen, "out of memory"); return PCA_ERR_NOMEM; }
+    pca_dec_tables(g.tb.dec, (const uint32_t (*)[PCA_NSYM])g.tb.freq, (const uint32_t (*)[PCA_NSYM + 1])g.tb.cum);
     run_threads(&jb, threads, rows, decode_worker);
+    free(g.tb.dec);
     free(ins);
     if (jb.failed) {
         snprintf(err, errlen, "%s", jb.fail_msg);

@@ -1,0 +1,34 @@
+/* rANS kernels of the pca CPU coder (format-spec/pca.md §6.3): the decoder's symbol table and
+ * its AVX2 lane loop, and the encoder's (table, shift) cost sums. Each has a portable twin in
+ * pca_cpu.c or here; both give the same states, words and symbols (integer arithmetic only). */
+#ifndef KVTOOL_PCA_RANS_H
+#define KVTOOL_PCA_RANS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define PCA_NSYM 16
+#define PCA_NTAB 32
+#define PCA_SLOTS 4096 /* 2^12: the frequencies' total */
+
+/* One decode entry per slot: f << 20 | (slot - cum[s]) << 4 | s. A single load gives the symbol
+ * and both numbers of the state update x = f (x >> 12) + slot - cum (f < 4096, slot - cum < f). */
+static inline uint32_t pca_dec_entry(uint32_t f, uint32_t bias, uint32_t s) { return f << 20 | bias << 4 | s; }
+
+/* dec[t][slot] for the 32 tables, from freq [32][16] and cum [32][17] (checked by the caller) */
+void pca_dec_tables(uint32_t *dec, const uint32_t (*freq)[PCA_NSYM], const uint32_t (*cum)[PCA_NSYM + 1]);
+
+/* AVX2: up to `steps` full steps of N lanes (N a multiple of 8) of one table, while at least N
+ * words remain at *wp (so every load is inside the stream and no step can end early). Symbols to
+ * sym[0 .. N*done). Returns the steps done (0 when AVX2 is off or N % 8 != 0); the caller goes on
+ * with its portable loop, whose arithmetic this repeats. */
+size_t pca_rans_dec_steps(uint32_t *x, uint32_t N, const uint32_t *dec, const uint16_t *words, uint32_t *wp,
+                          uint32_t nwords, uint8_t *sym, size_t steps);
+
+/* §6.2 for one histogram h at shift s: cost[t] = sum_j h[j] COST[t][j] + 256 (s Tc + 16 h[15])
+ * for the 32 tables; the least goes to *best / *side when strictly below *best (tables in order,
+ * so ties keep the smaller shift, then table). cost_t is COST transposed ([16][32]). */
+void pca_choose_shift(const uint64_t h[PCA_NSYM], int s, uint64_t Tc, const uint64_t (*cost_t)[PCA_NTAB],
+                      const uint32_t (*cost32_t)[PCA_NTAB], uint64_t *best, uint8_t *side);
+
+#endif
