@@ -93,31 +93,6 @@ static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost,
 }
 
 /* ------------------------------------------------------------------------ */
-/* bits, LSB first (the writers are inline in encode_row)                    */
-typedef struct { const uint8_t *p; size_t n, at; uint64_t buf; int cnt; } bitr; /* never reads past n */
-
-/* refill to 57..64 bits (only called with cnt < 8). Past the stream's end it adds zero bits. The
- * bits loaded past cnt are the stream's own next bits, so OR-ing them in again at the next refill
- * changes nothing. */
-static inline void br_refill(bitr *r) {
-    if (r->at + 8 <= r->n) {
-        uint64_t v;
-        memcpy(&v, r->p + r->at, 8);
-        r->buf |= v << r->cnt;
-        const int k = (63 - r->cnt) >> 3;
-        r->at += (size_t)k;
-        r->cnt += 8 * k;
-    } else {
-        while (r->cnt <= 56) {
-            const uint64_t b = r->at < r->n ? r->p[r->at] : 0u;
-            r->buf |= b << r->cnt;
-            r->at++;
-            r->cnt += 8;
-        }
-    }
-}
-
-/* ------------------------------------------------------------------------ */
 /* shared geometry                                                           */
 typedef struct {
     const pca_chunk *ck;
@@ -137,7 +112,14 @@ typedef struct {
     uint32_t nwords, lo_bits, sign_bits, nesc;
 } row_in;
 
-typedef struct { int16_t *q; int32_t *y; uint32_t *l1, *last, *pairs, *mag; uint16_t *live; uint8_t *sym; } dscratch;
+typedef struct {
+    int16_t *q;   /* pair-major [C/2][Tp][2]: the transform's input */
+    int16_t *qc;  /* component-major [C][Tp] (the raw pass writes runs), then zeros [Tp] */
+    int32_t *y;
+    uint32_t *l1, *last, *pairs, *mag;
+    uint16_t *live;
+    uint8_t *sym;
+} dscratch;
 
 #define FAIL(...) do { snprintf(msg, msglen, __VA_ARGS__); return PCA_ERR_CORRUPT; } while (0)
 
@@ -156,31 +138,20 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
         lo_expect += (uint64_t)(sb >> 5) * Tc;
     }
     if (lo_expect != ri->lo_bits) FAIL("a row's low-bit count does not match its side bytes");
-    /* columns of components not coded, and the padding tokens, are zero */
-    uint16_t *dead = s->live + nl;
-    uint32_t nd = 0;
-    for (uint32_t k = 0; k < C; k++)
-        if (ri->side[k] == ALL_ZERO) dead[nd++] = (uint16_t)k;
     const size_t Tp = g->Tp;
     for (uint32_t t = 0; t < Tp; t++) s->l1[t] = s->last[t] = 0;
-    for (uint32_t j = 0; j < nd; j++) {
-        int16_t *qk = s->q + (size_t)(dead[j] / 2) * Tp * 2 + (dead[j] & 1u);
-        for (uint32_t t = 0; t < Tc; t++) qk[2 * (size_t)t] = 0;
-    }
-    for (uint32_t p = 0; p < C / 2; p++) /* padding tokens */
-        memset(s->q + ((size_t)p * Tp + Tc) * 2, 0, (Tp - Tc) * 2 * sizeof(int16_t));
     uint32_t x[64];
     for (uint32_t n = 0; n < N; n++) x[n] = get_u32(ri->states + 4 * n);
-    bitr lo = {ri->lo, (size_t)(((uint64_t)ri->lo_bits + 7u) / 8u), 0, 0, 0};
-    bitr sg = {ri->sign, (size_t)(((uint64_t)ri->sign_bits + 7u) / 8u), 0, 0, 0};
+    pca_raw_in raw = {ri->lo, ri->sign, (size_t)(((uint64_t)ri->lo_bits + 7u) / 8u),
+                      (size_t)(((uint64_t)ri->sign_bits + 7u) / 8u), 0, 0};
     /* Per component, three tight passes without data-dependent branches: the rANS symbols, the
      * magnitudes (escapes, rare, branch), the signs. Overruns are counted, not branched on, and
-     * judged after the row: reads stay inside each stream (bitr never reads past its bytes; a
+     * judged after the row: reads stay inside each stream (pca_raw_component never reads past its bytes; a
      * word index past the end reads word 0 of a one-word dummy). */
     static const uint16_t no_words[1] = {0};
     const uint8_t *words = ri->nwords ? ri->words : (const uint8_t *)no_words;
     const uint32_t wlast = ri->nwords ? ri->nwords - 1 : 0;
-    uint32_t wp = 0, ep = 0, sp = 0, big = 0;
+    uint32_t wp = 0, ep = 0, big = 0;
     /* rANS over the whole row, N symbols (one per lane, lanes in order) at a time: first the N
      * independent state updates, then the renormalisations, which share the word pointer. Runs of
      * whole steps inside one component (one table) go to the AVX2 loop while N words remain; the
@@ -233,29 +204,17 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
             for (uint32_t t = 0; t < Tc; t++)
                 if (sym[t] == ESCAPE) m[t] += get_u16(ri->esc + 2u * ep++);
         }
-        if (sh) {
-            const uint32_t mask = (1u << sh) - 1u;
-            for (uint32_t t = 0; t < Tc; t++) {
-                if (lo.cnt < sh) br_refill(&lo);
-                m[t] = (m[t] << sh) | (uint32_t)(lo.buf & mask);
-                lo.buf >>= sh;
-                lo.cnt -= sh;
-            }
-        }
-        int16_t *qk = s->q + (size_t)(k / 2) * Tp * 2 + (k & 1u);
-        for (uint32_t t = 0; t < Tc; t++) {
-            const uint32_t mt = m[t], nz = mt != 0;
-            if (!sg.cnt) br_refill(&sg);
-            const uint32_t neg = (uint32_t)sg.buf & nz;
-            sg.buf >>= nz;
-            sg.cnt -= (int)nz;
-            sp += nz;
-            big |= mt > Q_LIMIT;
-            const int32_t v = (int32_t)((mt ^ (0u - neg)) + neg);
-            qk[2 * (size_t)t] = (int16_t)v;
-            s->l1[t] += mt;
-            s->last[t] = ((k + 1) & (0u - nz)) | (s->last[t] & (nz - 1u));
-        }
+        int16_t *qk = s->qc + (size_t)k * Tp;
+        pca_raw_component(&raw, sh, m, Tc, qk, s->l1, s->last, k + 1, &big);
+        memset(qk + Tc, 0, (Tp - Tc) * sizeof(int16_t)); /* padding tokens */
+    }
+    /* pair-major for the transform; components not coded are rows of zeros */
+    const int16_t *zeros = s->qc + (size_t)C * Tp;
+    memset(s->qc + (size_t)C * Tp, 0, Tp * sizeof(int16_t));
+    for (uint32_t p = 0; p < C / 2; p++) {
+        const int16_t *a = ri->side[2 * p] == ALL_ZERO ? zeros : s->qc + (size_t)(2 * p) * Tp;
+        const int16_t *b = ri->side[2 * p + 1] == ALL_ZERO ? zeros : s->qc + (size_t)(2 * p + 1) * Tp;
+        pca_interleave(a, b, (uint32_t)Tp, s->q + (size_t)p * Tp * 2);
     }
     if (wp > ri->nwords) FAIL("a row's rANS words end early");
     if (big) FAIL("a coefficient exceeds 32767");
@@ -263,7 +222,7 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
         if (x[n] != RANS_L) FAIL("a row's rANS stream does not end where it began");
     if (wp != ri->nwords) FAIL("a row's rANS stream does not end where it began");
     if (ep != ri->nesc) FAIL("a row's escape count does not match its symbols");
-    if (sp != ri->sign_bits) FAIL("a row's sign-bit count does not match its coefficients");
+    if (raw.sign_at != ri->sign_bits) FAIL("a row's sign-bit count does not match its coefficients");
     for (uint32_t t = 0; t < Tc; t++)
         if (s->l1[t] > L1_LIMIT) FAIL("a token's coefficients sum past 65536");
     return PCA_OK;
@@ -622,12 +581,13 @@ static void *decode_worker(void *arg) {
     const uint32_t C = g->ck->channels, rows = 2u * g->ck->layers;
     dscratch s;
     s.q = (int16_t *)malloc(((size_t)g->Tp * C + 16) * sizeof(int16_t));
+    s.qc = (int16_t *)malloc(((size_t)g->Tp * (C + 1) + 16) * sizeof(int16_t));
     s.y = (int32_t *)malloc((size_t)TBLK * g->ck->cols * sizeof(int32_t));
     s.l1 = (uint32_t *)malloc(((size_t)g->Tp * 3 + 4) * sizeof(uint32_t));
     s.live = (uint16_t *)malloc(C * sizeof(uint16_t));
     s.mag = (uint32_t *)malloc(((size_t)g->Tc + 1) * sizeof(uint32_t));
     s.sym = (uint8_t *)malloc((size_t)C * g->Tc + 1);
-    if (!s.q || !s.y || !s.l1 || !s.live || !s.mag || !s.sym) {
+    if (!s.q || !s.qc || !s.y || !s.l1 || !s.live || !s.mag || !s.sym) {
         record_failure(jb, 0, PCA_ERR_NOMEM, "out of memory");
     } else {
         s.last = s.l1 + g->Tp;
@@ -639,7 +599,7 @@ static void *decode_worker(void *arg) {
             if (rc != PCA_OK) record_failure(jb, (uint32_t)r, rc, msg);
         }
     }
-    free(s.q); free(s.y); free(s.l1); free(s.live); free(s.mag); free(s.sym);
+    free(s.q); free(s.qc); free(s.y); free(s.l1); free(s.live); free(s.mag); free(s.sym);
     return NULL;
 }
 

@@ -154,3 +154,116 @@ void pca_choose_shift(const uint64_t h[PCA_NSYM], int s, uint64_t Tc, const uint
 #endif
     choose_u64(h, s, Tc, cost_t, best, side);
 }
+
+/* ------------------------------------------------------------------------ */
+/* the decoder's raw parts                                                   */
+
+/* up to 57 bits at bit position at, LSB first; zero bits past the stream's len bytes */
+static inline uint64_t peek_bits(const uint8_t *p, size_t len, uint64_t at) {
+    const size_t byte = (size_t)(at >> 3);
+    uint64_t v = 0;
+    if (byte + 8 <= len) memcpy(&v, p + byte, 8);
+    else
+        for (size_t i = 0; byte + i < len && i < 8; i++) v |= (uint64_t)p[byte + i] << (8 * i);
+    return v >> (at & 7u);
+}
+
+static void raw_portable(pca_raw_in *r, int sh, const uint32_t *m, uint32_t t, uint32_t n, int16_t *q, uint32_t *l1,
+                         uint32_t *last, uint32_t k1, uint32_t *big) {
+    const uint32_t mask = (1u << sh) - 1u;
+    uint32_t bg = 0;
+    for (; t < n; t++) {
+        uint32_t mt = m[t];
+        if (sh) {
+            mt = mt << sh | ((uint32_t)peek_bits(r->lo, r->lo_len, r->lo_at) & mask);
+            r->lo_at += (uint64_t)sh;
+        }
+        const uint32_t nz = mt != 0, neg = (uint32_t)peek_bits(r->sign, r->sign_len, r->sign_at) & nz;
+        r->sign_at += nz;
+        bg |= mt > 32767u;
+        q[t] = (int16_t)(int32_t)((mt ^ (0u - neg)) + neg);
+        l1[t] += mt;
+        last[t] = nz ? k1 : last[t];
+    }
+    *big |= bg;
+}
+
+#ifdef PCA_RANS_AVX2
+static int32_t g_prefix[256][8]; /* the number of set bits of m below bit j */
+static pthread_once_t g_prefix_once = PTHREAD_ONCE_INIT;
+
+static void prefix_init(void) {
+    for (int m = 0; m < 256; m++)
+        for (int j = 0, k = 0; j < 8; j++) {
+            g_prefix[m][j] = k;
+            k += (m >> j) & 1;
+        }
+}
+
+/* 8 tokens a step: their 8 sh-bit low fields are one 48-bit read (split by per-lane shifts of
+ * 64-bit lanes); the signs one 8-bit read, token j taking bit (nonzero tokens before j). Runs
+ * while both reads stay inside their streams; returns the tokens done. */
+__attribute__((target("avx2"))) static uint32_t raw_avx2(pca_raw_in *r, int sh, const uint32_t *m, uint32_t n,
+                                                        int16_t *q, uint32_t *l1, uint32_t *last, uint32_t k1,
+                                                        uint32_t *big) {
+    const __m256i sh_lo = _mm256_setr_epi64x(0, sh, 2 * sh, 3 * sh), sh_hi = _mm256_add_epi64(sh_lo, _mm256_set1_epi64x(4 * sh));
+    const __m256i lmask = _mm256_set1_epi32((1 << sh) - 1), K1 = _mm256_set1_epi32((int)k1), one = _mm256_set1_epi32(1);
+    const __m256i lim = _mm256_set1_epi32(32767), zero = _mm256_setzero_si256();
+    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m128i shc = _mm_cvtsi32_si128(sh);
+    __m256i bg = zero;
+    uint64_t lo_at = r->lo_at, sign_at = r->sign_at;
+    uint32_t t = 0;
+    for (; t + 8 <= n && (lo_at >> 3) + 8 <= r->lo_len && (sign_at >> 3) + 2 <= r->sign_len; t += 8) {
+        __m256i M = _mm256_loadu_si256((const __m256i *)(m + t));
+        if (sh) {
+            uint64_t v;
+            memcpy(&v, r->lo + (lo_at >> 3), 8);
+            const __m256i V = _mm256_set1_epi64x((long long)(v >> (lo_at & 7u)));
+            const __m256i a = _mm256_srlv_epi64(V, sh_lo), b = _mm256_srlv_epi64(V, sh_hi);
+            /* low 32 bits of the 8 64-bit lanes, in token order */
+            const __m256i ab = _mm256_permutevar8x32_epi32(_mm256_blend_epi32(a, _mm256_slli_epi64(b, 32), 0xAA), even);
+            M = _mm256_or_si256(_mm256_sll_epi32(M, shc), _mm256_and_si256(ab, lmask));
+            lo_at += 8u * (uint64_t)sh;
+        }
+        const __m256i zm = _mm256_cmpeq_epi32(M, zero);
+        const unsigned nzm = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(zm)) ^ 0xFFu;
+        uint16_t sv;
+        memcpy(&sv, r->sign + (sign_at >> 3), 2);
+        const __m256i S = _mm256_set1_epi32((int)((uint32_t)sv >> (sign_at & 7u)));
+        const __m256i neg = _mm256_andnot_si256(zm, _mm256_and_si256(
+            _mm256_srlv_epi32(S, _mm256_loadu_si256((const __m256i *)g_prefix[nzm])), one));
+        sign_at += (uint64_t)__builtin_popcount(nzm);
+        bg = _mm256_or_si256(bg, _mm256_cmpgt_epi32(M, lim)); /* signed compare: m < 2^31 */
+        const __m256i Q = _mm256_sub_epi32(_mm256_xor_si256(M, _mm256_sub_epi32(zero, neg)), _mm256_sub_epi32(zero, neg));
+        const __m256i Q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(Q, Q), 0x08); /* bad values are refused anyway */
+        _mm_storeu_si128((__m128i *)(q + t), _mm256_castsi256_si128(Q16));
+        _mm256_storeu_si256((__m256i *)(l1 + t), _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(l1 + t)), M));
+        const __m256i L = _mm256_loadu_si256((const __m256i *)(last + t));
+        _mm256_storeu_si256((__m256i *)(last + t), _mm256_blendv_epi8(K1, L, zm));
+    }
+    r->lo_at = lo_at;
+    r->sign_at = sign_at;
+    *big |= (uint32_t)!_mm256_testz_si256(bg, bg);
+    return t;
+}
+#endif
+
+void pca_raw_component(pca_raw_in *r, int sh, const uint32_t *m, uint32_t n, int16_t *q, uint32_t *l1,
+                       uint32_t *last, uint32_t k1, uint32_t *big) {
+    uint32_t t = 0;
+#ifdef PCA_RANS_AVX2
+    if (pca_simd_avx2()) {
+        pthread_once(&g_prefix_once, prefix_init);
+        t = raw_avx2(r, sh, m, n, q, l1, last, k1, big);
+    }
+#endif
+    raw_portable(r, sh, m, t, n, q, l1, last, k1, big);
+}
+
+void pca_interleave(const int16_t *a, const int16_t *b, uint32_t n, int16_t *out) {
+    for (uint32_t t = 0; t < n; t++) {
+        out[2 * (size_t)t] = a[t];
+        out[2 * (size_t)t + 1] = b[t];
+    }
+}

@@ -32,3 +32,21 @@ void pca_choose_shift(const uint64_t h[PCA_NSYM], int s, uint64_t Tc, const uint
                       const uint32_t (*cost32_t)[PCA_NTAB], uint64_t *best, uint8_t *side);
 
 #endif
+
+/* The raw parts of one component (§6.4) as the decoder reads them: positions in bits, reads never
+ * past a stream's bytes (past them: zero bits; the caller judges the counts after the row). */
+typedef struct {
+    const uint8_t *lo, *sign;
+    size_t lo_len, sign_len;  /* bytes */
+    uint64_t lo_at, sign_at;  /* bits read so far */
+} pca_raw_in;
+
+/* For t < n: m[t] (the symbol, plus its escape) becomes m = m << sh | lo, q[t] = m or -m (its sign
+ * bit read when m != 0), l1[t] += m, last[t] = k1 when m != 0; *big |= m > 32767. q is the
+ * component's row (contiguous). The AVX2 path does whole blocks of 8 and the rest portably. */
+void pca_raw_component(pca_raw_in *r, int sh, const uint32_t *m, uint32_t n, int16_t *q, uint32_t *l1,
+                       uint32_t *last, uint32_t k1, uint32_t *big);
+
+/* Pair-major copy of rows a and b of n int16 (n a multiple of 4): out[2t] = a[t], out[2t+1] = b[t],
+ * the layout of the transform's input (pca_matmul's xp). */
+void pca_interleave(const int16_t *a, const int16_t *b, uint32_t n, int16_t *out);
