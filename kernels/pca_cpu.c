@@ -36,7 +36,8 @@
 #define L1_LIMIT (1u << 16)
 #define HEADER 24u
 #define ENTRY 16u
-#define TBLK 64u /* tokens per block of the transform (a multiple of PCA_TB): keeps Y in cache */
+#define TBLK 64u /* decode: tokens per block of the transform (a multiple of PCA_TB): keeps Y in cache */
+#define EBLK 72u /* encode: tokens per block of the transform, its columns (a multiple of PCA_JB) */
 
 static size_t pad4(size_t n) { return (4u - (n & 3u)) & 3u; }
 static uint32_t get_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -287,41 +288,14 @@ static int decode_row(const geo *g, uint32_t row, const row_in *ri, uint32_t N, 
 typedef struct { uint8_t *buf; size_t len; uint32_t words, lo_bits, sign_bits, nesc; int rc; char msg[96]; } row_out;
 
 typedef struct {
-    int16_t *x, *qT;       /* U of a token block, pair-major [C/2][TBLK][2]; q component-major [C][Tc] */
-    int16_t *qb;           /* q of a token block, token-major [TBLK][C] (transposed into qT) */
-    int32_t *y;            /* [TBLK][cols] */
-    int64_t *u;            /* [C] one token's U (the exact path) */
-    uint32_t *pairs;
+    int16_t *x, *qT;       /* U of a token block, pair-major [C/2][EBLK][2]; q component-major [C][Tc] */
+    int16_t *qb;           /* q of a block's tokens of the exact path, token-major [EBLK][C] */
+    int32_t *y;            /* Y^T of a token block [cols][EBLK] */
+    int32_t *u;            /* [C] one token's U */
+    uint32_t *l1, *pairs;  /* [EBLK] a token's sum |q|; [cols / PCA_TB] */
     uint8_t *side;
     uint16_t *words, *mag;
 } escratch;
-
-/* U of one coded token t of a row: x turned back (K), centred, weighted, in Q8, clamped */
-static void forward_token(const geo *g, uint32_t row, const uint8_t *src, uint32_t t, int64_t *U) {
-    const pca_chunk *ck = g->ck;
-    const uint32_t C = ck->channels, D = ck->head_dim, H = D / 2;
-    const float *mean = row_vec(ck->mean, ck, row), *w = row_vec(ck->weight, ck, row);
-    float x[4096];
-    for (uint32_t c = 0; c < C; c++) x[c] = load_f32(src, ck->dtype, c);
-    if (row < ck->layers) {
-        const size_t at = ((size_t)ck->rope_of_layer[row] * g->Tc + t) * H;
-            const float *cs = ck->cos + at, *sn = ck->sin + at;
-        for (uint32_t b = 0; b < C; b += D)
-            for (uint32_t j = 0; j < H; j++) {
-                const float a = x[b + j], v = x[b + j + H];
-                const float ac = a * cs[j], vs = v * sn[j], vc = v * cs[j], as = a * sn[j];
-                x[b + j] = ac + vs;
-                x[b + j + H] = vc - as;
-            }
-    }
-    for (uint32_t c = 0; c < C; c++) {
-        const float d = x[c] - mean[c];
-        const float u = d * w[c];
-        double v = (double)u * 256.0;
-        v = v > U_LIMIT ? U_LIMIT : v < -U_LIMIT ? -U_LIMIT : v; /* clamp, then round: the same */
-        U[c] = (int64_t)rne(v);
-    }
-}
 
 static inline int16_t quantize(double acc, double r) {
     double v = acc * r;
@@ -329,43 +303,57 @@ static inline int16_t quantize(double acc, double r) {
     return (int16_t)rne(v);
 }
 
-/* q of every coded token of a row into s->qT; PCA_ERR_RANGE if a token's sum |q| > 2^16 */
+/* q of every coded token of a row into s->qT (component-major); PCA_ERR_RANGE if a token's sum
+ * |q| > 2^16. The product is computed transposed, Y^T[k][t] = sum_c B[c][k] U[t][c] (the basis
+ * as the left side, a block of EBLK tokens as the right), so each component's run of tokens comes
+ * out contiguous, in the order the entropy coder reads them. */
 static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s, char *msg, size_t msglen) {
     const pca_chunk *ck = g->ck;
-    const uint32_t C = ck->channels, Tc = g->Tc;
+    const uint32_t C = ck->channels, Tc = g->Tc, D = ck->head_dim, rows4 = (C + PCA_TB - 1) / PCA_TB * PCA_TB;
     const int16_t *m2 = ck->m2 + (size_t)row * (C / 2) * ck->cols * 2;
     const int16_t *basis = ck->basis + (size_t)row * C * C;
+    const float *mean = row_vec(ck->mean, ck, row), *w = row_vec(ck->weight, ck, row);
     const int64_t limit = ck->sumsq_limit[row];
     const size_t rowstride = (size_t)C * g->es;
     const uint8_t *base = kv + ((size_t)row * ck->tokens + ck->sinks) * rowstride;
-    for (uint32_t b = 0; b < TBLK / PCA_TB; b++) s->pairs[b] = C / 2;
-    uint8_t exact[TBLK];
-    for (uint32_t t0 = 0; t0 < Tc; t0 += TBLK) {
-        const uint32_t nt = Tc - t0 < TBLK ? Tc - t0 : TBLK, np = (nt + PCA_TB - 1) / PCA_TB * PCA_TB;
-        for (uint32_t i = 0; i < np; i++) {
-            int16_t *xi = s->x + 2 * (size_t)i; /* channel c of this token at xi[(c/2) 2 TBLK + c%2] */
+    for (uint32_t b = 0; b < rows4 / PCA_TB; b++) s->pairs[b] = C / 2;
+    uint8_t exact[EBLK];
+    for (uint32_t t0 = 0; t0 < Tc; t0 += EBLK) {
+        const uint32_t nt = Tc - t0 < EBLK ? Tc - t0 : EBLK;
+        uint32_t nexact = 0;
+        for (uint32_t i = 0; i < EBLK; i++) {
+            int16_t *xi = s->x + 2 * (size_t)i; /* channel c of this token at xi[(c/2) 2 EBLK + c%2] */
             exact[i] = 0;
+            s->l1[i] = 0;
             if (i >= nt) {
-                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * TBLK] = xi[(size_t)p * 2 * TBLK + 1] = 0;
+                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * EBLK] = xi[(size_t)p * 2 * EBLK + 1] = 0;
                 continue;
             }
-            forward_token(g, row, base + (size_t)(t0 + i) * rowstride, t0 + i, s->u);
+            const float *cs = NULL, *sn = NULL;
+            if (row < ck->layers) {
+                const size_t at = ((size_t)ck->rope_of_layer[row] * Tc + t0 + i) * (D / 2);
+                cs = ck->cos + at;
+                sn = ck->sin + at;
+            }
+            pca_forward_token(base + (size_t)(t0 + i) * rowstride, ck->dtype, C, D, cs, sn, mean, w, s->u);
             /* int16 path only when |U| < 2^15 and sum U^2 * max_k |B_k|^2 < 2^62: then by
              * Cauchy-Schwarz every partial sum of U . B_k is below 2^31 (exact in int32) */
-            int64_t ss = 0, mx = 0;
+            int64_t ss = 0;
+            int32_t mx = 0;
             for (uint32_t c = 0; c < C; c++) {
-                const int64_t v = s->u[c], a = v < 0 ? -v : v;
+                const int32_t v = s->u[c], a = v < 0 ? -v : v;
                 mx = a > mx ? a : mx;
-                ss += v * v;
+                ss += (int64_t)v * v;
             }
             if (mx > 32767 || ss > limit) {
                 exact[i] = 1;
-                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * TBLK] = xi[(size_t)p * 2 * TBLK + 1] = 0;
+                nexact++;
+                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * EBLK] = xi[(size_t)p * 2 * EBLK + 1] = 0;
                 int16_t *qi = s->qb + (size_t)i * C;
                 int64_t l1 = 0;
                 for (uint32_t k = 0; k < C; k++) {
                     int64_t acc = 0; /* |acc| < 2^23 * 2^15 * 4096 = 2^50: exact */
-                    for (uint32_t c = 0; c < C; c++) acc += s->u[c] * basis[(size_t)c * C + k];
+                    for (uint32_t c = 0; c < C; c++) acc += (int64_t)s->u[c] * basis[(size_t)c * C + k];
                     qi[k] = quantize((double)acc, ck->r);
                     l1 += qi[k] < 0 ? -qi[k] : qi[k];
                 }
@@ -375,31 +363,23 @@ static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch
                 }
             } else {
                 for (uint32_t p = 0; p < C / 2; p++) {
-                    xi[(size_t)p * 2 * TBLK] = (int16_t)s->u[2 * p];
-                    xi[(size_t)p * 2 * TBLK + 1] = (int16_t)s->u[2 * p + 1];
+                    xi[(size_t)p * 2 * EBLK] = (int16_t)s->u[2 * p];
+                    xi[(size_t)p * 2 * EBLK + 1] = (int16_t)s->u[2 * p + 1];
                 }
             }
         }
-        pca_matmul((const int32_t *)s->x, TBLK, m2, ck->cols, s->pairs, np, s->y, ck->cols);
+        pca_matmul((const int32_t *)m2, ck->cols, s->x, EBLK, s->pairs, rows4, s->y, EBLK);
+        for (uint32_t k = 0; k < C; k++) pca_quantize(s->y + (size_t)k * EBLK, nt, ck->r, s->qT + (size_t)k * Tc + t0, s->l1);
         for (uint32_t i = 0; i < nt; i++) {
             if (exact[i]) continue;
-            const int32_t *yi = s->y + (size_t)i * ck->cols;
-            int16_t *qi = s->qb + (size_t)i * C;
-            uint32_t l1 = 0;
-            for (uint32_t k = 0; k < C; k++) {
-                qi[k] = quantize((double)yi[k], ck->r);
-                l1 += (uint32_t)(qi[k] < 0 ? -qi[k] : qi[k]);
-            }
-            if (l1 > L1_LIMIT) {
-                snprintf(msg, msglen, "%u", l1);
+            if (s->l1[i] > L1_LIMIT) {
+                snprintf(msg, msglen, "%u", s->l1[i]);
                 return PCA_ERR_RANGE;
             }
         }
-        /* into component-major order: runs of nt tokens per component, written in order */
-        for (uint32_t k = 0; k < C; k++) {
-            int16_t *dst = s->qT + (size_t)k * Tc + t0;
-            for (uint32_t i = 0; i < nt; i++) dst[i] = s->qb[(size_t)i * C + k];
-        }
+        for (uint32_t i = 0; nexact && i < nt; i++)
+            if (exact[i])
+                for (uint32_t k = 0; k < C; k++) s->qT[(size_t)k * Tc + t0 + i] = s->qb[(size_t)i * C + k];
     }
     return PCA_OK;
 }
@@ -608,16 +588,17 @@ static void *encode_worker(void *arg) {
     const geo *g = jb->g;
     const uint32_t C = g->ck->channels, rows = 2u * g->ck->layers;
     escratch s;
-    s.x = (int16_t *)malloc((size_t)TBLK * C * sizeof(int16_t));
-    s.qb = (int16_t *)malloc((size_t)TBLK * C * sizeof(int16_t));
+    s.x = (int16_t *)malloc((size_t)EBLK * C * sizeof(int16_t));
+    s.qb = (int16_t *)malloc((size_t)EBLK * C * sizeof(int16_t));
     s.qT = (int16_t *)malloc(((size_t)C * g->Tc + 1) * sizeof(int16_t));
-    s.y = (int32_t *)malloc((size_t)TBLK * g->ck->cols * sizeof(int32_t));
-    s.u = (int64_t *)malloc(C * sizeof(int64_t));
-    s.pairs = (uint32_t *)malloc(TBLK / PCA_TB * sizeof(uint32_t));
+    s.y = (int32_t *)malloc((size_t)EBLK * g->ck->cols * sizeof(int32_t));
+    s.u = (int32_t *)malloc(C * sizeof(int32_t));
+    s.l1 = (uint32_t *)malloc(EBLK * sizeof(uint32_t));
+    s.pairs = (uint32_t *)malloc(g->ck->cols / PCA_TB * sizeof(uint32_t));
     s.side = (uint8_t *)malloc(C);
     s.words = (uint16_t *)malloc(((size_t)C * g->Tc + 2) * sizeof(uint16_t));
     s.mag = (uint16_t *)malloc(((size_t)g->Tc + 1) * sizeof(uint16_t));
-    if (!s.x || !s.qb || !s.qT || !s.y || !s.u || !s.pairs || !s.side || !s.words || !s.mag) {
+    if (!s.x || !s.qb || !s.qT || !s.y || !s.u || !s.l1 || !s.pairs || !s.side || !s.words || !s.mag) {
         record_failure(jb, 0, PCA_ERR_NOMEM, "out of memory");
     } else {
         for (int r; (r = __atomic_fetch_add(&jb->next, 1, __ATOMIC_RELAXED)) < (int)rows;) {
@@ -626,7 +607,7 @@ static void *encode_worker(void *arg) {
             if (rc != PCA_OK) record_failure(jb, (uint32_t)r, rc, rc == PCA_ERR_NOMEM ? "out of memory" : jb->outs[r].msg);
         }
     }
-    free(s.x); free(s.qb); free(s.qT); free(s.y); free(s.u); free(s.pairs); free(s.side); free(s.words); free(s.mag);
+    free(s.x); free(s.qb); free(s.qT); free(s.y); free(s.u); free(s.l1); free(s.pairs); free(s.side); free(s.words); free(s.mag);
     return NULL;
 }
 

@@ -116,6 +116,127 @@ void pca_matmul(const int32_t *xp, size_t ps, const int16_t *m2, size_t cols, co
     matmul_portable(xp, ps, m2, cols, pairs, tokens, Y, ys);
 }
 
+/* ------------------------------------------------------------------------ */
+/* the writer's per-token steps                                              */
+
+/* round to nearest even of |d| <= 2^51 (1.5 * 2^52 added and taken away: no SSE4.1 needed) */
+static inline double rne(double d) {
+    const double magic = 6755399441055744.0;
+    return (d + magic) - magic;
+}
+
+static inline float load_value(const uint8_t *row, int dtype, size_t c) {
+    if (dtype == PCA_DTYPE_F32) { float f; memcpy(&f, row + 4 * c, 4); return f; }
+    uint16_t h;
+    memcpy(&h, row + 2 * c, 2);
+    return dtype == PCA_DTYPE_BF16 ? pca_f32((uint32_t)h << 16) : pca_f16_to_f32(h);
+}
+
+static void forward_portable(const uint8_t *src, int dtype, uint32_t C, uint32_t D, const float *cs,
+                             const float *sn, const float *mean, const float *w, int32_t *U) {
+    const uint32_t H = D / 2;
+    float x[4096];
+    for (uint32_t c = 0; c < C; c++) x[c] = load_value(src, dtype, c);
+    if (cs)
+        for (uint32_t b = 0; b < C; b += D)
+            for (uint32_t j = 0; j < H; j++) {
+                const float a = x[b + j], v = x[b + j + H];
+                const float ac = a * cs[j], vs = v * sn[j], vc = v * cs[j], as = a * sn[j];
+                x[b + j] = ac + vs;
+                x[b + j + H] = vc - as;
+            }
+    for (uint32_t c = 0; c < C; c++) {
+        const float d = x[c] - mean[c];
+        const float u = d * w[c];
+        double v = (double)u * 256.0;
+        v = v > 8388607.0 ? 8388607.0 : v < -8388607.0 ? -8388607.0 : v; /* clamp, then round: the same */
+        U[c] = (int32_t)rne(v);
+    }
+}
+
+static void quantize_portable(const int32_t *y, uint32_t n, double r, int16_t *q, uint32_t *l1) {
+    for (uint32_t i = 0; i < n; i++) {
+        double v = (double)y[i] * r;
+        v = v > 32767.0 ? 32767.0 : v < -32767.0 ? -32767.0 : v;
+        const int32_t k = (int32_t)rne(v);
+        q[i] = (int16_t)k;
+        l1[i] += (uint32_t)(k < 0 ? -k : k);
+    }
+}
+
+#ifdef PCA_HAVE_AVX2
+/* 8 channels at a time. f32 u * 2^8 is exact (a power of two; an overflow to infinity clamps as
+ * the f64 product would), so clamping and rounding in f32 give the f64 result; rounding by
+ * vroundps (nearest even), not by the MXCSR mode. Each f32 operation as the portable loop's. */
+__attribute__((target("avx2"))) static void forward_avx2(const uint8_t *src, int dtype, uint32_t C, uint32_t D,
+                                                             const float *cs, const float *sn, const float *mean,
+                                                             const float *w, int32_t *U) {
+    const uint32_t H = D / 2;
+    float x[4096] __attribute__((aligned(32)));
+    for (uint32_t c = 0; c < C; c += 8) {
+        __m256 v;
+        if (dtype == PCA_DTYPE_F32) v = _mm256_loadu_ps((const float *)src + c);
+        else if (dtype == PCA_DTYPE_BF16)
+            v = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 2 * (size_t)c))), 16));
+        else { /* f16: the portable widening (F16C is a feature of its own) */
+            for (uint32_t i = 0; i < 8; i++) x[c + i] = load_value(src, dtype, c + i);
+            continue;
+        }
+        _mm256_store_ps(x + c, v);
+    }
+    if (cs)
+        for (uint32_t b = 0; b < C; b += D)
+            for (uint32_t j = 0; j < H; j += 8) {
+                const __m256 a = _mm256_load_ps(x + b + j), v = _mm256_load_ps(x + b + j + H);
+                const __m256 c8 = _mm256_loadu_ps(cs + j), s8 = _mm256_loadu_ps(sn + j);
+                _mm256_store_ps(x + b + j, _mm256_add_ps(_mm256_mul_ps(a, c8), _mm256_mul_ps(v, s8)));
+                _mm256_store_ps(x + b + j + H, _mm256_sub_ps(_mm256_mul_ps(v, c8), _mm256_mul_ps(a, s8)));
+            }
+    const __m256 lim = _mm256_set1_ps(8388607.0f), nlim = _mm256_set1_ps(-8388607.0f), q8 = _mm256_set1_ps(256.0f);
+    for (uint32_t c = 0; c < C; c += 8) {
+        const __m256 u = _mm256_mul_ps(_mm256_sub_ps(_mm256_load_ps(x + c), _mm256_loadu_ps(mean + c)), _mm256_loadu_ps(w + c));
+        const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(u, q8), nlim), lim);
+        _mm256_storeu_si256((__m256i *)(U + c),
+                            _mm256_cvttps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    }
+}
+
+/* 4 tokens at a time in f64 (the product must be rounded in f64) */
+__attribute__((target("avx2"))) static uint32_t quantize_avx2(const int32_t *y, uint32_t n, double r, int16_t *q,
+                                                             uint32_t *l1) {
+    const __m256d R = _mm256_set1_pd(r), lim = _mm256_set1_pd(32767.0), nlim = _mm256_set1_pd(-32767.0);
+    uint32_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const __m256d v = _mm256_mul_pd(_mm256_cvtepi32_pd(_mm_loadu_si128((const __m128i *)(y + i))), R);
+        const __m256d c = _mm256_min_pd(_mm256_max_pd(v, nlim), lim);
+        const __m128i k = _mm256_cvttpd_epi32(_mm256_round_pd(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi32(k, k));
+        _mm_storeu_si128((__m128i *)(l1 + i), _mm_add_epi32(_mm_loadu_si128((const __m128i *)(l1 + i)), _mm_abs_epi32(k)));
+    }
+    return i;
+}
+#endif
+
+void pca_forward_token(const uint8_t *src, int dtype, uint32_t C, uint32_t D, const float *cs, const float *sn,
+                       const float *mean, const float *w, int32_t *U) {
+#ifdef PCA_HAVE_AVX2
+    if (C % 8 == 0 && (D / 2) % 8 == 0 && pca_simd_avx2()) {
+        forward_avx2(src, dtype, C, D, cs, sn, mean, w, U);
+        return;
+    }
+#endif
+    forward_portable(src, dtype, C, D, cs, sn, mean, w, U);
+}
+
+void pca_quantize(const int32_t *y, uint32_t n, double r, int16_t *q, uint32_t *l1) {
+    uint32_t i = 0;
+#ifdef PCA_HAVE_AVX2
+    if (pca_simd_avx2()) i = quantize_avx2(y, n, r, q, l1);
+#endif
+    quantize_portable(y + i, n - i, r, q + i, l1 + i);
+}
+
 /* numpy's float -> half (npy_floatbits_to_halfbits): round to nearest even; overflow to infinity;
  * a NaN keeps the top of its payload (never becoming infinity). */
 uint16_t pca_f32_to_f16(float f) {
