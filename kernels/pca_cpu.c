@@ -69,6 +69,7 @@ typedef struct {
     uint64_t rcp[NTAB][NSYM];      /* floor(2^32 / f): the encoder's x / f with one correction */
     const uint8_t *slot_sym;       /* [32][4096] */
     uint32_t *dec;                 /* decode: [32][4096] pca_dec_entry of each slot (malloc'ed) */
+    pca_enc_table enc[NTAB];       /* encode: the AVX2 loop's copy */
 } tables;
 
 static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost, const uint8_t *slot_sym) {
@@ -81,6 +82,9 @@ static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost,
             tb->freq[t][j] = (uint32_t)f;
             tb->cum[t][j] = c;
             tb->rcp[t][j] = (1ull << 32) / (uint64_t)f;
+            tb->enc[t].f[j] = (uint32_t)f;
+            tb->enc[t].cum[j] = c;
+            tb->enc[t].rcp[j] = 0xFFFFFFFFu / (uint32_t)f;
             tb->cost_t[j][t] = (uint64_t)(uint32_t)cost[t * NSYM + j];
             tb->cost32_t[j][t] = (uint32_t)cost[t * NSYM + j];
             if ((uint32_t)cost[t * NSYM + j] > 4096u) tb->cost32 = 0;
@@ -293,8 +297,8 @@ typedef struct {
     int32_t *y;            /* Y^T of a token block [cols][EBLK] */
     int32_t *u;            /* [C] one token's U */
     uint32_t *l1, *pairs;  /* [EBLK] a token's sum |q|; [cols / PCA_TB] */
-    uint8_t *side;
-    uint16_t *words, *mag;
+    uint8_t *side, *sym;   /* side bytes; the row's symbols in coding order */
+    uint16_t *words, *mag, *live;
 } escratch;
 
 static inline int16_t quantize(double acc, double r) {
@@ -450,14 +454,16 @@ static int encode_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s
     uint8_t *lp = lo, *sp = lo + lo_cap;
     uint64_t lacc = 0, sacc = 0;
     int ln = 0, sn = 0;
-    uint32_t nesc = 0, nsign = 0;
+    uint32_t nesc = 0, nsign = 0, nl = 0;
+    uint8_t *syms = s->sym;
     for (uint32_t k = 0; k < C; k++) {
         if (s->side[k] == ALL_ZERO) continue;
+        s->live[nl++] = (uint16_t)k;
         const int sh = s->side[k] >> 5;
         const uint32_t mask = (1u << sh) - 1u;
         const int16_t *q = s->qT + (size_t)k * Tc;
         for (uint32_t t = 0; t < Tc; t++) {
-            const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]), nz = m != 0;
+            const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]), nz = m != 0, hi = m >> sh;
             lacc |= (uint64_t)(m & mask) << ln;
             ln += sh;
             if (ln >= 32) { memcpy(lp, &lacc, 4); lp += 4; lacc >>= 32; ln -= 32; }
@@ -465,42 +471,55 @@ static int encode_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s
             sn += (int)nz;
             nsign += nz;
             if (sn >= 32) { memcpy(sp, &sacc, 4); sp += 4; sacc >>= 32; sn -= 32; }
-            if ((m >> sh) >= ESCAPE) esc[nesc++] = (uint16_t)((m >> sh) - ESCAPE);
+            *syms++ = (uint8_t)(hi < ESCAPE ? hi : ESCAPE);
+            if (hi >= ESCAPE) esc[nesc++] = (uint16_t)(hi - ESCAPE);
         }
     }
     memcpy(lp, &lacc, 8);
     memcpy(sp, &sacc, 8);
     /* rANS, backwards: symbol i (lane i mod N) from the last to the first; words are written from
-     * the end of the buffer back, so they come out in the decoder's reading order. Branch-free:
-     * a word is always stored one below wp, and wp moves only when it is emitted (words[0] is a
-     * spare slot for that store). */
+     * the end of the buffer back, so they come out in the decoder's reading order. Whole steps of
+     * N inside one component go to the AVX2 loop; the rest (a last partial step, steps across
+     * two components) to this one, branch-free: a word is always stored one below wp, and wp
+     * moves only when it is emitted (8 spare words below words[0] take such stores). */
     uint32_t x[64];
     for (uint32_t n = 0; n < N; n++) x[n] = RANS_L;
-    uint16_t *words = s->words + 1;
+    uint16_t *words = s->words + 8;
     size_t wp = (size_t)count;
     uint32_t lane = count ? (uint32_t)((count - 1) % N) : 0;
-    for (uint32_t kk = C; kk-- > 0;) {
-        if (s->side[kk] == ALL_ZERO) continue;
-        const uint32_t tab = s->side[kk] & 31u;
-        const int sh = s->side[kk] >> 5;
-        const uint32_t *F = g->tb.freq[tab], *CU = g->tb.cum[tab];
-        const uint64_t *R = g->tb.rcp[tab];
-        const int16_t *q = s->qT + (size_t)kk * Tc;
-        for (uint32_t t = Tc; t-- > 0;) {
-            const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]), hi = m >> sh, sym = hi < ESCAPE ? hi : ESCAPE;
-            const uint32_t f = F[sym];
-            uint32_t xs = x[lane];
-            const uint32_t emit = xs >= (f << (32 - PROB_BITS));
-            words[wp - 1] = (uint16_t)xs;
-            wp -= emit;
-            xs >>= 16 * emit; /* no branch: emission is a coin toss */
-            uint32_t d = (uint32_t)(((uint64_t)xs * R[sym]) >> 32), rem = xs - d * f;
-            const uint32_t over = rem >= f;
-            d += over;
-            rem -= f & (0u - over);
-            x[lane] = (d << PROB_BITS) + rem + CU[sym];
-            lane = lane ? lane - 1 : N - 1;
+    uint32_t jc = nl; /* the component of symbol i - 1 is live[jc - 1] */
+    const uint32_t *F = NULL, *CU = NULL;
+    const uint64_t *R = NULL;
+    uint32_t tab = 0;
+    for (size_t i = (size_t)count; i > 0;) {
+        if ((size_t)(jc - 1) * Tc >= i) jc--; /* symbol i - 1 is in an earlier component */
+        if (!F || (s->side[s->live[jc - 1]] & 31u) != tab) {
+            tab = s->side[s->live[jc - 1]] & 31u;
+            F = g->tb.freq[tab];
+            CU = g->tb.cum[tab];
+            R = g->tb.rcp[tab];
         }
+        if (lane == N - 1) { /* a step's top: whole steps inside this component */
+            const size_t run = (i - (size_t)(jc - 1) * Tc) / N;
+            const size_t done = run ? pca_rans_enc_steps(x, N, &g->tb.enc[tab], s->sym + i - N, words, &wp, run) : 0;
+            if (done) { /* 0: no AVX2, or N not a multiple of 8 */
+                i -= N * done;
+                continue;
+            }
+        }
+        const uint32_t sym = s->sym[i - 1], f = F[sym];
+        uint32_t xs = x[lane];
+        const uint32_t emit = xs >= (f << (32 - PROB_BITS));
+        words[wp - 1] = (uint16_t)xs;
+        wp -= emit;
+        xs >>= 16 * emit; /* no branch: emission is a coin toss */
+        uint32_t d = (uint32_t)(((uint64_t)xs * R[sym]) >> 32), rem = xs - d * f;
+        const uint32_t over = rem >= f;
+        d += over;
+        rem -= f & (0u - over);
+        x[lane] = (d << PROB_BITS) + rem + CU[sym];
+        lane = lane ? lane - 1 : N - 1;
+        i--;
     }
     const uint32_t nwords = (uint32_t)(count - wp);
     const size_t lob = (size_t)(lo_bits + 7) / 8, sgb = ((size_t)nsign + 7) / 8, eb = 2u * (size_t)nesc;
@@ -596,9 +615,11 @@ static void *encode_worker(void *arg) {
     s.l1 = (uint32_t *)malloc(EBLK * sizeof(uint32_t));
     s.pairs = (uint32_t *)malloc(g->ck->cols / PCA_TB * sizeof(uint32_t));
     s.side = (uint8_t *)malloc(C);
-    s.words = (uint16_t *)malloc(((size_t)C * g->Tc + 2) * sizeof(uint16_t));
+    s.words = (uint16_t *)malloc(((size_t)C * g->Tc + 16) * sizeof(uint16_t));
+    s.sym = (uint8_t *)malloc((size_t)C * g->Tc + 16);
+    s.live = (uint16_t *)malloc(C * sizeof(uint16_t));
     s.mag = (uint16_t *)malloc(((size_t)g->Tc + 1) * sizeof(uint16_t));
-    if (!s.x || !s.qb || !s.qT || !s.y || !s.u || !s.l1 || !s.pairs || !s.side || !s.words || !s.mag) {
+    if (!s.x || !s.qb || !s.qT || !s.y || !s.u || !s.l1 || !s.pairs || !s.side || !s.words || !s.mag || !s.sym || !s.live) {
         record_failure(jb, 0, PCA_ERR_NOMEM, "out of memory");
     } else {
         for (int r; (r = __atomic_fetch_add(&jb->next, 1, __ATOMIC_RELAXED)) < (int)rows;) {
@@ -607,7 +628,7 @@ static void *encode_worker(void *arg) {
             if (rc != PCA_OK) record_failure(jb, (uint32_t)r, rc, rc == PCA_ERR_NOMEM ? "out of memory" : jb->outs[r].msg);
         }
     }
-    free(s.x); free(s.qb); free(s.qT); free(s.y); free(s.u); free(s.l1); free(s.pairs); free(s.side); free(s.words); free(s.mag);
+    free(s.x); free(s.qb); free(s.qT); free(s.y); free(s.u); free(s.l1); free(s.pairs); free(s.side); free(s.words); free(s.mag); free(s.sym); free(s.live);
     return NULL;
 }
 

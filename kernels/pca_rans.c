@@ -267,3 +267,96 @@ void pca_interleave(const int16_t *a, const int16_t *b, uint32_t n, int16_t *out
         out[2 * (size_t)t + 1] = b[t];
     }
 }
+
+/* ------------------------------------------------------------------------ */
+/* the AVX2 rANS encoder                                                     */
+#ifdef PCA_RANS_AVX2
+static int32_t g_rpack[256][8]; /* the lanes set in m, ascending, at the top of 8 positions */
+static pthread_once_t g_rpack_once = PTHREAD_ONCE_INIT;
+
+static void rpack_init(void) {
+    for (int m = 0; m < 256; m++) {
+        int p = 8 - __builtin_popcount((unsigned)m);
+        for (int j = 0; j < 8; j++) g_rpack[m][j] = 0;
+        for (int lane = 0; lane < 8; lane++)
+            if ((m >> lane) & 1) g_rpack[m][p++] = lane;
+    }
+}
+
+typedef struct { __m256i flo, fhi, clo, chi, rlo, rhi; } enc8_tab;
+
+/* a 16-entry table by two in-register permutations (symbol bit 3 picks the half) */
+__attribute__((target("avx2"))) static inline __m256i lut16(__m256i lo, __m256i hi, __m256i s, __m256i upper) {
+    return _mm256_blendv_epi8(_mm256_permutevar8x32_epi32(lo, s), _mm256_permutevar8x32_epi32(hi, s), upper);
+}
+
+/* One group of 8 lanes: emit (x >= f << 20: its low 16 bits, then x >> 16), then
+ * x = (x / f) << 12 + x % f + cum; x / f as the high half of x * floor((2^32 - 1) / f), at most
+ * one below the quotient, corrected once. The same states and words as the portable loop. */
+__attribute__((target("avx2"))) static inline __m256i enc8(__m256i X, const enc8_tab *t, const uint8_t *sym,
+                                                         uint16_t *words, size_t *wp) {
+    const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sym)), upper = _mm256_cmpgt_epi32(s, _mm256_set1_epi32(7));
+    const __m256i f = lut16(t->flo, t->fhi, s, upper), cum = lut16(t->clo, t->chi, s, upper);
+    const __m256i R = lut16(t->rlo, t->rhi, s, upper);
+    const __m256i bound = _mm256_slli_epi32(f, 20);
+    const __m256i emit = _mm256_cmpeq_epi32(_mm256_max_epu32(X, bound), X);
+    const int m = _mm256_movemask_ps(_mm256_castsi256_ps(emit));
+    if (m) {
+        const __m256i w = _mm256_and_si256(_mm256_permutevar8x32_epi32(X, _mm256_loadu_si256((const __m256i *)g_rpack[m])),
+                                           _mm256_set1_epi32(0xFFFF));
+        const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(w, w), 0x08);
+        _mm_storeu_si128((__m128i *)(words + *wp - 8), _mm256_castsi256_si128(p));
+        *wp -= (size_t)__builtin_popcount((unsigned)m);
+        X = _mm256_blendv_epi8(X, _mm256_srli_epi32(X, 16), emit);
+    }
+    const __m256i even = _mm256_mul_epu32(X, R);
+    const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(X, 32), _mm256_srli_epi64(R, 32));
+    __m256i d = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+    __m256i rem = _mm256_sub_epi32(X, _mm256_mullo_epi32(d, f));
+    const __m256i over = _mm256_cmpgt_epi32(rem, _mm256_sub_epi32(f, _mm256_set1_epi32(1))); /* rem < 2f < 2^13 */
+    d = _mm256_sub_epi32(d, over);
+    rem = _mm256_sub_epi32(rem, _mm256_and_si256(f, over));
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(d, 12), rem), cum);
+}
+
+__attribute__((target("avx2"))) static size_t enc_steps_avx2(uint32_t *x, uint32_t N, const pca_enc_table *tb,
+                                                            const uint8_t *sym, uint16_t *words, size_t *wp,
+                                                            size_t steps) {
+    enc8_tab t;
+    t.flo = _mm256_loadu_si256((const __m256i *)tb->f);
+    t.fhi = _mm256_loadu_si256((const __m256i *)(tb->f + 8));
+    t.clo = _mm256_loadu_si256((const __m256i *)tb->cum);
+    t.chi = _mm256_loadu_si256((const __m256i *)(tb->cum + 8));
+    t.rlo = _mm256_loadu_si256((const __m256i *)tb->rcp);
+    t.rhi = _mm256_loadu_si256((const __m256i *)(tb->rcp + 8));
+    size_t p = *wp;
+    if (N == 16) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)x), b = _mm256_loadu_si256((const __m256i *)(x + 8));
+        for (size_t s = 0; s < steps; s++, sym -= 16) {
+            b = enc8(b, &t, sym + 8, words, &p);
+            a = enc8(a, &t, sym, words, &p);
+        }
+        _mm256_storeu_si256((__m256i *)x, a);
+        _mm256_storeu_si256((__m256i *)(x + 8), b);
+    } else {
+        for (size_t s = 0; s < steps; s++, sym -= N)
+            for (uint32_t g = N; g > 0; g -= 8) {
+                const __m256i X = _mm256_loadu_si256((const __m256i *)(x + g - 8));
+                _mm256_storeu_si256((__m256i *)(x + g - 8), enc8(X, &t, sym + g - 8, words, &p));
+            }
+    }
+    *wp = p;
+    return steps;
+}
+#endif
+
+size_t pca_rans_enc_steps(uint32_t *x, uint32_t N, const pca_enc_table *tb, const uint8_t *sym, uint16_t *words,
+                          size_t *wp, size_t steps) {
+#ifdef PCA_RANS_AVX2
+    if (N % 8 == 0 && pca_simd_avx2()) {
+        pthread_once(&g_rpack_once, rpack_init);
+        return enc_steps_avx2(x, N, tb, sym, words, wp, steps);
+    }
+#endif
+    return 0;
+}

@@ -50,3 +50,14 @@ void pca_raw_component(pca_raw_in *r, int sh, const uint32_t *m, uint32_t n, int
 /* Pair-major copy of rows a and b of n int16 (n a multiple of 4): out[2t] = a[t], out[2t+1] = b[t],
  * the layout of the transform's input (pca_matmul's xp). */
 void pca_interleave(const int16_t *a, const int16_t *b, uint32_t n, int16_t *out);
+
+/* One table as the AVX2 encoder reads it: f, cum and floor((2^32 - 1) / f) of its 16 symbols */
+typedef struct { uint32_t f[PCA_NSYM], cum[PCA_NSYM], rcp[PCA_NSYM]; } pca_enc_table;
+
+/* AVX2 encoder: `steps` full steps of N lanes (N a multiple of 8), backwards: step s (s = 0 first)
+ * codes symbols sym[-s N .. -s N + N) of one table, lanes from N-1 down, the words of a step's
+ * lanes stored below words[*wp] in ascending lane order (the decoder's reading order). Stores
+ * may touch the 8 words below the final *wp (the caller leaves room). Returns the steps done
+ * (0 when AVX2 is off or N % 8 != 0). */
+size_t pca_rans_enc_steps(uint32_t *x, uint32_t N, const pca_enc_table *tb, const uint8_t *sym, uint16_t *words,
+                          size_t *wp, size_t steps);
