@@ -445,38 +445,19 @@ static int encode_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s
         snprintf(o->msg, sizeof o->msg, "a row's low bits pass 2^32");
         return PCA_ERR_PARAM;
     }
-    /* the raw parts, forward, through 64-bit registers flushed 4 bytes at a time; sizes bounded
-     * by count (< 2^31: checked by the caller) */
+    /* the raw parts, forward; sizes bounded by count (< 2^31: checked by the caller) */
     const size_t lo_cap = (size_t)(lo_bits + 7) / 8 + 8, sg_cap = (size_t)(count + 7) / 8 + 8;
     uint8_t *lo = (uint8_t *)calloc(lo_cap + sg_cap, 1);
     uint16_t *esc = (uint16_t *)malloc((size_t)count * 2 + 2);
     if (!lo || !esc) { free(lo); free(esc); return PCA_ERR_NOMEM; }
-    uint8_t *lp = lo, *sp = lo + lo_cap;
-    uint64_t lacc = 0, sacc = 0;
-    int ln = 0, sn = 0;
-    uint32_t nesc = 0, nsign = 0, nl = 0;
-    uint8_t *syms = s->sym;
+    pca_raw_out raw = {lo, lo + lo_cap, 0, 0, esc, 0};
+    uint32_t nl = 0;
     for (uint32_t k = 0; k < C; k++) {
         if (s->side[k] == ALL_ZERO) continue;
+        pca_raw_encode(&raw, s->side[k] >> 5, s->qT + (size_t)k * Tc, Tc, s->sym + (size_t)nl * Tc);
         s->live[nl++] = (uint16_t)k;
-        const int sh = s->side[k] >> 5;
-        const uint32_t mask = (1u << sh) - 1u;
-        const int16_t *q = s->qT + (size_t)k * Tc;
-        for (uint32_t t = 0; t < Tc; t++) {
-            const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]), nz = m != 0, hi = m >> sh;
-            lacc |= (uint64_t)(m & mask) << ln;
-            ln += sh;
-            if (ln >= 32) { memcpy(lp, &lacc, 4); lp += 4; lacc >>= 32; ln -= 32; }
-            sacc |= (uint64_t)(q[t] < 0) << sn;
-            sn += (int)nz;
-            nsign += nz;
-            if (sn >= 32) { memcpy(sp, &sacc, 4); sp += 4; sacc >>= 32; sn -= 32; }
-            *syms++ = (uint8_t)(hi < ESCAPE ? hi : ESCAPE);
-            if (hi >= ESCAPE) esc[nesc++] = (uint16_t)(hi - ESCAPE);
-        }
     }
-    memcpy(lp, &lacc, 8);
-    memcpy(sp, &sacc, 8);
+    const uint32_t nesc = raw.nesc, nsign = (uint32_t)raw.sign_at;
     /* rANS, backwards: symbol i (lane i mod N) from the last to the first; words are written from
      * the end of the buffer back, so they come out in the decoder's reading order. Whole steps of
      * N inside one component go to the AVX2 loop; the rest (a last partial step, steps across

@@ -360,3 +360,85 @@ size_t pca_rans_enc_steps(uint32_t *x, uint32_t N, const pca_enc_table *tb, cons
 #endif
     return 0;
 }
+
+/* ------------------------------------------------------------------------ */
+/* the encoder's raw parts                                                   */
+
+/* OR v (at most 57 - (at & 7) bits) in at bit position at of a zeroed buffer */
+static inline void put_bits(uint8_t *p, uint64_t at, uint64_t v) {
+    uint64_t w;
+    memcpy(&w, p + (at >> 3), 8);
+    w |= v << (at & 7u);
+    memcpy(p + (at >> 3), &w, 8);
+}
+
+static void raw_encode_portable(pca_raw_out *o, int sh, const int16_t *q, uint32_t t, uint32_t n, uint8_t *sym) {
+    const uint32_t mask = (1u << sh) - 1u;
+    for (; t < n; t++) {
+        const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]), hi = m >> sh;
+        if (sh) put_bits(o->lo, o->lo_at, m & mask);
+        o->lo_at += (uint64_t)sh;
+        if (m) put_bits(o->sign, o->sign_at++, q[t] < 0);
+        sym[t] = (uint8_t)(hi < 15u ? hi : 15u);
+        if (hi >= 15u) o->esc[o->nesc++] = (uint16_t)(hi - 15u);
+    }
+}
+
+#ifdef PCA_RANS_AVX2
+/* 8 tokens a step: the 8 low fields merged into one 8 sh-bit number by per-lane shifts of 64-bit
+ * lanes, the signs of the nonzero ones into one popcount-bit number (token j's sign to bit
+ * (nonzero tokens before j)), each one write. Escapes (rare) by the portable loop. */
+__attribute__((target("avx2"))) static uint32_t raw_encode_avx2(pca_raw_out *o, int sh, const int16_t *q,
+                                                               uint32_t n, uint8_t *sym) {
+    const __m256i sh_lo = _mm256_setr_epi64x(0, sh, 2 * sh, 3 * sh), sh_hi = _mm256_add_epi64(sh_lo, _mm256_set1_epi64x(4 * sh));
+    const __m256i lmask = _mm256_set1_epi32((1 << sh) - 1), fifteen = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+    const __m128i shc = _mm_cvtsi32_si128(sh);
+    uint32_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256i Q = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(q + t)));
+        const __m256i M = _mm256_abs_epi32(Q), hi = _mm256_srl_epi32(M, shc);
+        if (!_mm256_testz_si256(_mm256_cmpgt_epi32(hi, _mm256_set1_epi32(14)), _mm256_set1_epi32(-1))) {
+            raw_encode_portable(o, sh, q, t, t + 8, sym); /* an escape among them */
+            continue;
+        }
+        const __m256i S = _mm256_min_epi32(hi, fifteen);
+        const __m256i sb = _mm256_shuffle_epi8(S, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                    -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                    -1, -1, -1, -1));
+        _mm_storel_epi64((__m128i *)(sym + t), _mm_unpacklo_epi32(_mm256_castsi256_si128(sb), _mm256_extracti128_si256(sb, 1)));
+        if (sh) {
+            const __m256i L = _mm256_and_si256(M, lmask);
+            const __m256i a = _mm256_sllv_epi64(_mm256_cvtepu32_epi64(_mm256_castsi256_si128(L)), sh_lo);
+            const __m256i b = _mm256_sllv_epi64(_mm256_cvtepu32_epi64(_mm256_extracti128_si256(L, 1)), sh_hi);
+            __m256i v = _mm256_or_si256(a, b);
+            v = _mm256_or_si256(v, _mm256_permute4x64_epi64(v, 0x4E));
+            v = _mm256_or_si256(v, _mm256_shuffle_epi32(v, 0x4E));
+            put_bits(o->lo, o->lo_at, (uint64_t)_mm256_extract_epi64(v, 0));
+            o->lo_at += 8u * (uint64_t)sh;
+        }
+        const __m256i zm = _mm256_cmpeq_epi32(M, _mm256_setzero_si256());
+        const unsigned nzm = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(zm)) ^ 0xFFu;
+        if (nzm) {
+            const __m256i neg = _mm256_srli_epi32(Q, 31); /* 1 where q < 0 (then m != 0) */
+            __m256i b = _mm256_sllv_epi32(_mm256_and_si256(neg, one), _mm256_loadu_si256((const __m256i *)g_prefix[nzm]));
+            b = _mm256_or_si256(b, _mm256_permute2x128_si256(b, b, 1));
+            b = _mm256_or_si256(b, _mm256_shuffle_epi32(b, 0x4E));
+            b = _mm256_or_si256(b, _mm256_shuffle_epi32(b, 0xB1));
+            put_bits(o->sign, o->sign_at, (uint32_t)_mm256_cvtsi256_si32(b));
+            o->sign_at += (uint64_t)__builtin_popcount(nzm);
+        }
+    }
+    return t;
+}
+#endif
+
+void pca_raw_encode(pca_raw_out *o, int sh, const int16_t *q, uint32_t n, uint8_t *sym) {
+    uint32_t t = 0;
+#ifdef PCA_RANS_AVX2
+    if (pca_simd_avx2()) {
+        pthread_once(&g_prefix_once, prefix_init);
+        t = raw_encode_avx2(o, sh, q, n, sym);
+    }
+#endif
+    raw_encode_portable(o, sh, q, t, n, sym);
+}

@@ -61,3 +61,15 @@ typedef struct { uint32_t f[PCA_NSYM], cum[PCA_NSYM], rcp[PCA_NSYM]; } pca_enc_t
  * (0 when AVX2 is off or N % 8 != 0). */
 size_t pca_rans_enc_steps(uint32_t *x, uint32_t N, const pca_enc_table *tb, const uint8_t *sym, uint16_t *words,
                           size_t *wp, size_t steps);
+
+/* The writer's raw parts of one component (§6.4), appended at bit positions lo_at / sign_at of
+ * zeroed buffers (each with 8 bytes to spare past its last bit); the symbols min(m >> sh, 15) to
+ * sym, the escapes to esc. */
+typedef struct {
+    uint8_t *lo, *sign;
+    uint64_t lo_at, sign_at;
+    uint16_t *esc;
+    uint32_t nesc;
+} pca_raw_out;
+
+void pca_raw_encode(pca_raw_out *o, int sh, const int16_t *q, uint32_t n, uint8_t *sym);
