@@ -339,16 +339,11 @@ static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch
                 cs = ck->cos + at;
                 sn = ck->sin + at;
             }
-            pca_forward_token(base + (size_t)(t0 + i) * rowstride, ck->dtype, C, D, cs, sn, mean, w, s->u);
             /* int16 path only when |U| < 2^15 and sum U^2 * max_k |B_k|^2 < 2^62: then by
              * Cauchy-Schwarz every partial sum of U . B_k is below 2^31 (exact in int32) */
-            int64_t ss = 0;
-            int32_t mx = 0;
-            for (uint32_t c = 0; c < C; c++) {
-                const int32_t v = s->u[c], a = v < 0 ? -v : v;
-                mx = a > mx ? a : mx;
-                ss += (int64_t)v * v;
-            }
+            int64_t ss;
+            const int32_t mx = pca_forward_token(base + (size_t)(t0 + i) * rowstride, ck->dtype, C, D, cs, sn, mean, w,
+                                                 s->u, &ss);
             if (mx > 32767 || ss > limit) {
                 exact[i] = 1;
                 nexact++;
@@ -415,16 +410,29 @@ static uint8_t choose(const geo *g, const int16_t *q, uint32_t Tc, uint16_t *m) 
         for (; t < Tc; t++) G4[0][(m[t] >> 3) < 127 ? (m[t] >> 3) : 127]++;
         for (int v = 0; v < 128; v++) G[v] = G4[0][v] + G4[1][v] + G4[2][v] + G4[3][v];
     }
+    /* prefix sums: a symbol's count at a shift is one difference (symbols below 15 never reach
+     * a clamped bin: 15 << 2 = 60 < 63 and 15 << 3 = 120 < 127) */
+    uint32_t PF[65], PG[129];
+    PF[0] = PG[0] = 0;
+    for (int v = 0; v < 64; v++) PF[v + 1] = PF[v] + F[v];
+    if (maxm >= 64)
+        for (int v = 0; v < 128; v++) PG[v + 1] = PG[v] + G[v];
     int smax = 0;
     while (smax < 6 && (maxm >> smax) != 0) smax++;
     uint64_t best = UINT64_MAX;
     uint8_t side = 0;
     for (int s = 0; s <= smax; s++) {
-        uint64_t h[NSYM] = {0};
-        if (s <= 2 || maxm < 64)
-            for (uint32_t v = 0; v < 64; v++) h[(v >> s) < ESCAPE ? (v >> s) : ESCAPE] += F[v];
-        else
-            for (uint32_t v = 0; v < 128; v++) h[(v >> (s - 3)) < ESCAPE ? (v >> (s - 3)) : ESCAPE] += G[v];
+        uint64_t h[NSYM];
+        const int fine = s <= 2 || maxm < 64, sh = fine ? s : s - 3, top = fine ? 64 : 128;
+        const uint32_t *P = fine ? PF : PG;
+        uint32_t below = 0;
+        for (int j = 0; j < ESCAPE; j++) {
+            const int a = j << sh, b = (j + 1) << sh;
+            const uint32_t n = P[b < top ? b : top] - P[a < top ? a : top];
+            h[j] = n;
+            below += n;
+        }
+        h[ESCAPE] = Tc - below;
         pca_choose_shift(h, s, Tc, (const uint64_t (*)[NTAB])g->tb.cost_t,
                          g->tb.cost32 && Tc < (1u << 18) ? (const uint32_t (*)[NTAB])g->tb.cost32_t : NULL, &best, &side);
     }

@@ -132,8 +132,8 @@ static inline float load_value(const uint8_t *row, int dtype, size_t c) {
     return dtype == PCA_DTYPE_BF16 ? pca_f32((uint32_t)h << 16) : pca_f16_to_f32(h);
 }
 
-static void forward_portable(const uint8_t *src, int dtype, uint32_t C, uint32_t D, const float *cs,
-                             const float *sn, const float *mean, const float *w, int32_t *U) {
+static int32_t forward_portable(const uint8_t *src, int dtype, uint32_t C, uint32_t D, const float *cs,
+                                const float *sn, const float *mean, const float *w, int32_t *U, int64_t *sumsq) {
     const uint32_t H = D / 2;
     float x[4096];
     for (uint32_t c = 0; c < C; c++) x[c] = load_value(src, dtype, c);
@@ -152,6 +152,15 @@ static void forward_portable(const uint8_t *src, int dtype, uint32_t C, uint32_t
         v = v > 8388607.0 ? 8388607.0 : v < -8388607.0 ? -8388607.0 : v; /* clamp, then round: the same */
         U[c] = (int32_t)rne(v);
     }
+    int64_t ss = 0;
+    int32_t mx = 0;
+    for (uint32_t c = 0; c < C; c++) {
+        const int32_t a = U[c] < 0 ? -U[c] : U[c];
+        mx = a > mx ? a : mx;
+        ss += (int64_t)a * a;
+    }
+    *sumsq = ss;
+    return mx;
 }
 
 static void quantize_portable(const int32_t *y, uint32_t n, double r, int16_t *q, uint32_t *l1) {
@@ -168,9 +177,9 @@ static void quantize_portable(const int32_t *y, uint32_t n, double r, int16_t *q
 /* 8 channels at a time. f32 u * 2^8 is exact (a power of two; an overflow to infinity clamps as
  * the f64 product would), so clamping and rounding in f32 give the f64 result; rounding by
  * vroundps (nearest even), not by the MXCSR mode. Each f32 operation as the portable loop's. */
-__attribute__((target("avx2"))) static void forward_avx2(const uint8_t *src, int dtype, uint32_t C, uint32_t D,
-                                                             const float *cs, const float *sn, const float *mean,
-                                                             const float *w, int32_t *U) {
+__attribute__((target("avx2"))) static int32_t forward_avx2(const uint8_t *src, int dtype, uint32_t C, uint32_t D,
+                                                            const float *cs, const float *sn, const float *mean,
+                                                            const float *w, int32_t *U, int64_t *sumsq) {
     const uint32_t H = D / 2;
     float x[4096] __attribute__((aligned(32)));
     for (uint32_t c = 0; c < C; c += 8) {
@@ -194,12 +203,25 @@ __attribute__((target("avx2"))) static void forward_avx2(const uint8_t *src, int
                 _mm256_store_ps(x + b + j + H, _mm256_sub_ps(_mm256_mul_ps(v, c8), _mm256_mul_ps(a, s8)));
             }
     const __m256 lim = _mm256_set1_ps(8388607.0f), nlim = _mm256_set1_ps(-8388607.0f), q8 = _mm256_set1_ps(256.0f);
+    __m256i mx = _mm256_setzero_si256(), ss = mx;
     for (uint32_t c = 0; c < C; c += 8) {
         const __m256 u = _mm256_mul_ps(_mm256_sub_ps(_mm256_load_ps(x + c), _mm256_loadu_ps(mean + c)), _mm256_loadu_ps(w + c));
         const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(u, q8), nlim), lim);
-        _mm256_storeu_si256((__m256i *)(U + c),
-                            _mm256_cvttps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+        const __m256i k = _mm256_cvttps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm256_storeu_si256((__m256i *)(U + c), k);
+        const __m256i a = _mm256_abs_epi32(k); /* < 2^23: its square < 2^46, 64-bit sums */
+        mx = _mm256_max_epi32(mx, a);
+        ss = _mm256_add_epi64(ss, _mm256_add_epi64(_mm256_mul_epu32(a, a), _mm256_mul_epu32(_mm256_srli_epi64(a, 32),
+                                                                                          _mm256_srli_epi64(a, 32))));
     }
+    int32_t m8[8];
+    int64_t s4[4];
+    _mm256_storeu_si256((__m256i *)m8, mx);
+    _mm256_storeu_si256((__m256i *)s4, ss);
+    int32_t m = 0;
+    for (int i = 0; i < 8; i++) m = m8[i] > m ? m8[i] : m;
+    *sumsq = s4[0] + s4[1] + s4[2] + s4[3];
+    return m;
 }
 
 /* 4 tokens at a time in f64 (the product must be rounded in f64) */
@@ -218,15 +240,12 @@ __attribute__((target("avx2"))) static uint32_t quantize_avx2(const int32_t *y, 
 }
 #endif
 
-void pca_forward_token(const uint8_t *src, int dtype, uint32_t C, uint32_t D, const float *cs, const float *sn,
-                       const float *mean, const float *w, int32_t *U) {
+int32_t pca_forward_token(const uint8_t *src, int dtype, uint32_t C, uint32_t D, const float *cs, const float *sn,
+                          const float *mean, const float *w, int32_t *U, int64_t *sumsq) {
 #ifdef PCA_HAVE_AVX2
-    if (C % 8 == 0 && (D / 2) % 8 == 0 && pca_simd_avx2()) {
-        forward_avx2(src, dtype, C, D, cs, sn, mean, w, U);
-        return;
-    }
+    if (C % 8 == 0 && (D / 2) % 8 == 0 && pca_simd_avx2()) return forward_avx2(src, dtype, C, D, cs, sn, mean, w, U, sumsq);
 #endif
-    forward_portable(src, dtype, C, D, cs, sn, mean, w, U);
+    return forward_portable(src, dtype, C, D, cs, sn, mean, w, U, sumsq);
 }
 
 void pca_quantize(const int32_t *y, uint32_t n, double r, int16_t *q, uint32_t *l1) {

@@ -44,9 +44,10 @@ static inline float pca_f16_to_f32(uint16_t h) {
 
 /* The writer's first step for one token (format-spec/pca.md §5.1): x = its C values of dtype at
  * src as f32; for K (cs, sn not NULL: the token's RoPE row, D/2 each) turned back per head;
- * U[c] = clamp(round(f64((x[c] - mean[c]) * w[c]) * 2^8), +-(2^23 - 1)). */
-void pca_forward_token(const uint8_t *src, int dtype, uint32_t C, uint32_t D, const float *cs, const float *sn,
-                       const float *mean, const float *w, int32_t *U);
+ * U[c] = clamp(round(f64((x[c] - mean[c]) * w[c]) * 2^8), +-(2^23 - 1)). Returns max |U[c]|, and
+ * sum U[c]^2 in *sumsq (< 2^58: exact in int64). */
+int32_t pca_forward_token(const uint8_t *src, int dtype, uint32_t C, uint32_t D, const float *cs, const float *sn,
+                          const float *mean, const float *w, int32_t *U, int64_t *sumsq);
 
 /* q[i] = clamp(round(f64(y[i]) * r), +-32767) and l1[i] += |q[i]|, for i < n */
 void pca_quantize(const int32_t *y, uint32_t n, double r, int16_t *q, uint32_t *l1);
