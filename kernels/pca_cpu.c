@@ -296,6 +296,7 @@ typedef struct {
     int16_t *qb;           /* q of a block's tokens of the exact path, token-major [EBLK][C] */
     int32_t *y;            /* Y^T of a token block [cols][EBLK] */
     int32_t *u;            /* [C] one token's U */
+    int64_t *acc;          /* [C] its exact transform (the int64 path) */
     uint32_t *l1, *pairs;  /* [EBLK] a token's sum |q|; [cols / PCA_TB] */
     uint8_t *side, *sym;   /* side bytes; the row's symbols in coding order */
     uint16_t *words, *mag, *live;
@@ -350,10 +351,9 @@ static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch
                 for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * EBLK] = xi[(size_t)p * 2 * EBLK + 1] = 0;
                 int16_t *qi = s->qb + (size_t)i * C;
                 int64_t l1 = 0;
+                pca_exact_token(s->u, basis, C, s->acc);
                 for (uint32_t k = 0; k < C; k++) {
-                    int64_t acc = 0; /* |acc| < 2^23 * 2^15 * 4096 = 2^50: exact */
-                    for (uint32_t c = 0; c < C; c++) acc += (int64_t)s->u[c] * basis[(size_t)c * C + k];
-                    qi[k] = quantize((double)acc, ck->r);
+                    qi[k] = quantize((double)s->acc[k], ck->r); /* |acc| < 2^50: exact in f64 */
                     l1 += qi[k] < 0 ? -qi[k] : qi[k];
                 }
                 if (l1 > L1_LIMIT) {
@@ -601,6 +601,7 @@ static void *encode_worker(void *arg) {
     s.qT = (int16_t *)malloc(((size_t)C * g->Tc + 1) * sizeof(int16_t));
     s.y = (int32_t *)malloc((size_t)EBLK * g->ck->cols * sizeof(int32_t));
     s.u = (int32_t *)malloc(C * sizeof(int32_t));
+    s.acc = (int64_t *)malloc(C * sizeof(int64_t));
     s.l1 = (uint32_t *)malloc(EBLK * sizeof(uint32_t));
     s.pairs = (uint32_t *)malloc(g->ck->cols / PCA_TB * sizeof(uint32_t));
     s.side = (uint8_t *)malloc(C);
@@ -608,7 +609,7 @@ static void *encode_worker(void *arg) {
     s.sym = (uint8_t *)malloc((size_t)C * g->Tc + 16);
     s.live = (uint16_t *)malloc(C * sizeof(uint16_t));
     s.mag = (uint16_t *)malloc(((size_t)g->Tc + 1) * sizeof(uint16_t));
-    if (!s.x || !s.qb || !s.qT || !s.y || !s.u || !s.l1 || !s.pairs || !s.side || !s.words || !s.mag || !s.sym || !s.live) {
+    if (!s.x || !s.qb || !s.qT || !s.y || !s.u || !s.acc || !s.l1 || !s.pairs || !s.side || !s.words || !s.mag || !s.sym || !s.live) {
         record_failure(jb, 0, PCA_ERR_NOMEM, "out of memory");
     } else {
         for (int r; (r = __atomic_fetch_add(&jb->next, 1, __ATOMIC_RELAXED)) < (int)rows;) {
@@ -617,7 +618,7 @@ static void *encode_worker(void *arg) {
             if (rc != PCA_OK) record_failure(jb, (uint32_t)r, rc, rc == PCA_ERR_NOMEM ? "out of memory" : jb->outs[r].msg);
         }
     }
-    free(s.x); free(s.qb); free(s.qT); free(s.y); free(s.u); free(s.l1); free(s.pairs); free(s.side); free(s.words); free(s.mag); free(s.sym); free(s.live);
+    free(s.x); free(s.qb); free(s.qT); free(s.y); free(s.u); free(s.acc); free(s.l1); free(s.pairs); free(s.side); free(s.words); free(s.mag); free(s.sym); free(s.live);
     return NULL;
 }
 

@@ -256,6 +256,49 @@ void pca_quantize(const int32_t *y, uint32_t n, double r, int16_t *q, uint32_t *
     quantize_portable(y + i, n - i, r, q + i, l1 + i);
 }
 
+static void exact_portable(const int32_t *U, const int16_t *basis, uint32_t C, int64_t *acc) {
+    for (uint32_t k = 0; k < C; k++) acc[k] = 0;
+    for (uint32_t c = 0; c < C; c++) {
+        const int64_t u = U[c];
+        const int16_t *b = basis + (size_t)c * C;
+        for (uint32_t k = 0; k < C; k++) acc[k] += u * b[k];
+    }
+}
+
+#ifdef PCA_HAVE_AVX2
+/* 8 columns at a time: vpmuldq on the even and the odd int32 lanes (exact 64-bit products) */
+__attribute__((target("avx2"))) static void exact_avx2(const int32_t *U, const int16_t *basis, uint32_t C,
+                                                      int64_t *acc) {
+    for (uint32_t k0 = 0; k0 < C; k0 += 8) {
+        __m256i ev = _mm256_setzero_si256(), od = ev;
+        const int16_t *b = basis + k0;
+        for (uint32_t c = 0; c < C; c++, b += C) {
+            const __m256i u = _mm256_set1_epi32(U[c]);
+            const __m256i B = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)b));
+            ev = _mm256_add_epi64(ev, _mm256_mul_epi32(u, B));
+            od = _mm256_add_epi64(od, _mm256_mul_epi32(u, _mm256_srli_epi64(B, 32)));
+        }
+        int64_t e[4], o[4];
+        _mm256_storeu_si256((__m256i *)e, ev);
+        _mm256_storeu_si256((__m256i *)o, od);
+        for (int i = 0; i < 4; i++) {
+            acc[k0 + 2 * i] = e[i];
+            acc[k0 + 2 * i + 1] = o[i];
+        }
+    }
+}
+#endif
+
+void pca_exact_token(const int32_t *U, const int16_t *basis, uint32_t C, int64_t *acc) {
+#ifdef PCA_HAVE_AVX2
+    if (C % 8 == 0 && pca_simd_avx2()) {
+        exact_avx2(U, basis, C, acc);
+        return;
+    }
+#endif
+    exact_portable(U, basis, C, acc);
+}
+
 /* numpy's float -> half (npy_floatbits_to_halfbits): round to nearest even; overflow to infinity;
  * a NaN keeps the top of its payload (never becoming infinity). */
 uint16_t pca_f32_to_f16(float f) {

@@ -51,3 +51,7 @@ int32_t pca_forward_token(const uint8_t *src, int dtype, uint32_t C, uint32_t D,
 
 /* q[i] = clamp(round(f64(y[i]) * r), +-32767) and l1[i] += |q[i]|, for i < n */
 void pca_quantize(const int32_t *y, uint32_t n, double r, int16_t *q, uint32_t *l1);
+
+/* The exact transform of one token whose U is too large for the int16 path: acc[k] = sum_c U[c]
+ * basis[c][k] for k < C, in int64 (|acc| < 2^23 2^15 4096 = 2^50: exact in any order) */
+void pca_exact_token(const int32_t *U, const int16_t *basis, uint32_t C, int64_t *acc);
