@@ -123,7 +123,7 @@ typedef struct {
     int32_t *y;
     uint32_t *l1, *last, *pairs, *mag;
     uint16_t *live;
-    uint8_t *sym;
+    uint8_t *sym, *tabs; /* the row's symbols; the table of each live component */
 } dscratch;
 
 #define FAIL(...) do { snprintf(msg, msglen, __VA_ARGS__); return PCA_ERR_CORRUPT; } while (0)
@@ -163,20 +163,12 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
      * rest (steps across two components, the stream's last words) to this loop. */
     const size_t count = (size_t)nl * Tc;
     if (count) {
-        uint32_t jc = 0, tc = 0;
-        const uint32_t *DEC = g->tb.dec + (size_t)(ri->side[s->live[0]] & 31u) * PCA_SLOTS;
-        for (size_t i = 0; i < count;) {
-            const size_t run = (Tc - tc) / N;
-            if (run) {
-                const size_t done = pca_rans_dec_steps(x, N, DEC, (const uint16_t *)words, &wp, ri->nwords, s->sym + i, run);
-                i += done * N;
-                tc += (uint32_t)(done * N);
-                if (tc == Tc) {
-                    tc = 0;
-                    if (++jc < nl) DEC = g->tb.dec + (size_t)(ri->side[s->live[jc]] & 31u) * PCA_SLOTS;
-                }
-                if (i == count) break;
-            }
+        uint8_t *tabs = s->tabs;
+        for (uint32_t j = 0; j < nl; j++) tabs[j] = ri->side[s->live[j]] & 31u;
+        size_t i = pca_rans_dec_row(x, N, g->tb.dec, tabs, Tc, count, (const uint16_t *)words, &wp, ri->nwords, s->sym);
+        uint32_t jc = (uint32_t)(i / Tc), tc = (uint32_t)(i % Tc);
+        const uint32_t *DEC = g->tb.dec + (size_t)(jc < nl ? tabs[jc] : 0) * PCA_SLOTS;
+        while (i < count) {
             const uint32_t n = count - i < N ? (uint32_t)(count - i) : N;
             for (uint32_t j = 0; j < n; j++) {
                 const uint32_t xs = x[j], e = DEC[xs & (PCA_SLOTS - 1u)];
@@ -200,17 +192,15 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
         const uint32_t k = s->live[j];
         const int sh = ri->side[k] >> 5;
         const uint8_t *sym = s->sym + (size_t)j * Tc;
-        uint32_t nesc = 0;
-        for (uint32_t t = 0; t < Tc; t++) nesc += sym[t] == ESCAPE;
-        uint32_t *m = s->mag;
-        for (uint32_t t = 0; t < Tc; t++) m[t] = sym[t];
-        if (nesc) {
+        const uint32_t nesc = pca_count_escapes(sym, Tc);
+        uint32_t *esc = NULL;
+        if (nesc) { /* rare: each escape's extra, per token */
             if ((uint64_t)ep + nesc > ri->nesc) FAIL("a row's escape count does not match its symbols");
-            for (uint32_t t = 0; t < Tc; t++)
-                if (sym[t] == ESCAPE) m[t] += get_u16(ri->esc + 2u * ep++);
+            esc = s->mag;
+            for (uint32_t t = 0; t < Tc; t++) esc[t] = sym[t] == ESCAPE ? get_u16(ri->esc + 2u * ep++) : 0u;
         }
         int16_t *qk = s->qc + (size_t)k * Tp;
-        pca_raw_component(&raw, sh, m, Tc, qk, s->l1, s->last, k + 1, &big);
+        pca_raw_component(&raw, sh, sym, esc, Tc, qk, s->l1, s->last, k + 1, &big);
         memset(qk + Tc, 0, (Tp - Tc) * sizeof(int16_t)); /* padding tokens */
     }
     /* pair-major for the transform; components not coded are rows of zeros */
@@ -575,7 +565,8 @@ static void *decode_worker(void *arg) {
     s.live = (uint16_t *)malloc(C * sizeof(uint16_t));
     s.mag = (uint32_t *)malloc(((size_t)g->Tc + 1) * sizeof(uint32_t));
     s.sym = (uint8_t *)malloc((size_t)C * g->Tc + 1);
-    if (!s.q || !s.qc || !s.y || !s.l1 || !s.live || !s.mag || !s.sym) {
+    s.tabs = (uint8_t *)malloc(C);
+    if (!s.q || !s.qc || !s.y || !s.l1 || !s.live || !s.mag || !s.sym || !s.tabs) {
         record_failure(jb, 0, PCA_ERR_NOMEM, "out of memory");
     } else {
         s.last = s.l1 + g->Tp;
@@ -587,7 +578,7 @@ static void *decode_worker(void *arg) {
             if (rc != PCA_OK) record_failure(jb, (uint32_t)r, rc, msg);
         }
     }
-    free(s.q); free(s.qc); free(s.y); free(s.l1); free(s.live); free(s.mag); free(s.sym);
+    free(s.q); free(s.qc); free(s.y); free(s.l1); free(s.live); free(s.mag); free(s.sym); free(s.tabs);
     return NULL;
 }
 

@@ -31,14 +31,14 @@ static void perm_init(void) {
         for (int lane = 0, k = 0; lane < 8; lane++) g_perm[m][lane] = (m >> lane) & 1 ? k++ : 0;
 }
 
-/* One step of 8 lanes: the symbols' entries by 8 scalar loads (a gather is slower on Zen), the
- * state update, then the renormalisation: lane j that needs a word takes the (number of lanes
- * below j needing one)-th word at *wp. */
-__attribute__((target("avx2"))) static inline __m256i dec8(__m256i X, const uint32_t *dec, const uint16_t *words,
-                                                         uint32_t *wp, uint8_t *sym) {
+/* One step of 8 lanes: the symbols' entries by 8 scalar loads (a gather is slower on Zen) at
+ * slot + the lane's table offset, the state update, then the renormalisation: lane j that needs a
+ * word takes the (number of lanes below j needing one)-th word at *wp. */
+__attribute__((target("avx2"))) static inline __m256i dec8(__m256i X, __m256i off, const uint32_t *dec,
+                                                         const uint16_t *words, uint32_t *wp, uint8_t *sym) {
     const __m256i slot = _mm256_and_si256(X, _mm256_set1_epi32(PCA_SLOTS - 1));
     uint32_t ix[8] __attribute__((aligned(32)));
-    _mm256_store_si256((__m256i *)ix, slot);
+    _mm256_store_si256((__m256i *)ix, _mm256_add_epi32(slot, off));
     const __m256i E = _mm256_setr_epi32((int)dec[ix[0]], (int)dec[ix[1]], (int)dec[ix[2]], (int)dec[ix[3]],
                                         (int)dec[ix[4]], (int)dec[ix[5]], (int)dec[ix[6]], (int)dec[ix[7]]);
     /* the low byte of each entry (its symbol), 8 bytes */
@@ -58,37 +58,53 @@ __attribute__((target("avx2"))) static inline __m256i dec8(__m256i X, const uint
     return _mm256_blendv_epi8(X, _mm256_or_si256(_mm256_slli_epi32(X, 16), w), need);
 }
 
-__attribute__((target("avx2"))) static size_t dec_steps_avx2(uint32_t *x, uint32_t N, const uint32_t *dec,
-                                                            const uint16_t *words, uint32_t *wp, uint32_t nwords,
-                                                            uint8_t *sym, size_t steps) {
-    size_t done = 0;
-    uint32_t p = *wp;
-    if (N == 16) { /* the default: both states stay in registers */
-        __m256i a = _mm256_loadu_si256((const __m256i *)x), b = _mm256_loadu_si256((const __m256i *)(x + 8));
-        for (; done < steps && nwords - p >= 16u; done++, sym += 16) {
-            a = dec8(a, dec, words, &p, sym);
-            b = dec8(b, dec, words, &p, sym + 8);
-        }
-        _mm256_storeu_si256((__m256i *)x, a);
-        _mm256_storeu_si256((__m256i *)(x + 8), b);
-    } else {
-        for (; done < steps && nwords - p >= N; done++, sym += N)
+/* The row's steps from the first while N words remain. Symbol i is token i % Tc of live component
+ * i / Tc (table tabs[i / Tc]); a step across two components gives its lanes two table offsets. */
+__attribute__((target("avx2"))) static size_t dec_row_avx2(uint32_t *x, uint32_t N, const uint32_t *dec,
+                                                          const uint8_t *tabs, uint32_t Tc, size_t count,
+                                                          const uint16_t *words, uint32_t *wp, uint32_t nwords,
+                                                          uint8_t *sym) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    uint32_t p = *wp, jc = 0, tc = 0;
+    size_t i = 0;
+    __m256i off = _mm256_set1_epi32(tabs[0] * PCA_SLOTS);
+    for (; count - i >= N && nwords - p >= N; i += N) {
+        const uint32_t left = Tc - tc; /* symbols of component jc from this step's first on */
+        if (left >= N) {
             for (uint32_t g = 0; g < N; g += 8) {
                 const __m256i X = _mm256_loadu_si256((const __m256i *)(x + g));
-                _mm256_storeu_si256((__m256i *)(x + g), dec8(X, dec, words, &p, sym + g));
+                _mm256_storeu_si256((__m256i *)(x + g), dec8(X, off, dec, words, &p, sym + i + g));
             }
+            tc += N;
+        } else { /* lanes below `left` in component jc, the rest in jc + 1 (Tc >= N: checked) */
+            const __m256i a = off, b = _mm256_set1_epi32(tabs[jc + 1] * PCA_SLOTS);
+            for (uint32_t g = 0; g < N; g += 8) {
+                const __m256i late = _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32((int)g)),
+                                                        _mm256_set1_epi32((int)left - 1));
+                const __m256i X = _mm256_loadu_si256((const __m256i *)(x + g));
+                _mm256_storeu_si256((__m256i *)(x + g), dec8(X, _mm256_blendv_epi8(a, b, late), dec, words, &p, sym + i + g));
+            }
+            jc++;
+            tc = N - left;
+            off = b;
+        }
+        if (tc == Tc && i + N < count) { /* the step ended a component */
+            jc++;
+            tc = 0;
+            off = _mm256_set1_epi32(tabs[jc] * PCA_SLOTS);
+        }
     }
     *wp = p;
-    return done;
+    return i;
 }
 #endif
 
-size_t pca_rans_dec_steps(uint32_t *x, uint32_t N, const uint32_t *dec, const uint16_t *words, uint32_t *wp,
-                          uint32_t nwords, uint8_t *sym, size_t steps) {
+size_t pca_rans_dec_row(uint32_t *x, uint32_t N, const uint32_t *dec, const uint8_t *tabs, uint32_t Tc, size_t count,
+                        const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym) {
 #ifdef PCA_RANS_AVX2
-    if (N % 8 == 0 && *wp <= nwords && pca_simd_avx2()) {
+    if (N % 8 == 0 && Tc >= N && count && *wp <= nwords && pca_simd_avx2()) {
         pthread_once(&g_perm_once, perm_init);
-        return dec_steps_avx2(x, N, dec, words, wp, nwords, sym, steps);
+        return dec_row_avx2(x, N, dec, tabs, Tc, count, words, wp, nwords, sym);
     }
 #endif
     return 0;
@@ -168,12 +184,12 @@ static inline uint64_t peek_bits(const uint8_t *p, size_t len, uint64_t at) {
     return v >> (at & 7u);
 }
 
-static void raw_portable(pca_raw_in *r, int sh, const uint32_t *m, uint32_t t, uint32_t n, int16_t *q, uint32_t *l1,
-                         uint32_t *last, uint32_t k1, uint32_t *big) {
+static void raw_portable(pca_raw_in *r, int sh, const uint8_t *sym, const uint32_t *esc, uint32_t t, uint32_t n,
+                         int16_t *q, uint32_t *l1, uint32_t *last, uint32_t k1, uint32_t *big) {
     const uint32_t mask = (1u << sh) - 1u;
     uint32_t bg = 0;
     for (; t < n; t++) {
-        uint32_t mt = m[t];
+        uint32_t mt = sym[t] + (esc ? esc[t] : 0u);
         if (sh) {
             mt = mt << sh | ((uint32_t)peek_bits(r->lo, r->lo_len, r->lo_at) & mask);
             r->lo_at += (uint64_t)sh;
@@ -203,9 +219,9 @@ static void prefix_init(void) {
 /* 8 tokens a step: their 8 sh-bit low fields are one 48-bit read (split by per-lane shifts of
  * 64-bit lanes); the signs one 8-bit read, token j taking bit (nonzero tokens before j). Runs
  * while both reads stay inside their streams; returns the tokens done. */
-__attribute__((target("avx2"))) static uint32_t raw_avx2(pca_raw_in *r, int sh, const uint32_t *m, uint32_t n,
-                                                        int16_t *q, uint32_t *l1, uint32_t *last, uint32_t k1,
-                                                        uint32_t *big) {
+__attribute__((target("avx2"))) static uint32_t raw_avx2(pca_raw_in *r, int sh, const uint8_t *sym,
+                                                        const uint32_t *esc, uint32_t n, int16_t *q, uint32_t *l1,
+                                                        uint32_t *last, uint32_t k1, uint32_t *big) {
     const __m256i sh_lo = _mm256_setr_epi64x(0, sh, 2 * sh, 3 * sh), sh_hi = _mm256_add_epi64(sh_lo, _mm256_set1_epi64x(4 * sh));
     const __m256i lmask = _mm256_set1_epi32((1 << sh) - 1), K1 = _mm256_set1_epi32((int)k1), one = _mm256_set1_epi32(1);
     const __m256i lim = _mm256_set1_epi32(32767), zero = _mm256_setzero_si256();
@@ -215,7 +231,8 @@ __attribute__((target("avx2"))) static uint32_t raw_avx2(pca_raw_in *r, int sh, 
     uint64_t lo_at = r->lo_at, sign_at = r->sign_at;
     uint32_t t = 0;
     for (; t + 8 <= n && (lo_at >> 3) + 8 <= r->lo_len && (sign_at >> 3) + 2 <= r->sign_len; t += 8) {
-        __m256i M = _mm256_loadu_si256((const __m256i *)(m + t));
+        __m256i M = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sym + t)));
+        if (esc) M = _mm256_add_epi32(M, _mm256_loadu_si256((const __m256i *)(esc + t)));
         if (sh) {
             uint64_t v;
             memcpy(&v, r->lo + (lo_at >> 3), 8);
@@ -249,16 +266,37 @@ __attribute__((target("avx2"))) static uint32_t raw_avx2(pca_raw_in *r, int sh, 
 }
 #endif
 
-void pca_raw_component(pca_raw_in *r, int sh, const uint32_t *m, uint32_t n, int16_t *q, uint32_t *l1,
-                       uint32_t *last, uint32_t k1, uint32_t *big) {
+void pca_raw_component(pca_raw_in *r, int sh, const uint8_t *sym, const uint32_t *esc, uint32_t n, int16_t *q,
+                       uint32_t *l1, uint32_t *last, uint32_t k1, uint32_t *big) {
     uint32_t t = 0;
 #ifdef PCA_RANS_AVX2
     if (pca_simd_avx2()) {
         pthread_once(&g_prefix_once, prefix_init);
-        t = raw_avx2(r, sh, m, n, q, l1, last, k1, big);
+        t = raw_avx2(r, sh, sym, esc, n, q, l1, last, k1, big);
     }
 #endif
-    raw_portable(r, sh, m, t, n, q, l1, last, k1, big);
+    raw_portable(r, sh, sym, esc, t, n, q, l1, last, k1, big);
+}
+
+#ifdef PCA_RANS_AVX2
+__attribute__((target("avx2,popcnt"))) static uint32_t count_escapes_avx2(const uint8_t *sym, uint32_t n, uint32_t *t) {
+    uint32_t c = 0, i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(sym + i));
+        c += (uint32_t)__builtin_popcount((unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi8(v, _mm256_set1_epi8(15))));
+    }
+    *t = i;
+    return c;
+}
+#endif
+
+uint32_t pca_count_escapes(const uint8_t *sym, uint32_t n) {
+    uint32_t c = 0, t = 0;
+#ifdef PCA_RANS_AVX2
+    if (pca_simd_avx2()) c = count_escapes_avx2(sym, n, &t);
+#endif
+    for (; t < n; t++) c += sym[t] == 15u;
+    return c;
 }
 
 void pca_interleave(const int16_t *a, const int16_t *b, uint32_t n, int16_t *out) {

@@ -18,12 +18,14 @@ static inline uint32_t pca_dec_entry(uint32_t f, uint32_t bias, uint32_t s) { re
 /* dec[t][slot] for the 32 tables, from freq [32][16] and cum [32][17] (checked by the caller) */
 void pca_dec_tables(uint32_t *dec, const uint32_t (*freq)[PCA_NSYM], const uint32_t (*cum)[PCA_NSYM + 1]);
 
-/* AVX2: up to `steps` full steps of N lanes (N a multiple of 8) of one table, while at least N
- * words remain at *wp (so every load is inside the stream and no step can end early). Symbols to
- * sym[0 .. N*done). Returns the steps done (0 when AVX2 is off or N % 8 != 0); the caller goes on
- * with its portable loop, whose arithmetic this repeats. */
-size_t pca_rans_dec_steps(uint32_t *x, uint32_t N, const uint32_t *dec, const uint16_t *words, uint32_t *wp,
-                          uint32_t nwords, uint8_t *sym, size_t steps);
+/* AVX2: the row's rANS steps of N lanes (N a multiple of 8, Tc >= N) from the first, while a whole
+ * step remains and at least N words remain at *wp (so every load is inside the stream and no step
+ * ends early). Symbol i belongs to live component i / Tc, coded with table tabs[i / Tc]; dec holds
+ * the 32 tables. Symbols to sym[0 .. done). Returns the symbols done, a multiple of N (0 when AVX2
+ * is off or N, Tc do not fit); the caller goes on with its portable loop, whose arithmetic this
+ * repeats. */
+size_t pca_rans_dec_row(uint32_t *x, uint32_t N, const uint32_t *dec, const uint8_t *tabs, uint32_t Tc, size_t count,
+                        const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym);
 
 /* §6.2 for one histogram h at shift s: cost[t] = sum_j h[j] COST[t][j] + 256 (s Tc + 16 h[15])
  * for the 32 tables; the least goes to *best / *side when strictly below *best (tables in order,
@@ -41,11 +43,14 @@ typedef struct {
     uint64_t lo_at, sign_at;  /* bits read so far */
 } pca_raw_in;
 
-/* For t < n: m[t] (the symbol, plus its escape) becomes m = m << sh | lo, q[t] = m or -m (its sign
- * bit read when m != 0), l1[t] += m, last[t] = k1 when m != 0; *big |= m > 32767. q is the
- * component's row (contiguous). The AVX2 path does whole blocks of 8 and the rest portably. */
-void pca_raw_component(pca_raw_in *r, int sh, const uint32_t *m, uint32_t n, int16_t *q, uint32_t *l1,
-                       uint32_t *last, uint32_t k1, uint32_t *big);
+/* For t < n: m[t] = sym[t] + esc[t] (esc NULL: no escapes) becomes m = m << sh | lo, q[t] = m or
+ * -m (its sign bit read when m != 0), l1[t] += m, last[t] = k1 when m != 0; *big |= m > 32767. q
+ * is the component's row (contiguous). The AVX2 path does whole blocks of 8, the rest portably. */
+void pca_raw_component(pca_raw_in *r, int sh, const uint8_t *sym, const uint32_t *esc, uint32_t n, int16_t *q,
+                       uint32_t *l1, uint32_t *last, uint32_t k1, uint32_t *big);
+
+/* the number of escape symbols (15) among sym[0 .. n) */
+uint32_t pca_count_escapes(const uint8_t *sym, uint32_t n);
 
 /* Pair-major copy of rows a and b of n int16 (n a multiple of 4): out[2t] = a[t], out[2t+1] = b[t],
  * the layout of the transform's input (pca_matmul's xp). */
