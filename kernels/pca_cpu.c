@@ -227,33 +227,18 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
 static void inverse_rows(const geo *g, uint32_t row, const int32_t *y, size_t ys, uint32_t t0, uint32_t nt,
                          uint8_t *out) {
     const pca_chunk *ck = g->ck;
-    const uint32_t C = ck->channels, D = ck->head_dim, H = D / 2, L = ck->layers;
+    const uint32_t C = ck->channels, D = ck->head_dim, H = D / 2;
     const float *h = row_vec(ck->gain, ck, row), *mean = row_vec(ck->mean, ck, row);
-    float x[4096];
     for (uint32_t i = 0; i < nt; i++) {
         const uint32_t t = t0 + i;
-        const int32_t *a = y + (size_t)i * ys;
-        for (uint32_t c = 0; c < C; c++) {
-            const float p = (float)a[c] * h[c];
-            x[c] = p + mean[c];
-        }
-        if (row < L) {
+        const float *cs = NULL, *sn = NULL;
+        if (row < ck->layers) {
             const size_t at = ((size_t)ck->rope_of_layer[row] * g->Tc + t) * H;
-            const float *cs = ck->cos + at, *sn = ck->sin + at;
-            for (uint32_t b = 0; b < C; b += D)
-                for (uint32_t j = 0; j < H; j++) {
-                    const float u = x[b + j], v = x[b + j + H];
-                    const float uc = u * cs[j], vs = v * sn[j], vc = v * cs[j], us = u * sn[j];
-                    x[b + j] = uc - vs;
-                    x[b + j + H] = vc + us;
-                }
+            cs = ck->cos + at;
+            sn = ck->sin + at;
         }
         uint8_t *dst = out + ((size_t)row * ck->tokens + ck->sinks + t) * C * g->es;
-        if (ck->dtype == PCA_DTYPE_F32) memcpy(dst, x, C * 4u);
-        else if (ck->dtype == PCA_DTYPE_BF16)
-            for (uint32_t c = 0; c < C; c++) { const uint16_t b = pca_f32_to_bf16(x[c]); memcpy(dst + 2 * c, &b, 2); }
-        else
-            for (uint32_t c = 0; c < C; c++) { const uint16_t b = pca_f32_to_f16(x[c]); memcpy(dst + 2 * c, &b, 2); }
+        pca_inverse_token(y + (size_t)i * ys, C, D, h, mean, cs, sn, ck->dtype, dst);
     }
 }
 

@@ -299,6 +299,77 @@ void pca_exact_token(const int32_t *U, const int16_t *basis, uint32_t C, int64_t
     exact_portable(U, basis, C, acc);
 }
 
+/* ------------------------------------------------------------------------ */
+/* the reader's per-token step                                               */
+static void inverse_portable(const int32_t *a, uint32_t C, uint32_t D, const float *h, const float *mean,
+                             const float *cs, const float *sn, int dtype, uint8_t *dst) {
+    const uint32_t H = D / 2;
+    float x[4096];
+    for (uint32_t c = 0; c < C; c++) {
+        const float p = (float)a[c] * h[c];
+        x[c] = p + mean[c];
+    }
+    if (cs)
+        for (uint32_t b = 0; b < C; b += D)
+            for (uint32_t j = 0; j < H; j++) {
+                const float u = x[b + j], v = x[b + j + H];
+                const float uc = u * cs[j], vs = v * sn[j], vc = v * cs[j], us = u * sn[j];
+                x[b + j] = uc - vs;
+                x[b + j + H] = vc + us;
+            }
+    if (dtype == PCA_DTYPE_F32) memcpy(dst, x, C * 4u);
+    else if (dtype == PCA_DTYPE_BF16)
+        for (uint32_t c = 0; c < C; c++) { const uint16_t b = pca_f32_to_bf16(x[c]); memcpy(dst + 2 * c, &b, 2); }
+    else
+        for (uint32_t c = 0; c < C; c++) { const uint16_t b = pca_f32_to_f16(x[c]); memcpy(dst + 2 * c, &b, 2); }
+}
+
+#ifdef PCA_HAVE_AVX2
+/* 8 channels at a time, each f32 operation as the portable loop's; bf16 rounding in integers
+ * (the same wrap-around), f16 by the portable rounding */
+__attribute__((target("avx2"))) static void inverse_avx2(const int32_t *a, uint32_t C, uint32_t D, const float *h,
+                                                        const float *mean, const float *cs, const float *sn,
+                                                        int dtype, uint8_t *dst) {
+    const uint32_t H = D / 2;
+    float x[4096] __attribute__((aligned(32)));
+    for (uint32_t c = 0; c < C; c += 8) {
+        const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a + c))), _mm256_loadu_ps(h + c));
+        _mm256_store_ps(x + c, _mm256_add_ps(p, _mm256_loadu_ps(mean + c)));
+    }
+    if (cs)
+        for (uint32_t b = 0; b < C; b += D)
+            for (uint32_t j = 0; j < H; j += 8) {
+                const __m256 u = _mm256_load_ps(x + b + j), v = _mm256_load_ps(x + b + j + H);
+                const __m256 c8 = _mm256_loadu_ps(cs + j), s8 = _mm256_loadu_ps(sn + j);
+                _mm256_store_ps(x + b + j, _mm256_sub_ps(_mm256_mul_ps(u, c8), _mm256_mul_ps(v, s8)));
+                _mm256_store_ps(x + b + j + H, _mm256_add_ps(_mm256_mul_ps(v, c8), _mm256_mul_ps(u, s8)));
+            }
+    if (dtype == PCA_DTYPE_F32) memcpy(dst, x, C * 4u);
+    else if (dtype == PCA_DTYPE_BF16) {
+        const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+        for (uint32_t c = 0; c < C; c += 8) {
+            const __m256i u = _mm256_castps_si256(_mm256_load_ps(x + c));
+            const __m256i r = _mm256_srli_epi32(
+                _mm256_add_epi32(_mm256_add_epi32(u, bias), _mm256_and_si256(_mm256_srli_epi32(u, 16), one)), 16);
+            const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08); /* r < 2^16: exact */
+            _mm_storeu_si128((__m128i *)(dst + 2 * (size_t)c), _mm256_castsi256_si128(p));
+        }
+    } else
+        for (uint32_t c = 0; c < C; c++) { const uint16_t b = pca_f32_to_f16(x[c]); memcpy(dst + 2 * c, &b, 2); }
+}
+#endif
+
+void pca_inverse_token(const int32_t *acc, uint32_t C, uint32_t D, const float *h, const float *mean,
+                       const float *cs, const float *sn, int dtype, uint8_t *dst) {
+#ifdef PCA_HAVE_AVX2
+    if (C % 8 == 0 && (D / 2) % 8 == 0 && pca_simd_avx2()) {
+        inverse_avx2(acc, C, D, h, mean, cs, sn, dtype, dst);
+        return;
+    }
+#endif
+    inverse_portable(acc, C, D, h, mean, cs, sn, dtype, dst);
+}
+
 /* numpy's float -> half (npy_floatbits_to_halfbits): round to nearest even; overflow to infinity;
  * a NaN keeps the top of its payload (never becoming infinity). */
 uint16_t pca_f32_to_f16(float f) {

@@ -55,3 +55,8 @@ void pca_quantize(const int32_t *y, uint32_t n, double r, int16_t *q, uint32_t *
 /* The exact transform of one token whose U is too large for the int16 path: acc[k] = sum_c U[c]
  * basis[c][k] for k < C, in int64 (|acc| < 2^23 2^15 4096 = 2^50: exact in any order) */
 void pca_exact_token(const int32_t *U, const int16_t *basis, uint32_t C, int64_t *acc);
+
+/* The reader's last step for one token (§5.2): x[c] = f32(acc[c]) * h[c] + mean[c] (multiply,
+ * then add); for K (cs, sn not NULL) turned forward per head; rounded to dtype at dst. */
+void pca_inverse_token(const int32_t *acc, uint32_t C, uint32_t D, const float *h, const float *mean,
+                       const float *cs, const float *sn, int dtype, uint8_t *dst);
