@@ -300,13 +300,16 @@ static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch
     uint8_t exact[EBLK];
     for (uint32_t t0 = 0; t0 < Tc; t0 += EBLK) {
         const uint32_t nt = Tc - t0 < EBLK ? Tc - t0 : EBLK;
+        /* the block's width: its tokens rounded up to the transform's column block (a last,
+         * short block costs what it holds), also the stride of x and y */
+        const uint32_t xs = (nt + PCA_JB - 1) / PCA_JB * PCA_JB;
         uint32_t nexact = 0;
-        for (uint32_t i = 0; i < EBLK; i++) {
-            int16_t *xi = s->x + 2 * (size_t)i; /* channel c of this token at xi[(c/2) 2 EBLK + c%2] */
+        for (uint32_t i = 0; i < xs; i++) {
+            int16_t *xi = s->x + 2 * (size_t)i; /* channel c of this token at xi[(c/2) 2 xs + c%2] */
             exact[i] = 0;
             s->l1[i] = 0;
             if (i >= nt) {
-                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * EBLK] = xi[(size_t)p * 2 * EBLK + 1] = 0;
+                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * xs] = xi[(size_t)p * 2 * xs + 1] = 0;
                 continue;
             }
             const float *cs = NULL, *sn = NULL;
@@ -323,7 +326,7 @@ static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch
             if (mx > 32767 || ss > limit) {
                 exact[i] = 1;
                 nexact++;
-                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * EBLK] = xi[(size_t)p * 2 * EBLK + 1] = 0;
+                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * xs] = xi[(size_t)p * 2 * xs + 1] = 0;
                 int16_t *qi = s->qb + (size_t)i * C;
                 int64_t l1 = 0;
                 pca_exact_token(s->u, basis, C, s->acc);
@@ -337,13 +340,13 @@ static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch
                 }
             } else {
                 for (uint32_t p = 0; p < C / 2; p++) {
-                    xi[(size_t)p * 2 * EBLK] = (int16_t)s->u[2 * p];
-                    xi[(size_t)p * 2 * EBLK + 1] = (int16_t)s->u[2 * p + 1];
+                    xi[(size_t)p * 2 * xs] = (int16_t)s->u[2 * p];
+                    xi[(size_t)p * 2 * xs + 1] = (int16_t)s->u[2 * p + 1];
                 }
             }
         }
-        pca_matmul((const int32_t *)m2, ck->cols, s->x, EBLK, s->pairs, rows4, s->y, EBLK);
-        for (uint32_t k = 0; k < C; k++) pca_quantize(s->y + (size_t)k * EBLK, nt, ck->r, s->qT + (size_t)k * Tc + t0, s->l1);
+        pca_matmul((const int32_t *)m2, ck->cols, s->x, xs, s->pairs, rows4, s->y, xs);
+        for (uint32_t k = 0; k < C; k++) pca_quantize(s->y + (size_t)k * xs, nt, ck->r, s->qT + (size_t)k * Tc + t0, s->l1);
         for (uint32_t i = 0; i < nt; i++) {
             if (exact[i]) continue;
             if (s->l1[i] > L1_LIMIT) {
