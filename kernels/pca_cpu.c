@@ -400,6 +400,9 @@ static uint8_t choose(const geo *g, const int16_t *q, uint32_t Tc, uint16_t *m) 
     uint64_t best = UINT64_MAX;
     uint8_t side = 0;
     for (int s = 0; s <= smax; s++) {
+        /* every cost at shift s is at least its raw bits, 256 s Tc, which grow with s: once they
+         * reach the best so far no shift from s on can win (ties go to the smaller shift) */
+        if (256u * (uint64_t)s * Tc >= best) break;
         uint64_t h[NSYM];
         const int fine = s <= 2 || maxm < 64, sh = fine ? s : s - 3, top = fine ? 64 : 128;
         const uint32_t *P = fine ? PF : PG;
