@@ -64,8 +64,8 @@ static inline float load_f32(const uint8_t *row, int dtype, size_t c) {
 typedef struct {
     uint32_t freq[NTAB][NSYM], cum[NTAB][NSYM + 1];
     uint64_t cost_t[NSYM][NTAB];   /* COST_Q8 transposed: the choice sums over tables */
-    uint32_t cost32_t[NSYM][NTAB]; /* the same in 32 bits, used when no cost sum can reach 2^32 */
-    int cost32;                    /* every COST_Q8 <= 4096 (so Tc < 2^18 keeps sums below 2^32) */
+    int16_t cost16[NSYM / 2][NTAB][2]; /* the same as int16 pairs (pca_choose_shift) */
+    int cost16_ok;                 /* every COST_Q8 <= 4096 */
     uint64_t rcp[NTAB][NSYM];      /* floor(2^32 / f): the encoder's x / f with one correction */
     const uint8_t *slot_sym;       /* [32][4096] */
     uint32_t *dec;                 /* decode: [32][4096] pca_dec_entry of each slot (malloc'ed) */
@@ -73,7 +73,7 @@ typedef struct {
 } tables;
 
 static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost, const uint8_t *slot_sym) {
-    tb->cost32 = 1;
+    tb->cost16_ok = 1;
     for (int t = 0; t < NTAB; t++) {
         uint32_t c = 0;
         for (int j = 0; j < NSYM; j++) {
@@ -86,8 +86,8 @@ static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost,
             tb->enc[t].cum[j] = c;
             tb->enc[t].rcp[j] = 0xFFFFFFFFu / (uint32_t)f;
             tb->cost_t[j][t] = (uint64_t)(uint32_t)cost[t * NSYM + j];
-            tb->cost32_t[j][t] = (uint32_t)cost[t * NSYM + j];
-            if ((uint32_t)cost[t * NSYM + j] > 4096u) tb->cost32 = 0;
+            tb->cost16[j / 2][t][j % 2] = (int16_t)cost[t * NSYM + j];
+            if ((uint32_t)cost[t * NSYM + j] > 4096u) tb->cost16_ok = 0;
             c += (uint32_t)f;
         }
         if (c != 1u << PROB_BITS) return 0;
@@ -415,7 +415,7 @@ static uint8_t choose(const geo *g, const int16_t *q, uint32_t Tc, uint16_t *m) 
         }
         h[ESCAPE] = Tc - below;
         pca_choose_shift(h, s, Tc, (const uint64_t (*)[NTAB])g->tb.cost_t,
-                         g->tb.cost32 && Tc < (1u << 18) ? (const uint32_t (*)[NTAB])g->tb.cost32_t : NULL, &best, &side);
+                         g->tb.cost16_ok && Tc < (1u << 15) ? &g->tb.cost16[0][0][0] : NULL, &best, &side);
     }
     return side;
 }

@@ -129,20 +129,20 @@ static void choose_u64(const uint64_t h[PCA_NSYM], int s, uint64_t Tc, const uin
 }
 
 #ifdef PCA_RANS_AVX2
-/* 32-bit sums, 8 tables a vector: the caller passes cost32_t only when no sum can reach 2^32
- * (see pca_choose_shift) */
-__attribute__((target("avx2"))) static void choose_u32_avx2(const uint64_t h[PCA_NSYM], int s, uint64_t Tc,
-                                                           const uint32_t (*ct)[PCA_NTAB], uint64_t *best,
-                                                           uint8_t *side) {
+/* 32-bit sums, 8 tables a vector, two symbols a vpmaddwd: the caller passes cost16 only when
+ * every count fits int16 and no sum can reach 2^31 (see pca_choose_shift) */
+__attribute__((target("avx2"))) static void choose_madd_avx2(const uint64_t h[PCA_NSYM], int s, uint64_t Tc,
+                                                            const int16_t *cost16, uint64_t *best, uint8_t *side) {
     const __m256i fixed = _mm256_set1_epi32((int)(256u * ((uint32_t)s * (uint32_t)Tc + 16u * (uint32_t)h[PCA_NSYM - 1])));
     __m256i c0 = fixed, c1 = fixed, c2 = fixed, c3 = fixed;
-    for (int j = 0; j < PCA_NSYM; j++) {
-        if (!h[j]) continue;
-        const __m256i n = _mm256_set1_epi32((int)h[j]);
-        c0 = _mm256_add_epi32(c0, _mm256_mullo_epi32(n, _mm256_loadu_si256((const __m256i *)ct[j])));
-        c1 = _mm256_add_epi32(c1, _mm256_mullo_epi32(n, _mm256_loadu_si256((const __m256i *)(ct[j] + 8))));
-        c2 = _mm256_add_epi32(c2, _mm256_mullo_epi32(n, _mm256_loadu_si256((const __m256i *)(ct[j] + 16))));
-        c3 = _mm256_add_epi32(c3, _mm256_mullo_epi32(n, _mm256_loadu_si256((const __m256i *)(ct[j] + 24))));
+    for (int i = 0; i < PCA_NSYM / 2; i++) {
+        if (!(h[2 * i] | h[2 * i + 1])) continue;
+        const __m256i n = _mm256_set1_epi32((int)((uint32_t)h[2 * i] | (uint32_t)h[2 * i + 1] << 16));
+        const __m256i *ct = (const __m256i *)(cost16 + (size_t)i * PCA_NTAB * 2);
+        c0 = _mm256_add_epi32(c0, _mm256_madd_epi16(n, _mm256_loadu_si256(ct)));
+        c1 = _mm256_add_epi32(c1, _mm256_madd_epi16(n, _mm256_loadu_si256(ct + 1)));
+        c2 = _mm256_add_epi32(c2, _mm256_madd_epi16(n, _mm256_loadu_si256(ct + 2)));
+        c3 = _mm256_add_epi32(c3, _mm256_madd_epi16(n, _mm256_loadu_si256(ct + 3)));
     }
     __m256i mn = _mm256_min_epu32(_mm256_min_epu32(c0, c1), _mm256_min_epu32(c2, c3));
     mn = _mm256_min_epu32(mn, _mm256_permute2x128_si256(mn, mn, 1));
@@ -161,10 +161,10 @@ __attribute__((target("avx2"))) static void choose_u32_avx2(const uint64_t h[PCA
 #endif
 
 void pca_choose_shift(const uint64_t h[PCA_NSYM], int s, uint64_t Tc, const uint64_t (*cost_t)[PCA_NTAB],
-                      const uint32_t (*cost32_t)[PCA_NTAB], uint64_t *best, uint8_t *side) {
+                      const int16_t *cost16, uint64_t *best, uint8_t *side) {
 #ifdef PCA_RANS_AVX2
-    if (cost32_t && pca_simd_avx2()) {
-        choose_u32_avx2(h, s, Tc, cost32_t, best, side);
+    if (cost16 && pca_simd_avx2()) {
+        choose_madd_avx2(h, s, Tc, cost16, best, side);
         return;
     }
 #endif

@@ -29,9 +29,11 @@ size_t pca_rans_dec_row(uint32_t *x, uint32_t N, const uint32_t *dec, const uint
 
 /* §6.2 for one histogram h at shift s: cost[t] = sum_j h[j] COST[t][j] + 256 (s Tc + 16 h[15])
  * for the 32 tables; the least goes to *best / *side when strictly below *best (tables in order,
- * so ties keep the smaller shift, then table). cost_t is COST transposed ([16][32]). */
+ * so ties keep the smaller shift, then table). cost_t is COST transposed ([16][32]); cost16, when
+ * not NULL, the same as int16 pairs [8][32][2] (symbols 2i, 2i+1 of each table), which the caller
+ * passes only when Tc < 2^15 and every cost <= 4096 (then every sum stays below 2^31). */
 void pca_choose_shift(const uint64_t h[PCA_NSYM], int s, uint64_t Tc, const uint64_t (*cost_t)[PCA_NTAB],
-                      const uint32_t (*cost32_t)[PCA_NTAB], uint64_t *best, uint8_t *side);
+                      const int16_t *cost16, uint64_t *best, uint8_t *side);
 
 #endif
 
