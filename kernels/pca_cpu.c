@@ -5,11 +5,14 @@
  * rows' rANS lanes together, which changes nothing in any one row) and the payload is assembled
  * in row order, so the thread count changes nothing either.
  *
- * Per row, the decoder runs one pass over the row's symbols in their order (component-major):
- * the rANS lane of symbol i is i mod N and the lanes' words, low bits, sign bits and escapes are
- * all read in that same order, so one sequential loop reads every stream once. The coefficients
- * land in a token-major int16 matrix, and the inverse transform is one int16 product (skipping,
- * per block of tokens, the trailing components that are zero). The encoder is the mirror image.
+ * Per row, the decoder first runs the rANS lanes over all the row's symbols (component-major: the
+ * lane of symbol i is i mod N; AVX2: 8 lanes a vector, pca_rans.c), then per component one pass
+ * over its tokens that reads the escapes, low bits and sign bits in that same order into a row of
+ * int16 coefficients; the rows are interleaved in pairs for the inverse transform, one int16
+ * product per block of tokens (skipping the trailing components that are zero), and each token is
+ * finished in pca_kernels.c. The encoder mirrors it: per token the forward step, per block of
+ * tokens the product computed transposed (components come out as contiguous runs), per component
+ * the (table, shift) choice and the raw parts, then the rANS lanes backwards.
  */
 #include "pca_cpu.h"
 
@@ -67,12 +70,11 @@ typedef struct {
     int16_t cost16[NSYM / 2][NTAB][2]; /* the same as int16 pairs (pca_choose_shift) */
     int cost16_ok;                 /* every COST_Q8 <= 4096 */
     uint64_t rcp[NTAB][NSYM];      /* floor(2^32 / f): the encoder's x / f with one correction */
-    const uint8_t *slot_sym;       /* [32][4096] */
     uint32_t *dec;                 /* decode: [32][4096] pca_dec_entry of each slot (malloc'ed) */
     pca_enc_table enc[NTAB];       /* encode: the AVX2 loop's copy */
 } tables;
 
-static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost, const uint8_t *slot_sym) {
+static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost) {
     tb->cost16_ok = 1;
     for (int t = 0; t < NTAB; t++) {
         uint32_t c = 0;
@@ -93,7 +95,6 @@ static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost,
         if (c != 1u << PROB_BITS) return 0;
         tb->cum[t][NSYM] = c;
     }
-    tb->slot_sym = slot_sym;
     return 1;
 }
 
@@ -635,7 +636,7 @@ static int check_chunk(const pca_chunk *ck, geo *g, char *err, size_t errlen) {
     g->Tc = ck->tokens - ck->sinks;
     g->Tp = (g->Tc + PCA_TB - 1) / PCA_TB * PCA_TB;
     g->es = esize(ck->dtype);
-    if (!pca_tables_init(&g->tb, ck->freq, ck->cost, ck->slot_sym)) {
+    if (!pca_tables_init(&g->tb, ck->freq, ck->cost)) {
         snprintf(err, errlen, "bad frequency tables");
         return 0;
     }

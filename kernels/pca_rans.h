@@ -12,7 +12,8 @@
 #define PCA_SLOTS 4096 /* 2^12: the frequencies' total */
 
 /* One decode entry per slot: f << 20 | (slot - cum[s]) << 4 | s. A single load gives the symbol
- * and both numbers of the state update x = f (x >> 12) + slot - cum (f < 4096, slot - cum < f). */
+ * and both numbers of the state update x = f (x >> 12) + slot - cum (f < 4096: 16 frequencies of
+ * at least 1 sum to 4096; slot - cum < f). */
 static inline uint32_t pca_dec_entry(uint32_t f, uint32_t bias, uint32_t s) { return f << 20 | bias << 4 | s; }
 
 /* dec[t][slot] for the 32 tables, from freq [32][16] and cum [32][17] (checked by the caller) */
