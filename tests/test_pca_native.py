@@ -143,11 +143,13 @@ def _outcome(coder, payload, shape, dtype, cal, step, position):
         return "refused"
 
 
-@pytest.mark.parametrize("dtype, step, tokens", [("bfloat16", 2.0, 48), ("float16", 0.2, 30), ("float32", 0.9, 7)])
-def test_damaged_payloads_get_the_reference_decision(dtype, step, tokens):
+@pytest.mark.parametrize("geometry, dtype, step, tokens", [
+    ("small", "bfloat16", 2.0, 48), ("small", "float16", 0.2, 30), ("small", "float32", 0.9, 7),
+    ("wide", "bfloat16", 0.2, 45)])  # wide: every AVX2 decode kernel, the inverse step too
+def test_damaged_payloads_get_the_reference_decision(geometry, dtype, step, tokens):
     """Bit flips and truncations: the native decoder never crashes, and refuses exactly what
     the reference refuses; what both accept decodes to the same values."""
-    cal = cal_of("small")
+    cal = cal_of(geometry)
     raw = raw_kv(cal, tokens, dtype, seed=7)
     payload = ref.encode_chunk(raw, dtype, cal, step, 4, 0, 16)
     rng = np.random.default_rng(11)
