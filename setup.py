@@ -63,8 +63,8 @@ native = Extension(
 # The pca coder (kvtool/codecs/pca/native.py); optional the same way: without it the numpy reference codes.
 pca = Extension(
     "kvtool._pca_native",
-    sources=["kernels/pca_cpu.c", "kernels/pca_kernels.c", "kernels/pca_pymod.c"],
-    depends=["kernels/pca_cpu.h", "kernels/pca_kernels.h"],
+    sources=["kernels/pca_cpu.c", "kernels/pca_kernels.c", "kernels/pca_rans.c", "kernels/pca_pymod.c"],
+    depends=["kernels/pca_cpu.h", "kernels/pca_kernels.h", "kernels/pca_rans.h"],
     include_dirs=["kernels"],
     extra_compile_args=extra_compile,
     extra_link_args=extra_link,

@@ -5,11 +5,14 @@
  * rows' rANS lanes together, which changes nothing in any one row) and the payload is assembled
  * in row order, so the thread count changes nothing either.
  *
- * Per row, the decoder runs one pass over the row's symbols in their order (component-major):
- * the rANS lane of symbol i is i mod N and the lanes' words, low bits, sign bits and escapes are
- * all read in that same order, so one sequential loop reads every stream once. The coefficients
- * land in a token-major int16 matrix, and the inverse transform is one int16 product (skipping,
- * per block of tokens, the trailing components that are zero). The encoder is the mirror image.
+ * Per row, the decoder first runs the rANS lanes over all the row's symbols (component-major: the
+ * lane of symbol i is i mod N; AVX2: 8 lanes a vector, pca_rans.c), then per component one pass
+ * over its tokens that reads the escapes, low bits and sign bits in that same order into a row of
+ * int16 coefficients; the rows are interleaved in pairs for the inverse transform, one int16
+ * product per block of tokens (skipping the trailing components that are zero), and each token is
+ * finished in pca_kernels.c. The encoder mirrors it: per token the forward step, per block of
+ * tokens the product computed transposed (components come out as contiguous runs), per component
+ * the (table, shift) choice and the raw parts, then the rANS lanes backwards.
  */
 #include "pca_cpu.h"
 
@@ -19,6 +22,7 @@
 #include <string.h>
 
 #include "pca_kernels.h"
+#include "pca_rans.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "kvtool's pca coder assumes a little-endian host"
@@ -35,7 +39,8 @@
 #define L1_LIMIT (1u << 16)
 #define HEADER 24u
 #define ENTRY 16u
-#define TBLK 64u /* tokens per block of the transform (a multiple of PCA_TB): keeps Y in cache */
+#define TBLK 64u /* decode: tokens per block of the transform (a multiple of PCA_TB): keeps Y in cache */
+#define EBLK 72u /* encode: tokens per block of the transform, its columns (a multiple of PCA_JB) */
 
 static size_t pad4(size_t n) { return (4u - (n & 3u)) & 3u; }
 static uint32_t get_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -62,11 +67,15 @@ static inline float load_f32(const uint8_t *row, int dtype, size_t c) {
 typedef struct {
     uint32_t freq[NTAB][NSYM], cum[NTAB][NSYM + 1];
     uint64_t cost_t[NSYM][NTAB];   /* COST_Q8 transposed: the choice sums over tables */
+    int16_t cost16[NSYM / 2][NTAB][2]; /* the same as int16 pairs (pca_choose_shift) */
+    int cost16_ok;                 /* every COST_Q8 <= 4096 */
     uint64_t rcp[NTAB][NSYM];      /* floor(2^32 / f): the encoder's x / f with one correction */
-    const uint8_t *slot_sym;       /* [32][4096] */
+    uint32_t *dec;                 /* decode: [32][4096] pca_dec_entry of each slot (malloc'ed) */
+    pca_enc_table enc[NTAB];       /* encode: the AVX2 loop's copy */
 } tables;
 
-static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost, const uint8_t *slot_sym) {
+static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost) {
+    tb->cost16_ok = 1;
     for (int t = 0; t < NTAB; t++) {
         uint32_t c = 0;
         for (int j = 0; j < NSYM; j++) {
@@ -75,39 +84,18 @@ static int pca_tables_init(tables *tb, const int32_t *freq, const int32_t *cost,
             tb->freq[t][j] = (uint32_t)f;
             tb->cum[t][j] = c;
             tb->rcp[t][j] = (1ull << 32) / (uint64_t)f;
+            tb->enc[t].f[j] = (uint32_t)f;
+            tb->enc[t].cum[j] = c;
+            tb->enc[t].rcp[j] = 0xFFFFFFFFu / (uint32_t)f;
             tb->cost_t[j][t] = (uint64_t)(uint32_t)cost[t * NSYM + j];
+            tb->cost16[j / 2][t][j % 2] = (int16_t)cost[t * NSYM + j];
+            if ((uint32_t)cost[t * NSYM + j] > 4096u) tb->cost16_ok = 0;
             c += (uint32_t)f;
         }
         if (c != 1u << PROB_BITS) return 0;
         tb->cum[t][NSYM] = c;
     }
-    tb->slot_sym = slot_sym;
     return 1;
-}
-
-/* ------------------------------------------------------------------------ */
-/* bits, LSB first (the writers are inline in encode_row)                    */
-typedef struct { const uint8_t *p; size_t n, at; uint64_t buf; int cnt; } bitr; /* never reads past n */
-
-/* refill to 57..64 bits (only called with cnt < 8). Past the stream's end it adds zero bits. The
- * bits loaded past cnt are the stream's own next bits, so OR-ing them in again at the next refill
- * changes nothing. */
-static inline void br_refill(bitr *r) {
-    if (r->at + 8 <= r->n) {
-        uint64_t v;
-        memcpy(&v, r->p + r->at, 8);
-        r->buf |= v << r->cnt;
-        const int k = (63 - r->cnt) >> 3;
-        r->at += (size_t)k;
-        r->cnt += 8 * k;
-    } else {
-        while (r->cnt <= 56) {
-            const uint64_t b = r->at < r->n ? r->p[r->at] : 0u;
-            r->buf |= b << r->cnt;
-            r->at++;
-            r->cnt += 8;
-        }
-    }
 }
 
 /* ------------------------------------------------------------------------ */
@@ -130,7 +118,14 @@ typedef struct {
     uint32_t nwords, lo_bits, sign_bits, nesc;
 } row_in;
 
-typedef struct { int16_t *q; int32_t *y; uint32_t *l1, *last, *pairs, *mag; uint16_t *live; uint8_t *sym; } dscratch;
+typedef struct {
+    int16_t *q;   /* pair-major [C/2][Tp][2]: the transform's input */
+    int16_t *qc;  /* component-major [C][Tp] (the raw pass writes runs), then zeros [Tp] */
+    int32_t *y;
+    uint32_t *l1, *last, *pairs, *mag;
+    uint16_t *live;
+    uint8_t *sym, *tabs; /* the row's symbols; the table of each live component */
+} dscratch;
 
 #define FAIL(...) do { snprintf(msg, msglen, __VA_ARGS__); return PCA_ERR_CORRUPT; } while (0)
 
@@ -149,52 +144,40 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
         lo_expect += (uint64_t)(sb >> 5) * Tc;
     }
     if (lo_expect != ri->lo_bits) FAIL("a row's low-bit count does not match its side bytes");
-    /* columns of components not coded, and the padding tokens, are zero */
-    uint16_t *dead = s->live + nl;
-    uint32_t nd = 0;
-    for (uint32_t k = 0; k < C; k++)
-        if (ri->side[k] == ALL_ZERO) dead[nd++] = (uint16_t)k;
     const size_t Tp = g->Tp;
     for (uint32_t t = 0; t < Tp; t++) s->l1[t] = s->last[t] = 0;
-    for (uint32_t j = 0; j < nd; j++) {
-        int16_t *qk = s->q + (size_t)(dead[j] / 2) * Tp * 2 + (dead[j] & 1u);
-        for (uint32_t t = 0; t < Tc; t++) qk[2 * (size_t)t] = 0;
-    }
-    for (uint32_t p = 0; p < C / 2; p++) /* padding tokens */
-        memset(s->q + ((size_t)p * Tp + Tc) * 2, 0, (Tp - Tc) * 2 * sizeof(int16_t));
     uint32_t x[64];
     for (uint32_t n = 0; n < N; n++) x[n] = get_u32(ri->states + 4 * n);
-    bitr lo = {ri->lo, (size_t)(((uint64_t)ri->lo_bits + 7u) / 8u), 0, 0, 0};
-    bitr sg = {ri->sign, (size_t)(((uint64_t)ri->sign_bits + 7u) / 8u), 0, 0, 0};
+    pca_raw_in raw = {ri->lo, ri->sign, (size_t)(((uint64_t)ri->lo_bits + 7u) / 8u),
+                      (size_t)(((uint64_t)ri->sign_bits + 7u) / 8u), 0, 0};
     /* Per component, three tight passes without data-dependent branches: the rANS symbols, the
      * magnitudes (escapes, rare, branch), the signs. Overruns are counted, not branched on, and
-     * judged after the row: reads stay inside each stream (bitr never reads past its bytes; a
+     * judged after the row: reads stay inside each stream (pca_raw_component never reads past its bytes; a
      * word index past the end reads word 0 of a one-word dummy). */
     static const uint16_t no_words[1] = {0};
     const uint8_t *words = ri->nwords ? ri->words : (const uint8_t *)no_words;
     const uint32_t wlast = ri->nwords ? ri->nwords - 1 : 0;
-    uint32_t wp = 0, ep = 0, sp = 0, big = 0;
+    uint32_t wp = 0, ep = 0, big = 0;
     /* rANS over the whole row, N symbols (one per lane, lanes in order) at a time: first the N
-     * independent state updates, then the renormalisations, which share the word pointer */
+     * independent state updates, then the renormalisations, which share the word pointer. Runs of
+     * whole steps inside one component (one table) go to the AVX2 loop while N words remain; the
+     * rest (steps across two components, the stream's last words) to this loop. */
     const size_t count = (size_t)nl * Tc;
     if (count) {
-        uint32_t jc = 0, tc = 0, tab = ri->side[s->live[0]] & 31u;
-        const uint32_t *F = g->tb.freq[tab], *CU = g->tb.cum[tab];
-        const uint8_t *S2S = g->tb.slot_sym + (size_t)tab * (1u << PROB_BITS);
-        for (size_t i = 0; i < count; i += N) {
+        uint8_t *tabs = s->tabs;
+        for (uint32_t j = 0; j < nl; j++) tabs[j] = ri->side[s->live[j]] & 31u;
+        size_t i = pca_rans_dec_row(x, N, g->tb.dec, tabs, Tc, count, (const uint16_t *)words, &wp, ri->nwords, s->sym);
+        uint32_t jc = (uint32_t)(i / Tc), tc = (uint32_t)(i % Tc);
+        const uint32_t *DEC = g->tb.dec + (size_t)(jc < nl ? tabs[jc] : 0) * PCA_SLOTS;
+        while (i < count) {
             const uint32_t n = count - i < N ? (uint32_t)(count - i) : N;
             for (uint32_t j = 0; j < n; j++) {
-                const uint32_t xs = x[j], slot = xs & ((1u << PROB_BITS) - 1u), sy = S2S[slot];
-                x[j] = F[sy] * (xs >> PROB_BITS) + slot - CU[sy];
-                s->sym[i + j] = (uint8_t)sy;
+                const uint32_t xs = x[j], e = DEC[xs & (PCA_SLOTS - 1u)];
+                x[j] = (e >> 20) * (xs >> PROB_BITS) + ((e >> 4) & (PCA_SLOTS - 1u));
+                s->sym[i + j] = (uint8_t)(e & 15u);
                 if (++tc == Tc) {
                     tc = 0;
-                    if (++jc < nl) {
-                        tab = ri->side[s->live[jc]] & 31u;
-                        F = g->tb.freq[tab];
-                        CU = g->tb.cum[tab];
-                        S2S = g->tb.slot_sym + (size_t)tab * (1u << PROB_BITS);
-                    }
+                    if (++jc < nl) DEC = g->tb.dec + (size_t)(ri->side[s->live[jc]] & 31u) * PCA_SLOTS;
                 }
             }
             for (uint32_t j = 0; j < n; j++) {
@@ -203,44 +186,31 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
                 x[j] = xs ^ ((xs ^ ((xs << 16) | w)) & (0u - need)); /* masks: a branch here mispredicts */
                 wp += need;
             }
+            i += n;
         }
     }
     for (uint32_t j = 0; j < nl; j++) {
         const uint32_t k = s->live[j];
         const int sh = ri->side[k] >> 5;
         const uint8_t *sym = s->sym + (size_t)j * Tc;
-        uint32_t nesc = 0;
-        for (uint32_t t = 0; t < Tc; t++) nesc += sym[t] == ESCAPE;
-        uint32_t *m = s->mag;
-        for (uint32_t t = 0; t < Tc; t++) m[t] = sym[t];
-        if (nesc) {
+        const uint32_t nesc = pca_count_escapes(sym, Tc);
+        uint32_t *esc = NULL;
+        if (nesc) { /* rare: each escape's extra, per token */
             if ((uint64_t)ep + nesc > ri->nesc) FAIL("a row's escape count does not match its symbols");
-            for (uint32_t t = 0; t < Tc; t++)
-                if (sym[t] == ESCAPE) m[t] += get_u16(ri->esc + 2u * ep++);
+            esc = s->mag;
+            for (uint32_t t = 0; t < Tc; t++) esc[t] = sym[t] == ESCAPE ? get_u16(ri->esc + 2u * ep++) : 0u;
         }
-        if (sh) {
-            const uint32_t mask = (1u << sh) - 1u;
-            for (uint32_t t = 0; t < Tc; t++) {
-                if (lo.cnt < sh) br_refill(&lo);
-                m[t] = (m[t] << sh) | (uint32_t)(lo.buf & mask);
-                lo.buf >>= sh;
-                lo.cnt -= sh;
-            }
-        }
-        int16_t *qk = s->q + (size_t)(k / 2) * Tp * 2 + (k & 1u);
-        for (uint32_t t = 0; t < Tc; t++) {
-            const uint32_t mt = m[t], nz = mt != 0;
-            if (!sg.cnt) br_refill(&sg);
-            const uint32_t neg = (uint32_t)sg.buf & nz;
-            sg.buf >>= nz;
-            sg.cnt -= (int)nz;
-            sp += nz;
-            big |= mt > Q_LIMIT;
-            const int32_t v = (int32_t)((mt ^ (0u - neg)) + neg);
-            qk[2 * (size_t)t] = (int16_t)v;
-            s->l1[t] += mt;
-            s->last[t] = ((k + 1) & (0u - nz)) | (s->last[t] & (nz - 1u));
-        }
+        int16_t *qk = s->qc + (size_t)k * Tp;
+        pca_raw_component(&raw, sh, sym, esc, Tc, qk, s->l1, s->last, k + 1, &big);
+        memset(qk + Tc, 0, (Tp - Tc) * sizeof(int16_t)); /* padding tokens */
+    }
+    /* pair-major for the transform; components not coded are rows of zeros */
+    const int16_t *zeros = s->qc + (size_t)C * Tp;
+    memset(s->qc + (size_t)C * Tp, 0, Tp * sizeof(int16_t));
+    for (uint32_t p = 0; p < C / 2; p++) {
+        const int16_t *a = ri->side[2 * p] == ALL_ZERO ? zeros : s->qc + (size_t)(2 * p) * Tp;
+        const int16_t *b = ri->side[2 * p + 1] == ALL_ZERO ? zeros : s->qc + (size_t)(2 * p + 1) * Tp;
+        pca_interleave(a, b, (uint32_t)Tp, s->q + (size_t)p * Tp * 2);
     }
     if (wp > ri->nwords) FAIL("a row's rANS words end early");
     if (big) FAIL("a coefficient exceeds 32767");
@@ -248,7 +218,7 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
         if (x[n] != RANS_L) FAIL("a row's rANS stream does not end where it began");
     if (wp != ri->nwords) FAIL("a row's rANS stream does not end where it began");
     if (ep != ri->nesc) FAIL("a row's escape count does not match its symbols");
-    if (sp != ri->sign_bits) FAIL("a row's sign-bit count does not match its coefficients");
+    if (raw.sign_at != ri->sign_bits) FAIL("a row's sign-bit count does not match its coefficients");
     for (uint32_t t = 0; t < Tc; t++)
         if (s->l1[t] > L1_LIMIT) FAIL("a token's coefficients sum past 65536");
     return PCA_OK;
@@ -258,33 +228,18 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
 static void inverse_rows(const geo *g, uint32_t row, const int32_t *y, size_t ys, uint32_t t0, uint32_t nt,
                          uint8_t *out) {
     const pca_chunk *ck = g->ck;
-    const uint32_t C = ck->channels, D = ck->head_dim, H = D / 2, L = ck->layers;
+    const uint32_t C = ck->channels, D = ck->head_dim, H = D / 2;
     const float *h = row_vec(ck->gain, ck, row), *mean = row_vec(ck->mean, ck, row);
-    float x[4096];
     for (uint32_t i = 0; i < nt; i++) {
         const uint32_t t = t0 + i;
-        const int32_t *a = y + (size_t)i * ys;
-        for (uint32_t c = 0; c < C; c++) {
-            const float p = (float)a[c] * h[c];
-            x[c] = p + mean[c];
-        }
-        if (row < L) {
+        const float *cs = NULL, *sn = NULL;
+        if (row < ck->layers) {
             const size_t at = ((size_t)ck->rope_of_layer[row] * g->Tc + t) * H;
-            const float *cs = ck->cos + at, *sn = ck->sin + at;
-            for (uint32_t b = 0; b < C; b += D)
-                for (uint32_t j = 0; j < H; j++) {
-                    const float u = x[b + j], v = x[b + j + H];
-                    const float uc = u * cs[j], vs = v * sn[j], vc = v * cs[j], us = u * sn[j];
-                    x[b + j] = uc - vs;
-                    x[b + j + H] = vc + us;
-                }
+            cs = ck->cos + at;
+            sn = ck->sin + at;
         }
         uint8_t *dst = out + ((size_t)row * ck->tokens + ck->sinks + t) * C * g->es;
-        if (ck->dtype == PCA_DTYPE_F32) memcpy(dst, x, C * 4u);
-        else if (ck->dtype == PCA_DTYPE_BF16)
-            for (uint32_t c = 0; c < C; c++) { const uint16_t b = pca_f32_to_bf16(x[c]); memcpy(dst + 2 * c, &b, 2); }
-        else
-            for (uint32_t c = 0; c < C; c++) { const uint16_t b = pca_f32_to_f16(x[c]); memcpy(dst + 2 * c, &b, 2); }
+        pca_inverse_token(y + (size_t)i * ys, C, D, h, mean, cs, sn, ck->dtype, dst);
     }
 }
 
@@ -313,41 +268,15 @@ static int decode_row(const geo *g, uint32_t row, const row_in *ri, uint32_t N, 
 typedef struct { uint8_t *buf; size_t len; uint32_t words, lo_bits, sign_bits, nesc; int rc; char msg[96]; } row_out;
 
 typedef struct {
-    int16_t *x, *qT;       /* U of a token block, pair-major [C/2][TBLK][2]; q component-major [C][Tc] */
-    int16_t *qb;           /* q of a token block, token-major [TBLK][C] (transposed into qT) */
-    int32_t *y;            /* [TBLK][cols] */
-    int64_t *u;            /* [C] one token's U (the exact path) */
-    uint32_t *pairs;
-    uint8_t *side;
-    uint16_t *words, *mag;
+    int16_t *x, *qT;       /* U of a token block, pair-major [C/2][EBLK][2]; q component-major [C][Tc] */
+    int16_t *qb;           /* q of a block's tokens of the exact path, token-major [EBLK][C] */
+    int32_t *y;            /* Y^T of a token block [cols][EBLK] */
+    int32_t *u;            /* [C] one token's U */
+    int64_t *acc;          /* [C] its exact transform (the int64 path) */
+    uint32_t *l1, *pairs;  /* [EBLK] a token's sum |q|; [cols / PCA_TB] */
+    uint8_t *side, *sym;   /* side bytes; the row's symbols in coding order */
+    uint16_t *words, *mag, *live;
 } escratch;
-
-/* U of one coded token t of a row: x turned back (K), centred, weighted, in Q8, clamped */
-static void forward_token(const geo *g, uint32_t row, const uint8_t *src, uint32_t t, int64_t *U) {
-    const pca_chunk *ck = g->ck;
-    const uint32_t C = ck->channels, D = ck->head_dim, H = D / 2;
-    const float *mean = row_vec(ck->mean, ck, row), *w = row_vec(ck->weight, ck, row);
-    float x[4096];
-    for (uint32_t c = 0; c < C; c++) x[c] = load_f32(src, ck->dtype, c);
-    if (row < ck->layers) {
-        const size_t at = ((size_t)ck->rope_of_layer[row] * g->Tc + t) * H;
-            const float *cs = ck->cos + at, *sn = ck->sin + at;
-        for (uint32_t b = 0; b < C; b += D)
-            for (uint32_t j = 0; j < H; j++) {
-                const float a = x[b + j], v = x[b + j + H];
-                const float ac = a * cs[j], vs = v * sn[j], vc = v * cs[j], as = a * sn[j];
-                x[b + j] = ac + vs;
-                x[b + j + H] = vc - as;
-            }
-    }
-    for (uint32_t c = 0; c < C; c++) {
-        const float d = x[c] - mean[c];
-        const float u = d * w[c];
-        double v = (double)u * 256.0;
-        v = v > U_LIMIT ? U_LIMIT : v < -U_LIMIT ? -U_LIMIT : v; /* clamp, then round: the same */
-        U[c] = (int64_t)rne(v);
-    }
-}
 
 static inline int16_t quantize(double acc, double r) {
     double v = acc * r;
@@ -355,44 +284,55 @@ static inline int16_t quantize(double acc, double r) {
     return (int16_t)rne(v);
 }
 
-/* q of every coded token of a row into s->qT; PCA_ERR_RANGE if a token's sum |q| > 2^16 */
+/* q of every coded token of a row into s->qT (component-major); PCA_ERR_RANGE if a token's sum
+ * |q| > 2^16. The product is computed transposed, Y^T[k][t] = sum_c B[c][k] U[t][c] (the basis
+ * as the left side, a block of EBLK tokens as the right), so each component's run of tokens comes
+ * out contiguous, in the order the entropy coder reads them. */
 static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s, char *msg, size_t msglen) {
     const pca_chunk *ck = g->ck;
-    const uint32_t C = ck->channels, Tc = g->Tc;
+    const uint32_t C = ck->channels, Tc = g->Tc, D = ck->head_dim, rows4 = (C + PCA_TB - 1) / PCA_TB * PCA_TB;
     const int16_t *m2 = ck->m2 + (size_t)row * (C / 2) * ck->cols * 2;
     const int16_t *basis = ck->basis + (size_t)row * C * C;
+    const float *mean = row_vec(ck->mean, ck, row), *w = row_vec(ck->weight, ck, row);
     const int64_t limit = ck->sumsq_limit[row];
     const size_t rowstride = (size_t)C * g->es;
     const uint8_t *base = kv + ((size_t)row * ck->tokens + ck->sinks) * rowstride;
-    for (uint32_t b = 0; b < TBLK / PCA_TB; b++) s->pairs[b] = C / 2;
-    uint8_t exact[TBLK];
-    for (uint32_t t0 = 0; t0 < Tc; t0 += TBLK) {
-        const uint32_t nt = Tc - t0 < TBLK ? Tc - t0 : TBLK, np = (nt + PCA_TB - 1) / PCA_TB * PCA_TB;
-        for (uint32_t i = 0; i < np; i++) {
-            int16_t *xi = s->x + 2 * (size_t)i; /* channel c of this token at xi[(c/2) 2 TBLK + c%2] */
+    for (uint32_t b = 0; b < rows4 / PCA_TB; b++) s->pairs[b] = C / 2;
+    uint8_t exact[EBLK];
+    for (uint32_t t0 = 0; t0 < Tc; t0 += EBLK) {
+        const uint32_t nt = Tc - t0 < EBLK ? Tc - t0 : EBLK;
+        /* the block's width: its tokens rounded up to the transform's column block (a last,
+         * short block costs what it holds), also the stride of x and y */
+        const uint32_t xs = (nt + PCA_JB - 1) / PCA_JB * PCA_JB;
+        uint32_t nexact = 0;
+        for (uint32_t i = 0; i < xs; i++) {
+            int16_t *xi = s->x + 2 * (size_t)i; /* channel c of this token at xi[(c/2) 2 xs + c%2] */
             exact[i] = 0;
+            s->l1[i] = 0;
             if (i >= nt) {
-                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * TBLK] = xi[(size_t)p * 2 * TBLK + 1] = 0;
+                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * xs] = xi[(size_t)p * 2 * xs + 1] = 0;
                 continue;
             }
-            forward_token(g, row, base + (size_t)(t0 + i) * rowstride, t0 + i, s->u);
+            const float *cs = NULL, *sn = NULL;
+            if (row < ck->layers) {
+                const size_t at = ((size_t)ck->rope_of_layer[row] * Tc + t0 + i) * (D / 2);
+                cs = ck->cos + at;
+                sn = ck->sin + at;
+            }
             /* int16 path only when |U| < 2^15 and sum U^2 * max_k |B_k|^2 < 2^62: then by
              * Cauchy-Schwarz every partial sum of U . B_k is below 2^31 (exact in int32) */
-            int64_t ss = 0, mx = 0;
-            for (uint32_t c = 0; c < C; c++) {
-                const int64_t v = s->u[c], a = v < 0 ? -v : v;
-                mx = a > mx ? a : mx;
-                ss += v * v;
-            }
+            int64_t ss;
+            const int32_t mx = pca_forward_token(base + (size_t)(t0 + i) * rowstride, ck->dtype, C, D, cs, sn, mean, w,
+                                                 s->u, &ss);
             if (mx > 32767 || ss > limit) {
                 exact[i] = 1;
-                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * TBLK] = xi[(size_t)p * 2 * TBLK + 1] = 0;
+                nexact++;
+                for (uint32_t p = 0; p < C / 2; p++) xi[(size_t)p * 2 * xs] = xi[(size_t)p * 2 * xs + 1] = 0;
                 int16_t *qi = s->qb + (size_t)i * C;
                 int64_t l1 = 0;
+                pca_exact_token(s->u, basis, C, s->acc);
                 for (uint32_t k = 0; k < C; k++) {
-                    int64_t acc = 0; /* |acc| < 2^23 * 2^15 * 4096 = 2^50: exact */
-                    for (uint32_t c = 0; c < C; c++) acc += s->u[c] * basis[(size_t)c * C + k];
-                    qi[k] = quantize((double)acc, ck->r);
+                    qi[k] = quantize((double)s->acc[k], ck->r); /* |acc| < 2^50: exact in f64 */
                     l1 += qi[k] < 0 ? -qi[k] : qi[k];
                 }
                 if (l1 > L1_LIMIT) {
@@ -401,31 +341,23 @@ static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch
                 }
             } else {
                 for (uint32_t p = 0; p < C / 2; p++) {
-                    xi[(size_t)p * 2 * TBLK] = (int16_t)s->u[2 * p];
-                    xi[(size_t)p * 2 * TBLK + 1] = (int16_t)s->u[2 * p + 1];
+                    xi[(size_t)p * 2 * xs] = (int16_t)s->u[2 * p];
+                    xi[(size_t)p * 2 * xs + 1] = (int16_t)s->u[2 * p + 1];
                 }
             }
         }
-        pca_matmul((const int32_t *)s->x, TBLK, m2, ck->cols, s->pairs, np, s->y, ck->cols);
+        pca_matmul((const int32_t *)m2, ck->cols, s->x, xs, s->pairs, rows4, s->y, xs);
+        for (uint32_t k = 0; k < C; k++) pca_quantize(s->y + (size_t)k * xs, nt, ck->r, s->qT + (size_t)k * Tc + t0, s->l1);
         for (uint32_t i = 0; i < nt; i++) {
             if (exact[i]) continue;
-            const int32_t *yi = s->y + (size_t)i * ck->cols;
-            int16_t *qi = s->qb + (size_t)i * C;
-            uint32_t l1 = 0;
-            for (uint32_t k = 0; k < C; k++) {
-                qi[k] = quantize((double)yi[k], ck->r);
-                l1 += (uint32_t)(qi[k] < 0 ? -qi[k] : qi[k]);
-            }
-            if (l1 > L1_LIMIT) {
-                snprintf(msg, msglen, "%u", l1);
+            if (s->l1[i] > L1_LIMIT) {
+                snprintf(msg, msglen, "%u", s->l1[i]);
                 return PCA_ERR_RANGE;
             }
         }
-        /* into component-major order: runs of nt tokens per component, written in order */
-        for (uint32_t k = 0; k < C; k++) {
-            int16_t *dst = s->qT + (size_t)k * Tc + t0;
-            for (uint32_t i = 0; i < nt; i++) dst[i] = s->qb[(size_t)i * C + k];
-        }
+        for (uint32_t i = 0; nexact && i < nt; i++)
+            if (exact[i])
+                for (uint32_t k = 0; k < C; k++) s->qT[(size_t)k * Tc + t0 + i] = s->qb[(size_t)i * C + k];
     }
     return PCA_OK;
 }
@@ -457,26 +389,34 @@ static uint8_t choose(const geo *g, const int16_t *q, uint32_t Tc, uint16_t *m) 
         for (; t < Tc; t++) G4[0][(m[t] >> 3) < 127 ? (m[t] >> 3) : 127]++;
         for (int v = 0; v < 128; v++) G[v] = G4[0][v] + G4[1][v] + G4[2][v] + G4[3][v];
     }
+    /* prefix sums: a symbol's count at a shift is one difference (symbols below 15 never reach
+     * a clamped bin: 15 << 2 = 60 < 63 and 15 << 3 = 120 < 127) */
+    uint32_t PF[65], PG[129];
+    PF[0] = PG[0] = 0;
+    for (int v = 0; v < 64; v++) PF[v + 1] = PF[v] + F[v];
+    if (maxm >= 64)
+        for (int v = 0; v < 128; v++) PG[v + 1] = PG[v] + G[v];
     int smax = 0;
     while (smax < 6 && (maxm >> smax) != 0) smax++;
     uint64_t best = UINT64_MAX;
     uint8_t side = 0;
     for (int s = 0; s <= smax; s++) {
-        uint64_t h[NSYM] = {0};
-        if (s <= 2 || maxm < 64)
-            for (uint32_t v = 0; v < 64; v++) h[(v >> s) < ESCAPE ? (v >> s) : ESCAPE] += F[v];
-        else
-            for (uint32_t v = 0; v < 128; v++) h[(v >> (s - 3)) < ESCAPE ? (v >> (s - 3)) : ESCAPE] += G[v];
-        uint64_t cost[NTAB];
-        const uint64_t fixed = 256u * ((uint64_t)s * Tc + 16u * h[ESCAPE]);
-        for (int t = 0; t < NTAB; t++) cost[t] = fixed;
-        for (int j = 0; j < NSYM; j++) {
-            if (!h[j]) continue;
-            const uint64_t n = h[j], *ct = g->tb.cost_t[j];
-            for (int t = 0; t < NTAB; t++) cost[t] += n * ct[t];
+        /* every cost at shift s is at least its raw bits, 256 s Tc, which grow with s: once they
+         * reach the best so far no shift from s on can win (ties go to the smaller shift) */
+        if (256u * (uint64_t)s * Tc >= best) break;
+        uint64_t h[NSYM];
+        const int fine = s <= 2 || maxm < 64, sh = fine ? s : s - 3, top = fine ? 64 : 128;
+        const uint32_t *P = fine ? PF : PG;
+        uint32_t below = 0;
+        for (int j = 0; j < ESCAPE; j++) {
+            const int a = j << sh, b = (j + 1) << sh;
+            const uint32_t n = P[b < top ? b : top] - P[a < top ? a : top];
+            h[j] = n;
+            below += n;
         }
-        for (int t = 0; t < NTAB; t++)
-            if (cost[t] < best) { best = cost[t]; side = (uint8_t)(t | (s << 5)); }
+        h[ESCAPE] = Tc - below;
+        pca_choose_shift(h, s, Tc, (const uint64_t (*)[NTAB])g->tb.cost_t,
+                         g->tb.cost16_ok && Tc < (1u << 15) ? &g->tb.cost16[0][0][0] : NULL, &best, &side);
     }
     return side;
 }
@@ -495,66 +435,62 @@ static int encode_row(const geo *g, uint32_t row, const uint8_t *kv, escratch *s
         snprintf(o->msg, sizeof o->msg, "a row's low bits pass 2^32");
         return PCA_ERR_PARAM;
     }
-    /* the raw parts, forward, through 64-bit registers flushed 4 bytes at a time; sizes bounded
-     * by count (< 2^31: checked by the caller) */
+    /* the raw parts, forward; sizes bounded by count (< 2^31: checked by the caller) */
     const size_t lo_cap = (size_t)(lo_bits + 7) / 8 + 8, sg_cap = (size_t)(count + 7) / 8 + 8;
     uint8_t *lo = (uint8_t *)calloc(lo_cap + sg_cap, 1);
     uint16_t *esc = (uint16_t *)malloc((size_t)count * 2 + 2);
     if (!lo || !esc) { free(lo); free(esc); return PCA_ERR_NOMEM; }
-    uint8_t *lp = lo, *sp = lo + lo_cap;
-    uint64_t lacc = 0, sacc = 0;
-    int ln = 0, sn = 0;
-    uint32_t nesc = 0, nsign = 0;
+    pca_raw_out raw = {lo, lo + lo_cap, 0, 0, esc, 0};
+    uint32_t nl = 0;
     for (uint32_t k = 0; k < C; k++) {
         if (s->side[k] == ALL_ZERO) continue;
-        const int sh = s->side[k] >> 5;
-        const uint32_t mask = (1u << sh) - 1u;
-        const int16_t *q = s->qT + (size_t)k * Tc;
-        for (uint32_t t = 0; t < Tc; t++) {
-            const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]), nz = m != 0;
-            lacc |= (uint64_t)(m & mask) << ln;
-            ln += sh;
-            if (ln >= 32) { memcpy(lp, &lacc, 4); lp += 4; lacc >>= 32; ln -= 32; }
-            sacc |= (uint64_t)(q[t] < 0) << sn;
-            sn += (int)nz;
-            nsign += nz;
-            if (sn >= 32) { memcpy(sp, &sacc, 4); sp += 4; sacc >>= 32; sn -= 32; }
-            if ((m >> sh) >= ESCAPE) esc[nesc++] = (uint16_t)((m >> sh) - ESCAPE);
-        }
+        pca_raw_encode(&raw, s->side[k] >> 5, s->qT + (size_t)k * Tc, Tc, s->sym + (size_t)nl * Tc);
+        s->live[nl++] = (uint16_t)k;
     }
-    memcpy(lp, &lacc, 8);
-    memcpy(sp, &sacc, 8);
+    const uint32_t nesc = raw.nesc, nsign = (uint32_t)raw.sign_at;
     /* rANS, backwards: symbol i (lane i mod N) from the last to the first; words are written from
-     * the end of the buffer back, so they come out in the decoder's reading order. Branch-free:
-     * a word is always stored one below wp, and wp moves only when it is emitted (words[0] is a
-     * spare slot for that store). */
+     * the end of the buffer back, so they come out in the decoder's reading order. Whole steps of
+     * N inside one component go to the AVX2 loop; the rest (a last partial step, steps across
+     * two components) to this one, branch-free: a word is always stored one below wp, and wp
+     * moves only when it is emitted (8 spare words below words[0] take such stores). */
     uint32_t x[64];
     for (uint32_t n = 0; n < N; n++) x[n] = RANS_L;
-    uint16_t *words = s->words + 1;
+    uint16_t *words = s->words + 8;
     size_t wp = (size_t)count;
     uint32_t lane = count ? (uint32_t)((count - 1) % N) : 0;
-    for (uint32_t kk = C; kk-- > 0;) {
-        if (s->side[kk] == ALL_ZERO) continue;
-        const uint32_t tab = s->side[kk] & 31u;
-        const int sh = s->side[kk] >> 5;
-        const uint32_t *F = g->tb.freq[tab], *CU = g->tb.cum[tab];
-        const uint64_t *R = g->tb.rcp[tab];
-        const int16_t *q = s->qT + (size_t)kk * Tc;
-        for (uint32_t t = Tc; t-- > 0;) {
-            const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]), hi = m >> sh, sym = hi < ESCAPE ? hi : ESCAPE;
-            const uint32_t f = F[sym];
-            uint32_t xs = x[lane];
-            const uint32_t emit = xs >= (f << (32 - PROB_BITS));
-            words[wp - 1] = (uint16_t)xs;
-            wp -= emit;
-            xs >>= 16 * emit; /* no branch: emission is a coin toss */
-            uint32_t d = (uint32_t)(((uint64_t)xs * R[sym]) >> 32), rem = xs - d * f;
-            const uint32_t over = rem >= f;
-            d += over;
-            rem -= f & (0u - over);
-            x[lane] = (d << PROB_BITS) + rem + CU[sym];
-            lane = lane ? lane - 1 : N - 1;
+    uint32_t jc = nl; /* the component of symbol i - 1 is live[jc - 1] */
+    const uint32_t *F = NULL, *CU = NULL;
+    const uint64_t *R = NULL;
+    uint32_t tab = 0;
+    for (size_t i = (size_t)count; i > 0;) {
+        if ((size_t)(jc - 1) * Tc >= i) jc--; /* symbol i - 1 is in an earlier component */
+        if (!F || (s->side[s->live[jc - 1]] & 31u) != tab) {
+            tab = s->side[s->live[jc - 1]] & 31u;
+            F = g->tb.freq[tab];
+            CU = g->tb.cum[tab];
+            R = g->tb.rcp[tab];
         }
+        if (lane == N - 1) { /* a step's top: whole steps inside this component */
+            const size_t run = (i - (size_t)(jc - 1) * Tc) / N;
+            const size_t done = run ? pca_rans_enc_steps(x, N, &g->tb.enc[tab], s->sym + i - N, words, &wp, run) : 0;
+            if (done) { /* 0: no AVX2, or N not a multiple of 8 */
+                i -= N * done;
+                continue;
+            }
+        }
+        const uint32_t sym = s->sym[i - 1], f = F[sym];
+        uint32_t xs = x[lane];
+        const uint32_t emit = xs >= (f << (32 - PROB_BITS));
+        words[wp - 1] = (uint16_t)xs;
+        wp -= emit;
+        xs >>= 16 * emit; /* no branch: emission is a coin toss */
+        uint32_t d = (uint32_t)(((uint64_t)xs * R[sym]) >> 32), rem = xs - d * f;
+        const uint32_t over = rem >= f;
+        d += over;
+        rem -= f & (0u - over);
+        x[lane] = (d << PROB_BITS) + rem + CU[sym];
+        lane = lane ? lane - 1 : N - 1;
+        i--;
     }
     const uint32_t nwords = (uint32_t)(count - wp);
     const size_t lob = (size_t)(lo_bits + 7) / 8, sgb = ((size_t)nsign + 7) / 8, eb = 2u * (size_t)nesc;
@@ -615,12 +551,14 @@ static void *decode_worker(void *arg) {
     const uint32_t C = g->ck->channels, rows = 2u * g->ck->layers;
     dscratch s;
     s.q = (int16_t *)malloc(((size_t)g->Tp * C + 16) * sizeof(int16_t));
+    s.qc = (int16_t *)malloc(((size_t)g->Tp * (C + 1) + 16) * sizeof(int16_t));
     s.y = (int32_t *)malloc((size_t)TBLK * g->ck->cols * sizeof(int32_t));
     s.l1 = (uint32_t *)malloc(((size_t)g->Tp * 3 + 4) * sizeof(uint32_t));
     s.live = (uint16_t *)malloc(C * sizeof(uint16_t));
     s.mag = (uint32_t *)malloc(((size_t)g->Tc + 1) * sizeof(uint32_t));
     s.sym = (uint8_t *)malloc((size_t)C * g->Tc + 1);
-    if (!s.q || !s.y || !s.l1 || !s.live || !s.mag || !s.sym) {
+    s.tabs = (uint8_t *)malloc(C);
+    if (!s.q || !s.qc || !s.y || !s.l1 || !s.live || !s.mag || !s.sym || !s.tabs) {
         record_failure(jb, 0, PCA_ERR_NOMEM, "out of memory");
     } else {
         s.last = s.l1 + g->Tp;
@@ -632,7 +570,7 @@ static void *decode_worker(void *arg) {
             if (rc != PCA_OK) record_failure(jb, (uint32_t)r, rc, msg);
         }
     }
-    free(s.q); free(s.y); free(s.l1); free(s.live); free(s.mag); free(s.sym);
+    free(s.q); free(s.qc); free(s.y); free(s.l1); free(s.live); free(s.mag); free(s.sym); free(s.tabs);
     return NULL;
 }
 
@@ -641,16 +579,20 @@ static void *encode_worker(void *arg) {
     const geo *g = jb->g;
     const uint32_t C = g->ck->channels, rows = 2u * g->ck->layers;
     escratch s;
-    s.x = (int16_t *)malloc((size_t)TBLK * C * sizeof(int16_t));
-    s.qb = (int16_t *)malloc((size_t)TBLK * C * sizeof(int16_t));
+    s.x = (int16_t *)malloc((size_t)EBLK * C * sizeof(int16_t));
+    s.qb = (int16_t *)malloc((size_t)EBLK * C * sizeof(int16_t));
     s.qT = (int16_t *)malloc(((size_t)C * g->Tc + 1) * sizeof(int16_t));
-    s.y = (int32_t *)malloc((size_t)TBLK * g->ck->cols * sizeof(int32_t));
-    s.u = (int64_t *)malloc(C * sizeof(int64_t));
-    s.pairs = (uint32_t *)malloc(TBLK / PCA_TB * sizeof(uint32_t));
+    s.y = (int32_t *)malloc((size_t)EBLK * g->ck->cols * sizeof(int32_t));
+    s.u = (int32_t *)malloc(C * sizeof(int32_t));
+    s.acc = (int64_t *)malloc(C * sizeof(int64_t));
+    s.l1 = (uint32_t *)malloc(EBLK * sizeof(uint32_t));
+    s.pairs = (uint32_t *)malloc(g->ck->cols / PCA_TB * sizeof(uint32_t));
     s.side = (uint8_t *)malloc(C);
-    s.words = (uint16_t *)malloc(((size_t)C * g->Tc + 2) * sizeof(uint16_t));
+    s.words = (uint16_t *)malloc(((size_t)C * g->Tc + 16) * sizeof(uint16_t));
+    s.sym = (uint8_t *)malloc((size_t)C * g->Tc + 16);
+    s.live = (uint16_t *)malloc(C * sizeof(uint16_t));
     s.mag = (uint16_t *)malloc(((size_t)g->Tc + 1) * sizeof(uint16_t));
-    if (!s.x || !s.qb || !s.qT || !s.y || !s.u || !s.pairs || !s.side || !s.words || !s.mag) {
+    if (!s.x || !s.qb || !s.qT || !s.y || !s.u || !s.acc || !s.l1 || !s.pairs || !s.side || !s.words || !s.mag || !s.sym || !s.live) {
         record_failure(jb, 0, PCA_ERR_NOMEM, "out of memory");
     } else {
         for (int r; (r = __atomic_fetch_add(&jb->next, 1, __ATOMIC_RELAXED)) < (int)rows;) {
@@ -659,7 +601,7 @@ static void *encode_worker(void *arg) {
             if (rc != PCA_OK) record_failure(jb, (uint32_t)r, rc, rc == PCA_ERR_NOMEM ? "out of memory" : jb->outs[r].msg);
         }
     }
-    free(s.x); free(s.qb); free(s.qT); free(s.y); free(s.u); free(s.pairs); free(s.side); free(s.words); free(s.mag);
+    free(s.x); free(s.qb); free(s.qT); free(s.y); free(s.u); free(s.acc); free(s.l1); free(s.pairs); free(s.side); free(s.words); free(s.mag); free(s.sym); free(s.live);
     return NULL;
 }
 
@@ -694,7 +636,7 @@ static int check_chunk(const pca_chunk *ck, geo *g, char *err, size_t errlen) {
     g->Tc = ck->tokens - ck->sinks;
     g->Tp = (g->Tc + PCA_TB - 1) / PCA_TB * PCA_TB;
     g->es = esize(ck->dtype);
-    if (!pca_tables_init(&g->tb, ck->freq, ck->cost, ck->slot_sym)) {
+    if (!pca_tables_init(&g->tb, ck->freq, ck->cost)) {
         snprintf(err, errlen, "bad frequency tables");
         return 0;
     }
@@ -825,7 +767,11 @@ int pca_decode_chunk(const uint8_t *p, size_t len, const pca_chunk *ck, void *ou
     jb.dst = (uint8_t *)out;
     jb.ins = ins;
     jb.N = N;
+    g.tb.dec = (uint32_t *)malloc(sizeof(uint32_t) * PCA_NTAB * PCA_SLOTS);
+    if (!g.tb.dec) { free(ins); snprintf(err, errlen, "out of memory"); return PCA_ERR_NOMEM; }
+    pca_dec_tables(g.tb.dec, (const uint32_t (*)[PCA_NSYM])g.tb.freq, (const uint32_t (*)[PCA_NSYM + 1])g.tb.cum);
     run_threads(&jb, threads, rows, decode_worker);
+    free(g.tb.dec);
     free(ins);
     if (jb.failed) {
         snprintf(err, errlen, "%s", jb.fail_msg);

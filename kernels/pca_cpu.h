@@ -43,7 +43,9 @@ typedef struct {
     double r;             /* encode: f64(1 / (step * 2^22)) */
     const int32_t *freq;  /* [32][16] FREQ of _tables.py */
     const int32_t *cost;  /* [32][16] COST_Q8 */
-    const uint8_t *slot_sym; /* [32][4096]: the symbol whose cumulative range holds a slot */
+    const uint8_t *slot_sym; /* [32][4096]: the symbol whose cumulative range holds a slot. Not read
+                              * since the decoder's packed table (pca_rans.h) is built from freq;
+                              * kept so the binding's signature stays */
 } pca_chunk;
 
 /* Encode a contiguous [2, L, T, C] array of dtype elements. On PCA_OK *out is a malloc'ed

@@ -116,6 +116,260 @@ void pca_matmul(const int32_t *xp, size_t ps, const int16_t *m2, size_t cols, co
     matmul_portable(xp, ps, m2, cols, pairs, tokens, Y, ys);
 }
 
+/* ------------------------------------------------------------------------ */
+/* the writer's per-token steps                                              */
+
+/* round to nearest even of |d| <= 2^51 (1.5 * 2^52 added and taken away: no SSE4.1 needed) */
+static inline double rne(double d) {
+    const double magic = 6755399441055744.0;
+    return (d + magic) - magic;
+}
+
+static inline float load_value(const uint8_t *row, int dtype, size_t c) {
+    if (dtype == PCA_DTYPE_F32) { float f; memcpy(&f, row + 4 * c, 4); return f; }
+    uint16_t h;
+    memcpy(&h, row + 2 * c, 2);
+    return dtype == PCA_DTYPE_BF16 ? pca_f32((uint32_t)h << 16) : pca_f16_to_f32(h);
+}
+
+static int32_t forward_portable(const uint8_t *src, int dtype, uint32_t C, uint32_t D, const float *cs,
+                                const float *sn, const float *mean, const float *w, int32_t *U, int64_t *sumsq) {
+    const uint32_t H = D / 2;
+    float x[4096];
+    for (uint32_t c = 0; c < C; c++) x[c] = load_value(src, dtype, c);
+    if (cs)
+        for (uint32_t b = 0; b < C; b += D)
+            for (uint32_t j = 0; j < H; j++) {
+                const float a = x[b + j], v = x[b + j + H];
+                const float ac = a * cs[j], vs = v * sn[j], vc = v * cs[j], as = a * sn[j];
+                x[b + j] = ac + vs;
+                x[b + j + H] = vc - as;
+            }
+    for (uint32_t c = 0; c < C; c++) {
+        const float d = x[c] - mean[c];
+        const float u = d * w[c];
+        double v = (double)u * 256.0;
+        v = v > 8388607.0 ? 8388607.0 : v < -8388607.0 ? -8388607.0 : v; /* clamp, then round: the same */
+        U[c] = (int32_t)rne(v);
+    }
+    int64_t ss = 0;
+    int32_t mx = 0;
+    for (uint32_t c = 0; c < C; c++) {
+        const int32_t a = U[c] < 0 ? -U[c] : U[c];
+        mx = a > mx ? a : mx;
+        ss += (int64_t)a * a;
+    }
+    *sumsq = ss;
+    return mx;
+}
+
+static void quantize_portable(const int32_t *y, uint32_t n, double r, int16_t *q, uint32_t *l1) {
+    for (uint32_t i = 0; i < n; i++) {
+        double v = (double)y[i] * r;
+        v = v > 32767.0 ? 32767.0 : v < -32767.0 ? -32767.0 : v;
+        const int32_t k = (int32_t)rne(v);
+        q[i] = (int16_t)k;
+        l1[i] += (uint32_t)(k < 0 ? -k : k);
+    }
+}
+
+#ifdef PCA_HAVE_AVX2
+/* 8 channels at a time. f32 u * 2^8 is exact (a power of two; an overflow to infinity clamps as
+ * the f64 product would), so clamping and rounding in f32 give the f64 result; rounding by
+ * vroundps (nearest even), not by the MXCSR mode. Each f32 operation as the portable loop's. */
+__attribute__((target("avx2"))) static int32_t forward_avx2(const uint8_t *src, int dtype, uint32_t C, uint32_t D,
+                                                            const float *cs, const float *sn, const float *mean,
+                                                            const float *w, int32_t *U, int64_t *sumsq) {
+    const uint32_t H = D / 2;
+    float x[4096] __attribute__((aligned(32)));
+    for (uint32_t c = 0; c < C; c += 8) {
+        __m256 v;
+        if (dtype == PCA_DTYPE_F32) v = _mm256_loadu_ps((const float *)src + c);
+        else if (dtype == PCA_DTYPE_BF16)
+            v = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 2 * (size_t)c))), 16));
+        else { /* f16: the portable widening (F16C is a feature of its own) */
+            for (uint32_t i = 0; i < 8; i++) x[c + i] = load_value(src, dtype, c + i);
+            continue;
+        }
+        _mm256_store_ps(x + c, v);
+    }
+    if (cs)
+        for (uint32_t b = 0; b < C; b += D)
+            for (uint32_t j = 0; j < H; j += 8) {
+                const __m256 a = _mm256_load_ps(x + b + j), v = _mm256_load_ps(x + b + j + H);
+                const __m256 c8 = _mm256_loadu_ps(cs + j), s8 = _mm256_loadu_ps(sn + j);
+                _mm256_store_ps(x + b + j, _mm256_add_ps(_mm256_mul_ps(a, c8), _mm256_mul_ps(v, s8)));
+                _mm256_store_ps(x + b + j + H, _mm256_sub_ps(_mm256_mul_ps(v, c8), _mm256_mul_ps(a, s8)));
+            }
+    const __m256 lim = _mm256_set1_ps(8388607.0f), nlim = _mm256_set1_ps(-8388607.0f), q8 = _mm256_set1_ps(256.0f);
+    __m256i mx = _mm256_setzero_si256(), ss = mx;
+    for (uint32_t c = 0; c < C; c += 8) {
+        const __m256 u = _mm256_mul_ps(_mm256_sub_ps(_mm256_load_ps(x + c), _mm256_loadu_ps(mean + c)), _mm256_loadu_ps(w + c));
+        const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(u, q8), nlim), lim);
+        const __m256i k = _mm256_cvttps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm256_storeu_si256((__m256i *)(U + c), k);
+        const __m256i a = _mm256_abs_epi32(k); /* < 2^23: its square < 2^46, 64-bit sums */
+        mx = _mm256_max_epi32(mx, a);
+        ss = _mm256_add_epi64(ss, _mm256_add_epi64(_mm256_mul_epu32(a, a), _mm256_mul_epu32(_mm256_srli_epi64(a, 32),
+                                                                                          _mm256_srli_epi64(a, 32))));
+    }
+    int32_t m8[8];
+    int64_t s4[4];
+    _mm256_storeu_si256((__m256i *)m8, mx);
+    _mm256_storeu_si256((__m256i *)s4, ss);
+    int32_t m = 0;
+    for (int i = 0; i < 8; i++) m = m8[i] > m ? m8[i] : m;
+    *sumsq = s4[0] + s4[1] + s4[2] + s4[3];
+    return m;
+}
+
+/* 4 tokens at a time in f64 (the product must be rounded in f64) */
+__attribute__((target("avx2"))) static uint32_t quantize_avx2(const int32_t *y, uint32_t n, double r, int16_t *q,
+                                                             uint32_t *l1) {
+    const __m256d R = _mm256_set1_pd(r), lim = _mm256_set1_pd(32767.0), nlim = _mm256_set1_pd(-32767.0);
+    uint32_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const __m256d v = _mm256_mul_pd(_mm256_cvtepi32_pd(_mm_loadu_si128((const __m128i *)(y + i))), R);
+        const __m256d c = _mm256_min_pd(_mm256_max_pd(v, nlim), lim);
+        const __m128i k = _mm256_cvttpd_epi32(_mm256_round_pd(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi32(k, k));
+        _mm_storeu_si128((__m128i *)(l1 + i), _mm_add_epi32(_mm_loadu_si128((const __m128i *)(l1 + i)), _mm_abs_epi32(k)));
+    }
+    return i;
+}
+#endif
+
+int32_t pca_forward_token(const uint8_t *src, int dtype, uint32_t C, uint32_t D, const float *cs, const float *sn,
+                          const float *mean, const float *w, int32_t *U, int64_t *sumsq) {
+#ifdef PCA_HAVE_AVX2
+    if (C % 8 == 0 && (D / 2) % 8 == 0 && pca_simd_avx2()) return forward_avx2(src, dtype, C, D, cs, sn, mean, w, U, sumsq);
+#endif
+    return forward_portable(src, dtype, C, D, cs, sn, mean, w, U, sumsq);
+}
+
+void pca_quantize(const int32_t *y, uint32_t n, double r, int16_t *q, uint32_t *l1) {
+    uint32_t i = 0;
+#ifdef PCA_HAVE_AVX2
+    if (pca_simd_avx2()) i = quantize_avx2(y, n, r, q, l1);
+#endif
+    quantize_portable(y + i, n - i, r, q + i, l1 + i);
+}
+
+static void exact_portable(const int32_t *U, const int16_t *basis, uint32_t C, int64_t *acc) {
+    for (uint32_t k = 0; k < C; k++) acc[k] = 0;
+    for (uint32_t c = 0; c < C; c++) {
+        const int64_t u = U[c];
+        const int16_t *b = basis + (size_t)c * C;
+        for (uint32_t k = 0; k < C; k++) acc[k] += u * b[k];
+    }
+}
+
+#ifdef PCA_HAVE_AVX2
+/* 8 columns at a time: vpmuldq on the even and the odd int32 lanes (exact 64-bit products) */
+__attribute__((target("avx2"))) static void exact_avx2(const int32_t *U, const int16_t *basis, uint32_t C,
+                                                      int64_t *acc) {
+    for (uint32_t k0 = 0; k0 < C; k0 += 8) {
+        __m256i ev = _mm256_setzero_si256(), od = ev;
+        const int16_t *b = basis + k0;
+        for (uint32_t c = 0; c < C; c++, b += C) {
+            const __m256i u = _mm256_set1_epi32(U[c]);
+            const __m256i B = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)b));
+            ev = _mm256_add_epi64(ev, _mm256_mul_epi32(u, B));
+            od = _mm256_add_epi64(od, _mm256_mul_epi32(u, _mm256_srli_epi64(B, 32)));
+        }
+        int64_t e[4], o[4];
+        _mm256_storeu_si256((__m256i *)e, ev);
+        _mm256_storeu_si256((__m256i *)o, od);
+        for (int i = 0; i < 4; i++) {
+            acc[k0 + 2 * i] = e[i];
+            acc[k0 + 2 * i + 1] = o[i];
+        }
+    }
+}
+#endif
+
+void pca_exact_token(const int32_t *U, const int16_t *basis, uint32_t C, int64_t *acc) {
+#ifdef PCA_HAVE_AVX2
+    if (C % 8 == 0 && pca_simd_avx2()) {
+        exact_avx2(U, basis, C, acc);
+        return;
+    }
+#endif
+    exact_portable(U, basis, C, acc);
+}
+
+/* ------------------------------------------------------------------------ */
+/* the reader's per-token step                                               */
+static void inverse_portable(const int32_t *a, uint32_t C, uint32_t D, const float *h, const float *mean,
+                             const float *cs, const float *sn, int dtype, uint8_t *dst) {
+    const uint32_t H = D / 2;
+    float x[4096];
+    for (uint32_t c = 0; c < C; c++) {
+        const float p = (float)a[c] * h[c];
+        x[c] = p + mean[c];
+    }
+    if (cs)
+        for (uint32_t b = 0; b < C; b += D)
+            for (uint32_t j = 0; j < H; j++) {
+                const float u = x[b + j], v = x[b + j + H];
+                const float uc = u * cs[j], vs = v * sn[j], vc = v * cs[j], us = u * sn[j];
+                x[b + j] = uc - vs;
+                x[b + j + H] = vc + us;
+            }
+    if (dtype == PCA_DTYPE_F32) memcpy(dst, x, C * 4u);
+    else if (dtype == PCA_DTYPE_BF16)
+        for (uint32_t c = 0; c < C; c++) { const uint16_t b = pca_f32_to_bf16(x[c]); memcpy(dst + 2 * c, &b, 2); }
+    else
+        for (uint32_t c = 0; c < C; c++) { const uint16_t b = pca_f32_to_f16(x[c]); memcpy(dst + 2 * c, &b, 2); }
+}
+
+#ifdef PCA_HAVE_AVX2
+/* 8 channels at a time, each f32 operation as the portable loop's; bf16 rounding in integers
+ * (the same wrap-around), f16 by the portable rounding */
+__attribute__((target("avx2"))) static void inverse_avx2(const int32_t *a, uint32_t C, uint32_t D, const float *h,
+                                                        const float *mean, const float *cs, const float *sn,
+                                                        int dtype, uint8_t *dst) {
+    const uint32_t H = D / 2;
+    float x[4096] __attribute__((aligned(32)));
+    for (uint32_t c = 0; c < C; c += 8) {
+        const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a + c))), _mm256_loadu_ps(h + c));
+        _mm256_store_ps(x + c, _mm256_add_ps(p, _mm256_loadu_ps(mean + c)));
+    }
+    if (cs)
+        for (uint32_t b = 0; b < C; b += D)
+            for (uint32_t j = 0; j < H; j += 8) {
+                const __m256 u = _mm256_load_ps(x + b + j), v = _mm256_load_ps(x + b + j + H);
+                const __m256 c8 = _mm256_loadu_ps(cs + j), s8 = _mm256_loadu_ps(sn + j);
+                _mm256_store_ps(x + b + j, _mm256_sub_ps(_mm256_mul_ps(u, c8), _mm256_mul_ps(v, s8)));
+                _mm256_store_ps(x + b + j + H, _mm256_add_ps(_mm256_mul_ps(v, c8), _mm256_mul_ps(u, s8)));
+            }
+    if (dtype == PCA_DTYPE_F32) memcpy(dst, x, C * 4u);
+    else if (dtype == PCA_DTYPE_BF16) {
+        const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+        for (uint32_t c = 0; c < C; c += 8) {
+            const __m256i u = _mm256_castps_si256(_mm256_load_ps(x + c));
+            const __m256i r = _mm256_srli_epi32(
+                _mm256_add_epi32(_mm256_add_epi32(u, bias), _mm256_and_si256(_mm256_srli_epi32(u, 16), one)), 16);
+            const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08); /* r < 2^16: exact */
+            _mm_storeu_si128((__m128i *)(dst + 2 * (size_t)c), _mm256_castsi256_si128(p));
+        }
+    } else
+        for (uint32_t c = 0; c < C; c++) { const uint16_t b = pca_f32_to_f16(x[c]); memcpy(dst + 2 * c, &b, 2); }
+}
+#endif
+
+void pca_inverse_token(const int32_t *acc, uint32_t C, uint32_t D, const float *h, const float *mean,
+                       const float *cs, const float *sn, int dtype, uint8_t *dst) {
+#ifdef PCA_HAVE_AVX2
+    if (C % 8 == 0 && (D / 2) % 8 == 0 && pca_simd_avx2()) {
+        inverse_avx2(acc, C, D, h, mean, cs, sn, dtype, dst);
+        return;
+    }
+#endif
+    inverse_portable(acc, C, D, h, mean, cs, sn, dtype, dst);
+}
+
 /* numpy's float -> half (npy_floatbits_to_halfbits): round to nearest even; overflow to infinity;
  * a NaN keeps the top of its payload (never becoming infinity). */
 uint16_t pca_f32_to_f16(float f) {

@@ -41,3 +41,22 @@ static inline float pca_f16_to_f32(uint16_t h) {
 }
 
 #endif
+
+/* The writer's first step for one token (format-spec/pca.md §5.1): x = its C values of dtype at
+ * src as f32; for K (cs, sn not NULL: the token's RoPE row, D/2 each) turned back per head;
+ * U[c] = clamp(round(f64((x[c] - mean[c]) * w[c]) * 2^8), +-(2^23 - 1)). Returns max |U[c]|, and
+ * sum U[c]^2 in *sumsq (< 2^58: exact in int64). */
+int32_t pca_forward_token(const uint8_t *src, int dtype, uint32_t C, uint32_t D, const float *cs, const float *sn,
+                          const float *mean, const float *w, int32_t *U, int64_t *sumsq);
+
+/* q[i] = clamp(round(f64(y[i]) * r), +-32767) and l1[i] += |q[i]|, for i < n */
+void pca_quantize(const int32_t *y, uint32_t n, double r, int16_t *q, uint32_t *l1);
+
+/* The exact transform of one token whose U is too large for the int16 path: acc[k] = sum_c U[c]
+ * basis[c][k] for k < C, in int64 (|acc| < 2^23 2^15 4096 = 2^50: exact in any order) */
+void pca_exact_token(const int32_t *U, const int16_t *basis, uint32_t C, int64_t *acc);
+
+/* The reader's last step for one token (§5.2): x[c] = f32(acc[c]) * h[c] + mean[c] (multiply,
+ * then add); for K (cs, sn not NULL) turned forward per head; rounded to dtype at dst. */
+void pca_inverse_token(const int32_t *acc, uint32_t C, uint32_t D, const float *h, const float *mean,
+                       const float *cs, const float *sn, int dtype, uint8_t *dst);

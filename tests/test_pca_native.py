@@ -2,8 +2,9 @@
 the same payload bytes, the same decoded values, the same refusals of damaged payloads.
 
 Geometries: the small one of test_pca (2 layers x 16 channels), an odd one (1 layer, 3 heads of
-10: 30 channels, not a multiple of the C transform's 24-column block), and the default model's
-(30 layers, 3 KV heads x 64), each with a random calibration of that shape (the coder does not
+10: 30 channels, not a multiple of the C transform's 24-column block), the default model's
+(30 layers, 3 KV heads x 64), and a wide one (2 heads of 16: the smallest the AVX2 forward step
+takes, half a head a multiple of 8), each with a random calibration of that shape (the coder does not
 care what the basis learned, only that it is within the spec's limits)."""
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def random_calibration(L: int, H: int, D: int, seed: int = 0) -> calmod.Calibrat
     return calmod.remember(cal)
 
 
-GEOMETRIES = {"small": (2, 2, 8), "odd": (1, 3, 10), "default": (30, 3, 64)}
+GEOMETRIES = {"small": (2, 2, 8), "odd": (1, 3, 10), "default": (30, 3, 64), "wide": (2, 2, 16)}
 _cals: dict[str, calmod.Calibration] = {}
 
 
@@ -142,11 +143,13 @@ def _outcome(coder, payload, shape, dtype, cal, step, position):
         return "refused"
 
 
-@pytest.mark.parametrize("dtype, step, tokens", [("bfloat16", 2.0, 48), ("float16", 0.2, 30), ("float32", 0.9, 7)])
-def test_damaged_payloads_get_the_reference_decision(dtype, step, tokens):
+@pytest.mark.parametrize("geometry, dtype, step, tokens", [
+    ("small", "bfloat16", 2.0, 48), ("small", "float16", 0.2, 30), ("small", "float32", 0.9, 7),
+    ("wide", "bfloat16", 0.2, 45)])  # wide: every AVX2 decode kernel, the inverse step too
+def test_damaged_payloads_get_the_reference_decision(geometry, dtype, step, tokens):
     """Bit flips and truncations: the native decoder never crashes, and refuses exactly what
     the reference refuses; what both accept decodes to the same values."""
-    cal = cal_of("small")
+    cal = cal_of(geometry)
     raw = raw_kv(cal, tokens, dtype, seed=7)
     payload = ref.encode_chunk(raw, dtype, cal, step, 4, 0, 16)
     rng = np.random.default_rng(11)
@@ -251,3 +254,80 @@ def test_a_missing_native_coder_is_one_notice_and_falls_back(monkeypatch, capsys
     assert err.count("native pca coder unavailable") == 1 and err.count("\n") == 1
     with pytest.raises(UsageError):
         native.coder("native")
+
+
+# --------------------------------------------------------------------------- every SIMD path
+# Cases that drive each AVX2 kernel and its portable tail: token counts around the blocks of 8
+# (raw parts), 16 (rANS steps) and 72 (the encoder's transform), lanes that are multiples of 8
+# (AVX2 rANS) and not (portable), steps from 0.05 to 16 (shifts 0..6, escapes, components not
+# coded at all), a spiky token (escapes; the int64 transform), rows with nothing coded.
+SIMD_CASES = [  # geometry, tokens, sinks, step, lanes, dtype, scale
+    ("wide", 1, 0, 0.5, 16, "bfloat16", 2.0), ("wide", 7, 0, 0.05, 8, "float32", 2.0),
+    ("wide", 12, 4, 2.0, 16, "float16", 2.0), ("wide", 13, 4, 0.5, 24, "bfloat16", 2.0),
+    ("wide", 37, 4, 0.05, 16, "float32", 2.0), ("wide", 41, 4, 16.0, 16, "bfloat16", 2.0),
+    ("wide", 76, 4, 0.5, 5, "float16", 2.0), ("wide", 77, 4, 2.0, 64, "float32", 2.0),
+    ("wide", 150, 4, 0.05, 16, "bfloat16", 2.0), ("wide", 33, 4, 1024.0, 16, "float32", 0.01),
+    ("default", 45, 4, 0.05, 16, "bfloat16", 2.0), ("default", 20, 0, 2.0, 8, "float16", 2.0),
+    ("odd", 30, 4, 0.5, 16, "float32", 2.0),
+]
+
+
+def simd_case_raw(geometry, tokens, dtype, scale, step, seed):
+    """raw_kv's values with token 5 scaled up (escapes; the int64 transform at the larger steps,
+    where its coefficients stay within the per-token limit)"""
+    cal = cal_of(geometry)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, cal.layers, tokens, cal.channels, generator=g) * scale + 0.3
+    if tokens > 5:
+        x[:, :, 5] *= 30.0 if step >= 0.5 else 3.0
+    x = x.to(getattr(torch, dtype))
+    return cal, x.view(torch.int16).numpy().view(np.uint16) if dtype == "bfloat16" else x.numpy()
+
+
+def side_bytes(payload: bytes, shape, dtype) -> np.ndarray:
+    _, L, T, C = shape
+    lanes, _, entries, _, pos = ref.parse(payload, shape, dtype)
+    out = []
+    for e in entries:
+        out.append(np.frombuffer(payload, np.uint8, count=C, offset=pos))
+        pos += sum(ref._row_sizes(C, lanes, *e))
+    return np.concatenate(out)
+
+
+def check_simd_cases() -> dict:
+    """Each case's payload and values against the reference; what the cases covered."""
+    seen = {"shifts": set(), "escapes": 0, "dead": 0, "empty_rows": 0}
+    for i, (geometry, tokens, sinks, step, lanes, dtype, scale) in enumerate(SIMD_CASES):
+        cal, raw = simd_case_raw(geometry, tokens, dtype, scale, step, seed=20 + i)
+        want = ref.encode_chunk(raw, dtype, cal, step, sinks, 3, lanes)
+        assert native.encode_chunk(raw, dtype, cal, step, sinks, 3, lanes) == want, (i, "encode")
+        got = native.decode_chunk(want, raw.shape, dtype, cal, step, 3)
+        assert same(got, ref.decode_chunk(want, raw.shape, dtype, cal, step, 3)), (i, "decode")
+        sides = side_bytes(want, raw.shape, dtype)
+        seen["shifts"] |= set((sides[sides != 0xFF] >> 5).tolist())
+        seen["dead"] += int((sides == 0xFF).sum())
+        entries = ref.parse(want, raw.shape, dtype)[2]
+        seen["escapes"] += sum(e[3] for e in entries)
+        seen["empty_rows"] += sum(e[0] == 0 for e in entries)
+    return seen
+
+
+def test_every_simd_path_is_the_reference():
+    seen = check_simd_cases()
+    assert seen["shifts"] == set(range(7)) and seen["escapes"] and seen["dead"] and seen["empty_rows"]
+
+
+def test_every_portable_path_is_the_reference(tmp_path):
+    """The same cases with KVTOOL_PCA_SIMD=0 (read once per process: a subprocess)."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from test_pca_native import check_simd_cases\n"
+        "from kvtool.codecs.pca import native\n"
+        "assert native.native_module().simd() == 'portable'\n"
+        "check_simd_cases()\n"
+        "print('ok')\n")
+    env = dict(os.environ, KVTOOL_PCA_SIMD="0")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-2000:]

@@ -1,0 +1,482 @@
+/* rANS kernels of the pca CPU coder: see pca_rans.h. The AVX2 paths are chosen at run time
+ * (pca_simd_avx2: the CPU has it and KVTOOL_PCA_SIMD is not 0); integer arithmetic only, so
+ * they give exactly what the portable loops give. */
+#include "pca_rans.h"
+
+#include <pthread.h>
+#include <string.h>
+
+#include "pca_kernels.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define PCA_RANS_AVX2 1
+#include <immintrin.h>
+#endif
+
+void pca_dec_tables(uint32_t *dec, const uint32_t (*freq)[PCA_NSYM], const uint32_t (*cum)[PCA_NSYM + 1]) {
+    for (int t = 0; t < PCA_NTAB; t++) {
+        uint32_t *d = dec + (size_t)t * PCA_SLOTS;
+        for (uint32_t s = 0; s < PCA_NSYM; s++)
+            for (uint32_t slot = cum[t][s]; slot < cum[t][s + 1]; slot++)
+                d[slot] = pca_dec_entry(freq[t][s], slot - cum[t][s], s);
+    }
+}
+
+#ifdef PCA_RANS_AVX2
+static int32_t g_perm[256][8]; /* word i of a load goes to the i-th lane (ascending) needing one */
+static pthread_once_t g_perm_once = PTHREAD_ONCE_INIT;
+
+static void perm_init(void) {
+    for (int m = 0; m < 256; m++)
+        for (int lane = 0, k = 0; lane < 8; lane++) g_perm[m][lane] = (m >> lane) & 1 ? k++ : 0;
+}
+
+/* One step of 8 lanes: the symbols' entries by 8 scalar loads (a gather is slower on Zen) at
+ * slot + the lane's table offset, the state update, then the renormalisation: lane j that needs a
+ * word takes the (number of lanes below j needing one)-th word at *wp. */
+__attribute__((target("avx2"))) static inline __m256i dec8(__m256i X, __m256i off, const uint32_t *dec,
+                                                         const uint16_t *words, uint32_t *wp, uint8_t *sym) {
+    const __m256i slot = _mm256_and_si256(X, _mm256_set1_epi32(PCA_SLOTS - 1));
+    uint32_t ix[8] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)ix, _mm256_add_epi32(slot, off));
+    const __m256i E = _mm256_setr_epi32((int)dec[ix[0]], (int)dec[ix[1]], (int)dec[ix[2]], (int)dec[ix[3]],
+                                        (int)dec[ix[4]], (int)dec[ix[5]], (int)dec[ix[6]], (int)dec[ix[7]]);
+    /* the low byte of each entry (its symbol), 8 bytes */
+    const __m256i lo = _mm256_shuffle_epi8(E, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                               -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                               -1, -1, -1, -1));
+    const __m128i sb = _mm_unpacklo_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+    _mm_storel_epi64((__m128i *)sym, _mm_and_si128(sb, _mm_set1_epi8(15)));
+    const __m256i f = _mm256_srli_epi32(E, 20);
+    const __m256i bias = _mm256_and_si256(_mm256_srli_epi32(E, 4), _mm256_set1_epi32(PCA_SLOTS - 1));
+    X = _mm256_add_epi32(_mm256_mullo_epi32(f, _mm256_srli_epi32(X, 12)), bias);
+    const __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(X, 16), _mm256_setzero_si256());
+    const int m = _mm256_movemask_ps(_mm256_castsi256_ps(need));
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(words + *wp)));
+    w = _mm256_permutevar8x32_epi32(w, _mm256_loadu_si256((const __m256i *)g_perm[m]));
+    *wp += (uint32_t)__builtin_popcount((unsigned)m);
+    return _mm256_blendv_epi8(X, _mm256_or_si256(_mm256_slli_epi32(X, 16), w), need);
+}
+
+/* The row's steps from the first while N words remain. Symbol i is token i % Tc of live component
+ * i / Tc (table tabs[i / Tc]); a step across two components gives its lanes two table offsets. */
+__attribute__((target("avx2"))) static size_t dec_row_avx2(uint32_t *x, uint32_t N, const uint32_t *dec,
+                                                          const uint8_t *tabs, uint32_t Tc, size_t count,
+                                                          const uint16_t *words, uint32_t *wp, uint32_t nwords,
+                                                          uint8_t *sym) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    uint32_t p = *wp, jc = 0, tc = 0;
+    size_t i = 0;
+    __m256i off = _mm256_set1_epi32(tabs[0] * PCA_SLOTS);
+    for (; count - i >= N && nwords - p >= N; i += N) {
+        const uint32_t left = Tc - tc; /* symbols of component jc from this step's first on */
+        if (left >= N) {
+            for (uint32_t g = 0; g < N; g += 8) {
+                const __m256i X = _mm256_loadu_si256((const __m256i *)(x + g));
+                _mm256_storeu_si256((__m256i *)(x + g), dec8(X, off, dec, words, &p, sym + i + g));
+            }
+            tc += N;
+        } else { /* lanes below `left` in component jc, the rest in jc + 1 (Tc >= N: checked) */
+            const __m256i a = off, b = _mm256_set1_epi32(tabs[jc + 1] * PCA_SLOTS);
+            for (uint32_t g = 0; g < N; g += 8) {
+                const __m256i late = _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32((int)g)),
+                                                        _mm256_set1_epi32((int)left - 1));
+                const __m256i X = _mm256_loadu_si256((const __m256i *)(x + g));
+                _mm256_storeu_si256((__m256i *)(x + g), dec8(X, _mm256_blendv_epi8(a, b, late), dec, words, &p, sym + i + g));
+            }
+            jc++;
+            tc = N - left;
+            off = b;
+        }
+        if (tc == Tc && i + N < count) { /* the step ended a component */
+            jc++;
+            tc = 0;
+            off = _mm256_set1_epi32(tabs[jc] * PCA_SLOTS);
+        }
+    }
+    *wp = p;
+    return i;
+}
+#endif
+
+size_t pca_rans_dec_row(uint32_t *x, uint32_t N, const uint32_t *dec, const uint8_t *tabs, uint32_t Tc, size_t count,
+                        const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym) {
+#ifdef PCA_RANS_AVX2
+    if (N % 8 == 0 && Tc >= N && count && *wp <= nwords && pca_simd_avx2()) {
+        pthread_once(&g_perm_once, perm_init);
+        return dec_row_avx2(x, N, dec, tabs, Tc, count, words, wp, nwords, sym);
+    }
+#endif
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* the encoder's choice (§6.2)                                               */
+
+/* 64-bit sums: any Tc, any costs the caller accepted */
+static void choose_u64(const uint64_t h[PCA_NSYM], int s, uint64_t Tc, const uint64_t (*cost_t)[PCA_NTAB],
+                       uint64_t *best, uint8_t *side) {
+    uint64_t cost[PCA_NTAB];
+    const uint64_t fixed = 256u * ((uint64_t)s * Tc + 16u * h[PCA_NSYM - 1]);
+    for (int t = 0; t < PCA_NTAB; t++) cost[t] = fixed;
+    for (int j = 0; j < PCA_NSYM; j++) {
+        if (!h[j]) continue;
+        const uint64_t n = h[j], *ct = cost_t[j];
+        for (int t = 0; t < PCA_NTAB; t++) cost[t] += n * ct[t];
+    }
+    for (int t = 0; t < PCA_NTAB; t++)
+        if (cost[t] < *best) { *best = cost[t]; *side = (uint8_t)(t | (s << 5)); }
+}
+
+#ifdef PCA_RANS_AVX2
+/* 32-bit sums, 8 tables a vector, two symbols a vpmaddwd: the caller passes cost16 only when
+ * every count fits int16 and no sum can reach 2^31 (see pca_choose_shift) */
+__attribute__((target("avx2"))) static void choose_madd_avx2(const uint64_t h[PCA_NSYM], int s, uint64_t Tc,
+                                                            const int16_t *cost16, uint64_t *best, uint8_t *side) {
+    const __m256i fixed = _mm256_set1_epi32((int)(256u * ((uint32_t)s * (uint32_t)Tc + 16u * (uint32_t)h[PCA_NSYM - 1])));
+    __m256i c0 = fixed, c1 = fixed, c2 = fixed, c3 = fixed;
+    for (int i = 0; i < PCA_NSYM / 2; i++) {
+        if (!(h[2 * i] | h[2 * i + 1])) continue;
+        const __m256i n = _mm256_set1_epi32((int)((uint32_t)h[2 * i] | (uint32_t)h[2 * i + 1] << 16));
+        const __m256i *ct = (const __m256i *)(cost16 + (size_t)i * PCA_NTAB * 2);
+        c0 = _mm256_add_epi32(c0, _mm256_madd_epi16(n, _mm256_loadu_si256(ct)));
+        c1 = _mm256_add_epi32(c1, _mm256_madd_epi16(n, _mm256_loadu_si256(ct + 1)));
+        c2 = _mm256_add_epi32(c2, _mm256_madd_epi16(n, _mm256_loadu_si256(ct + 2)));
+        c3 = _mm256_add_epi32(c3, _mm256_madd_epi16(n, _mm256_loadu_si256(ct + 3)));
+    }
+    __m256i mn = _mm256_min_epu32(_mm256_min_epu32(c0, c1), _mm256_min_epu32(c2, c3));
+    mn = _mm256_min_epu32(mn, _mm256_permute2x128_si256(mn, mn, 1));
+    mn = _mm256_min_epu32(mn, _mm256_shuffle_epi32(mn, 0x4E));
+    mn = _mm256_min_epu32(mn, _mm256_shuffle_epi32(mn, 0xB1));
+    const uint32_t least = (uint32_t)_mm256_cvtsi256_si32(mn);
+    if (least >= *best) return;
+    /* the first table with the least cost */
+    const uint64_t m = (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(c0, mn))) |
+                       (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(c1, mn))) << 8 |
+                       (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(c2, mn))) << 16 |
+                       (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(c3, mn))) << 24;
+    *best = least;
+    *side = (uint8_t)(__builtin_ctzll(m) | (s << 5));
+}
+#endif
+
+void pca_choose_shift(const uint64_t h[PCA_NSYM], int s, uint64_t Tc, const uint64_t (*cost_t)[PCA_NTAB],
+                      const int16_t *cost16, uint64_t *best, uint8_t *side) {
+#ifdef PCA_RANS_AVX2
+    if (cost16 && pca_simd_avx2()) {
+        choose_madd_avx2(h, s, Tc, cost16, best, side);
+        return;
+    }
+#endif
+    choose_u64(h, s, Tc, cost_t, best, side);
+}
+
+/* ------------------------------------------------------------------------ */
+/* the decoder's raw parts                                                   */
+
+/* up to 57 bits at bit position at, LSB first; zero bits past the stream's len bytes */
+static inline uint64_t peek_bits(const uint8_t *p, size_t len, uint64_t at) {
+    const size_t byte = (size_t)(at >> 3);
+    uint64_t v = 0;
+    if (byte + 8 <= len) memcpy(&v, p + byte, 8);
+    else
+        for (size_t i = 0; byte + i < len && i < 8; i++) v |= (uint64_t)p[byte + i] << (8 * i);
+    return v >> (at & 7u);
+}
+
+static void raw_portable(pca_raw_in *r, int sh, const uint8_t *sym, const uint32_t *esc, uint32_t t, uint32_t n,
+                         int16_t *q, uint32_t *l1, uint32_t *last, uint32_t k1, uint32_t *big) {
+    const uint32_t mask = (1u << sh) - 1u;
+    uint32_t bg = 0;
+    for (; t < n; t++) {
+        uint32_t mt = sym[t] + (esc ? esc[t] : 0u);
+        if (sh) {
+            mt = mt << sh | ((uint32_t)peek_bits(r->lo, r->lo_len, r->lo_at) & mask);
+            r->lo_at += (uint64_t)sh;
+        }
+        const uint32_t nz = mt != 0, neg = (uint32_t)peek_bits(r->sign, r->sign_len, r->sign_at) & nz;
+        r->sign_at += nz;
+        bg |= mt > 32767u;
+        q[t] = (int16_t)(int32_t)((mt ^ (0u - neg)) + neg);
+        l1[t] += mt;
+        last[t] = nz ? k1 : last[t];
+    }
+    *big |= bg;
+}
+
+#ifdef PCA_RANS_AVX2
+static int32_t g_prefix[256][8]; /* the number of set bits of m below bit j */
+static pthread_once_t g_prefix_once = PTHREAD_ONCE_INIT;
+
+static void prefix_init(void) {
+    for (int m = 0; m < 256; m++)
+        for (int j = 0, k = 0; j < 8; j++) {
+            g_prefix[m][j] = k;
+            k += (m >> j) & 1;
+        }
+}
+
+/* 8 tokens a step: their 8 sh-bit low fields are one 48-bit read (split by per-lane shifts of
+ * 64-bit lanes); the signs one 8-bit read, token j taking bit (nonzero tokens before j). Runs
+ * while both reads stay inside their streams; returns the tokens done. */
+__attribute__((target("avx2"))) static uint32_t raw_avx2(pca_raw_in *r, int sh, const uint8_t *sym,
+                                                        const uint32_t *esc, uint32_t n, int16_t *q, uint32_t *l1,
+                                                        uint32_t *last, uint32_t k1, uint32_t *big) {
+    const __m256i sh_lo = _mm256_setr_epi64x(0, sh, 2 * sh, 3 * sh), sh_hi = _mm256_add_epi64(sh_lo, _mm256_set1_epi64x(4 * sh));
+    const __m256i lmask = _mm256_set1_epi32((1 << sh) - 1), K1 = _mm256_set1_epi32((int)k1), one = _mm256_set1_epi32(1);
+    const __m256i lim = _mm256_set1_epi32(32767), zero = _mm256_setzero_si256();
+    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m128i shc = _mm_cvtsi32_si128(sh);
+    __m256i bg = zero;
+    uint64_t lo_at = r->lo_at, sign_at = r->sign_at;
+    uint32_t t = 0;
+    for (; t + 8 <= n && (lo_at >> 3) + 8 <= r->lo_len && (sign_at >> 3) + 2 <= r->sign_len; t += 8) {
+        __m256i M = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sym + t)));
+        if (esc) M = _mm256_add_epi32(M, _mm256_loadu_si256((const __m256i *)(esc + t)));
+        if (sh) {
+            uint64_t v;
+            memcpy(&v, r->lo + (lo_at >> 3), 8);
+            const __m256i V = _mm256_set1_epi64x((long long)(v >> (lo_at & 7u)));
+            const __m256i a = _mm256_srlv_epi64(V, sh_lo), b = _mm256_srlv_epi64(V, sh_hi);
+            /* low 32 bits of the 8 64-bit lanes, in token order */
+            const __m256i ab = _mm256_permutevar8x32_epi32(_mm256_blend_epi32(a, _mm256_slli_epi64(b, 32), 0xAA), even);
+            M = _mm256_or_si256(_mm256_sll_epi32(M, shc), _mm256_and_si256(ab, lmask));
+            lo_at += 8u * (uint64_t)sh;
+        }
+        const __m256i zm = _mm256_cmpeq_epi32(M, zero);
+        const unsigned nzm = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(zm)) ^ 0xFFu;
+        uint16_t sv;
+        memcpy(&sv, r->sign + (sign_at >> 3), 2);
+        const __m256i S = _mm256_set1_epi32((int)((uint32_t)sv >> (sign_at & 7u)));
+        const __m256i neg = _mm256_andnot_si256(zm, _mm256_and_si256(
+            _mm256_srlv_epi32(S, _mm256_loadu_si256((const __m256i *)g_prefix[nzm])), one));
+        sign_at += (uint64_t)__builtin_popcount(nzm);
+        bg = _mm256_or_si256(bg, _mm256_cmpgt_epi32(M, lim)); /* signed compare: m < 2^31 */
+        const __m256i Q = _mm256_sub_epi32(_mm256_xor_si256(M, _mm256_sub_epi32(zero, neg)), _mm256_sub_epi32(zero, neg));
+        const __m256i Q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(Q, Q), 0x08); /* bad values are refused anyway */
+        _mm_storeu_si128((__m128i *)(q + t), _mm256_castsi256_si128(Q16));
+        _mm256_storeu_si256((__m256i *)(l1 + t), _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(l1 + t)), M));
+        const __m256i L = _mm256_loadu_si256((const __m256i *)(last + t));
+        _mm256_storeu_si256((__m256i *)(last + t), _mm256_blendv_epi8(K1, L, zm));
+    }
+    r->lo_at = lo_at;
+    r->sign_at = sign_at;
+    *big |= (uint32_t)!_mm256_testz_si256(bg, bg);
+    return t;
+}
+#endif
+
+void pca_raw_component(pca_raw_in *r, int sh, const uint8_t *sym, const uint32_t *esc, uint32_t n, int16_t *q,
+                       uint32_t *l1, uint32_t *last, uint32_t k1, uint32_t *big) {
+    uint32_t t = 0;
+#ifdef PCA_RANS_AVX2
+    if (pca_simd_avx2()) {
+        pthread_once(&g_prefix_once, prefix_init);
+        t = raw_avx2(r, sh, sym, esc, n, q, l1, last, k1, big);
+    }
+#endif
+    raw_portable(r, sh, sym, esc, t, n, q, l1, last, k1, big);
+}
+
+#ifdef PCA_RANS_AVX2
+__attribute__((target("avx2,popcnt"))) static uint32_t count_escapes_avx2(const uint8_t *sym, uint32_t n, uint32_t *t) {
+    uint32_t c = 0, i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(sym + i));
+        c += (uint32_t)__builtin_popcount((unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi8(v, _mm256_set1_epi8(15))));
+    }
+    *t = i;
+    return c;
+}
+#endif
+
+uint32_t pca_count_escapes(const uint8_t *sym, uint32_t n) {
+    uint32_t c = 0, t = 0;
+#ifdef PCA_RANS_AVX2
+    if (pca_simd_avx2()) c = count_escapes_avx2(sym, n, &t);
+#endif
+    for (; t < n; t++) c += sym[t] == 15u;
+    return c;
+}
+
+void pca_interleave(const int16_t *a, const int16_t *b, uint32_t n, int16_t *out) {
+    for (uint32_t t = 0; t < n; t++) {
+        out[2 * (size_t)t] = a[t];
+        out[2 * (size_t)t + 1] = b[t];
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* the AVX2 rANS encoder                                                     */
+#ifdef PCA_RANS_AVX2
+static int32_t g_rpack[256][8]; /* the lanes set in m, ascending, at the top of 8 positions */
+static pthread_once_t g_rpack_once = PTHREAD_ONCE_INIT;
+
+static void rpack_init(void) {
+    for (int m = 0; m < 256; m++) {
+        int p = 8 - __builtin_popcount((unsigned)m);
+        for (int j = 0; j < 8; j++) g_rpack[m][j] = 0;
+        for (int lane = 0; lane < 8; lane++)
+            if ((m >> lane) & 1) g_rpack[m][p++] = lane;
+    }
+}
+
+typedef struct { __m256i flo, fhi, clo, chi, rlo, rhi; } enc8_tab;
+
+/* a 16-entry table by two in-register permutations (symbol bit 3 picks the half) */
+__attribute__((target("avx2"))) static inline __m256i lut16(__m256i lo, __m256i hi, __m256i s, __m256i upper) {
+    return _mm256_blendv_epi8(_mm256_permutevar8x32_epi32(lo, s), _mm256_permutevar8x32_epi32(hi, s), upper);
+}
+
+/* One group of 8 lanes: emit (x >= f << 20: its low 16 bits, then x >> 16), then
+ * x = (x / f) << 12 + x % f + cum; x / f as the high half of x * floor((2^32 - 1) / f), at most
+ * one below the quotient, corrected once. The same states and words as the portable loop. */
+__attribute__((target("avx2"))) static inline __m256i enc8(__m256i X, const enc8_tab *t, const uint8_t *sym,
+                                                         uint16_t *words, size_t *wp) {
+    const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sym)), upper = _mm256_cmpgt_epi32(s, _mm256_set1_epi32(7));
+    const __m256i f = lut16(t->flo, t->fhi, s, upper), cum = lut16(t->clo, t->chi, s, upper);
+    const __m256i R = lut16(t->rlo, t->rhi, s, upper);
+    const __m256i bound = _mm256_slli_epi32(f, 20);
+    const __m256i emit = _mm256_cmpeq_epi32(_mm256_max_epu32(X, bound), X);
+    const int m = _mm256_movemask_ps(_mm256_castsi256_ps(emit));
+    if (m) {
+        const __m256i w = _mm256_and_si256(_mm256_permutevar8x32_epi32(X, _mm256_loadu_si256((const __m256i *)g_rpack[m])),
+                                           _mm256_set1_epi32(0xFFFF));
+        const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(w, w), 0x08);
+        _mm_storeu_si128((__m128i *)(words + *wp - 8), _mm256_castsi256_si128(p));
+        *wp -= (size_t)__builtin_popcount((unsigned)m);
+        X = _mm256_blendv_epi8(X, _mm256_srli_epi32(X, 16), emit);
+    }
+    const __m256i even = _mm256_mul_epu32(X, R);
+    const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(X, 32), _mm256_srli_epi64(R, 32));
+    __m256i d = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+    __m256i rem = _mm256_sub_epi32(X, _mm256_mullo_epi32(d, f));
+    const __m256i over = _mm256_cmpgt_epi32(rem, _mm256_sub_epi32(f, _mm256_set1_epi32(1))); /* rem < 2f < 2^13 */
+    d = _mm256_sub_epi32(d, over);
+    rem = _mm256_sub_epi32(rem, _mm256_and_si256(f, over));
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(d, 12), rem), cum);
+}
+
+__attribute__((target("avx2"))) static size_t enc_steps_avx2(uint32_t *x, uint32_t N, const pca_enc_table *tb,
+                                                            const uint8_t *sym, uint16_t *words, size_t *wp,
+                                                            size_t steps) {
+    enc8_tab t;
+    t.flo = _mm256_loadu_si256((const __m256i *)tb->f);
+    t.fhi = _mm256_loadu_si256((const __m256i *)(tb->f + 8));
+    t.clo = _mm256_loadu_si256((const __m256i *)tb->cum);
+    t.chi = _mm256_loadu_si256((const __m256i *)(tb->cum + 8));
+    t.rlo = _mm256_loadu_si256((const __m256i *)tb->rcp);
+    t.rhi = _mm256_loadu_si256((const __m256i *)(tb->rcp + 8));
+    size_t p = *wp;
+    if (N == 16) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)x), b = _mm256_loadu_si256((const __m256i *)(x + 8));
+        for (size_t s = 0; s < steps; s++, sym -= 16) {
+            b = enc8(b, &t, sym + 8, words, &p);
+            a = enc8(a, &t, sym, words, &p);
+        }
+        _mm256_storeu_si256((__m256i *)x, a);
+        _mm256_storeu_si256((__m256i *)(x + 8), b);
+    } else {
+        for (size_t s = 0; s < steps; s++, sym -= N)
+            for (uint32_t g = N; g > 0; g -= 8) {
+                const __m256i X = _mm256_loadu_si256((const __m256i *)(x + g - 8));
+                _mm256_storeu_si256((__m256i *)(x + g - 8), enc8(X, &t, sym + g - 8, words, &p));
+            }
+    }
+    *wp = p;
+    return steps;
+}
+#endif
+
+size_t pca_rans_enc_steps(uint32_t *x, uint32_t N, const pca_enc_table *tb, const uint8_t *sym, uint16_t *words,
+                          size_t *wp, size_t steps) {
+#ifdef PCA_RANS_AVX2
+    if (N % 8 == 0 && pca_simd_avx2()) {
+        pthread_once(&g_rpack_once, rpack_init);
+        return enc_steps_avx2(x, N, tb, sym, words, wp, steps);
+    }
+#endif
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* the encoder's raw parts                                                   */
+
+/* OR v (at most 57 - (at & 7) bits) in at bit position at of a zeroed buffer */
+static inline void put_bits(uint8_t *p, uint64_t at, uint64_t v) {
+    uint64_t w;
+    memcpy(&w, p + (at >> 3), 8);
+    w |= v << (at & 7u);
+    memcpy(p + (at >> 3), &w, 8);
+}
+
+static void raw_encode_portable(pca_raw_out *o, int sh, const int16_t *q, uint32_t t, uint32_t n, uint8_t *sym) {
+    const uint32_t mask = (1u << sh) - 1u;
+    for (; t < n; t++) {
+        const uint32_t m = (uint32_t)(q[t] < 0 ? -q[t] : q[t]), hi = m >> sh;
+        if (sh) put_bits(o->lo, o->lo_at, m & mask);
+        o->lo_at += (uint64_t)sh;
+        if (m) put_bits(o->sign, o->sign_at++, q[t] < 0);
+        sym[t] = (uint8_t)(hi < 15u ? hi : 15u);
+        if (hi >= 15u) o->esc[o->nesc++] = (uint16_t)(hi - 15u);
+    }
+}
+
+#ifdef PCA_RANS_AVX2
+/* 8 tokens a step: the 8 low fields merged into one 8 sh-bit number by per-lane shifts of 64-bit
+ * lanes, the signs of the nonzero ones into one popcount-bit number (token j's sign to bit
+ * (nonzero tokens before j)), each one write. Escapes (rare) by the portable loop. */
+__attribute__((target("avx2"))) static uint32_t raw_encode_avx2(pca_raw_out *o, int sh, const int16_t *q,
+                                                               uint32_t n, uint8_t *sym) {
+    const __m256i sh_lo = _mm256_setr_epi64x(0, sh, 2 * sh, 3 * sh), sh_hi = _mm256_add_epi64(sh_lo, _mm256_set1_epi64x(4 * sh));
+    const __m256i lmask = _mm256_set1_epi32((1 << sh) - 1), fifteen = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+    const __m128i shc = _mm_cvtsi32_si128(sh);
+    uint32_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256i Q = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(q + t)));
+        const __m256i M = _mm256_abs_epi32(Q), hi = _mm256_srl_epi32(M, shc);
+        if (!_mm256_testz_si256(_mm256_cmpgt_epi32(hi, _mm256_set1_epi32(14)), _mm256_set1_epi32(-1))) {
+            raw_encode_portable(o, sh, q, t, t + 8, sym); /* an escape among them */
+            continue;
+        }
+        const __m256i S = _mm256_min_epi32(hi, fifteen);
+        const __m256i sb = _mm256_shuffle_epi8(S, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                    -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                    -1, -1, -1, -1));
+        _mm_storel_epi64((__m128i *)(sym + t), _mm_unpacklo_epi32(_mm256_castsi256_si128(sb), _mm256_extracti128_si256(sb, 1)));
+        if (sh) {
+            const __m256i L = _mm256_and_si256(M, lmask);
+            const __m256i a = _mm256_sllv_epi64(_mm256_cvtepu32_epi64(_mm256_castsi256_si128(L)), sh_lo);
+            const __m256i b = _mm256_sllv_epi64(_mm256_cvtepu32_epi64(_mm256_extracti128_si256(L, 1)), sh_hi);
+            __m256i v = _mm256_or_si256(a, b);
+            v = _mm256_or_si256(v, _mm256_permute4x64_epi64(v, 0x4E));
+            v = _mm256_or_si256(v, _mm256_shuffle_epi32(v, 0x4E));
+            put_bits(o->lo, o->lo_at, (uint64_t)_mm256_extract_epi64(v, 0));
+            o->lo_at += 8u * (uint64_t)sh;
+        }
+        const __m256i zm = _mm256_cmpeq_epi32(M, _mm256_setzero_si256());
+        const unsigned nzm = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(zm)) ^ 0xFFu;
+        if (nzm) {
+            const __m256i neg = _mm256_srli_epi32(Q, 31); /* 1 where q < 0 (then m != 0) */
+            __m256i b = _mm256_sllv_epi32(_mm256_and_si256(neg, one), _mm256_loadu_si256((const __m256i *)g_prefix[nzm]));
+            b = _mm256_or_si256(b, _mm256_permute2x128_si256(b, b, 1));
+            b = _mm256_or_si256(b, _mm256_shuffle_epi32(b, 0x4E));
+            b = _mm256_or_si256(b, _mm256_shuffle_epi32(b, 0xB1));
+            put_bits(o->sign, o->sign_at, (uint32_t)_mm256_cvtsi256_si32(b));
+            o->sign_at += (uint64_t)__builtin_popcount(nzm);
+        }
+    }
+    return t;
+}
+#endif
+
+void pca_raw_encode(pca_raw_out *o, int sh, const int16_t *q, uint32_t n, uint8_t *sym) {
+    uint32_t t = 0;
+#ifdef PCA_RANS_AVX2
+    if (pca_simd_avx2()) {
+        pthread_once(&g_prefix_once, prefix_init);
+        t = raw_encode_avx2(o, sh, q, n, sym);
+    }
+#endif
+    raw_encode_portable(o, sh, q, t, n, sym);
+}

@@ -1,0 +1,83 @@
+/* rANS kernels of the pca CPU coder (format-spec/pca.md §6.3): the decoder's symbol table and
+ * its AVX2 lane loop, and the encoder's (table, shift) cost sums. Each has a portable twin in
+ * pca_cpu.c or here; both give the same states, words and symbols (integer arithmetic only). */
+#ifndef KVTOOL_PCA_RANS_H
+#define KVTOOL_PCA_RANS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define PCA_NSYM 16
+#define PCA_NTAB 32
+#define PCA_SLOTS 4096 /* 2^12: the frequencies' total */
+
+/* One decode entry per slot: f << 20 | (slot - cum[s]) << 4 | s. A single load gives the symbol
+ * and both numbers of the state update x = f (x >> 12) + slot - cum (f < 4096: 16 frequencies of
+ * at least 1 sum to 4096; slot - cum < f). */
+static inline uint32_t pca_dec_entry(uint32_t f, uint32_t bias, uint32_t s) { return f << 20 | bias << 4 | s; }
+
+/* dec[t][slot] for the 32 tables, from freq [32][16] and cum [32][17] (checked by the caller) */
+void pca_dec_tables(uint32_t *dec, const uint32_t (*freq)[PCA_NSYM], const uint32_t (*cum)[PCA_NSYM + 1]);
+
+/* AVX2: the row's rANS steps of N lanes (N a multiple of 8, Tc >= N) from the first, while a whole
+ * step remains and at least N words remain at *wp (so every load is inside the stream and no step
+ * ends early). Symbol i belongs to live component i / Tc, coded with table tabs[i / Tc]; dec holds
+ * the 32 tables. Symbols to sym[0 .. done). Returns the symbols done, a multiple of N (0 when AVX2
+ * is off or N, Tc do not fit); the caller goes on with its portable loop, whose arithmetic this
+ * repeats. */
+size_t pca_rans_dec_row(uint32_t *x, uint32_t N, const uint32_t *dec, const uint8_t *tabs, uint32_t Tc, size_t count,
+                        const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym);
+
+/* §6.2 for one histogram h at shift s: cost[t] = sum_j h[j] COST[t][j] + 256 (s Tc + 16 h[15])
+ * for the 32 tables; the least goes to *best / *side when strictly below *best (tables in order,
+ * so ties keep the smaller shift, then table). cost_t is COST transposed ([16][32]); cost16, when
+ * not NULL, the same as int16 pairs [8][32][2] (symbols 2i, 2i+1 of each table), which the caller
+ * passes only when Tc < 2^15 and every cost <= 4096 (then every sum stays below 2^31). */
+void pca_choose_shift(const uint64_t h[PCA_NSYM], int s, uint64_t Tc, const uint64_t (*cost_t)[PCA_NTAB],
+                      const int16_t *cost16, uint64_t *best, uint8_t *side);
+
+#endif
+
+/* The raw parts of one component (§6.4) as the decoder reads them: positions in bits, reads never
+ * past a stream's bytes (past them: zero bits; the caller judges the counts after the row). */
+typedef struct {
+    const uint8_t *lo, *sign;
+    size_t lo_len, sign_len;  /* bytes */
+    uint64_t lo_at, sign_at;  /* bits read so far */
+} pca_raw_in;
+
+/* For t < n: m[t] = sym[t] + esc[t] (esc NULL: no escapes) becomes m = m << sh | lo, q[t] = m or
+ * -m (its sign bit read when m != 0), l1[t] += m, last[t] = k1 when m != 0; *big |= m > 32767. q
+ * is the component's row (contiguous). The AVX2 path does whole blocks of 8, the rest portably. */
+void pca_raw_component(pca_raw_in *r, int sh, const uint8_t *sym, const uint32_t *esc, uint32_t n, int16_t *q,
+                       uint32_t *l1, uint32_t *last, uint32_t k1, uint32_t *big);
+
+/* the number of escape symbols (15) among sym[0 .. n) */
+uint32_t pca_count_escapes(const uint8_t *sym, uint32_t n);
+
+/* Pair-major copy of rows a and b of n int16 (n a multiple of 4): out[2t] = a[t], out[2t+1] = b[t],
+ * the layout of the transform's input (pca_matmul's xp). */
+void pca_interleave(const int16_t *a, const int16_t *b, uint32_t n, int16_t *out);
+
+/* One table as the AVX2 encoder reads it: f, cum and floor((2^32 - 1) / f) of its 16 symbols */
+typedef struct { uint32_t f[PCA_NSYM], cum[PCA_NSYM], rcp[PCA_NSYM]; } pca_enc_table;
+
+/* AVX2 encoder: `steps` full steps of N lanes (N a multiple of 8), backwards: step s (s = 0 first)
+ * codes symbols sym[-s N .. -s N + N) of one table, lanes from N-1 down, the words of a step's
+ * lanes stored below words[*wp] in ascending lane order (the decoder's reading order). Stores
+ * may touch the 8 words below the final *wp (the caller leaves room). Returns the steps done
+ * (0 when AVX2 is off or N % 8 != 0). */
+size_t pca_rans_enc_steps(uint32_t *x, uint32_t N, const pca_enc_table *tb, const uint8_t *sym, uint16_t *words,
+                          size_t *wp, size_t steps);
+
+/* The writer's raw parts of one component (§6.4), appended at bit positions lo_at / sign_at of
+ * zeroed buffers (each with 8 bytes to spare past its last bit); the symbols min(m >> sh, 15) to
+ * sym, the escapes to esc. */
+typedef struct {
+    uint8_t *lo, *sign;
+    uint64_t lo_at, sign_at;
+    uint16_t *esc;
+    uint32_t nesc;
+} pca_raw_out;
+
+void pca_raw_encode(pca_raw_out *o, int sh, const int16_t *q, uint32_t n, uint8_t *sym);
