@@ -2,9 +2,9 @@
 model: `capture --codec pca` (with `--store`), the store's `put_sequence` and loads, and a reader
 without the calibration object (a miss that says why, in one line; the object kept).
 
-The calibration is learned once for the module, on ~600 tokens of Python's documentation, with the
-session's loaded model (what `kvtool calibrate` does, minus loading the model again), and
-registered for the model in a folder of the test's own ($KVTOOL_CALIBRATION_DIR)."""
+The calibration is learned once for the module (`fixtures.learn_calibration`: what `kvtool
+calibrate` does, on 640 tokens, with the session's loaded model) and registered for the model in a
+folder of the test's own ($KVTOOL_CALIBRATION_DIR)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from kvtool.codecs.pca import QUALITY, params_for
 from kvtool.codecs.pca import calibration as calmod
 
-from fixtures import cli
+from fixtures import cli, learn_calibration
 
 pytestmark = pytest.mark.model
 CHUNK = 256
@@ -26,19 +26,11 @@ CHUNK = 256
 @pytest.fixture(scope="module")
 def learned(tmp_path_factory, default_model):
     """(folder, the calibration folder, digest, a prompt file of ~650 tokens: 2 whole chunks and a part)."""
-    from pydoc_data.topics import topics
-
-    from kvtool.ops.calibrate import calibrate
-
     folder = tmp_path_factory.mktemp("pca-store")
-    ids = default_model.tokenizer.encode(topics["numbers"] + topics["exceptions"], add_special_tokens=False)[:640]
-    cal = calibrate(default_model, [ids]).save(folder / "calibration")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KVTOOL_CALIBRATION_DIR", str(folder / "calibration"))
-        calmod.register(default_model.identity.fingerprint(), cal.digest)
+    digest = learn_calibration(default_model, folder / "calibration")
     prompt = folder / "prompt.txt"  # text the basis never saw
     prompt.write_text(pathlib.Path(json.__file__).read_text()[:1900])
-    return folder, folder / "calibration", cal.digest, prompt
+    return folder, folder / "calibration", digest, prompt
 
 
 @pytest.fixture()
