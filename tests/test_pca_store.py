@@ -145,6 +145,15 @@ def test_a_reader_without_the_calibration_misses_and_says_why(cal_env, default_m
     monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", str(cal_env[1]))
     with open_store(str(store)) as s:
         assert s.for_model(default_model.identity, CHUNK).get_prefix(ids).num_tokens == 2 * CHUNK
+    # `store get --codec pca`: the model's calibration at the default point, each chunk at its position
+    code, got, err = cli(capsys, "store", "get", "--store", store, "--tokens", tokens, "-o", tmp_path / "got.kvc",
+                         "--codec", "pca", "--json")
+    assert code == 0 and got["codecs"] == ["pca"] and got["cached_tokens"] == 2 * CHUNK, err
+    from kvtool.format import ContainerReader
+
+    with ContainerReader(tmp_path / "got.kvc") as reader:
+        assert [(c.codec_params["calibration"], c.codec_params["quality"], c.codec_params["position"])
+                for c in reader.manifest.chunks] == [(digest, "97", 0), (digest, "97", CHUNK)]
 
 
 @pytest.mark.parametrize("args, code, message", [

@@ -57,7 +57,8 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
     what = CaptureRequest.from_options(output, codec=codec, level=level, shuffle=shuffle_choice(shuffle, no_shuffle), bins=bins, kv_dtype=dtype,
                                        chunk_size=chunk_size, block_size=block_size, hidden_states=hidden_states,
                                        roi=roi, store=store, segment=segment, namespace=namespace,
-                                       quality=quality, calibration=calibration, metadata=prompt_metadata(chat, tokens, not no_generation_prompt))
+                                       quality=quality, calibration=calibration,
+                                       metadata=prompt_metadata(chat, tokens, not no_generation_prompt))
     request = PromptCaptureRequest(what, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, chat=chat,
                                    generation_prompt=not no_generation_prompt, model=model, device=device,
                                    model_dtype=weights_dtype, engine=engine)

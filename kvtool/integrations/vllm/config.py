@@ -13,7 +13,7 @@ from ...store.names import ExtraKeys
 @dataclass(frozen=True)
 class ConnectorConfig:
     store_url: str  # a folder, file://, redis://... (open_store's URL)
-    codec: str  # raw | zstd | cachegen: how saved chunks are encoded
+    codec: str  # raw | zstd | cachegen | pca: how saved chunks are encoded
     chunk_size: int  # tokens per stored chunk, a multiple of vLLM's block size
     block_size: int  # vLLM's block size (tokens)
     save_generated: bool  # also save whole chunks that generated tokens complete
