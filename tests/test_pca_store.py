@@ -94,6 +94,8 @@ def test_put_sequence_with_pca_at_each_chunks_real_position(cal_env, default_mod
     raw = tmp_path / "raw.kvc"
     capture(default_model, ids, raw, chunk_size=CHUNK, kv_dtype=torch.float32)
     compress(raw, tmp_path / "pca.kvc", "pca", quality="89")
+    again = compress(tmp_path / "pca.kvc", tmp_path / "again.kvc", "pca", quality="89")
+    assert again.chunks_copied == again.num_chunks == 3  # in that encoding already, at each position: not coded twice
     with ContainerReader(raw) as reader:
         kv = torch.cat([reader.read_chunk(i) for i in range(len(reader.chunks))], dim=2)
     with ContainerReader(tmp_path / "pca.kvc") as reader:
