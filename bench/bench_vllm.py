@@ -1,8 +1,12 @@
 """kvtool inside vLLM: the same workload served twice, each pass by a fresh vLLM engine process,
-with no connector, vLLM's own ExampleConnector, and KVToolConnector with raw, zstd and cachegen.
+with no connector, vLLM's own ExampleConnector, and KVToolConnector with raw, zstd, cachegen and pca.
 
     python bench/bench_vllm.py [--prompts 20] [--python PY] [--json OUT] [--dir TMP]
     python bench/bench_vllm.py --workload blocks [--configs none,example,raw,cachegen]
+    python bench/bench_vllm.py --configs none,raw,cachegen,pca     (pca: after `kvtool calibrate`)
+
+The pca row (not run by default) encodes at quality 97 with the calibration `kvtool calibrate`
+registered for the default model on this machine ($KVTOOL_CALIBRATION_DIR or kvtool's cache).
 
 Workload `blocks` (issue 33: prefixes that end off a 256-token boundary): 4 prompts of 972 tokens
 (token ids), a shared 900-token document then each its own 72-token one-line question; pass 1
@@ -48,7 +52,8 @@ CONFIGS = [("no connector", {"connector": "none"}),
            ("ExampleConnector (vLLM)", {"connector": "example"}),
            ("kvtool raw", {"connector": "kvtool", "codec": "raw"}),
            ("kvtool zstd", {"connector": "kvtool", "codec": "zstd"}),
-           ("kvtool cachegen", {"connector": "kvtool", "codec": "cachegen"})]
+           ("kvtool cachegen", {"connector": "kvtool", "codec": "cachegen"}),
+           ("kvtool pca 97", {"connector": "kvtool", "codec": "pca", "quality": "97"})]
 DOCUMENT = " ".join(
     f"Section {i}. The river town kept records of its {i * 3} bridges, its markets and the weather; "
     f"in year {1800 + i} the council counted {i * 17 % 101} boats and {i * 29 % 89} carts." for i in range(23))
@@ -171,13 +176,13 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    example = next(r for r in rows if r["config"].startswith("Example"))["bytes_stored"]
+    example = next((r["bytes_stored"] for r in rows if r["config"].startswith("Example")), None)
     out = ["| configuration | bytes stored | vs ExampleConnector | cold prompt TTFT (ms) | vs no connector | "
            "save in step / TTFT (whole save) | pass-1 TTFT (ms) | pass-2 TTFT (ms) | vs recompute | tokens loaded | identical outputs | "
            "token agreement |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        smaller = f"{example / r['bytes_stored']:.1f}× fewer" if r["bytes_stored"] else "–"
+        smaller = f"{example / r['bytes_stored']:.1f}× fewer" if r["bytes_stored"] and example else "–"
         saved = f"{r['cold_save_share']:.1%} ({r['cold_save_total_share']:.1%})" if r["config"].startswith("kvtool") else "–"
         out.append(f"| {r['config']} | {r['bytes_stored'] / 1e6:,.1f} MB | {smaller} | {r['cold_ttft_ms']:.0f} | "
                    f"{r['save_overhead']:+.1%} | {saved} | {r['pass1_ttft_ms']:.0f} | {r['pass2_ttft_ms']:.0f} | "
@@ -185,6 +190,17 @@ def table(rows: list[dict]) -> str:
                    f"{r['pass2_loaded_tokens']:.0f} / {r['prompt_tokens']:.0f} | "
                    f"{r['identical_outputs']}/{r['prompts']} | {r['agreement']:.0%} |")
     return "\n".join(out)
+
+
+def check_calibration() -> None:
+    """The pca row's engines use the default model's registered calibration: without one they would
+    refuse to start; say so now, in one line."""
+    from kvtool.codecs.pca.calibration import for_model
+    from kvtool.engine.default_model import default_model_path
+    from kvtool.engine.loader import model_identity
+
+    if for_model(model_identity(default_model_path()).fingerprint()) is None:
+        raise SystemExit("bench_vllm: the pca row needs the default model's calibration: run `kvtool calibrate` first")
 
 
 def main() -> None:
@@ -196,13 +212,16 @@ def main() -> None:
     parser.add_argument("--workload", choices=["document", "blocks"], default="document",
                         help="document: the shared ~970-token document; blocks: issue 33's 4 prompts of 972 tokens")
     parser.add_argument("--configs", default="none,example,raw,zstd,cachegen",
-                        help="which configurations, by their last word (none first: the reference)")
+                        help="which configurations, by their key: none, example, raw, zstd, cachegen, pca "
+                             "(none first: the reference)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="kvtool-bench-vllm-", dir=args.dir))
     try:
         blocks = args.workload == "blocks"
         texts = block_prompts(4 if args.prompts == 20 else args.prompts) if blocks else prompts(args.prompts)
         wanted = args.configs.split(",")
+        if "pca" in wanted:
+            check_calibration()
         runs = []
         for name, config in CONFIGS:
             key = config.get("codec") or {"none": "none", "example": "example"}[config["connector"]]

@@ -341,3 +341,28 @@ def cli(capsys, *argv) -> tuple[int, "dict | str", str]:
     if "--json" in argv and out.strip():
         return code, json.loads(out), err
     return code, out, err
+
+
+def learn_calibration(model, folder: Path, tokens: int = 640) -> str:
+    """The pca codec's calibration object of a loaded model (`kvtool.load_model`), learned as
+    `kvtool calibrate` learns it but on `tokens` tokens of Python's documentation (seconds, not a
+    minute: the codec's behaviour does not depend on how much text the basis saw), saved in
+    `folder` and registered there as the model's (what $KVTOOL_CALIBRATION_DIR=folder then finds).
+    Returns its digest."""
+    from pydoc_data.topics import topics
+
+    from kvtool.codecs.pca import calibration as calmod
+    from kvtool.ops.calibrate import calibrate
+
+    ids = model.tokenizer.encode(topics["numbers"] + topics["exceptions"], add_special_tokens=False)[:tokens]
+    cal = calibrate(model, [ids]).save(folder)
+    previous = os.environ.get("KVTOOL_CALIBRATION_DIR")
+    os.environ["KVTOOL_CALIBRATION_DIR"] = str(folder)
+    try:
+        calmod.register(model.identity.fingerprint(), cal.digest)
+    finally:
+        if previous is None:
+            del os.environ["KVTOOL_CALIBRATION_DIR"]
+        else:
+            os.environ["KVTOOL_CALIBRATION_DIR"] = previous
+    return cal.digest

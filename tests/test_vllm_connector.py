@@ -160,6 +160,60 @@ def test_a_second_engine_loads_the_prefix(tmp_path, reference, codec):
         assert p["token_ids"], "generated nothing"
 
 
+@pytest.fixture(scope="module")
+def pca_calibration(tmp_path_factory, default_model) -> tuple[Path, str]:
+    """(a folder holding the default model's registered pca calibration, its digest): the
+    engines' $KVTOOL_CALIBRATION_DIR."""
+    from fixtures import learn_calibration
+
+    folder = tmp_path_factory.mktemp("pca-calibration")
+    return folder, learn_calibration(default_model, folder)
+
+
+def test_a_second_engine_loads_the_prefix_pca(tmp_path, reference, pca_calibration):
+    """codec pca at quality 95, its calibration the served model's registered one: the first
+    engine saves P's chunks (each object records the digest and its chunk's first position), a
+    second loads them (its greedy output reported against the uncached one); a third engine on a
+    machine without the calibration object loads nothing (a miss whose warning names the digest,
+    recomputed: vLLM's uncached output exactly), and one told to encode with it refuses to start."""
+    from kvtool.format import ContainerReader
+
+    folder, digest = pca_calibration
+    env = {"KVTOOL_CALIBRATION_DIR": str(folder)}
+    store = str(tmp_path / "store")
+    first = serve(tmp_path / "first", [PROMPT], store=store, codec="pca", quality="95", env=env)["requests"][0]
+    assert first["num_cached_tokens"] == 0 and first["token_ids"] == reference["token_ids"]
+    got = serve(tmp_path / "second", p_and_q(reference), store=store, codec="pca", quality="95", env=env)
+    p, q = got["requests"]
+    assert p["num_cached_tokens"] == whole_chunks(reference) and q["num_cached_tokens"] == CHUNK
+    names = plain_chunk_names(tmp_path / "store", reference)
+    for name in names:
+        with ContainerReader(tmp_path / "store" / name) as obj:
+            params = obj.chunks[0].codec_params
+            assert (obj.chunks[0].codec, params["calibration"], params["quality"]) == ("pca", digest, "95")
+            assert params["position"] == obj.manifest.extensions["store"]["start"]
+    assert [ContainerReader(tmp_path / "store" / n).manifest.extensions["store"]["start"] for n in names] == \
+        [0, CHUNK, 2 * CHUNK]
+    share = agreement(p["token_ids"], reference["token_ids"])
+    print(f"pca 95: greedy output agrees with vLLM's uncached output for {share:.0%} of 16 tokens")
+    assert p["token_ids"], "generated nothing"
+
+    elsewhere = {"KVTOOL_CALIBRATION_DIR": str(tmp_path / "no-calibration")}
+    kept = {o: o.read_bytes() for o in (tmp_path / "store").rglob("*.kvc")}
+    other = serve(tmp_path / "third", [PROMPT], store=store, codec="raw", policy="recompute", env=elsewhere)
+    assert other["requests"][0]["token_ids"] == reference["token_ids"]  # never pca's KV without its basis
+    assert "could be loaded" in other["log"] and f"calibration object {digest[:16]}... not found" in other["log"]
+    assert {o: o.read_bytes() for o in (tmp_path / "store").rglob("*.kvc")} == kept  # intact: nothing removed
+
+    spec = tmp_path / "refused.json"
+    spec.write_text(json.dumps({"prompts": [PROMPT], "store": store, "codec": "pca", "calibration": digest}))
+    out = subprocess.run([PYTHON, str(REPO / "scripts" / "vllm_serve.py"), str(spec)], capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", **elsewhere})
+    assert out.returncode != 0
+    assert f"KVToolConnector: pca: calibration object {digest[:16]}... not found" in out.stdout + out.stderr
+
+
 def test_redis_between_two_engines(tmp_path, reference, redis_url):
     first = serve(tmp_path / "first", [PROMPT], store=redis_url, codec="raw")["requests"][0]
     assert first["num_cached_tokens"] == 0

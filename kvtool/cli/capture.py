@@ -30,7 +30,11 @@ SegmentOpt = Annotated[bool, typer.Option(
     "--segment", help="Mark the file a position-independent segment (computed alone from position 0) to place inside "
                       "other prompts: replay --blend.")]
 RoiOpt = Annotated[Optional[str], typer.Option(
-    "--roi", metavar="RANGES", help="Store a roi_mask marking these token ranges, e.g. '0:16,40:64' ([start, end)).")]
+    "--roi", metavar="RANGES", help="A roi_mask of token ranges, e.g. '0:16,40:64' ([start, end)).")]
+# compress's --quality and --calibration, told shorter (capture's help fits a screen)
+QualityOpt = Annotated[Optional[str], typer.Option("--quality", metavar="Q", help="pca: 99, 97 (default), 95 or 89.")]
+CalibrationOpt = Annotated[Optional[str], typer.Option(
+    "--calibration", metavar="DIGEST", help="pca: default: the model's own.")]
 
 
 OutputOpt = Annotated[Optional[Path], typer.Option(
@@ -40,7 +44,8 @@ OutputOpt = Annotated[Optional[Path], typer.Option(
 def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: ModelOpt = None, prompt: PromptOpt = None,
             prompt_file: PromptFileOpt = None, tokens: TokensOpt = None, chunk_size: ChunkSizeOpt = 256,
             codec: CodecOpt = "raw", level: LevelOpt = None, shuffle: ShuffleOpt = None,
-            no_shuffle: NoShuffleOpt = False, bins: BinsOpt = None, dtype: DtypeOpt = "bf16", block_size: BlockSizeOpt = 16,
+            no_shuffle: NoShuffleOpt = False, bins: BinsOpt = None, quality: QualityOpt = None,
+            calibration: CalibrationOpt = None, dtype: DtypeOpt = "bf16", block_size: BlockSizeOpt = 16,
             hidden_states: HiddenOpt = False, roi: RoiOpt = None, device: DeviceOpt = "auto",
             weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False,
             no_generation_prompt: NoGenerationPromptOpt = False, segment: SegmentOpt = False,
@@ -52,6 +57,7 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
     what = CaptureRequest.from_options(output, codec=codec, level=level, shuffle=shuffle_choice(shuffle, no_shuffle), bins=bins, kv_dtype=dtype,
                                        chunk_size=chunk_size, block_size=block_size, hidden_states=hidden_states,
                                        roi=roi, store=store, segment=segment, namespace=namespace,
+                                       quality=quality, calibration=calibration,
                                        metadata=prompt_metadata(chat, tokens, not no_generation_prompt))
     request = PromptCaptureRequest(what, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, chat=chat,
                                    generation_prompt=not no_generation_prompt, model=model, device=device,

@@ -21,7 +21,7 @@ app = typer.Typer(help="The chunk store: many sequences' chunks, by prefix; a fo
                   no_args_is_help=True, add_completion=False)
 
 GetCodecOpt = Annotated[Optional[str], typer.Option(
-    "--codec", metavar="CODEC", help="Every chunk in this codec (raw, zstd, cachegen): those stored in another are "
+    "--codec", metavar="CODEC", help="Every chunk in this codec (raw, zstd, cachegen, pca): those stored in another are "
                                      "re-encoded. Default: each as stored.")]
 FilesArg = Annotated[list[str], typer.Argument(click_type=WORDS, metavar="FILE.kvc...",
                                                help="kvtool files whose chunks to store.", show_default=False)]

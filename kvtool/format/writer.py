@@ -111,8 +111,10 @@ class ContainerWriter:
         return dtype_from_name(self.kv_dtype_name)
 
     def write_chunk(self, kv: "torch.Tensor", codec: str = "raw",
-                    params: dict[str, Any] | None = None) -> ChunkEntry:
-        """Encode and append the next chunk, a KV_BLOB `[2, L, T, C]`."""
+                    params: dict[str, Any] | None = None, *, position: int | None = None) -> ChunkEntry:
+        """Encode and append the next chunk, a KV_BLOB `[2, L, T, C]`. `position`: its first
+        token's position in its sequence, for a codec that needs it (`needs_position`); by
+        default its start in this container (a store object's chunk sits at its `store.start`)."""
         self._expect(WriterState.CHUNKS, "write_chunk")
         index = len(self.chunks)
         if index >= self.num_chunks:
@@ -125,7 +127,7 @@ class ContainerWriter:
         kv = kv.detach().to(dtype=self.kv_dtype).contiguous()  # the codec encodes it where it is, or copies
         params = impl.validate_params(params if params is not None else impl.default_params())
         if getattr(impl, "needs_position", False):  # a codec that turns keys back by their positions
-            params = dict(params, position=start)
+            params = dict(params, position=start if position is None else int(position))
         payload, recorded = impl.encode(kv, params)
         return self._append_chunk(payload, impl, recorded)
 

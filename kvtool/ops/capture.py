@@ -149,19 +149,22 @@ def capture_prompt(output: str | Path | None, *, prompt: str | None = None, prom
                    block_size: int = 16, hidden_states: bool = False, roi: str | None = None,
                    device: str = "auto", model_dtype: str = "fp32", chat: bool = False,
                    generation_prompt: bool = True, store: str | None = None, segment: bool = False,
-                   namespace: str | None = None, engine: str = "kvtool",
+                   namespace: str | None = None, engine: str = "kvtool", quality: str | None = None,
+                   calibration: str | None = None,
                    on_chunk: Callable[[int, int, int], None] | None = None) -> CaptureResult:
     """`kvtool capture` as a function: options as the command line gives them, every one
     checked before the model loads; `on_chunk(index, tokens_done, tokens_total)` reports progress.
     `store` (a URL) also puts the whole chunks into the chunk store; without `output`, only there.
     `segment` marks the file a position-independent segment (format-spec/segment.md). `engine`
     "hf" runs the model with transformers (any decoder-only model with a plain KV cache).
+    `quality` and `calibration` (a digest) are pca's: without `calibration`, the one `kvtool
+    calibrate` registered for the model.
 
     The options become one `PromptCaptureRequest` (checked there), run by `run_prompt_capture`."""
     what = CaptureRequest.from_options(output, codec=codec, level=level, shuffle=shuffle, bins=bins,
                                        kv_dtype=kv_dtype, chunk_size=chunk_size, block_size=block_size,
                                        hidden_states=hidden_states, roi=roi, store=store, segment=segment,
-                                       namespace=namespace,
+                                       namespace=namespace, quality=quality, calibration=calibration,
                                        metadata=prompt_metadata(chat, tokens_file, generation_prompt))
     request = PromptCaptureRequest(what, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens_file, chat=chat,
                                    generation_prompt=generation_prompt, model=model, device=device,
@@ -256,6 +259,9 @@ def run_capture(model: AnyModel, token_ids: list[int], request: CaptureRequest,
     cache for the tokens (`paged_capture`, or transformers' own: `hf_capture`), the chunks
     prefilled and written as they come (`write_chunks`), the whole chunks put into the store
     (`put_in_store`), the result. `on_chunk(index, tokens_done)` after each chunk is written."""
+    params = request.codec_params_for(model.identity.fingerprint())  # (pca: the model's calibration)
+    if params is not request.params:
+        request = replace(request, params=params)
     mask = roi_mask(len(token_ids), request.roi) if request.roi is not None else None
     steps = paged_capture(model, len(token_ids), request) if isinstance(model, LoadedModel) \
         else hf_capture(model, len(token_ids), request)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import codecs
 from ..errors import UsageError
 from ..format import ContainerReader, ContainerWriter
 from .inputs import codec_params
@@ -59,11 +60,13 @@ def compress_file(reader: ContainerReader, output: str | Path, codec: str, param
     reader.kv_dtype  # imports torch (the chunks are tensors) before the clock starts
     started = time.perf_counter()
     copied = 0
+    at_position = getattr(codecs.get_codec(codec), "needs_position", False)  # (pca: params record the chunk's start)
     with ContainerWriter(output, m.model, reader.token_ids(), kv_dtype=m.kv_dtype, chunk_size=m.chunk_size,
                          alignment=reader.header.alignment,
                          metadata=_provenance(m.metadata, reader.path)) as writer:
         for c in m.chunks:
-            if c.codec == codec and c.codec_params == params:  # already in the target encoding
+            target = dict(params, position=c.start) if at_position else params
+            if c.codec == codec and c.codec_params == target:  # already in the target encoding (never coded twice)
                 writer.write_encoded_chunk(reader.chunk_payload(c.index), c.codec, c.codec_params)
                 copied += 1
             else:

@@ -108,6 +108,7 @@ def codec_params(codec: str, *, level: int | None = None, shuffle: bool | None =
     if (quality is not None or calibration is not None) and codec != "pca":
         raise UsageError("--quality and --calibration apply to the pca codec only")
     if codec == "pca":
+        check_no_other_codec_options(codec, level, shuffle, bins)
         return pca_params(quality, calibration, model_fingerprint)
     params = impl.default_params()
     if level is not None or shuffle is not None:
@@ -124,12 +125,31 @@ def codec_params(codec: str, *, level: int | None = None, shuffle: bool | None =
     return impl.validate_params(params)
 
 
+def check_no_other_codec_options(codec: str, level: int | None, shuffle: bool | None, bins: str | None) -> None:
+    """`--level`, `--shuffle` and `--bins` name other codecs' parameters: given with `codec`, a usage error."""
+    if level is not None or shuffle is not None:
+        raise UsageError("--level and --shuffle apply to the zstd codec only")
+    if bins is not None:
+        raise UsageError("--bins applies to the cachegen codec only")
+
+
+def pca_quality(quality: str | None) -> str:
+    """`--quality`, checked (before any calibration is looked for); the default when None."""
+    from ..codecs.pca import DEFAULT_QUALITY, QUALITY
+
+    if quality is not None and quality not in QUALITY:
+        raise UsageError(f"--quality {quality!r}: choose {', '.join(QUALITY)}")
+    return quality or DEFAULT_QUALITY
+
+
 def pca_params(quality: str | None, calibration: str | None, model_fingerprint: str | None) -> dict[str, Any]:
-    from ..codecs.pca import DEFAULT_QUALITY, QUALITY, params_for
+    """pca's parameters: the quality point (`pca_quality`) with the calibration object `calibration`
+    (a digest), or else the one `kvtool calibrate` registered for the model `model_fingerprint`;
+    the object must be here (a usage error, one line, otherwise)."""
+    from ..codecs.pca import params_for
     from ..codecs.pca.calibration import CalibrationNotFound, find, for_model
 
-    if quality is not None and quality not in QUALITY:  # before the calibration is looked for
-        raise UsageError(f"--quality {quality!r}: choose {', '.join(QUALITY)}")
+    quality = pca_quality(quality)  # before the calibration is looked for
     digest = calibration or (for_model(model_fingerprint) if model_fingerprint else None)
     if digest is None:
         raise UsageError("--codec pca: no calibration object for this model; run `kvtool calibrate` "
@@ -138,7 +158,7 @@ def pca_params(quality: str | None, calibration: str | None, model_fingerprint: 
         find(digest)  # present and intact, before any chunk is written
     except CalibrationNotFound as err:  # an option that names nothing here: a usage error (exit 2)
         raise UsageError(str(err)) from None
-    return params_for(digest, quality or DEFAULT_QUALITY)
+    return params_for(digest, quality)
 
 
 def model_dtype_name(name: str) -> str:

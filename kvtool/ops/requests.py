@@ -18,8 +18,8 @@ from ..dtypes import dtype_from_name, dtype_name
 from ..errors import UsageError
 from ..format.layout import MAX_CHUNK_SIZE
 from ..store.names import ExtraKeys
-from .inputs import (check_text, check_token_source, codec_params, continuation, fraction, kv_dtype_name,
-                     model_dtype_name, non_negative, parse_roi)
+from .inputs import (check_no_other_codec_options, check_text, check_token_source, codec_params, continuation,
+                     fraction, kv_dtype_name, model_dtype_name, non_negative, parse_roi, pca_params, pca_quality)
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +78,18 @@ class CaptureRequest:
     roi: list[tuple[int, int]] | None = None
     segment: bool = False
     metadata: dict[str, str] | None = None
+    #: pca without `params`: the quality point of the model's registered calibration, looked up once
+    #: the model is loaded (its fingerprint names it: `codec_params_for`)
+    quality: str | None = None
     extra_keys: ExtraKeys = field(init=False, repr=False)
+
+    def codec_params_for(self, fingerprint: str) -> dict[str, Any] | None:
+        """The parameters chunks are written with, for the model `fingerprint`: `params`, or pca's
+        with the calibration `kvtool calibrate` registered for that model (a one-line usage error
+        saying to run it when there is none)."""
+        if self.codec == "pca" and self.params is None:
+            return pca_params(self.quality, None, fingerprint)
+        return self.params
 
     @cached_property
     def torch_kv_dtype(self) -> "torch.dtype":
@@ -106,15 +117,23 @@ class CaptureRequest:
                      shuffle: bool | None = None, bins: str | None = None, kv_dtype: str = "bf16",
                      chunk_size: int = 256, block_size: int = 16, hidden_states: bool = False,
                      roi: str | None = None, store: str | None = None, segment: bool = False,
-                     namespace: str | None = None, metadata: dict[str, str] | None = None) -> "CaptureRequest":
+                     namespace: str | None = None, metadata: dict[str, str] | None = None,
+                     quality: str | None = None, calibration: str | None = None) -> "CaptureRequest":
         """The command line's spelling (a dtype's name, a codec's options, `--roi` ranges as text)
-        parsed into a request: a typo fails before the model loads."""
+        parsed into a request: a typo fails before the model loads. pca without `calibration`:
+        the model's registered one, found once the model is loaded (`codec_params_for`)."""
         kv = kv_dtype_name(kv_dtype)
         ranges = parse_roi(roi) if roi is not None else None
-        params = codec_params(codec, level=level, shuffle=shuffle, bins=bins)
+        if codec == "pca" and calibration is None:  # (its options checked here, before the model loads)
+            check_no_other_codec_options(codec, level, shuffle, bins)
+            pca_quality(quality)
+            params = None
+        else:
+            params = codec_params(codec, level=level, shuffle=shuffle, bins=bins, quality=quality,
+                                  calibration=calibration)
         return cls(output, store=store, namespace=namespace, chunk_size=chunk_size, codec=codec, params=params,
                    kv_dtype=kv, block_size=block_size, hidden_states=hidden_states, roi=ranges, segment=segment,
-                   metadata=metadata)
+                   metadata=metadata, quality=quality if params is None else None)
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,8 @@ def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_fil
     """`kvtool store get --prompt-file F --store URL -o OUT`: the longest cached prefix of the
     prompt, as a container (at `chunk_size`, or the stored chunk size that covers the most), of
     the chunks stored under `namespace` (none: those stored without one). With `codec`, every
-    chunk ends in that codec (its default parameters): a chunk stored so is copied as it is, the
+    chunk ends in that codec (its default parameters; pca's: quality 97 with the model's registered
+    calibration): a chunk stored so is copied as it is, the
     others are decoded and encoded again (a store keeps one object per chunk, in the codec it was
     first put in). With `block_size`, the prefix goes on past the whole chunks to the longest
     block-aligned run of tokens a stored sequence shares (store.md §7; at a chunk size it does
@@ -115,10 +116,13 @@ def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_fil
     from .capture import read_tokens
     from .inputs import codec_params
 
-    params = codec_params(codec) if codec is not None else None  # (an unknown codec fails first)
+    # (an unknown codec fails first; pca's parameters name the model's calibration: once it is loaded)
+    params = codec_params(codec) if codec is not None and codec != "pca" else None
     keys = ExtraKeys(namespace=namespace or "")
     with connect(store, create=False) as s:
         loaded = load_model(model)
+        if codec == "pca":
+            params = codec_params(codec, model_fingerprint=loaded.identity.fingerprint())
         ids = read_tokens(loaded, prompt, prompt_file, tokens_file, chat)
         refused: list[str] = []
         target = output if codec is None else _beside(output)

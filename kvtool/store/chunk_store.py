@@ -356,12 +356,22 @@ class ModelCache:
                 if data is None:  # removed since the existence check
                     self.store.counters.misses += len(whole) - start // self.chunk_size
                     return
+                obj = None
                 try:
                     obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
                                               prefix_hash=link.prefix_hash, start=start, extra=link.extra)
                     obj.check_values()  # what is copied out as it is must be what a load would take
                 except ObjectRefused as err:
                     self._refused(name, err, whole, start, refused)
+                    return
+                except ObjectUnreadable as err:  # (a pca chunk whose calibration is not here: kept, a miss)
+                    if obj is not None:
+                        obj.reader.close()
+                    if refused is not None:  # the caller says why the prefix stops here
+                        refused.append(str(err))
+                    else:
+                        self.store.unreadable(err)
+                    self.store.counters.misses += len(whole) - start // self.chunk_size
                     return
                 self.store.counters.hits += 1
                 yield start, start + self.chunk_size, obj, data.size if hasattr(data, "fd") else len(data)

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..chunk_source import ChunkSource
@@ -143,6 +143,7 @@ class PrefixHit:
     codecs: list[str]
     refused: list[str]  # a refused object ended the run early: why
     stored_bytes: int
+    unreadable: list[str] = field(default_factory=list)  # an object that cannot be read here ended it: why
 
     def kv(self) -> "torch.Tensor":
         """The prefix as one KV_BLOB `[2, L, num_tokens, C]`."""
@@ -244,6 +245,10 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
         hit.stored_bytes += size
     cache.store.counters.hits += outcome.chunks
     error = outcome.error
+    if error is not None and objects.needs_what_is_not_here(error):  # (a pca chunk whose calibration is not here)
+        error = ObjectUnreadable(str(error))
+    if isinstance(error, ObjectUnreadable):
+        hit.unreadable.append(str(error))
     if error is not None and first_task + outcome.failed == stored:  # the block prefix's object
         if isinstance(error, DAMAGE):
             name = block_refusal[0] if block_refusal else found.via

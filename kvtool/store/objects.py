@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..chunk_source import ChunkSource
-from ..errors import InputFileError, KvtoolError, NonFiniteValues, ObjectRefused
+from ..errors import InputFileError, KvtoolError, NonFiniteValues, ObjectRefused, ObjectUnreadable
 from ..format.segment import parse_segment
 from ..format.hashing import ZERO_HASH, crc32
 from ..format.reader import BytesSource, ContainerReader, PreadFile
@@ -87,9 +87,25 @@ class ChunkObject:
         except InputFileError:
             raise  # a failed read of an object opened as a file: not damage
         except KvtoolError as err:
+            if needs_what_is_not_here(err):  # intact, but this machine lacks what decodes it: never refused
+                raise ObjectUnreadable(f"{self.name or 'chunk object'}: {err}") from None
             raise ObjectRefused(str(err) if isinstance(err, NonFiniteValues) else f"chunk does not decode ({err})") from None
         finally:
             source.release()
+
+
+def needs_what_is_not_here(err: BaseException) -> bool:
+    """Whether a chunk failed to decode only for want of something this machine does not have:
+    the pca calibration object its parameters name (by its SHA-256). Such an object is intact and
+    another machine (or this one, once the object is copied here) decodes it: a load counts it a
+    miss and says why (`ObjectUnreadable`), and neither the load nor `fsck` refuses or removes it."""
+    from ..errors import DecodeError
+
+    if not isinstance(err, DecodeError):
+        return False
+    from ..codecs.pca.calibration import CalibrationNotFound
+
+    return isinstance(err, CalibrationNotFound)
 
 
 def encode_chunk(model: dict[str, Any], kv_dtype: str, parent_hash: bytes, start: int, tokens,
@@ -113,7 +129,7 @@ def encode_chunk(model: dict[str, Any], kv_dtype: str, parent_hash: bytes, start
     if payload is not None:
         writer.write_encoded_chunk(payload, codec, params or {})
     else:
-        writer.write_chunk(kv, codec=codec, params=params)
+        writer.write_chunk(kv, codec=codec, params=params, position=start)  # (pca: the chunk's real positions)
     writer.finish()
     return writer.getvalue()
 

@@ -166,7 +166,7 @@ def check_object(name: str, data, store: ChunkStore | None = None, namespace: st
             obj.decode()  # the payload decodes to the declared shape, every value finite
             if obj.reader.nonzero_padding():  # what `verify` refuses, fsck removes (never loaded: not KV)
                 raise ObjectRefused(f"{name}: non-zero bytes in its padding (container.md §2.3)")
-        except ObjectRefused:
+        except (ObjectRefused, ObjectUnreadable):  # (the latter: a pca chunk whose calibration is not here: kept)
             raise
         except KvtoolError as err:
             raise ObjectRefused(f"{name}: {err}") from None

@@ -29,11 +29,18 @@ them; `kv_consumer` loads and never saves. A producer and a consumer behind
 A missing, damaged or foreign chunk is never loaded: its blocks are reported to vLLM as load
 errors (`kv_load_failure_policy` decides: recompute or fail).
 
-Extra config: `store` (required), `codec` (raw | zstd | cachegen, default raw), `chunk_size`
+Extra config: `store` (required), `codec` (raw | zstd | cachegen | pca, default raw), `chunk_size`
 (tokens, a multiple of vLLM's block size, default 256), `save_generated` (also save the whole chunks
 that generated tokens complete, so a follow-up turn that repeats them loads them; default false),
 `namespace` (a partition of a shared store; default none), `lookup_wait_ms` (how long the
 scheduler waits for a store lookup before asking again at its next step; default 2).
+
+With `"codec": "pca"`: `quality` (99 | 97 | 95 | 89, default 97) and `calibration` (the SHA-256 digest
+of a calibration object; default: the one `kvtool calibrate` registered on this machine for the
+served model). The object is looked for in $KVTOOL_CALIBRATION_PATH, then kvtool's cache folder's
+calibration/; none found, or one that does not fit the model, and vLLM refuses to start with one
+line saying so. A stored pca chunk whose calibration object an engine lacks is a miss, said in the
+worker's log, never loaded (and never removed: it is intact).
 
 What it supports (docs/vllm-cpu-0.32-notes.md): vLLM's CPU backend; FlashAttention on CUDA from
 vLLM's source (not run in this project's CI); one KV cache group (Llama-family models; vLLM turns

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ... import codecs
 from ...errors import KvtoolError
@@ -12,13 +13,14 @@ from ...store.names import ExtraKeys
 @dataclass(frozen=True)
 class ConnectorConfig:
     store_url: str  # a folder, file://, redis://... (open_store's URL)
-    codec: str  # raw | zstd | cachegen: how saved chunks are encoded
+    codec: str  # raw | zstd | cachegen | pca: how saved chunks are encoded
     chunk_size: int  # tokens per stored chunk, a multiple of vLLM's block size
     block_size: int  # vLLM's block size (tokens)
     save_generated: bool  # also save whole chunks that generated tokens complete
     namespace: str  # the user's partition of a shared store ("" for none)
     lookup_wait_s: float  # how long the scheduler waits for a store lookup before asking again later
     role: str = "kv_both"  # vLLM's kv_role: kv_producer never loads, kv_consumer never saves
+    params: dict[str, Any] | None = None  # the codec's parameters (None: its defaults); pca: its calibration
 
     @property
     def loads(self) -> bool:
@@ -44,6 +46,14 @@ def read_config(vllm_config) -> ConnectorConfig:
     codec = extra.get_from_extra_config("codec", "raw")
     if codec not in codecs.codec_names():
         raise ValueError(f"KVToolConnector: unknown codec {codec!r} (one of {', '.join(codecs.codec_names())})")
+    quality, calibration = (extra.get_from_extra_config(key, None) for key in ("quality", "calibration"))
+    if codec == "pca":
+        params = pca_params(vllm_config.model_config.model, quality, calibration)
+    elif quality is not None or calibration is not None:
+        raise ValueError("KVToolConnector: quality and calibration are the pca codec's (codec is "
+                         f"{codec!r})")
+    else:
+        params = None
     block_size = vllm_config.cache_config.block_size
     chunk_size = int(extra.get_from_extra_config("chunk_size", 256))
     if chunk_size <= 0 or chunk_size % block_size:
@@ -59,4 +69,38 @@ def read_config(vllm_config) -> ConnectorConfig:
         raise ValueError(f"KVToolConnector: lookup_wait_ms must be >= 0, got {wait_ms}")
     return ConnectorConfig(store_url=str(url), codec=codec, chunk_size=chunk_size, block_size=block_size,
                            save_generated=bool(extra.get_from_extra_config("save_generated", False)),
-                           namespace=namespace, lookup_wait_s=wait_ms / 1e3, role=extra.kv_role or "kv_both")
+                           namespace=namespace, lookup_wait_s=wait_ms / 1e3, role=extra.kv_role or "kv_both",
+                           params=params)
+
+
+def pca_params(model_path: str, quality: Any, calibration: Any) -> dict[str, Any]:
+    """pca's parameters for the served model: the named quality point (default 97) with the
+    calibration object `calibration` names (a SHA-256 digest), or else the one `kvtool calibrate`
+    registered for this model (by its fingerprint). The object must be here and fit the model's
+    KV: a one-line ValueError otherwise, so that vLLM refuses to start, rather than every save
+    failing later."""
+    from ...codecs.pca import DEFAULT_QUALITY, QUALITY, params_for
+    from ...codecs.pca.calibration import find, for_model
+    from ...engine.loader import model_identity
+
+    quality = DEFAULT_QUALITY if quality is None else str(quality)
+    if quality not in QUALITY:
+        raise ValueError(f"KVToolConnector: quality {quality!r} is not one of {', '.join(QUALITY)} (codec pca)")
+    try:
+        identity = model_identity(model_path)
+    except KvtoolError as err:
+        raise ValueError(f"KVToolConnector: codec pca: {err}") from None
+    digest = str(calibration) if calibration is not None else for_model(identity.fingerprint())
+    if digest is None:
+        raise ValueError(f"KVToolConnector: codec pca: no calibration object for {identity.name}; run `kvtool "
+                         f"calibrate --model {model_path}` once on this machine, or give "
+                         "kv_connector_extra_config.calibration (a digest)")
+    try:
+        cal = find(digest)
+    except KvtoolError as err:
+        raise ValueError(f"KVToolConnector: {err}") from None
+    channels = identity.num_kv_heads * identity.head_dim
+    if (cal.layers, cal.channels, cal.head_dim) != (identity.num_layers, channels, identity.head_dim):
+        raise ValueError(f"KVToolConnector: calibration {digest[:16]}... is for {cal.layers} layers of {cal.channels} "
+                         f"channels; {identity.name}'s KV is {identity.num_layers} layers of {channels}")
+    return params_for(digest, quality)

@@ -58,7 +58,7 @@ class WorkerSide:
             target = self._blocks.target(load.block_ids, load.end)
             hit = self.caches.cache(load.keys).load_prefix(load.token_ids, target, max_tokens=load.end,
                                                             from_token=load.start)
-            done, why = min(hit.num_tokens, load.end), "; ".join(hit.refused) or "missing"
+            done, why = min(hit.num_tokens, load.end), "; ".join(hit.refused + hit.unreadable) or "missing"
             refused, read = len(hit.refused), hit.stored_bytes
         except KvtoolError as err:  # e.g. the store went away: a load failure, never a crash
             done, why = load.start, str(err)
@@ -100,7 +100,7 @@ class WorkerSide:
         began = time.perf_counter()
         try:
             result = self.caches.cache(save.keys).put_sequence(save.token_ids, kv, codec=self.config.codec,
-                                                               start=save.start)
+                                                               params=self.config.params, start=save.start)
         except KvtoolError as err:  # the store is unreachable or full: serving goes on, unsaved
             log.warning("kvtool: request %s: tokens %d..%d not saved to %s (%s)", save.req_id, save.start,
                         save.end, self.caches.url, err)
