@@ -48,19 +48,6 @@ static uint16_t get_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return
 static void put_u32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 static size_t esize(int dtype) { return dtype == PCA_DTYPE_F32 ? 4u : 2u; }
 
-/* round to nearest even of |d| <= 2^51: adding 1.5 * 2^52 leaves no fraction bits (the FPU
- * rounds to nearest even), and subtracting it back is exact. Needs no SSE4.1 roundsd. */
-static inline double rne(double d) {
-    const double magic = 6755399441055744.0;
-    return (d + magic) - magic;
-}
-
-static inline float load_f32(const uint8_t *row, int dtype, size_t c) {
-    if (dtype == PCA_DTYPE_F32) { float f; memcpy(&f, row + 4 * c, 4); return f; }
-    uint16_t h;
-    memcpy(&h, row + 2 * c, 2);
-    return dtype == PCA_DTYPE_BF16 ? pca_f32((uint32_t)h << 16) : pca_f16_to_f32(h);
-}
 
 /* ------------------------------------------------------------------------ */
 /* tables (format-spec/pca.md §6; given by the caller from _tables.py)        */
@@ -281,7 +268,7 @@ typedef struct {
 static inline int16_t quantize(double acc, double r) {
     double v = acc * r;
     v = v > Q_LIMIT ? Q_LIMIT : v < -Q_LIMIT ? -Q_LIMIT : v;
-    return (int16_t)rne(v);
+    return (int16_t)pca_rne(v);
 }
 
 /* q of every coded token of a row into s->qT (component-major); PCA_ERR_RANGE if a token's sum

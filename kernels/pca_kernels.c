@@ -119,24 +119,12 @@ void pca_matmul(const int32_t *xp, size_t ps, const int16_t *m2, size_t cols, co
 /* ------------------------------------------------------------------------ */
 /* the writer's per-token steps                                              */
 
-/* round to nearest even of |d| <= 2^51 (1.5 * 2^52 added and taken away: no SSE4.1 needed) */
-static inline double rne(double d) {
-    const double magic = 6755399441055744.0;
-    return (d + magic) - magic;
-}
-
-static inline float load_value(const uint8_t *row, int dtype, size_t c) {
-    if (dtype == PCA_DTYPE_F32) { float f; memcpy(&f, row + 4 * c, 4); return f; }
-    uint16_t h;
-    memcpy(&h, row + 2 * c, 2);
-    return dtype == PCA_DTYPE_BF16 ? pca_f32((uint32_t)h << 16) : pca_f16_to_f32(h);
-}
 
 static int32_t forward_portable(const uint8_t *src, int dtype, uint32_t C, uint32_t D, const float *cs,
                                 const float *sn, const float *mean, const float *w, int32_t *U, int64_t *sumsq) {
     const uint32_t H = D / 2;
     float x[4096];
-    for (uint32_t c = 0; c < C; c++) x[c] = load_value(src, dtype, c);
+    for (uint32_t c = 0; c < C; c++) x[c] = pca_load_value(src, dtype, c);
     if (cs)
         for (uint32_t b = 0; b < C; b += D)
             for (uint32_t j = 0; j < H; j++) {
@@ -150,7 +138,7 @@ static int32_t forward_portable(const uint8_t *src, int dtype, uint32_t C, uint3
         const float u = d * w[c];
         double v = (double)u * 256.0;
         v = v > 8388607.0 ? 8388607.0 : v < -8388607.0 ? -8388607.0 : v; /* clamp, then round: the same */
-        U[c] = (int32_t)rne(v);
+        U[c] = (int32_t)pca_rne(v);
     }
     int64_t ss = 0;
     int32_t mx = 0;
@@ -167,7 +155,7 @@ static void quantize_portable(const int32_t *y, uint32_t n, double r, int16_t *q
     for (uint32_t i = 0; i < n; i++) {
         double v = (double)y[i] * r;
         v = v > 32767.0 ? 32767.0 : v < -32767.0 ? -32767.0 : v;
-        const int32_t k = (int32_t)rne(v);
+        const int32_t k = (int32_t)pca_rne(v);
         q[i] = (int16_t)k;
         l1[i] += (uint32_t)(k < 0 ? -k : k);
     }
@@ -189,7 +177,7 @@ __attribute__((target("avx2"))) static int32_t forward_avx2(const uint8_t *src, 
             v = _mm256_castsi256_ps(_mm256_slli_epi32(
                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 2 * (size_t)c))), 16));
         else { /* f16: the portable widening (F16C is a feature of its own) */
-            for (uint32_t i = 0; i < 8; i++) x[c + i] = load_value(src, dtype, c + i);
+            for (uint32_t i = 0; i < 8; i++) x[c + i] = pca_load_value(src, dtype, c + i);
             continue;
         }
         _mm256_store_ps(x + c, v);

@@ -6,6 +6,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pca_cpu.h" /* PCA_DTYPE_* */
+
 #define PCA_TB 4   /* tokens per block of the transform */
 #define PCA_JB 24  /* columns per block of the transform (m2's width is a multiple of it) */
 
@@ -40,7 +42,21 @@ static inline float pca_f16_to_f32(uint16_t h) {
     return pca_f32(sign | ((exp + 112u) << 23) | (man << 13));
 }
 
-#endif
+/* round to nearest even of |d| <= 2^51: adding 1.5 * 2^52 leaves no fraction bits (the FPU
+ * rounds to nearest even), and subtracting it back is exact. Needs no SSE4.1 roundsd. */
+static inline double pca_rne(double d) {
+    const double magic = 6755399441055744.0;
+    return (d + magic) - magic;
+}
+
+/* value c of a stored row (bf16, fp16 or fp32 bits, little-endian) as float32 */
+static inline float pca_load_value(const uint8_t *row, int dtype, size_t c) {
+    if (dtype == PCA_DTYPE_F32) { float f; memcpy(&f, row + 4 * c, 4); return f; }
+    uint16_t h;
+    memcpy(&h, row + 2 * c, 2);
+    return dtype == PCA_DTYPE_BF16 ? pca_f32((uint32_t)h << 16) : pca_f16_to_f32(h);
+}
+
 
 /* The writer's first step for one token (format-spec/pca.md §5.1): x = its C values of dtype at
  * src as f32; for K (cs, sn not NULL: the token's RoPE row, D/2 each) turned back per head;
@@ -60,3 +76,5 @@ void pca_exact_token(const int32_t *U, const int16_t *basis, uint32_t C, int64_t
  * then add); for K (cs, sn not NULL) turned forward per head; rounded to dtype at dst. */
 void pca_inverse_token(const int32_t *acc, uint32_t C, uint32_t D, const float *h, const float *mean,
                        const float *cs, const float *sn, int dtype, uint8_t *dst);
+
+#endif
