@@ -81,22 +81,10 @@ CALIBRATIONS = {"walk": (1, 101), "main": (2, 202)}  # name: (layers, seed)
 
 
 def calibration_bytes(cal: calmod.Calibration) -> bytes:
-    """The object as a safetensors file laid out one fixed way: the header's JSON compact with its
-    keys sorted (metadata first), the tensors in name order, spaces to a multiple of 8. (The
-    safetensors library writes the metadata in an order that changes from run to run, and the
-    name of the object is the digest of its bytes.)"""
-    tensors = {"basis": cal.basis, "inv_freq": cal.inv_freq, "mean": cal.mean, "weight": cal.weight}
-    header: dict = {"__metadata__": {"format": calmod.FORMAT, "head_dim": str(cal.head_dim), "model": cal.model}}
-    data, at = [], 0
-    for name, array in tensors.items():
-        raw = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
-        header[name] = {"dtype": {"int16": "I16", "float32": "F32"}[array.dtype.name], "shape": list(array.shape),
-                        "data_offsets": [at, at + len(raw)]}
-        data.append(raw)
-        at += len(raw)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + b"".join(data)
+    """The object's file: kvtool's one fixed layout (format-spec/pca.md §3; the safetensors library
+    writes its metadata in an order that changes from run to run, and the object is named by the
+    digest of its bytes)."""
+    return cal.to_bytes()
 
 
 # --------------------------------------------------------------------------- the vectors
