@@ -66,6 +66,20 @@ def test_calibrate_capture_compress_verify(calibrated, cal_dir, capsys):
     code, out, err = cli(capsys, "verify", packed, "--against", raw, "--rtol", "10", "--atol", "10")
     assert code == 0, err
 
+    # the default point (97) on a text bench_rd never measures: its own verify --replay passes
+    licence = pathlib.Path("/usr/share/common-licenses/Artistic")
+    if licence.is_file():
+        other = folder / "artistic.txt"
+        other.write_text(licence.read_text(encoding="utf-8")[:6000])
+        code, _, err = cli(capsys, "capture", "--prompt-file", other, "-o", folder / "a.kvc")
+        assert code == 0, err
+        code, _, err = cli(capsys, "compress", folder / "a.kvc", "-o", folder / "a.pca.kvc", "--codec", "pca")
+        assert code == 0, err
+        code, out, err = cli(capsys, "inspect", folder / "a.pca.kvc", "--json")
+        assert code == 0 and out["chunks"][0]["codec_params"]["quality"] == "97"
+        code, out, err = cli(capsys, "verify", folder / "a.pca.kvc", "--replay", "--json")
+        assert code == 0 and out["replay"]["top1_agreement"] >= QUALITY["97"][1], (out["replay"], err)
+
     # the calibration gone: one line naming it, exit 1 (the file's data cannot be decoded here)
     calmod._loaded.clear()
     (cal_dir / f"{digest}.kvcal").rename(folder / "moved.kvcal")
