@@ -100,6 +100,9 @@ def parse_args(argv=None):
     ap.add_argument("--pca-calibration", default="",
                     help="digest of a pca calibration object to use (default: learn one on the texts the "
                          "benchmark does not take, and keep it in kvtool's calibration folder)")
+    ap.add_argument("--pca-no-gains", action="store_true",
+                    help="learn the calibration without the rows' gains (kvtool.ops.calibrate.row_gains): "
+                         "the paired 'before' of what they buy")
     args = ap.parse_args(argv)
     if args.quick:
         args.per_kind, args.context, args.continuation, args.greedy = 1, 512, 32, 8
@@ -315,8 +318,9 @@ def pca_calibration(model, args):
                 ids += [w["context"] for w in make_windows(model.tokenizer, 1, [source], kind, 1024, 64, args.skip)]
             except SystemExit:  # too short or missing on this machine
                 pass
-    cal = calibrate(model, ids).save(default_dir())
-    print(f"pca calibration learned on {len(ids)} windows the benchmark does not take: {cal.digest}", flush=True)
+    cal = calibrate(model, ids, gains=not args.pca_no_gains).save(default_dir())
+    print(f"pca calibration learned on {len(ids)} windows the benchmark does not take "
+          f"({'without' if args.pca_no_gains else 'with'} the rows' gains): {cal.digest}", flush=True)
     return cal.digest
 
 
