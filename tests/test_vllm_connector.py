@@ -170,21 +170,24 @@ def pca_calibration(tmp_path_factory, default_model) -> tuple[Path, str]:
     return folder, learn_calibration(default_model, folder)
 
 
-def test_a_second_engine_loads_the_prefix_pca(tmp_path, reference, pca_calibration):
-    """codec pca at quality 95, its calibration the served model's registered one: the first
-    engine saves P's chunks (each object records the digest and its chunk's first position), a
-    second loads them (its greedy output reported against the uncached one); a third engine on a
+def test_an_engine_loads_the_prefix_pca(tmp_path, monkeypatch, reference, pca_calibration):
+    """codec pca at quality 95, its calibration the served model's registered one: one engine
+    (vLLM's own prefix cache off) serves P, saving its chunks (each object records the digest and
+    its chunk's first position), then P and Q again, loading them from the store (separate engine
+    processes are shown by the raw, zstd and cachegen tests; an engine start is the suite's
+    dearest step); its greedy output is reported against the uncached one. A second engine on a
     machine without the calibration object loads nothing (a miss whose warning names the digest,
-    recomputed: vLLM's uncached output exactly), and one told to encode with it refuses to start."""
+    recomputed: vLLM's uncached output exactly); a connector told to encode with it refuses."""
+    from kvtool.engine.default_model import default_model_path
     from kvtool.format import ContainerReader
+    from kvtool.integrations.vllm.config import pca_params
 
     folder, digest = pca_calibration
     env = {"KVTOOL_CALIBRATION_DIR": str(folder)}
     store = str(tmp_path / "store")
-    first = serve(tmp_path / "first", [PROMPT], store=store, codec="pca", quality="95", env=env)["requests"][0]
+    first, p, q = serve(tmp_path / "first", [PROMPT, *p_and_q(reference)], store=store, codec="pca", quality="95",
+                        env=env)["requests"]
     assert first["num_cached_tokens"] == 0 and first["token_ids"] == reference["token_ids"]
-    got = serve(tmp_path / "second", p_and_q(reference), store=store, codec="pca", quality="95", env=env)
-    p, q = got["requests"]
     assert p["num_cached_tokens"] == whole_chunks(reference) and q["num_cached_tokens"] == CHUNK
     names = plain_chunk_names(tmp_path / "store", reference)
     for name in names:
@@ -205,13 +208,14 @@ def test_a_second_engine_loads_the_prefix_pca(tmp_path, reference, pca_calibrati
     assert "could be loaded" in other["log"] and f"calibration object {digest[:16]}... not found" in other["log"]
     assert {o: o.read_bytes() for o in (tmp_path / "store").rglob("*.kvc")} == kept  # intact: nothing removed
 
-    spec = tmp_path / "refused.json"
-    spec.write_text(json.dumps({"prompts": [PROMPT], "store": store, "codec": "pca", "calibration": digest}))
-    out = subprocess.run([PYTHON, str(REPO / "scripts" / "vllm_serve.py"), str(spec)], capture_output=True,
-                         text=True, timeout=600, cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", **elsewhere})
-    assert out.returncode != 0
-    assert f"KVToolConnector: pca: calibration object {digest[:16]}... not found" in out.stdout + out.stderr
+    # the connector's config is read where vLLM builds it; a ValueError there stops the engine
+    # (test_an_unreachable_store_is_named_when_the_engine_starts shows that on a real start)
+    from kvtool.codecs.pca import calibration as calibrations
+
+    monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", elsewhere["KVTOOL_CALIBRATION_DIR"])
+    monkeypatch.setattr(calibrations, "_loaded", {})  # as a fresh engine process: nothing in memory
+    with pytest.raises(ValueError, match=f"KVToolConnector: pca: calibration object {digest[:16]}... not found"):
+        pca_params(str(default_model_path()), None, digest)
 
 
 def test_redis_between_two_engines(tmp_path, reference, redis_url):
