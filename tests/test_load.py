@@ -527,3 +527,97 @@ def test_the_gpu_decode_groups_read_ahead_and_stop_at_a_damaged_chunk(tmp_path, 
     # each group read while the one before decodes; none past a group that failed to read
     assert len(opened) == (7 if damaged is None else min(7, 2 * (damaged // 2 + 1)))
     assert all(id(source) in released for source in opened)
+
+
+def together_target(num_tokens: int, seed: int = 0):
+    """`paged_target`'s buffers behind the connector's own load destination (`connector.target`),
+    which takes runs of raw chunks in one native call (`scatter_sources`)."""
+    target, read = paged_target(num_tokens, seed)
+    return target.connector.target(**target.kwargs), read
+
+
+def counting_calls(monkeypatch) -> list[int]:
+    """The number of chunks of each native `scatter_checked_many` call from here on."""
+    from kvtool.connectors import paged_native
+
+    module = paged_native.native_module()
+    if module is None:
+        pytest.skip("kvtool._paged_native is not built")
+    calls: list[int] = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(module, name)
+
+        def scatter_checked_many(self, segs, payloads, *rest):
+            calls.append(len(payloads))
+            return module.scatter_checked_many(segs, payloads, *rest)
+
+    monkeypatch.setattr(paged_native, "native_module", lambda: Counting())
+    return calls
+
+
+@pytest.mark.parametrize("damage", [None, "crc", "nan", "open"])
+def test_raw_chunks_of_a_file_go_together_and_the_first_refusal_ends_the_load(tmp_path, monkeypatch, damage):
+    """A file's raw chunks (in its mapping) are copied and checked by one native call; a chunk
+    refused there (damaged bytes, a NaN written with a valid CRC) or one that fails to open ends
+    the load at it, as chunk by chunk: the chunks before it loaded, reported."""
+    from kvtool.errors import NonFiniteValues
+
+    calls = counting_calls(monkeypatch)
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    kv = make_kv(identity, 48, torch.float32, 0)
+    if damage == "nan":
+        kv[1, 0, 33, 5] = float("nan")  # chunk 4
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=48, chunk_size=8, dtype=torch.float32, kv=kv)
+    if damage == "crc":
+        flip_payload_byte(f.path, 3, 1, 0x08)
+    target, read = together_target(48)
+    with ContainerReader(f.path) as reader:
+        tasks = file_tasks(reader, 48)
+        if damage == "open":
+            def broken():
+                raise DecodeError("chunk 5: broken on purpose")
+            tasks[5] = ChunkTask(tasks[5].start, tasks[5].end, broken)
+        outcome = load_chunks(tasks, target, threads=2)
+    failed = {None: None, "crc": 3, "nan": 4, "open": 5}[damage]
+    error = {None: type(None), "crc": ChecksumMismatch, "nan": NonFiniteValues, "open": DecodeError}[damage]
+    assert isinstance(outcome.error, error) and outcome.failed == failed
+    loaded = 48 if failed is None else 8 * failed
+    assert (outcome.loaded_tokens, outcome.chunks) == (loaded, loaded // 8)
+    assert torch.equal(read(0, loaded), f.kv[:, :, :loaded])
+    if damage in (None, "crc", "nan"):
+        assert calls == [6]  # one call for the six chunks
+    else:
+        assert calls == [5]  # the chunks before the one that failed to open
+
+
+def test_a_run_together_ends_where_a_chunk_cannot_join_it_and_the_rest_load_chunk_by_chunk(tmp_path, monkeypatch):
+    calls = counting_calls(monkeypatch)
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=48, chunk_size=8, dtype=torch.float32,
+                      codecs_per_chunk=[("raw", None), ("raw", None), ("zstd", None)])
+    target, read = together_target(48)
+    with ContainerReader(f.path) as reader:
+        outcome = load_chunks(file_tasks(reader, 48), target, threads=2)
+    assert outcome.error is None and outcome.loaded_tokens == 48
+    assert torch.equal(read(0, 48), f.kv)
+    assert calls == [2]  # chunks 0-1 together; from the zstd chunk 2 on, one by one
+
+
+def test_a_run_refused_as_a_whole_loads_chunk_by_chunk_and_names_the_chunk(monkeypatch):
+    """A slot mapping with a cached token's -1 inside chunk 2: the run's slot check refuses it;
+    chunk by chunk, chunks 0-1 load and the refusal names chunk 2's range."""
+    from kvtool.errors import ConnectorError
+
+    counting_calls(monkeypatch)
+    kv = torch.randn(2, L, 32, H * D)
+    target, read = together_target(32)
+    target.kwargs["slot_mapping"] = target.kwargs["slot_mapping"].clone()
+    target.kwargs["slot_mapping"][19] = -1
+    tasks = [ChunkTask(8 * i, 8 * i + 8, lambda i=i: ChunkSource.from_tensor(kv[:, :, 8 * i:8 * i + 8]))
+             for i in range(4)]
+    outcome = load_chunks(tasks, target, threads=2)
+    assert isinstance(outcome.error, ConnectorError) and "slot_mapping[19] is -1" in str(outcome.error)
+    assert (outcome.loaded_tokens, outcome.chunks, outcome.failed) == (16, 2, 2)
+    assert torch.equal(read(0, 16), kv[:, :, :16])

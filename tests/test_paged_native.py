@@ -749,3 +749,109 @@ def test_the_values_check_rides_on_every_crc_path_and_equals_the_reference(dtype
                         assert module.nonfinite(src, kind) == int((~torch.isfinite(a)).sum())
     finally:
         module.crc32c_set_level(best)
+
+
+@needs_native
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize("crc_level", CRC_LEVELS, indirect=True)
+def test_many_payloads_in_one_call_are_each_payload_alone(layout, threads, crc_level, nontemporal):
+    """scatter_checked_many (a load's run of chunks in one call, their parts shared by the
+    threads) writes the reference bytes and says each payload's CRC-32C and non-finite count as
+    scatter_checked of that payload alone does, damaged and NaN payloads included."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(41)
+    L, H, D, BS, NB = 3, 2, 32, 16, 20
+    sizes = [16, 48, 7, 41, 21]
+    T = sum(sizes)
+    bufs = make_buffers(layout, L, NB, BS, H, D, torch.bfloat16, gen)
+    slots = shuffled_slots(T, NB, BS, gen)
+    kv = torch.randn(2, L, T, H * D, generator=gen).to(torch.bfloat16)
+    kv[0, 1, 16 + 48 + 3, 5] = float("nan")  # in payload 2
+    payloads, at = [], 0
+    for n in sizes:
+        payloads.append(bytearray(kv[:, :, at:at + n].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()))
+        at += n
+    payloads[3][100] ^= 0x20  # payload 3 damaged (its CRC no longer the stored one: the caller's check)
+    ref, out, alone = (clone_buffers(bufs, layout) for _ in range(3))
+    paged_torch.torch_scatter(torch.cat([torch.frombuffer(p, dtype=torch.bfloat16).view(2, L, n, H * D)
+                                         for p, n in zip(payloads, sizes)], dim=2), ref, PagedLayout(layout), slots)
+    template = paged_native._template(out, PagedLayout(layout), None)
+    index = slots.to(torch.int64).contiguous()
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    items = np.array([(n, index.data_ptr() + 8 * s) for n, s in zip(sizes, starts)], dtype=np.uint64).tobytes()
+    got = native.scatter_checked_many(paged_native._template(out, PagedLayout(layout), None).blob_order, payloads,
+                                      threads, items, 1)
+    expected = []
+    alone_template = paged_native._template(alone, PagedLayout(layout), None)
+    for p, n, s in zip(payloads, sizes, starts):
+        base = torch.frombuffer(p, dtype=torch.uint8).data_ptr()
+        expected.append(native.scatter_checked(alone_template.blob_order, p, 1, base, n, index.data_ptr() + 8 * s, 1))
+    assert got == expected
+    assert [bad for _, bad in got] == [0, 0, 1, 0, 0]
+    assert same_bits(ref, out, layout) and same_bits(ref, alone, layout)  # (a NaN equals nothing)
+    assert template.parts == 2 * L
+
+
+def same_bits(a, b, layout) -> bool:
+    """Buffers equal bit for bit (NaN included)."""
+    flat = (lambda bufs: [t for pair in bufs for t in pair]) if layout == "kv_tuple" else list
+    return all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(flat(a), flat(b)))
+
+
+@needs_native
+def test_many_payloads_refuse_a_bad_item_before_any_write():
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(42)
+    bufs = make_buffers("flash_attn", 2, 6, 4, 2, 8, torch.float32, gen)
+    slots = shuffled_slots(8, 6, 4, gen).to(torch.int64).contiguous()
+    segs = paged_native._template(bufs, PagedLayout("flash_attn"), None).blob_order
+    good = bytearray(2 * 2 * 4 * 16 * 4)  # 4 tokens of float32 KV
+    empty = clone_buffers(bufs, "flash_attn")
+
+    def items(*pairs):
+        return np.array(pairs, dtype=np.uint64).tobytes()
+
+    for payloads, its in (([good, bytearray(10)], items((4, slots.data_ptr()), (4, slots.data_ptr() + 32))),  # short
+                          ([good, good], items((4, slots.data_ptr()))),  # an item missing
+                          ([good], items((5, slots.data_ptr())))):  # more tokens than the payload holds
+        with pytest.raises(IndexError):
+            native.scatter_checked_many(segs, payloads, 2, its, 1)
+    assert buffers_equal(bufs, empty, "flash_attn")  # nothing written
+    with pytest.raises(TypeError):
+        native.scatter_checked_many(segs, [good, 3], 2, items((4, slots.data_ptr()), (4, slots.data_ptr() + 32)), 1)
+
+
+@needs_native
+def test_many_payloads_one_cut_short_under_the_copy_is_that_ones_refusal(tmp_path):
+    """Two chunks mapped from one file, the file then truncated inside the second: the call says
+    None for that one (the mapping faulted: refused as cut short), the first loads."""
+    import mmap
+
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(43)
+    L, T, H, D, BS = 2, 256, 4, 64, 16
+    bufs = make_buffers("flash_attn", L, 2 * T // BS + 2, BS, H, D, torch.float32, gen)
+    slots = shuffled_slots(2 * T, 2 * T // BS + 2, BS, gen).to(torch.int64).contiguous()
+    blob = torch.randn(2, 2, L, T, H * D, generator=gen)
+    data = blob.view(torch.uint8).reshape(-1).numpy().tobytes()
+    path = tmp_path / "two.kvc"
+    path.write_bytes(data)
+    half = len(data) // 2
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    view = memoryview(mapped)
+    try:
+        os.truncate(path, half + 8192)
+        segs = paged_native._template(bufs, PagedLayout("flash_attn"), None).blob_order
+        its = np.array([(T, slots.data_ptr()), (T, slots.data_ptr() + 8 * T)], dtype=np.uint64).tobytes()
+        got = native.scatter_checked_many(segs, [view[:half], view[half:]], 2, its, 3)  # (3: fp32 values)
+        from kvtool.checksum import crc32
+
+        assert got[0] == (crc32(data[:half]), 0) and got[1] is None
+    finally:
+        view.release()
+        mapped.close()

@@ -7,9 +7,10 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..chunk_source import ChunkSource
+from ..errors import KvtoolError
 from .base import ConnectorError, ConnectorTarget, GPUConnectorInterface
 from .memory import MemoryObj
-from .paged_copy import gather_paged, scatter_paged, scatter_paged_source
+from .paged_copy import gather_paged, scatter_paged, scatter_paged_source, scatter_paged_sources
 from .paged_native import native_slots_ok
 from .paged_layout import LayerKV, PagedGeometry, PagedLayout, buffers_signature, layer_tensors, paged_geometry
 
@@ -214,6 +215,20 @@ class _PagedConnector(GPUConnectorInterface):
                                  f"expected {list(self.get_shape(end - start))}")
         scatter_paged_source(source, bound.kvcaches, self.layout, slots, signature=bound.signature)
 
+    def _sources_into(self, bound: "_Bound", sources: list[ChunkSource], start: int,
+                      end: int) -> "list[KvtoolError | None] | None":
+        """`_source_into` of whole raw chunks one after the other from `start`, in one native call
+        (`PagedTarget.scatter_sources`); None when not taken."""
+        start, end = self._check_range(start, end)
+        if bound.first.device.type != "cpu" or sum(s.num_tokens for s in sources) != end - start:
+            return None
+        for source in sources:
+            if source.shape != (2, self.num_layers, source.num_tokens, self.hidden_dim_size):
+                raise ConnectorError(f"{source.what} holds KV of shape {list(source.shape)}, "
+                                     f"expected {list(self.get_shape(source.num_tokens))}")
+        slots = self._slots_of(bound.slot_mapping, start, end, bound.geo, bound.first.device, distinct=True)
+        return scatter_paged_sources(sources, bound.kvcaches, self.layout, slots, signature=bound.signature)
+
 
 class _Bound:
     """A call's buffers and slot mapping, checked (`_PagedConnector._bind`)."""
@@ -256,6 +271,9 @@ class PagedTarget(ConnectorTarget):
 
     def scatter_source(self, source: ChunkSource, start: int, end: int) -> None:
         self.connector._source_into(self._bound_once(), source, start, end, whole_mapping=True)
+
+    def scatter_sources(self, sources: list[ChunkSource], start: int, end: int) -> "list[KvtoolError | None] | None":
+        return self.connector._sources_into(self._bound_once(), sources, start, end)
 
 
 class PagedMemConnectorV2(_PagedConnector):

@@ -16,6 +16,7 @@ import torch
 
 from ..chunk_source import ChunkSource
 from ..cuda_build import usable_or_notice
+from ..errors import KvtoolError
 from . import paged_native, paged_torch
 from .paged_layout import LayerKV, PagedLayout, layer_tensors
 
@@ -68,6 +69,18 @@ def scatter_paged_source(source: ChunkSource, kv_caches: Sequence[LayerKV], layo
             and paged_native.native_scatter_source(source, kv_caches, layout, slots, signature):
         return
     scatter_paged(source.decode(), kv_caches, layout, slots, signature=signature)
+
+
+def scatter_paged_sources(sources: list[ChunkSource], kv_caches: Sequence[LayerKV], layout: PagedLayout | str,
+                          slots: torch.Tensor, *, signature: tuple | None = None) -> "list[KvtoolError | None] | None":
+    """`scatter_paged_source` of whole raw chunks in memory or a mapping, one after the other
+    (`slots`: all of theirs, in order), in one native call: per chunk None or why it is refused
+    (checked as copied, all of them copied). None when not taken (buffers on a GPU, no native
+    module, another dtype): nothing written."""
+    layout = PagedLayout.parse(layout)
+    if _cuda_kernel(kv_caches, layout) is not None:
+        return None
+    return paged_native.native_scatter_sources(sources, kv_caches, layout, slots, signature)
 
 
 def _cuda_kernel(kv_caches: Sequence[LayerKV], layout: PagedLayout):

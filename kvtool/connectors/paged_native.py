@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..chunk_source import ChunkSource
+from ..errors import KvtoolError
 from ..native_loader import NativeExtension
 from ..devices import host_threads
 from .paged_layout import (LayerKV, PagedLayout, buffers_signature, channel_stride, layer_tensors, paged_geometry,
@@ -168,6 +169,51 @@ def native_scatter_source(source: ChunkSource, kv_caches: Sequence[LayerKV], lay
         raise source.mismatch()
     source.refuse_nonfinite(bad)
     return True
+
+
+def native_scatter_sources(sources: list[ChunkSource], kv_caches: Sequence[LayerKV], layout: PagedLayout,
+                           slots: torch.Tensor, signature: tuple | None = None) -> "list[KvtoolError | None] | None":
+    """`native_scatter_source` of whole raw chunks in memory or a mapping, one after the other
+    (`slots`: all of theirs, in order), in one call (`scatter_checked_many`: the threads share
+    every chunk's parts, no hand-off per chunk). Per chunk: None, or why it is refused
+    (ChecksumMismatch: damaged or cut short under the copy; NonFiniteValues), all of them
+    copied. None when not taken (no module, buffers off the CPU or of another dtype, a chunk
+    still in its file): nothing written."""
+    module = native_module()
+    first = layer_tensors(kv_caches[0], layout)[0]
+    names = _NAMES_OF.get(first.dtype, ())
+    if module is None or first.device.type != "cpu" or not sources or slots.numel() == 0 \
+            or any(not s.raw or s.data is None or s.dtype not in names for s in sources):
+        return None
+    kinds = {s._finite_kind() for s in sources}
+    if len(kinds) != 1:
+        return None
+    template = _template(kv_caches, layout, signature)
+    index = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
+    items = np.empty((len(sources), 2), dtype=np.uint64)
+    at, row = 0, template.parts * template.row_bytes * first.element_size()
+    for i, source in enumerate(sources):
+        if source.length != row * source.num_tokens:
+            raise ValueError("paged_native: a chunk does not match the slots")  # a bug, not bad input
+        items[i] = (source.num_tokens, index.data_ptr() + at * index.element_size())
+        at += source.num_tokens
+    if at != index.numel():
+        raise ValueError("paged_native: the chunks do not match the slots")  # a bug, not bad input
+    results = module.scatter_checked_many(template.blob_order, [s.data for s in sources],
+                                          _threads(row * at), items.tobytes(), kinds.pop())
+    refusals: list[KvtoolError | None] = []
+    for source, result in zip(sources, results):
+        if result is None:
+            refusals.append(source.truncated())
+        elif not source.checked and result[0] != source.crc32c:
+            refusals.append(source.mismatch())
+        else:
+            try:
+                source.refuse_nonfinite(result[1])
+                refusals.append(None)
+            except KvtoolError as err:
+                refusals.append(err)
+    return refusals
 
 
 def _checked(result) -> tuple[int, int]:
