@@ -239,3 +239,23 @@ def test_a_request_never_shows_its_store_url():
     for request in (CaptureRequest("x.kvc", store=url), ReplayRequest(store=url, prompt="p"),
                     BlendRequest(prompt="q", store=url, delimiter=" # # ")):
         assert "s3cret" not in repr(request)
+
+
+def test_a_kept_object_still_at_its_name_is_not_opened_again_and_its_use_is_recorded(tmp_path, monkeypatch):
+    """Loaded again, a kept object whose name still holds that very file (lstat: device, inode,
+    size, time) is read from its kept mapping: no file opened; its access time (the LRU clock)
+    still moves, its modification time stays."""
+    cache, kv = filled(tmp_path)
+    aged(cache)
+    cache.load_prefix(TOKENS, target()[2])  # kept now
+    opened = []
+    real = type(cache.backend).open
+    monkeypatch.setattr(type(cache.backend), "open", lambda self, name: opened.append(name) or real(self, name))
+    path = Path(cache.backend._path(cache.chunk_names(TOKENS)[1]))
+    os.utime(path, ns=(OLD_NS, OLD_NS))
+    connector, caches, dest = target()
+    hit = cache.load_prefix(TOKENS, dest)
+    assert hit.num_tokens == 32 and torch.equal(gathered(connector, caches), kv)
+    assert opened == []
+    st = path.stat()
+    assert st.st_mtime_ns == OLD_NS and st.st_atime_ns > OLD_NS
