@@ -1125,8 +1125,9 @@ static PyObject *py_scatter_checked_many(PyObject *self, PyObject *args) {
     PyObject *payloads;
     int threads, finite = 0;
     if (!PyArg_ParseTuple(args, "y*Oiy*|i", &segs, &payloads, &threads, &items, &finite)) return NULL;
-    PyObject *result = NULL, *seq = PySequence_Fast(payloads, "scatter_checked_many: payloads must be a sequence");
-    Py_ssize_t m = seq ? PySequence_Fast_GET_SIZE(seq) : 0;
+    /* a tuple of its own: taking a payload's buffer may run Python code, which could change a list */
+    PyObject *result = NULL, *seq = PySequence_Tuple(payloads);
+    Py_ssize_t m = seq ? PyTuple_GET_SIZE(seq) : 0;
     Py_buffer *bufs = NULL;
     many_item_t *item = NULL;
     guarded_part_t *parts = NULL;
@@ -1150,7 +1151,7 @@ static PyObject *py_scatter_checked_many(PyObject *self, PyObject *args) {
     if (threads == 1) per = 1;
     const uint64_t *it = (const uint64_t *)items.buf;
     for (Py_ssize_t i = 0; i < m; i++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &bufs[i], PyBUF_SIMPLE) < 0) goto done;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(seq, i), &bufs[i], PyBUF_SIMPLE) < 0) goto done;
         held++;
         size_t count;
         segment_t *seg = call_segments(&segs, (unsigned long long)(uintptr_t)bufs[i].buf, it[2 * i], it[2 * i + 1],

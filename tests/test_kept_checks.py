@@ -241,21 +241,35 @@ def test_a_request_never_shows_its_store_url():
         assert "s3cret" not in repr(request)
 
 
-def test_a_kept_object_still_at_its_name_is_not_opened_again_and_its_use_is_recorded(tmp_path, monkeypatch):
+def test_a_kept_object_used_within_the_minute_is_not_opened_again(tmp_path, monkeypatch):
     """Loaded again, a kept object whose name still holds that very file (lstat: device, inode,
-    size, time) is read from its kept mapping: no file opened; its access time (the LRU clock)
-    still moves, its modification time stays."""
+    size, time) and whose use was recorded within the minute is read from its kept mapping: no
+    file opened. One whose last use is older is opened, through its descriptor, and its use is
+    recorded (access time), its modification time kept."""
     cache, kv = filled(tmp_path)
     aged(cache)
-    cache.load_prefix(TOKENS, target()[2])  # kept now
+    cache.load_prefix(TOKENS, target()[2])  # kept now, each use recorded just now
     opened = []
-    real = type(cache.backend).open
-    monkeypatch.setattr(type(cache.backend), "open", lambda self, name: opened.append(name) or real(self, name))
-    path = Path(cache.backend._path(cache.chunk_names(TOKENS)[1]))
-    os.utime(path, ns=(OLD_NS, OLD_NS))
+    real = cache.backend._open_file
+    monkeypatch.setattr(cache.backend, "_open_file", lambda name: opened.append(name) or real(name))
+    stale = Path(cache.backend._path(cache.chunk_names(TOKENS)[1]))
+    os.utime(stale, ns=(time.time_ns() - 61 * 10**9, OLD_NS))
     connector, caches, dest = target()
     hit = cache.load_prefix(TOKENS, dest)
     assert hit.num_tokens == 32 and torch.equal(gathered(connector, caches), kv)
-    assert opened == []
-    st = path.stat()
-    assert st.st_mtime_ns == OLD_NS and st.st_atime_ns > OLD_NS
+    assert opened == [cache.chunk_names(TOKENS)[1]]
+    st = stale.stat()
+    assert st.st_mtime_ns == OLD_NS and time.time_ns() - st.st_atime_ns < 10 * 10**9
+
+
+@pytest.mark.parametrize("ids", [[1, -1], [1, 2**32], [1, 2.5], [1, "2"], [[1, 2]], (3, None)])
+def test_token_ids_that_are_not_integers_in_u32_are_a_usage_error(tmp_path, ids):
+    """A prompt's ids as a list or tuple (how vLLM and callers hand them over) are checked as they
+    are converted: negative, past 2^32 - 1, a float, a string, a nested list: one line, nothing
+    looked up."""
+    from kvtool.errors import UsageError
+
+    cache, _ = filled(tmp_path)
+    with pytest.raises(UsageError, match=r"token ids must be integers in \[0, 2\^32\)"):
+        cache.lookup(ids)
+    assert cache.lookup([*TOKENS[:8], 2**32 - 1]) == 8  # the largest id is one

@@ -605,19 +605,96 @@ def test_a_run_together_ends_where_a_chunk_cannot_join_it_and_the_rest_load_chun
     assert calls == [2]  # chunks 0-1 together; from the zstd chunk 2 on, one by one
 
 
-def test_a_run_refused_as_a_whole_loads_chunk_by_chunk_and_names_the_chunk(monkeypatch):
+def test_a_run_refused_as_a_whole_loads_chunk_by_chunk_and_names_the_chunk(tmp_path, monkeypatch):
     """A slot mapping with a cached token's -1 inside chunk 2: the run's slot check refuses it;
-    chunk by chunk, chunks 0-1 load and the refusal names chunk 2's range."""
+    chunk by chunk (the chunks open already, not opened again), chunks 0-1 load and the refusal
+    names chunk 2's range."""
     from kvtool.errors import ConnectorError
 
-    counting_calls(monkeypatch)
-    kv = torch.randn(2, L, 32, H * D)
+    calls = counting_calls(monkeypatch)
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=32, chunk_size=8, dtype=torch.float32)
     target, read = together_target(32)
     target.kwargs["slot_mapping"] = target.kwargs["slot_mapping"].clone()
     target.kwargs["slot_mapping"][19] = -1
-    tasks = [ChunkTask(8 * i, 8 * i + 8, lambda i=i: ChunkSource.from_tensor(kv[:, :, 8 * i:8 * i + 8]))
-             for i in range(4)]
-    outcome = load_chunks(tasks, target, threads=2)
+    opened = []
+    with ContainerReader(f.path) as reader:
+        tasks = [ChunkTask(t.start, t.end, lambda t=t: opened.append(t.start) or t.open(), codec=t.codec)
+                 for t in file_tasks(reader, 32)]
+        outcome = load_chunks(tasks, target, threads=2)
     assert isinstance(outcome.error, ConnectorError) and "slot_mapping[19] is -1" in str(outcome.error)
     assert (outcome.loaded_tokens, outcome.chunks, outcome.failed) == (16, 2, 2)
-    assert torch.equal(read(0, 16), kv[:, :, :16])
+    assert torch.equal(read(0, 16), f.kv[:, :, :16])
+    assert calls == [] and opened == [0, 8, 16, 24]  # (the run was refused before the native call)
+
+
+def test_a_load_from_inside_a_chunk_loads_that_chunk_alone_and_the_rest_together(tmp_path, monkeypatch):
+    calls = counting_calls(monkeypatch)
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=48, chunk_size=8, dtype=torch.float32)
+    target, read = together_target(48)
+    with ContainerReader(f.path) as reader:
+        tasks = file_tasks(reader, 48)
+        tasks[0] = ChunkTask(5, 8, tasks[0].open, origin=0, codec="raw")  # the engine holds tokens 0-4
+        outcome = load_chunks(tasks, target, threads=2)
+    assert outcome.error is None and outcome.loaded_tokens == 48
+    assert torch.equal(read(5, 48), f.kv[:, :, 5:]) and not read(0, 5).any()
+    assert calls == [5]
+
+
+def test_the_store_loads_a_hot_prefix_together_and_refuses_an_object_damaged_in_place(tmp_path, monkeypatch):
+    """Objects of a realistic size (1 MiB of KV a chunk: the store loads them on every thread),
+    kept from an earlier load: one native call; one of them changed in place with its time put
+    back is refused there, by its name, and the prefix before it loads. Every source opened is
+    released."""
+    import os
+
+    from kvtool.chunk_source import ChunkSource as Source
+    from kvtool.store import loading, open_store
+
+    loading.forget_checked()
+    layers, heads, dim, chunk = 4, 4, 64, 256  # 2 x 4 x 256 x 256 x 2 bytes: 1 MiB of bf16 KV a chunk
+    identity = make_identity(num_layers=layers, num_kv_heads=heads, head_dim=dim)
+    kv = make_kv(identity, 4 * chunk, torch.bfloat16, 0)
+    tokens = list(range(1000, 1000 + 4 * chunk))
+    cache = open_store(str(tmp_path / "s")).for_model(identity, chunk_size=chunk)
+    cache.put_sequence(tokens, kv)
+    names = cache.chunk_names(tokens)
+    for name in names:
+        os.utime(cache.backend._path(name), ns=(10**18, 10**18))  # written long ago: kept when loaded
+
+    def paged():
+        blocks = 4 * chunk // 16 + 1
+        caches = [torch.zeros(2, blocks, 16, heads, dim, dtype=torch.bfloat16) for _ in range(layers)]
+        connector = PagedMemConnectorV2(heads * dim, layers, layout="flash_attn", num_kv_heads=heads, head_dim=dim)
+        slots = torch.randperm(blocks, generator=torch.Generator().manual_seed(1))[torch.arange(4 * chunk) // 16] * 16 \
+            + torch.arange(4 * chunk) % 16
+
+        def read(end):
+            out = connector.allocate(end, torch.bfloat16)
+            connector.from_gpu(out, 0, end, kvcaches=caches, slot_mapping=slots)
+            return out.tensor
+        return connector.target(kvcaches=caches, slot_mapping=slots), read
+
+    try:
+        dest, read = paged()
+        assert cache.load_prefix(tokens, dest).num_tokens == 4 * chunk  # kept now
+        calls = counting_calls(monkeypatch)
+        released = []
+        real_release = Source.release
+        monkeypatch.setattr(Source, "release", lambda self: released.append(self) or real_release(self))
+        path = cache.backend._path(names[2])
+        st = os.stat(path)
+        with open(path, "r+b") as f:
+            f.seek(st.st_size // 2)  # inside the payload (all but a few KB of the object)
+            byte = f.read(1)
+            f.seek(st.st_size // 2)  # inside the payload (all but a few KB of the object)
+            f.write(bytes([byte[0] ^ 0x01]))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # its time put back
+        dest, read = paged()
+        hit = cache.load_prefix(tokens, dest)
+        assert hit.num_tokens == 2 * chunk and len(hit.refused) == 1 and names[2] in hit.refused[0]
+        assert torch.equal(read(2 * chunk), kv[:, :, :2 * chunk])
+        assert calls == [4] and len(released) >= 4
+    finally:
+        loading.forget_checked()

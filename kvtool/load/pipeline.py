@@ -9,12 +9,16 @@ was read.
                   scatter_sources(sources, start, end): several whole raw chunks, one after the
                   other from `start`, in one native call (optional)
 
-Raw whole chunks whose bytes are in memory or a mapping (a container file's, a hot store
-object's) go together: opened in order on the calling thread, then copied and checked by one
-call that shares them among the threads (`scatter_sources`). Every other chunk, and any load into
-a destination without that call, goes chunk by chunk: at most `threads` chunks are in flight. The first chunk that fails ends the load: tokens [0, its
-start) are loaded and reported; chunks after it may have been scattered already but lie past the
-loaded prefix (an engine computes those slots again).
+Raw whole chunks whose bytes are in a mapping (a container file's, a hot store object's) go
+together: opened in order on the calling thread, then copied and checked by one native call that
+shares them among the threads (`scatter_sources`); a raw chunk of a mapping or a file that cannot
+join a run (part of a chunk, a payload still in its file) loads alone between runs. From a chunk
+that needs decoding or was fetched into memory, and in any load into a destination without that
+call, chunks go one by one on worker threads: at most `threads` in flight.
+
+The first chunk that fails ends the load: tokens [0, its start) are loaded and reported; chunks
+after it may have been scattered already but lie past the loaded prefix (an engine computes
+those slots again).
 """
 
 from __future__ import annotations
@@ -147,84 +151,108 @@ TOGETHER_CHUNKS = 64
 
 
 def _together(source: ChunkSource, task: ChunkTask, start: int) -> bool:
-    """Whether the chunk can go in a native call with the chunks before it (which end at `start`)."""
-    return source.raw and source.data is not None and task.start == start and task.first_row == 0 \
-        and task.end - task.start == source.num_tokens
+    """Whether the chunk can go in a native call with the chunks before it (which end at `start`):
+    raw, whole, next in line, its bytes in a mapping (a file's, a kept store object's: nothing
+    held in memory for it, however many go together)."""
+    return source.raw and source.mapped and source.data is not None and task.start == start \
+        and task.first_row == 0 and task.end - task.start == source.num_tokens
 
 
-def _open_run(tasks: list[ChunkTask], first: int, size: int) -> tuple[list[ChunkSource], KvtoolError | None]:
-    """Up to `size` chunks from tasks[first] on that can go together, opened in order: it ends
-    before the first that cannot (released again) or fails to open (its error, second)."""
+def _open_run(tasks: list[ChunkTask], first: int,
+              size: int) -> tuple[list[ChunkSource], ChunkSource | None, KvtoolError | None]:
+    """Up to `size` chunks from tasks[first] on that can go together, opened in order; then the
+    chunk after them when it is open but cannot join (second), or why it failed to open
+    (third). A chunk of a known codec other than raw is not opened here."""
     sources: list[ChunkSource] = []
-    for task in tasks[first:first + size]:
-        if task.codec not in (None, "raw"):
-            break
-        try:
-            source = task.open()
-        except KvtoolError as err:
-            return sources, err
-        source.scan_values = True  # KV for a model: every value finite too
-        if not _together(source, task, task.start if not sources else tasks[first + len(sources) - 1].end):
-            source.release()
-            break
-        sources.append(source)
-    return sources, None
-
-
-def _copy_run(destination: Destination, tasks: list[ChunkTask], first: int,
-              sources: list[ChunkSource]) -> "list[KvtoolError | None] | None":
-    """The run's chunks copied and checked by one native call (`scatter_sources`), then released:
-    per chunk None or why it is refused; None when the destination does not take the run or
-    refuses it as a whole (a bad slot mapping)."""
     try:
-        return destination.scatter_sources(sources, tasks[first].start, tasks[first + len(sources) - 1].end)
-    except KvtoolError:
-        return None  # (chunk by chunk then: the error names its chunk)
-    finally:
+        for task in tasks[first:first + size]:
+            if task.codec not in (None, "raw"):
+                break
+            try:
+                source = task.open()
+            except KvtoolError as err:
+                return sources, None, err
+            source.scan_values = True  # KV for a model: every value finite too
+            if not _together(source, task, task.start if not sources else tasks[first + len(sources) - 1].end):
+                return sources, source, None
+            sources.append(source)
+    except BaseException:  # a bug or an interrupt: nothing left open, raised as it is
         for source in sources:
             source.release()
+        raise
+    return sources, None, None
 
 
 def _load_together(tasks: list[ChunkTask], destination: Destination, threads: int) -> LoadOutcome:
-    """`load_chunks` with runs of raw chunks in memory or a mapping copied by one native call each
-    (`scatter_sources`): opened in order on this thread, then copied. (Copying a first run on a
+    """`load_chunks` with runs of raw chunks in mappings opened in order on this thread and
+    copied and checked by one native call each (`scatter_sources`). (Copying a first run on a
     worker while this thread opened the rest measured slower on two cores, 0.70x a plain copy
     instead of 0.85x at 2,048 tokens: the opening thread takes a core from the copy's threads,
-    and the call waits for its slowest part.) From the first chunk that cannot go together
-    (another codec, a payload still in its file), or a run the destination does not take, the
-    rest go chunk by chunk."""
+    and the call waits for its slowest part.) A raw chunk of a mapping or a file that cannot join
+    a run (part of a chunk, a payload still in its file) loads alone between runs; from a chunk
+    that needs decoding or was fetched into memory, or a run the destination does not take, the
+    rest go chunk by chunk, on worker threads. No chunk is opened twice."""
     first = 0
-    while True:
-        sources, failure = _open_run(tasks, first, TOGETHER_CHUNKS)
+    while first < len(tasks):
+        sources, odd, failure = _open_run(tasks, first, TOGETHER_CHUNKS)
         if sources:
-            ended = _run_outcome(tasks, first, len(sources), _copy_run(destination, tasks, first, sources),
-                                 destination, threads)
-            if ended is not None:
-                return ended
+            try:
+                refusals = destination.scatter_sources(sources, tasks[first].start,
+                                                       tasks[first + len(sources) - 1].end)
+            except KvtoolError:  # refused as a whole (a bad slot mapping): chunk by chunk, the error names its chunk
+                refusals = None
+            except BaseException:
+                _release(sources + [odd])
+                raise
+            if refusals is None:  # not taken: the rest chunk by chunk, those open as they are
+                return _chunk_by_chunk(tasks, first, destination, threads, sources + [odd])
+            _release(sources)
+            if len(refusals) != len(sources):
+                _release([odd])
+                raise ValueError("scatter_sources: one answer a chunk")  # a bug, not bad input
+            refused = next((i for i, refusal in enumerate(refusals) if refusal is not None), None)
+            if refused is not None:
+                _release([odd])
+                return LoadOutcome(loaded_tokens=tasks[first + refused].start, chunks=first + refused,
+                                   error=refusals[refused], failed=first + refused)
             first += len(sources)
         if failure is not None:
             return LoadOutcome(loaded_tokens=tasks[first].start, chunks=first, error=failure, failed=first)
         if first == len(tasks):
-            return LoadOutcome(loaded_tokens=tasks[-1].end, chunks=len(tasks))
-        if not sources:  # tasks[first] cannot go together: the rest chunk by chunk
-            return _chunk_by_chunk(tasks, first, destination, threads)
+            break
+        if odd is None or not odd.raw or not (odd.mapped or odd.in_file):
+            # another codec (decoded), or bytes fetched into memory (a network backend's: the next
+            # fetch overlaps this copy): chunk by chunk on the workers
+            return _chunk_by_chunk(tasks, first, destination, threads, [odd])
+        outcome = load_chunks([_opened_task(tasks[first], odd)], _OneByOne(destination), threads=1)
+        if outcome.error is not None:
+            return LoadOutcome(loaded_tokens=outcome.loaded_tokens, chunks=first, error=outcome.error, failed=first)
+        first += 1
+    return LoadOutcome(loaded_tokens=tasks[-1].end, chunks=len(tasks))
 
 
-def _run_outcome(tasks: list[ChunkTask], first: int, count: int, refusals: "list[KvtoolError | None] | None",
-                 destination: Destination, threads: int) -> LoadOutcome | None:
-    """How a run's copy ends the load: None when every chunk of it loaded (the load goes on);
-    at its first refused chunk; or, when the run was not taken, the rest chunk by chunk from it."""
-    if refusals is None:
-        return _chunk_by_chunk(tasks, first, destination, threads)
-    for i, refusal in enumerate(refusals[:count]):
-        if refusal is not None:
-            return LoadOutcome(loaded_tokens=tasks[first + i].start, chunks=first + i, error=refusal, failed=first + i)
-    return None
+def _release(sources: "list[ChunkSource | None]") -> None:
+    for source in sources:
+        if source is not None:
+            source.release()
 
 
-def _chunk_by_chunk(tasks: list[ChunkTask], first: int, destination: Destination, threads: int) -> LoadOutcome:
-    """tasks[first:] loaded chunk by chunk (tasks before them loaded already)."""
-    outcome = load_chunks(tasks[first:], _OneByOne(destination), threads=threads)
+def _opened_task(task: ChunkTask, source: ChunkSource) -> ChunkTask:
+    """`task` with its chunk open already."""
+    return ChunkTask(task.start, task.end, lambda: source, origin=task.origin, codec=task.codec)
+
+
+def _chunk_by_chunk(tasks: list[ChunkTask], first: int, destination: Destination, threads: int,
+                    opened: "list[ChunkSource | None]") -> LoadOutcome:
+    """tasks[first:] loaded chunk by chunk (tasks before them loaded already); `opened`: the
+    sources of the first of them, open already (None past the last one open). Whatever of them
+    the load does not reach is released."""
+    opened = [source for source in opened if source is not None]
+    rest = [_opened_task(task, source) for task, source in zip(tasks[first:], opened)] + tasks[first + len(opened):]
+    try:
+        outcome = load_chunks(rest, _OneByOne(destination), threads=threads)
+    finally:
+        _release(opened)  # (released twice does nothing)
     return LoadOutcome(loaded_tokens=outcome.loaded_tokens, chunks=first + outcome.chunks, error=outcome.error,
                        failed=None if outcome.failed is None else first + outcome.failed)
 

@@ -151,23 +151,18 @@ class LocalBackend(Backend):
             raise
         return source
 
-    def file_identity(self, name: str) -> tuple[int, int, int, int] | None:
-        """(device, inode, size, modification time) of the regular file at `name` (a link there
-        not followed), None for anything else or nothing: which file a name holds now, without
-        opening it (`kvtool.store.loading` serves a file it checked earlier from its kept mapping
-        when the name still holds that very file)."""
+    def file_state(self, name: str) -> tuple[tuple[int, int, int, int], int] | None:
+        """Which file `name` holds now, without opening it: ((device, inode, size, modification
+        time), its last use on the LRU clock) of the regular file there (a link not followed),
+        None for anything else or nothing. `kvtool.store.loading` serves a file it checked and
+        mapped earlier from its kept mapping while the name still holds that very file."""
         try:
             st = os.lstat(self._path(name))
         except (OSError, ValueError):
             return None
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
-
-    def touch(self, name: str, mtime_ns: int) -> None:
-        """Record a use of `name` on the LRU clock (its access time; the modification time kept)."""
-        try:
-            os.utime(self._path(name), ns=(time.time_ns(), mtime_ns), follow_symlinks=False)
-        except (OSError, ValueError):
-            pass  # (a store shared by several users may not let us set it)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), st.st_atime_ns
 
     @staticmethod
     def _refusal(name: str, path: str, err: OSError) -> ObjectRefused | ObjectUnreadable:
