@@ -9,7 +9,8 @@ to a layer the path had already left (ARCHITECTURE.md's rows; a callback into a 
                                                                 # as the vLLM connector's worker does
 
 `--repo` traces another checkout (e.g. a worktree of an older commit) with the same hooks, so
-the two traces compare. Loads run on one thread (KVTOOL_THREADS=1) so the whole path is one stack.
+the two traces compare. Loads run on one thread (KVTOOL_THREADS=1) so the whole path is one stack
+(`--threads N` for more: a run of raw chunks is copied from the calling thread then too).
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def trace_replay(repo: Path, args: list[str], title: str) -> None:
 
     seen: list = []
     entries: list = []
-    names = [n for n in ("native_scatter_source", "native_scatter_checked", "native_scatter") if hasattr(paged_native, n)]
+    names = [n for n in ("native_scatter_sources", "native_scatter_source", "native_scatter_checked", "native_scatter")
+             if hasattr(paged_native, n)]
     for name in names:
         real = getattr(paged_native, name)
 
@@ -183,10 +185,12 @@ def main() -> None:
     parser.add_argument("file", nargs="?")
     parser.add_argument("prompt_file", nargs="?")
     parser.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]))
+    parser.add_argument("--threads", default="1", help="KVTOOL_THREADS for the run (default 1: the whole load on "
+                        "one stack; a run of raw chunks is copied from the calling thread with more too)")
     args = parser.parse_args()
     repo = Path(args.repo).resolve()
     sys.path.insert(0, str(repo))
-    os.environ["KVTOOL_THREADS"] = "1"  # the whole load on one stack
+    os.environ["KVTOOL_THREADS"] = args.threads
     import kvtool
 
     assert Path(kvtool.__file__).resolve().is_relative_to(repo), kvtool.__file__
