@@ -378,7 +378,7 @@ def test_loads_are_block_granular_past_the_whole_chunks(tmp_path):
     128 tokens); B shares 904 tokens with it and loads 896 (the piece); C shares 700 and loads 640
     (2 chunks and the first block of A's third chunk, through its block index entry); the same
     document under another cache salt loads nothing, from the pieces neither. B's output is the
-    no-connector output."""
+    no-connector output. One engine serves A then the others, in order."""
     from kvtool.engine.default_model import default_model_path
     from transformers import AutoTokenizer
 
@@ -389,10 +389,10 @@ def test_loads_are_block_granular_past_the_whole_chunks(tmp_path):
     a, b = doc + [7] + question[:71], doc + [8] + question[1:72]
     c = doc[:700] + question[:150]
     store = str(tmp_path / "store")
-    first = serve(tmp_path / "a", [a], store=store, codec="raw")["requests"][0]
+    # one engine (vLLM's own prefix cache off: B and C load from the store what serving A saved)
+    first, got_b, got_c, salted = serve(tmp_path / "ab", [a, b, c, {"prompt": b, "cache_salt": SALT_B}], store=store,
+                                        codec="raw")["requests"]
     assert first["num_cached_tokens"] == 0
-    second = serve(tmp_path / "b", [b, c, {"prompt": b, "cache_salt": SALT_B}], store=store, codec="raw")
-    got_b, got_c, salted = second["requests"]
     assert got_b["num_cached_tokens"] == 896 and got_c["num_cached_tokens"] == 640
     assert salted["num_cached_tokens"] == 0
     plain = serve(tmp_path / "none", [b], connector="none")["requests"][0]
