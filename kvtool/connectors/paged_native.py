@@ -165,10 +165,22 @@ def native_scatter_source(source: ChunkSource, kv_caches: Sequence[LayerKV], lay
                                                        index.data_ptr(), kind))
         except EOFError:
             raise source.truncated() from None
-    if not source.checked and crc != source.crc32c:
-        raise source.mismatch()
-    source.refuse_nonfinite(bad)
+    refusal = _refusal(source, crc, bad)
+    if refusal is not None:
+        raise refusal
     return True
+
+
+def _refusal(source: ChunkSource, crc: int, bad: int) -> "KvtoolError | None":
+    """Why a chunk copied and checked is refused (its CRC-32C not the stored one, values not
+    finite), or None: the one verdict of every checked scatter."""
+    if not source.checked and crc != source.crc32c:
+        return source.mismatch()
+    try:
+        source.refuse_nonfinite(bad)
+    except KvtoolError as err:
+        return err
+    return None
 
 
 def native_scatter_sources(sources: list[ChunkSource], kv_caches: Sequence[LayerKV], layout: PagedLayout,
@@ -201,19 +213,8 @@ def native_scatter_sources(sources: list[ChunkSource], kv_caches: Sequence[Layer
         raise ValueError("paged_native: the chunks do not match the slots")  # a bug, not bad input
     results = module.scatter_checked_many(template.blob_order, [s.data for s in sources],
                                           _threads(row * at), items.tobytes(), kinds.pop())
-    refusals: list[KvtoolError | None] = []
-    for source, result in zip(sources, results):
-        if result is None:
-            refusals.append(source.truncated())
-        elif not source.checked and result[0] != source.crc32c:
-            refusals.append(source.mismatch())
-        else:
-            try:
-                source.refuse_nonfinite(result[1])
-                refusals.append(None)
-            except KvtoolError as err:
-                refusals.append(err)
-    return refusals
+    return [source.truncated() if result is None else _refusal(source, *result)
+            for source, result in zip(sources, results)]
 
 
 def _checked(result) -> tuple[int, int]:
