@@ -230,7 +230,10 @@ __attribute__((target("avx2"))) static uint32_t raw_avx2(pca_raw_in *r, int sh, 
     __m256i bg = zero;
     uint64_t lo_at = r->lo_at, sign_at = r->sign_at;
     uint32_t t = 0;
-    for (; t + 8 <= n && (lo_at >> 3) + 8 <= r->lo_len && (sign_at >> 3) + 2 <= r->sign_len; t += 8) {
+    /* a component without low bits reads none: its tokens need no room in the lo stream (the
+     * trailing components of a row are mostly such, and come after the stream's last byte) */
+    const size_t lo_room = sh ? 8u : 0u;
+    for (; t + 8 <= n && (sh == 0 || (lo_at >> 3) + lo_room <= r->lo_len) && (sign_at >> 3) + 2 <= r->sign_len; t += 8) {
         __m256i M = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sym + t)));
         if (esc) M = _mm256_add_epi32(M, _mm256_loadu_si256((const __m256i *)(esc + t)));
         if (sh) {
