@@ -103,6 +103,9 @@ def parse_args(argv=None):
     ap.add_argument("--pca-no-gains", action="store_true",
                     help="learn the calibration without the rows' gains (kvtool.ops.calibrate.row_gains): "
                          "the paired 'before' of what they buy")
+    ap.add_argument("--pca-basis", choices=("layer", "head"), default=None,
+                    help="learn the calibration's principal axes per layer or per KV head "
+                         "(default: kvtool calibrate's)")
     args = ap.parse_args(argv)
     if args.quick:
         args.per_kind, args.context, args.continuation, args.greedy = 1, 512, 32, 8
@@ -307,7 +310,7 @@ def pca_calibration(model, args):
     """The digest of the pca calibration object: --pca-calibration, or one learned now on one
     window of each text source the benchmark does not take (saved in kvtool's calibration folder)."""
     from kvtool.codecs.pca.calibration import default_dir, find
-    from kvtool.ops.calibrate import calibrate
+    from kvtool.ops.calibrate import DEFAULT_BASIS, calibrate
 
     if args.pca_calibration:
         return find(args.pca_calibration).digest
@@ -318,9 +321,11 @@ def pca_calibration(model, args):
                 ids += [w["context"] for w in make_windows(model.tokenizer, 1, [source], kind, 1024, 64, args.skip)]
             except SystemExit:  # too short or missing on this machine
                 pass
-    cal = calibrate(model, ids, gains=not args.pca_no_gains).save(default_dir())
+    basis = args.pca_basis or DEFAULT_BASIS
+    cal = calibrate(model, ids, gains=not args.pca_no_gains, basis=basis).save(default_dir())
     print(f"pca calibration learned on {len(ids)} windows the benchmark does not take "
-          f"({'without' if args.pca_no_gains else 'with'} the rows' gains): {cal.digest}", flush=True)
+          f"({'without' if args.pca_no_gains else 'with'} the rows' gains, axes per {basis}): {cal.digest}",
+          flush=True)
     return cal.digest
 
 

@@ -242,9 +242,19 @@ static int decode_row(const geo *g, uint32_t row, const row_in *ri, uint32_t N, 
         for (uint32_t t = b * PCA_TB; t < (b + 1) * PCA_TB; t++) last = s->last[t] > last ? s->last[t] : last;
         s->pairs[b] = (last + 1u) / 2u;
     }
+    const uint32_t D = ck->block, H = D / 2;
+    uint32_t whole[TBLK / PCA_TB]; /* a block-diagonal basis: every pair of a head's block, each token */
+    for (uint32_t b = 0; b < TBLK / PCA_TB; b++) whole[b] = H;
     for (uint32_t t0 = 0; t0 < g->Tc; t0 += TBLK) {
         const uint32_t nt = g->Tc - t0 < TBLK ? g->Tc - t0 : TBLK, np = (nt + PCA_TB - 1) / PCA_TB * PCA_TB;
-        pca_matmul((const int32_t *)s->q + t0, g->Tp, m2, ck->cols, s->pairs + t0 / PCA_TB, np, s->y, ck->cols);
+        if (D) /* head h: y[t][hD..] from the components hD.. (pairs hD/2..) and their block of m2 */
+            for (uint32_t h = 0; h < C / D; h++)
+                pca_matmul((const int32_t *)s->q + (size_t)h * H * g->Tp + t0, g->Tp,
+                           m2 + ((size_t)h * H * ck->cols + (size_t)h * D) * 2, ck->cols, D, whole, np,
+                           s->y + (size_t)h * D, ck->cols);
+        else
+            pca_matmul((const int32_t *)s->q + t0, g->Tp, m2, ck->cols, ck->cols, s->pairs + t0 / PCA_TB, np, s->y,
+                       ck->cols);
         inverse_rows(g, row, s->y, ck->cols, t0, nt, out);
     }
     return PCA_OK;
@@ -284,7 +294,8 @@ static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch
     const int64_t limit = ck->sumsq_limit[row];
     const size_t rowstride = (size_t)C * g->es;
     const uint8_t *base = kv + ((size_t)row * ck->tokens + ck->sinks) * rowstride;
-    for (uint32_t b = 0; b < rows4 / PCA_TB; b++) s->pairs[b] = C / 2;
+    /* every pair of channels (a block-diagonal basis: every pair of the head's block) */
+    for (uint32_t b = 0; b < rows4 / PCA_TB; b++) s->pairs[b] = ck->block ? ck->block / 2 : C / 2;
     uint8_t exact[EBLK];
     for (uint32_t t0 = 0; t0 < Tc; t0 += EBLK) {
         const uint32_t nt = Tc - t0 < EBLK ? Tc - t0 : EBLK;
@@ -333,7 +344,12 @@ static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch
                 }
             }
         }
-        pca_matmul((const int32_t *)m2, ck->cols, s->x, xs, s->pairs, rows4, s->y, xs);
+        if (ck->block) /* head h: components hD.. from its channels (pairs hD/2..) only */
+            for (uint32_t h = 0, D = ck->block; h < C / D; h++)
+                pca_matmul((const int32_t *)m2 + (size_t)h * (D / 2) * ck->cols + (size_t)h * D, ck->cols,
+                           s->x + (size_t)h * (D / 2) * xs * 2, xs, xs, s->pairs, D, s->y + (size_t)h * D * xs, xs);
+        else
+            pca_matmul((const int32_t *)m2, ck->cols, s->x, xs, xs, s->pairs, rows4, s->y, xs);
         for (uint32_t k = 0; k < C; k++) pca_quantize(s->y + (size_t)k * xs, nt, ck->r, s->qT + (size_t)k * Tc + t0, s->l1);
         for (uint32_t i = 0; i < nt; i++) {
             if (exact[i]) continue;
@@ -614,7 +630,8 @@ static int check_chunk(const pca_chunk *ck, geo *g, char *err, size_t errlen) {
     const uint32_t C = ck->channels, D = ck->head_dim;
     if (ck->dtype < PCA_DTYPE_BF16 || ck->dtype > PCA_DTYPE_F32 || ck->layers < 1 || ck->layers > (1u << 16) ||
         C < 2 || C > 4096 || D < 2 || D % 2 || C % D || ck->sinks > ck->tokens || ck->cols < C ||
-        ck->cols % PCA_JB || (uint64_t)C * ck->tokens >= (1ull << 31)) {
+        ck->cols % PCA_JB || (uint64_t)C * ck->tokens >= (1ull << 31) ||
+        (ck->block && (ck->block != D || D % 8))) {
         snprintf(err, errlen, "bad chunk geometry");
         return 0;
     }

@@ -28,6 +28,10 @@ typedef struct {
     uint32_t sinks;       /* S: tokens kept exact (encode: given; decode: must match the payload) */
     uint32_t lanes;       /* encode: 1..64 (decode: read from the payload) */
     uint32_t cols;        /* C rounded up to a multiple of 24: the padded width of m2 */
+    uint32_t block;       /* 0, or D when every row's basis is block-diagonal in KV heads (zero outside the
+                           * D x D blocks of head h's channels and components hD..hD+D-1; D a multiple
+                           * of 8): the transform then multiplies the blocks only (the sums are the same
+                           * integers, as the terms left out are zeros) */
     const float *mean;    /* [2][L][C] */
     const float *weight;  /* [2][L][C] (encode) */
     const float *gain;    /* [2][L][C]: h = f32(f64(step) / (16384 f64(weight))) (decode) */

@@ -31,89 +31,71 @@ int pca_simd_avx2(void) {
 }
 
 /* Portable: the same sums, one token at a time (the compiler vectorises the j loop). */
-static void matmul_portable(const int32_t *xp, size_t ps, const int16_t *m2, size_t cols, const uint32_t *pairs,
-                            size_t tokens, int32_t *Y, size_t ys) {
+static void matmul_portable(const int32_t *xp, size_t ps, const int16_t *m2, size_t stride, size_t width,
+                            const uint32_t *pairs, size_t tokens, int32_t *Y, size_t ys) {
     for (size_t t = 0; t < tokens; t++) {
         int32_t *y = Y + t * ys;
-        memset(y, 0, cols * sizeof(int32_t));
+        memset(y, 0, width * sizeof(int32_t));
         const uint32_t P = pairs[t / PCA_TB];
         for (uint32_t p = 0; p < P; p++) {
             int16_t x2[2];
             memcpy(x2, xp + (size_t)p * ps + t, 4);
             const int32_t x0 = x2[0], x1 = x2[1];
             if (!x0 && !x1) continue;
-            const int16_t *m = m2 + (size_t)p * cols * 2;
-            for (size_t j = 0; j < cols; j++) y[j] += x0 * m[2 * j] + x1 * m[2 * j + 1];
+            const int16_t *m = m2 + (size_t)p * stride * 2;
+            for (size_t j = 0; j < width; j++) y[j] += x0 * m[2 * j] + x1 * m[2 * j + 1];
         }
     }
 }
 
 #ifdef PCA_HAVE_AVX2
-/* 4 tokens x 24 columns in 12 accumulators; per pair of rows of M: 3 loads of m2 (8 columns x 2
- * each), 4 broadcasts of a token's two int16 as one int32, 12 vpmaddwd (x0*m[2j] + x1*m[2j+1],
- * exact: each product < 2^30 and the caller bounds every partial sum), 12 adds. */
+/* One block: 4 tokens x NV*8 columns (NV 1..3) in up to 12 accumulators; per pair of rows of M:
+ * NV loads of m2 (8 columns x 2 each), 4 broadcasts of a token's two int16 as one int32, 4 NV
+ * vpmaddwd (x0*m[2j] + x1*m[2j+1], exact: each product < 2^30 and the caller bounds every partial
+ * sum) and as many adds. NV is a constant at every call, so the loops unroll. */
+__attribute__((target("avx2"), always_inline)) static inline void block_avx2(const int32_t *x, size_t ps,
+                                                                             const int16_t *m, size_t stride,
+                                                                             uint32_t P, int32_t *y, size_t ys,
+                                                                             const int NV) {
+    __m256i a[4][3];
+    for (int i = 0; i < 4; i++)
+        for (int v = 0; v < NV; v++) a[i][v] = _mm256_setzero_si256();
+    for (uint32_t p = 0; p < P; p++, m += stride * 2, x += ps) {
+        __m256i b[3];
+        for (int v = 0; v < NV; v++) b[v] = _mm256_loadu_si256((const __m256i *)(m + 16 * v));
+        for (int i = 0; i < 4; i++) {
+            const __m256i s = _mm256_set1_epi32(x[i]);
+            for (int v = 0; v < NV; v++) a[i][v] = _mm256_add_epi32(a[i][v], _mm256_madd_epi16(s, b[v]));
+        }
+    }
+    for (int i = 0; i < 4; i++, y += ys)
+        for (int v = 0; v < NV; v++) _mm256_storeu_si256((__m256i *)(y + 8 * v), a[i][v]);
+}
+
 __attribute__((target("avx2"))) static void matmul_avx2(const int32_t *xp, size_t ps, const int16_t *m2,
-                                                        size_t cols, const uint32_t *pairs, size_t tokens,
-                                                        int32_t *Y, size_t ys) {
+                                                        size_t stride, size_t width, const uint32_t *pairs,
+                                                        size_t tokens, int32_t *Y, size_t ys) {
     for (size_t t0 = 0; t0 < tokens; t0 += PCA_TB) {
         const uint32_t P = pairs[t0 / PCA_TB];
-        for (size_t j0 = 0; j0 < cols; j0 += PCA_JB) {
-            __m256i a00 = _mm256_setzero_si256(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
-            __m256i a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
-            const int16_t *m = m2 + j0 * 2;
-            const int32_t *x = xp + t0;
-            for (uint32_t p = 0; p < P; p++, m += cols * 2, x += ps) {
-                const __m256i b0 = _mm256_loadu_si256((const __m256i *)m);
-                const __m256i b1 = _mm256_loadu_si256((const __m256i *)(m + 16));
-                const __m256i b2 = _mm256_loadu_si256((const __m256i *)(m + 32));
-                __m256i s;
-                s = _mm256_set1_epi32(x[0]);
-                a00 = _mm256_add_epi32(a00, _mm256_madd_epi16(s, b0));
-                a01 = _mm256_add_epi32(a01, _mm256_madd_epi16(s, b1));
-                a02 = _mm256_add_epi32(a02, _mm256_madd_epi16(s, b2));
-                s = _mm256_set1_epi32(x[1]);
-                a10 = _mm256_add_epi32(a10, _mm256_madd_epi16(s, b0));
-                a11 = _mm256_add_epi32(a11, _mm256_madd_epi16(s, b1));
-                a12 = _mm256_add_epi32(a12, _mm256_madd_epi16(s, b2));
-                s = _mm256_set1_epi32(x[2]);
-                a20 = _mm256_add_epi32(a20, _mm256_madd_epi16(s, b0));
-                a21 = _mm256_add_epi32(a21, _mm256_madd_epi16(s, b1));
-                a22 = _mm256_add_epi32(a22, _mm256_madd_epi16(s, b2));
-                s = _mm256_set1_epi32(x[3]);
-                a30 = _mm256_add_epi32(a30, _mm256_madd_epi16(s, b0));
-                a31 = _mm256_add_epi32(a31, _mm256_madd_epi16(s, b1));
-                a32 = _mm256_add_epi32(a32, _mm256_madd_epi16(s, b2));
-            }
-            int32_t *y = Y + t0 * ys + j0;
-            _mm256_storeu_si256((__m256i *)y, a00);
-            _mm256_storeu_si256((__m256i *)(y + 8), a01);
-            _mm256_storeu_si256((__m256i *)(y + 16), a02);
-            y += ys;
-            _mm256_storeu_si256((__m256i *)y, a10);
-            _mm256_storeu_si256((__m256i *)(y + 8), a11);
-            _mm256_storeu_si256((__m256i *)(y + 16), a12);
-            y += ys;
-            _mm256_storeu_si256((__m256i *)y, a20);
-            _mm256_storeu_si256((__m256i *)(y + 8), a21);
-            _mm256_storeu_si256((__m256i *)(y + 16), a22);
-            y += ys;
-            _mm256_storeu_si256((__m256i *)y, a30);
-            _mm256_storeu_si256((__m256i *)(y + 8), a31);
-            _mm256_storeu_si256((__m256i *)(y + 16), a32);
-        }
+        const int32_t *x = xp + t0;
+        int32_t *y = Y + t0 * ys;
+        size_t j0 = 0;
+        for (; j0 + 24 <= width; j0 += 24) block_avx2(x, ps, m2 + j0 * 2, stride, P, y + j0, ys, 3);
+        if (width - j0 == 16) block_avx2(x, ps, m2 + j0 * 2, stride, P, y + j0, ys, 2);
+        else if (width - j0 == 8) block_avx2(x, ps, m2 + j0 * 2, stride, P, y + j0, ys, 1);
     }
 }
 #endif
 
-void pca_matmul(const int32_t *xp, size_t ps, const int16_t *m2, size_t cols, const uint32_t *pairs,
+void pca_matmul(const int32_t *xp, size_t ps, const int16_t *m2, size_t stride, size_t width, const uint32_t *pairs,
                 size_t tokens, int32_t *Y, size_t ys) {
 #ifdef PCA_HAVE_AVX2
     if (pca_simd_avx2()) {
-        matmul_avx2(xp, ps, m2, cols, pairs, tokens, Y, ys);
+        matmul_avx2(xp, ps, m2, stride, width, pairs, tokens, Y, ys);
         return;
     }
 #endif
-    matmul_portable(xp, ps, m2, cols, pairs, tokens, Y, ys);
+    matmul_portable(xp, ps, m2, stride, width, pairs, tokens, Y, ys);
 }
 
 /* ------------------------------------------------------------------------ */

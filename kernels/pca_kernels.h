@@ -12,11 +12,13 @@
 #define PCA_JB 24  /* columns per block of the transform (m2's width is a multiple of it) */
 
 /* Y[t][j] = sum over i < 2*pairs[t / PCA_TB] of X[t][i] * M[i][j], for t < tokens (a multiple of
- * PCA_TB) and j < cols (a multiple of PCA_JB). X comes pair-major, X[t][2p] and X[t][2p+1] the low
+ * PCA_TB) and j < width (a multiple of 8). X comes pair-major, X[t][2p] and X[t][2p+1] the low
  * and high int16 of xp[p * ps + t] (so a coder writing one component walks memory in order); M
- * comes as m2[i/2][j][2]. int32 throughout: the caller guarantees every partial sum fits (decode:
- * sum|q| <= 2^16; encode: the sumsq bound), so any order of summation gives the same result. */
-void pca_matmul(const int32_t *xp, size_t ps, const int16_t *m2, size_t cols, const uint32_t *pairs,
+ * comes as m2[i/2][j][2], stride columns from one pair of rows to the next (a block of a wider
+ * matrix: its columns j0.. at m2 + 2 j0). int32 throughout: the caller guarantees every partial
+ * sum fits (decode: sum|q| <= 2^16; encode: the sumsq bound), so any order of summation gives
+ * the same result. */
+void pca_matmul(const int32_t *xp, size_t ps, const int16_t *m2, size_t stride, size_t width, const uint32_t *pairs,
                 size_t tokens, int32_t *Y, size_t ys);
 
 /* 1 when the AVX2 path is in use (x86-64 with AVX2 and KVTOOL_PCA_SIMD not 0). */

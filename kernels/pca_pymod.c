@@ -79,8 +79,8 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
     pca_chunk ck;
     memset(&ck, 0, sizeof ck);
     int threads;
-    if (!PyArg_ParseTuple(args, "OiIIIIIIIdOOOOOIOOOOOOi", &kv, &ck.dtype, &ck.layers, &ck.tokens, &ck.channels,
-                          &ck.head_dim, &ck.sinks, &ck.lanes, &ck.cols, &ck.r, &mean, &weight, &m2, &basis, &lim,
+    if (!PyArg_ParseTuple(args, "OiIIIIIIIIdOOOOOIOOOOOOi", &kv, &ck.dtype, &ck.layers, &ck.tokens, &ck.channels,
+                          &ck.head_dim, &ck.sinks, &ck.lanes, &ck.cols, &ck.block, &ck.r, &mean, &weight, &m2, &basis, &lim,
                           &ck.nrope, &cos, &sin, &rmap, &freq, &cost, &slot, &threads))
         return NULL;
     if (!geometry_ok(&ck)) return NULL;
@@ -116,8 +116,8 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     pca_chunk ck;
     memset(&ck, 0, sizeof ck);
     int threads;
-    if (!PyArg_ParseTuple(args, "OOiIIIIIIOOOIOOOOOOi", &payload, &out, &ck.dtype, &ck.layers, &ck.tokens,
-                          &ck.channels, &ck.head_dim, &ck.sinks, &ck.cols, &mean, &gain, &m2, &ck.nrope, &cos, &sin,
+    if (!PyArg_ParseTuple(args, "OOiIIIIIIIOOOIOOOOOOi", &payload, &out, &ck.dtype, &ck.layers, &ck.tokens,
+                          &ck.channels, &ck.head_dim, &ck.sinks, &ck.cols, &ck.block, &mean, &gain, &m2, &ck.nrope, &cos, &sin,
                           &rmap, &freq, &cost, &slot, &threads))
         return NULL;
     if (!geometry_ok(&ck)) return NULL;

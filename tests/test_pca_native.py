@@ -5,7 +5,10 @@ Geometries: the small one of test_pca (2 layers x 16 channels), an odd one (1 la
 10: 30 channels, not a multiple of the C transform's 24-column block), the default model's
 (30 layers, 3 KV heads x 64), and a wide one (2 heads of 16: the smallest the AVX2 forward step
 takes, half a head a multiple of 8), each with a random calibration of that shape (the coder does not
-care what the basis learned, only that it is within the spec's limits)."""
+care what the basis learned, only that it is within the spec's limits). The `heads*` geometries
+have a block-diagonal basis (axes per KV head, as `kvtool calibrate --basis head` learns), which
+the C coder multiplies block by block: heads of 64 (the default model's), of 8, 40 (24 + 16
+columns) and 10 (not a multiple of 8: the dense product)."""
 
 from __future__ import annotations
 
@@ -27,10 +30,15 @@ pytestmark = pytest.mark.skipif(not native.native_available(), reason="native pc
 STORAGE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
 
 
-def random_calibration(L: int, H: int, D: int, seed: int = 0) -> calmod.Calibration:
+def random_calibration(L: int, H: int, D: int, per_head: bool = False, seed: int = 0) -> calmod.Calibration:
     rng = np.random.default_rng(seed)
     C = H * D
-    q, _ = np.linalg.qr(rng.standard_normal((2, L, C, C)))
+    if per_head:  # an orthonormal block per KV head, zeros elsewhere
+        q = np.zeros((2, L, C, C))
+        for h in range(H):
+            q[:, :, h * D:(h + 1) * D, h * D:(h + 1) * D] = np.linalg.qr(rng.standard_normal((2, L, D, D)))[0]
+    else:
+        q, _ = np.linalg.qr(rng.standard_normal((2, L, C, C)))
     basis = np.rint(q * calmod.BASIS_ONE).clip(-32767, 32767).astype(np.int16)
     inv_freq = np.tile(1.0 / 10000 ** (np.arange(0, D, 2) / D), (L, 1)).astype(np.float32)
     if L > 1:
@@ -42,7 +50,9 @@ def random_calibration(L: int, H: int, D: int, seed: int = 0) -> calmod.Calibrat
     return calmod.remember(cal)
 
 
-GEOMETRIES = {"small": (2, 2, 8), "odd": (1, 3, 10), "default": (30, 3, 64), "wide": (2, 2, 16)}
+GEOMETRIES = {"small": (2, 2, 8), "odd": (1, 3, 10), "default": (30, 3, 64), "wide": (2, 2, 16),
+              "heads": (30, 3, 64, True), "heads8": (2, 4, 8, True), "heads40": (1, 2, 40, True),
+              "heads10": (1, 3, 10, True)}
 _cals: dict[str, calmod.Calibration] = {}
 
 
@@ -70,6 +80,8 @@ CASES = [  # geometry, tokens, sinks, position, step, lanes
     ("small", 256, 4, 256, 2.0, 5), ("small", 3, 4, 0, 0.5, 16),  # all sinks
     ("odd", 1, 0, 0, 0.5, 16), ("odd", 33, 2, 1, 0.9, 7), ("odd", 200, 4, 1000, 0.2, 16),
     ("default", 1, 0, 5, 0.5, 16), ("default", 9, 4, 0, 2.0, 16), ("default", 40, 4, 256, 0.9, 2),
+    ("heads", 1, 0, 5, 0.5, 16), ("heads", 40, 4, 256, 0.9, 2), ("heads8", 37, 4, 0, 0.5, 16),
+    ("heads8", 256, 4, 256, 2.0, 5), ("heads40", 33, 2, 1, 0.9, 7), ("heads10", 20, 4, 3, 0.5, 16),
 ]
 
 
@@ -83,6 +95,20 @@ def test_native_bytes_and_values_are_the_reference(dtype, geometry, tokens, sink
     assert got == want
     out = native.decode_chunk(want, raw.shape, dtype, cal, step, position)
     assert same(out, ref.decode_chunk(want, raw.shape, dtype, cal, step, position))
+
+
+def test_a_basis_per_head_is_multiplied_by_blocks():
+    """The coder multiplies by blocks exactly where the basis is zero outside its heads' blocks and
+    the head is a whole number of 8-column steps; the bytes agree either way (the cases above)."""
+    assert native.block_diagonal(cal_of("heads").basis, 64) == 64
+    assert native.block_diagonal(cal_of("heads8").basis, 8) == 8
+    assert native.block_diagonal(cal_of("heads40").basis, 40) == 40
+    assert native.block_diagonal(cal_of("heads10").basis, 10) == 0  # 10 columns: the dense product
+    assert native.block_diagonal(cal_of("default").basis, 64) == 0
+    one = cal_of("heads8").basis.copy()
+    one[1, 1, 0, 8] = 1  # one entry outside the blocks
+    assert native.block_diagonal(one, 8) == 0
+    assert native.block_diagonal(cal_of("heads8").basis[..., :8, :8], 8) == 0  # one head: nothing to skip
 
 
 def test_a_default_model_chunk_of_256_tokens():
@@ -269,6 +295,8 @@ SIMD_CASES = [  # geometry, tokens, sinks, step, lanes, dtype, scale
     ("wide", 150, 4, 0.05, 16, "bfloat16", 2.0), ("wide", 33, 4, 1024.0, 16, "float32", 0.01),
     ("default", 45, 4, 0.05, 16, "bfloat16", 2.0), ("default", 20, 0, 2.0, 8, "float16", 2.0),
     ("odd", 30, 4, 0.5, 16, "float32", 2.0),
+    ("heads", 45, 4, 0.05, 16, "bfloat16", 2.0), ("heads8", 76, 4, 0.5, 16, "float32", 2.0),
+    ("heads8", 41, 4, 16.0, 16, "bfloat16", 2.0), ("heads40", 77, 4, 2.0, 8, "float16", 2.0),
 ]
 
 

@@ -36,6 +36,7 @@ from ..errors import UsageError
 from .engine_io import paged_connector
 from .result import Result
 
+DEFAULT_BASIS = "layer"
 DEFAULT_KSCALE = 16.0  # keys' weight against values' (bench/RESULTS.md §24: 16 of 1, 4, 16, 64)
 MIN_TOKENS = 512
 WINDOW = 1024  # tokens per calibration sequence
@@ -106,14 +107,15 @@ def calibrate_model(model_path: str | pathlib.Path | None = None, text_files: li
 
 
 def calibrate(model: LoadedModel, token_lists: list[list[int]], kscale: float = DEFAULT_KSCALE,
-              gains: bool = True) -> Calibration:
+              gains: bool = True, basis: str = DEFAULT_BASIS) -> Calibration:
     """The calibration object learned from these token sequences (each run from position 0);
-    `gains`: each row's weights scaled by its sensitivity (`row_gains`, module docstring)."""
-    return learn(model, token_lists, kscale, gains)[0]
+    `gains`: each row's weights scaled by its sensitivity (`row_gains`, module docstring);
+    `basis`: principal axes per 'layer' or per KV 'head' (`kvtool.codecs.pca.fit.principal_axes`)."""
+    return learn(model, token_lists, kscale, gains, basis)[0]
 
 
 def learn(model: LoadedModel, token_lists: list[list[int]], kscale: float = DEFAULT_KSCALE,
-          gains: bool = True) -> tuple[Calibration, np.ndarray]:
+          gains: bool = True, basis: str = DEFAULT_BASIS) -> tuple[Calibration, np.ndarray]:
     """`calibrate`'s object and its rows' gains ([2, L]; ones without `gains`)."""
     if sum(len(t) for t in token_lists) < MIN_TOKENS:
         raise UsageError(f"calibration needs at least {MIN_TOKENS} tokens of text")
@@ -132,7 +134,8 @@ def learn(model: LoadedModel, token_lists: list[list[int]], kscale: float = DEFA
         values.add(kv[1].float())
     wo = torch.stack([layer.wo.float().cpu() for layer in model.weights.layers])
     cal = fit(keys, values, key_metric((energy / seen).float(), kscale),
-              value_metric(wo, cfg.num_kv_heads, cfg.head_dim), inv_freq, cfg.head_dim, model.identity.fingerprint())
+              value_metric(wo, cfg.num_kv_heads, cfg.head_dim), inv_freq, cfg.head_dim, model.identity.fingerprint(),
+              basis)
     if not gains:
         return cal, np.ones((2, cfg.num_layers))
     g = row_gains(row_sensitivity(model, cal, gain_windows(token_lists)))

@@ -53,18 +53,40 @@ class Moments:
         return mean, self.outer / self.count - mean[:, :, None] * mean[:, None, :]
 
 
+BASES = ("head", "layer")
+
+
+def principal_axes(cov_z: torch.Tensor, head_dim: int, basis: str) -> torch.Tensor:
+    """[L, C, C] columns = components of the weighted covariances [L, C, C], the largest variance
+    first. basis 'layer': one set of axes over all channels of the layer; 'head': one per KV head,
+    so the basis is block-diagonal (head h's D components are columns hD..hD+D-1 and read only its
+    own channels). A coder multiplies only the blocks (kernels/pca_cpu.c): C/D times fewer
+    multiply-adds, 3x on the default model and 8x on an 8-KV-head one, for the cross-head
+    correlation the layer's axes would also take out (bench/RESULTS.md §34)."""
+    if basis == "layer":
+        return torch.linalg.eigh(cov_z)[1].flip(2)  # eigh: ascending
+    if basis != "head":
+        raise ValueError(f"basis must be one of {BASES}, got {basis!r}")
+    layers, channels, _ = cov_z.shape
+    axes = torch.zeros_like(cov_z)
+    for h0 in range(0, channels, head_dim):
+        block = slice(h0, h0 + head_dim)
+        axes[:, block, block] = torch.linalg.eigh(cov_z[:, block, block])[1].flip(2)
+    return axes
+
+
 def fit(keys_before_rope: Moments, values: Moments, metric_k: torch.Tensor, metric_v: torch.Tensor,
-        inv_freq: torch.Tensor, head_dim: int, model: str) -> Calibration:
+        inv_freq: torch.Tensor, head_dim: int, model: str, basis: str = "layer") -> Calibration:
     """Moments of the keys (turned back to before RoPE) and values; metric_k, metric_v: [L, C] > 0;
     inv_freq: [L, D/2]. The weighted covariance is diag(w) Cov(x) diag(w) with w = sqrt(metric);
-    its eigenvectors, the largest first, are the basis. Returns the calibration (no digest yet)."""
+    its eigenvectors (`principal_axes`, per layer or per KV head) are the basis. Returns the
+    calibration (no digest yet)."""
     means, weights, bases = [], [], []
     for moments, metric in ((keys_before_rope, metric_k), (values, metric_v)):
         mean, cov = moments.mean_cov()
         weight = metric.double().clamp_min(1e-12).sqrt()  # [L, C]
         cov_z = cov * weight[:, :, None] * weight[:, None, :]
-        _, vectors = torch.linalg.eigh(cov_z)  # per layer, ascending
         means.append(mean.float())
         weights.append(weight.float())
-        bases.append(vectors.flip(2))  # columns: components, the largest variance first
+        bases.append(principal_axes(cov_z, head_dim, basis))
     return from_torch(torch.stack(means), torch.stack(weights), torch.stack(bases), inv_freq.float(), head_dim, model)

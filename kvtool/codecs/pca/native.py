@@ -76,6 +76,7 @@ class _Prepared:
         self.basis = np.ascontiguousarray(b, dtype=np.int16)
         self.m2_encode = self._pairs(b)  # rows c, columns k
         self.m2_decode = self._pairs(b.transpose(0, 1, 3, 2))  # rows k, columns c
+        self.block = block_diagonal(b, cal.head_dim)
         # Cauchy-Schwarz: |sum over any channels of U[c] B[c, k]| <= |U| |B_k|; int32 is exact
         # when sum U^2 * max_k |B_k|^2 < 2^62
         norm2 = (b.astype(np.int64) ** 2).sum(2).max(-1)  # [2, L]
@@ -100,6 +101,19 @@ class _Prepared:
         if g is None:
             g = self.gains[step] = np.ascontiguousarray(reference.gains(cal, step))
         return g
+
+
+def block_diagonal(basis: np.ndarray, head_dim: int) -> int:
+    """head_dim when every row's basis [2, L, C, C] is zero outside its KV heads' D x D blocks
+    (a calibration learned with axes per head) and D is a multiple of 8 (the C transform's
+    column step), else 0. The C coder then multiplies the blocks only: the same integers, as
+    the products it leaves out are zeros."""
+    C = basis.shape[-1]
+    if head_dim % 8 or C % head_dim or C == head_dim:
+        return 0
+    heads = np.arange(C) // head_dim
+    off = heads[:, None] != heads[None, :]
+    return head_dim if not basis[..., off].any() else 0
 
 
 _prepared: dict[int, tuple[Calibration, _Prepared]] = {}
@@ -144,7 +158,7 @@ def encode_chunk(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sin
     r = 1.0 / (float(step) * float(1 << (reference.U_FRACTION + 14)))
     data = np.ascontiguousarray(raw).view(_STORAGE[dtype])
     try:
-        return mod.encode(data, DTYPE_CODES[dtype], L, T, C, cal.head_dim, n_sink, lanes, prep.cols, r, prep.mean,
+        return mod.encode(data, DTYPE_CODES[dtype], L, T, C, cal.head_dim, n_sink, lanes, prep.cols, prep.block, r, prep.mean,
                           prep.weight, prep.m2_encode, prep.basis, prep.sumsq_limit, len(prep.rope.inv_freq), cos, sin,
                           prep.rope_map, FREQ, COST, SLOT_SYM,
                           _threads(threads))
@@ -173,6 +187,7 @@ def decode_chunk(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str
     out = np.empty((2, L, T, C), dtype=_OUT[dtype])
     try:
         mod.decode(payload, out.view(_STORAGE[dtype]), DTYPE_CODES[dtype], L, T, C, cal.head_dim, n_sink, prep.cols,
+                   prep.block,
                    prep.mean, prep.gain(cal, step), prep.m2_decode, len(prep.rope.inv_freq), cos, sin, prep.rope_map,
                    FREQ, COST, SLOT_SYM, _threads(threads))
     except mod.CorruptError as exc:
