@@ -68,6 +68,34 @@ __attribute__((target("avx2"))) static size_t dec_row_avx2(uint32_t *x, uint32_t
     uint32_t p = *wp, jc = 0, tc = 0;
     size_t i = 0;
     __m256i off = _mm256_set1_epi32(tabs[0] * PCA_SLOTS);
+    if (N == 16) { /* the default lanes: the 16 states stay in two registers from step to step */
+        __m256i X0 = _mm256_loadu_si256((const __m256i *)x), X1 = _mm256_loadu_si256((const __m256i *)(x + 8));
+        for (; count - i >= 16 && nwords - p >= 16; i += 16) {
+            const uint32_t left = Tc - tc;
+            if (left >= 16) {
+                X0 = dec8(X0, off, dec, words, &p, sym + i);
+                X1 = dec8(X1, off, dec, words, &p, sym + i + 8);
+                tc += 16;
+            } else {
+                const __m256i b = _mm256_set1_epi32(tabs[jc + 1] * PCA_SLOTS), lim = _mm256_set1_epi32((int)left - 1);
+                X0 = dec8(X0, _mm256_blendv_epi8(off, b, _mm256_cmpgt_epi32(lane, lim)), dec, words, &p, sym + i);
+                X1 = dec8(X1, _mm256_blendv_epi8(off, b, _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(8)), lim)),
+                          dec, words, &p, sym + i + 8);
+                jc++;
+                tc = 16 - left;
+                off = b;
+            }
+            if (tc == Tc && i + 16 < count) {
+                jc++;
+                tc = 0;
+                off = _mm256_set1_epi32(tabs[jc] * PCA_SLOTS);
+            }
+        }
+        _mm256_storeu_si256((__m256i *)x, X0);
+        _mm256_storeu_si256((__m256i *)(x + 8), X1);
+        *wp = p;
+        return i;
+    }
     for (; count - i >= N && nwords - p >= N; i += N) {
         const uint32_t left = Tc - tc; /* symbols of component jc from this step's first on */
         if (left >= N) {
