@@ -37,10 +37,12 @@ static void perm_init(void) {
 __attribute__((target("avx2"))) static inline __m256i dec8(__m256i X, __m256i off, const uint32_t *dec,
                                                          const uint16_t *words, uint32_t *wp, uint8_t *sym) {
     const __m256i slot = _mm256_and_si256(X, _mm256_set1_epi32(PCA_SLOTS - 1));
-    uint32_t ix[8] __attribute__((aligned(32)));
-    _mm256_store_si256((__m256i *)ix, _mm256_add_epi32(slot, off));
-    const __m256i E = _mm256_setr_epi32((int)dec[ix[0]], (int)dec[ix[1]], (int)dec[ix[2]], (int)dec[ix[3]],
-                                        (int)dec[ix[4]], (int)dec[ix[5]], (int)dec[ix[6]], (int)dec[ix[7]]);
+    const __m256i I = _mm256_add_epi32(slot, off);
+    const __m128i i0 = _mm256_castsi256_si128(I), i1 = _mm256_extracti128_si256(I, 1);
+    const uint64_t p0 = (uint64_t)_mm_cvtsi128_si64(i0), p1 = (uint64_t)_mm_extract_epi64(i0, 1);
+    const uint64_t p2 = (uint64_t)_mm_cvtsi128_si64(i1), p3 = (uint64_t)_mm_extract_epi64(i1, 1);
+    const __m256i E = _mm256_setr_epi32((int)dec[(uint32_t)p0], (int)dec[p0 >> 32], (int)dec[(uint32_t)p1], (int)dec[p1 >> 32],
+                                        (int)dec[(uint32_t)p2], (int)dec[p2 >> 32], (int)dec[(uint32_t)p3], (int)dec[p3 >> 32]);
     /* the low byte of each entry (its symbol), 8 bytes */
     const __m256i lo = _mm256_shuffle_epi8(E, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                                -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
