@@ -718,6 +718,29 @@ int pca_encode_chunk(const void *kv, const pca_chunk *ck, int threads, uint8_t *
     return rc;
 }
 
+/* The decoder's slot tables (512 KB) of the last few sets of frequencies, built once and kept for
+ * the life of the process (never freed: a decode on another thread may be reading them). Every
+ * kvtool caller passes the same FREQ, so one set is built; NULL when PCA_KEPT sets are kept
+ * already or memory is short (the caller builds its own). */
+#define PCA_KEPT 4
+static struct { uint32_t freq[NTAB][NSYM]; uint32_t *dec; } g_kept[PCA_KEPT];
+static int g_nkept = 0;
+static pthread_mutex_t g_kept_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static uint32_t *kept_dec_tables(const tables *tb) {
+    uint32_t *dec = NULL;
+    pthread_mutex_lock(&g_kept_mu);
+    for (int i = 0; i < g_nkept && !dec; i++)
+        if (memcmp(g_kept[i].freq, tb->freq, sizeof tb->freq) == 0) dec = g_kept[i].dec;
+    if (!dec && g_nkept < PCA_KEPT && (dec = (uint32_t *)malloc(sizeof(uint32_t) * PCA_NTAB * PCA_SLOTS)) != NULL) {
+        pca_dec_tables(dec, (const uint32_t (*)[PCA_NSYM])tb->freq, (const uint32_t (*)[PCA_NSYM + 1])tb->cum);
+        memcpy(g_kept[g_nkept].freq, tb->freq, sizeof tb->freq);
+        g_kept[g_nkept++].dec = dec;
+    }
+    pthread_mutex_unlock(&g_kept_mu);
+    return dec;
+}
+
 int pca_decode_chunk(const uint8_t *p, size_t len, const pca_chunk *ck, void *out, int threads, char *err,
                      size_t errlen) {
     geo g;
@@ -771,11 +794,15 @@ int pca_decode_chunk(const uint8_t *p, size_t len, const pca_chunk *ck, void *ou
     jb.dst = (uint8_t *)out;
     jb.ins = ins;
     jb.N = N;
-    g.tb.dec = (uint32_t *)malloc(sizeof(uint32_t) * PCA_NTAB * PCA_SLOTS);
-    if (!g.tb.dec) { free(ins); snprintf(err, errlen, "out of memory"); return PCA_ERR_NOMEM; }
-    pca_dec_tables(g.tb.dec, (const uint32_t (*)[PCA_NSYM])g.tb.freq, (const uint32_t (*)[PCA_NSYM + 1])g.tb.cum);
+    uint32_t *own = NULL;
+    g.tb.dec = kept_dec_tables(&g.tb);
+    if (!g.tb.dec) {
+        own = g.tb.dec = (uint32_t *)malloc(sizeof(uint32_t) * PCA_NTAB * PCA_SLOTS);
+        if (!own) { free(ins); snprintf(err, errlen, "out of memory"); return PCA_ERR_NOMEM; }
+        pca_dec_tables(own, (const uint32_t (*)[PCA_NSYM])g.tb.freq, (const uint32_t (*)[PCA_NSYM + 1])g.tb.cum);
+    }
     run_threads(&jb, threads, rows, decode_worker);
-    free(g.tb.dec);
+    free(own);
     free(ins);
     if (jb.failed) {
         snprintf(err, errlen, "%s", jb.fail_msg);

@@ -332,8 +332,26 @@ uint32_t pca_count_escapes(const uint8_t *sym, uint32_t n) {
     return c;
 }
 
+#ifdef PCA_RANS_AVX2
+__attribute__((target("avx2"))) static uint32_t interleave_avx2(const int16_t *a, const int16_t *b, uint32_t n,
+                                                               int16_t *out) {
+    uint32_t t = 0;
+    for (; t + 16 <= n; t += 16) { /* unpack works within 128-bit halves: lows of both halves, then highs */
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(a + t)), y = _mm256_loadu_si256((const __m256i *)(b + t));
+        const __m256i lo = _mm256_unpacklo_epi16(x, y), hi = _mm256_unpackhi_epi16(x, y);
+        _mm256_storeu_si256((__m256i *)(out + 2 * (size_t)t), _mm256_permute2x128_si256(lo, hi, 0x20));
+        _mm256_storeu_si256((__m256i *)(out + 2 * (size_t)t + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
+    return t;
+}
+#endif
+
 void pca_interleave(const int16_t *a, const int16_t *b, uint32_t n, int16_t *out) {
-    for (uint32_t t = 0; t < n; t++) {
+    uint32_t t = 0;
+#ifdef PCA_RANS_AVX2
+    if (pca_simd_avx2()) t = interleave_avx2(a, b, n, out);
+#endif
+    for (; t < n; t++) {
         out[2 * (size_t)t] = a[t];
         out[2 * (size_t)t + 1] = b[t];
     }
