@@ -60,6 +60,42 @@ __attribute__((target("avx2"))) static inline __m256i dec8(__m256i X, __m256i of
     return _mm256_blendv_epi8(X, _mm256_or_si256(_mm256_slli_epi32(X, 16), w), need);
 }
 
+/* dec_row_avx2 for N = 8 NG lanes (NG 2 or 4, a constant at each call): the states stay in NG
+ * registers from step to step instead of going through memory */
+__attribute__((target("avx2"), always_inline)) static inline size_t dec_row_regs(
+    uint32_t *x, const int NG, const uint32_t *dec, const uint8_t *tabs, uint32_t Tc, size_t count,
+    const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym, size_t i, uint32_t p, uint32_t jc,
+    uint32_t tc, __m256i off) {
+    const uint32_t N = 8u * (uint32_t)NG;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i X[4];
+    for (int g = 0; g < NG; g++) X[g] = _mm256_loadu_si256((const __m256i *)(x + 8 * g));
+    for (; count - i >= N && nwords - p >= N; i += N) {
+        const uint32_t left = Tc - tc;
+        if (left >= N) {
+            for (int g = 0; g < NG; g++) X[g] = dec8(X[g], off, dec, words, &p, sym + i + 8 * g);
+            tc += N;
+        } else { /* lanes below `left` in component jc, the rest in jc + 1 */
+            const __m256i b = _mm256_set1_epi32(tabs[jc + 1] * PCA_SLOTS), lim = _mm256_set1_epi32((int)left - 1);
+            for (int g = 0; g < NG; g++) {
+                const __m256i late = _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(8 * g)), lim);
+                X[g] = dec8(X[g], _mm256_blendv_epi8(off, b, late), dec, words, &p, sym + i + 8 * g);
+            }
+            jc++;
+            tc = N - left;
+            off = b;
+        }
+        if (tc == Tc && i + N < count) { /* the step ended a component */
+            jc++;
+            tc = 0;
+            off = _mm256_set1_epi32(tabs[jc] * PCA_SLOTS);
+        }
+    }
+    for (int g = 0; g < NG; g++) _mm256_storeu_si256((__m256i *)(x + 8 * g), X[g]);
+    *wp = p;
+    return i;
+}
+
 /* The row's steps from the first while N words remain. Symbol i is token i % Tc of live component
  * i / Tc (table tabs[i / Tc]); a step across two components gives its lanes two table offsets. */
 __attribute__((target("avx2"))) static size_t dec_row_avx2(uint32_t *x, uint32_t N, const uint32_t *dec,
@@ -70,34 +106,8 @@ __attribute__((target("avx2"))) static size_t dec_row_avx2(uint32_t *x, uint32_t
     uint32_t p = *wp, jc = 0, tc = 0;
     size_t i = 0;
     __m256i off = _mm256_set1_epi32(tabs[0] * PCA_SLOTS);
-    if (N == 16) { /* the default lanes: the 16 states stay in two registers from step to step */
-        __m256i X0 = _mm256_loadu_si256((const __m256i *)x), X1 = _mm256_loadu_si256((const __m256i *)(x + 8));
-        for (; count - i >= 16 && nwords - p >= 16; i += 16) {
-            const uint32_t left = Tc - tc;
-            if (left >= 16) {
-                X0 = dec8(X0, off, dec, words, &p, sym + i);
-                X1 = dec8(X1, off, dec, words, &p, sym + i + 8);
-                tc += 16;
-            } else {
-                const __m256i b = _mm256_set1_epi32(tabs[jc + 1] * PCA_SLOTS), lim = _mm256_set1_epi32((int)left - 1);
-                X0 = dec8(X0, _mm256_blendv_epi8(off, b, _mm256_cmpgt_epi32(lane, lim)), dec, words, &p, sym + i);
-                X1 = dec8(X1, _mm256_blendv_epi8(off, b, _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(8)), lim)),
-                          dec, words, &p, sym + i + 8);
-                jc++;
-                tc = 16 - left;
-                off = b;
-            }
-            if (tc == Tc && i + 16 < count) {
-                jc++;
-                tc = 0;
-                off = _mm256_set1_epi32(tabs[jc] * PCA_SLOTS);
-            }
-        }
-        _mm256_storeu_si256((__m256i *)x, X0);
-        _mm256_storeu_si256((__m256i *)(x + 8), X1);
-        *wp = p;
-        return i;
-    }
+    if (N == 16) return dec_row_regs(x, 2, dec, tabs, Tc, count, words, wp, nwords, sym, i, p, jc, tc, off);
+    if (N == 32) return dec_row_regs(x, 4, dec, tabs, Tc, count, words, wp, nwords, sym, i, p, jc, tc, off);
     for (; count - i >= N && nwords - p >= N; i += N) {
         const uint32_t left = Tc - tc; /* symbols of component jc from this step's first on */
         if (left >= N) {

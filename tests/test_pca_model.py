@@ -47,6 +47,11 @@ def test_calibrate_capture_compress_verify(calibrated, cal_dir, capsys):
     digest = out["digest"]
     assert (cal_dir / f"{digest}.kvcal").stat().st_size == out["bytes"] and out["tokens"] >= 512
     assert calmod.for_model(out["model_fingerprint"]) == digest
+    # axes per KV head by default: zero outside each head's block, which the C coder multiplies alone
+    from kvtool.codecs.pca import native
+
+    cal = calmod.find(digest)
+    assert out["basis"] == "head" and native.block_diagonal(cal.basis, cal.head_dim) == cal.head_dim == 64
     # the rows' sensitivity is measured on the model: never equal (the first values matter most)
     assert out["gains_low"] < 1 < out["gains_high"] <= 16 * out["gains_low"] * (1 + 1e-6)
     raw = folder / "p.kvc"
@@ -105,6 +110,11 @@ def test_bad_pca_options_are_one_line(calibrated, cal_dir, capsys, tmp_path, arg
     code, _, err = cli(capsys, "compress", f.path, "-o", out_path, "--codec", "pca", *args)
     assert code == 2 and message in err and err.strip().count("\n") == 0 and "Traceback" not in err
     assert not out_path.exists()
+
+
+def test_an_unknown_basis_is_one_line(capsys):
+    code, _, err = cli(capsys, "calibrate", "--basis", "channel")
+    assert code == 2 and "--basis must be one of head, layer" in err and err.strip().count("\n") == 0
 
 
 def test_no_calibration_for_the_model_is_one_line(capsys, tmp_path, monkeypatch):

@@ -297,6 +297,7 @@ SIMD_CASES = [  # geometry, tokens, sinks, step, lanes, dtype, scale
     ("odd", 30, 4, 0.5, 16, "float32", 2.0),
     ("heads", 45, 4, 0.05, 16, "bfloat16", 2.0), ("heads8", 76, 4, 0.5, 16, "float32", 2.0),
     ("heads8", 41, 4, 16.0, 16, "bfloat16", 2.0), ("heads40", 77, 4, 2.0, 8, "float16", 2.0),
+    ("wide", 150, 4, 0.5, 32, "bfloat16", 2.0),  # 32 lanes: the decoder's other register-held loop
 ]
 
 

@@ -19,17 +19,23 @@ TextOpt = Annotated[Optional[list[Path]], typer.Option(
                                    "and modules, texts no benchmark here measures on).")]
 
 
-def command(model: ModelOpt = None, text: TextOpt = None, json: JsonOpt = False) -> None:
+BasisOpt = Annotated[str, typer.Option(
+    "--basis", metavar="head|layer", help="principal axes per KV head (the default: the coder multiplies "
+                                          "head by head, C/D times fewer operations) or per layer (a few "
+                                          "percent fewer bits, slower)")]
+
+
+def command(model: ModelOpt = None, text: TextOpt = None, basis: BasisOpt = "head", json: JsonOpt = False) -> None:
     """Learn the pca codec's calibration object for a model (once per model and machine)."""
     from ..ops.calibrate import calibrate_model
 
-    emit(calibrate_model(model, text), json)
+    emit(calibrate_model(model, text, basis=basis), json)
 
 
 @renders("CalibrateResult")
 def render(console: Console, r: CalibrateResult) -> None:
     console.print(f"calibration {r.digest} for {r.model}: {r.tokens} tokens in {r.sequences} sequences, "
-                  f"{human_bytes(r.bytes)}, {r.seconds:.1f}s")
+                  f"axes per {r.basis}, {human_bytes(r.bytes)}, {r.seconds:.1f}s")
     console.print(f"layers' K and V weighted by how much the model feels their errors: {r.gains_low:.2f}x to "
                   f"{r.gains_high:.2f}x")
     console.print(f"saved as {r.path}; `--codec pca` now uses it for this model")

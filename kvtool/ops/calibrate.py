@@ -75,6 +75,7 @@ class CalibrateResult(Result):
     model_fingerprint: str
     sequences: int
     tokens: int
+    basis: str  # the principal axes: per KV 'head' or per 'layer' (kvtool.codecs.pca.fit.principal_axes)
     bytes: int
     gains_low: float  # the smallest and largest row gain (`row_gains`): how unequal the rows' sensitivity was
     gains_high: float
@@ -82,26 +83,29 @@ class CalibrateResult(Result):
 
 
 def calibrate_model(model_path: str | pathlib.Path | None = None, text_files: list[pathlib.Path] | None = None,
-                    kscale: float = DEFAULT_KSCALE) -> CalibrateResult:
+                    kscale: float = DEFAULT_KSCALE, basis: str = DEFAULT_BASIS) -> CalibrateResult:
     """`kvtool calibrate`: learn the pca codec's calibration object for a model on text files
     (default: Python's own documentation and modules), save it in kvtool's calibration folder
     and make it the model's default."""
     from ..codecs.pca.calibration import default_dir, register
+    from ..codecs.pca.fit import BASES
     from ..engine import load_model
     from ..fsutil import read_text_file
 
+    if basis not in BASES:
+        raise UsageError(f"--basis must be one of {', '.join(BASES)}, got {basis!r}")
     started = time.perf_counter()
     model = load_model(model_path)
     texts = [read_text_file(p) for p in text_files] if text_files else default_texts()
     ids = [i for text in texts for i in model.tokenizer.encode(text, add_special_tokens=False)]
     sequences = [ids[s:s + WINDOW] for s in range(0, len(ids) - WINDOW // 2, WINDOW)][:MAX_SEQUENCES]
-    cal, gains = learn(model, sequences, kscale)
+    cal, gains = learn(model, sequences, kscale, basis=basis)
     cal = cal.save(default_dir())
     fingerprint = model.identity.fingerprint()
     register(fingerprint, cal.digest)
     path = default_dir() / f"{cal.digest}.kvcal"
     return CalibrateResult(digest=cal.digest, path=str(path), model=model.name, model_fingerprint=fingerprint,
-                           sequences=len(sequences), tokens=sum(len(s) for s in sequences),
+                           sequences=len(sequences), tokens=sum(len(s) for s in sequences), basis=basis,
                            bytes=path.stat().st_size, gains_low=float(gains.min()), gains_high=float(gains.max()),
                            seconds=time.perf_counter() - started)
 
