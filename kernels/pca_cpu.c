@@ -188,7 +188,7 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
             for (uint32_t t = 0; t < Tc; t++) esc[t] = sym[t] == ESCAPE ? get_u16(ri->esc + 2u * ep++) : 0u;
         }
         int16_t *qk = s->qc + (size_t)k * Tp;
-        pca_raw_component(&raw, sh, sym, esc, Tc, qk, s->l1, s->last, k + 1, &big);
+        pca_raw_component(&raw, sh, sym, esc, Tc, qk, s->l1, g->ck->block ? NULL : s->last, k + 1, &big);
         memset(qk + Tc, 0, (Tp - Tc) * sizeof(int16_t)); /* padding tokens */
     }
     /* pair-major for the transform; components not coded are rows of zeros */

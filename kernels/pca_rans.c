@@ -239,7 +239,7 @@ static void raw_portable(pca_raw_in *r, int sh, const uint8_t *sym, const uint32
         bg |= mt > 32767u;
         q[t] = (int16_t)(int32_t)((mt ^ (0u - neg)) + neg);
         l1[t] += mt;
-        last[t] = nz ? k1 : last[t];
+        if (last) last[t] = nz ? k1 : last[t];
     }
     *big |= bg;
 }
@@ -299,8 +299,10 @@ __attribute__((target("avx2"))) static uint32_t raw_avx2(pca_raw_in *r, int sh, 
         const __m256i Q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(Q, Q), 0x08); /* bad values are refused anyway */
         _mm_storeu_si128((__m128i *)(q + t), _mm256_castsi256_si128(Q16));
         _mm256_storeu_si256((__m256i *)(l1 + t), _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(l1 + t)), M));
-        const __m256i L = _mm256_loadu_si256((const __m256i *)(last + t));
-        _mm256_storeu_si256((__m256i *)(last + t), _mm256_blendv_epi8(K1, L, zm));
+        if (last) {
+            const __m256i L = _mm256_loadu_si256((const __m256i *)(last + t));
+            _mm256_storeu_si256((__m256i *)(last + t), _mm256_blendv_epi8(K1, L, zm));
+        }
     }
     r->lo_at = lo_at;
     r->sign_at = sign_at;

@@ -47,7 +47,8 @@ typedef struct {
 } pca_raw_in;
 
 /* For t < n: m[t] = sym[t] + esc[t] (esc NULL: no escapes) becomes m = m << sh | lo, q[t] = m or
- * -m (its sign bit read when m != 0), l1[t] += m, last[t] = k1 when m != 0; *big |= m > 32767. q
+ * -m (its sign bit read when m != 0), l1[t] += m, last[t] = k1 when m != 0 (last NULL: not
+ * kept, a block-diagonal basis multiplies every pair of a head); *big |= m > 32767. q
  * is the component's row (contiguous). The AVX2 path does whole blocks of 8, the rest portably. */
 void pca_raw_component(pca_raw_in *r, int sh, const uint8_t *sym, const uint32_t *esc, uint32_t n, int16_t *q,
                        uint32_t *l1, uint32_t *last, uint32_t k1, uint32_t *big);
