@@ -297,10 +297,37 @@ static void inverse_portable(const int32_t *a, uint32_t C, uint32_t D, const flo
 #ifdef PCA_HAVE_AVX2
 /* 8 channels at a time, each f32 operation as the portable loop's; bf16 rounding in integers
  * (the same wrap-around), f16 by the portable rounding */
+/* 8 floats rounded to bf16 as pca_f32_to_bf16 does: (bits + 0x7FFF + lsb) >> 16, wrapping */
+__attribute__((target("avx2"))) static inline __m128i bf16x8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                                                         _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08)); /* r < 2^16: exact */
+}
+
 __attribute__((target("avx2"))) static void inverse_avx2(const int32_t *a, uint32_t C, uint32_t D, const float *h,
                                                         const float *mean, const float *cs, const float *sn,
                                                         int dtype, uint8_t *dst) {
     const uint32_t H = D / 2;
+    if (dtype == PCA_DTYPE_BF16) { /* the common case in one pass, no float row in between */
+        for (uint32_t b = 0; b < C; b += D)
+            for (uint32_t j = 0; j < H; j += 8) {
+                const uint32_t c = b + j, d = b + j + H;
+                __m256 u = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a + c))),
+                                                       _mm256_loadu_ps(h + c)), _mm256_loadu_ps(mean + c));
+                __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a + d))),
+                                                       _mm256_loadu_ps(h + d)), _mm256_loadu_ps(mean + d));
+                if (cs) {
+                    const __m256 c8 = _mm256_loadu_ps(cs + j), s8 = _mm256_loadu_ps(sn + j);
+                    const __m256 u2 = _mm256_sub_ps(_mm256_mul_ps(u, c8), _mm256_mul_ps(v, s8));
+                    v = _mm256_add_ps(_mm256_mul_ps(v, c8), _mm256_mul_ps(u, s8));
+                    u = u2;
+                }
+                _mm_storeu_si128((__m128i *)(dst + 2 * (size_t)c), bf16x8(u));
+                _mm_storeu_si128((__m128i *)(dst + 2 * (size_t)d), bf16x8(v));
+            }
+        return;
+    }
     float x[4096] __attribute__((aligned(32)));
     for (uint32_t c = 0; c < C; c += 8) {
         const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a + c))), _mm256_loadu_ps(h + c));
