@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_cachegen import CHUNK, per_item_best, real_kv, synthetic_kv  # noqa: E402
 
 from kvtool.codecs.cachegen import cachegen_decode, cachegen_encode, cachegen_params  # noqa: E402
-from kvtool.codecs.pca import QUALITY, native  # noqa: E402
+from kvtool.codecs.pca import QUALITY_BY_AXES, native  # noqa: E402
 from kvtool.codecs.pca import calibration as calmod  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def main(argv=None):
     _, _, cd = per_item_best(lambda e: cachegen_decode(e[0][0], e[1][1].shape, e[1][1].dtype, e[0][1], threads=1),
                              list(zip(enc, chunks)), args.repeat)
     rows["cachegen"] = (sum(len(p) for p, _ in enc), ce, cd, None)
-    for quality, (step, _) in QUALITY.items():
+    for quality, (step, _) in QUALITY_BY_AXES[calmod.axes(cal)].items():
         raws = [(t, c.view(torch.int16).numpy().view(np.uint16)) for t, c in chunks]
         enc, _, ce = per_item_best(
             lambda tr: native.encode_chunk(tr[1], "bfloat16", cal, step, 4, tr[0], 16, threads=1), raws, args.repeat)

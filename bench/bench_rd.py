@@ -333,7 +333,7 @@ def build_rows(pca_digest=None, pca_steps=()):
     from kvtool.codecs.pca import params_for
 
     cg = lambda bins: cachegen_params(bins=bins)  # noqa: E731
-    pca = [(f"pca-{q}", f"kvtool pca, quality {q} (step {params_for('0' * 64, q)['step']})",
+    pca = [(f"pca-{q}", f"kvtool pca, quality {q} (step {params_for(pca_digest, q)['step']})",
             codec_transform("pca", params_for(pca_digest, q))) for q in ("99", "97", "95", "89")] if pca_digest else []
     pca += [(f"pca-step-{step:g}", f"kvtool pca, step {step:g}",
              codec_transform("pca", {**{k: v for k, v in params_for(pca_digest, "97").items() if k != "quality"}, "step": step}))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvtool.codecs import get_codec
-from kvtool.codecs.pca import QUALITY, PcaCodec, params_for
+from kvtool.codecs.pca import QUALITY, QUALITY_BY_AXES, PcaCodec, params_for
 from kvtool.codecs.pca import calibration as calmod
 from kvtool.codecs.pca import reference as ref
 from kvtool.codecs.pca.fit import Moments, fit
@@ -166,7 +166,8 @@ def test_non_finite_input_is_refused(cal):
     ({"version": 2}, "version"),
 ])
 def test_bad_parameters_are_one_named_error(bad, match):
-    params = dict(params_for("a" * 64, "97"), **bad)
+    good = {"version": 1, "calibration": "a" * 64, "quality": "97", "step": 0.9, "sinks": 4, "lanes": 16, "position": 0}
+    params = dict(good, **bad)
     with pytest.raises(CodecParamsInvalid, match=match):
         PcaCodec().validate_params(params)
 
@@ -224,6 +225,26 @@ def test_tables_are_what_the_spec_says():
     cost = np.rint(-np.log2(ref.FREQ / 4096) * 256)
     assert np.array_equal(cost, ref.COST)
     assert set(QUALITY) == {"99", "97", "95", "89"}
+    assert all(list(table) == list(QUALITY) for table in QUALITY_BY_AXES.values())
+
+
+def test_the_step_of_a_quality_is_its_calibrations(cal):
+    """A calibration learned per KV head takes the steps bench_rd measured for that kind (§34),
+    one learned per layer the others (§32); the object must be here to know which."""
+    from kvtool.codecs.pca import calibration as calmod
+
+    layer = calmod.remember(calmod.Calibration(**{**cal.__dict__, "digest": ""}))
+    C, D = layer.channels, layer.head_dim
+    heads = np.arange(C) // D
+    basis = layer.basis.copy()
+    basis[..., heads[:, None] != heads[None, :]] = 0
+    head = calmod.remember(calmod.Calibration(**{**cal.__dict__, "basis": basis, "digest": ""}))
+    assert calmod.axes(layer) == "layer" and calmod.axes(head) == "head"
+    for q in QUALITY:
+        assert params_for(layer.digest, q)["step"] == QUALITY_BY_AXES["layer"][q][0]
+        assert params_for(head.digest, q)["step"] == QUALITY_BY_AXES["head"][q][0]
+    with pytest.raises(calmod.CalibrationNotFound):
+        params_for("b" * 64, "97")
 
 
 def test_payload_stats_account_for_every_byte(cal):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pathlib
 
+import numpy as np
 import pytest
+import torch
 
 from kvtool.codecs.pca import QUALITY
 from kvtool.codecs.pca import calibration as calmod
@@ -47,11 +49,7 @@ def test_calibrate_capture_compress_verify(calibrated, cal_dir, capsys):
     digest = out["digest"]
     assert (cal_dir / f"{digest}.kvcal").stat().st_size == out["bytes"] and out["tokens"] >= 512
     assert calmod.for_model(out["model_fingerprint"]) == digest
-    # axes per KV head by default: zero outside each head's block, which the C coder multiplies alone
-    from kvtool.codecs.pca import native
-
-    cal = calmod.find(digest)
-    assert out["basis"] == "head" and native.block_diagonal(cal.basis, cal.head_dim) == cal.head_dim == 64
+    assert out["basis"] == "layer" and calmod.axes(calmod.find(digest)) == "layer"  # the default: fewest bits
     # the rows' sensitivity is measured on the model: never equal (the first values matter most)
     assert out["gains_low"] < 1 < out["gains_high"] <= 16 * out["gains_low"] * (1 + 1e-6)
     raw = folder / "p.kvc"
@@ -126,3 +124,27 @@ def test_no_calibration_for_the_model_is_one_line(capsys, tmp_path, monkeypatch)
     assert code == 2 and "run `kvtool calibrate`" in err and err.strip().count("\n") == 0
     code, _, err = cli(capsys, "compress", f.path, "-o", tmp_path / "o.kvc", "--codec", "zstd", "--quality", "97")
     assert code == 2 and "apply to the pca codec only" in err
+
+
+@pytest.mark.model
+def test_axes_per_head_on_the_real_model(default_model):
+    """`kvtool calibrate --basis head`'s object (here learned on 640 tokens, without the rows'
+    gains): zero outside each KV head's 64 x 64 block, so the C coder multiplies head by head,
+    and on the model's own KV the payload and the values are the reference's to the byte."""
+    from pydoc_data.topics import topics
+
+    from kvtool.codecs.pca import native
+    from kvtool.codecs.pca import reference as ref
+    from kvtool.ops.calibrate import calibrate, run_with_query_energy
+
+    ids = default_model.tokenizer.encode(topics["numbers"] + topics["exceptions"] + topics["formatstrings"],
+                                         add_special_tokens=False)
+    cal = calmod.remember(calibrate(default_model, [ids[:640]], gains=False, basis="head"))
+    assert calmod.axes(cal) == "head" and native.block_diagonal(cal.basis, cal.head_dim) == 64
+    kv, _ = run_with_query_energy(default_model, ids[640:640 + 72])  # [2, L, 72, C] bf16: text the basis never saw
+    raw = kv.view(torch.int16).numpy().view(np.uint16)
+    for step in (0.3, 2.3):
+        want = ref.encode_chunk(raw, "bfloat16", cal, step, 4, 0, 16)
+        assert native.encode_chunk(raw, "bfloat16", cal, step, 4, 0, 16) == want
+        got = native.decode_chunk(want, raw.shape, "bfloat16", cal, step, 0)
+        assert np.array_equal(got, ref.decode_chunk(want, raw.shape, "bfloat16", cal, step, 0))

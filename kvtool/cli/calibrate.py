@@ -20,12 +20,12 @@ TextOpt = Annotated[Optional[list[Path]], typer.Option(
 
 
 BasisOpt = Annotated[str, typer.Option(
-    "--basis", metavar="head|layer", help="principal axes per KV head (the default: the coder multiplies "
-                                          "head by head, C/D times fewer operations) or per layer (a few "
-                                          "percent fewer bits, slower)")]
+    "--basis", metavar="layer|head", help="principal axes per layer (the default: fewest bits) or per KV "
+                                          "head (the coder multiplies head by head: C/D times fewer "
+                                          "operations, ~10% more bits; bench/RESULTS.md §34)")]
 
 
-def command(model: ModelOpt = None, text: TextOpt = None, basis: BasisOpt = "head", json: JsonOpt = False) -> None:
+def command(model: ModelOpt = None, text: TextOpt = None, basis: BasisOpt = "layer", json: JsonOpt = False) -> None:
     """Learn the pca codec's calibration object for a model (once per model and machine)."""
     from ..ops.calibrate import calibrate_model
 

@@ -36,7 +36,7 @@ from ..errors import UsageError
 from .engine_io import paged_connector
 from .result import Result
 
-DEFAULT_BASIS = "layer"
+DEFAULT_BASIS = "layer"  # principal axes per layer: fewer bits; "head" codes faster (bench/RESULTS.md §34)
 DEFAULT_KSCALE = 16.0  # keys' weight against values' (bench/RESULTS.md §24: 16 of 1, 4, 16, 64)
 MIN_TOKENS = 512
 WINDOW = 1024  # tokens per calibration sequence

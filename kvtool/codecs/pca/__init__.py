@@ -31,22 +31,35 @@ if TYPE_CHECKING:
 PARAMS_VERSION = 1
 DEFAULT_SINKS = 4
 DEFAULT_LANES = 16
-#: quality name -> (step, the top-1 agreement `verify --replay` holds a file to). The steps are
-#: bench_rd's (bench/RESULTS.md §32, with the calibration's row gains): each name is a mean
-#: agreement its step reaches or passes; the promise is what it measured on its WORST window less
-#: one standard error of a 64-token measure (verify judges text the benchmark never saw), rounded
-#: down to 0.05, as CacheGen's are.
-QUALITY = {"99": (0.3, 0.95), "97": (0.8, 0.90), "95": (1.6, 0.90), "89": (1.9, 0.85)}
+#: quality name -> (step, the top-1 agreement `verify --replay` holds a file to), for each kind of
+#: calibration (`calibration.axes`): the steps are bench_rd's (bench/RESULTS.md §32 for axes per
+#: layer, `kvtool calibrate`'s default; §34 for axes per KV head), each name a mean agreement its step
+#: reaches or passes within its bits; the promise is what it measured on its WORST window less one
+#: standard error of a 64-token measure (verify judges text the benchmark never saw), rounded down
+#: to 0.05, as CacheGen's are. The names and their order are the same in both.
+QUALITY_BY_AXES = {
+    "head": {"99": (0.3, 0.90), "97": (0.9, 0.90), "95": (1.25, 0.90), "89": (2.3, 0.85)},
+    "layer": {"99": (0.3, 0.95), "97": (0.8, 0.90), "95": (1.6, 0.90), "89": (1.9, 0.85)},
+}
+QUALITY = QUALITY_BY_AXES["layer"]  # the default calibration's points (names: every table's)
 DEFAULT_QUALITY = "97"
 STORAGE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
 
 
+def quality_points(calibration: str) -> dict[str, tuple[float, float]]:
+    """The quality points of the calibration object named `calibration` (it must be here)."""
+    from .calibration import axes
+
+    return QUALITY_BY_AXES[axes(find(calibration))]
+
+
 def params_for(calibration: str, quality: str = DEFAULT_QUALITY, sinks: int = DEFAULT_SINKS) -> dict[str, Any]:
-    """The parameters of a named quality point with this calibration object."""
+    """The parameters of a named quality point with this calibration object (it must be here:
+    the step depends on how its axes were learned)."""
     if quality not in QUALITY:
         raise CodecParamsInvalid(f"pca: quality {quality!r} is not one of {', '.join(QUALITY)}")
-    return {"version": PARAMS_VERSION, "calibration": calibration, "quality": quality, "step": QUALITY[quality][0],
-            "sinks": sinks, "lanes": DEFAULT_LANES, "position": 0}
+    return {"version": PARAMS_VERSION, "calibration": calibration, "quality": quality,
+            "step": quality_points(calibration)[quality][0], "sinks": sinks, "lanes": DEFAULT_LANES, "position": 0}
 
 
 class PcaCodec(Codec):
@@ -64,9 +77,9 @@ class PcaCodec(Codec):
         known = {"version", "calibration", "quality", "step", "sinks", "lanes", "position"}
         if set(p) - known:
             raise CodecParamsInvalid(f"pca: unknown parameters {sorted(set(p) - known)}")
-        if "quality" in p and "step" not in p and p["quality"] in QUALITY:
-            p["step"] = QUALITY[p["quality"]][0]
         cal = p.get("calibration")
+        if "quality" in p and "step" not in p and p["quality"] in QUALITY and isinstance(cal, str):
+            p["step"] = quality_points(cal)[p["quality"]][0]
         if not isinstance(cal, str) or len(cal) != 64 or any(c not in "0123456789abcdef" for c in cal):
             raise CodecParamsInvalid("pca: 'calibration' must be a SHA-256 digest (64 lower-case hex digits)")
         step = p.get("step")
@@ -114,7 +127,14 @@ class PcaCodec(Codec):
         return stats
 
     def expected_top1(self, params: dict[str, Any], num_layers: int) -> tuple[float, str] | None:
-        quality = self.validate_params(params).get("quality")
+        p = self.validate_params(params)
+        quality = p.get("quality")
         if quality is None:
             return None
-        return QUALITY[quality][1], f"pca quality {quality}: its promise on bench_rd's worst window"
+        from .calibration import CalibrationNotFound
+
+        try:
+            promise = quality_points(p["calibration"])[quality][1]
+        except CalibrationNotFound:  # judged by the lower promise (decoding will name what is missing)
+            promise = min(table[quality][1] for table in QUALITY_BY_AXES.values())
+        return promise, f"pca quality {quality}: its promise on bench_rd's worst window"

@@ -169,6 +169,15 @@ def find(digest: str) -> Calibration:
                               f"{digest}{SUFFIX} there or set KVTOOL_CALIBRATION_PATH")
 
 
+def axes(cal: Calibration) -> str:
+    """'head' when every row's basis is zero outside its KV heads' D x D blocks (principal axes
+    learned per KV head: `kvtool calibrate`'s default, which the C coder multiplies block by
+    block), else 'layer' (one set of axes over all of a layer's channels)."""
+    C, D = cal.channels, cal.head_dim
+    heads = np.arange(C) // D
+    return "layer" if C > D and cal.basis[..., heads[:, None] != heads[None, :]].any() else "head"
+
+
 def remember(cal: Calibration) -> Calibration:
     """Keep `cal` (with its digest) for `find` in this process, without a file."""
     if not cal.digest:
