@@ -28,6 +28,7 @@ from .calibration import Calibration, rope_tables
 
 EXTENSION = NativeExtension("_pca_native", "KVTOOL_PCA_NATIVE", "pca coder", "the slow numpy reference")
 
+ROPE_KEPT_BYTES = 8 << 20  # the RoPE tables kept per calibration (32k positions of the default model)
 JB = 24  # the C transform's column block (kernels/pca_kernels.h PCA_JB): m2's width is a multiple of it
 DTYPE_CODES = reference.DTYPE_CODES
 _STORAGE = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.float32}  # what the C coder reads/writes
@@ -88,6 +89,24 @@ class _Prepared:
         rows, of_layer = np.unique(cal.inv_freq, axis=0, return_inverse=True)
         self.rope = SimpleNamespace(inv_freq=rows)
         self.rope_map = np.ascontiguousarray(of_layer.reshape(-1), dtype=np.int32)
+        # positions 0..n-1 of those tables, kept: a chunk's are a slice (the same numbers, as each
+        # entry is its position's and frequency's alone), not a float64 cos and sin per chunk
+        self._rope_kept = (np.empty((len(rows), 0, rows.shape[1]), np.float32),) * 2
+        self._rope_limit = max(0, ROPE_KEPT_BYTES // (8 * rows.size))  # positions kept at most
+
+    def rope_tables(self, start: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """calibration.rope_tables of the distinct rows, [rows, tokens, D/2] each, contiguous"""
+        end = start + tokens
+        cos, sin = self._rope_kept
+        if end > cos.shape[1] and end <= self._rope_limit:
+            with _lock:
+                cos, sin = self._rope_kept
+                if end > cos.shape[1]:
+                    n = min(self._rope_limit, max(end, 2 * cos.shape[1], 4096))
+                    cos, sin = self._rope_kept = rope_tables(self.rope, 0, n)  # type: ignore[arg-type]
+        if end > cos.shape[1]:
+            return rope_tables(self.rope, start, tokens)  # type: ignore[arg-type]
+        return np.ascontiguousarray(cos[:, start:end]), np.ascontiguousarray(sin[:, start:end])
 
     def _pairs(self, m: np.ndarray) -> np.ndarray:
         """[2, L, R, J] -> [2, L, R/2, cols, 2]: rows 2i and 2i+1 side by side, columns padded with 0."""
@@ -154,7 +173,7 @@ def encode_chunk(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sin
                          f"has {L} x {C}")
     prep = prepared(cal)
     n_sink = min(T, max(0, sinks - start))
-    cos, sin = rope_tables(prep.rope, start + n_sink, T - n_sink)  # type: ignore[arg-type]
+    cos, sin = prep.rope_tables(start + n_sink, T - n_sink)
     r = 1.0 / (float(step) * float(1 << (reference.U_FRACTION + 14)))
     data = np.ascontiguousarray(raw).view(_STORAGE[dtype])
     try:
@@ -183,7 +202,7 @@ def decode_chunk(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str
     # the tables start after the sinks the payload says it holds (the C coder checks the rest)
     n_sink = struct.unpack_from("<I", payload, 20)[0] if len(payload) >= reference.HEADER.size else 0
     n_sink = n_sink if n_sink <= T else 0
-    cos, sin = rope_tables(prep.rope, start + n_sink, T - n_sink)  # type: ignore[arg-type]
+    cos, sin = prep.rope_tables(start + n_sink, T - n_sink)
     out = np.empty((2, L, T, C), dtype=_OUT[dtype])
     try:
         mod.decode(payload, out.view(_STORAGE[dtype]), DTYPE_CODES[dtype], L, T, C, cal.head_dim, n_sink, prep.cols,
