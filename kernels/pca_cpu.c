@@ -345,9 +345,9 @@ static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch
             }
         }
         if (ck->block) /* head h: components hD.. from its channels (pairs hD/2..) only */
-            for (uint32_t h = 0, D = ck->block; h < C / D; h++)
-                pca_matmul((const int32_t *)m2 + (size_t)h * (D / 2) * ck->cols + (size_t)h * D, ck->cols,
-                           s->x + (size_t)h * (D / 2) * xs * 2, xs, xs, s->pairs, D, s->y + (size_t)h * D * xs, xs);
+            for (uint32_t h = 0, B = ck->block; h < C / B; h++)
+                pca_matmul((const int32_t *)m2 + (size_t)h * (B / 2) * ck->cols + (size_t)h * B, ck->cols,
+                           s->x + (size_t)h * (B / 2) * xs * 2, xs, xs, s->pairs, B, s->y + (size_t)h * B * xs, xs);
         else
             pca_matmul((const int32_t *)m2, ck->cols, s->x, xs, xs, s->pairs, rows4, s->y, xs);
         for (uint32_t k = 0; k < C; k++) pca_quantize(s->y + (size_t)k * xs, nt, ck->r, s->qT + (size_t)k * Tc + t0, s->l1);

@@ -71,7 +71,7 @@ static int geometry_ok(const pca_chunk *ck) {
 
 static unsigned long long elem(int dtype) { return dtype == PCA_DTYPE_F32 ? 4u : 2u; }
 
-/* encode(kv, dtype, L, T, C, D, sinks, lanes, cols, r, mean, weight, m2, basis, sumsq_limit, nrope, cos, sin,
+/* encode(kv, dtype, L, T, C, D, sinks, lanes, cols, block, r, mean, weight, m2, basis, sumsq_limit, nrope, cos, sin,
  *        rope_map, freq, cost, slot_sym, threads) -> bytes */
 static PyObject *py_encode(PyObject *self, PyObject *args) {
     (void)self;
@@ -108,7 +108,7 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
     return res;
 }
 
-/* decode(payload, out, dtype, L, T, C, D, sinks, cols, mean, gain, m2, nrope, cos, sin, rope_map, freq, cost,
+/* decode(payload, out, dtype, L, T, C, D, sinks, cols, block, mean, gain, m2, nrope, cos, sin, rope_map, freq, cost,
  *        slot_sym, threads) -> None */
 static PyObject *py_decode(PyObject *self, PyObject *args) {
     (void)self;

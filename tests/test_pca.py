@@ -245,6 +245,13 @@ def test_the_step_of_a_quality_is_its_calibrations(cal):
         assert params_for(head.digest, q)["step"] == QUALITY_BY_AXES["head"][q][0]
     with pytest.raises(calmod.CalibrationNotFound):
         params_for("b" * 64, "97")
+    # one KV head: the two kinds are one; the default's table
+    one = calmod.Calibration(**{**cal.__dict__, "basis": cal.basis[:, :, :D, :D].copy(), "mean": cal.mean[..., :D].copy(),
+                                "weight": cal.weight[..., :D].copy(), "digest": ""})
+    assert calmod.axes(one) == "layer"
+    # a quality without a step (hand-made parameters): the version-1 step, without looking for the object
+    p = PcaCodec().validate_params({"version": 1, "calibration": "c" * 64, "quality": "97"})
+    assert p["step"] == QUALITY_BY_AXES["layer"]["97"][0] == 0.8
 
 
 def test_payload_stats_account_for_every_byte(cal):

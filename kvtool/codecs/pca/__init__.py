@@ -77,9 +77,12 @@ class PcaCodec(Codec):
         known = {"version", "calibration", "quality", "step", "sinks", "lanes", "position"}
         if set(p) - known:
             raise CodecParamsInvalid(f"pca: unknown parameters {sorted(set(p) - known)}")
+        # a quality without a step means the version-1 points' step (format-spec/pca.md §2: the
+        # steps of a calibration learned per layer); kvtool's writers always record the step, so a
+        # file's chunks never depend on which calibration table a reader would pick
+        if "quality" in p and "step" not in p and p["quality"] in QUALITY:
+            p["step"] = QUALITY_BY_AXES["layer"][p["quality"]][0]
         cal = p.get("calibration")
-        if "quality" in p and "step" not in p and p["quality"] in QUALITY and isinstance(cal, str):
-            p["step"] = quality_points(cal)[p["quality"]][0]
         if not isinstance(cal, str) or len(cal) != 64 or any(c not in "0123456789abcdef" for c in cal):
             raise CodecParamsInvalid("pca: 'calibration' must be a SHA-256 digest (64 lower-case hex digits)")
         step = p.get("step")

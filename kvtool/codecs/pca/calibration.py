@@ -169,13 +169,24 @@ def find(digest: str) -> Calibration:
                               f"{digest}{SUFFIX} there or set KVTOOL_CALIBRATION_PATH")
 
 
+_axes: dict[str, str] = {}  # digest -> axes(): a scan of the whole basis (110 MB of mask for an 8B model)
+
+
 def axes(cal: Calibration) -> str:
-    """'head' when every row's basis is zero outside its KV heads' D x D blocks (principal axes
-    learned per KV head: `kvtool calibrate`'s default, which the C coder multiplies block by
-    block), else 'layer' (one set of axes over all of a layer's channels)."""
-    C, D = cal.channels, cal.head_dim
-    heads = np.arange(C) // D
-    return "layer" if C > D and cal.basis[..., heads[:, None] != heads[None, :]].any() else "head"
+    """'head' when the layer has several KV heads and every row's basis is zero outside their
+    D x D blocks (principal axes learned per KV head: `kvtool calibrate --basis head`, which the C
+    coder multiplies block by block), else 'layer' (one set of axes over all of a layer's
+    channels; with one KV head the two are the same, and the default's name is kept)."""
+    known = _axes.get(cal.digest) if cal.digest else None
+    if known is None:
+        C, D = cal.channels, cal.head_dim
+        heads = np.arange(C) // D
+        per_head = C > D and not any(cal.basis[..., h * D:(h + 1) * D, :][..., heads != h].any()
+                                     for h in range(C // D))
+        known = "head" if per_head else "layer"
+        if cal.digest:
+            _axes[cal.digest] = known
+    return known
 
 
 def remember(cal: Calibration) -> Calibration:

@@ -91,7 +91,8 @@ class _Prepared:
         self.rope_map = np.ascontiguousarray(of_layer.reshape(-1), dtype=np.int32)
         # positions 0..n-1 of those tables, kept: a chunk's are a slice (the same numbers, as each
         # entry is its position's and frequency's alone), not a float64 cos and sin per chunk
-        self._rope_kept = (np.empty((len(rows), 0, rows.shape[1]), np.float32),) * 2
+        self._rope_kept = (np.empty((len(rows), 0, rows.shape[1]), np.float32),) * 2  # read-only once kept
+        self._rope_lock = threading.Lock()
         self._rope_limit = max(0, ROPE_KEPT_BYTES // (8 * rows.size))  # positions kept at most
 
     def rope_tables(self, start: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -99,11 +100,13 @@ class _Prepared:
         end = start + tokens
         cos, sin = self._rope_kept
         if end > cos.shape[1] and end <= self._rope_limit:
-            with _lock:
+            with self._rope_lock:
                 cos, sin = self._rope_kept
                 if end > cos.shape[1]:
                     n = min(self._rope_limit, max(end, 2 * cos.shape[1], 4096))
-                    cos, sin = self._rope_kept = rope_tables(self.rope, 0, n)  # type: ignore[arg-type]
+                    cos, sin = rope_tables(self.rope, 0, n)  # type: ignore[arg-type]
+                    cos.flags.writeable = sin.flags.writeable = False  # its slices go to every coder
+                    self._rope_kept = (cos, sin)
         if end > cos.shape[1]:
             return rope_tables(self.rope, start, tokens)  # type: ignore[arg-type]
         return np.ascontiguousarray(cos[:, start:end]), np.ascontiguousarray(sin[:, start:end])
