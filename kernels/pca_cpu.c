@@ -408,16 +408,20 @@ static uint8_t choose(const geo *g, const int16_t *q, uint32_t Tc, uint16_t *m) 
          * reach the best so far no shift from s on can win (ties go to the smaller shift) */
         if (256u * (uint64_t)s * Tc >= best) break;
         uint64_t h[NSYM];
-        const int fine = s <= 2 || maxm < 64, sh = fine ? s : s - 3, top = fine ? 64 : 128;
+        /* no symbol below 15 reaches a clamped bin (15 << 2 = 60 < 63 when fine, 15 << 3 = 120 <
+         * 127 when not; with maxm < 64 no magnitude is clamped at all), so each is a difference of
+         * two prefix sums inside the table, and the escapes are the rest */
+        const int fine = s <= 2 || maxm < 64, sh = fine ? s : s - 3;
         const uint32_t *P = fine ? PF : PG;
-        uint32_t below = 0;
-        for (int j = 0; j < ESCAPE; j++) {
-            const int a = j << sh, b = (j + 1) << sh;
-            const uint32_t n = P[b < top ? b : top] - P[a < top ? a : top];
-            h[j] = n;
-            below += n;
-        }
-        h[ESCAPE] = Tc - below;
+        if (fine && s > 2) { /* maxm < 64, shifts 3..5: bins past 63 hold nothing */
+            for (int j = 0; j < ESCAPE; j++) {
+                const int a = j << sh, b = (j + 1) << sh;
+                h[j] = P[b < 64 ? b : 64] - P[a < 64 ? a : 64];
+            }
+        } else
+            for (int j = 0; j < ESCAPE; j++) h[j] = P[(j + 1) << sh] - P[j << sh];
+        const int first_escape = ESCAPE << sh; /* the escapes: every magnitude from here on */
+        h[ESCAPE] = Tc - P[fine && first_escape > 64 ? 64 : first_escape];
         pca_choose_shift(h, s, Tc, (const uint64_t (*)[NTAB])g->tb.cost_t,
                          g->tb.cost16_ok && Tc < (1u << 15) ? &g->tb.cost16[0][0][0] : NULL, &best, &side);
     }
