@@ -60,22 +60,25 @@ __attribute__((target("avx2"))) static inline __m256i dec8(__m256i X, __m256i of
     return _mm256_blendv_epi8(X, _mm256_or_si256(_mm256_slli_epi32(X, 16), w), need);
 }
 
-/* dec_row_avx2 for N = 8 NG lanes (NG 2 or 4, a constant at each call): the states stay in NG
- * registers from step to step instead of going through memory */
+/* The row's steps from the first while N words remain, for N = 8 NG lanes (NG a constant at each
+ * call, so the NG registers of states stay registers from step to step). Symbol i is token i % Tc
+ * of live component i / Tc (table tabs[i / Tc]); a step across two components gives its lanes two
+ * table offsets. */
 __attribute__((target("avx2"), always_inline)) static inline size_t dec_row_regs(
     uint32_t *x, const int NG, const uint32_t *dec, const uint8_t *tabs, uint32_t Tc, size_t count,
-    const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym, size_t i, uint32_t p, uint32_t jc,
-    uint32_t tc, __m256i off) {
+    const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym) {
     const uint32_t N = 8u * (uint32_t)NG;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256i X[4];
+    uint32_t p = *wp, jc = 0, tc = 0;
+    size_t i = 0;
+    __m256i off = _mm256_set1_epi32(tabs[0] * PCA_SLOTS), X[8];
     for (int g = 0; g < NG; g++) X[g] = _mm256_loadu_si256((const __m256i *)(x + 8 * g));
     for (; count - i >= N && nwords - p >= N; i += N) {
-        const uint32_t left = Tc - tc;
+        const uint32_t left = Tc - tc; /* symbols of component jc from this step's first on */
         if (left >= N) {
             for (int g = 0; g < NG; g++) X[g] = dec8(X[g], off, dec, words, &p, sym + i + 8 * g);
             tc += N;
-        } else { /* lanes below `left` in component jc, the rest in jc + 1 */
+        } else { /* lanes below `left` in component jc, the rest in jc + 1 (Tc >= N: checked) */
             const __m256i b = _mm256_set1_epi32(tabs[jc + 1] * PCA_SLOTS), lim = _mm256_set1_epi32((int)left - 1);
             for (int g = 0; g < NG; g++) {
                 const __m256i late = _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(8 * g)), lim);
@@ -96,46 +99,21 @@ __attribute__((target("avx2"), always_inline)) static inline size_t dec_row_regs
     return i;
 }
 
-/* The row's steps from the first while N words remain. Symbol i is token i % Tc of live component
- * i / Tc (table tabs[i / Tc]); a step across two components gives its lanes two table offsets. */
+/* N a multiple of 8 up to 64: one instance of the loop per register count */
 __attribute__((target("avx2"))) static size_t dec_row_avx2(uint32_t *x, uint32_t N, const uint32_t *dec,
                                                           const uint8_t *tabs, uint32_t Tc, size_t count,
                                                           const uint16_t *words, uint32_t *wp, uint32_t nwords,
                                                           uint8_t *sym) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    uint32_t p = *wp, jc = 0, tc = 0;
-    size_t i = 0;
-    __m256i off = _mm256_set1_epi32(tabs[0] * PCA_SLOTS);
-    if (N == 16) return dec_row_regs(x, 2, dec, tabs, Tc, count, words, wp, nwords, sym, i, p, jc, tc, off);
-    if (N == 32) return dec_row_regs(x, 4, dec, tabs, Tc, count, words, wp, nwords, sym, i, p, jc, tc, off);
-    for (; count - i >= N && nwords - p >= N; i += N) {
-        const uint32_t left = Tc - tc; /* symbols of component jc from this step's first on */
-        if (left >= N) {
-            for (uint32_t g = 0; g < N; g += 8) {
-                const __m256i X = _mm256_loadu_si256((const __m256i *)(x + g));
-                _mm256_storeu_si256((__m256i *)(x + g), dec8(X, off, dec, words, &p, sym + i + g));
-            }
-            tc += N;
-        } else { /* lanes below `left` in component jc, the rest in jc + 1 (Tc >= N: checked) */
-            const __m256i a = off, b = _mm256_set1_epi32(tabs[jc + 1] * PCA_SLOTS);
-            for (uint32_t g = 0; g < N; g += 8) {
-                const __m256i late = _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32((int)g)),
-                                                        _mm256_set1_epi32((int)left - 1));
-                const __m256i X = _mm256_loadu_si256((const __m256i *)(x + g));
-                _mm256_storeu_si256((__m256i *)(x + g), dec8(X, _mm256_blendv_epi8(a, b, late), dec, words, &p, sym + i + g));
-            }
-            jc++;
-            tc = N - left;
-            off = b;
-        }
-        if (tc == Tc && i + N < count) { /* the step ended a component */
-            jc++;
-            tc = 0;
-            off = _mm256_set1_epi32(tabs[jc] * PCA_SLOTS);
-        }
+    switch (N / 8) {
+    case 1: return dec_row_regs(x, 1, dec, tabs, Tc, count, words, wp, nwords, sym);
+    case 2: return dec_row_regs(x, 2, dec, tabs, Tc, count, words, wp, nwords, sym);
+    case 3: return dec_row_regs(x, 3, dec, tabs, Tc, count, words, wp, nwords, sym);
+    case 4: return dec_row_regs(x, 4, dec, tabs, Tc, count, words, wp, nwords, sym);
+    case 5: return dec_row_regs(x, 5, dec, tabs, Tc, count, words, wp, nwords, sym);
+    case 6: return dec_row_regs(x, 6, dec, tabs, Tc, count, words, wp, nwords, sym);
+    case 7: return dec_row_regs(x, 7, dec, tabs, Tc, count, words, wp, nwords, sym);
+    default: return dec_row_regs(x, 8, dec, tabs, Tc, count, words, wp, nwords, sym);
     }
-    *wp = p;
-    return i;
 }
 #endif
 

@@ -169,6 +169,17 @@ def find(digest: str) -> Calibration:
                               f"{digest}{SUFFIX} there or set KVTOOL_CALIBRATION_PATH")
 
 
+def blocks_per_head(basis: np.ndarray, head_dim: int) -> bool:
+    """True when a basis [..., C, C] has several KV heads (C / D > 1) and is zero outside their
+    D x D blocks (row c and column k of one head: c / D = k / D). One head at a time, so the
+    test holds no [C, C] mask of the whole basis (110 MB for an 8B model)."""
+    C, D = basis.shape[-1], head_dim
+    if C <= D or C % D:
+        return False
+    heads = np.arange(C) // D
+    return not any(basis[..., h * D:(h + 1) * D, :][..., heads != h].any() for h in range(C // D))
+
+
 _axes: dict[str, str] = {}  # digest -> axes(): a scan of the whole basis (110 MB of mask for an 8B model)
 
 
@@ -179,11 +190,7 @@ def axes(cal: Calibration) -> str:
     channels; with one KV head the two are the same, and the default's name is kept)."""
     known = _axes.get(cal.digest) if cal.digest else None
     if known is None:
-        C, D = cal.channels, cal.head_dim
-        heads = np.arange(C) // D
-        per_head = C > D and not any(cal.basis[..., h * D:(h + 1) * D, :][..., heads != h].any()
-                                     for h in range(C // D))
-        known = "head" if per_head else "layer"
+        known = "head" if blocks_per_head(cal.basis, cal.head_dim) else "layer"
         if cal.digest:
             _axes[cal.digest] = known
     return known

@@ -24,7 +24,7 @@ from ...devices import host_threads
 from ...errors import DecodeError, NonFiniteValues, UsageError
 from ...native_loader import NativeExtension
 from . import reference
-from .calibration import Calibration, rope_tables
+from .calibration import Calibration, blocks_per_head, rope_tables
 
 EXTENSION = NativeExtension("_pca_native", "KVTOOL_PCA_NATIVE", "pca coder", "the slow numpy reference")
 
@@ -130,12 +130,7 @@ def block_diagonal(basis: np.ndarray, head_dim: int) -> int:
     (a calibration learned with axes per head) and D is a multiple of 8 (the C transform's
     column step), else 0. The C coder then multiplies the blocks only: the same integers, as
     the products it leaves out are zeros."""
-    C = basis.shape[-1]
-    if head_dim % 8 or C % head_dim or C == head_dim:
-        return 0
-    heads = np.arange(C) // head_dim
-    off = heads[:, None] != heads[None, :]
-    return head_dim if not basis[..., off].any() else 0  # calibration.axes's test
+    return head_dim if head_dim % 8 == 0 and blocks_per_head(basis, head_dim) else 0
 
 
 _prepared: dict[int, tuple[Calibration, _Prepared]] = {}
