@@ -14,20 +14,29 @@
 #endif
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
-static int g_avx2 = 0;
+static int g_avx2 = 0, g_avx512 = 0;
 
+/* KVTOOL_PCA_SIMD: 0 (or n/f) the portable loops only; "avx2" no AVX-512; else the best the CPU has */
 static void init_simd(void) {
 #ifdef PCA_HAVE_AVX2
     const char *env = getenv("KVTOOL_PCA_SIMD");
     int off = env && (env[0] == '0' || env[0] == 'n' || env[0] == 'N' || env[0] == 'f' || env[0] == 'F');
+    int cap2 = env && (env[0] == 'a' || env[0] == 'A') && strchr(env, '2') != NULL;
     __builtin_cpu_init();
     g_avx2 = !off && __builtin_cpu_supports("avx2");
+    g_avx512 = g_avx2 && !cap2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 #endif
 }
 
 int pca_simd_avx2(void) {
     pthread_once(&g_once, init_simd);
     return g_avx2;
+}
+
+int pca_simd_avx512(void) {
+    pthread_once(&g_once, init_simd);
+    return g_avx512;
 }
 
 /* Portable: the same sums, one token at a time (the compiler vectorises the j loop). */
@@ -87,9 +96,61 @@ __attribute__((target("avx2"))) static void matmul_avx2(const int32_t *xp, size_
 }
 #endif
 
+#ifdef PCA_HAVE_AVX2
+#define PCA_AVX512 "avx512f,avx512bw,avx512vl,avx512vnni"
+/* The same block with AVX-512 VNNI: 4 tokens x NV*16 columns (NV 1..4) in up to 16 zmm
+ * accumulators, one vpdpwssd (x0*m[2j] + x1*m[2j+1] added to the accumulator, wrapping like
+ * vpaddd) per token and 16 columns; the last vector's columns under mask `last` (8 or 16). */
+__attribute__((target(PCA_AVX512), always_inline)) static inline void block_avx512(const int32_t *x, size_t ps,
+                                                                                   const int16_t *m, size_t stride,
+                                                                                   uint32_t P, int32_t *y, size_t ys,
+                                                                                   const int NV, __mmask16 last) {
+    __m512i a[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int v = 0; v < NV; v++) a[i][v] = _mm512_setzero_si512();
+    for (uint32_t p = 0; p < P; p++, m += stride * 2, x += ps) {
+        __m512i b[4];
+        for (int v = 0; v < NV - 1; v++) b[v] = _mm512_loadu_si512((const void *)(m + 32 * v));
+        b[NV - 1] = _mm512_maskz_loadu_epi32(last, (const void *)(m + 32 * (NV - 1)));
+        for (int i = 0; i < 4; i++) {
+            const __m512i s = _mm512_set1_epi32(x[i]);
+            for (int v = 0; v < NV; v++) a[i][v] = _mm512_dpwssd_epi32(a[i][v], s, b[v]);
+        }
+    }
+    for (int i = 0; i < 4; i++, y += ys) {
+        for (int v = 0; v < NV - 1; v++) _mm512_storeu_si512((void *)(y + 16 * v), a[i][v]);
+        _mm512_mask_storeu_epi32((void *)(y + 16 * (NV - 1)), last, a[i][NV - 1]);
+    }
+}
+
+__attribute__((target(PCA_AVX512))) static void matmul_avx512(const int32_t *xp, size_t ps, const int16_t *m2,
+                                                             size_t stride, size_t width, const uint32_t *pairs,
+                                                             size_t tokens, int32_t *Y, size_t ys) {
+    const size_t rest = width % 64, nv = (rest + 15) / 16;
+    const __mmask16 last = rest % 16 ? 0x00FF : 0xFFFF; /* width is a multiple of 8 */
+    for (size_t t0 = 0; t0 < tokens; t0 += PCA_TB) {
+        const uint32_t P = pairs[t0 / PCA_TB];
+        const int32_t *x = xp + t0;
+        int32_t *y = Y + t0 * ys;
+        size_t j0 = 0;
+        for (; j0 + 64 <= width; j0 += 64) block_avx512(x, ps, m2 + j0 * 2, stride, P, y + j0, ys, 4, 0xFFFF);
+        switch (nv) {
+        case 3: block_avx512(x, ps, m2 + j0 * 2, stride, P, y + j0, ys, 3, last); break;
+        case 2: block_avx512(x, ps, m2 + j0 * 2, stride, P, y + j0, ys, 2, last); break;
+        case 1: block_avx512(x, ps, m2 + j0 * 2, stride, P, y + j0, ys, 1, last); break;
+        default: break;
+        }
+    }
+}
+#endif
+
 void pca_matmul(const int32_t *xp, size_t ps, const int16_t *m2, size_t stride, size_t width, const uint32_t *pairs,
                 size_t tokens, int32_t *Y, size_t ys) {
 #ifdef PCA_HAVE_AVX2
+    if (pca_simd_avx512()) {
+        matmul_avx512(xp, ps, m2, stride, width, pairs, tokens, Y, ys);
+        return;
+    }
     if (pca_simd_avx2()) {
         matmul_avx2(xp, ps, m2, stride, width, pairs, tokens, Y, ys);
         return;

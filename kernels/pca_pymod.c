@@ -165,14 +165,14 @@ static PyObject *py_f32_to_f16(PyObject *self, PyObject *arg) {
 static PyObject *py_simd(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return PyUnicode_FromString(pca_simd_avx2() ? "avx2" : "portable");
+    return PyUnicode_FromString(pca_simd_avx512() ? "avx512" : pca_simd_avx2() ? "avx2" : "portable");
 }
 
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, "encode one chunk (see kvtool/codecs/pca/native.py)"},
     {"decode", py_decode, METH_VARARGS, "decode one chunk into a buffer (see kvtool/codecs/pca/native.py)"},
     {"f32_to_f16", py_f32_to_f16, METH_O, "float32 bytes -> float16 bits as numpy rounds them"},
-    {"simd", py_simd, METH_NOARGS, "the transform's code path: 'avx2' or 'portable'"},
+    {"simd", py_simd, METH_NOARGS, "the coder's widest code path: 'avx512', 'avx2' or 'portable'"},
     {NULL, NULL, 0, NULL},
 };
 

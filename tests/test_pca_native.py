@@ -235,7 +235,8 @@ def test_f16_rounding_is_numpy_s():
 
 
 def test_the_portable_transform_agrees_with_the_simd_one(tmp_path):
-    """KVTOOL_PCA_SIMD=0 forces the portable transform (read once per process: a subprocess)."""
+    """KVTOOL_PCA_SIMD=0 forces the portable transform, =avx2 no AVX-512 (read once per process: a
+    subprocess); every path gives the same bytes."""
     script = tmp_path / "run.py"
     script.write_text(
         "import sys, hashlib\n"
@@ -247,7 +248,7 @@ def test_the_portable_transform_agrees_with_the_simd_one(tmp_path):
         "d = native.decode_chunk(p, raw.shape, 'bfloat16', cal, 0.5, 0)\n"
         "print(native.native_module().simd(), hashlib.sha256(p + d.tobytes()).hexdigest())\n")
     runs = {}
-    for flag in ("1", "0"):
+    for flag in ("1", "avx2", "0"):
         env = dict(os.environ, KVTOOL_PCA_SIMD=flag)
         out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True)
         path, digest = out.stdout.split()
@@ -346,18 +347,22 @@ def test_every_simd_path_is_the_reference():
     assert seen["shifts"] == set(range(7)) and seen["escapes"] and seen["dead"] and seen["empty_rows"]
 
 
-def test_every_portable_path_is_the_reference(tmp_path):
-    """The same cases with KVTOOL_PCA_SIMD=0 (read once per process: a subprocess)."""
+@pytest.mark.parametrize("flag,path", [("0", "portable"), ("avx2", "avx2")])
+def test_every_portable_path_is_the_reference(tmp_path, flag, path):
+    """The same cases with KVTOOL_PCA_SIMD=0 (portable loops) and =avx2 (the AVX2 paths where the
+    CPU has AVX-512 too), read once per process: a subprocess."""
+    if path == "avx2" and native.native_module().simd() != "avx512":
+        pytest.skip("the default run above is the AVX2 path on this CPU")
     script = tmp_path / "run.py"
     script.write_text(
         "import sys\n"
         f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
         "from test_pca_native import check_simd_cases\n"
         "from kvtool.codecs.pca import native\n"
-        "assert native.native_module().simd() == 'portable'\n"
+        f"assert native.native_module().simd() == {path!r}\n"
         "check_simd_cases()\n"
         "print('ok')\n")
-    env = dict(os.environ, KVTOOL_PCA_SIMD="0")
+    env = dict(os.environ, KVTOOL_PCA_SIMD=flag)
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-2000:]
 
