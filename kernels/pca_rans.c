@@ -1,6 +1,7 @@
 /* rANS kernels of the pca CPU coder: see pca_rans.h. The AVX2 paths are chosen at run time
- * (pca_simd_avx2: the CPU has it and KVTOOL_PCA_SIMD is not 0); integer arithmetic only, so
- * they give exactly what the portable loops give. */
+ * (pca_simd_avx2: the CPU has it and KVTOOL_PCA_SIMD is not 0), and the encoder's AVX-512 one
+ * where the CPU has that too (pca_simd_avx512); integer arithmetic only, so they give exactly
+ * what the portable loops give. */
 #include "pca_rans.h"
 
 #include <pthread.h>
@@ -429,9 +430,69 @@ __attribute__((target("avx2"))) static size_t enc_steps_avx2(uint32_t *x, uint32
 }
 #endif
 
+#ifdef PCA_RANS_AVX2
+#define PCA_RANS_AVX512 "avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"
+typedef struct { __m512i f, cum, rcp; } enc16_tab;
+
+/* enc8 on 16 lanes with AVX-512: each 16-entry table one vpermd; the emitted words (lanes
+ * ascending, below *wp) by one compress and one masked store. */
+__attribute__((target(PCA_RANS_AVX512), always_inline)) static inline __m512i enc16(__m512i X, const enc16_tab *t,
+                                                                                   const uint8_t *sym,
+                                                                                   uint16_t *words, size_t *wp) {
+    const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sym));
+    const __m512i f = _mm512_permutexvar_epi32(s, t->f), cum = _mm512_permutexvar_epi32(s, t->cum);
+    const __m512i R = _mm512_permutexvar_epi32(s, t->rcp);
+    const __mmask16 emit = _mm512_cmpge_epu32_mask(X, _mm512_slli_epi32(f, 20));
+    if (emit) {
+        const unsigned n = (unsigned)__builtin_popcount((unsigned)emit);
+        const __m256i w = _mm256_maskz_compress_epi16(emit, _mm512_cvtepi32_epi16(X));
+        _mm256_mask_storeu_epi16(words + *wp - n, (__mmask16)((1u << n) - 1u), w);
+        *wp -= n;
+        X = _mm512_mask_srli_epi32(X, emit, X, 16);
+    }
+    const __m512i even = _mm512_mul_epu32(X, R);
+    const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(X, 32), _mm512_srli_epi64(R, 32));
+    __m512i d = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+    __m512i rem = _mm512_sub_epi32(X, _mm512_mullo_epi32(d, f));
+    const __mmask16 over = _mm512_cmpge_epu32_mask(rem, f); /* rem < 2f < 2^13 */
+    d = _mm512_mask_add_epi32(d, over, d, _mm512_set1_epi32(1));
+    rem = _mm512_mask_sub_epi32(rem, over, rem, f);
+    return _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(d, 12), rem), cum);
+}
+
+/* N a multiple of 16 up to 64: the states of NG registers held from step to step */
+__attribute__((target(PCA_RANS_AVX512), always_inline)) static inline void enc_regs512(
+    uint32_t *x, const int NG, const enc16_tab *t, const uint8_t *sym, uint16_t *words, size_t *p, size_t steps) {
+    __m512i X[4];
+    for (int g = 0; g < NG; g++) X[g] = _mm512_loadu_si512((const void *)(x + 16 * g));
+    for (size_t s = 0; s < steps; s++, sym -= 16 * NG)
+        for (int g = NG - 1; g >= 0; g--) X[g] = enc16(X[g], t, sym + 16 * g, words, p);
+    for (int g = 0; g < NG; g++) _mm512_storeu_si512((void *)(x + 16 * g), X[g]);
+}
+
+__attribute__((target(PCA_RANS_AVX512))) static size_t enc_steps_avx512(uint32_t *x, uint32_t N,
+                                                                       const pca_enc_table *tb, const uint8_t *sym,
+                                                                       uint16_t *words, size_t *wp, size_t steps) {
+    enc16_tab t;
+    t.f = _mm512_loadu_si512((const void *)tb->f);
+    t.cum = _mm512_loadu_si512((const void *)tb->cum);
+    t.rcp = _mm512_loadu_si512((const void *)tb->rcp);
+    size_t p = *wp;
+    switch (N / 16) {
+    case 1: enc_regs512(x, 1, &t, sym, words, &p, steps); break;
+    case 2: enc_regs512(x, 2, &t, sym, words, &p, steps); break;
+    case 3: enc_regs512(x, 3, &t, sym, words, &p, steps); break;
+    default: enc_regs512(x, 4, &t, sym, words, &p, steps); break;
+    }
+    *wp = p;
+    return steps;
+}
+#endif
+
 size_t pca_rans_enc_steps(uint32_t *x, uint32_t N, const pca_enc_table *tb, const uint8_t *sym, uint16_t *words,
                           size_t *wp, size_t steps) {
 #ifdef PCA_RANS_AVX2
+    if (N % 16 == 0 && N <= 64 && pca_simd_avx512()) return enc_steps_avx512(x, N, tb, sym, words, wp, steps);
     if (N % 8 == 0 && pca_simd_avx2()) {
         pthread_once(&g_rpack_once, rpack_init);
         return enc_steps_avx2(x, N, tb, sym, words, wp, steps);

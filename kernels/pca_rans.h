@@ -63,7 +63,8 @@ void pca_interleave(const int16_t *a, const int16_t *b, uint32_t n, int16_t *out
 /* One table as the AVX2 encoder reads it: f, cum and floor((2^32 - 1) / f) of its 16 symbols */
 typedef struct { uint32_t f[PCA_NSYM], cum[PCA_NSYM], rcp[PCA_NSYM]; } pca_enc_table;
 
-/* AVX2 encoder: `steps` full steps of N lanes (N a multiple of 8), backwards: step s (s = 0 first)
+/* SIMD encoder (AVX-512 for N a multiple of 16 up to 64 where the CPU has it, else AVX2):
+ * `steps` full steps of N lanes (N a multiple of 8), backwards: step s (s = 0 first)
  * codes symbols sym[-s N .. -s N + N) of one table, lanes from N-1 down, the words of a step's
  * lanes stored below words[*wp] in ascending lane order (the decoder's reading order). Stores
  * may touch the 8 words below the final *wp (the caller leaves room). Returns the steps done

@@ -299,6 +299,7 @@ SIMD_CASES = [  # geometry, tokens, sinks, step, lanes, dtype, scale
     ("heads", 45, 4, 0.05, 16, "bfloat16", 2.0), ("heads8", 76, 4, 0.5, 16, "float32", 2.0),
     ("heads8", 41, 4, 16.0, 16, "bfloat16", 2.0), ("heads40", 77, 4, 2.0, 8, "float16", 2.0),
     ("wide", 150, 4, 0.5, 32, "bfloat16", 2.0),  # 32 lanes: the decoder's other register-held loop
+    ("wide", 150, 4, 0.5, 48, "float32", 2.0),  # 48 lanes: three AVX-512 registers of states
 ]
 
 
