@@ -24,8 +24,8 @@ void pca_matmul(const int32_t *xp, size_t ps, const int16_t *m2, size_t stride, 
 /* 1 when the AVX2 path is in use (x86-64 with AVX2 and KVTOOL_PCA_SIMD not 0). */
 int pca_simd_avx2(void);
 
-/* 1 when the AVX-512 paths are in use too (AVX-512 F, BW, VL and VNNI, and KVTOOL_PCA_SIMD neither
- * 0 nor "avx2") */
+/* 1 when the AVX-512 paths are in use too (AVX-512 F, BW, VL, VNNI and VBMI2: Ice Lake, Zen 4 and
+ * later; KVTOOL_PCA_SIMD neither 0 nor "avx2") */
 int pca_simd_avx512(void);
 
 static inline float pca_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }

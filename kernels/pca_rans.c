@@ -1,5 +1,5 @@
 /* rANS kernels of the pca CPU coder: see pca_rans.h. The AVX2 paths are chosen at run time
- * (pca_simd_avx2: the CPU has it and KVTOOL_PCA_SIMD is not 0), and the encoder's AVX-512 one
+ * (pca_simd_avx2: the CPU has it and KVTOOL_PCA_SIMD is not 0), and the rANS loops' AVX-512 ones
  * where the CPU has that too (pca_simd_avx512); integer arithmetic only, so they give exactly
  * what the portable loops give. */
 #include "pca_rans.h"
@@ -118,9 +118,92 @@ __attribute__((target("avx2"))) static size_t dec_row_avx2(uint32_t *x, uint32_t
 }
 #endif
 
+#ifdef PCA_RANS_AVX2
+#define PCA_RANS_AVX512D "avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"
+/* dec8 with AVX-512 VL: the same scalar loads of the entries (a gather of 16 is slower: one chain
+ * of 16 lanes instead of two of 8); the symbols by one narrowing store, the renormalisation by one
+ * expanding load of the words under the compare's mask (lane j that needs a word takes the
+ * (number of lanes below j needing one)-th word at *wp: what vpexpandw does) */
+__attribute__((target(PCA_RANS_AVX512D), always_inline)) static inline __m256i dec8v(__m256i X, __m256i off,
+                                                                                   const uint32_t *dec,
+                                                                                   const uint16_t *words, uint32_t *wp,
+                                                                                   uint8_t *sym) {
+    const __m256i slot = _mm256_and_si256(X, _mm256_set1_epi32(PCA_SLOTS - 1));
+    const __m256i I = _mm256_add_epi32(slot, off);
+    const __m128i i0 = _mm256_castsi256_si128(I), i1 = _mm256_extracti128_si256(I, 1);
+    const uint64_t p0 = (uint64_t)_mm_cvtsi128_si64(i0), p1 = (uint64_t)_mm_extract_epi64(i0, 1);
+    const uint64_t p2 = (uint64_t)_mm_cvtsi128_si64(i1), p3 = (uint64_t)_mm_extract_epi64(i1, 1);
+    const __m256i E = _mm256_setr_epi32((int)dec[(uint32_t)p0], (int)dec[p0 >> 32], (int)dec[(uint32_t)p1], (int)dec[p1 >> 32],
+                                        (int)dec[(uint32_t)p2], (int)dec[p2 >> 32], (int)dec[(uint32_t)p3], (int)dec[p3 >> 32]);
+    _mm_storel_epi64((__m128i *)sym, _mm256_cvtepi32_epi8(_mm256_and_si256(E, _mm256_set1_epi32(15))));
+    const __m256i f = _mm256_srli_epi32(E, 20);
+    const __m256i bias = _mm256_and_si256(_mm256_srli_epi32(E, 4), _mm256_set1_epi32(PCA_SLOTS - 1));
+    X = _mm256_add_epi32(_mm256_mullo_epi32(f, _mm256_srli_epi32(X, 12)), bias);
+    const __mmask8 need = _mm256_cmplt_epu32_mask(X, _mm256_set1_epi32(1 << 16));
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_maskz_expandloadu_epi16(need, words + *wp));
+    *wp += (uint32_t)__builtin_popcount((unsigned)need);
+    return _mm256_mask_or_epi32(X, need, _mm256_slli_epi32(X, 16), w);
+}
+
+/* dec_row_regs over dec8v */
+__attribute__((target(PCA_RANS_AVX512D), always_inline)) static inline size_t dec_row_regs8v(
+    uint32_t *x, const int NG, const uint32_t *dec, const uint8_t *tabs, uint32_t Tc, size_t count,
+    const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym) {
+    const uint32_t N = 8u * (uint32_t)NG;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    uint32_t p = *wp, jc = 0, tc = 0;
+    size_t i = 0;
+    __m256i off = _mm256_set1_epi32(tabs[0] * PCA_SLOTS), X[8];
+    for (int g = 0; g < NG; g++) X[g] = _mm256_loadu_si256((const __m256i *)(x + 8 * g));
+    for (; count - i >= N && nwords - p >= N; i += N) {
+        const uint32_t left = Tc - tc;
+        if (left >= N) {
+            for (int g = 0; g < NG; g++) X[g] = dec8v(X[g], off, dec, words, &p, sym + i + 8 * g);
+            tc += N;
+        } else {
+            const __m256i b = _mm256_set1_epi32(tabs[jc + 1] * PCA_SLOTS);
+            for (int g = 0; g < NG; g++) {
+                const __mmask8 late = _mm256_cmpge_epu32_mask(_mm256_add_epi32(lane, _mm256_set1_epi32(8 * g)),
+                                                             _mm256_set1_epi32((int)left));
+                X[g] = dec8v(X[g], _mm256_mask_blend_epi32(late, off, b), dec, words, &p, sym + i + 8 * g);
+            }
+            jc++;
+            tc = N - left;
+            off = b;
+        }
+        if (tc == Tc && i + N < count) {
+            jc++;
+            tc = 0;
+            off = _mm256_set1_epi32(tabs[jc] * PCA_SLOTS);
+        }
+    }
+    for (int g = 0; g < NG; g++) _mm256_storeu_si256((__m256i *)(x + 8 * g), X[g]);
+    *wp = p;
+    return i;
+}
+
+__attribute__((target(PCA_RANS_AVX512D))) static size_t dec_row_avx512v(uint32_t *x, uint32_t N, const uint32_t *dec,
+                                                                      const uint8_t *tabs, uint32_t Tc, size_t count,
+                                                                      const uint16_t *words, uint32_t *wp,
+                                                                      uint32_t nwords, uint8_t *sym) {
+    switch (N / 8) {
+    case 1: return dec_row_regs8v(x, 1, dec, tabs, Tc, count, words, wp, nwords, sym);
+    case 2: return dec_row_regs8v(x, 2, dec, tabs, Tc, count, words, wp, nwords, sym);
+    case 3: return dec_row_regs8v(x, 3, dec, tabs, Tc, count, words, wp, nwords, sym);
+    case 4: return dec_row_regs8v(x, 4, dec, tabs, Tc, count, words, wp, nwords, sym);
+    case 5: return dec_row_regs8v(x, 5, dec, tabs, Tc, count, words, wp, nwords, sym);
+    case 6: return dec_row_regs8v(x, 6, dec, tabs, Tc, count, words, wp, nwords, sym);
+    case 7: return dec_row_regs8v(x, 7, dec, tabs, Tc, count, words, wp, nwords, sym);
+    default: return dec_row_regs8v(x, 8, dec, tabs, Tc, count, words, wp, nwords, sym);
+    }
+}
+#endif
+
 size_t pca_rans_dec_row(uint32_t *x, uint32_t N, const uint32_t *dec, const uint8_t *tabs, uint32_t Tc, size_t count,
                         const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym) {
 #ifdef PCA_RANS_AVX2
+    if (N % 8 == 0 && Tc >= N && count && *wp <= nwords && pca_simd_avx512())
+        return dec_row_avx512v(x, N, dec, tabs, Tc, count, words, wp, nwords, sym);
     if (N % 8 == 0 && Tc >= N && count && *wp <= nwords && pca_simd_avx2()) {
         pthread_once(&g_perm_once, perm_init);
         return dec_row_avx2(x, N, dec, tabs, Tc, count, words, wp, nwords, sym);
