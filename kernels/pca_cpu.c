@@ -116,10 +116,22 @@ typedef struct {
 
 #define FAIL(...) do { snprintf(msg, msglen, __VA_ARGS__); return PCA_ERR_CORRUPT; } while (0)
 
-/* entropy decode of one row into s->q, pair-major ([C/2][Tp][2]: component k of token t at
- * ((k/2) Tp + t) 2 + k%2, so one component's tokens are written in memory order), zero where
- * nothing is coded */
-static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *s, char *msg, size_t msglen) {
+/* a row's rANS lanes between its first steps and the rest of its decoding */
+typedef struct {
+    uint32_t x[64]; /* the lanes' states */
+    uint32_t nl;    /* live components */
+    uint32_t wp;    /* the next word */
+    size_t i;       /* symbols decoded */
+} rans_state;
+
+static const uint16_t no_words[1] = {0};
+
+/* a row's words; a row without any reads word 0 of a one-word dummy */
+static const uint8_t *row_words(const row_in *ri) { return ri->nwords ? ri->words : (const uint8_t *)no_words; }
+
+/* the live components (s->live), their tables (s->tabs) and the lanes' first states */
+static int rans_setup(const geo *g, const row_in *ri, uint32_t N, dscratch *s, rans_state *st, char *msg,
+                      size_t msglen) {
     const uint32_t C = g->ck->channels, Tc = g->Tc;
     uint32_t nl = 0;
     uint64_t lo_expect = 0;
@@ -131,29 +143,42 @@ static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *
         lo_expect += (uint64_t)(sb >> 5) * Tc;
     }
     if (lo_expect != ri->lo_bits) FAIL("a row's low-bit count does not match its side bytes");
+    for (uint32_t j = 0; j < nl; j++) s->tabs[j] = ri->side[s->live[j]] & 31u;
+    for (uint32_t n = 0; n < N; n++) st->x[n] = get_u32(ri->states + 4 * n);
+    st->nl = nl;
+    st->wp = 0;
+    st->i = 0;
+    return PCA_OK;
+}
+
+/* entropy decode of one row into s->q, pair-major ([C/2][Tp][2]: component k of token t at
+ * ((k/2) Tp + t) 2 + k%2, so one component's tokens are written in memory order), zero where
+ * nothing is coded; st from rans_setup, its SIMD steps already taken when `stepped` */
+static int decode_symbols(const geo *g, const row_in *ri, uint32_t N, dscratch *s, rans_state *st, int stepped,
+                          char *msg, size_t msglen) {
+    const uint32_t C = g->ck->channels, Tc = g->Tc, nl = st->nl;
     const size_t Tp = g->Tp;
     for (uint32_t t = 0; t < Tp; t++) s->l1[t] = s->last[t] = 0;
-    uint32_t x[64];
-    for (uint32_t n = 0; n < N; n++) x[n] = get_u32(ri->states + 4 * n);
+    uint32_t *x = st->x;
     pca_raw_in raw = {ri->lo, ri->sign, (size_t)(((uint64_t)ri->lo_bits + 7u) / 8u),
                       (size_t)(((uint64_t)ri->sign_bits + 7u) / 8u), 0, 0};
     /* Per component, three tight passes without data-dependent branches: the rANS symbols, the
      * magnitudes (escapes, rare, branch), the signs. Overruns are counted, not branched on, and
      * judged after the row: reads stay inside each stream (pca_raw_component never reads past its bytes; a
      * word index past the end reads word 0 of a one-word dummy). */
-    static const uint16_t no_words[1] = {0};
-    const uint8_t *words = ri->nwords ? ri->words : (const uint8_t *)no_words;
+    const uint8_t *words = row_words(ri);
     const uint32_t wlast = ri->nwords ? ri->nwords - 1 : 0;
-    uint32_t wp = 0, ep = 0, big = 0;
+    uint32_t wp = st->wp, ep = 0, big = 0;
     /* rANS over the whole row, N symbols (one per lane, lanes in order) at a time: first the N
      * independent state updates, then the renormalisations, which share the word pointer. Runs of
      * whole steps inside one component (one table) go to the AVX2 loop while N words remain; the
      * rest (steps across two components, the stream's last words) to this loop. */
     const size_t count = (size_t)nl * Tc;
     if (count) {
-        uint8_t *tabs = s->tabs;
-        for (uint32_t j = 0; j < nl; j++) tabs[j] = ri->side[s->live[j]] & 31u;
-        size_t i = pca_rans_dec_row(x, N, g->tb.dec, tabs, Tc, count, (const uint16_t *)words, &wp, ri->nwords, s->sym);
+        const uint8_t *tabs = s->tabs;
+        size_t i = stepped ? st->i
+                           : pca_rans_dec_row(x, N, g->tb.dec, tabs, Tc, count, (const uint16_t *)words, &wp, ri->nwords,
+                                              s->sym);
         uint32_t jc = (uint32_t)(i / Tc), tc = (uint32_t)(i % Tc);
         const uint32_t *DEC = g->tb.dec + (size_t)(jc < nl ? tabs[jc] : 0) * PCA_SLOTS;
         while (i < count) {
@@ -230,11 +255,11 @@ static void inverse_rows(const geo *g, uint32_t row, const int32_t *y, size_t ys
     }
 }
 
-static int decode_row(const geo *g, uint32_t row, const row_in *ri, uint32_t N, dscratch *s, uint8_t *out,
-                      char *msg, size_t msglen) {
+static int decode_row(const geo *g, uint32_t row, const row_in *ri, uint32_t N, dscratch *s, rans_state *st,
+                      int stepped, uint8_t *out, char *msg, size_t msglen) {
     const pca_chunk *ck = g->ck;
     const uint32_t C = ck->channels;
-    int rc = decode_symbols(g, ri, N, s, msg, msglen);
+    int rc = decode_symbols(g, ri, N, s, st, stepped, msg, msglen);
     if (rc != PCA_OK) return rc;
     const int16_t *m2 = ck->m2 + (size_t)row * (C / 2) * ck->cols * 2;
     for (uint32_t b = 0; b < g->Tp / PCA_TB; b++) { /* pairs of components up to the block's last nonzero */
@@ -552,32 +577,66 @@ static void record_failure(job *jb, uint32_t row, int rc, const char *msg) {
     pthread_mutex_unlock(&jb->mu);
 }
 
+static int dscratch_alloc(dscratch *s, const geo *g) {
+    const uint32_t C = g->ck->channels;
+    s->q = (int16_t *)malloc(((size_t)g->Tp * C + 16) * sizeof(int16_t));
+    s->qc = (int16_t *)malloc(((size_t)g->Tp * (C + 1) + 16) * sizeof(int16_t));
+    s->y = (int32_t *)malloc((size_t)TBLK * g->ck->cols * sizeof(int32_t));
+    s->l1 = (uint32_t *)malloc(((size_t)g->Tp * 3 + 4) * sizeof(uint32_t));
+    s->live = (uint16_t *)malloc(C * sizeof(uint16_t));
+    s->mag = (uint32_t *)malloc(((size_t)g->Tc + 1) * sizeof(uint32_t));
+    s->sym = (uint8_t *)malloc((size_t)C * g->Tc + 1);
+    s->tabs = (uint8_t *)malloc(C);
+    if (!s->q || !s->qc || !s->y || !s->l1 || !s->live || !s->mag || !s->sym || !s->tabs) return 0;
+    s->last = s->l1 + g->Tp;
+    s->pairs = s->last + g->Tp;
+    return 1;
+}
+
+static void dscratch_free(dscratch *s) {
+    free(s->q); free(s->qc); free(s->y); free(s->l1); free(s->live); free(s->mag); free(s->sym); free(s->tabs);
+}
+
+/* Rows two at a time: their rANS steps together (pca_rans_dec_rows2), then each row's rest. */
 static void *decode_worker(void *arg) {
     job *jb = (job *)arg;
     const geo *g = jb->g;
-    const uint32_t C = g->ck->channels, rows = 2u * g->ck->layers;
-    dscratch s;
-    s.q = (int16_t *)malloc(((size_t)g->Tp * C + 16) * sizeof(int16_t));
-    s.qc = (int16_t *)malloc(((size_t)g->Tp * (C + 1) + 16) * sizeof(int16_t));
-    s.y = (int32_t *)malloc((size_t)TBLK * g->ck->cols * sizeof(int32_t));
-    s.l1 = (uint32_t *)malloc(((size_t)g->Tp * 3 + 4) * sizeof(uint32_t));
-    s.live = (uint16_t *)malloc(C * sizeof(uint16_t));
-    s.mag = (uint32_t *)malloc(((size_t)g->Tc + 1) * sizeof(uint32_t));
-    s.sym = (uint8_t *)malloc((size_t)C * g->Tc + 1);
-    s.tabs = (uint8_t *)malloc(C);
-    if (!s.q || !s.qc || !s.y || !s.l1 || !s.live || !s.mag || !s.sym || !s.tabs) {
+    const uint32_t rows = 2u * g->ck->layers, N = jb->N;
+    dscratch s[2];
+    memset(s, 0, sizeof s);
+    if (!dscratch_alloc(&s[0], g) || !dscratch_alloc(&s[1], g)) {
         record_failure(jb, 0, PCA_ERR_NOMEM, "out of memory");
     } else {
-        s.last = s.l1 + g->Tp;
-        s.pairs = s.last + g->Tp;
-        char msg[128];
-        for (int r; (r = __atomic_fetch_add(&jb->next, 1, __ATOMIC_RELAXED)) < (int)rows;) {
+        char msg[2][128];
+        rans_state st[2];
+        for (int r; (r = __atomic_fetch_add(&jb->next, 2, __ATOMIC_RELAXED)) < (int)rows;) {
             if (__atomic_load_n(&jb->failed, __ATOMIC_RELAXED)) break;
-            int rc = decode_row(g, (uint32_t)r, &jb->ins[r], jb->N, &s, jb->dst, msg, sizeof msg);
-            if (rc != PCA_OK) record_failure(jb, (uint32_t)r, rc, msg);
+            const int n = rows - (uint32_t)r >= 2 ? 2 : 1;
+            int rc[2] = {PCA_OK, PCA_OK}, stepped = 0;
+            for (int k = 0; k < n; k++) rc[k] = rans_setup(g, &jb->ins[r + k], N, &s[k], &st[k], msg[k], sizeof msg[k]);
+            if (n == 2 && rc[0] == PCA_OK && rc[1] == PCA_OK) {
+                pca_rans_row ab[2];
+                for (int k = 0; k < 2; k++) {
+                    const row_in *ri = &jb->ins[r + k];
+                    ab[k] = (pca_rans_row){st[k].x, s[k].tabs, g->Tc, (size_t)st[k].nl * g->Tc,
+                                           (const uint16_t *)row_words(ri), 0, ri->nwords, s[k].sym, 0};
+                }
+                stepped = pca_rans_dec_rows2(N, g->tb.dec, &ab[0], &ab[1]);
+                for (int k = 0; stepped && k < 2; k++) {
+                    st[k].wp = ab[k].wp;
+                    st[k].i = ab[k].done;
+                }
+            }
+            for (int k = 0; k < n; k++) {
+                if (rc[k] == PCA_OK)
+                    rc[k] = decode_row(g, (uint32_t)(r + k), &jb->ins[r + k], N, &s[k], &st[k], stepped, jb->dst,
+                                       msg[k], sizeof msg[k]);
+                if (rc[k] != PCA_OK) record_failure(jb, (uint32_t)(r + k), rc[k], msg[k]);
+            }
         }
     }
-    free(s.q); free(s.qc); free(s.y); free(s.l1); free(s.live); free(s.mag); free(s.sym); free(s.tabs);
+    dscratch_free(&s[0]);
+    dscratch_free(&s[1]);
     return NULL;
 }
 

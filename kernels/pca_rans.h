@@ -28,6 +28,24 @@ void pca_dec_tables(uint32_t *dec, const uint32_t (*freq)[PCA_NSYM], const uint3
 size_t pca_rans_dec_row(uint32_t *x, uint32_t N, const uint32_t *dec, const uint8_t *tabs, uint32_t Tc, size_t count,
                         const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym);
 
+/* One row's rANS stream for pca_rans_dec_rows2: x its N states, wp the word it reads next; done
+ * (out) the symbols decoded. */
+typedef struct {
+    uint32_t *x;
+    const uint8_t *tabs;
+    uint32_t Tc;
+    size_t count;
+    const uint16_t *words;
+    uint32_t wp, nwords;
+    uint8_t *sym;
+    size_t done;
+} pca_rans_row;
+
+/* pca_rans_dec_row for two rows at once (their steps interleaved: one row's chain of state
+ * updates leaves the core idle); the same states, words and symbols as two calls. Returns 1 when
+ * it ran (AVX-512, N a multiple of 8 up to 32, both rows fit), else 0 and nothing changes. */
+int pca_rans_dec_rows2(uint32_t N, const uint32_t *dec, pca_rans_row *a, pca_rans_row *b);
+
 /* §6.2 for one histogram h at shift s: cost[t] = sum_j h[j] COST[t][j] + 256 (s Tc + 16 h[15])
  * for the 32 tables; the least goes to *best / *side when strictly below *best (tables in order,
  * so ties keep the smaller shift, then table). cost_t is COST transposed ([16][32]); cost16, when
