@@ -259,6 +259,71 @@ __attribute__((target(PCA_RANS_AVX512D))) static void dec_rows2_avx512v(uint32_t
     default: dec_rows2_regs8v(4, dec, a, b); break;
     }
 }
+
+/* the same pair loop on AVX2 (dec8, blendv for the lanes past a component's end) */
+__attribute__((target("avx2"), always_inline)) static inline void row8_step(row8v *r, __m256i *X, const int NG,
+                                                                          const uint32_t *dec) {
+    const uint32_t N = 8u * (uint32_t)NG, left = r->Tc - r->tc;
+    uint8_t *sym = r->sym + r->i;
+    if (left >= N) {
+        for (int g = 0; g < NG; g++) X[g] = dec8(X[g], r->off, dec, r->words, &r->p, sym + 8 * g);
+        r->tc += N;
+    } else {
+        const __m256i b = _mm256_set1_epi32(r->tabs[r->jc + 1] * PCA_SLOTS), lim = _mm256_set1_epi32((int)left - 1);
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        for (int g = 0; g < NG; g++) {
+            const __m256i late = _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(8 * g)), lim);
+            X[g] = dec8(X[g], _mm256_blendv_epi8(r->off, b, late), dec, r->words, &r->p, sym + 8 * g);
+        }
+        r->jc++;
+        r->tc = N - left;
+        r->off = b;
+    }
+    r->i += N;
+    if (r->tc == r->Tc && r->i < r->count) {
+        r->jc++;
+        r->tc = 0;
+        r->off = _mm256_set1_epi32(r->tabs[r->jc] * PCA_SLOTS);
+    }
+}
+
+__attribute__((target("avx2"), always_inline)) static inline void dec_rows2_regs8(const int NG, const uint32_t *dec,
+                                                                                 pca_rans_row *ra, pca_rans_row *rb) {
+    const uint32_t N = 8u * (uint32_t)NG;
+    row8v a = {ra->tabs, ra->words, ra->sym, ra->count, 0, ra->Tc, ra->wp, ra->nwords, 0, 0,
+               _mm256_set1_epi32(ra->tabs[0] * PCA_SLOTS)};
+    row8v b = {rb->tabs, rb->words, rb->sym, rb->count, 0, rb->Tc, rb->wp, rb->nwords, 0, 0,
+               _mm256_set1_epi32(rb->tabs[0] * PCA_SLOTS)};
+    __m256i XA[4], XB[4];
+    for (int g = 0; g < NG; g++) {
+        XA[g] = _mm256_loadu_si256((const __m256i *)(ra->x + 8 * g));
+        XB[g] = _mm256_loadu_si256((const __m256i *)(rb->x + 8 * g));
+    }
+    while (row8v_more(&a, N) && row8v_more(&b, N)) {
+        row8_step(&a, XA, NG, dec);
+        row8_step(&b, XB, NG, dec);
+    }
+    while (row8v_more(&a, N)) row8_step(&a, XA, NG, dec);
+    while (row8v_more(&b, N)) row8_step(&b, XB, NG, dec);
+    for (int g = 0; g < NG; g++) {
+        _mm256_storeu_si256((__m256i *)(ra->x + 8 * g), XA[g]);
+        _mm256_storeu_si256((__m256i *)(rb->x + 8 * g), XB[g]);
+    }
+    ra->wp = a.p;
+    ra->done = a.i;
+    rb->wp = b.p;
+    rb->done = b.i;
+}
+
+__attribute__((target("avx2"))) static void dec_rows2_avx2(uint32_t N, const uint32_t *dec, pca_rans_row *a,
+                                                          pca_rans_row *b) {
+    switch (N / 8) {
+    case 1: dec_rows2_regs8(1, dec, a, b); break;
+    case 2: dec_rows2_regs8(2, dec, a, b); break;
+    case 3: dec_rows2_regs8(3, dec, a, b); break;
+    default: dec_rows2_regs8(4, dec, a, b); break;
+    }
+}
 #endif
 
 static int row_fits(uint32_t N, const pca_rans_row *r) {
@@ -269,6 +334,11 @@ int pca_rans_dec_rows2(uint32_t N, const uint32_t *dec, pca_rans_row *a, pca_ran
 #ifdef PCA_RANS_AVX2
     if (N <= 32 && row_fits(N, a) && row_fits(N, b) && pca_simd_avx512()) {
         dec_rows2_avx512v(N, dec, a, b);
+        return 1;
+    }
+    if (N <= 32 && row_fits(N, a) && row_fits(N, b) && pca_simd_avx2()) {
+        pthread_once(&g_perm_once, perm_init);
+        dec_rows2_avx2(N, dec, a, b);
         return 1;
     }
 #endif

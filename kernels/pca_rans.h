@@ -43,7 +43,7 @@ typedef struct {
 
 /* pca_rans_dec_row for two rows at once (their steps interleaved: one row's chain of state
  * updates leaves the core idle); the same states, words and symbols as two calls. Returns 1 when
- * it ran (AVX-512, N a multiple of 8 up to 32, both rows fit), else 0 and nothing changes. */
+ * it ran (AVX2 or AVX-512, N a multiple of 8 up to 32, both rows fit), else 0 and nothing changes. */
 int pca_rans_dec_rows2(uint32_t N, const uint32_t *dec, pca_rans_row *a, pca_rans_row *b);
 
 /* §6.2 for one histogram h at shift s: cost[t] = sum_j h[j] COST[t][j] + 256 (s Tc + 16 h[15])
