@@ -396,34 +396,38 @@ static int transform_row(const geo *g, uint32_t row, const uint8_t *kv, escratch
  * shifts 0..2, whose escapes start below 63, and for all when m < 64) and of min(m >> 3, 127)
  * (shifts 3..6: their escapes start at multiples of 8 up to 960 < 1024). */
 static uint8_t choose(const geo *g, const int16_t *q, uint32_t Tc, uint16_t *m) {
-    /* four interleaved histograms: one counter bumped back to back waits on its own store */
-    uint32_t F4[4][64], G4[4][128], F[64], G[128], maxm = 0;
-    memset(F4, 0, sizeof F4);
-    for (uint32_t t = 0; t < Tc; t++) {
-        const uint32_t a = (uint32_t)(q[t] < 0 ? -q[t] : q[t]);
-        m[t] = (uint16_t)a;
-        maxm = a > maxm ? a : maxm;
+    /* prefix sums: a symbol's count at a shift is one difference (symbols below 15 never reach
+     * a clamped bin: 15 << 2 = 60 < 63 and 15 << 3 = 120 < 127). PF[v] = #(min(m, 63) < v), by
+     * AVX-512 compares where the CPU has them, else from a histogram. */
+    uint32_t PF[65], PG[129], maxm = 0;
+    PG[0] = 0;
+    if (!pca_choose_counts(q, Tc, m, PF, &maxm)) {
+        /* four interleaved histograms: one counter bumped back to back waits on its own store */
+        uint32_t F4[4][64];
+        memset(F4, 0, sizeof F4);
+        for (uint32_t t = 0; t < Tc; t++) {
+            const uint32_t a = (uint32_t)(q[t] < 0 ? -q[t] : q[t]);
+            m[t] = (uint16_t)a;
+            maxm = a > maxm ? a : maxm;
+        }
+        if (maxm == 0) return ALL_ZERO;
+        uint32_t t = 0;
+        for (; t + 4 <= Tc; t += 4)
+            for (int i = 0; i < 4; i++) F4[i][m[t + i] < 63 ? m[t + i] : 63]++;
+        for (; t < Tc; t++) F4[0][m[t] < 63 ? m[t] : 63]++;
+        PF[0] = 0;
+        for (int v = 0; v < 64; v++) PF[v + 1] = PF[v] + F4[0][v] + F4[1][v] + F4[2][v] + F4[3][v];
     }
     if (maxm == 0) return ALL_ZERO;
-    uint32_t t = 0;
-    for (; t + 4 <= Tc; t += 4)
-        for (int i = 0; i < 4; i++) F4[i][m[t + i] < 63 ? m[t + i] : 63]++;
-    for (; t < Tc; t++) F4[0][m[t] < 63 ? m[t] : 63]++;
-    for (int v = 0; v < 64; v++) F[v] = F4[0][v] + F4[1][v] + F4[2][v] + F4[3][v];
     if (maxm >= 64) {
+        uint32_t G4[4][128];
         memset(G4, 0, sizeof G4);
-        for (t = 0; t + 4 <= Tc; t += 4)
+        uint32_t t = 0;
+        for (; t + 4 <= Tc; t += 4)
             for (int i = 0; i < 4; i++) G4[i][(m[t + i] >> 3) < 127 ? (m[t + i] >> 3) : 127]++;
         for (; t < Tc; t++) G4[0][(m[t] >> 3) < 127 ? (m[t] >> 3) : 127]++;
-        for (int v = 0; v < 128; v++) G[v] = G4[0][v] + G4[1][v] + G4[2][v] + G4[3][v];
+        for (int v = 0; v < 128; v++) PG[v + 1] = PG[v] + G4[0][v] + G4[1][v] + G4[2][v] + G4[3][v];
     }
-    /* prefix sums: a symbol's count at a shift is one difference (symbols below 15 never reach
-     * a clamped bin: 15 << 2 = 60 < 63 and 15 << 3 = 120 < 127) */
-    uint32_t PF[65], PG[129];
-    PF[0] = PG[0] = 0;
-    for (int v = 0; v < 64; v++) PF[v + 1] = PF[v] + F[v];
-    if (maxm >= 64)
-        for (int v = 0; v < 128; v++) PG[v + 1] = PG[v] + G[v];
     int smax = 0;
     while (smax < 6 && (maxm >> smax) != 0) smax++;
     uint64_t best = UINT64_MAX;

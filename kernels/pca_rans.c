@@ -11,6 +11,7 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define PCA_RANS_AVX2 1
+#define PCA_RANS_AVX512 "avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt" /* what pca_simd_avx512 checks */
 #include <immintrin.h>
 #endif
 
@@ -119,12 +120,11 @@ __attribute__((target("avx2"))) static size_t dec_row_avx2(uint32_t *x, uint32_t
 #endif
 
 #ifdef PCA_RANS_AVX2
-#define PCA_RANS_AVX512D "avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"
 /* dec8 with AVX-512 VL: the same scalar loads of the entries (a gather of 16 is slower: one chain
  * of 16 lanes instead of two of 8); the symbols by one narrowing store, the renormalisation by one
  * expanding load of the words under the compare's mask (lane j that needs a word takes the
  * (number of lanes below j needing one)-th word at *wp: what vpexpandw does) */
-__attribute__((target(PCA_RANS_AVX512D), always_inline)) static inline __m256i dec8v(__m256i X, __m256i off,
+__attribute__((target(PCA_RANS_AVX512), always_inline)) static inline __m256i dec8v(__m256i X, __m256i off,
                                                                                    const uint32_t *dec,
                                                                                    const uint16_t *words, uint32_t *wp,
                                                                                    uint8_t *sym) {
@@ -155,7 +155,7 @@ typedef struct {
     __m256i off;
 } row8v;
 
-__attribute__((target(PCA_RANS_AVX512D), always_inline)) static inline row8v row8v_start(
+__attribute__((target(PCA_RANS_AVX512), always_inline)) static inline row8v row8v_start(
     const uint8_t *tabs, uint32_t Tc, size_t count, const uint16_t *words, uint32_t p, uint32_t nwords, uint8_t *sym) {
     row8v r = {tabs, words, sym, count, 0, Tc, p, nwords, 0, 0, _mm256_set1_epi32(tabs[0] * PCA_SLOTS)};
     return r;
@@ -165,7 +165,7 @@ __attribute__((target(PCA_RANS_AVX512D), always_inline)) static inline row8v row
 static inline int row8v_more(const row8v *r, uint32_t N) { return r->count - r->i >= N && r->nwords - r->p >= N; }
 
 /* one step of N = 8 NG lanes (dec_row_regs's step, over dec8v) */
-__attribute__((target(PCA_RANS_AVX512D), always_inline)) static inline void row8v_step(row8v *r, __m256i *X,
+__attribute__((target(PCA_RANS_AVX512), always_inline)) static inline void row8v_step(row8v *r, __m256i *X,
                                                                                       const int NG,
                                                                                       const uint32_t *dec) {
     const uint32_t N = 8u * (uint32_t)NG, left = r->Tc - r->tc;
@@ -193,7 +193,7 @@ __attribute__((target(PCA_RANS_AVX512D), always_inline)) static inline void row8
     }
 }
 
-__attribute__((target(PCA_RANS_AVX512D), always_inline)) static inline size_t dec_row_regs8v(
+__attribute__((target(PCA_RANS_AVX512), always_inline)) static inline size_t dec_row_regs8v(
     uint32_t *x, const int NG, const uint32_t *dec, const uint8_t *tabs, uint32_t Tc, size_t count,
     const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym) {
     row8v r = row8v_start(tabs, Tc, count, words, *wp, nwords, sym);
@@ -205,7 +205,7 @@ __attribute__((target(PCA_RANS_AVX512D), always_inline)) static inline size_t de
     return r.i;
 }
 
-__attribute__((target(PCA_RANS_AVX512D))) static size_t dec_row_avx512v(uint32_t *x, uint32_t N, const uint32_t *dec,
+__attribute__((target(PCA_RANS_AVX512))) static size_t dec_row_avx512v(uint32_t *x, uint32_t N, const uint32_t *dec,
                                                                       const uint8_t *tabs, uint32_t Tc, size_t count,
                                                                       const uint16_t *words, uint32_t *wp,
                                                                       uint32_t nwords, uint8_t *sym) {
@@ -224,7 +224,7 @@ __attribute__((target(PCA_RANS_AVX512D))) static size_t dec_row_avx512v(uint32_t
 /* two rows' steps in one loop while both have a whole step (two independent chains of state
  * updates: each step waits on its table loads and multiply, so one row alone leaves the core
  * idle), then each alone: the same steps, symbols and words as two dec_row_regs8v calls */
-__attribute__((target(PCA_RANS_AVX512D), always_inline)) static inline void dec_rows2_regs8v(
+__attribute__((target(PCA_RANS_AVX512), always_inline)) static inline void dec_rows2_regs8v(
     const int NG, const uint32_t *dec, pca_rans_row *ra, pca_rans_row *rb) {
     const uint32_t N = 8u * (uint32_t)NG;
     row8v a = row8v_start(ra->tabs, ra->Tc, ra->count, ra->words, ra->wp, ra->nwords, ra->sym);
@@ -250,7 +250,7 @@ __attribute__((target(PCA_RANS_AVX512D), always_inline)) static inline void dec_
     rb->done = b.i;
 }
 
-__attribute__((target(PCA_RANS_AVX512D))) static void dec_rows2_avx512v(uint32_t N, const uint32_t *dec,
+__attribute__((target(PCA_RANS_AVX512))) static void dec_rows2_avx512v(uint32_t N, const uint32_t *dec,
                                                                        pca_rans_row *a, pca_rans_row *b) {
     switch (N / 8) {
     case 1: dec_rows2_regs8v(1, dec, a, b); break;
@@ -408,6 +408,60 @@ __attribute__((target("avx2"))) static void choose_madd_avx2(const uint64_t h[PC
     *side = (uint8_t)(__builtin_ctzll(m) | (s << 5));
 }
 #endif
+
+#ifdef PCA_RANS_AVX2
+/* the thresholds v in 1..63 at which the choice reads P[v] (symbols j << s and escapes 15 << s at
+ * shifts 0..2; multiples of 8 at shifts 3..6 when every magnitude is below 64) */
+static const uint8_t g_prefix_at[31] = {1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16,
+                                        18, 20, 22, 24, 26, 28, 30, 32, 36, 40, 44, 48, 52, 56, 60};
+
+/* 32 tokens a step: |q| to m and its maximum, and as saturated bytes; then each threshold's
+ * count over 64 bytes at a time by one compare to a mask and one popcount */
+__attribute__((target(PCA_RANS_AVX512))) static void choose_counts_avx512(const int16_t *q, uint32_t Tc, uint16_t *m,
+                                                                        uint32_t P[65], uint32_t *maxm) {
+    uint8_t b[1024] __attribute__((aligned(64)));
+    __m512i mx = _mm512_setzero_si512();
+    for (uint32_t t = 0; t < Tc; t += 32) {
+        const __mmask32 k = Tc - t >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (Tc - t)) - 1u);
+        const __m512i a = _mm512_abs_epi16(_mm512_maskz_loadu_epi16(k, q + t)); /* |q| <= 32767 */
+        _mm512_mask_storeu_epi16(m + t, k, a);
+        mx = _mm512_max_epu16(mx, a);
+        _mm256_store_si256((__m256i *)(b + t), _mm512_cvtusepi16_epi8(a));
+    }
+    uint16_t m32[32];
+    _mm512_storeu_si512((void *)m32, mx);
+    uint32_t mm = 0;
+    for (int i = 0; i < 32; i++) mm = m32[i] > mm ? m32[i] : mm;
+    *maxm = mm;
+    if (mm == 0) return;
+    const uint32_t nr = (Tc + 63) / 64;
+    __m512i B[16];
+    __mmask64 K[16];
+    for (uint32_t r = 0; r < nr; r++) {
+        const uint32_t left = Tc - 64 * r;
+        K[r] = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+        B[r] = _mm512_maskz_loadu_epi8(K[r], (const void *)(b + 64 * r)); /* no byte past Tc is read */
+    }
+    P[0] = 0;
+    for (int i = 0; i < 31; i++) {
+        const __m512i v = _mm512_set1_epi8((char)g_prefix_at[i]);
+        uint32_t c = 0;
+        for (uint32_t r = 0; r < nr; r++) c += (uint32_t)__builtin_popcountll(_mm512_mask_cmplt_epu8_mask(K[r], B[r], v));
+        P[g_prefix_at[i]] = c;
+    }
+    P[64] = Tc;
+}
+#endif
+
+int pca_choose_counts(const int16_t *q, uint32_t Tc, uint16_t *m, uint32_t P[65], uint32_t *maxm) {
+#ifdef PCA_RANS_AVX2
+    if (Tc <= 1024 && pca_simd_avx512()) {
+        choose_counts_avx512(q, Tc, m, P, maxm);
+        return 1;
+    }
+#endif
+    return 0;
+}
 
 void pca_choose_shift(const uint64_t h[PCA_NSYM], int s, uint64_t Tc, const uint64_t (*cost_t)[PCA_NTAB],
                       const int16_t *cost16, uint64_t *best, uint8_t *side) {
@@ -661,7 +715,6 @@ __attribute__((target("avx2"))) static size_t enc_steps_avx2(uint32_t *x, uint32
 #endif
 
 #ifdef PCA_RANS_AVX2
-#define PCA_RANS_AVX512 "avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"
 typedef struct { __m512i f, cum, rcp; } enc16_tab;
 
 /* enc8 on 16 lanes with AVX-512: each 16-entry table one vpermd; the emitted words (lanes

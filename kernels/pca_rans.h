@@ -46,6 +46,11 @@ typedef struct {
  * it ran (AVX2 or AVX-512, N a multiple of 8 up to 32, both rows fit), else 0 and nothing changes. */
 int pca_rans_dec_rows2(uint32_t N, const uint32_t *dec, pca_rans_row *a, pca_rans_row *b);
 
+/* The choice's magnitudes and prefix counts (AVX-512, Tc <= 1024): m[t] = |q[t]|, *maxm their
+ * maximum and, when it is not 0, P[v] = #(m[t] < v) for v = 0, 64 and every v in 1..63 the
+ * choice reads (the rest of P is not written). Returns 0 (nothing done) on other CPUs. */
+int pca_choose_counts(const int16_t *q, uint32_t Tc, uint16_t *m, uint32_t P[65], uint32_t *maxm);
+
 /* §6.2 for one histogram h at shift s: cost[t] = sum_j h[j] COST[t][j] + 256 (s Tc + 16 h[15])
  * for the 32 tables; the least goes to *best / *side when strictly below *best (tables in order,
  * so ties keep the smaller shift, then table). cost_t is COST transposed ([16][32]); cost16, when
