@@ -243,8 +243,8 @@ def test_the_frequencies_are_float32_as_the_spec_computes_them(scaling):
     got = rope_inv_freq(config).numpy()
     f32 = np.float32
     e = (np.arange(0, D, 2, dtype=f32) / f32(D)).astype(f32)
-    # b ** e rounded once to float32 (numpy's own float32 pow is off by up to 4 ulp where it uses
-    # AVX-512 SVML code: seen on an AVX-512 EPYC), then 1 / it in float32
+    # b ** e rounded once to float32 (numpy's own float32 pow was off by 2 ulp on an AVX-512 EPYC,
+    # where it runs vectorised code), then 1 / it in float32
     t = (f32(1) / np.power(np.float64(b), e.astype(np.float64)).astype(f32)).astype(f32)
     if scaling is None:
         want = t
