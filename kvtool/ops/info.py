@@ -36,7 +36,8 @@ def info(*, devices: bool = False) -> InfoResult:
 
     found = [codecs.get_codec(n) for n in codecs.codec_names()]
     backends = {"cachegen": (f"native C coder, {default_threads()} threads" if native_available()
-                             else "pure-Python reference (native coder not built)")}
+                             else "pure-Python reference (native coder not built)"),
+                "pca": _pca_backend(default_threads())}
     result = InfoResult(
         kvtool=__version__, torch=_version("torch"), writes_format=f"{VERSION_MAJOR}.{VERSION_MINOR}",
         reads_formats=list(SUPPORTED_VERSIONS),
@@ -47,6 +48,19 @@ def info(*, devices: bool = False) -> InfoResult:
     if devices:
         result.devices = probe_devices()
     return result
+
+
+_PCA_PATHS = {"avx512": "AVX-512 VNNI", "avx2": "AVX2", "portable": "portable C, no SIMD"}
+
+
+def _pca_backend(threads: int) -> str:
+    """The pca coder this process uses, and its widest code path (KVTOOL_PCA_SIMD can narrow it)."""
+    from ..codecs.pca import native
+
+    module = native.native_module(warn=False)
+    if module is None:
+        return "numpy reference (native coder not built)"
+    return f"native C coder ({_PCA_PATHS.get(module.simd(), module.simd())}), {threads} threads"
 
 
 def probe_devices() -> dict[str, str]:
