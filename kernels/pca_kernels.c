@@ -5,6 +5,7 @@
 
 #include <pthread.h>
 #include <stdlib.h>
+#include <strings.h>
 
 #include "pca_cpu.h"
 
@@ -21,7 +22,7 @@ static void init_simd(void) {
 #ifdef PCA_HAVE_AVX2
     const char *env = getenv("KVTOOL_PCA_SIMD");
     int off = env && (env[0] == '0' || env[0] == 'n' || env[0] == 'N' || env[0] == 'f' || env[0] == 'F');
-    int cap2 = env && (env[0] == 'a' || env[0] == 'A') && strchr(env, '2') != NULL;
+    int cap2 = env && strcasecmp(env, "avx2") == 0;
     __builtin_cpu_init();
     g_avx2 = !off && __builtin_cpu_supports("avx2");
     g_avx512 = g_avx2 && !cap2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -136,6 +137,7 @@ __attribute__((target(PCA_AVX512))) static void matmul_avx512(const int32_t *xp,
         size_t j0 = 0;
         for (; j0 + 64 <= width; j0 += 64) block_avx512(x, ps, m2 + j0 * 2, stride, P, y + j0, ys, 4, 0xFFFF);
         switch (nv) {
+        case 4: block_avx512(x, ps, m2 + j0 * 2, stride, P, y + j0, ys, 4, last); break; /* 56 columns */
         case 3: block_avx512(x, ps, m2 + j0 * 2, stride, P, y + j0, ys, 3, last); break;
         case 2: block_avx512(x, ps, m2 + j0 * 2, stride, P, y + j0, ys, 2, last); break;
         case 1: block_avx512(x, ps, m2 + j0 * 2, stride, P, y + j0, ys, 1, last); break;

@@ -52,6 +52,7 @@ def random_calibration(L: int, H: int, D: int, per_head: bool = False, seed: int
 
 GEOMETRIES = {"small": (2, 2, 8), "odd": (1, 3, 10), "default": (30, 3, 64), "wide": (2, 2, 16),
               "heads": (30, 3, 64, True), "heads8": (2, 4, 8, True), "heads40": (1, 2, 40, True),
+              "c120": (1, 3, 40), "heads56": (1, 2, 56, True),  # widths 56 past a multiple of 64 (AVX-512's tail)
               "heads10": (1, 3, 10, True)}
 _cals: dict[str, calmod.Calibration] = {}
 
@@ -300,6 +301,7 @@ SIMD_CASES = [  # geometry, tokens, sinks, step, lanes, dtype, scale
     ("heads8", 41, 4, 16.0, 16, "bfloat16", 2.0), ("heads40", 77, 4, 2.0, 8, "float16", 2.0),
     ("wide", 150, 4, 0.5, 32, "bfloat16", 2.0),  # 32 lanes: the decoder's other register-held loop
     ("wide", 150, 4, 0.5, 48, "float32", 2.0),  # 48 lanes: three AVX-512 registers of states
+    ("c120", 40, 4, 0.5, 16, "bfloat16", 2.0), ("heads56", 37, 4, 0.5, 16, "float32", 2.0),
 ]
 
 
