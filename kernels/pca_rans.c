@@ -574,13 +574,86 @@ __attribute__((target("avx2"))) static uint32_t raw_avx2(pca_raw_in *r, int sh, 
 }
 #endif
 
+#ifdef PCA_RANS_AVX2
+/* For sh 1..6 and the first field's bit b = lo_at & 7: lane j's field starts at bit b + j sh of a
+ * 16-byte read; idx picks its two bytes (vpshufb, each 128-bit lane holding the same 16 bytes) and
+ * cnt is the shift that brings the field down. */
+static uint8_t g_raw_idx[7][8][64] __attribute__((aligned(64)));
+static uint32_t g_raw_cnt[7][8][16] __attribute__((aligned(64)));
+static pthread_once_t g_raw_once = PTHREAD_ONCE_INIT;
+
+static void raw_tables_init(void) {
+    for (int sh = 1; sh <= 6; sh++)
+        for (int b = 0; b < 8; b++)
+            for (int j = 0; j < 16; j++) {
+                const int at = b + j * sh;
+                uint8_t *idx = g_raw_idx[sh][b] + 4 * j;
+                idx[0] = (uint8_t)(at >> 3);
+                idx[1] = (uint8_t)((at >> 3) + 1);
+                idx[2] = idx[3] = 0x80;
+                g_raw_cnt[sh][b][j] = (uint32_t)(at & 7);
+            }
+}
+
+/* raw_avx2 for 16 tokens a step: the 16 low fields from one 16-byte read (two bytes a lane by
+ * vpshufb, then a per-lane shift), the signs from one 4-byte read (lane j's bit j, spread to the
+ * nonzero lanes by one expand: token j takes bit (nonzero tokens before j)). Runs while both
+ * reads stay inside their streams; returns the tokens done. */
+__attribute__((target(PCA_RANS_AVX512))) static uint32_t raw_avx512(pca_raw_in *r, int sh, const uint8_t *sym,
+                                                                  const uint32_t *esc, uint32_t n, int16_t *q,
+                                                                  uint32_t *l1, uint32_t *last, uint32_t k1,
+                                                                  uint32_t *big) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i lmask = _mm512_set1_epi32((1 << sh) - 1), K1 = _mm512_set1_epi32((int)k1);
+    const __m512i one = _mm512_set1_epi32(1), lim = _mm512_set1_epi32(32767);
+    __mmask16 bg = 0;
+    uint64_t lo_at = r->lo_at, sign_at = r->sign_at;
+    uint32_t t = 0;
+    const size_t lo_room = sh ? 16u : 0u; /* a component without low bits reads none */
+    for (; t + 16 <= n && (sh == 0 || (lo_at >> 3) + lo_room <= r->lo_len) && (sign_at >> 3) + 4 <= r->sign_len;
+         t += 16) {
+        __m512i M = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sym + t)));
+        if (esc) M = _mm512_add_epi32(M, _mm512_loadu_si512((const void *)(esc + t)));
+        if (sh) {
+            const unsigned b = (unsigned)(lo_at & 7u);
+            const __m512i V = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(r->lo + (lo_at >> 3))));
+            const __m512i W = _mm512_shuffle_epi8(V, _mm512_load_si512((const void *)g_raw_idx[sh][b]));
+            const __m512i L = _mm512_and_si512(_mm512_srlv_epi32(W, _mm512_load_si512((const void *)g_raw_cnt[sh][b])),
+                                               lmask);
+            M = _mm512_or_si512(_mm512_slli_epi32(M, (unsigned)sh), L);
+            lo_at += 16u * (uint64_t)sh;
+        }
+        const __mmask16 nz = _mm512_test_epi32_mask(M, M);
+        uint32_t sv;
+        memcpy(&sv, r->sign + (sign_at >> 3), 4);
+        const __m512i bits = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)(sv >> (sign_at & 7u))), lane), one);
+        const __m512i neg = _mm512_maskz_expand_epi32(nz, bits);
+        sign_at += (uint64_t)__builtin_popcount((unsigned)nz);
+        bg |= _mm512_cmpgt_epi32_mask(M, lim); /* signed compare: m < 2^31 */
+        const __m512i Q = _mm512_sub_epi32(_mm512_xor_si512(M, _mm512_sub_epi32(_mm512_setzero_si512(), neg)),
+                                           _mm512_sub_epi32(_mm512_setzero_si512(), neg));
+        _mm256_storeu_si256((__m256i *)(q + t), _mm512_cvtsepi32_epi16(Q)); /* bad values are refused anyway */
+        _mm512_storeu_si512((void *)(l1 + t), _mm512_add_epi32(_mm512_loadu_si512((const void *)(l1 + t)), M));
+        if (last) _mm512_mask_storeu_epi32((void *)(last + t), nz, K1);
+    }
+    r->lo_at = lo_at;
+    r->sign_at = sign_at;
+    *big |= (uint32_t)(bg != 0);
+    return t;
+}
+#endif
+
 void pca_raw_component(pca_raw_in *r, int sh, const uint8_t *sym, const uint32_t *esc, uint32_t n, int16_t *q,
                        uint32_t *l1, uint32_t *last, uint32_t k1, uint32_t *big) {
     uint32_t t = 0;
 #ifdef PCA_RANS_AVX2
+    if (pca_simd_avx512()) {
+        pthread_once(&g_raw_once, raw_tables_init);
+        t = raw_avx512(r, sh, sym, esc, n, q, l1, last, k1, big);
+    }
     if (pca_simd_avx2()) {
         pthread_once(&g_prefix_once, prefix_init);
-        t = raw_avx2(r, sh, sym, esc, n, q, l1, last, k1, big);
+        t += raw_avx2(r, sh, sym + t, esc ? esc + t : NULL, n - t, q + t, l1 + t, last ? last + t : NULL, k1, big);
     }
 #endif
     raw_portable(r, sh, sym, esc, t, n, q, l1, last, k1, big);
