@@ -62,61 +62,6 @@ __attribute__((target("avx2"))) static inline __m256i dec8(__m256i X, __m256i of
     return _mm256_blendv_epi8(X, _mm256_or_si256(_mm256_slli_epi32(X, 16), w), need);
 }
 
-/* The row's steps from the first while N words remain, for N = 8 NG lanes (NG a constant at each
- * call, so the NG registers of states stay registers from step to step). Symbol i is token i % Tc
- * of live component i / Tc (table tabs[i / Tc]); a step across two components gives its lanes two
- * table offsets. */
-__attribute__((target("avx2"), always_inline)) static inline size_t dec_row_regs(
-    uint32_t *x, const int NG, const uint32_t *dec, const uint8_t *tabs, uint32_t Tc, size_t count,
-    const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym) {
-    const uint32_t N = 8u * (uint32_t)NG;
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    uint32_t p = *wp, jc = 0, tc = 0;
-    size_t i = 0;
-    __m256i off = _mm256_set1_epi32(tabs[0] * PCA_SLOTS), X[8];
-    for (int g = 0; g < NG; g++) X[g] = _mm256_loadu_si256((const __m256i *)(x + 8 * g));
-    for (; count - i >= N && nwords - p >= N; i += N) {
-        const uint32_t left = Tc - tc; /* symbols of component jc from this step's first on */
-        if (left >= N) {
-            for (int g = 0; g < NG; g++) X[g] = dec8(X[g], off, dec, words, &p, sym + i + 8 * g);
-            tc += N;
-        } else { /* lanes below `left` in component jc, the rest in jc + 1 (Tc >= N: checked) */
-            const __m256i b = _mm256_set1_epi32(tabs[jc + 1] * PCA_SLOTS), lim = _mm256_set1_epi32((int)left - 1);
-            for (int g = 0; g < NG; g++) {
-                const __m256i late = _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(8 * g)), lim);
-                X[g] = dec8(X[g], _mm256_blendv_epi8(off, b, late), dec, words, &p, sym + i + 8 * g);
-            }
-            jc++;
-            tc = N - left;
-            off = b;
-        }
-        if (tc == Tc && i + N < count) { /* the step ended a component */
-            jc++;
-            tc = 0;
-            off = _mm256_set1_epi32(tabs[jc] * PCA_SLOTS);
-        }
-    }
-    for (int g = 0; g < NG; g++) _mm256_storeu_si256((__m256i *)(x + 8 * g), X[g]);
-    *wp = p;
-    return i;
-}
-
-/* N a multiple of 8 up to 64: one instance of the loop per register count */
-__attribute__((target("avx2"))) static size_t dec_row_avx2(uint32_t *x, uint32_t N, const uint32_t *dec,
-                                                          const uint8_t *tabs, uint32_t Tc, size_t count,
-                                                          const uint16_t *words, uint32_t *wp, uint32_t nwords,
-                                                          uint8_t *sym) {
-    switch (N / 8) {
-    case 1: return dec_row_regs(x, 1, dec, tabs, Tc, count, words, wp, nwords, sym);
-    case 2: return dec_row_regs(x, 2, dec, tabs, Tc, count, words, wp, nwords, sym);
-    case 3: return dec_row_regs(x, 3, dec, tabs, Tc, count, words, wp, nwords, sym);
-    case 4: return dec_row_regs(x, 4, dec, tabs, Tc, count, words, wp, nwords, sym);
-    case 5: return dec_row_regs(x, 5, dec, tabs, Tc, count, words, wp, nwords, sym);
-    case 6: return dec_row_regs(x, 6, dec, tabs, Tc, count, words, wp, nwords, sym);
-    case 7: return dec_row_regs(x, 7, dec, tabs, Tc, count, words, wp, nwords, sym);
-    default: return dec_row_regs(x, 8, dec, tabs, Tc, count, words, wp, nwords, sym);
-    }
-}
 #endif
 
 #ifdef PCA_RANS_AVX2
@@ -145,7 +90,7 @@ __attribute__((target(PCA_RANS_AVX512), always_inline)) static inline __m256i de
     return _mm256_mask_or_epi32(X, need, _mm256_slli_epi32(X, 16), w);
 }
 
-/* one row's loop state for the AVX-512 steps: its NG registers of states live in the caller */
+/* one row's loop state (pca_rans_rows.inc) */
 typedef struct {
     const uint8_t *tabs;
     const uint16_t *words;
@@ -153,177 +98,28 @@ typedef struct {
     size_t count, i;
     uint32_t Tc, p, nwords, jc, tc;
     __m256i off;
-} row8v;
-
-__attribute__((target(PCA_RANS_AVX512), always_inline)) static inline row8v row8v_start(
-    const uint8_t *tabs, uint32_t Tc, size_t count, const uint16_t *words, uint32_t p, uint32_t nwords, uint8_t *sym) {
-    row8v r = {tabs, words, sym, count, 0, Tc, p, nwords, 0, 0, _mm256_set1_epi32(tabs[0] * PCA_SLOTS)};
-    return r;
-}
+} pca_row_state;
 
 /* whether a whole step remains, with N words for it (so no load leaves the stream) */
-static inline int row8v_more(const row8v *r, uint32_t N) { return r->count - r->i >= N && r->nwords - r->p >= N; }
-
-/* one step of N = 8 NG lanes (dec_row_regs's step, over dec8v) */
-__attribute__((target(PCA_RANS_AVX512), always_inline)) static inline void row8v_step(row8v *r, __m256i *X,
-                                                                                      const int NG,
-                                                                                      const uint32_t *dec) {
-    const uint32_t N = 8u * (uint32_t)NG, left = r->Tc - r->tc;
-    uint8_t *sym = r->sym + r->i;
-    if (left >= N) {
-        for (int g = 0; g < NG; g++) X[g] = dec8v(X[g], r->off, dec, r->words, &r->p, sym + 8 * g);
-        r->tc += N;
-    } else { /* lanes below `left` in component jc, the rest in jc + 1 (Tc >= N: checked) */
-        const __m256i b = _mm256_set1_epi32(r->tabs[r->jc + 1] * PCA_SLOTS);
-        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        for (int g = 0; g < NG; g++) {
-            const __mmask8 late = _mm256_cmpge_epu32_mask(_mm256_add_epi32(lane, _mm256_set1_epi32(8 * g)),
-                                                         _mm256_set1_epi32((int)left));
-            X[g] = dec8v(X[g], _mm256_mask_blend_epi32(late, r->off, b), dec, r->words, &r->p, sym + 8 * g);
-        }
-        r->jc++;
-        r->tc = N - left;
-        r->off = b;
-    }
-    r->i += N;
-    if (r->tc == r->Tc && r->i < r->count) { /* the step ended a component */
-        r->jc++;
-        r->tc = 0;
-        r->off = _mm256_set1_epi32(r->tabs[r->jc] * PCA_SLOTS);
-    }
+static inline int pca_row_more(const pca_row_state *r, uint32_t N) {
+    return r->count - r->i >= N && r->nwords - r->p >= N;
 }
 
-__attribute__((target(PCA_RANS_AVX512), always_inline)) static inline size_t dec_row_regs8v(
-    uint32_t *x, const int NG, const uint32_t *dec, const uint8_t *tabs, uint32_t Tc, size_t count,
-    const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym) {
-    row8v r = row8v_start(tabs, Tc, count, words, *wp, nwords, sym);
-    __m256i X[8];
-    for (int g = 0; g < NG; g++) X[g] = _mm256_loadu_si256((const __m256i *)(x + 8 * g));
-    while (row8v_more(&r, 8u * (uint32_t)NG)) row8v_step(&r, X, NG, dec);
-    for (int g = 0; g < NG; g++) _mm256_storeu_si256((__m256i *)(x + 8 * g), X[g]);
-    *wp = r.p;
-    return r.i;
-}
+#define ROWS_TARGET "avx2"
+#define ROWS_DEC8 dec8
+#define ROWS(name) name##_avx2
+#include "pca_rans_rows.inc"
+#undef ROWS_TARGET
+#undef ROWS_DEC8
+#undef ROWS
 
-__attribute__((target(PCA_RANS_AVX512))) static size_t dec_row_avx512v(uint32_t *x, uint32_t N, const uint32_t *dec,
-                                                                      const uint8_t *tabs, uint32_t Tc, size_t count,
-                                                                      const uint16_t *words, uint32_t *wp,
-                                                                      uint32_t nwords, uint8_t *sym) {
-    switch (N / 8) {
-    case 1: return dec_row_regs8v(x, 1, dec, tabs, Tc, count, words, wp, nwords, sym);
-    case 2: return dec_row_regs8v(x, 2, dec, tabs, Tc, count, words, wp, nwords, sym);
-    case 3: return dec_row_regs8v(x, 3, dec, tabs, Tc, count, words, wp, nwords, sym);
-    case 4: return dec_row_regs8v(x, 4, dec, tabs, Tc, count, words, wp, nwords, sym);
-    case 5: return dec_row_regs8v(x, 5, dec, tabs, Tc, count, words, wp, nwords, sym);
-    case 6: return dec_row_regs8v(x, 6, dec, tabs, Tc, count, words, wp, nwords, sym);
-    case 7: return dec_row_regs8v(x, 7, dec, tabs, Tc, count, words, wp, nwords, sym);
-    default: return dec_row_regs8v(x, 8, dec, tabs, Tc, count, words, wp, nwords, sym);
-    }
-}
-
-/* two rows' steps in one loop while both have a whole step (two independent chains of state
- * updates: each step waits on its table loads and multiply, so one row alone leaves the core
- * idle), then each alone: the same steps, symbols and words as two dec_row_regs8v calls */
-__attribute__((target(PCA_RANS_AVX512), always_inline)) static inline void dec_rows2_regs8v(
-    const int NG, const uint32_t *dec, pca_rans_row *ra, pca_rans_row *rb) {
-    const uint32_t N = 8u * (uint32_t)NG;
-    row8v a = row8v_start(ra->tabs, ra->Tc, ra->count, ra->words, ra->wp, ra->nwords, ra->sym);
-    row8v b = row8v_start(rb->tabs, rb->Tc, rb->count, rb->words, rb->wp, rb->nwords, rb->sym);
-    __m256i XA[4], XB[4];
-    for (int g = 0; g < NG; g++) {
-        XA[g] = _mm256_loadu_si256((const __m256i *)(ra->x + 8 * g));
-        XB[g] = _mm256_loadu_si256((const __m256i *)(rb->x + 8 * g));
-    }
-    while (row8v_more(&a, N) && row8v_more(&b, N)) {
-        row8v_step(&a, XA, NG, dec);
-        row8v_step(&b, XB, NG, dec);
-    }
-    while (row8v_more(&a, N)) row8v_step(&a, XA, NG, dec);
-    while (row8v_more(&b, N)) row8v_step(&b, XB, NG, dec);
-    for (int g = 0; g < NG; g++) {
-        _mm256_storeu_si256((__m256i *)(ra->x + 8 * g), XA[g]);
-        _mm256_storeu_si256((__m256i *)(rb->x + 8 * g), XB[g]);
-    }
-    ra->wp = a.p;
-    ra->done = a.i;
-    rb->wp = b.p;
-    rb->done = b.i;
-}
-
-__attribute__((target(PCA_RANS_AVX512))) static void dec_rows2_avx512v(uint32_t N, const uint32_t *dec,
-                                                                       pca_rans_row *a, pca_rans_row *b) {
-    switch (N / 8) {
-    case 1: dec_rows2_regs8v(1, dec, a, b); break;
-    case 2: dec_rows2_regs8v(2, dec, a, b); break;
-    case 3: dec_rows2_regs8v(3, dec, a, b); break;
-    default: dec_rows2_regs8v(4, dec, a, b); break;
-    }
-}
-
-/* the same pair loop on AVX2 (dec8, blendv for the lanes past a component's end) */
-__attribute__((target("avx2"), always_inline)) static inline void row8_step(row8v *r, __m256i *X, const int NG,
-                                                                          const uint32_t *dec) {
-    const uint32_t N = 8u * (uint32_t)NG, left = r->Tc - r->tc;
-    uint8_t *sym = r->sym + r->i;
-    if (left >= N) {
-        for (int g = 0; g < NG; g++) X[g] = dec8(X[g], r->off, dec, r->words, &r->p, sym + 8 * g);
-        r->tc += N;
-    } else {
-        const __m256i b = _mm256_set1_epi32(r->tabs[r->jc + 1] * PCA_SLOTS), lim = _mm256_set1_epi32((int)left - 1);
-        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        for (int g = 0; g < NG; g++) {
-            const __m256i late = _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(8 * g)), lim);
-            X[g] = dec8(X[g], _mm256_blendv_epi8(r->off, b, late), dec, r->words, &r->p, sym + 8 * g);
-        }
-        r->jc++;
-        r->tc = N - left;
-        r->off = b;
-    }
-    r->i += N;
-    if (r->tc == r->Tc && r->i < r->count) {
-        r->jc++;
-        r->tc = 0;
-        r->off = _mm256_set1_epi32(r->tabs[r->jc] * PCA_SLOTS);
-    }
-}
-
-__attribute__((target("avx2"), always_inline)) static inline void dec_rows2_regs8(const int NG, const uint32_t *dec,
-                                                                                 pca_rans_row *ra, pca_rans_row *rb) {
-    const uint32_t N = 8u * (uint32_t)NG;
-    row8v a = {ra->tabs, ra->words, ra->sym, ra->count, 0, ra->Tc, ra->wp, ra->nwords, 0, 0,
-               _mm256_set1_epi32(ra->tabs[0] * PCA_SLOTS)};
-    row8v b = {rb->tabs, rb->words, rb->sym, rb->count, 0, rb->Tc, rb->wp, rb->nwords, 0, 0,
-               _mm256_set1_epi32(rb->tabs[0] * PCA_SLOTS)};
-    __m256i XA[4], XB[4];
-    for (int g = 0; g < NG; g++) {
-        XA[g] = _mm256_loadu_si256((const __m256i *)(ra->x + 8 * g));
-        XB[g] = _mm256_loadu_si256((const __m256i *)(rb->x + 8 * g));
-    }
-    while (row8v_more(&a, N) && row8v_more(&b, N)) {
-        row8_step(&a, XA, NG, dec);
-        row8_step(&b, XB, NG, dec);
-    }
-    while (row8v_more(&a, N)) row8_step(&a, XA, NG, dec);
-    while (row8v_more(&b, N)) row8_step(&b, XB, NG, dec);
-    for (int g = 0; g < NG; g++) {
-        _mm256_storeu_si256((__m256i *)(ra->x + 8 * g), XA[g]);
-        _mm256_storeu_si256((__m256i *)(rb->x + 8 * g), XB[g]);
-    }
-    ra->wp = a.p;
-    ra->done = a.i;
-    rb->wp = b.p;
-    rb->done = b.i;
-}
-
-__attribute__((target("avx2"))) static void dec_rows2_avx2(uint32_t N, const uint32_t *dec, pca_rans_row *a,
-                                                          pca_rans_row *b) {
-    switch (N / 8) {
-    case 1: dec_rows2_regs8(1, dec, a, b); break;
-    case 2: dec_rows2_regs8(2, dec, a, b); break;
-    case 3: dec_rows2_regs8(3, dec, a, b); break;
-    default: dec_rows2_regs8(4, dec, a, b); break;
-    }
-}
+#define ROWS_TARGET PCA_RANS_AVX512
+#define ROWS_DEC8 dec8v
+#define ROWS(name) name##_avx512
+#include "pca_rans_rows.inc"
+#undef ROWS_TARGET
+#undef ROWS_DEC8
+#undef ROWS
 #endif
 
 static int row_fits(uint32_t N, const pca_rans_row *r) {
@@ -333,7 +129,7 @@ static int row_fits(uint32_t N, const pca_rans_row *r) {
 int pca_rans_dec_rows2(uint32_t N, const uint32_t *dec, pca_rans_row *a, pca_rans_row *b) {
 #ifdef PCA_RANS_AVX2
     if (N <= 32 && row_fits(N, a) && row_fits(N, b) && pca_simd_avx512()) {
-        dec_rows2_avx512v(N, dec, a, b);
+        dec_rows2_avx512(N, dec, a, b);
         return 1;
     }
     if (N <= 32 && row_fits(N, a) && row_fits(N, b) && pca_simd_avx2()) {
@@ -348,12 +144,19 @@ int pca_rans_dec_rows2(uint32_t N, const uint32_t *dec, pca_rans_row *a, pca_ran
 
 size_t pca_rans_dec_row(uint32_t *x, uint32_t N, const uint32_t *dec, const uint8_t *tabs, uint32_t Tc, size_t count,
                         const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym) {
+    pca_rans_row in = {x, tabs, Tc, count, words, *wp, nwords, sym, 0};
+    if (N > 64 || !row_fits(N, &in)) return 0;
 #ifdef PCA_RANS_AVX2
-    if (N % 8 == 0 && Tc >= N && count && *wp <= nwords && pca_simd_avx512())
-        return dec_row_avx512v(x, N, dec, tabs, Tc, count, words, wp, nwords, sym);
-    if (N % 8 == 0 && Tc >= N && count && *wp <= nwords && pca_simd_avx2()) {
+    if (pca_simd_avx512()) {
+        dec_row_avx512(N, dec, &in);
+        *wp = in.wp;
+        return in.done;
+    }
+    if (pca_simd_avx2()) {
         pthread_once(&g_perm_once, perm_init);
-        return dec_row_avx2(x, N, dec, tabs, Tc, count, words, wp, nwords, sym);
+        dec_row_avx2(N, dec, &in);
+        *wp = in.wp;
+        return in.done;
     }
 #endif
     return 0;

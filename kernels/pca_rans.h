@@ -19,12 +19,12 @@ static inline uint32_t pca_dec_entry(uint32_t f, uint32_t bias, uint32_t s) { re
 /* dec[t][slot] for the 32 tables, from freq [32][16] and cum [32][17] (checked by the caller) */
 void pca_dec_tables(uint32_t *dec, const uint32_t (*freq)[PCA_NSYM], const uint32_t (*cum)[PCA_NSYM + 1]);
 
-/* AVX2: the row's rANS steps of N lanes (N a multiple of 8, Tc >= N) from the first, while a whole
- * step remains and at least N words remain at *wp (so every load is inside the stream and no step
- * ends early). Symbol i belongs to live component i / Tc, coded with table tabs[i / Tc]; dec holds
- * the 32 tables. Symbols to sym[0 .. done). Returns the symbols done, a multiple of N (0 when AVX2
- * is off or N, Tc do not fit); the caller goes on with its portable loop, whose arithmetic this
- * repeats. */
+/* SIMD (AVX-512 or AVX2): the row's rANS steps of N lanes (N a multiple of 8 up to 64, Tc >= N)
+ * from the first, while a whole step remains and at least N words remain at *wp (so every load is
+ * inside the stream and no step ends early). Symbol i belongs to live component i / Tc, coded with
+ * table tabs[i / Tc]; dec holds the 32 tables. Symbols to sym[0 .. done). Returns the symbols
+ * done, a multiple of N (0 without SIMD or when N, Tc do not fit); the caller goes on with its
+ * portable loop, whose arithmetic this repeats. */
 size_t pca_rans_dec_row(uint32_t *x, uint32_t N, const uint32_t *dec, const uint8_t *tabs, uint32_t Tc, size_t count,
                         const uint16_t *words, uint32_t *wp, uint32_t nwords, uint8_t *sym);
 
