@@ -8,7 +8,9 @@ the best of --repeat runs (bench_cachegen.per_item_best), the fastest of --round
 CacheGen then pca, through the codecs' Python entry
 points (cachegen_encode/decode, pca native.encode_chunk/decode_chunk: what PcaCodec calls),
 so Python's share and pca's RoPE tables are counted. The goal (issue 29): pca's decode and encode
-per core at least CacheGen's.
+per core at least CacheGen's. The row `transform` is pca's encoder at the largest step (2^10), where
+every coefficient rounds to zero: the RoPE turn, the weights and the product alone, no coding; its
+speed is a ceiling on pca's encode with that calibration (no dec figure: nothing to decode).
 
 The calibration object: --calibration FILE, else the only *.kvcal in $KVTOOL_CALIBRATION_PATH.
 
@@ -49,6 +51,10 @@ def load_calibration(path: str | None) -> calmod.Calibration:
         return calmod.from_bytes(f.read())
 
 
+STEP_MAX = 2.0 ** 10  # format-spec/pca.md §2
+TRANSFORM = "transform"
+
+
 def measure(cal, chunks, repeat) -> dict:
     """{method: (payload bytes, encode CPU s, decode CPU s, relative RMSE or None)} for CacheGen and
     the four pca points, each the sum over chunks of the best of `repeat` runs."""
@@ -69,6 +75,13 @@ def measure(cal, chunks, repeat) -> dict:
         want = np.concatenate([c.float().numpy() for _, c in chunks], 2)
         rel = float(np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean()))
         rows[f"pca-{quality}"] = (sum(len(p) for p in enc), ce, cd, rel)
+    # The transform alone: at the largest step every coefficient rounds to zero, so the encoder
+    # turns, weights and multiplies every token, then has nothing to choose or code. Its time is a
+    # ceiling on pca's encode speed with this calibration on this core (RESULTS §36).
+    raws = [(t, c.view(torch.int16).numpy().view(np.uint16)) for t, c in chunks]
+    enc, _, ce = per_item_best(
+        lambda tr: native.encode_chunk(tr[1], "bfloat16", cal, STEP_MAX, 4, tr[0], 16, threads=1), raws, repeat)
+    rows[TRANSFORM] = (sum(len(p) for p in enc), ce, float("nan"), None)
     return rows
 
 
@@ -103,13 +116,17 @@ def main(argv=None):
     nvals = sum(c.numel() for _, c in chunks)
     print(f"\n{'method':<10}{'bits/val':>9}{'enc MB/s/core':>15}{'dec MB/s/core':>15}{'relRMSE':>9}")
     for name, (size, ce, cd, rel) in rows.items():
-        print(f"{name:<10}{size * 8 / nvals:>9.3f}{mb / ce:>15.1f}{mb / cd:>15.1f}"
+        dec = "-" if cd != cd else f"{mb / cd:.1f}"  # the transform row decodes nothing (NaN)
+        print(f"{name:<10}{size * 8 / nvals:>9.3f}{mb / ce:>15.1f}{dec:>15}"
               f"{'' if rel is None else f'{rel:.4f}':>9}")
     cg = rows["cachegen"]
-    worst_enc = min(cg[1] / r[1] for k, r in rows.items() if k != "cachegen")
-    worst_dec = min(cg[2] / r[2] for k, r in rows.items() if k != "cachegen")
+    points = [r for k, r in rows.items() if k.startswith("pca-")]
+    worst_enc = min(cg[1] / r[1] for r in points)
+    worst_dec = min(cg[2] / r[2] for r in points)
     print(f"\npca / cachegen per core, worst quality point: encode {worst_enc:.2f}x, decode {worst_dec:.2f}x "
           f"(goal, issue 29: >= 1.00x both)")
+    print(f"pca's transform alone (step 2^10, nothing left to code) / cachegen's whole encode: "
+          f"{cg[1] / rows[TRANSFORM][1]:.2f}x (a ceiling on pca's encode on this core with this calibration)")
 
 
 if __name__ == "__main__":

@@ -97,8 +97,7 @@ def calibrate_model(model_path: str | pathlib.Path | None = None, text_files: li
     started = time.perf_counter()
     model = load_model(model_path)
     texts = [read_text_file(p) for p in text_files] if text_files else default_texts()
-    ids = [i for text in texts for i in model.tokenizer.encode(text, add_special_tokens=False)]
-    sequences = [ids[s:s + WINDOW] for s in range(0, len(ids) - WINDOW // 2, WINDOW)][:MAX_SEQUENCES]
+    sequences = calibration_sequences(model, texts)
     cal, gains = learn(model, sequences, kscale, basis=basis)
     cal = cal.save(default_dir())
     fingerprint = model.identity.fingerprint()
@@ -110,6 +109,13 @@ def calibrate_model(model_path: str | pathlib.Path | None = None, text_files: li
                            seconds=time.perf_counter() - started)
 
 
+def calibration_sequences(model: LoadedModel, texts: list[str]) -> list[list[int]]:
+    """The texts' tokens, one stream, cut into sequences of WINDOW (the last at least half of
+    one), at most MAX_SEQUENCES."""
+    ids = [i for text in texts for i in model.tokenizer.encode(text, add_special_tokens=False)]
+    return [ids[s:s + WINDOW] for s in range(0, len(ids) - WINDOW // 2, WINDOW)][:MAX_SEQUENCES]
+
+
 def calibrate(model: LoadedModel, token_lists: list[list[int]], kscale: float = DEFAULT_KSCALE,
               gains: bool = True, basis: str = DEFAULT_BASIS) -> Calibration:
     """The calibration object learned from these token sequences (each run from position 0);
@@ -118,9 +124,19 @@ def calibrate(model: LoadedModel, token_lists: list[list[int]], kscale: float = 
     return learn(model, token_lists, kscale, gains, basis)[0]
 
 
-def learn(model: LoadedModel, token_lists: list[list[int]], kscale: float = DEFAULT_KSCALE,
-          gains: bool = True, basis: str = DEFAULT_BASIS) -> tuple[Calibration, np.ndarray]:
-    """`calibrate`'s object and its rows' gains ([2, L]; ones without `gains`)."""
+@dataclass
+class Samples:
+    """What a fit needs from a model run (`gather`): the moments of the keys (turned back to
+    before RoPE) and values of every layer, the channels' metrics, the RoPE frequencies."""
+    keys: Moments
+    values: Moments
+    metric_k: torch.Tensor  # [L, C]
+    metric_v: torch.Tensor  # [L, C]
+    inv_freq: torch.Tensor  # [L, D/2]
+
+
+def gather(model: LoadedModel, token_lists: list[list[int]], kscale: float = DEFAULT_KSCALE) -> Samples:
+    """Run the model on each token sequence (each from position 0) and collect `Samples`."""
     if sum(len(t) for t in token_lists) < MIN_TOKENS:
         raise UsageError(f"calibration needs at least {MIN_TOKENS} tokens of text")
     cfg = model.config
@@ -137,11 +153,18 @@ def learn(model: LoadedModel, token_lists: list[list[int]], kscale: float = DEFA
         keys.add(before_rope(kv[0].float(), inv_freq, cfg.num_kv_heads, cfg.head_dim))
         values.add(kv[1].float())
     wo = torch.stack([layer.wo.float().cpu() for layer in model.weights.layers])
-    cal = fit(keys, values, key_metric((energy / seen).float(), kscale),
-              value_metric(wo, cfg.num_kv_heads, cfg.head_dim), inv_freq, cfg.head_dim, model.identity.fingerprint(),
-              basis)
+    return Samples(keys, values, key_metric((energy / seen).float(), kscale),
+                   value_metric(wo, cfg.num_kv_heads, cfg.head_dim), inv_freq)
+
+
+def learn(model: LoadedModel, token_lists: list[list[int]], kscale: float = DEFAULT_KSCALE,
+          gains: bool = True, basis: str = DEFAULT_BASIS) -> tuple[Calibration, np.ndarray]:
+    """`calibrate`'s object and its rows' gains ([2, L]; ones without `gains`)."""
+    s = gather(model, token_lists, kscale)
+    cal = fit(s.keys, s.values, s.metric_k, s.metric_v, s.inv_freq, model.config.head_dim,
+              model.identity.fingerprint(), basis)
     if not gains:
-        return cal, np.ones((2, cfg.num_layers))
+        return cal, np.ones((2, model.config.num_layers))
     g = row_gains(row_sensitivity(model, cal, gain_windows(token_lists)))
     return with_gains(cal, g), g
 

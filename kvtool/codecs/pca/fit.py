@@ -83,10 +83,15 @@ def fit(keys_before_rope: Moments, values: Moments, metric_k: torch.Tensor, metr
     calibration (no digest yet)."""
     means, weights, bases = [], [], []
     for moments, metric in ((keys_before_rope, metric_k), (values, metric_v)):
-        mean, cov = moments.mean_cov()
-        weight = metric.double().clamp_min(1e-12).sqrt()  # [L, C]
-        cov_z = cov * weight[:, :, None] * weight[:, None, :]
+        mean, weight, cov_z = weighted_covariance(moments, metric)
         means.append(mean.float())
         weights.append(weight.float())
         bases.append(principal_axes(cov_z, head_dim, basis))
     return from_torch(torch.stack(means), torch.stack(weights), torch.stack(bases), inv_freq.float(), head_dim, model)
+
+
+def weighted_covariance(moments: Moments, metric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean [L, C], weight w = sqrt(metric) [L, C], diag(w) Cov(x) diag(w) [L, C, C]), float64."""
+    mean, cov = moments.mean_cov()
+    weight = metric.double().clamp_min(1e-12).sqrt()
+    return mean, weight, cov * weight[:, :, None] * weight[:, None, :]
