@@ -27,7 +27,8 @@ static void init_simd(void) {
     g_avx2 = !off && __builtin_cpu_supports("avx2");
     g_avx512 = g_avx2 && !cap2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-               __builtin_cpu_supports("avx512vbmi2"); /* the rANS loops' expand and compress */
+               __builtin_cpu_supports("avx512vbmi2") && /* the rANS loops' expand and compress */
+               __builtin_cpu_supports("bmi2");           /* the raw parts' pext (every such CPU has it) */
 #endif
 }
 

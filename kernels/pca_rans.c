@@ -11,7 +11,7 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define PCA_RANS_AVX2 1
-#define PCA_RANS_AVX512 "avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt" /* what pca_simd_avx512 checks */
+#define PCA_RANS_AVX512 "avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt,bmi2" /* what pca_simd_avx512 checks */
 #include <immintrin.h>
 #endif
 
@@ -731,9 +731,47 @@ __attribute__((target("avx2"))) static uint32_t raw_encode_avx2(pca_raw_out *o, 
 }
 #endif
 
+/* 16 tokens a step, the last step masked: the symbols by one narrowing store; the low fields as
+ * bytes (one narrowing), 8 of them packed into 8 sh bits by one pext; the signs of the nonzero
+ * tokens by one pext of the negative tokens' mask under the nonzero ones'. Escapes (rare) by the
+ * portable loop. */
+__attribute__((target(PCA_RANS_AVX512))) static void raw_encode_avx512(pca_raw_out *o, int sh, const int16_t *q,
+                                                                      uint32_t n, uint8_t *sym) {
+    const __m512i lmask = _mm512_set1_epi32((1 << sh) - 1), fourteen = _mm512_set1_epi32(14);
+    const __m128i shc = _mm_cvtsi32_si128(sh);
+    const uint64_t fields = 0x0101010101010101ull * (uint64_t)((1u << sh) - 1u); /* sh low bits of each byte */
+    for (uint32_t t = 0; t < n; t += 16) {
+        const uint32_t r = n - t < 16 ? n - t : 16;
+        const __mmask16 k = (__mmask16)(r == 16 ? 0xFFFFu : (1u << r) - 1u);
+        const __m512i Q = _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(k, q + t));
+        const __m512i M = _mm512_abs_epi32(Q), hi = _mm512_srl_epi32(M, shc);
+        if (_mm512_cmpgt_epi32_mask(hi, fourteen)) {
+            raw_encode_portable(o, sh, q, t, t + r, sym); /* an escape among them */
+            continue;
+        }
+        _mm512_mask_cvtepi32_storeu_epi8(sym + t, k, hi);
+        if (sh) { /* the masked-off tokens' fields are zeros; a second write only when it holds tokens */
+            const __m128i L = _mm512_cvtepi32_epi8(_mm512_and_si512(M, lmask));
+            put_bits(o->lo, o->lo_at, _pext_u64((uint64_t)_mm_cvtsi128_si64(L), fields));
+            if (r > 8) put_bits(o->lo, o->lo_at + 8u * (uint64_t)sh, _pext_u64((uint64_t)_mm_extract_epi64(L, 1), fields));
+            o->lo_at += (uint64_t)r * (uint64_t)sh;
+        }
+        const __mmask16 nz = _mm512_test_epi32_mask(M, M);
+        if (nz) {
+            const __mmask16 neg = _mm512_cmplt_epi32_mask(Q, _mm512_setzero_si512()); /* q < 0: m != 0 */
+            put_bits(o->sign, o->sign_at, _pext_u32(neg, nz));
+            o->sign_at += (uint64_t)__builtin_popcount(nz);
+        }
+    }
+}
+
 void pca_raw_encode(pca_raw_out *o, int sh, const int16_t *q, uint32_t n, uint8_t *sym) {
     uint32_t t = 0;
 #ifdef PCA_RANS_AVX2
+    if (pca_simd_avx512()) {
+        raw_encode_avx512(o, sh, q, n, sym);
+        return;
+    }
     if (pca_simd_avx2()) {
         pthread_once(&g_prefix_once, prefix_init);
         t = raw_encode_avx2(o, sh, q, n, sym);
