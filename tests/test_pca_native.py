@@ -285,7 +285,7 @@ def test_a_missing_native_coder_is_one_notice_and_falls_back(monkeypatch, capsys
 
 
 # --------------------------------------------------------------------------- every SIMD path
-# Cases that drive each AVX2 kernel and its portable tail: token counts around the blocks of 8
+# Cases that drive each SIMD kernel and its portable tail: token counts around the blocks of 8 and 16
 # (raw parts), 16 (rANS steps) and 72 (the encoder's transform), lanes that are multiples of 8
 # (AVX2 rANS) and not (portable), steps from 0.05 to 16 (shifts 0..6, escapes, components not
 # coded at all), a spiky token (escapes; the int64 transform), rows with nothing coded.
