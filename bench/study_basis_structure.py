@@ -16,11 +16,14 @@ The bases (MAC/value: multiply-adds per coded value of the product, each directi
   - `hybrid-R`: per KV head, its R largest axes are mixed across heads by the principal axes of
     those H*R dimensions (columns dense over all C channels); its other D - R axes stay within the
     head (H*R*C + H*(D-R)*D over C).
+  - `givens-J`: axes per KV head, then J plane rotations of two components each, every one the
+    rotation that takes out the largest correlation left (a truncated Jacobi eigenvalue
+    method: D + 4J/C, each rotation four multiply-adds on two values).
   - `pairs`: heads taken two at a time (blocks of 2D channels, the last block what is left).
   - `swapped` (`--swapped`, ~8 minutes): blocks of D channels, not bound to heads: from the heads'
     blocks, channels swapped between blocks while a high-rate estimate of the rate falls (one pass).
 
-    python bench/study_basis_structure.py [--hybrid 16,32] [--swapped]
+    python bench/study_basis_structure.py [--hybrid 16,32] [--givens 1536,3072] [--swapped]
 """
 
 from __future__ import annotations
@@ -79,6 +82,30 @@ def hybrid_basis(cov_z: torch.Tensor, head_dim: int, top: int) -> torch.Tensor:
     return out
 
 
+def givens_basis(cov_z: torch.Tensor, head_dim: int, rotations: int) -> torch.Tensor:
+    """[L, C, C]: axes per KV head, then `rotations` plane rotations in the components' space,
+    each zeroing the largest correlation left between two components; columns by variance."""
+    heads = principal_axes(cov_z, head_dim, "head")
+    within = (heads.transpose(1, 2) @ cov_z @ heads).numpy()  # [L, C, C]: the components' covariance
+    bases = []
+    for layer in range(cov_z.shape[0]):
+        s, b = within[layer].copy(), heads[layer].numpy().copy()
+        for _ in range(rotations):
+            sd = np.sqrt(np.maximum(np.diag(s), 1e-30))
+            corr = np.abs(s) / np.outer(sd, sd)
+            np.fill_diagonal(corr, 0.0)
+            i, j = np.unravel_index(np.argmax(corr), corr.shape)
+            if corr[i, j] < 1e-6:
+                break
+            theta = 0.5 * np.arctan2(2 * s[i, j], s[i, i] - s[j, j])
+            g = np.array([[np.cos(theta), -np.sin(theta)], [np.sin(theta), np.cos(theta)]])
+            b[:, [i, j]] = b[:, [i, j]] @ g
+            s[:, [i, j]] = s[:, [i, j]] @ g
+            s[[i, j], :] = g.T @ s[[i, j], :]
+        bases.append(torch.from_numpy(b[:, np.argsort(-np.diag(s))]))
+    return torch.stack(bases)
+
+
 def rate_estimate(cov: np.ndarray, groups: list[list[int]], step: float) -> float:
     """High-rate bits of the components above the step, axes learned within each group."""
     bits = 0.0
@@ -111,6 +138,7 @@ def swapped_groups(cov: np.ndarray, groups: list[list[int]], step: float) -> lis
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hybrid", default="16,32", help="R values for the hybrid bases")
+    ap.add_argument("--givens", default="1536,3072", help="J values for the givens bases")
     ap.add_argument("--swapped", action="store_true", help="also the swapped blocks (slow)")
     args = ap.parse_args(argv)
 
@@ -141,6 +169,9 @@ def main(argv=None):
         heads_n = C // D
         bases[f"hybrid-{top}"] = ((heads_n * top * C + heads_n * (D - top) * D) / C,
                                   lambda cz, top=top: hybrid_basis(cz, D, top))
+    for rotations in (int(j) for j in args.givens.split(",") if j):
+        bases[f"givens-{rotations}"] = (D + 4 * rotations / C,
+                                        lambda cz, rotations=rotations: givens_basis(cz, D, rotations))
     bases["pairs"] = (sum(len(g) ** 2 for g in pairs) / C, lambda cz: blocks_basis(cz, pairs))
     if args.swapped:
         step = QUALITY_BY_AXES["layer"]["97"][0]
