@@ -123,14 +123,13 @@ def swapped_groups(cov: np.ndarray, groups: list[list[int]], step: float) -> lis
         for b in range(a + 1, len(groups)):
             for i in range(len(groups[a])):
                 base = rate_estimate(cov, [groups[a], groups[b]], step)
-                best, best_j = 0.0, -1
+                changes = []
                 for j in range(len(groups[b])):
                     ga, gb = groups[a][:], groups[b][:]
                     ga[i], gb[j] = gb[j], ga[i]
-                    change = rate_estimate(cov, [ga, gb], step) - base
-                    if change < best - 1e-9:
-                        best, best_j = change, j
-                if best_j >= 0:
+                    changes.append((rate_estimate(cov, [ga, gb], step) - base, j))
+                best, best_j = min(changes)
+                if best < -1e-6:
                     groups[a][i], groups[b][best_j] = groups[b][best_j], groups[a][i]
     return groups
 
