@@ -160,13 +160,12 @@ def main(argv=None):
 
     heads = [list(range(h * D, (h + 1) * D)) for h in range(C // D)]
     pairs = [sum(heads[i:i + 2], []) for i in range(0, len(heads), 2)]
-    bases: dict[str, tuple[float, callable]] = {
+    bases = {  # name: (multiply-adds per value, [L, C, C] covariances -> [L, C, C] axes)
         "layer": (C, lambda cz: principal_axes(cz, D, "layer")),
         "head": (D, lambda cz: principal_axes(cz, D, "head")),
     }
     for top in (int(r) for r in args.hybrid.split(",") if r):
-        heads_n = C // D
-        bases[f"hybrid-{top}"] = ((heads_n * top * C + heads_n * (D - top) * D) / C,
+        bases[f"hybrid-{top}"] = ((len(heads) * top * C + len(heads) * (D - top) * D) / C,
                                   lambda cz, top=top: hybrid_basis(cz, D, top))
     for rotations in (int(j) for j in args.givens.split(",") if j):
         bases[f"givens-{rotations}"] = (D + 4 * rotations / C,
