@@ -7,7 +7,9 @@ benchmark (bench/bench_vllm.py) run it, one process per engine, as a user's serv
 JOB.json:
     prompts      prompts served one at a time in this order: a text, a list of token ids, or
                  {"prompt": text or token ids, "cache_salt": str, "lora": adapter folder,
-                  "lora_name": str (default: the folder's name)}
+                  "lora_name": str (default: the folder's name),
+                  "before": [[argv], ...] commands run (and required to succeed) before it is
+                  served: e.g. `kvtool store rm` of a chunk, to meet a store changed under an engine}
     connector    "none" | "kvtool" | "example" (vLLM's own ExampleConnector)
     store        kvtool: a store URL (folder or redis://); example: its folder
     codec        kvtool's codec: raw | zstd | cachegen | pca         (default raw)
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -95,6 +98,8 @@ def main() -> None:
                             ignore_eos=bool(job.get("ignore_eos", False)))
     requests, adapters = [], {}
     for prompt in job["prompts"]:
+        for argv in (prompt.get("before", []) if isinstance(prompt, dict) else []):
+            subprocess.run(argv, check=True, stdout=sys.stderr)
         began = time.perf_counter()
         prompt, lora = engine_prompt(prompt, adapters)
         out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
@@ -102,6 +107,7 @@ def main() -> None:
         requests.append({"request_id": out.request_id, "prompt_tokens": len(out.prompt_token_ids), "prompt_token_ids": list(out.prompt_token_ids),
                          "num_cached_tokens": out.num_cached_tokens,
                          "token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text,
+                         "finish_reason": out.outputs[0].finish_reason,
                          "seconds": seconds, "ttft_seconds": getattr(out.metrics, "first_token_latency", None)})
     print("RESULT " + json.dumps({"engine_seconds": engine_seconds, "requests": requests}), flush=True)
 

@@ -25,6 +25,7 @@ CHUNK = 256
 PROMPT = ("The history of computing is long and varied. " * 2 +
           " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog number {i}." for i in range(45)))
 OTHER = " ".join(f"Note {i}: a different story about cats, rivers and numbers like {i * 7}." for i in range(30))
+LONG = PROMPT + " " + OTHER
 SALT_A, SALT_B = "tenant-a-7f3c9e", "tenant-b-52d1aa"  # two tenants' cache salts: secrets, never in a log
 
 
@@ -75,9 +76,20 @@ def agreement(a: list[int], b: list[int]) -> float:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """vLLM with no connector at all: P's tokens and greedy output."""
-    return serve(tmp_path_factory.mktemp("reference"), [PROMPT], connector="none")["requests"][0]
+def references(tmp_path_factory):
+    """vLLM with no connector at all: P's and LONG's tokens and greedy outputs."""
+    return serve(tmp_path_factory.mktemp("reference"), [PROMPT, LONG], connector="none")["requests"]
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references[0]
+
+
+@pytest.fixture(scope="module")
+def long_reference(references):
+    """LONG: 1,426 tokens, 5 whole chunks (1,280) and a block-aligned piece to 1,408."""
+    return references[1]
 
 
 @pytest.fixture(scope="module")
@@ -223,14 +235,6 @@ def test_an_engine_loads_the_prefix_pca(tmp_path, monkeypatch, reference, pca_ca
         pca_params(str(default_model_path()), None, digest)
 
 
-def test_redis_between_two_engines(tmp_path, reference, redis_url):
-    first = serve(tmp_path / "first", [PROMPT], store=redis_url, codec="raw")["requests"][0]
-    assert first["num_cached_tokens"] == 0
-    second = serve(tmp_path / "second", [PROMPT], store=redis_url, codec="raw")["requests"][0]
-    assert second["num_cached_tokens"] == whole_chunks(reference)
-    assert second["token_ids"] == reference["token_ids"]
-
-
 def test_kv_from_vllm_is_a_kvtool_file_that_replays_exactly(tmp_path, default_model, reference, raw_store):
     from kvtool.ops import store as store_ops
     from kvtool.ops.replay import replay
@@ -257,21 +261,6 @@ def test_kv_from_kvtool_capture_is_loaded_by_vllm(tmp_path, reference):
     got = serve(tmp_path, [reference["prompt_token_ids"]], store=str(store), codec="raw")["requests"][0]
     assert got["num_cached_tokens"] == whole_chunks(reference)
     assert got["token_ids"] == reference["token_ids"]
-
-
-def test_a_damaged_chunk_is_recomputed_never_loaded(tmp_path, reference, raw_store):
-    store = tmp_path / "store"
-    shutil.copytree(raw_store, store)
-    victim = store / plain_chunk_names(store, reference)[0]
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    victim.write_bytes(bytes(data))
-    got = serve(tmp_path, [PROMPT], store=str(store), codec="raw", policy="recompute",
-                env={"VLLM_LOG_STATS_INTERVAL": "0.01"})
-    assert got["requests"][0]["token_ids"] == reference["token_ids"]
-    assert "could be loaded" in got["log"] and "CRC-32C mismatch" in got["log"]  # a warning naming the refusal
-    metrics = transfer_metrics(got["log"])
-    assert metrics["refusals"] == 1 and metrics["load_failures"] == 1 and metrics["loaded_tokens"] == 0
 
 
 def test_one_tenants_chunks_never_load_for_another(tmp_path, reference, raw_store):
@@ -402,3 +391,74 @@ def test_loads_are_block_granular_past_the_whole_chunks(tmp_path):
     assert salted["num_cached_tokens"] == 0
     plain = serve(tmp_path / "none", [b], connector="none")["requests"][0]
     assert got_b["token_ids"] == plain["token_ids"]
+
+
+# ---- loads that fail inside an engine (vLLM's test_invalid_blocks_correctness and
+# test_cache_pollution_prevention ask the same of a connector: KV built on blocks whose load failed
+# is never reused) --------------------------------------------------------------------------------
+
+@pytest.fixture(params=["folder", "redis"])
+def any_store(request, tmp_path) -> str:
+    if request.param == "redis":
+        return request.getfixturevalue("redis_url")
+    return str(tmp_path / "store")
+
+
+def chunk_names_of(tokens: list[int]) -> list[str]:
+    """The store names of `tokens`' whole chunks (names come from the tokens alone: store.md §3)."""
+    from kvtool.engine.default_model import default_model_path
+    from kvtool.engine.loader import model_identity
+    from kvtool.store import open_store
+
+    return open_store("memory://").for_model(model_identity(default_model_path()), CHUNK).chunk_names(tokens)
+
+
+def damage(store: str, name: str, how: str) -> list[str]:
+    """The command an engine's job runs before a prompt: `kvtool store rm`, or a flip or a cut."""
+    if how == "rm":
+        return [str(Path(sys.executable).parent / "kvtool"), "store", "rm", name, "--store", store]
+    return [PYTHON, str(REPO / "tests" / "store_damage.py"), store, name, how]
+
+
+def test_failed_loads_heal_the_store_and_never_pollute_it(tmp_path, long_reference, any_store):
+    """One engine (policy `recompute`) fills the store with LONG's first 4 chunks, then serves LONG
+    after a chunk was flipped in place (its load fails at token 256 while the step computes chunk 4
+    and the piece over blocks never loaded: neither is saved then, both once recomputed), after a
+    chunk was removed with `kvtool store rm` (its block entries go with it: the lookup promises only
+    what can load), after a chunk was cut short. Every answer is the reference's. A fresh engine
+    (policy `fail`) then loads every token LONG can take (nothing polluted; everything healed and
+    saved again), meets one more flipped chunk (that request may fail, never answer wrongly) and
+    serves the next request with that prefix correctly, without anyone running `fsck`."""
+    ref, store = long_reference, any_store
+    tokens = ref["prompt_token_ids"]
+    names = chunk_names_of(tokens)
+    assert len(tokens) == 1426 and len(names) == 5
+    got = serve(tmp_path / "recompute", [
+        tokens[:1030],
+        {"prompt": LONG, "before": [damage(store, names[1], "flip")]},
+        {"prompt": LONG, "before": [damage(store, names[2], "rm")]},
+        {"prompt": LONG, "before": [damage(store, names[3], "truncate")]},
+    ], store=store, codec="raw", policy="recompute", env={"VLLM_LOG_STATS_INTERVAL": "0.01"})
+    filled, flipped, removed, cut = got["requests"]
+    assert filled["num_cached_tokens"] == 0
+    for r in (flipped, removed, cut):
+        assert r["token_ids"] == ref["token_ids"], r["text"]
+    assert removed["num_cached_tokens"] == 2 * CHUNK  # nothing promised past the removed chunk: no failure
+    log = got["log"]
+    assert "CRC-32C mismatch" in log and "could be loaded" in log  # one warning per failed load, saying why
+    assert len(re.findall(r"kvtool: notice: store: removed chunks/\S+\.kvc ", log)) >= 2  # one line per healed chunk
+    assert re.search(r"tokens 1024\.\.1280 not saved: this step computed them over tokens from 256", log)
+    metrics = transfer_metrics(log)
+    assert metrics["load_failures"] == 2 and metrics["refusals"] == 2 and metrics["healed"] >= 2
+    assert metrics["unsaved_after_failure"] >= 1
+
+    fresh = serve(tmp_path / "fail", [
+        LONG,
+        {"prompt": LONG, "before": [damage(store, names[2], "flip")]},
+        LONG,
+    ], store=store, codec="raw", policy="fail")
+    again, met_it, after = fresh["requests"]
+    assert again["num_cached_tokens"] == 1408 and again["token_ids"] == ref["token_ids"]  # nothing polluted
+    assert met_it["finish_reason"] == "error" or met_it["token_ids"] == ref["token_ids"]  # never a wrong answer
+    assert after["finish_reason"] != "error" and after["token_ids"] == ref["token_ids"]
+    assert after["num_cached_tokens"] == 2 * CHUNK  # the flipped chunk was removed at once: recomputed

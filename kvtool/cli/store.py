@@ -105,11 +105,13 @@ def rm_command(store: StoreOpt, names: Annotated[Optional[list[str]], typer.Argu
                    show_default=False)] = None,
                model: Annotated[Optional[str], typer.Option("--model", metavar="KEY", help="Every object of this model key.")] = None,
                everything: Annotated[bool, typer.Option("--all", help="Every object.")] = False,
+               namespace: Annotated[Optional[str], typer.Option(
+                   "--namespace", metavar="NAME", help="Every object of this namespace.", show_default=False)] = None,
                json: JsonOpt = False) -> None:
-    """Remove objects by name, by model, or all of them."""
+    """Remove objects by name, by model, by namespace, or all of them (with the entries naming them)."""
     from ..ops import store as ops
 
-    emit(ops.rm(store, names, model=model, everything=everything), json)
+    emit(ops.rm(store, names, model=model, everything=everything, namespace=namespace), json)
 
 
 # --- rendering ---------------------------------------------------------------------------
@@ -179,13 +181,18 @@ def render_fsck(console: Console, r: StoreFsckResult) -> None:
     for d in r.damaged:
         console.print(f"[red]damaged[/red] {d['reason']}")
     what = f", removed {r.removed}" if r.repair else " (left in place: --no-repair)"
+    if r.entries_removed:
+        entries = "block index entry" if r.entries_removed == 1 else "block index entries"
+        what += f" (and {r.entries_removed} {entries} that named them)"
     console.print(f"{r.store}: {plural(r.checked, 'object')} checked, {r.intact} intact, "
                   f"{len(r.damaged)} damaged{what}; {plural(r.temps_removed, 'temp file')} removed")
 
 
 @renders("StoreRmResult")
 def render_rm(console: Console, r: StoreRmResult) -> None:
-    console.print(f"{r.store}: removed {plural(r.removed, 'object')} ({human_bytes(r.removed_bytes)})")
+    entries = "block index entry" if r.block_entries == 1 else "block index entries"
+    pointers = f", {r.block_entries} of them {entries} that named what went" if r.block_entries else ""
+    console.print(f"{r.store}: removed {plural(r.removed, 'object')} ({human_bytes(r.removed_bytes)}){pointers}")
 
 
 def _ago(seconds: float) -> str:

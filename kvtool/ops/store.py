@@ -232,6 +232,7 @@ class StoreFsckResult(Result):
     damaged: list[dict]
     removed: int
     temps_removed: int
+    entries_removed: int = 0  # intact block index entries removed with the damaged objects they named
 
     @property
     def ok(self) -> bool:  # damage found and left in place fails; damage removed is repaired
@@ -243,7 +244,7 @@ def fsck(store: str, *, repair: bool = True) -> StoreFsckResult:
     with connect(store, create=False) as s:
         r = upkeep.fsck(s, repair=repair)
         result = StoreFsckResult(store=s.url, repair=repair, checked=r.checked, intact=r.intact, damaged=r.damaged,
-                                 removed=r.removed, temps_removed=r.temps_removed)
+                                 removed=r.removed, temps_removed=r.temps_removed, entries_removed=r.entries_removed)
     if not result.ok:
         n = len(result.damaged)
         raise StoreDamaged(f"{result.store}: {n} damaged, foreign or unreadable object{'' if n == 1 else 's'} "
@@ -254,14 +255,17 @@ def fsck(store: str, *, repair: bool = True) -> StoreFsckResult:
 @dataclass
 class StoreRmResult(Result):
     store: str
-    removed: int
+    removed: int  # objects removed, the block index entries that named them included
     removed_bytes: int
+    block_entries: int = 0  # of `removed`: entries removed because what they named went
 
 
-def rm(store: str, names: list[str] | None = None, *, model: str | None = None, everything: bool = False) -> StoreRmResult:
-    """`kvtool store rm NAME... | --model KEY | --all`."""
-    if sum(bool(x) for x in (names, model, everything)) != 1:
-        raise UsageError("give object names, or --model KEY, or --all")
+def rm(store: str, names: list[str] | None = None, *, model: str | None = None, everything: bool = False,
+       namespace: str | None = None) -> StoreRmResult:
+    """`kvtool store rm NAME... | --model KEY | --namespace NAME | --all`: the objects, and the block
+    index entries that name them (store.md §4.6), on every backend."""
+    if sum(bool(x) for x in (names, model, everything, namespace)) != 1:
+        raise UsageError("give object names, or --model KEY, or --namespace NAME, or --all")
     with connect(store, create=False) as s:
         infos = list(s.backend.scan())
         if names:
@@ -269,10 +273,21 @@ def rm(store: str, names: list[str] | None = None, *, model: str | None = None, 
             targets = [o for o in infos if o.name in wanted]
         elif model:
             targets = [o for o in infos if upkeep.describe(o).get("model", "").startswith(model)]
+        elif namespace:
+            targets = [o for o in infos if upkeep.in_namespace(s, o, namespace)]
         else:
             targets = infos
-        removed = [o for o in targets if s.backend.within(o.namespace).delete(o.name)]
-        return StoreRmResult(store=s.url, removed=len(removed), removed_bytes=sum(o.size for o in removed))
+        by_namespace: dict[str, list] = {}
+        for info in targets:
+            by_namespace.setdefault(info.namespace, []).append(info)
+        removed, entries, removed_bytes = 0, 0, 0
+        for namespace, infos in by_namespace.items():  # each with the block index entries naming it (store.md §4.6)
+            sizes = {o.name: o.size for o in infos}
+            gone, pointers = s.backend.within(namespace).remove([o.name for o in infos])
+            removed += len(gone) + len(set(pointers) - set(sizes))
+            entries += len(set(pointers) - set(sizes))
+            removed_bytes += sum(sizes[name] for name in gone)
+        return StoreRmResult(store=s.url, removed=removed, removed_bytes=removed_bytes, block_entries=entries)
 
 
 __all__ = ["StoreFsckResult", "StoreGcResult", "StoreGetResult", "StoreListing", "StorePutResult",

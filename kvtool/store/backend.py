@@ -89,8 +89,19 @@ class Backend(ABC):
         """Remove least recently used objects until at most `max_bytes` are stored; the removed."""
         return self.evict_in_order(sorted(self.scan(), key=lambda o: o.last_used), max_bytes)
 
+    def remove(self, names: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Delete `names` (of this view's namespace) and every block index entry that names one of
+        them (store.md §4.6: a removal never leaves a pointer to nothing, which a lookup would
+        promise): (the names removed, the entries removed with them)."""
+        from .pointers import remove_with_entries
+
+        return remove_with_entries(self, names)
+
     def evict_in_order(self, objects: list[ObjectInfo], max_bytes: int) -> list[ObjectInfo]:
-        """Delete `objects` (oldest first) until the rest weigh at most `max_bytes`; the removed."""
+        """Delete `objects` (oldest first) until the rest weigh at most `max_bytes`, then the block
+        index entries naming what went; the removed (those entries included)."""
+        from .pointers import entries_naming
+
         total = sum(o.size for o in objects)
         removed = []
         for info in objects:
@@ -99,6 +110,15 @@ class Backend(ABC):
             if self.within(info.namespace).delete(info.name):
                 removed.append(info)
             total -= info.size
+        gone = {(info.namespace, info.name) for info in removed}
+        by_namespace: dict[str, list[str]] = {}
+        for namespace, name in gone:
+            by_namespace.setdefault(namespace, []).append(name)
+        for namespace, names in by_namespace.items():
+            for entry_namespace, entries in entries_naming(self.within(namespace), names).items():
+                view = self.within(entry_namespace)
+                removed += [ObjectInfo(name, 0, 0.0, entry_namespace) for name in entries
+                            if (entry_namespace, name) not in gone and view.delete(name)]
         return removed
 
     def sweep(self) -> int:

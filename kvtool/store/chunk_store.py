@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import array
+import itertools
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ObjectRefused, ObjectUnreadable, StoreUrlInvalid, UsageError
+from ..errors import KvtoolError, NotCached, ObjectRefused, ObjectUnreadable, StoreUrlInvalid, UsageError
 from ..identity import ModelIdentity
 from ..notices import notice
 from . import loading, objects
@@ -86,6 +87,7 @@ class StoreCounters:
     stored: int = 0  # chunks written
     deduplicated: int = 0  # chunks already stored, not written again
     refusals: list[str] = field(default_factory=list)  # the first few refusals, one line each
+    healed: int = 0  # objects removed because a load refused them or found them gone (and entries naming them)
 
 
 @dataclass
@@ -151,11 +153,15 @@ class ChunkStore:
         caches = [at(s) for s in self.chunk_sizes(model, extra_keys)] or [at(256)]
         return max(caches, key=lambda c: (c.lookup(token_ids), -c.chunk_size))
 
-    def refuse(self, name: str, err: ObjectRefused) -> None:
-        """A stored object failed a check: a miss, reported once; `fsck` removes it."""
+    def count_refusal(self, err: Exception) -> None:
         self.counters.refused += 1
         if len(self.counters.refusals) < 16:
             self.counters.refusals.append(str(err))
+
+    def refuse(self, name: str, err: ObjectRefused) -> None:
+        """Something that is not an object holds a name a put needed (a folder): a miss, reported
+        once; `fsck` removes it. (An object refused at a load is healed: `ModelCache.heal`.)"""
+        self.count_refusal(err)
         notice(f"store: refused a damaged or foreign object ({err}); `kvtool store fsck` removes it")
         for tier in getattr(self.backend, "tiers", [])[:-1]:  # never serve it from memory again
             tier.delete(name)
@@ -239,10 +245,30 @@ class ModelCache:
         found = Found(chain, run, chunk_size=self.chunk_size, ids=tokens)
         for j in range(len(blocks) - 1, -1, -1):  # the longest: a piece itself, else an entry naming an object
             piece, entry = exists[len(chain) + 2 * j], exists[len(chain) + 2 * j + 1]
-            if piece or entry:
+            if piece or (entry and self._entry_leads_somewhere(candidates[2 * j + 1])):
                 found.block, found.via = blocks[j], candidates[2 * j + (0 if piece else 1)]
                 break
         return found
+
+    def _entry_leads_somewhere(self, entry: str) -> bool:
+        """Whether the object a block index entry names is stored (the entry read, its target
+        probed: two round trips, only for the block prefix a lookup would promise). An entry whose
+        object is gone is removed here, as `fsck` would (store.md §4.6): the lookup never promises
+        tokens that cannot load. One that cannot be read as an entry is promised, and its load
+        refuses it (and removes it)."""
+        from .pointers import entry_target
+
+        try:
+            data = self.backend.get(entry)
+        except (ObjectRefused, ObjectUnreadable):
+            return True
+        if data is None:
+            return False
+        target = entry_target(data, entry)
+        if target is None or self.backend.exists(target):
+            return True
+        self._remove([entry], "the object it names is not stored")
+        return False
 
     def _blocks_at(self, tokens: np.ndarray, chain: list[ChunkLink], i: int, limit: int | None) -> list[BlockLink]:
         """The block prefixes of chunk position `i` (after `i` whole chunks of `chain`)."""
@@ -327,7 +353,7 @@ class ModelCache:
             obj, _name, size = self.open_block(found, verify_payload=True)
             obj.check_values()
         except ObjectRefused as err:
-            self.store.refuse(getattr(err, "name", found.via), err)
+            self.heal_block(found, getattr(err, "name", found.via), err)
             self.store.counters.misses += 1
             if refused is not None:
                 refused.append(str(err))
@@ -335,6 +361,8 @@ class ModelCache:
         except (ObjectUnreadable, loading.Gone) as err:
             if isinstance(err, ObjectUnreadable):
                 self.store.unreadable(err)
+            else:
+                self.heal_block(found, getattr(err, "name", found.via), err)
             self.store.counters.misses += 1
             return
         self.store.counters.hits += 1
@@ -348,14 +376,15 @@ class ModelCache:
             for link, name, data in zip(batch, names, self._fetch(names)):
                 start = link.start
                 if isinstance(data, ObjectRefused):  # refused before it was read (its size)
-                    self._refused(name, data, whole, start, refused)
+                    self._refused(name, data, whole, start, refused, found.ids)
                     return
                 if isinstance(data, ObjectUnreadable):
                     self.store.unreadable(data)
                     self.store.counters.misses += len(whole) - start // self.chunk_size
                     return
-                if data is None:  # removed since the existence check
+                if data is None:  # removed since the existence check: no entry may promise it still
                     self.store.counters.misses += len(whole) - start // self.chunk_size
+                    self.forget_gone(name, whole, start // self.chunk_size, found.ids)
                     return
                 obj = None
                 try:
@@ -363,7 +392,7 @@ class ModelCache:
                                               prefix_hash=link.prefix_hash, start=start, extra=link.extra)
                     obj.check_values()  # what is copied out as it is must be what a load would take
                 except ObjectRefused as err:
-                    self._refused(name, err, whole, start, refused)
+                    self._refused(name, err, whole, start, refused, found.ids)
                     return
                 except ObjectUnreadable as err:  # (a pca chunk whose calibration is not here: kept, a miss)
                     if obj is not None:
@@ -396,11 +425,85 @@ class ModelCache:
         except (ObjectRefused, ObjectUnreadable) as err:
             return err
 
-    def _refused(self, name: str, err: ObjectRefused, chain: list, start: int, refused: list[str] | None) -> None:
-        self.store.refuse(name, err)
+    def _refused(self, name: str, err: ObjectRefused, chain: list, start: int, refused: list[str] | None,
+                 tokens: np.ndarray | None = None) -> list[str]:
+        """A whole chunk refused at `start`: counted, reported, and healed (`heal`); the names removed."""
         self.store.counters.misses += len(chain) - start // self.chunk_size
         if refused is not None:
             refused.append(str(err))
+        return self.heal(name, err, chain, start // self.chunk_size, tokens)
+
+    def heal(self, name: str, err: Exception, chain: list[ChunkLink], position: int,
+             tokens: np.ndarray | None) -> list[str]:
+        """An object refused at a load (damaged, foreign) is removed at once, as `fsck` would,
+        with this prompt's block index entries at its chain position that name it: the next lookup
+        no longer promises it, so the next request computes those tokens and stores them again
+        (no wait for `fsck`). Said once per object; the names removed (none where the store does not
+        let this user remove them: then `fsck` does)."""
+        self.store.count_refusal(err)
+        removed = self._remove([name], str(err))
+        if tokens is not None and objects.parse_name(name) is not None \
+                and objects.parse_name(name)[0] in ("chunk", "piece") and position <= len(chain):
+            removed += self._remove(self._entries_naming(name, tokens, chain, position), f"it named {name}, removed")
+        return removed
+
+    def heal_block(self, found: Found, name: str, err: Exception) -> list[str]:
+        """The object serving `found.block` refused (`name`: the entry, or the object it names, or
+        the piece) or gone: removed as `heal` removes a chunk, with the entry that led to it."""
+        gone = isinstance(err, NotCached)
+        removed = []
+        if not gone:
+            self.store.count_refusal(err)
+            removed += self._remove([name], str(err))
+        pointers = [found.via] if found.via.endswith(BLOCK_SUFFIX) and found.via != name else []
+        if name != found.via and objects.parse_name(name) is not None:
+            pointers += [e for e in self._entries_naming(name, found.ids, found.chain, found.run) if e not in pointers]
+        why = f"it named {name}, which is not stored" if gone else f"it named {name}, removed"
+        return removed + self._remove(pointers, why)
+
+    def forget_gone(self, name: str, chain: list[ChunkLink], position: int, tokens: np.ndarray | None) -> list[str]:
+        """A whole chunk found by the lookup and gone at its load (removed or evicted meanwhile):
+        this prompt's block index entries that name it go, so no lookup promises it again."""
+        if tokens is None:
+            return []
+        return self._remove(self._entries_naming(name, tokens, chain, position), f"it named {name}, which is not stored")
+
+    def _entries_naming(self, name: str, tokens: np.ndarray, chain: list[ChunkLink], position: int) -> list[str]:
+        """This prompt's block index entries at chain `position` that name `name`: at this cache's
+        block size and at 16 tokens (GPU engines' block) where it divides the chunk size. Entries of
+        other sizes or prompts are removed when a lookup meets them (`_entry_leads_somewhere`)."""
+        sizes = {self.block_size} | ({16} if self.chunk_size % 16 == 0 else set())
+        links: dict[str, BlockLink] = {}
+        for size in sorted(sizes):
+            if size >= self.chunk_size:
+                continue
+            parent = bytes.fromhex(chain[position - 1].prefix_hash) if position else ZERO_HASH
+            for link in block_links(tokens, position * self.chunk_size, parent, self.chunk_size, size,
+                                    self.extra_keys):
+                links[link.prefix_hash] = link
+        names = [objects.block_name(self.key, self.chunk_size, h) for h in links]
+        if not names:
+            return []
+        from .pointers import _read, entry_target
+
+        return [entry for entry, data in zip(names, _read(self.backend, names)) if entry_target(data, entry) == name]
+
+    def _remove(self, names: list[str], why: str) -> list[str]:
+        """Remove `names` from every tier of this cache's namespace; one line per object removed."""
+        removed = []
+        for name in names:
+            try:
+                if self.backend.delete(name):
+                    removed.append(name)
+            except KvtoolError as err:  # (a tenant's user that may only read: fsck removes it)
+                notice(f"store: could not remove {name} ({err}); `kvtool store fsck` removes it", key=f"heal {name}")
+                continue
+        for name in removed:
+            reason = why[len(name) + 2:] if why.startswith(f"{name}: ") else why
+            notice(f"store: removed {name} ({reason}): the next request computes and stores its tokens again",
+                   key=f"healed {next(_HEALS)}")  # (every one said: a name healed again is another event)
+        self.store.counters.healed += len(removed)
+        return removed
 
     def kv_dtype(self, token_ids) -> "torch.dtype | None":
         """The KV dtype of the stored first chunk of `token_ids` (None: not stored, or refused):
@@ -617,6 +720,7 @@ def _as_token_array(token_ids) -> np.ndarray:
 
 
 _U32 = array.array("I")
+_HEALS = itertools.count()
 
 
 __all__ = ["ChunkStore", "ModelCache", "PrefixHit", "PutResult", "StoreCounters", "open_store"]

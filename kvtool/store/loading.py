@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 class Gone(NotCached):
     """An object removed between the existence check and its read (a miss, not damage)."""
 
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name  # the object that is not stored
+
 
 _Gone = Gone
 
@@ -174,6 +178,7 @@ class PrefixHit:
     refused: list[str]  # a refused object ended the run early: why
     stored_bytes: int
     unreadable: list[str] = field(default_factory=list)  # an object that cannot be read here ended it: why
+    healed: list[str] = field(default_factory=list)  # objects removed because this load refused them or found them gone
 
     def kv(self) -> "torch.Tensor":
         """The prefix as one KV_BLOB `[2, L, num_tokens, C]`."""
@@ -291,11 +296,13 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
         if isinstance(error, DAMAGE):
             name = block_refusal[0] if block_refusal else found.via
             refusal = error if isinstance(error, ObjectRefused) else ObjectRefused(f"{name}: {error}")
-            cache.store.refuse(name, refusal)
+            hit.healed += cache.heal_block(found, name, refusal)
             hit.refused.append(str(refusal))
         elif isinstance(error, ObjectUnreadable):
             cache.store.unreadable(error)
-        elif not isinstance(error, _Gone):
+        elif isinstance(error, _Gone):  # the entry names an object that went: the entry goes too
+            hit.healed += cache.heal_block(found, error.name, error)
+        else:
             raise error
         cache.store.counters.misses += 1
     elif isinstance(error, DAMAGE):
@@ -303,9 +310,11 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
         name = cache.name(failed.prefix_hash)
         refusal = error if isinstance(error, ObjectRefused) else ObjectRefused(
             str(error) if str(error).startswith(name) else f"{name}: {error}")
-        cache._refused(name, refusal, chain, failed.start, hit.refused)
-    elif isinstance(error, _Gone):  # removed since the existence check
+        hit.healed += cache._refused(name, refusal, chain, failed.start, hit.refused, found.ids)
+    elif isinstance(error, _Gone):  # removed since the existence check: no entry may promise it still
         cache.store.counters.misses += len(chain) - outcome.loaded_tokens // cache.chunk_size
+        failed = chain[first_task + outcome.failed]
+        hit.healed += cache.forget_gone(error.name, chain, failed.start // cache.chunk_size, found.ids)
     elif isinstance(error, ObjectUnreadable):  # not readable here: a miss, said; nothing removed
         cache.store.unreadable(error)
         cache.store.counters.misses += len(chain) - outcome.loaded_tokens // cache.chunk_size

@@ -35,6 +35,7 @@ class MemoryBackend(Backend):
             self.delete(name)
         if len(data) > self.max_bytes:
             return False  # never cached: it would evict everything and still not fit
+        evicted = []
         with self._lock:
             if name in self._objects:
                 self._objects.move_to_end(name)
@@ -42,9 +43,16 @@ class MemoryBackend(Backend):
             self._objects[name] = (data, time.time())
             self.bytes += len(data)
             while self.bytes > self.max_bytes:
-                _, (old, _) = self._objects.popitem(last=False)
+                gone, (old, _) = self._objects.popitem(last=False)
                 self.bytes -= len(old)
-            return True
+                evicted.append(gone)
+        if evicted:  # what named them goes too (store.md §4.6)
+            from .pointers import entries_naming
+
+            for entries in entries_naming(self, evicted).values():
+                for entry in entries:
+                    self.delete(entry)
+        return True
 
     def exists(self, name: str) -> bool:
         return name in self._objects

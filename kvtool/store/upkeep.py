@@ -12,6 +12,7 @@ from ..format.reader import PreadFile
 from . import objects
 from .backend import ObjectInfo
 from .chunk_store import ChunkStore
+from .pointers import dangling_entries
 
 
 @dataclass
@@ -72,6 +73,28 @@ def model_names(store: ChunkStore, rows: list[dict]) -> dict[str, str]:
     return names
 
 
+def in_namespace(store: ChunkStore, info: ObjectInfo, namespace: str) -> bool:
+    """Whether an object belongs to `namespace`: found among its keys (Redis, §6.2), or a chunk or
+    piece whose object records it (`store.extra.namespace`; a folder keeps every namespace's objects
+    side by side). A block index entry goes with what it names (`Backend.remove`)."""
+    if info.namespace:
+        return info.namespace == namespace
+    parsed = objects.parse_name(info.name)
+    if parsed is None or parsed[0] not in ("chunk", "piece"):
+        return False
+    try:
+        data = store.backend.open(info.name)
+        if data is None:
+            return False
+        obj = objects.check_chunk(data, info.name, verify_payload=False, kind=parsed[0])
+    except KvtoolError:  # damaged: not known to be the namespace's (fsck's)
+        return False
+    try:
+        return obj.extra.get("namespace") == namespace
+    finally:
+        obj.reader.close()
+
+
 def inventory(store: ChunkStore) -> Inventory:
     kinds: Counter = Counter()
     models: dict[str, dict] = defaultdict(lambda: {"chunks": 0, "bytes": 0, "chunk_sizes": set()})
@@ -107,13 +130,19 @@ def gc(store: ChunkStore, max_bytes: int) -> GcReport:
                     remaining_bytes=remaining)
 
 
+class NamesDamage(ObjectRefused):
+    """A block index entry that is itself intact but names a damaged object: it goes with that
+    object, and is counted as a pointer removed, not as a second damaged object."""
+
+
 @dataclass
 class FsckReport:
     checked: int
     intact: int
-    damaged: list[dict]  # {"name", "reason"}
-    removed: int
+    damaged: list[dict]  # {"name", "reason"}: each damaged, foreign or stale object once
+    removed: int  # of those
     temps_removed: int
+    entries_removed: int = 0  # intact block index entries removed because the object they named went
 
 
 def check_block_entry(store: ChunkStore | None, name: str, data, namespace: str = "") -> None:
@@ -130,7 +159,10 @@ def check_block_entry(store: ChunkStore | None, name: str, data, namespace: str 
     held = store.backend.within(namespace).open(target)  # (an entry names objects of its own namespace)
     if held is None:
         raise ObjectRefused(f"{name}: stale: the object it names ({target}) is not stored")
-    obj = objects.check_chunk(held, target, verify_payload=False, kind=kind)
+    try:
+        obj = objects.check_chunk(held, target, verify_payload=False, kind=kind)
+    except ObjectRefused as err:  # the damage is the target's, reported once, as the target
+        raise NamesDamage(str(err)) from None
     try:
         part = obj.tokens[:tokens]
         extra = objects.restrict_extra(obj.extra, obj.start, obj.start + tokens)
@@ -190,7 +222,7 @@ def fsck(store: ChunkStore, *, repair: bool = True) -> FsckReport:
     One object that cannot be read or removed is reported, and the sweep goes on to the next; only
     a store that cannot be reached at all ends it."""
     temps = store.backend.sweep() if repair else 0
-    damaged, doomed, checked = [], [], 0
+    damaged, doomed, checked, pointers = [], [], 0, 0
     for info in list(store.backend.scan()):
         checked += 1
         shown = printable(info.name)
@@ -200,14 +232,29 @@ def fsck(store: ChunkStore, *, repair: bool = True) -> FsckReport:
             check_object(info.name, store.backend.within(info.namespace).open(info.name), store, info.namespace)
         except StoreUnavailable:
             raise
+        except NamesDamage:  # removed below with the object it names (if that is removed)
+            pointers += 1
         except (ObjectUnreadable, InputFileError) as err:  # nothing known of its bytes: reported, kept
             damaged.append({"name": shown, "reason": f"{err}; left in place (it cannot be read here)", "kept": True})
         except (ObjectRefused, StoreError) as err:
             damaged.append({"name": shown, "reason": printable(str(err))})
             doomed.append((info, damaged[-1]))
     removed = sum(_remove(store, info, d) for info, d in doomed) if repair else 0
-    return FsckReport(checked=checked, intact=checked - len(damaged), damaged=damaged, removed=removed,
-                      temps_removed=temps)
+    entries_removed = 0
+    if repair:  # the entries that named what went (or what an earlier version or a server's eviction removed)
+        reported = {(info.namespace, info.name) for info, _ in doomed}
+        went = {(info.namespace, info.name) for info, d in doomed if "not removed" not in d["reason"]}
+        for namespace, name, target in dangling_entries(store.backend):
+            if (namespace, name) in reported:
+                continue
+            if (namespace, target) in went:  # an intact pointer to what was just removed: counted apart
+                entries_removed += int(store.backend.within(namespace).delete(name))
+                continue
+            row = {"name": printable(name), "reason": f"{printable(name)}: stale: the object it names is not stored"}
+            damaged.append(row)
+            removed += _remove(store, ObjectInfo(name, 0, 0.0, namespace), row)
+    return FsckReport(checked=checked, intact=max(0, checked - len(damaged) - pointers),
+                      damaged=damaged, removed=removed, temps_removed=temps, entries_removed=entries_removed)
 
 
 def _remove(store: ChunkStore, info: ObjectInfo, damaged: dict) -> bool:

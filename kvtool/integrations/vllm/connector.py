@@ -46,6 +46,12 @@ class KVToolConnector(KVConnectorBase_V1):
             meta.saves.clear()
         return meta
 
+    def update_connector_output(self, connector_output) -> None:
+        """After each step: blocks the worker could not load (vLLM has rescheduled their requests)."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            self.scheduler_side.failed_blocks(set(invalid))
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.scheduler_side.forget(request.request_id)
         return False, None  # saves gather synchronously: vLLM may free the blocks now

@@ -35,3 +35,7 @@ class SaveSpec:
 class KVToolMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    #: requests whose failed load vLLM has seen and rescheduled from the first failed block: the
+    #: saves sent from this step on are of recomputed tokens (the worker saves them again)
+    recovered: list[str] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)  # requests finished or aborted since the last step

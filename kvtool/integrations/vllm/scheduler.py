@@ -92,6 +92,8 @@ class SchedulerSide:
         self._lookups: Lookups[RequestFacts, LookupResult] = Lookups(self._lookup, config.lookup_wait_s)
         self._answers: dict[str, Answer] = {}
         self._states: dict[str, RequestState] = {}
+        self._recovered: set[str] = set()  # told to the worker with the next step (metadata.recovered)
+        self._ended: set[str] = set()
 
     # --- vLLM asks how many tokens the store holds ---------------------------------------
 
@@ -178,7 +180,28 @@ class SchedulerSide:
             self._take_saves(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         for req_id in scheduler_output.finished_req_ids:
             self.forget(req_id)
+        meta.recovered, self._recovered = sorted(self._recovered), set()
+        meta.ended, self._ended = sorted(self._ended), set()
         return meta
+
+    # --- after a step: loads that failed ------------------------------------------------
+
+    def failed_blocks(self, invalid_block_ids: set[int]) -> None:
+        """The worker could not load these blocks and vLLM has already rescheduled (policy
+        `recompute`) or failed (`fail`) their requests from the first such block. What the store
+        was believed to hold from there is not: a request saves those chunks again once they are
+        recomputed (the worker saved nothing built on them meanwhile: its `_tainted`)."""
+        for req_id, state in self._states.items():
+            first = next((i for i, block in enumerate(state.blocks) if block in invalid_block_ids), None)
+            if first is None:
+                continue
+            failed_from = first * self.config.block_size
+            state.saved = min(state.saved, failed_from // self.config.chunk_size * self.config.chunk_size)
+            if failed_from < self._tail(state)[1]:
+                state.tail_saved = False
+            self._recovered.add(req_id)
+            log.info("kvtool: request %s: its load failed from token %d: recomputed from there, then saved again",
+                     req_id, failed_from)
 
     def _take_load(self, meta: KVToolMetadata, req_id: str, state: RequestState) -> None:
         if state.load is None:
@@ -234,6 +257,8 @@ class SchedulerSide:
         self._lookups.forget(req_id)
         self._answers.pop(req_id, None)
         self._states.pop(req_id, None)
+        self._recovered.discard(req_id)
+        self._ended.add(req_id)
 
     def take_stats(self) -> KVToolConnectorStats | None:
         return self.stats.take()

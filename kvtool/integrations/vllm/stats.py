@@ -25,6 +25,8 @@ class TransferCounts:
     save_seconds: float = 0.0  # gather in vLLM's step plus encode and write on the saving thread
     refusals: int = 0  # stored chunks refused by a check (damaged, or another model's/request's)
     load_failures: int = 0  # loads that fell short of what the scheduler promised vLLM
+    healed: int = 0  # stored objects removed because a load refused them or found them gone (and entries naming them)
+    unsaved_after_failure: int = 0  # saves skipped: computed over blocks whose load failed (saved once recomputed)
 
 
 COUNTERS = tuple(f.name for f in dataclasses.fields(TransferCounts))

@@ -33,6 +33,10 @@ class WorkerSide:
         self._save_buffers = SaveBuffers(keep=6)  # SavePipeline holds at most 4 pending saves
         self._saving: SavePipeline | None = None  # encode + write of gathered chunks, off the step
         self._load_errors: set[int] = set()
+        #: req_id -> the first token whose load failed: vLLM ran the step over blocks that were never
+        #: loaded, so nothing past it is saved until the scheduler says the request was rescheduled
+        #: from there (`meta.recovered`): KV built on a failed load never reaches the store
+        self._tainted: dict[str, int] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = engine_layout(self._vllm_config)
@@ -46,6 +50,8 @@ class WorkerSide:
     # --- loads, before the forward pass --------------------------------------------------
 
     def start_load(self, meta: KVToolMetadata) -> None:
+        for req_id in (*meta.recovered, *meta.ended):  # recomputed from its first failed block on, or gone
+            self._tainted.pop(req_id, None)
         for load in meta.loads:
             self._load(load)
 
@@ -53,21 +59,23 @@ class WorkerSide:
         """kvtool.load's pipeline: fetch, check, decode and scatter chunk by chunk into the blocks
         from load.start on (vLLM's own blocks before it, perhaps shared, are never written)."""
         began = time.perf_counter()
-        refused, read = 0, 0
+        refused, read, healed = 0, 0, 0
         try:
             target = self._blocks.target(load.block_ids, load.end)
             hit = self.caches.cache(load.keys).load_prefix(load.token_ids, target, max_tokens=load.end,
                                                             from_token=load.start)
             done, why = min(hit.num_tokens, load.end), "; ".join(hit.refused + hit.unreadable) or "missing"
-            refused, read = len(hit.refused), hit.stored_bytes
+            refused, read, healed = len(hit.refused), hit.stored_bytes, len(hit.healed)
         except KvtoolError as err:  # e.g. the store went away: a load failure, never a crash
             done, why = load.start, str(err)
         seconds = time.perf_counter() - began
         self.stats.add(loaded_tokens=max(0, done - load.start), loaded_bytes=read, load_seconds=seconds,
-                       refusals=refused, load_failures=int(done < load.end))
+                       refusals=refused, load_failures=int(done < load.end), healed=healed)
         if done < load.end:  # missing or refused: never wrong KV; vLLM's policy decides
             first, last = done // self.config.block_size, (load.end - 1) // self.config.block_size
             self._load_errors.update(load.block_ids[first:last + 1])
+            failed_from = first * self.config.block_size
+            self._tainted[load.req_id] = min(self._tainted.get(load.req_id, failed_from), failed_from)
             log.warning("kvtool: request %s: only %d of %d tokens could be loaded from %s (%s)", load.req_id,
                         done, load.end, self.caches.url, why)
         else:
@@ -84,6 +92,12 @@ class WorkerSide:
         """Copy each completed chunk out of vLLM's blocks now (vLLM may free them once this
         returns); encode, checksum and store it on the saving thread while vLLM goes on."""
         for save in meta.saves:
+            tainted = self._tainted.get(save.req_id)
+            if tainted is not None and save.end > tainted:  # computed over blocks that were never loaded
+                log.warning("kvtool: request %s: tokens %d..%d not saved: this step computed them over tokens from "
+                            "%d whose load failed (saved once recomputed)", save.req_id, save.start, save.end, tainted)
+                self.stats.add(unsaved_after_failure=1)
+                continue
             began = time.perf_counter()
             numel = self._blocks.paged.get_shape(save.end - save.start).numel()
             kv = self._blocks.read(save.block_ids, save.start, save.end,
@@ -110,8 +124,9 @@ class WorkerSide:
         seconds = gathered + time.perf_counter() - began
         self.stats.add(saved_chunks=result.stored + result.pieces, saved_bytes=result.stored_bytes,
                        save_seconds=seconds)
-        log.info("kvtool: request %s: saved %d chunks (%d bytes) in %.1f ms (%.1f ms in vLLM's step)",
-                 save.req_id, result.stored, result.stored_bytes, 1e3 * seconds, 1e3 * gathered)
+        log.info("kvtool: request %s: saved %d chunks%s (%d bytes) in %.1f ms (%.1f ms in vLLM's step)",
+                 save.req_id, result.stored, f" and {result.pieces} piece" if result.pieces else "", result.stored_bytes,
+                 1e3 * seconds, 1e3 * gathered)
 
     # --- stats, the end -------------------------------------------------------------------
 
