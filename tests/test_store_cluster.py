@@ -21,7 +21,7 @@ import torch
 from kvtool.cli.app import run
 from kvtool.errors import StoreUnavailable, StoreUrlInvalid
 from kvtool.store import open_store
-from kvtool.store.redis_cluster import seed_nodes
+from kvtool.store.urls import parse_store_url
 
 from fixtures import make_identity, write_kv_file
 
@@ -67,16 +67,17 @@ def keys_per_primary(cluster) -> Counter:
 
 
 def test_cluster_urls_name_every_seed_and_hide_the_password():
-    first, seeds = seed_nodes("rediss+cluster://kv:s3cret@h1:7000,[::1]:7001,h3/0?ssl_ca_certs=/ca.crt", "shown")
-    assert first == "rediss://kv:s3cret@h1:7000/0?ssl_ca_certs=/ca.crt"
-    assert seeds == [("h1", 7000), ("::1", 7001), ("h3", 6379)]
+    url = parse_store_url("rediss+cluster://kv:s3cret@h1:7000,[::1]:7001,h3/0?ssl_ca_certs=/ca.crt")
+    assert url.kind == "cluster" and url.tls and url.password == "s3cret" and url.username == "kv"
+    assert url.nodes == (("h1", 7000), ("::1", 7001), ("h3", 6379)) and url.options == (("ssl_ca_certs", "/ca.crt"),)
+    assert url.shown == "rediss+cluster://***@h1:7000,[::1]:7001,h3:6379/0?ssl_ca_certs=/ca.crt"
     from kvtool.store.redis_backend import redacted
 
     shown = redacted("redis+cluster://kv:s3cret@h1:7000,h2:7001/0?password=other-s3cret")
     assert shown.startswith("redis+cluster://***@h1:7000,h2:7001/0") and "s3cret" not in shown
     for bad in ("redis+cluster://h1:7000,:7001/0", "redis+cluster://h1:notaport/0", "redis+cluster://h1:0/0"):
         with pytest.raises(StoreUrlInvalid):
-            seed_nodes(bad, "shown")
+            parse_store_url(bad)
 
 
 def test_cluster_url_errors_are_one_line(capsys, redis_cluster):

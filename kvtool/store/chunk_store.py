@@ -13,14 +13,13 @@ from __future__ import annotations
 import array
 import itertools
 import os
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import KvtoolError, NotCached, ObjectRefused, ObjectUnreadable, StoreUrlInvalid, UsageError
+from ..errors import KvtoolError, NotCached, ObjectRefused, ObjectUnreadable, UsageError
 from ..identity import ModelIdentity
 from ..notices import notice
 from . import loading, objects
@@ -31,12 +30,10 @@ from .backend import Backend, ObjectInfo
 from .local import LocalBackend
 from .memory import MemoryBackend
 from .tiers import TieredBackend
+from .urls import parse_store_url
 
 if TYPE_CHECKING:
     import torch
-
-_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-_SCHEME_TYPO = re.compile(r"(redis\+cluster|rediss\+cluster|redis|rediss|unix|file|memory):/?", re.IGNORECASE)
 
 
 def open_store(url: str | os.PathLike, *, memory_bytes: int = 0, max_bytes: int | None = None,
@@ -44,34 +41,21 @@ def open_store(url: str | os.PathLike, *, memory_bytes: int = 0, max_bytes: int 
     """A store from a URL: a folder path, `file://PATH`, `redis://host:port/db` (`rediss://`: TLS),
     `redis+cluster://host:port,host:port/0` (a Redis Cluster; `rediss+cluster://`), or `memory://`.
     `memory_bytes` > 0 puts an in-process LRU memory tier of that size in front (write-through);
-    `max_bytes` caps a local store (least recently used objects are evicted past it)."""
-    text = os.fspath(url)
-    typo = _SCHEME_TYPO.match(text)
-    if typo and not _SCHEME.match(text):  # `redis:/host:6379/0`: a URL missing a slash, not a folder
-        from .redis_backend import redacted  # (a password in it is never shown)
-
-        meant = redacted(f"{typo.group(1)}://{text[typo.end():].lstrip('/')}")
-        raise StoreUrlInvalid(f"a {typo.group(1)}: store URL missing a slash: did you mean {meant}?")
-    m = _SCHEME.match(text)
-    scheme = m.group(1).lower() if m else None
-    if scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
+    `max_bytes` caps a local store (least recently used objects are evicted past it). The URL is
+    parsed whole first (`urls.py`): anything it does not understand is one line, never a folder."""
+    parsed = parse_store_url(url)
+    if parsed.kind in ("redis", "cluster"):
         from .redis_backend import RedisBackend
         from .redis_cluster import RedisClusterBackend
 
         if max_bytes is not None:
             raise UsageError("a Redis store is capped by the server: set its maxmemory and "
                              "maxmemory-policy allkeys-lru (format-spec/store.md §6)")
-        backend: Backend = (RedisClusterBackend if scheme.endswith("+cluster") else RedisBackend)(text)
-    elif scheme == "memory":
-        backend = MemoryBackend(max_bytes or (1 << 30))
-    elif scheme == "file" or scheme is None:
-        path = text[len("file://"):] if scheme == "file" else text
-        if not path:
-            raise StoreUrlInvalid(f"{text}: give the store's folder")
-        backend = LocalBackend(path, max_bytes=max_bytes, create=create)
+        backend: Backend = (RedisClusterBackend if parsed.kind == "cluster" else RedisBackend)(parsed)
+    elif parsed.kind == "memory":
+        backend = MemoryBackend(max_bytes or parsed.max_bytes or (1 << 30))
     else:
-        raise StoreUrlInvalid(f"{text}: a store is a folder, file://PATH, redis://HOST:PORT/DB "
-                              "or redis+cluster://HOST:PORT,HOST:PORT/0")
+        backend = LocalBackend(parsed.path, max_bytes=max_bytes, create=create)
     if memory_bytes > 0:
         backend = TieredBackend([MemoryBackend(memory_bytes), backend])
     return ChunkStore(backend)

@@ -15,8 +15,9 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from ..errors import ObjectRefused, StoreAccessDenied, StoreError, StoreUnavailable, UsageError
+from ..errors import ObjectRefused, StoreAccessDenied, StoreError, StoreUnavailable, StoreUrlInvalid, UsageError
 from .backend import Backend, ObjectInfo
+from .urls import StoreUrl, parse_store_url, redacted  # noqa: F401  (`redacted`: public here too)
 
 #: The key prefix of objects without a namespace (1: the backend layout's version, §9).
 KEY_PREFIX = "kvtool:1:"
@@ -28,28 +29,6 @@ NAMESPACE_PREFIX = "kvtool:ns:"
 _PLAIN = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 #: How long a command keeps retrying a lost server before it reports it (seconds of backoff).
 RETRY_SECONDS = 5.0
-
-
-def redacted(url: str) -> str:
-    """`url` with its password (and a username that may be a token) replaced by `***`."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    try:
-        parts = urlsplit(url)
-    except ValueError:  # (a malformed address): show only the scheme
-        return url.split("://", 1)[0] + "://***"
-    # the last "@" ends the user part (a password may hold an unescaped "@"); what follows is the
-    # host, or a cluster's host:port,host:port, shown as written
-    userinfo, at, hosts = parts.netloc.rpartition("@")
-    query = parts.query
-    if "password=" in query.lower():  # redis-py also reads `?password=`: never shown either
-        from urllib.parse import parse_qsl, urlencode
-
-        query = urlencode([(k, "***" if k.lower() == "password" else v)
-                           for k, v in parse_qsl(query, keep_blank_values=True)], safe="*/")
-    if not at and query == parts.query:
-        return url
-    return urlunsplit(parts._replace(netloc=("***@" if at else "") + hosts, query=query))
 
 
 def key_prefix(namespace: str) -> str:
@@ -96,33 +75,42 @@ def _namespace_of(key: str) -> tuple[str, str] | None:
 PASSWORD_VARIABLE = "KVTOOL_REDIS_PASSWORD"
 
 
-def _password_outside(url: str, shown: str) -> tuple[str, str | None]:
-    """`url` without a `password_file` argument, and the password kept outside it (None: the URL's
-    own, or none). Errors name the store as `shown` (redacted) and never hold the password."""
+def _password_of(url: StoreUrl) -> str | None:
+    """The URL's own password, else its password_file's first line, else the environment's.
+    Errors name the store as `url.shown` and never hold the password."""
     import os
-    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    files = [value for key, value in query if key == "password_file"]
-    if files:
-        url = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "password_file"])))
-    try:
-        has_own = parts.password is not None
-    except ValueError:
-        has_own = False
-    if has_own:
-        return url, None
-    if files:
+    if url.password is not None:
+        return url.password
+    if url.password_file is not None:
         try:
-            with open(files[-1], encoding="utf-8") as f:
+            with open(url.password_file, encoding="utf-8") as f:
                 first = f.readline().rstrip("\r\n")
         except (OSError, UnicodeDecodeError) as err:
-            raise StoreError(f"{shown}: cannot read its password_file ({getattr(err, 'strerror', None) or err})") from None
+            raise StoreError(f"{url.shown}: cannot read its password_file "
+                             f"({getattr(err, 'strerror', None) or type(err).__name__})") from None
         if not first:
-            raise StoreError(f"{shown}: its password_file is empty")
-        return url, first
-    return url, os.environ.get(PASSWORD_VARIABLE) or None
+            raise StoreError(f"{url.shown}: its password_file is empty")
+        return first
+    return os.environ.get(PASSWORD_VARIABLE) or None
+
+
+def client_options(url: StoreUrl, password: str | None) -> dict:
+    """redis-py's client keyword arguments for `url` (never its URL parser: `urls.py` is the one)."""
+    options: dict = {"socket_connect_timeout": 1.0, "socket_timeout": 5.0, **dict(url.options)}
+    if url.username is not None:
+        options["username"] = url.username
+    if password:
+        options["password"] = password
+    if url.tls:
+        options["ssl"] = True
+    if url.path:
+        options["unix_socket_path"] = url.path
+    else:
+        options["host"], options["port"] = url.nodes[0]
+    if url.kind == "redis":
+        options["db"] = url.db
+    return options
 
 
 def _retry_but_not_refusals(retry_class):
@@ -142,36 +130,44 @@ class RedisBackend(Backend):
     """One Redis server (or, in `RedisClusterBackend`, a cluster). `within(namespace)` is the same
     connection seen through that namespace's key prefix: what a `ModelCache` of the namespace uses."""
 
-    def __init__(self, url: str, *, retry_seconds: float = RETRY_SECONDS):
+    #: the kind of `urls.StoreUrl` this backend opens
+    KIND, KIND_NAME = "redis", "one Redis server (redis://, rediss://, unix://)"
+
+    def __init__(self, url: str | StoreUrl, *, retry_seconds: float = RETRY_SECONDS):
+        parsed = url if isinstance(url, StoreUrl) else parse_store_url(url)
+        if parsed.kind != self.KIND:
+            raise StoreUrlInvalid(f"{parsed.shown}: not a URL of {self.KIND_NAME}")
         try:
             import redis
         except ImportError:
             raise UsageError("a redis:// store needs redis-py: pip install 'redis>=5'") from None
         self._errors = redis.exceptions
-        self.url = redacted(url)  # what messages and logs show: never the password
+        self.url = parsed.shown  # what messages and logs show: never the password (urls.py's canonical form)
         self.namespace = ""
         self._prefix = KEY_PREFIX
         self._root, self._views = self, {}
-        url, password = _password_outside(url, self.url)
+        password = _password_of(parsed)
+        #: what a library's message must never show (redis-py's name hosts, not passwords: a guard; a
+        #: password of 1 to 3 characters is in much text, so it is not cut out of words)
+        self._secrets = (password,) if password and len(password) >= 4 else ()
         self.retry_seconds = retry_seconds
         try:
             with self._talking():  # (a cluster client talks to its seeds as it is made)
-                self.client = self._connect(redis, url, password)
-        except ValueError as err:
-            raise StoreError(f"{self.url}: not a Redis URL ({err})") from None
+                self.client = self._connect(redis, client_options(parsed, password), parsed)
+        except ValueError:  # (its message may quote an argument: never shown)
+            raise StoreUrlInvalid(f"{self.url}: redis-py refused the URL's arguments") from None
         self._run(self._ping)
 
-    def _connect(self, redis, url: str, password: str | None):
+    def _connect(self, redis, options: dict, url: StoreUrl):
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry
 
         # redis-py waits 0.1, 0.2, 0.4, then 0.5 s between tries: about `retry_seconds` of waiting
         # for a refused connection, plus up to 1 s per try for a host that does not answer
         retries = max(1, int((self.retry_seconds - 0.7) / 0.5) + 3)
-        return redis.Redis.from_url(
-            url, socket_connect_timeout=1.0, socket_timeout=5.0, **({"password": password} if password else {}),
-            retry=_retry_but_not_refusals(Retry)(ExponentialBackoff(cap=0.5, base=0.05), retries),
-            retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError])
+        return redis.Redis(**options,
+                           retry=_retry_but_not_refusals(Retry)(ExponentialBackoff(cap=0.5, base=0.05), retries),
+                           retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError])
 
     def _ping(self) -> None:
         self.client.ping()
@@ -201,20 +197,24 @@ class RedisBackend(Backend):
             yield
         except self._errors.AuthenticationError as err:  # (a ConnectionError to redis-py: not one to us)
             raise StoreAccessDenied(f"{self.url}: the Redis server refused the user name or password "
-                                    f"({_first_line(err)})") from None
+                                    f"({self._said(err)})") from None
         except self._errors.NoPermissionError as err:
             raise self._refused(err) from None
         except (self._errors.ConnectionError, self._errors.TimeoutError) as err:
-            raise StoreUnavailable(f"{self.url}: the Redis server cannot be reached ({_first_line(err)})") from None
+            raise StoreUnavailable(f"{self.url}: the Redis server cannot be reached ({self._said(err)})") from None
         except self._errors.RedisError as err:
             if "NOPERM" in str(err) or "no permissions" in str(err):  # (a pipeline's, as a ResponseError)
                 raise self._refused(err) from None
-            raise StoreError(f"{self.url}: Redis refused the command ({_first_line(err)})") from None
+            raise StoreError(f"{self.url}: Redis refused the command ({self._said(err)})") from None
 
     def _refused(self, err: Exception) -> StoreAccessDenied:
         """An ACL refusal, naming the namespace asked for: a tenant's user reading another's."""
         what = f"read or write namespace {self.namespace!r}" if self.namespace else "do this"
-        return StoreAccessDenied(f"{self.url}: the Redis user may not {what} (ACL: {_first_line(err)})")
+        return StoreAccessDenied(f"{self.url}: the Redis user may not {what} (ACL: {self._said(err)})")
+
+    def _said(self, err: BaseException) -> str:
+        """The first line of a library's error, with this store's credentials cut out if it held any."""
+        return _first_line(err, self._secrets)
 
     def _key(self, name: str) -> bytes:
         """The Redis key of a name; a name read from a key that is not UTF-8 gives its bytes back."""
@@ -352,6 +352,10 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-def _first_line(err: Exception) -> str:
+def _first_line(err: BaseException, secrets: Sequence[str] = ()) -> str:
+    """A library's error in one line, never holding one of `secrets` (a password, a user name)."""
     text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0]
+    line = text.splitlines()[0]
+    for secret in secrets:
+        line = line.replace(secret, "***")
+    return line

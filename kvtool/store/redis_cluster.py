@@ -19,71 +19,31 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
-from urllib.parse import unquote
 
-from ..errors import StoreUnavailable, StoreUrlInvalid
-from .redis_backend import RedisBackend, _first_line
-
-#: The URL schemes of a cluster: redis-py's own (`redis://`, `rediss://`) with `+cluster`.
-SCHEMES = ("redis+cluster", "rediss+cluster")
-
-
-def seed_nodes(url: str, shown: str) -> tuple[str, list[tuple[str, int]]]:
-    """A `redis://` (or `rediss://`) URL of the first seed node, carrying the user, password, database
-    and query arguments redis-py reads, and every seed's (host, port). `shown` (redacted) names
-    the URL in errors."""
-    scheme, _, rest = url.partition("://")
-    plain = scheme.lower().removesuffix("+cluster")
-    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
-    netloc, tail = rest[:cut], rest[cut:]
-    userinfo, at, hosts = netloc.rpartition("@")
-    seeds = []
-    for part in hosts.split(","):
-        host, port = _host_port(part.strip(), shown)
-        seeds.append((host, port))
-    if not seeds:
-        raise StoreUrlInvalid(f"{shown}: give the cluster's nodes, as host:port,host:port")
-    host, port = seeds[0]
-    first = f"[{host}]" if ":" in host else host
-    return f"{plain}://{userinfo}{at}{first}:{port}{tail}", seeds
-
-
-def _host_port(text: str, shown: str) -> tuple[str, int]:
-    if text.startswith("["):  # [IPv6]:port
-        host, _, port = text[1:].partition("]")
-        port = port.removeprefix(":")
-    else:
-        host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
-    if not host:
-        raise StoreUrlInvalid(f"{shown}: a cluster node without a host (give host:port,host:port)")
-    try:
-        number = int(port) if port else 6379
-    except ValueError:
-        number = -1
-    if not 0 < number < 65536:
-        raise StoreUrlInvalid(f"{shown}: {port!r} is not a port")
-    return unquote(host), number
+from ..errors import StoreUnavailable
+from .redis_backend import RedisBackend
+from .urls import StoreUrl
 
 
 class RedisClusterBackend(RedisBackend):
     """`RedisBackend` with a cluster client: batches pipelined per node, scans over every primary,
     and a failover (or a MOVED slot) ridden out with the single server's backoff."""
 
-    def _connect(self, redis, url: str, password: str | None):
+    KIND, KIND_NAME = "cluster", "a Redis Cluster (redis+cluster://, rediss+cluster://)"
+
+    def _connect(self, redis, options: dict, url: StoreUrl):
         from redis.backoff import NoBackoff
         from redis.cluster import ClusterNode, RedisCluster
         from redis.retry import Retry
 
         self._cluster_errors = (redis.exceptions.ClusterError, redis.exceptions.TryAgainError,
                                 redis.exceptions.MovedError, redis.exceptions.RedisClusterException)
-        first, seeds = seed_nodes(url, self.url)
 
         def make():
             # the client's own retries only follow a moved slot at once; waiting for a failover is
-            # `_run`'s backoff, the same as the single server's
-            return RedisCluster(url=first, startup_nodes=[ClusterNode(h, p) for h, p in seeds[1:]],
-                                socket_connect_timeout=1.0, socket_timeout=5.0, retry=Retry(NoBackoff(), 3),
-                                **({"password": password} if password else {}))
+            # `_run`'s backoff, the same as the single server's (the first seed is host and port)
+            return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in url.nodes[1:]],
+                                retry=Retry(NoBackoff(), 3), **options)
         last = None
         for wait in [*_backoff(self.retry_seconds), None]:
             try:
@@ -92,14 +52,12 @@ class RedisClusterBackend(RedisBackend):
                 raise  # (said by `_talking`, at once: it would not change)
             except self._cluster_errors + (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
                 text = str(err)
-                if "db" in text and "cluster mode" in text:
-                    raise StoreUrlInvalid(f"{self.url}: a Redis Cluster has database 0 only") from None
                 if any(w in text for w in ("WRONGPASS", "invalid username-password", "NOAUTH", "NOPERM")):
-                    raise redis.exceptions.AuthenticationError(_first_line(err)) from None
+                    raise redis.exceptions.AuthenticationError(self._said(err)) from None
                 last = err  # no seed answered the slot map: tried again, as a lost server is
             if wait is not None:
                 time.sleep(wait)
-        raise StoreUnavailable(f"{self.url}: the Redis cluster cannot be reached ({_first_line(last)})") from None
+        raise StoreUnavailable(f"{self.url}: the Redis cluster cannot be reached ({self._said(last)})") from None
 
     def _ping(self) -> None:
         self.client.ping(target_nodes=self.client.PRIMARIES)
@@ -127,7 +85,7 @@ class RedisClusterBackend(RedisBackend):
                     yield
                 except self._cluster_errors as err:
                     raise self._errors.ConnectionError(f"the cluster is failing over or a node is away: "
-                                                       f"{_first_line(err)}") from None
+                                                       f"{self._said(err)}") from None
         except StoreUnavailable as err:
             raise StoreUnavailable(str(err).replace("the Redis server", "the Redis cluster", 1)) from None
 
@@ -163,4 +121,4 @@ def _backoff(retry_seconds: float) -> list[float]:
     return waits
 
 
-__all__ = ["SCHEMES", "RedisClusterBackend", "seed_nodes"]
+__all__ = ["RedisClusterBackend"]
