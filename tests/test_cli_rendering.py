@@ -1,0 +1,54 @@
+"""What the CLI prints for people, from hostile or unusual files (issue 46): fields from a file or
+a store never reach the terminal as control characters (finding 4), a file mixing codecs is
+inspected per codec (finding 2), NaN chunks are dumped without numpy's warnings (finding 7).
+Real files written by the real writer, the real CLI in this process."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from fixtures import make_identity, make_kv, write_kv_file
+from kvtool.cli.app import run
+
+
+def call(capsys, *args):
+    capsys.readouterr()
+    code = run([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ---- NaN chunks: no numpy warning (finding 7) ---------------------------------------------------
+
+#: A signaling NaN of each KV dtype: bits a file may hold (valid CRC), which numpy's float casts
+#: turn quiet with an "invalid value encountered in cast" RuntimeWarning.
+SIGNALING_NAN = {torch.bfloat16: (0x7F81, torch.int16), torch.float16: (0x7D01, torch.int16),
+                 torch.float32: (0x7F800001, torch.int32)}
+
+
+@pytest.mark.parametrize("dtype", list(SIGNALING_NAN), ids=str)
+def test_nan_chunks_are_dumped_and_inspected_without_warnings(tmp_path, capsys, dtype):
+    bits, as_int = SIGNALING_NAN[dtype]
+    kv = make_kv(make_identity(), 8, dtype)
+    kv.view(as_int)[:, :, 4:] = bits
+    kv[:, :, 6:] = float("nan")
+    f = write_kv_file(tmp_path / "nan.kvc", kv=kv, num_tokens=8, chunk_size=4, dtype=dtype)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for out in ("out.npy", "out.safetensors"):
+            code, _, err = call(capsys, "dump", f.path, "-o", tmp_path / out)
+            assert code == 0 and err == ""
+        assert call(capsys, "inspect", "--stats", f.path)[0] == 0
+        assert call(capsys, "verify", f.path)[0] == 1  # (NaN is refused by verify, said in its report)
+    assert [str(w.message) for w in caught] == []
+    dumped = np.load(tmp_path / "out.npy")  # bit for bit: a bfloat16 is the high half of its float32
+    stored = kv.view(as_int).numpy().astype(np.int64) & (0xFFFF if as_int == torch.int16 else 0xFFFFFFFF)
+    if dtype == torch.bfloat16:
+        assert np.array_equal(dumped.view(np.uint32) >> 16, stored.reshape(dumped.shape))
+    else:
+        assert np.array_equal(dumped.view(np.uint16 if dtype == torch.float16 else np.uint32),
+                              stored.reshape(dumped.shape))
