@@ -52,3 +52,42 @@ def test_nan_chunks_are_dumped_and_inspected_without_warnings(tmp_path, capsys, 
     else:
         assert np.array_equal(dumped.view(np.uint16 if dtype == torch.float16 else np.uint32),
                               stored.reshape(dumped.shape))
+
+
+# ---- a file mixing codecs (finding 2: KeyError 'bpv_sinks') -------------------------------------
+
+@pytest.fixture()
+def pca_params(tmp_path, monkeypatch):
+    """pca parameters over a small calibration fitted on random data (as tests/test_pca.py's)."""
+    from test_pca import small_calibration
+
+    from kvtool.codecs.pca import QUALITY, params_for
+    from kvtool.codecs.pca import calibration as calmod
+
+    monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", str(tmp_path / "cal"))
+    monkeypatch.delenv("KVTOOL_CALIBRATION_PATH", raising=False)
+    calmod._loaded.clear()
+    saved = small_calibration().save(tmp_path / "cal")
+    yield params_for(getattr(saved, "digest", saved), next(iter(QUALITY)))
+    calmod._loaded.clear()
+
+
+@pytest.mark.parametrize("order", [("cachegen", "pca", "zstd", "raw"), ("pca", "raw", "cachegen", "zstd")],
+                         ids=["cachegen-first", "pca-first"])
+def test_inspect_a_file_mixing_codecs_shows_each_codecs_parts(tmp_path, capsys, pca_params, order):
+    """What `store get` writes when a prefix was stored in several codecs: each codec's bits by
+    part on a line of its own (their parts differ), the totals over all."""
+    params = {"pca": pca_params}
+    f = write_kv_file(tmp_path / "mixed.kvc", identity=make_identity(num_layers=2, num_kv_heads=2, head_dim=8),
+                      num_tokens=16, chunk_size=4, codecs_per_chunk=[(c, params.get(c)) for c in order])
+    for args in ((), ("--stats",), ("--wide",)):
+        code, out, err = call(capsys, "inspect", *args, f.path)
+        text = " ".join(out.split())
+        assert code == 0 and err == ""
+        lines = {line.split(" chunks:")[0].rsplit(" ", 1)[-1]: line for line in text.split("bits/value by part, ")[1:]}
+        assert set(lines) == {"cachegen", "pca"}
+        assert " scales " in lines["cachegen"] and " side " in lines["pca"]  # each codec's own parts
+    assert call(capsys, "verify", f.path)[0] == 0
+    one = write_kv_file(tmp_path / "one.kvc", num_tokens=8, chunk_size=4, codec="cachegen")
+    code, out, _ = call(capsys, "inspect", one.path)
+    assert code == 0 and "bits/value by part: header" in " ".join(out.split())  # one codec: as before
