@@ -5,13 +5,16 @@ Real files written by the real writer, the real CLI in this process."""
 
 from __future__ import annotations
 
+import json
+import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from fixtures import make_identity, make_kv, write_kv_file
+from fixtures import make_identity, make_kv, rebuild, write_kv_file
 from kvtool.cli.app import run
 
 
@@ -91,3 +94,63 @@ def test_inspect_a_file_mixing_codecs_shows_each_codecs_parts(tmp_path, capsys, 
     one = write_kv_file(tmp_path / "one.kvc", num_tokens=8, chunk_size=4, codec="cachegen")
     code, out, _ = call(capsys, "inspect", one.path)
     assert code == 0 and "bits/value by part: header" in " ".join(out.split())  # one codec: as before
+
+
+# ---- terminal escapes from files and stores (finding 4) -----------------------------------------
+
+#: Clear the screen, retitle the window (OSC ... BEL), hide what follows; a C1 CSI, a CR, a
+#: backspace, DEL and a bidirectional override.
+HOSTILE = "evil\x1b[2J\x1b]0;title\x07\x1b[8m\x9b31m\r\x08\x7f\u202e"
+#: Any character a terminal acts on (newline and tab aside).
+CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u2028\u2029]")
+
+
+def hostile_file(tmp_path) -> Path:
+    """A valid file whose manifest names its model HOSTILE (the name is not in the fingerprint:
+    the manifest CRC recomputed, it verifies)."""
+    f = write_kv_file(tmp_path / "plain.kvc", num_tokens=8, chunk_size=4)
+    path = tmp_path / "hostile.kvc"
+    path.write_bytes(rebuild(f.path, lambda doc: doc["model"].__setitem__("name", HOSTILE)))
+    return path
+
+
+def shown(capsys, *args) -> tuple[int, str]:
+    """Run a command; its exit code and everything it printed, stdout and stderr."""
+    code, out, err = call(capsys, *args)
+    return code, out + err
+
+
+def test_fields_from_a_file_reach_the_terminal_escaped(tmp_path, capsys):
+    path = hostile_file(tmp_path)
+    for args in (("inspect", path), ("inspect", "--wide", path), ("inspect", "--stats", path), ("verify", path),
+                 ("dump", path, "-o", tmp_path / "out.npy")):
+        code, text = shown(capsys, *args)
+        assert code == 0 and not CONTROLS.search(text), (args, text)
+    code, text = shown(capsys, "inspect", path)
+    assert "evil\\x1b[2J\\x1b]0;title\\x07\\x1b[8m\\x9b31m\\x0d\\x08\\x7f\\u202e" in text
+    code, out, _ = call(capsys, "inspect", path, "--json")
+    assert code == 0 and json.loads(out)["model"]["name"] == HOSTILE  # --json: the raw value
+
+
+def test_fields_from_a_store_reach_the_terminal_escaped(tmp_path, capsys):
+    path, store = hostile_file(tmp_path), tmp_path / "s"
+    assert call(capsys, "store", "put", path, "--store", store)[0] == 0
+    (store / "chunks" / f"{HOSTILE}.txt").write_text("a foreign file named to attack the terminal")
+    for args in (("store", "ls"), ("store", "stats"), ("store", "fsck", "--no-repair"), ("store", "put", path)):
+        code, text = shown(capsys, *args, "--store", store)
+        assert code in (0, 1) and not CONTROLS.search(text), (args, text)
+    code, out, _ = call(capsys, "store", "ls", "--store", store, "--json")
+    names = {o["name"] for o in json.loads(out)["objects"]} | {o.get("model_name") for o in json.loads(out)["objects"]}
+    assert f"chunks/{HOSTILE}.txt" in names and HOSTILE in names  # --json: the raw values
+
+
+def test_an_error_line_and_a_notice_are_escaped(tmp_path, capsys):
+    code, text = shown(capsys, "inspect", tmp_path / f"{HOSTILE}.kvc")  # no such file: named in the error
+    assert code == 2 and text.startswith("kvtool: error: ") and len(text.splitlines()) == 1
+    assert not CONTROLS.search(text) and "\\x1b[2J" in text
+    from kvtool.notices import forget, notice
+
+    forget()
+    notice(f"about {HOSTILE}")
+    err = capsys.readouterr().err
+    assert not CONTROLS.search(err) and err.endswith("\\u202e\n")
