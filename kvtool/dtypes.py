@@ -80,10 +80,21 @@ def count_nonfinite(values: np.ndarray, name: str) -> int:
     return int(np.count_nonzero((bits & mask) == mask))
 
 
-def to_float64(values: np.ndarray, name: str) -> np.ndarray:
-    """Numpy storage of KV dtype `name` -> float64 values (exact: every KV value is a float64)."""
+def bfloat16_to_float32(values: np.ndarray) -> np.ndarray:
+    """Numpy storage of bfloat16 (uint16) -> float32, bit for bit (a bfloat16 is the high half of
+    a float32): no float cast, so a signaling NaN stays itself and nothing warns."""
     import numpy as np
 
-    if canonical_name(name) == "bfloat16":  # a bfloat16 is the high half of a float32
-        return (values.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return values.astype(np.float64)
+    return (values.astype(np.uint32) << 16).view(np.float32)
+
+
+def to_float64(values: np.ndarray, name: str) -> np.ndarray:
+    """Numpy storage of KV dtype `name` -> float64 values (exact: every KV value is a float64).
+    A signaling NaN (stored bits a file may hold) becomes a quiet NaN, without numpy's
+    RuntimeWarning: NaN stays NaN, and what reads the values reports it as such."""
+    import numpy as np
+
+    with np.errstate(invalid="ignore"):
+        if canonical_name(name) == "bfloat16":
+            return bfloat16_to_float32(values).astype(np.float64)
+        return values.astype(np.float64)

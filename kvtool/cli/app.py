@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from ..errors import Interrupted, KvtoolError, OutOfMemory, OutputError, UsageError
+from ..notices import terminal_safe
 from ..version import __version__
 from . import calibrate, capture, compress, dump, info, inspect, replay, store, verify
 from .output import emit
@@ -56,7 +57,7 @@ def _fail(err: KvtoolError, json_mode: bool) -> int:
     if report is not None:
         emit(report, json_mode)
     message = str(err)
-    sys.stderr.write(f"kvtool: error: {message}\n")
+    sys.stderr.write(f"kvtool: error: {terminal_safe(message)}\n")  # (--json keeps it raw)
     if json_mode and report is None:
         sys.stdout.write(json.dumps({"ok": False, "error": {"type": type(err).__name__, "message": message,
                                                             "exit_code": err.exit_code}}) + "\n")

@@ -56,9 +56,11 @@ def render(console: Console, r: FileSummary, wide: bool = False) -> None:
                   f"({t['file_bits_per_value']:.2f} in the file)")
     if t["bad_checksums"]:
         console.print(f"[red]{plural(t['bad_checksums'], 'bad checksum')}[/red]: verify names them")
-    parts = bits_by_part(r.chunks)
-    if parts:
-        console.print(("bits/value by part (listed chunks): " if r.chunks_omitted else "bits/value by part: ") + ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if v >= 0.0005))
+    by_codec = bits_by_part(r.chunks)
+    for codec, parts in by_codec.items():  # one line per codec: each breaks its bits into its own parts
+        label = "bits/value by part" + ("" if len(by_codec) == 1 else f", {codec} chunks")
+        label += " (listed chunks): " if r.chunks_omitted else ": "
+        console.print(label + ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if v >= 0.0005))
     for name, e in r.extras.items():
         console.print(f"extra  {name}: {e['dtype']} [{' x '.join(str(n) for n in e['shape'])}], "
                       f"{human_bytes(e['stored_bytes'])}")
@@ -95,14 +97,21 @@ def stats_table(stats: list[dict[str, Any]]) -> Table:
     return table
 
 
-def bits_by_part(chunks: list[dict[str, Any]]) -> dict[str, float]:
-    """A codec's bits per value by part, weighted by each chunk's number of values."""
-    shares = [c["codec_stats"] for c in chunks if "codec_stats" in c]
-    if not shares:
-        return {}
-    keys = [k for k in shares[0] if k.startswith("bpv_")]
-    weights = [c["decoded_bytes"] for c in chunks if "codec_stats" in c]
-    return {k[4:].replace("_", " "): sum(s[k] * w for s, w in zip(shares, weights)) / sum(weights) for k in keys}
+def bits_by_part(chunks: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each codec's bits per value by part, weighted by each chunk's number of values: codecs
+    have parts of their own (a file `store get` wrote may mix them), so each is summed apart."""
+    by_codec: dict[str, list[dict[str, Any]]] = {}
+    for c in chunks:
+        if "codec_stats" in c:
+            by_codec.setdefault(c["codec"], []).append(c)
+    return {codec: _weighted_parts(rows) for codec, rows in by_codec.items()}
+
+
+def _weighted_parts(rows: list[dict[str, Any]]) -> dict[str, float]:
+    keys = dict.fromkeys(k for c in rows for k in c["codec_stats"] if k.startswith("bpv_"))
+    total = sum(c["decoded_bytes"] for c in rows) or 1
+    return {k[4:].replace("_", " "): sum(c["codec_stats"].get(k, 0.0) * c["decoded_bytes"] for c in rows) / total
+            for k in keys}
 
 
 def print_fingerprint(console: Console, fingerprint: str, wide: bool) -> None:

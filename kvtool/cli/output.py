@@ -18,6 +18,8 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from ..notices import terminal_safe
+
 stdout_console = Console(highlight=False)
 stderr_console = Console(stderr=True, highlight=False)
 
@@ -43,17 +45,19 @@ def emit(result, json_mode: bool) -> None:
 
 
 def escaped(value: Any) -> Any:
-    """Strings from files and arguments made literal for rich (no markup): a result comes back as a
-    copy of the same type, each field escaped (nested results, dicts and lists too)."""
+    """Strings from files and arguments made literal for rich (no markup) and safe for a terminal
+    (control characters written escaped, `notices.terminal_safe`): a result comes back as a copy
+    of the same type, each field escaped (nested results, dicts and lists too). `--json` prints
+    the result itself, its raw values."""
     if isinstance(value, str):
-        return escape(value)
+        return escape(terminal_safe(value))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         literal = copy.copy(value)  # the same type: its properties (`ok`, totals) still answer
         for f in dataclasses.fields(value):
             object.__setattr__(literal, f.name, escaped(getattr(value, f.name)))  # (frozen ones too)
         return literal
     if isinstance(value, dict):
-        return {k: escaped(v) for k, v in value.items()}
+        return {escaped(k) if isinstance(k, str) else k: escaped(v) for k, v in value.items()}  # (keys: extras' names)
     if isinstance(value, (list, tuple)):
         return [escaped(v) for v in value]
     return value

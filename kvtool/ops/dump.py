@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..devices import host_memory_bytes
-from ..dtypes import to_float64
+from ..dtypes import bfloat16_to_float32
 from ..errors import OutputError, UsageError
 from ..format import ContainerReader
 from ..fsutil import atomic_write
@@ -85,8 +85,8 @@ def dump(path: str | Path, output: str | Path, *, chunks: str | None = None, lay
 def _write_npy(output: Path, kv: np.ndarray, token_ids: np.ndarray, positions: np.ndarray,
                extras: dict[str, np.ndarray], layer_ids: list[int], chunk_ids: list[int], m, source: str) -> Path:
     """OUT.npy, each extra as OUT.NAME.npy, and OUT.npy.json saying what they hold."""
-    def numpy_values(array: np.ndarray, dtype: str) -> np.ndarray:  # numpy has no bfloat16: widen, exactly
-        return to_float64(array, dtype).astype(np.float32) if dtype == "bfloat16" else array
+    def numpy_values(array: np.ndarray, dtype: str) -> np.ndarray:  # numpy has no bfloat16: widen, bit for bit
+        return bfloat16_to_float32(array) if dtype == "bfloat16" else array
 
     written = {}
     for name, values in extras.items():

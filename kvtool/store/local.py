@@ -14,9 +14,9 @@ import fcntl
 import json
 import os
 import re
+import secrets
 import shutil
 import stat
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import NotAStore, ObjectRefused, ObjectUnreadable, OutputError, StoreError
 from ..format.reader import PreadFile
-from ..fsutil import fsync_dir, read_at
+from ..fsutil import read_at
 from .backend import Backend, ObjectInfo
 from .objects import MAX_OBJECT_BYTES
 
@@ -86,7 +86,11 @@ class LocalBackend(Backend):
             if not create:
                 raise NotAStore(f"{self.root}: no such store")
             self.root.mkdir(parents=True, exist_ok=True)
-            self._write_new(marker, json.dumps({"format": "kvtool-store", "version": 1}).encode() + b"\n")
+            folder = os.open(self._root, _FOLDER_FLAGS & ~os.O_NOFOLLOW)  # the root may be a link: the user named it
+            try:
+                self._write_new(folder, MARKER, json.dumps({"format": "kvtool-store", "version": 1}).encode() + b"\n")
+            finally:
+                os.close(folder)
         except (OSError, ValueError) as err:
             raise StoreError(f"{self.root}: cannot open the store ({getattr(err, 'strerror', None) or err})") from None
 
@@ -236,19 +240,23 @@ class LocalBackend(Backend):
     # --- writes ----------------------------------------------------------------------
 
     def put(self, name: str, data: bytes, *, replace: bool = False) -> bool:
-        path = Path(self._path(name))
+        path = self._path(name)
+        folder, leaf = self._folder_of(name, create=True)
         try:
-            mode = os.lstat(path).st_mode
-        except OSError:
-            mode = None
-        if mode is not None and not stat.S_ISREG(mode):  # a link, FIFO or folder is not an object
-            if stat.S_ISDIR(mode):
-                raise ObjectRefused(f"{name}: a folder is where the object goes (not stored; fsck removes it)")
-            replace = True  # the object takes its place, atomically (a rename, never followed)
-        elif mode is not None and not replace:
-            return False
-        if not self._write_new(path, data, replace=replace, durable=not _is_block_entry(name)):
-            return False
+            try:
+                mode = os.stat(leaf, dir_fd=folder, follow_symlinks=False).st_mode
+            except OSError:
+                mode = None
+            if mode is not None and not stat.S_ISREG(mode):  # a link, FIFO or folder is not an object
+                if stat.S_ISDIR(mode):
+                    raise ObjectRefused(f"{name}: a folder is where the object goes (not stored; fsck removes it)")
+                replace = True  # the object takes its place, atomically (a rename, never followed)
+            elif mode is not None and not replace:
+                return False
+            if not self._write_new(folder, leaf, data, replace=replace, durable=not _is_block_entry(name), path=path):
+                return False
+        finally:
+            os.close(folder)
         if self._bytes is not None:
             self._bytes += len(data)
             if self._bytes > self.max_bytes:
@@ -257,14 +265,53 @@ class LocalBackend(Backend):
                 del removed
         return True
 
-    def _write_new(self, path: Path, data, replace: bool = False, durable: bool = True) -> bool:
-        """Write `path` atomically, unless it appears meanwhile (False) and `replace` is off.
-        `durable`: fsync the file and its folder (not for block index entries: see `_is_block_entry`)."""
+    def _folder_of(self, name: str, *, create: bool) -> tuple[int, str]:
+        """The folder holding `name`'s file, opened (an fd the caller closes), and the file's name
+        in it. Each folder on the way is opened relative to the one before, a link never followed,
+        so nothing is written or removed outside the store (the rule reads keep with O_NOFOLLOW and
+        `_inside`); `create` makes the missing ones. Something other than a folder on the way (a
+        link, a file) is an ObjectRefused; FileNotFoundError when one is missing and not created."""
+        *folders, leaf = name.split("/")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            fd = os.open(self._root, _FOLDER_FLAGS & ~os.O_NOFOLLOW)  # the root may be a link: the user named it
         except OSError as err:
-            raise OutputError(f"{path.parent}: cannot write to the store ({err.strerror})") from None
+            raise OutputError(f"{self._root}: cannot open the store ({err.strerror})") from None
+        for depth, folder in enumerate(folders):  # (each step closes the folder before, even when it fails)
+            fd = self._enter(fd, folder, create, "/".join(folders[:depth + 1]))
+        return fd, leaf
+
+    def _enter(self, parent: int, folder: str, create: bool, where: str) -> int:
+        """`folder` in `parent` opened (a link not followed), made first when missing and
+        `create`; `parent` is closed."""
+        try:
+            try:
+                fd = os.open(folder, _FOLDER_FLAGS, dir_fd=parent)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(folder, dir_fd=parent)  # (mkdir never follows a link at its name either)
+                except FileExistsError:  # another writer made it meanwhile
+                    pass
+                fd = os.open(folder, _FOLDER_FLAGS, dir_fd=parent)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise ObjectRefused(f"{where}: a link or a file where a folder of the store goes "
+                                    "(never followed: nothing written through it)") from None
+            if isinstance(err, FileNotFoundError):
+                raise
+            raise OutputError(f"{self._root}/{where}: cannot write to the store ({err.strerror})") from None
+        finally:
+            os.close(parent)
+        return fd
+
+    def _write_new(self, folder: int, leaf: str, data, replace: bool = False, durable: bool = True,
+                   path: str | None = None) -> bool:
+        """Write `leaf` in the open `folder` atomically, unless it appears meanwhile (False) and
+        `replace` is off. `durable`: fsync the file and its folder (not for block index entries:
+        see `_is_block_entry`). `path` names it in messages."""
+        path = path or f"{self._root}/{leaf}"
+        fd, tmp = _new_temp(folder, leaf, path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held until closed or the writer dies: sweep sees it
             os.fchmod(fd, 0o644)
@@ -274,51 +321,104 @@ class LocalBackend(Backend):
             if durable:
                 os.fsync(fd)
             created = True
-            if replace:  # rename over the old object, atomically
-                os.replace(tmp, path)
+            if replace:  # rename over the old object, atomically (a link there is replaced, never followed)
+                os.replace(tmp, leaf, src_dir_fd=folder, dst_dir_fd=folder)
             else:
-                try:
-                    os.link(tmp, path)  # fails when another writer got there first: one object stays
+                try:  # fails when another writer got there first: one object stays
+                    os.link(tmp, leaf, src_dir_fd=folder, dst_dir_fd=folder, follow_symlinks=False)
                 except FileExistsError:
                     created = False
                 except OSError:  # a file system without hard links: rename (equal contents)
-                    os.replace(tmp, path)
+                    os.replace(tmp, leaf, src_dir_fd=folder, dst_dir_fd=folder)
         except OSError as err:
             raise OutputError(f"{path}: cannot write to the store ({err.strerror})") from None
         finally:
             os.close(fd)
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=folder)
             except FileNotFoundError:
                 pass
         if created and durable:
-            fsync_dir(path.parent)
+            try:
+                os.fsync(folder)
+            except OSError:
+                pass
         return created
 
     def delete(self, name: str) -> bool:
         """Remove what is at `name`: an object, or a link (not what it points to), a FIFO, or a
-        folder in an object's place (with what it holds, links never followed)."""
+        folder in an object's place (with what it holds, links never followed). Reached through
+        a link (or a file) on the way, it is not in the store: nothing is removed (False)."""
         path = self._path(name, _SCANNED)
         try:
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                shutil.rmtree(path)
+            folder, leaf = self._folder_of(name, create=False)
+        except (FileNotFoundError, ObjectRefused):
+            return False
+        try:
+            if stat.S_ISDIR(os.stat(leaf, dir_fd=folder, follow_symlinks=False).st_mode):
+                shutil.rmtree(leaf, dir_fd=folder)  # (fd-based: never follows a link inside)
             else:
-                os.unlink(path)
+                os.unlink(leaf, dir_fd=folder)
         except FileNotFoundError:
             return False
         except OSError as err:
             raise StoreError(f"{path}: cannot remove ({err.strerror})") from None
+        finally:
+            os.close(folder)
         return True
 
     def sweep(self) -> int:
-        """Remove temp files whose writer is gone (their lock is free)."""
+        """Remove temp files whose writer is gone (their lock is free); folders walked by fd,
+        never through a link (a namespace that is a link is not walked at all)."""
         removed = 0
-        for namespace in NAMESPACES:
-            for directory, _dirs, files in os.walk(self.root / namespace):
-                for file in files:
-                    if file.startswith(".") and file.endswith(".tmp"):
-                        removed += _remove_if_unlocked(os.path.join(directory, file))
+        root = os.open(self._root, _FOLDER_FLAGS & ~os.O_NOFOLLOW)
+        try:
+            for namespace in NAMESPACES:
+                for _directory, _dirs, files, folder in _folders(namespace, root):
+                    for file in files:
+                        if file.startswith(".") and file.endswith(".tmp"):
+                            removed += _remove_if_unlocked(file, folder)
+        finally:
+            os.close(root)
         return removed
+
+
+def _folders(top: str, root: int):
+    """os.fwalk of `top` in the open `root`, links never followed; nothing when `top` is missing
+    (fwalk would raise) or is not a folder."""
+    try:
+        if not stat.S_ISDIR(os.stat(top, dir_fd=root, follow_symlinks=False).st_mode):
+            return
+    except OSError:
+        return
+    yield from os.fwalk(top, dir_fd=root, follow_symlinks=False)
+
+
+#: How a folder of the store is opened on the way to a write: never through a link at its name,
+#: never blocking on something that is not a folder.
+_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: How many fresh temp names a writer tries before it gives up (tempfile's TMP_MAX is 10000).
+_TEMP_TRIES = 100
+
+
+def _temp_name(leaf: str) -> str:
+    """A fresh temp file name beside `leaf`: hidden, so scans skip it, and `.tmp`, so sweep sees it."""
+    return f".{leaf}.{secrets.token_hex(6)}.tmp"
+
+
+def _new_temp(folder: int, leaf: str, path: str) -> tuple[int, str]:
+    """A new temp file in `folder`, created exclusively (O_EXCL never follows a link at its
+    name: whatever is there, a fresh name is tried)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(_TEMP_TRIES):
+        tmp = _temp_name(leaf)
+        try:
+            return os.open(tmp, flags, 0o600, dir_fd=folder), tmp
+        except FileExistsError:
+            continue
+        except OSError as err:
+            raise OutputError(f"{path}: cannot write to the store ({err.strerror})") from None
+    raise OutputError(f"{path}: cannot write to the store (no free temp file name)")
 
 
 def _marker_temp(name: str) -> bool:
@@ -330,11 +430,12 @@ def _marker_temp(name: str) -> bool:
 STALE_TEMP_SECONDS = 60
 
 
-def _remove_if_unlocked(path: str) -> int:
+def _remove_if_unlocked(file: str, folder: int) -> int:
+    """Remove the temp file `file` of the open `folder` when it is stale and unlocked."""
     try:
-        if time.time() - os.stat(path, follow_symlinks=False).st_mtime < STALE_TEMP_SECONDS:
+        if time.time() - os.stat(file, dir_fd=folder, follow_symlinks=False).st_mtime < STALE_TEMP_SECONDS:
             return 0
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
     except OSError:
         return 0
     try:
@@ -343,7 +444,7 @@ def _remove_if_unlocked(path: str) -> int:
         os.close(fd)
         return 0
     try:
-        os.unlink(path)
+        os.unlink(file, dir_fd=folder)
         return 1
     except OSError:
         return 0
