@@ -117,12 +117,6 @@ def _write_npy(output: Path, selection: _Selection, token_ids: np.ndarray, posit
     def numpy_values(array: np.ndarray, dtype: str) -> np.ndarray:  # numpy has no bfloat16: widen, exactly
         return to_float64(array, dtype).astype(np.float32) if dtype == "bfloat16" else array
 
-    written = {}
-    for name, values in extras.items():
-        extra_path = output.with_name(f"{output.stem}.{name}.npy")
-        array = values if values.dtype == np.bool_ else numpy_values(values, m.extras[name].dtype)
-        atomic_write(extra_path, lambda f, a=array: np.save(f, a))
-        written[name] = {"file": extra_path.name, "dtype": m.extras[name].dtype, "array_dtype": str(array.dtype)}
     array_dtype = np.dtype(np.float32) if m.kv_dtype == "bfloat16" else NUMPY_STORAGE[m.kv_dtype]
     layers, channels, tokens = len(selection.layer_ids), m.hidden_kv, selection.num_tokens
 
@@ -137,7 +131,13 @@ def _write_npy(output: Path, selection: _Selection, token_ids: np.ndarray, posit
                 f.write(numpy_values(slab[row:row + rows], m.kv_dtype).astype(array_dtype, copy=False).data)
         f.truncate(data_at + 2 * layers * tokens * channels * array_dtype.itemsize)  # (no selection: no slabs)
 
-    atomic_write(output, write)
+    atomic_write(output, write)  # first: it decodes the chunks, and a chunk that fails leaves no file behind
+    written = {}
+    for name, values in extras.items():
+        extra_path = output.with_name(f"{output.stem}.{name}.npy")
+        array = values if values.dtype == np.bool_ else numpy_values(values, m.extras[name].dtype)
+        atomic_write(extra_path, lambda f, a=array: np.save(f, a))
+        written[name] = {"file": extra_path.name, "dtype": m.extras[name].dtype, "array_dtype": str(array.dtype)}
     about = {"source": source, "model": m.model["name"], "fingerprint": m.model["fingerprint"],
              "weights_digest": m.model.get("weights_digest"), "metadata": m.metadata, "kv_dtype": m.kv_dtype, "array_dtype": str(array_dtype),
              "shape": "[2 (K, V), layers, tokens, kv_heads * head_dim]", "layers": selection.layer_ids,
