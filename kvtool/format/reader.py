@@ -361,7 +361,7 @@ class ContainerReader:
             return ChunkSource(**kind, fd=os.dup(self._source.fd), offset=blob.offset)
         if isinstance(self._source, MappedFile) and (pread or not _guarded_copies()):
             # the mapping is read only behind the native fault guard; without it, read with pread
-            return ChunkSource(**kind, fd=os.dup(self._source.fileno()), offset=blob.offset)
+            return ChunkSource(**kind, fd=os.dup(self._source.fileno()), offset=blob.offset, checked=checked)
         data = memoryview(self._source.read(blob.offset, blob.length))
         if data.nbytes != blob.length:
             raise TruncatedFile(f"{self.path}: chunk {index} lies past the end of the file")
