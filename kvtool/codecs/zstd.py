@@ -57,6 +57,8 @@ class ZstdCodec(Codec):
         return zstandard.ZstdCompressor(level=params["level"]).compress(data), params
 
     def decode_array(self, payload, shape, dtype, params) -> np.ndarray:
+        """Streamed straight into the result (format-spec/container.md §5, memory): the frame is
+        read a window at a time into the array, never as a whole in bytes of its own."""
         expected = math.prod(shape) * itemsize(dtype)
         try:
             frame = zstandard.frame_content_size(payload)
@@ -64,16 +66,66 @@ class ZstdCodec(Codec):
             raise DecodeError(f"zstd payload is not a zstd frame ({err})") from None
         if frame not in (expected, -1):  # -1: size not recorded (other writers)
             raise DecodeError(f"zstd frame holds {frame} bytes, shape needs {expected}")
+        out = np.empty(shape, dtype=NUMPY_STORAGE[dtype])
         try:
-            data = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected,
-                                                           allow_extra_data=False)
+            reader = zstandard.ZstdDecompressor().stream_reader(payload, read_across_frames=False)
+            if params["shuffle"] == "byteplane":
+                _read_planes(reader, out, itemsize(dtype), expected)
+            else:
+                _read_exactly(reader, memoryview(out.reshape(-1).view(np.uint8)), expected)
+            if reader.read(1):  # (also reads the frame's end: its checksum is checked here)
+                raise DecodeError(f"zstd payload decodes to more than the {expected} bytes the shape needs")
+            if frame_length(payload) != payload.nbytes:
+                raise DecodeError("zstd payload has bytes after its frame")
         except zstandard.ZstdError as err:
             raise DecodeError(f"zstd payload is corrupt ({err})") from None
-        if len(data) != expected:
-            raise DecodeError(f"zstd payload decoded to {len(data)} bytes, shape needs {expected}")
-        if params["shuffle"] == "byteplane":
-            return unshuffle_planes(data, shape, dtype)
-        return np.frombuffer(bytearray(data), dtype=NUMPY_STORAGE[dtype]).reshape(shape)
+        return out
+
+
+#: A byte plane is decoded this many bytes at a time, then spread into its elements: the window
+#: is all a decode holds beside its result.
+PLANE_WINDOW = 4 << 20
+
+
+def _read_exactly(reader, into: memoryview, expected: int, before: int = 0) -> None:
+    """Fill `into` from the frame (`before` bytes of it read already), or DecodeError saying how
+    many bytes it held."""
+    done = 0
+    while done < into.nbytes:
+        got = reader.readinto(into[done:])
+        if not got:
+            raise DecodeError(f"zstd payload decoded to {before + done} bytes, shape needs {expected}")
+        done += got
+
+
+def _read_planes(reader, out: np.ndarray, k: int, expected: int) -> None:
+    """The inverse of `shuffle_planes`, a window of a plane at a time: plane p (byte k - 1 - p of
+    every element) spread into `out`."""
+    n = out.size
+    elements = out.reshape(-1).view(np.uint8).reshape(n, k)  # [n, k], writes into `out`
+    window = np.empty(min(n, PLANE_WINDOW), dtype=np.uint8)
+    for p in range(k):
+        for start in range(0, n, window.size):
+            part = window[:min(window.size, n - start)]
+            _read_exactly(reader, memoryview(part), expected, before=p * n + start)
+            elements[start:start + part.size, k - 1 - p] = part
+
+
+def frame_length(payload) -> int:
+    """The bytes of the Zstandard frame that `payload` starts with (RFC 8878 §3.1.1: its header,
+    its blocks, its checksum), of a frame that decoded: a streamed decode stops at the frame's end
+    and would not see bytes after it. zstandard says no frame's size, only its header's."""
+    data = memoryview(payload).cast("B")
+    at = zstandard.frame_header_size(data)
+    has_checksum = data[4] & 0x04  # Frame_Header_Descriptor: Content_Checksum_flag
+    last = False
+    while not last:
+        if at + 3 > data.nbytes:
+            return data.nbytes + 1  # (cannot happen after a decode: the frame ended)
+        header = int.from_bytes(data[at:at + 3], "little")
+        last, kind, size = header & 1, (header >> 1) & 3, header >> 3
+        at += 3 + (1 if kind == 1 else size)  # an RLE block holds one byte, others `size`
+    return at + (4 if has_checksum else 0)
 
 
 def shuffle_planes(t: "torch.Tensor") -> memoryview:
@@ -86,18 +138,3 @@ def shuffle_planes(t: "torch.Tensor") -> memoryview:
     for p in range(k):  # strided column copies: ~3 GB/s, 20x faster than a transpose
         planes[p] = elements[:, k - 1 - p]
     return memoryview(planes.reshape(-1))
-
-
-def unshuffle_planes(data: bytes, shape, dtype: str) -> np.ndarray:
-    """The inverse of `shuffle_planes`: a numpy array of `shape` holding KV dtype `dtype`."""
-    k = itemsize(dtype)
-    n = math.prod(shape)
-    out = np.empty(shape, dtype=NUMPY_STORAGE[dtype])
-    if n == 0:
-        return out
-    planes = np.frombuffer(data, dtype=np.uint8).reshape(k, n)  # [k, n]
-    elements = out.reshape(-1).view(np.uint8).reshape(n, k)  # [n, k], writes into `out`
-    for p in range(k):
-        elements[:, k - 1 - p] = planes[p]
-    return out
-

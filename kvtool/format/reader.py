@@ -341,13 +341,15 @@ class ContainerReader:
         return array
 
     def source(self, index: int, *, what: str | None = None, private: bool = False,
-               checked: bool = False, on_release=None) -> ChunkSource:
+               checked: bool = False, on_release=None, pread: bool = False) -> ChunkSource:
         """Chunk `index` as a `ChunkSource` (where its bytes are, what they are, how they become
         KV, checked as they go): the one way a chunk leaves a container as KV (decode, copy_into,
         checked_payload; `ChunkSource.decode_many` for several on a GPU). A local file's
         payload is its mapping; an open file's (`PreadFile`, a store object) stays in the file,
         read as it is copied (the source owns a copy of the descriptor); bytes in memory are
-        viewed (`private`: a buffer no one else holds, decoded without a copy)."""
+        viewed (`private`: a buffer no one else holds, decoded without a copy). `pread`: a local
+        file's payload is read with pread, not mapped (for a decode into memory of its own: the
+        mapped pages would be resident beside it, twice a raw chunk's size in all)."""
         chunk = self._chunk(index)
         blob = chunk.blob
         kind = dict(what=what or f"chunk {index}", codec=chunk.codec, dtype=chunk.dtype, shape=chunk.shape,
@@ -357,9 +359,9 @@ class ContainerReader:
             if blob.offset + blob.length > self._source.size:
                 raise TruncatedFile(f"{self.path}: chunk {index} lies past the end of the file")
             return ChunkSource(**kind, fd=os.dup(self._source.fd), offset=blob.offset)
-        if isinstance(self._source, MappedFile) and not _guarded_copies():
+        if isinstance(self._source, MappedFile) and (pread or not _guarded_copies()):
             # the mapping is read only behind the native fault guard; without it, read with pread
-            return ChunkSource(**kind, fd=os.dup(self._source.fileno()), offset=blob.offset)
+            return ChunkSource(**kind, fd=os.dup(self._source.fileno()), offset=blob.offset, checked=checked)
         data = memoryview(self._source.read(blob.offset, blob.length))
         if data.nbytes != blob.length:
             raise TruncatedFile(f"{self.path}: chunk {index} lies past the end of the file")
@@ -399,7 +401,7 @@ class ContainerReader:
                    device: "torch.device | str | None" = None) -> "torch.Tensor":
         """Decode chunk `index` into a new KV_BLOB tensor `[2, L, T, C]` (on `device`, default the
         CPU; CacheGen chunks then decode on the GPU, to the same values): its `source` decoded."""
-        with self.source(index, checked=not verify) as source:
+        with self.source(index, checked=not verify, pread=True) as source:  # (memory: `source`)
             return source.decode(device)
 
     @contextmanager

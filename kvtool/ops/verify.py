@@ -24,6 +24,7 @@ from ..format.made_by import check_vocabulary
 from ..identity import model_fingerprint
 from .inputs import continuation, fraction, model_dtype_name, non_negative
 from .result import Result
+from .windows import count_nonfinite_windowed, kv_windows
 
 
 #: A report names at most this many problems and counts the rest (`problems_omitted`): a hostile
@@ -205,7 +206,7 @@ def check_file(reader: ContainerReader, on_chunk: Callable[[int, int], None] | N
             status.update(checksum="BAD", decode="skipped", finite="skipped")
         else:
             try:
-                bad = count_nonfinite(reader.decode_chunk_array(c.index, payload), c.dtype)
+                bad = count_nonfinite_windowed(reader.decode_chunk_array(c.index, payload), c.dtype)
                 if bad:
                     status["finite"] = "BAD"
                     problem(NonFiniteValues(f"chunk {c.index}: {bad} non-finite value(s)"))
@@ -263,12 +264,15 @@ def compare_files(reader: ContainerReader, other: ContainerReader, *, atol: floa
     sq_err = np.zeros((2, a.num_layers))
     for start in range(0, a.num_tokens, a.chunk_size):
         end = min(start + a.chunk_size, a.num_tokens)
-        x = read_range_float64(reader, start, end)
-        y = read_range_float64(other, start, end)  # [2, L, T, C]
-        err = np.abs(x - y)
-        max_abs = np.maximum(max_abs, err.max(axis=(2, 3)))
-        ref_max = np.maximum(ref_max, np.abs(y).max(axis=(2, 3)))
-        sq_err += (err * err).sum(axis=(2, 3))
+        x = read_range_array(reader, start, end)
+        y = read_range_array(other, start, end)  # [2, L, T, C], each file's dtype
+        for layers, tokens in kv_windows(x.shape):  # float64 a window at a time, not the chunk (8x it)
+            xw = to_float64(x[:, layers, tokens], a.kv_dtype)
+            yw = to_float64(y[:, layers, tokens], b.kv_dtype)
+            err = np.abs(xw - yw)
+            max_abs[:, layers] = np.maximum(max_abs[:, layers], err.max(axis=(2, 3)))
+            ref_max[:, layers] = np.maximum(ref_max[:, layers], np.abs(yw).max(axis=(2, 3)))
+            sq_err[:, layers] += (err * err).sum(axis=(2, 3))
     rmse = np.sqrt(sq_err / (a.num_tokens * a.hidden_kv))
     rel = max_abs / np.maximum(ref_max, 1e-30)
     within = max_abs <= atol + rtol * ref_max
@@ -279,12 +283,12 @@ def compare_files(reader: ContainerReader, other: ContainerReader, *, atol: floa
             "max_abs": float(max_abs.max()), "max_rel": float(rel.max()), "layers": layers}
 
 
-def read_range_float64(reader: ContainerReader, start: int, end: int) -> np.ndarray:
-    """KV_BLOB [2, L, end - start, C] of tokens [start, end) as float64, decoding only the chunks it touches."""
+def read_range_array(reader: ContainerReader, start: int, end: int) -> np.ndarray:
+    """KV_BLOB [2, L, end - start, C] of tokens [start, end) in the file's numpy storage, decoding
+    only the chunks it touches (one chunk's range: a view of it, not a copy)."""
     size = reader.manifest.chunk_size
     parts = []
     for i in range(start // size, (end - 1) // size + 1):
         c = reader.chunks[i]
-        values = to_float64(reader.read_chunk_array(i), c.dtype)
-        parts.append(values[:, :, max(start, c.start) - c.start:min(end, c.end) - c.start])
-    return np.concatenate(parts, axis=2)
+        parts.append(reader.read_chunk_array(i)[:, :, max(start, c.start) - c.start:min(end, c.end) - c.start])
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=2)
