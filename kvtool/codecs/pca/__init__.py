@@ -159,7 +159,8 @@ class PcaCodec(Codec):
 def check_header_against_params(payload: memoryview | bytes, shape: tuple[int, ...], params: dict[str, Any]) -> None:
     """The fields a chunk records twice agree (format-spec/pca.md §7): the header's lanes `N` are
     `lanes`, its sink tokens `S` are `min(T, max(0, sinks - position))`. A payload too short for
-    its header, or another version's, is left to the coder, which refuses it. (`step` is in the parameters only.)"""
+    its header, or another version's, is left to the coder, which refuses it. (`step` is in the
+    parameters only: nothing can confirm it.)"""
     if len(payload) < reference.HEADER.size:
         return
     fields = reference.HEADER.unpack_from(payload, 0)
