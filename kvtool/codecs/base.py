@@ -91,6 +91,11 @@ class Codec(ABC):
 
         return torch.device("cpu"), device.type == "cuda"
 
+    def check_position(self, params: dict[str, Any], position: int) -> None:
+        """Refuse (CodecParamsInvalid) parameters that disagree with where the chunk sits, its
+        first token's `position` in its sequence (the container's parser asks). This default:
+        parameters that say nothing of it."""
+
     def payload_stats(self, payload: memoryview, shape: tuple[int, ...],
                       params: dict[str, Any]) -> dict[str, Any] | None:
         """A breakdown of a payload's bits by part, for `inspect`; None when the codec has none."""

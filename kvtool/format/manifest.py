@@ -386,7 +386,8 @@ def parse_manifest(raw: bytes, *, data_end: int, alignment: int) -> Manifest:
         raise ManifestInvalid(f"manifest: {len(raw_chunks)} chunks listed, but {num_tokens} tokens "
                               f"at chunk size {chunk_size} need {expected_chunks}")
     hidden_kv = num_kv_heads * head_dim
-    chunks = [_chunk(i, c, chunk_size, num_tokens, num_layers, hidden_kv, kv_dtype)
+    first = _first_position(doc)
+    chunks = [_chunk(i, c, chunk_size, num_tokens, num_layers, hidden_kv, kv_dtype, first)
               for i, c in enumerate(raw_chunks)]
 
     extras: dict[str, ExtraEntry] = {}
@@ -430,8 +431,17 @@ def _count_values(parts: list[Any], limit: int) -> int:
     return found
 
 
+def _first_position(doc: dict[str, Any]) -> int:
+    """The position of the file's token 0 in its sequence: a store object's `store.start`
+    (store.md §4; a chunk object holds one chunk from there), else 0. One that is not a
+    non-negative integer counts as 0 here: the store refuses that object on its own."""
+    ext = doc.get("store")
+    start = ext.get("start") if isinstance(ext, dict) else None
+    return start if type(start) is int and start >= 0 else 0
+
+
 def _chunk(i: int, c: Any, chunk_size: int, num_tokens: int, num_layers: int, hidden_kv: int,
-           kv_dtype: str) -> ChunkEntry:
+           kv_dtype: str, first: int = 0) -> ChunkEntry:
     where = f"chunks[{i}]"
     start = _int(c, "start", where, 0, layout.MAX_TOKENS)
     end = _int(c, "end", where, 0, layout.MAX_TOKENS)
@@ -448,6 +458,7 @@ def _chunk(i: int, c: Any, chunk_size: int, num_tokens: int, num_layers: int, hi
         raise ManifestInvalid(f"manifest: {where} names codec {name!r} but id {codec_id} is "
                               f"{codec.name!r}")
     params = codec.validate_params(_get(c, "codec_params", dict, where))
+    codec.check_position(params, first + start)  # (pca: its keys are turned by their positions)
     shape = _shape(c, where)
     if shape != (2, num_layers, end - start, hidden_kv):
         raise ManifestInvalid(f"manifest: {where}.shape {list(shape)} is not "

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import CodecParamsInvalid
+from ...errors import CodecParamsInvalid, DecodeError
 from ..base import Codec
 from . import native, reference
 from .calibration import find
@@ -73,15 +73,20 @@ class PcaCodec(Codec):
         raise CodecParamsInvalid("pca: needs a calibration object (kvtool calibrate), named in its parameters")
 
     def validate_params(self, params: Any) -> dict[str, Any]:
+        """A normalised copy of `params`; every field checked for its type and range here, where a
+        manifest's parameters are parsed, so nothing downstream meets a list where a name was due."""
         p = self._check_version(params)
         known = {"version", "calibration", "quality", "step", "sinks", "lanes", "position"}
         if set(p) - known:
-            raise CodecParamsInvalid(f"pca: unknown parameters {sorted(set(p) - known)}")
+            raise CodecParamsInvalid(f"pca: unknown parameters {_shown(sorted(set(p) - known))}")
+        quality = p.get("quality")
+        if "quality" in p and not (isinstance(quality, str) and quality in QUALITY):
+            raise CodecParamsInvalid(f"pca: quality {_shown(quality)} is not one of {', '.join(QUALITY)}")
         # a quality without a step means the version-1 points' step (format-spec/pca.md §2: the
         # steps of a calibration learned per layer); kvtool's writers always record the step, so a
         # file's chunks never depend on which calibration table a reader would pick
-        if "quality" in p and "step" not in p and p["quality"] in QUALITY:
-            p["step"] = QUALITY_BY_AXES["layer"][p["quality"]][0]
+        if quality is not None and "step" not in p:
+            p["step"] = QUALITY_BY_AXES["layer"][quality][0]
         cal = p.get("calibration")
         if not isinstance(cal, str) or len(cal) != 64 or any(c not in "0123456789abcdef" for c in cal):
             raise CodecParamsInvalid("pca: 'calibration' must be a SHA-256 digest (64 lower-case hex digits)")
@@ -95,9 +100,15 @@ class PcaCodec(Codec):
             value = p.setdefault(key, default)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise CodecParamsInvalid(f"pca: '{key}' must be an integer in [{low}, {high}]")
-        if "quality" in p and p["quality"] not in QUALITY:
-            raise CodecParamsInvalid(f"pca: quality {p['quality']!r} is not one of {', '.join(QUALITY)}")
         return p
+
+    def check_position(self, params: dict[str, Any], position: int) -> None:
+        """`position` is the chunk's first token's position, which the container gives: the
+        payload does not carry it, and a reader that took another turns every key by the wrong
+        angles (format-spec/pca.md §2)."""
+        if params["position"] != position:
+            raise CodecParamsInvalid(f"pca: 'position' is {params['position']}, but the chunk's first token is at "
+                                     f"position {position}")
 
     def encode_host(self, kv: "torch.Tensor", params: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
         from ...dtypes import dtype_name
@@ -117,12 +128,14 @@ class PcaCodec(Codec):
         p = self.validate_params(params)
         if dtype not in STORAGE:
             raise CodecParamsInvalid(f"pca: KV dtype {dtype} is not one of {', '.join(STORAGE)}")
+        check_header_against_params(payload, shape, p)
         return native.coder().decode_chunk(payload, tuple(shape), dtype, find(p["calibration"]), p["step"],
                                            p["position"])
 
     def payload_stats(self, payload: memoryview, shape: tuple[int, ...],
                       params: dict[str, Any]) -> dict[str, Any] | None:
         p = self.validate_params(params)
+        check_header_against_params(payload, shape, p)
         dtype = {v: k for k, v in reference.DTYPE_CODES.items()}.get(payload[5] if len(payload) > 5 else -1)
         stats = reference.payload_stats(payload, tuple(shape), dtype or "bfloat16")
         stats["ratio_vs_bf16"] = 16.0 / stats["bits_per_value"]
@@ -141,3 +154,27 @@ class PcaCodec(Codec):
         except CalibrationNotFound:  # judged by the lower promise (decoding will name what is missing)
             promise = min(table[quality][1] for table in QUALITY_BY_AXES.values())
         return promise, f"pca quality {quality}: its promise on bench_rd's worst window"
+
+
+def check_header_against_params(payload: memoryview | bytes, shape: tuple[int, ...], params: dict[str, Any]) -> None:
+    """The fields a chunk records twice agree (format-spec/pca.md §7): the header's lanes `N` are
+    `lanes`, its sink tokens `S` are `min(T, max(0, sinks - position))`. A payload too short for
+    its header, or another version's, is left to the coder, which refuses it. (`step` is in the
+    parameters only: nothing can confirm it.)"""
+    if len(payload) < reference.HEADER.size:
+        return
+    fields = reference.HEADER.unpack_from(payload, 0)
+    if fields[0] != reference.MAGIC or fields[1] != reference.FORMAT_VERSION:
+        return  # not a version-1 header: the coder says so
+    lanes, n_sink = fields[3], fields[8]
+    sinks = min(shape[2], max(0, params["sinks"] - params["position"]))
+    if lanes != params["lanes"] or n_sink != sinks:
+        raise DecodeError(f"pca: the payload's header holds {lanes} lanes and {n_sink} sink tokens, its codec "
+                          f"parameters {params['lanes']} lanes and {sinks} (sinks {params['sinks']} from position "
+                          f"{params['position']})")
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    """A value from a file, as a message shows it: its repr (control characters escaped), cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
