@@ -155,3 +155,17 @@ def test_rm_cli_says_what_went(tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())  # (rich wraps at the terminal's width)
     assert "removed 4 objects" in out and "3 of them block index entries" in out
     assert not os.path.exists(tmp_path / "store" / name)
+
+
+@pytest.mark.parametrize("damage", ["cut", "grown"])
+def test_a_lookup_never_promises_a_chunk_cut_short_or_grown(store, damage):  # noqa: F811
+    """The lookup an engine's scheduler makes (store.md §7) reads each whole chunk's length and
+    trailer in its one batch: a chunk cut short, or with bytes appended, is not promised (and is
+    removed with its entries), so the engine's load never meets it."""
+    cache, tokens = filled(store)
+    second = cache.chunk_names(tokens)[1]
+    data = bytes(cache.backend.get(second))
+    cache.backend.put(second, data[:len(data) - 40] if damage == "cut" else data + b"\0" * 8, replace=True)
+    assert cache.lookup(tokens) == 16 + 0  # the first chunk; nothing past the bad one
+    assert not cache.backend.exists(second) and dangling_entries(store.backend) == []
+    assert store.counters.refused == 1

@@ -11,8 +11,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..errors import ObjectRefused, ObjectUnreadable
+
 if TYPE_CHECKING:
     from ..format.reader import PreadFile
+
+#: The bytes `probe_many` returns from an object's end: a container's trailer (container.md §2.2).
+PROBE_TAIL = 32
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,20 @@ class Backend(ABC):
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         return [self.put(n, d) for n, d in items]
+
+    def probe_many(self, names: Sequence[str]) -> list[tuple[int, bytes | None] | None]:
+        """For each name, None when no object is stored there, else (its length, its last
+        PROBE_TAIL bytes, or None where this user may not read them): what a lookup checks of a container (its size and trailer, store.md §7)
+        without reading it. Not a use where the backend can tell (no LRU clock is touched on a
+        folder or in memory). Backends answer it in one round trip; this default reads each."""
+        found: list[tuple[int, bytes] | None] = []
+        for name in names:
+            try:
+                data = self.get(name)
+            except (ObjectRefused, ObjectUnreadable):
+                data = None
+            found.append(None if data is None else (len(data), bytes(data[-PROBE_TAIL:])))
+        return found
 
     @abstractmethod
     def exists(self, name: str) -> bool:

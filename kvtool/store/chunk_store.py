@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import KvtoolError, NotCached, ObjectRefused, ObjectUnreadable, UsageError
+from ..errors import KvtoolError, NotCached, ObjectRefused, ObjectUnreadable, StoreAccessDenied, UsageError
 from ..identity import ModelIdentity
 from ..notices import notice
 from . import loading, objects
@@ -207,19 +207,23 @@ class ModelCache:
         prefix after them (a multiple of the block size). Existence only, one probe (two when the
         whole chunks stop before the prompt's last): `get_prefix` checks each object and may
         return fewer."""
-        return self.find(token_ids).tokens
+        return self.find(token_ids, check_trailers=True).tokens
 
-    def find(self, token_ids, limit: int | None = None, count_misses: bool = False) -> Found:
+    def find(self, token_ids, limit: int | None = None, count_misses: bool = False,
+             check_trailers: bool = False) -> Found:
         """The existence probe of a prompt (up to `limit` tokens): its whole chunks' names and the
         block prefixes after its last whole chunk (pieces and block index entries) in one batch;
-        when the stored chunks stop earlier, a second batch for the block prefixes there."""
+        when the stored chunks stop earlier, a second batch for the block prefixes there. With
+        `check_trailers` (a lookup that promises tokens to an engine, which loads them later), each
+        whole chunk's length and trailer come with it, in the same batch (`Backend.probe_many`),
+        and one that is cut short or grown is not promised: it is healed here. A load checks every
+        byte anyway, and asks without."""
         tokens = _as_token_array(token_ids)
         chain = chunk_chain(tokens, self.chunk_size, self.extra_keys, limit)
         blocks = self._blocks_at(tokens, chain, len(chain), limit)
         names = [self.name(link.prefix_hash) for link in chain]
         candidates = self._block_names(blocks)
-        exists = self.backend.exists_many(names + candidates) if names or candidates else []
-        run = next((i for i, f in enumerate(exists[:len(chain)]) if not f), len(chain))
+        exists, run = self._probe(names, candidates, tokens, chain, check_trailers)
         if run < len(chain):
             if count_misses:
                 self.store.counters.misses += len(chain) - run
@@ -233,6 +237,27 @@ class ModelCache:
                 found.block, found.via = blocks[j], candidates[2 * j + (0 if piece else 1)]
                 break
         return found
+
+    def _probe(self, names: list[str], candidates: list[str], tokens: np.ndarray, chain: list[ChunkLink],
+               check_trailers: bool) -> tuple[list[bool], int]:
+        """(whether each of `names + candidates` is stored, the leading run of `names` stored and,
+        with `check_trailers`, whole by its length and trailer): one batch."""
+        if not names and not candidates:
+            return [], 0
+        probes = None
+        if check_trailers:
+            try:
+                probes = self.backend.probe_many(names + candidates)
+            except StoreAccessDenied:  # a tenant's user whose ACL predates STRLEN/GETRANGE: existence alone
+                probes = None
+        exists = [p is not None for p in probes] if probes is not None else self.backend.exists_many(names + candidates)
+        run = next((i for i, f in enumerate(exists[:len(names)]) if not f), len(names))
+        for i in range(run if probes is not None else 0):  # cut short or grown: never promised, healed here
+            why = _trailer_fault(probes[i])
+            if why is not None:
+                self.heal(names[i], ObjectRefused(f"{names[i]}: {why}"), chain, i, tokens)
+                return exists, i
+        return exists, run
 
     def _entry_leads_somewhere(self, entry: str) -> bool:
         """Whether the object a block index entry names is stored (the entry read, its target
@@ -675,6 +700,23 @@ class ModelCache:
         for i in range(len(chain) + 1):
             names += self._block_names(self._blocks_at(tokens, chain, i, None))
         return sum(self.backend.delete(name) for name in names)
+
+
+def _trailer_fault(probe: tuple[int, bytes]) -> str | None:
+    """Why an object's length and last bytes (`Backend.probe_many`) are not a container's
+    (container.md §2.2: a trailer whose manifest ends where it begins), or None: the check a
+    lookup makes before promising a chunk, without reading it."""
+    from ..errors import KvtoolError
+    from ..format.layout import TRAILER_SIZE, Trailer
+
+    size, tail = probe
+    if tail is None:  # (there, but not readable by this user: its load says so)
+        return None
+    try:
+        Trailer.unpack(bytes(tail[-TRAILER_SIZE:]).rjust(TRAILER_SIZE, b"\0"), size)
+    except KvtoolError as err:
+        return str(err)
+    return None
 
 
 def _named(err: ObjectRefused, name: str) -> ObjectRefused:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from .backend import Backend, ObjectInfo
+from .backend import PROBE_TAIL, Backend, ObjectInfo
 
 
 class MemoryBackend(Backend):
@@ -56,6 +56,11 @@ class MemoryBackend(Backend):
 
     def exists(self, name: str) -> bool:
         return name in self._objects
+
+    def probe_many(self, names: Sequence[str]) -> list[tuple[int, bytes] | None]:
+        with self._lock:  # (not a use: the LRU order stays)
+            items = [self._objects.get(name) for name in names]
+        return [None if item is None else (len(item[0]), item[0][-PROBE_TAIL:]) for item in items]
 
     def delete(self, name: str) -> bool:
         with self._lock:

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from ..errors import ObjectRefused, StoreAccessDenied, StoreError, StoreUnavailable, StoreUrlInvalid, UsageError
-from .backend import Backend, ObjectInfo
+from .backend import PROBE_TAIL, Backend, ObjectInfo
 from .urls import StoreUrl, parse_store_url, redacted  # noqa: F401  (`redacted`: public here too)
 
 #: The key prefix of objects without a namespace (1: the backend layout's version, §9).
@@ -42,8 +42,8 @@ def _escaped(namespace: str) -> str:
 
 
 #: What a tenant's Redis user needs (store.md §6.2): the commands the backend sends, no others.
-TENANT_COMMANDS = ("-@all", "+ping", "+get", "+mget", "+set", "+type", "+del", "+scan", "+object|idletime",
-                   "+memory|usage")
+TENANT_COMMANDS = ("-@all", "+ping", "+get", "+mget", "+set", "+type", "+strlen", "+getrange", "+del", "+scan",
+                   "+object|idletime", "+memory|usage")
 #: ... and on a Redis Cluster, what redis-py asks to learn the slot map.
 CLUSTER_COMMANDS = ("+cluster|slots", "+cluster|shards", "+cluster|nodes", "+command")
 
@@ -258,6 +258,30 @@ class RedisBackend(Backend):
         """A string at each key (TYPE: like EXISTS it is not a use): a key of another type is not
         an object, never counted as present, so a put replaces it."""
         return [t in (b"string", "string") for t in self._pipelined("type", [self._key(n) for n in names])]
+
+    def probe_many(self, names: Sequence[str]) -> list[tuple[int, bytes] | None]:
+        """STRLEN and GETRANGE of the last PROBE_TAIL bytes of each key, one pipeline (one round
+        trip; a cluster's: one per node). A missing key has length 0; a key of another type answers
+        an error: neither is an object."""
+        if not names:
+            return []
+
+        def do():
+            pipe = self.client.pipeline(transaction=False)
+            for name in names:
+                pipe.strlen(self._key(name))
+                pipe.getrange(self._key(name), -PROBE_TAIL, -1)
+            replies = pipe.execute(raise_on_error=False)
+            for reply in replies:  # (raised here, a lost node is tried again)
+                if isinstance(reply, Exception) and "WRONGTYPE" not in str(reply):
+                    raise reply
+            return replies
+        replies = self._run(do)
+        found: list[tuple[int, bytes] | None] = []
+        for size, tail in zip(replies[0::2], replies[1::2]):
+            usable = isinstance(size, int) and size > 0 and isinstance(tail, bytes)
+            found.append((size, tail) if usable else None)
+        return found
 
     def _scan_keys(self, pattern: bytes) -> list[bytes]:
         """Every key matching `pattern` (SCAN, never KEYS: the server keeps answering others)."""

@@ -108,6 +108,16 @@ class TieredBackend(Backend):
                 found[j] = hit
         return found
 
+    def probe_many(self, names: Sequence[str]) -> list[tuple[int, bytes] | None]:
+        found: list[tuple[int, bytes] | None] = [None] * len(names)
+        for tier in self.tiers:
+            missing = [j for j, f in enumerate(found) if f is None]
+            if not missing:
+                break
+            for j, probe in zip(missing, tier.probe_many([names[j] for j in missing])):
+                found[j] = probe
+        return found
+
     def delete(self, name: str) -> bool:
         return any([t.delete(name) for t in self.tiers])  # a list: every tier forgets it
 
