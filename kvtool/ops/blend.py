@@ -128,8 +128,8 @@ def segment_kv(reader: ContainerReader) -> torch.Tensor:
     first chunk refused ends the blend (ChecksumMismatch, DecodeError, NonFiniteValues), before
     the model runs."""
     first = reader.chunks[0].shape  # [2, L, T_0, C]: every chunk has its file's layers and channels
-    return load_blob(file_tasks(reader, reader.num_tokens), (2, first[1], reader.num_tokens, first[3]),
-                     reader.kv_dtype)
+    tasks = file_tasks(reader, reader.num_tokens, named=True)
+    return load_blob(tasks, (2, first[1], reader.num_tokens, first[3]), reader.kv_dtype)
 
 
 def segment_from_file(path: str | Path, model: LoadedModel | None = None,
