@@ -223,9 +223,9 @@ class ChunkSource:
         self.refuse_nonfinite(bad)
 
     def refuse_nonfinite(self, bad: int | None) -> None:
-        if bad:
-            raise NonFiniteValues(f"{self.what}: holds NaN or infinite values (written so: its CRC-32C is "
-                                  "valid); never loaded")
+        if bad:  # (a stored chunk's CRC-32C is valid: written so; a tensor's, `from_tensor`, is ours)
+            how = "" if self.checked else " (written so: its CRC-32C is valid)"
+            raise NonFiniteValues(f"{self.what}: holds NaN or infinite values{how}; never loaded")
 
     def check_decoded(self, kv: "torch.Tensor") -> "torch.Tensor":
         """A decoded chunk's values all finite (on its device); `kv` back."""

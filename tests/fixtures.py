@@ -11,6 +11,8 @@
   (test_bad_input.py, test_fuzz_container.py) share; the valid files they start from are the
   `raw_file` and `zstd_file` fixtures in conftest.py.
 - `time_limit`: fail a test instead of hanging forever.
+- `save_tiny_model`: a tiny random transformers model with a byte-level tokenizer, saved in a
+  folder that kvtool's engine and transformers both load in a second.
 """
 
 from __future__ import annotations
@@ -368,3 +370,38 @@ def learn_calibration(model, folder: Path, tokens: int = 640) -> str:
         else:
             os.environ["KVTOOL_CALIBRATION_DIR"] = previous
     return cal.digest
+
+
+# --- tiny random models ---------------------------------------------------------
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def save_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **config) -> Path:
+    """A tiny random decoder (hidden 64, 2 layers, vocabulary 256) saved with save_pretrained, with
+    a byte-level tokenizer (one token per byte, no special tokens) and a chat template: loaded by
+    kvtool's engine and by transformers in a second, where a test needs a model but not its skill."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None, **config)
+    make = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+            "mistral": transformers.MistralConfig, "gemma2": transformers.Gemma2Config}[kind]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(make(**common))
+    with torch.no_grad():  # biases too (they start at zero), so Qwen2's q/k/v biases matter
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    alphabet = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=alphabet, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return folder

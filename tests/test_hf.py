@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import cli
+from fixtures import cli, save_tiny_model
 import torch
 
 transformers = pytest.importorskip("transformers")
@@ -31,36 +31,7 @@ from kvtool.format import ContainerReader, ContainerWriter  # noqa: E402
 from kvtool.format.segment import segment_extension  # noqa: E402
 from kvtool.integrations.hf.models import HFModel, check_plain_kv, config_digest  # noqa: E402
 
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the woods."
-
-
-def save_tiny_model(folder: Path, kind: str, seed: int = 0, **config) -> Path:
-    """A tiny random decoder (hidden 64, 2 layers, vocabulary 256) saved with save_pretrained, with
-    a byte-level tokenizer (one token per byte, no special tokens) and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
-                  pad_token_id=None, **config)
-    make = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-            "mistral": transformers.MistralConfig, "gemma2": transformers.Gemma2Config}[kind]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(make(**common))
-    with torch.no_grad():  # biases too (they start at zero), so Qwen2's q/k/v biases matter
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.5)
-    model.save_pretrained(folder)
-    alphabet = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=alphabet, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(folder)
-    return folder
 
 
 def load(folder: Path):

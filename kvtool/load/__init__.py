@@ -9,14 +9,19 @@ checking, decoding and scattering (`pipeline.py`); on a GPU, pinned buffers and 
 
 The save side's mirror, `SavePipeline`: the caller gathers a chunk, a background thread encodes,
 checksums and writes it while the caller goes on (capture's next prefill step, vLLM's next step).
-Callers: `ops.replay` (a file), `store.ModelCache.load_prefix` (store objects, and through it
-`replay --store`, `--blend` and the vLLM connector).
+`load_blob` (`tensors.py`) loads chunks into one KV_BLOB tensor through `load`: a blended
+replay's segment file.
+
+Callers: `ops.replay` (a file), `ops.blend` (a segment file, `load_blob`), `kvtool.hf.to_cache`
+(a file), `store.ModelCache.load_prefix` (store objects, and through it `replay --store`, the
+store's segments of `--blend`, `kvtool.hf.to_cache` of a store and the vLLM connector).
 """
 
 from .path import GPU_DECODE_BATCH, load
 from .pipeline import ChunkTask, Destination, LoadOutcome, file_tasks, load_chunks, load_threads
 from .saving import SavePipeline
 from .staged import load_chunks_staged
+from .tensors import BlobTarget, load_blob
 
-__all__ = ["ChunkTask", "Destination", "GPU_DECODE_BATCH", "LoadOutcome", "SavePipeline", "file_tasks", "load",
-           "load_chunks", "load_chunks_staged", "load_threads"]
+__all__ = ["BlobTarget", "ChunkTask", "Destination", "GPU_DECODE_BATCH", "LoadOutcome", "SavePipeline", "file_tasks",
+           "load", "load_blob", "load_chunks", "load_chunks_staged", "load_threads"]

@@ -316,14 +316,17 @@ def thread_buffer(nbytes: int) -> memoryview:
     return buf
 
 
-def file_tasks(reader, num_tokens: int) -> list[ChunkTask]:
+def file_tasks(reader, num_tokens: int, *, named: bool = False) -> list[ChunkTask]:
     """Tasks for a container file's chunks covering tokens [0, num_tokens) (a `ContainerReader`):
     each chunk's `ChunkSource` (a local file's raw chunks are scattered straight from the mapping,
-    behind the fault guard, checked as copied; other codecs decode from checked bytes)."""
+    behind the fault guard, checked as copied; other codecs decode from checked bytes). `named`:
+    a refusal names the file too (one of several, as a blend's segments are)."""
     tasks = []
     for chunk in reader.chunks:
         if chunk.start >= num_tokens:
             break
+        what = f"{reader.path}: chunk {chunk.index}" if named else None
         tasks.append(ChunkTask(chunk.start, min(chunk.end, num_tokens),
-                               lambda index=chunk.index: reader.source(index), codec=chunk.codec))
+                               lambda index=chunk.index, what=what: reader.source(index, what=what),
+                               codec=chunk.codec))
     return tasks

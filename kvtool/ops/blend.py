@@ -1,10 +1,12 @@
 """Blending cached segments (CacheBlend): `kvtool replay --blend`.
 
 A prompt made of separately cached text segments and a final question: each segment's KV comes
-from a segment file (format-spec/segment.md) or the chunk store, goes into a fresh paged cache at
-its new positions (keys re-encoded), and `kvtool.engine.blend.blend_prefill` recomputes the
-`recompute_ratio` share of cached tokens whose KV deviates most, plus the question. `compare`
-measures the result against a full prefill of the same tokens and against naive reuse (ratio 0).
+from a segment file (format-spec/segment.md) or the chunk store, loaded through `kvtool.load` with a
+replay's checks (CRC-32C, decode, every value finite; the model's identity checked here), goes into
+a fresh paged cache at its new positions (keys re-encoded), and `kvtool.engine.blend.blend_prefill`
+recomputes the `recompute_ratio` share of cached tokens whose KV deviates most, plus the question.
+`compare` measures the result against a full prefill of the same tokens and against naive reuse
+(ratio 0).
 
 The retriever follows LMCache's special-token retriever, on text: the prompt is split at a
 delimiter string (" # # " by default), every piece but the last is a segment, the last is the
@@ -33,6 +35,7 @@ from ..format import ContainerReader
 from ..format.made_by import check_vocabulary
 from ..fsutil import read_text_file
 from ..identity import ModelIdentity
+from ..load import file_tasks, load_blob
 from .compare import compare_logits
 from .engine_io import new_cache
 from .inputs import check_text
@@ -115,8 +118,18 @@ def segment_from_reader(reader: ContainerReader, model: LoadedModel | None = Non
             raise ModelMismatch(f"{reader.path}: its recorded model fingerprint does not match the model it "
                                 f"describes (forged or damaged)")
         check_vocabulary(tokens, model.config.vocab_size, where=f"{reader.path}: ")
-    segment.kv = reader.read_range(0, reader.num_tokens)  # [2, L, T, C]
+    segment.kv = segment_kv(reader)
     return segment
+
+
+def segment_kv(reader: ContainerReader) -> torch.Tensor:
+    """A segment file's KV_BLOB `[2, L, T, C]`, loaded through the one load path (`kvtool.load`):
+    each chunk's CRC-32C, its decode and every value finite checked as a replay checks them; the
+    first chunk refused ends the blend (ChecksumMismatch, DecodeError, NonFiniteValues), before
+    the model runs."""
+    first = reader.chunks[0].shape  # [2, L, T_0, C]: every chunk has its file's layers and channels
+    tasks = file_tasks(reader, reader.num_tokens, named=True)
+    return load_blob(tasks, (2, first[1], reader.num_tokens, first[3]), reader.kv_dtype)
 
 
 def segment_from_file(path: str | Path, model: LoadedModel | None = None,

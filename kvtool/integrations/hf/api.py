@@ -21,12 +21,13 @@ from typing import Any, NamedTuple
 import torch
 from transformers import DynamicCache
 
+from ...chunk_source import ChunkSource
 from ...devices import describe
 from ...dtypes import canonical_name
 from ...errors import ModelMismatch, NotAPrefixCache, UsageError
 from ...format import ContainerReader, ContainerWriter
 from ...format.made_by import check_made_by, check_vocabulary
-from ...load import file_tasks, load
+from ...load import ChunkTask, file_tasks, load
 from ...store.chunk_store import ChunkStore, open_store
 from ...store.names import ExtraKeys
 from .caches import cached_tokens, gather, load_cache
@@ -214,12 +215,17 @@ def _from_dump(path: Path, hf: HFModel, prompt: list[int] | None, leave_last: bo
     check_vocabulary(tokens, identity.vocab_size)
     wanted = _cached(_shared(stored, tokens), len(tokens), leave_last)
 
-    def scatter_dump(target, num_tokens: int) -> int:  # [T, H, D] per layer -> one KV_BLOB [2, L, n, H*D]
+    def load_dump(target, num_tokens: int) -> int:  # [T, H, D] per layer -> one KV_BLOB [2, L, n, H*D]
         blob = torch.stack([torch.stack([k[:num_tokens] for k in keys]), torch.stack([v[:num_tokens] for v in values])])
-        target.scatter(blob.reshape(2, identity.num_layers, num_tokens, -1), 0, num_tokens)
+        blob = blob.reshape(2, identity.num_layers, num_tokens, -1)
+        # through the load path as a chunk of its own: its values checked finite as a file's are
+        # (a dump has no CRC to check; `kvtool dump` copies a file's values as they are)
+        outcome = load([ChunkTask(0, num_tokens, lambda: ChunkSource.from_tensor(blob, what=str(path)))], target)
+        if outcome.error is not None:
+            raise outcome.error
         return num_tokens
 
-    return load_cache(hf, wanted, scatter_dump), tokens
+    return load_cache(hf, wanted, load_dump), tokens
 
 
 def _is_store(source: str | os.PathLike) -> bool:
