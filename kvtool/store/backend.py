@@ -36,6 +36,15 @@ class Backend(ABC):
     equal)."""
 
     url: str
+    #: What callers may ask of a backend, declared (never told apart by comparing its methods):
+    #: `open` gives an object as a file read in place (a folder's): a load opens each object on the
+    #: worker that loads it, and never fetches a batch of bytes
+    reads_in_place: bool = False
+    #: `put_many` is one round trip (a network backend): puts go in batches, a refusal then alone
+    writes_in_batches: bool = False
+    #: a checked object's file may be kept mapped between loads while its name holds that very file
+    #: (`file_state`: device, inode, size, time): store/loading.py's kept checks
+    keeps_checked_files: bool = False
 
     @abstractmethod
     def get(self, name: str) -> bytes | memoryview | None:
@@ -51,6 +60,10 @@ class Backend(ABC):
         window at a time), instead of reading it whole first. Every backend, tiers included,
         answers it: the fast path is never lost behind a memory tier."""
         return self.get(name)
+
+    def file_state(self, name: str) -> tuple[tuple[int, int, int, int], int] | None:
+        """Which file `name` holds now, for a backend that `keeps_checked_files`; None elsewhere."""
+        return None
 
     def within(self, namespace: str) -> "Backend":
         """The backend as requests of `namespace` see it. A chunk's name already holds its

@@ -361,18 +361,8 @@ class ModelCache:
         try:
             obj, _name, size = self.open_block(found, verify_payload=True)
             obj.check_values()
-        except ObjectRefused as err:
-            self.heal_block(found, getattr(err, "name", found.via), err)
-            self.store.counters.misses += 1
-            if refused is not None:
-                refused.append(str(err))
-            return
-        except (ObjectUnreadable, loading.Gone) as err:
-            if isinstance(err, ObjectUnreadable):
-                self.store.unreadable(err)
-            else:
-                self.heal_block(found, getattr(err, "name", found.via), err)
-            self.store.counters.misses += 1
+        except (ObjectRefused, ObjectUnreadable, loading.Gone) as err:
+            self.stopped_at(found, found.run, err, name=getattr(err, "name", found.via), refused=refused)
             return
         self.store.counters.hits += 1
         yield found.block.start, found.block.start + found.block.tokens, obj, size
@@ -382,45 +372,30 @@ class ModelCache:
         for first in range(0, len(chain), FETCH_BATCH):
             batch = chain[first:first + FETCH_BATCH]
             names = [self.name(link.prefix_hash) for link in batch]
-            for link, name, data in zip(batch, names, self._fetch(names)):
-                start = link.start
-                if isinstance(data, ObjectRefused):  # refused before it was read (its size)
-                    self._refused(name, data, whole, start, refused, found.ids)
-                    return
-                if isinstance(data, ObjectUnreadable):
-                    self.store.unreadable(data)
-                    self.store.counters.misses += len(whole) - start // self.chunk_size
-                    return
-                if data is None:  # removed since the existence check: no entry may promise it still
-                    self.store.counters.misses += len(whole) - start // self.chunk_size
-                    self.forget_gone(name, whole, start // self.chunk_size, found.ids)
+            for link, name, data in zip(batch, names, self.fetch(names)):
+                start, position = link.start, link.start // self.chunk_size
+                if data is None or isinstance(data, (ObjectRefused, ObjectUnreadable)):  # (refused by its size)
+                    self.stopped_at(found, position, data if data is not None else loading.Gone(name), refused=refused)
                     return
                 obj = None
                 try:
                     obj = objects.check_chunk(data, name, model=self.key, chunk_size=self.chunk_size,
                                               prefix_hash=link.prefix_hash, start=start, extra=link.extra)
                     obj.check_values()  # what is copied out as it is must be what a load would take
-                except ObjectRefused as err:
-                    self._refused(name, err, whole, start, refused, found.ids)
-                    return
-                except ObjectUnreadable as err:  # (a pca chunk whose calibration is not here: kept, a miss)
+                except (ObjectRefused, ObjectUnreadable) as err:
                     if obj is not None:
                         obj.reader.close()
-                    if refused is not None:  # the caller says why the prefix stops here
-                        refused.append(str(err))
-                    else:
-                        self.store.unreadable(err)
-                    self.store.counters.misses += len(whole) - start // self.chunk_size
+                    self.stopped_at(found, position, err, refused=refused)
                     return
                 self.store.counters.hits += 1
                 yield start, start + self.chunk_size, obj, data.size if hasattr(data, "fd") else len(data)
 
-    def _fetch(self, names: list[str]) -> list:
+    def fetch(self, names: list[str]) -> list:
         """The objects (None: not stored), one batch: bytes from a backend that batches reads, or
         each opened as a file from a folder (its header checked before anything else is read:
         a huge file at a name is never read whole). An object the backend refuses (a hostile
         size, a link) is its ObjectRefused, one it cannot read its ObjectUnreadable, in its place."""
-        if type(self.backend).open is not Backend.open:
+        if self.backend.reads_in_place:
             return [self._fetch_one(name, self.backend.open) for name in names]
         try:
             return self.backend.get_many(names)
@@ -434,13 +409,46 @@ class ModelCache:
         except (ObjectRefused, ObjectUnreadable) as err:
             return err
 
-    def _refused(self, name: str, err: ObjectRefused, chain: list, start: int, refused: list[str] | None,
-                 tokens: np.ndarray | None = None) -> list[str]:
-        """A whole chunk refused at `start`: counted, reported, and healed (`heal`); the names removed."""
-        self.store.counters.misses += len(chain) - start // self.chunk_size
+    def stopped_at(self, found: Found, position: int, error: BaseException, *, name: str | None = None,
+                   refused: list[str] | None = None, unreadable: list[str] | None = None) -> list[str]:
+        """The one place a read that stops early is sorted (store.md §5), at chain `position` of
+        `found` (`found.run`: the block prefix's object, `name` the one to refuse there): stored bytes
+        that fail a check are refused (`refused` gets why), counted and healed; an object that cannot
+        be read here (a pca chunk whose calibration is not here, a file we may not read) is a miss,
+        said once (`unreadable` gets why; without it, `refused` does) and kept; one gone since the
+        lookup is a miss, and what named it goes; anything else (the store went away) is raised, not
+        a miss to hide. Returns the names healed."""
+        if objects.needs_what_is_not_here(error):
+            error = ObjectUnreadable(str(error))
+        at_block = position >= found.run and found.block is not None
+        self.store.counters.misses += 1 if at_block else len(found.chain) - position
+        if isinstance(error, ObjectUnreadable):
+            if unreadable is not None:
+                unreadable.append(str(error))
+                self.store.unreadable(error)
+            elif refused is not None:  # the caller says why the prefix stops here
+                refused.append(str(error))
+            else:
+                self.store.unreadable(error)
+            return []
+        if isinstance(error, loading.Gone):  # no entry may promise it still
+            if at_block:
+                return self.heal_block(found, error.name, error)
+            return self.forget_gone(error.name, found.chain, position, found.ids)
+        if not isinstance(error, loading.DAMAGE):
+            raise error
+        if at_block:
+            name = name or found.via
+            refusal = error if isinstance(error, ObjectRefused) else ObjectRefused(f"{name}: {error}")
+            if refused is not None:
+                refused.append(str(refusal))
+            return self.heal_block(found, name, refusal)
+        name = self.name(found.chain[position].prefix_hash)
+        refusal = error if isinstance(error, ObjectRefused) else ObjectRefused(
+            str(error) if str(error).startswith(name) else f"{name}: {error}")
         if refused is not None:
-            refused.append(str(err))
-        return self.heal(name, err, chain, start // self.chunk_size, tokens)
+            refused.append(str(refusal))
+        return self.heal(name, refusal, found.chain, position, found.ids)
 
     def heal(self, name: str, err: Exception, chain: list[ChunkLink], position: int,
              tokens: np.ndarray | None) -> list[str]:
@@ -656,7 +664,7 @@ class ModelCache:
         return result
 
     def _put(self, items: list[tuple[str, bytes]], result: PutResult) -> None:
-        if type(self.backend).put_many is Backend.put_many:  # one at a time anyway: each refusal alone
+        if not self.backend.writes_in_batches:  # one at a time anyway: each refusal alone
             outcomes = [self._put_one(name, data) for name, data in items]
         else:
             try:
@@ -677,7 +685,7 @@ class ModelCache:
 
     def _put_all(self, items: list[tuple[str, bytes]]) -> list[bool | None]:
         """Put a batch (one round trip where the backend batches), each refusal alone."""
-        if type(self.backend).put_many is Backend.put_many:
+        if not self.backend.writes_in_batches:
             return [self._put_one(name, data) for name, data in items]
         try:
             return self.backend.put_many(items)

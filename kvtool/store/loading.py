@@ -106,14 +106,6 @@ def _kept_source(data, key: tuple) -> ChunkSource | None:
 USE_RECORDED_NS = 60 * 10**9
 
 
-def _looks_at_files(backend) -> bool:
-    """A folder store whose objects are opened as LocalBackend opens them (not a subclass's own way)."""
-    from .local import LocalBackend
-
-    return isinstance(backend, LocalBackend) and type(backend).open is LocalBackend.open \
-        and type(backend)._open_file is LocalBackend._open_file
-
-
 def _kept_in_mapping(key: tuple) -> ChunkSource | None:
     """The object kept under `key` as a source read from its kept mapping, or None when it is not
     kept, or kept without a mapping."""
@@ -199,8 +191,6 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
     Chunks past the first missing or refused one may have been written but are not in the hit."""
     from ..load import ChunkTask, load
 
-    from .backend import Backend
-
     hit = PrefixHit(num_tokens=0, chunks=[], codecs=[], refused=[], stored_bytes=0)
     found = cache.find(token_ids, max_tokens, count_misses=True)
     chain, stored = found.chain, found.run
@@ -208,16 +198,16 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
     seen: dict[int, tuple[str, int]] = {}  # chain index -> codec, stored bytes
     model = cache.model
     small = 2 * model["num_layers"] * cache.chunk_size * model["num_kv_heads"] * model["head_dim"] * 2 < SMALL_CHUNK_BYTES
-    batched = small and type(cache.backend).open is Backend.open  # objects come as bytes: fetch a batch at once
+    batched = small and not cache.backend.reads_in_place  # objects come as bytes: fetch a batch at once
     fetched: dict[int, Any] = {}
-    looked_at = cache.backend.file_state if _looks_at_files(cache.backend) and not batched else None
+    looked_at = cache.backend.file_state if cache.backend.keeps_checked_files and not batched else None
 
     def fetch(index: int, name: str):
         if not batched:
             return cache.backend.open(name)
         if index not in fetched:  # (one thread: the batch is fetched in order)
             batch = chain[index:min(index + FETCH_BATCH, stored)]
-            fetched.update(zip(range(index, index + len(batch)), cache._fetch([cache.name(l.prefix_hash) for l in batch])))
+            fetched.update(zip(range(index, index + len(batch)), cache.fetch([cache.name(l.prefix_hash) for l in batch])))
         data = fetched.pop(index)
         if isinstance(data, (ObjectRefused, ObjectUnreadable)):  # refused before it was read (its size)
             raise data
@@ -287,39 +277,11 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
         hit.codecs.append(codec)
         hit.stored_bytes += size
     cache.store.counters.hits += outcome.chunks
-    error = outcome.error
-    if error is not None and objects.needs_what_is_not_here(error):  # (a pca chunk whose calibration is not here)
-        error = ObjectUnreadable(str(error))
-    if isinstance(error, ObjectUnreadable):
-        hit.unreadable.append(str(error))
-    if error is not None and first_task + outcome.failed == stored:  # the block prefix's object
-        if isinstance(error, DAMAGE):
-            name = block_refusal[0] if block_refusal else found.via
-            refusal = error if isinstance(error, ObjectRefused) else ObjectRefused(f"{name}: {error}")
-            hit.healed += cache.heal_block(found, name, refusal)
-            hit.refused.append(str(refusal))
-        elif isinstance(error, ObjectUnreadable):
-            cache.store.unreadable(error)
-        elif isinstance(error, _Gone):  # the entry names an object that went: the entry goes too
-            hit.healed += cache.heal_block(found, error.name, error)
-        else:
-            raise error
-        cache.store.counters.misses += 1
-    elif isinstance(error, DAMAGE):
-        failed = chain[first_task + outcome.failed]
-        name = cache.name(failed.prefix_hash)
-        refusal = error if isinstance(error, ObjectRefused) else ObjectRefused(
-            str(error) if str(error).startswith(name) else f"{name}: {error}")
-        hit.healed += cache._refused(name, refusal, chain, failed.start, hit.refused, found.ids)
-    elif isinstance(error, _Gone):  # removed since the existence check: no entry may promise it still
-        cache.store.counters.misses += len(chain) - outcome.loaded_tokens // cache.chunk_size
-        failed = chain[first_task + outcome.failed]
-        hit.healed += cache.forget_gone(error.name, chain, failed.start // cache.chunk_size, found.ids)
-    elif isinstance(error, ObjectUnreadable):  # not readable here: a miss, said; nothing removed
-        cache.store.unreadable(error)
-        cache.store.counters.misses += len(chain) - outcome.loaded_tokens // cache.chunk_size
-    elif error is not None:  # e.g. the store became unreachable: not a miss to hide
-        raise error
+    if outcome.error is not None:
+        position = first_task + outcome.failed
+        name = block_refusal[0] if position == stored and block_refusal else None
+        hit.healed += cache.stopped_at(found, position, outcome.error, name=name, refused=hit.refused,
+                                       unreadable=hit.unreadable)
     return hit
 
 

@@ -54,6 +54,9 @@ def _fresh_buffer(size: int) -> memoryview:
 
 
 class LocalBackend(Backend):
+    reads_in_place = True
+    keeps_checked_files = True
+
     def __init__(self, root: str | os.PathLike, *, max_bytes: int | None = None, create: bool = True):
         self.root = Path(root).expanduser()
         self.url = f"file://{self.root.absolute()}"

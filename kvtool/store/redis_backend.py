@@ -130,6 +130,8 @@ class RedisBackend(Backend):
     """One Redis server (or, in `RedisClusterBackend`, a cluster). `within(namespace)` is the same
     connection seen through that namespace's key prefix: what a `ModelCache` of the namespace uses."""
 
+    writes_in_batches = True
+
     #: the kind of `urls.StoreUrl` this backend opens
     KIND, KIND_NAME = "redis", "one Redis server (redis://, rediss://, unix://)"
 

@@ -11,6 +11,9 @@ class TieredBackend(Backend):
     """`tiers[0]` is the fastest (the memory tier), `tiers[-1]` the durable one. Puts go to
     every tier; a get that misses a tier and hits a lower one copies the object up."""
 
+    reads_in_place = True  # (the durable tier's open, behind the memory tier's bytes)
+    writes_in_batches = True
+
     def __init__(self, tiers: Sequence[Backend]):
         self.tiers = list(tiers)
         self.url = " + ".join(t.url for t in self.tiers)
