@@ -138,37 +138,38 @@ def test_tokens_changed_in_place_are_refused_once_the_time_moves(tmp_path):
     assert hit.num_tokens == CS and hit.refused
 
 
-def test_only_so_many_objects_are_kept(tmp_path, monkeypatch):
-    monkeypatch.setattr(loading, "KEPT_OBJECTS", 2)
+def test_only_so_many_objects_are_kept(tmp_path):
     cache, _ = filled(tmp_path)
+    cache.backend.kept.max_objects = 2
     aged(cache)
     cache.load_prefix(TOKENS, target()[2])
-    assert len(loading._kept) == 2
+    assert len(cache.backend.kept) == 2
 
 
 def test_a_kept_object_is_read_from_its_kept_mapping(tmp_path):
     cache, kv = filled(tmp_path)
     aged(cache)
     cache.load_prefix(TOKENS, target()[2])
-    views = [view for _, view in loading._kept.values()]
-    assert len(views) == 4 and all(v is not None and v.readonly for v in views)
-    assert loading._kept_mapped == sum(v.nbytes for v in views)
+    views = cache.backend.kept.views()
+    assert len(views) == 4 == len(cache.backend.kept) and all(v.readonly for v in views)
+    assert cache.backend.kept.mapped_bytes == sum(v.nbytes for v in views)
     connector, caches, dest = target()
     assert cache.load_prefix(TOKENS, dest).num_tokens == 32
     assert torch.equal(gathered(connector, caches), kv)
     loading.forget_checked()
-    assert loading._kept_mapped == 0 and not loading._kept
+    assert cache.backend.kept.mapped_bytes == 0 and not len(cache.backend.kept)
 
 
 def test_kept_mappings_stay_under_their_limit(tmp_path, monkeypatch):
     cache, kv = filled(tmp_path)
     aged(cache)
     payload = 2 * L * CS * H * D * 4  # one chunk's KV, float32
-    monkeypatch.setattr(loading, "KEPT_MAPPED_BYTES", payload * 2)  # room for two payloads
+    cache.backend.kept.max_mapped_bytes = payload * 2  # room for two payloads
     connector, caches, dest = target()
     assert cache.load_prefix(TOKENS, dest).num_tokens == 32
     assert torch.equal(gathered(connector, caches), kv)
-    assert 0 < loading._kept_mapped <= loading.KEPT_MAPPED_BYTES and len(loading._kept) == 2
+    kept = cache.backend.kept
+    assert 0 < kept.mapped_bytes <= kept.max_mapped_bytes and len(kept) == 2
 
 
 def test_a_removed_object_is_never_served_from_its_kept_mapping(tmp_path):
@@ -222,7 +223,7 @@ def test_a_kept_object_is_never_served_to_another_tenant(tmp_path):
     team_a.put_sequence(TOKENS, kv)
     aged(team_a)
     connector, caches, dest = target()
-    assert team_a.load_prefix(TOKENS, dest).num_tokens == 32 and len(loading._kept) == 4  # kept now
+    assert team_a.load_prefix(TOKENS, dest).num_tokens == 32 and len(store.backend.kept) == 4  # kept now
     for keys in (ExtraKeys(namespace="team-b", cache_salt="salt-a"), ExtraKeys(namespace="team-a", cache_salt="b"),
                  ExtraKeys()):
         other = store.for_model(identity(), CS, keys)

@@ -42,9 +42,9 @@ class Backend(ABC):
     reads_in_place: bool = False
     #: `put_many` is one round trip (a network backend): puts go in batches, a refusal then alone
     writes_in_batches: bool = False
-    #: a checked object's file may be kept mapped between loads while its name holds that very file
-    #: (`file_state`: device, inode, size, time): store/loading.py's kept checks
-    keeps_checked_files: bool = False
+    #: checked objects kept between loads, while their names hold those very files (`file_state`:
+    #: device, inode, size, time): a folder's own (`kept.KeptChecks`); None where nothing is kept
+    kept = None
 
     @abstractmethod
     def get(self, name: str) -> bytes | memoryview | None:
@@ -62,7 +62,7 @@ class Backend(ABC):
         return self.get(name)
 
     def file_state(self, name: str) -> tuple[tuple[int, int, int, int], int] | None:
-        """Which file `name` holds now, for a backend that `keeps_checked_files`; None elsewhere."""
+        """Which file `name` holds now, for a backend that keeps checked files (`kept`); None elsewhere."""
         return None
 
     def within(self, namespace: str) -> "Backend":

@@ -10,11 +10,7 @@ chunk missing or refused; a refused object is reported once, and is never loaded
 
 from __future__ import annotations
 
-import mmap
-import os
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,50 +48,6 @@ DAMAGE = (ObjectRefused, ChecksumMismatch, DecodeError, ShapeMismatch, NonFinite
 SMALL_CHUNK_BYTES = 1 << 20
 
 
-#: Chunk objects in files whose checks 1-10 passed on an earlier opening in this process, by the
-#: file they lie in (its device, inode, size and modification time) and what was asked of it: a
-#: hot prefix's objects are opened by every load, and those checks (header, manifest, tokens,
-#: names) cost ~90 us an object, as long as copying 1.5 MB of its KV. Such an object opened again
-#: skips them; its payload is still checked as it is copied (CRC-32C and values, checks 11-13,
-#: against the checked manifest's CRC), so what reaches a model is exactly the bytes checked.
-#: Only files last modified KEPT_AFTER_NS ago or more are kept (as git's index treats "racily
-#: clean" files): a file's time moves in clock ticks, so a change made within the tick of an
-#: earlier one could leave its size and time as they were; after that, any write moves them.
-#:
-#: A kept object's file stays mapped (read-only, shared), up to KEPT_MAPPED_BYTES in all: read
-#: through a mapping made for one load, a 5.9 MB object costs its page faults and its unmapping
-#: every time (the default model's 2,048-token prefix loaded at 0.60-0.72x a plain copy of the
-#: same bytes); through a kept one, the pages are mapped already. The mapping is only read
-#: behind the fault guard, and only while the file at the object's name is still that file,
-#: of that size and time (a folder's object is looked at, lstat, on every load; the same inode,
-#: size and time mean the very file checked, whatever path now leads to it): an object
-#: replaced, removed or written since is opened afresh and checked in full. A removed object's disk space
-#: comes back when its mapping is dropped (the least recently used first, or `forget_checked`).
-_kept: "OrderedDict[tuple, tuple[ChunkSource, memoryview | None]]" = OrderedDict()
-_kept_lock = threading.Lock()
-_kept_mapped = 0  # bytes of the kept mappings
-KEPT_OBJECTS = 4096
-KEPT_AFTER_NS = 2_000_000_000
-KEPT_MAPPED_BYTES = 2 << 30
-
-
-def _kept_source(data, key: tuple) -> ChunkSource | None:
-    """The kept description of the object open in `data` (a `PreadFile`) under `key`: read from
-    its kept mapping (`data` closed), or as a source that owns `data`'s descriptor; None when it
-    is not kept."""
-    with _kept_lock:
-        entry = _kept.get(key)
-        if entry is None:
-            return None
-        _kept.move_to_end(key)
-    template, view = entry
-    if view is not None:
-        data.close()
-        return template.mapped_as(view)
-    fd, data.fd = data.fd, -1  # (the new source owns the descriptor now)
-    return template.reopened(fd)
-
-
 #: A kept object used within this long is served without opening it while its name still holds
 #: that very file (lstat: device, inode, size and time), from its kept mapping: 4 system calls
 #: fewer an object (open, fstat, readlink, utime). Its use is then not recorded on the LRU clock
@@ -106,58 +58,12 @@ def _kept_source(data, key: tuple) -> ChunkSource | None:
 USE_RECORDED_NS = 60 * 10**9
 
 
-def _kept_in_mapping(key: tuple) -> ChunkSource | None:
-    """The object kept under `key` as a source read from its kept mapping, or None when it is not
-    kept, or kept without a mapping."""
-    with _kept_lock:
-        entry = _kept.get(key)
-        if entry is None or entry[1] is None:
-            return None
-        _kept.move_to_end(key)
-    return entry[0].mapped_as(entry[1])
-
-
-def _keep(key: tuple, source: ChunkSource, mtime_ns: int) -> ChunkSource:
-    """`source` (a checked object's payload in its open file) kept for the next opening of the
-    same file, mapped when that can be done; the source to load from now."""
-    global _kept_mapped
-    if time.time_ns() - mtime_ns < KEPT_AFTER_NS or not source.in_file:
-        return source
-    view = _mapping(source)
-    with _kept_lock:
-        old = _kept.pop(key, None)
-        _kept_mapped -= 0 if old is None or old[1] is None else old[1].nbytes
-        _kept[key] = (source, view)
-        _kept_mapped += 0 if view is None else view.nbytes
-        while len(_kept) > KEPT_OBJECTS or (_kept_mapped > KEPT_MAPPED_BYTES and len(_kept) > 1):
-            _, (_, dropped) = _kept.popitem(last=False)
-            _kept_mapped -= 0 if dropped is None else dropped.nbytes
-    if view is None:
-        return source
-    fd, source.fd = source.fd, -1  # (the kept template holds no descriptor: each opening brings its own)
-    os.close(fd)
-    return source.mapped_as(view)
-
-
-def _mapping(source: ChunkSource) -> memoryview | None:
-    """The payload of `source` (in its open file) as a read-only shared mapping of the file, or
-    None where it cannot be mapped (the load reads it from the file then)."""
-    if source.length == 0 or source.length > KEPT_MAPPED_BYTES:
-        return None
-    try:
-        whole = mmap.mmap(source.fd, source.offset + source.length, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
-    except (OSError, ValueError, OverflowError):
-        return None
-    return memoryview(whole)[source.offset:source.offset + source.length]  # (the view keeps the mapping)
-
-
 def forget_checked() -> None:
-    """Drop every kept check and mapping (tests; a process that wants every object checked in
-    full again)."""
-    global _kept_mapped
-    with _kept_lock:
-        _kept.clear()
-        _kept_mapped = 0
+    """Drop every kept check and mapping of every folder store open in this process (tests; a
+    process that wants every object checked in full again). One store's: `backend.kept.forget()`."""
+    from .kept import forget_all
+
+    forget_all()
 
 
 @dataclass
@@ -200,7 +106,8 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
     small = 2 * model["num_layers"] * cache.chunk_size * model["num_kv_heads"] * model["head_dim"] * 2 < SMALL_CHUNK_BYTES
     batched = small and not cache.backend.reads_in_place  # objects come as bytes: fetch a batch at once
     fetched: dict[int, Any] = {}
-    looked_at = cache.backend.file_state if cache.backend.keeps_checked_files and not batched else None
+    kept = cache.backend.kept  # the folder backend's checked objects, kept between loads (store/kept.py)
+    looked_at = cache.backend.file_state if kept is not None and not batched else None
 
     def fetch(index: int, name: str):
         if not batched:
@@ -218,7 +125,7 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
         state = looked_at(name) if looked_at is not None else None
         if state is not None and time.time_ns() - state[1] < USE_RECORDED_NS:
             # a folder's object used within the minute, its name still holding a file kept mapped
-            source = _kept_in_mapping((state[0], name, cache.key, link.start))
+            source = kept.mapped((state[0], name, cache.key, link.start))
             if source is not None:
                 seen[index] = (source.codec, state[0][2])
                 return source
@@ -226,9 +133,9 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
         if data is None:
             raise _Gone(name)
         identity = getattr(data, "identity", None)  # an object opened as a file: which, as of when
-        key = None if identity is None else (identity, name, cache.key, link.start)
+        key = None if identity is None or kept is None else (identity, name, cache.key, link.start)
         if key is not None:
-            source = _kept_source(data, key)
+            source = kept.opened(data, key)
             if source is not None:
                 seen[index] = (source.codec, identity[2])
                 return source
@@ -238,7 +145,7 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
                                   verify_payload=False)  # checked as it is copied or decoded
         seen[index] = (obj.codec, size)
         source = obj.source()
-        return source if key is None else _keep(key, source, identity[3])
+        return source if key is None else kept.keep(key, source, identity[3])
 
     def open_block() -> ChunkSource:
         block_refusal[:] = [found.via]

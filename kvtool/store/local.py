@@ -27,6 +27,7 @@ from ..errors import NotAStore, ObjectRefused, ObjectUnreadable, OutputError, St
 from ..format.reader import PreadFile
 from ..fsutil import read_at
 from .backend import PROBE_TAIL, Backend, ObjectInfo
+from .kept import KeptChecks
 from .objects import MAX_OBJECT_BYTES
 
 MARKER = "kvtool-store.json"
@@ -55,7 +56,6 @@ def _fresh_buffer(size: int) -> memoryview:
 
 class LocalBackend(Backend):
     reads_in_place = True
-    keeps_checked_files = True
 
     def __init__(self, root: str | os.PathLike, *, max_bytes: int | None = None, create: bool = True):
         self.root = Path(root).expanduser()
@@ -63,6 +63,7 @@ class LocalBackend(Backend):
         self._root = str(self.root)
         self.max_bytes = max_bytes
         self._real_root: str | None = None  # the folder as the kernel names it (a link to it resolved)
+        self.kept = KeptChecks()  # this folder's checked objects, kept between loads
         self._open(create)
         self._bytes: int | None = None
         if max_bytes is not None:  # the cap needs the total: rebuilt from the folder now

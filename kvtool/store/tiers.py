@@ -16,6 +16,7 @@ class TieredBackend(Backend):
 
     def __init__(self, tiers: Sequence[Backend]):
         self.tiers = list(tiers)
+        self.kept = self.tiers[-1].kept  # (a load opens the durable tier's files)
         self.url = " + ".join(t.url for t in self.tiers)
 
     @property
