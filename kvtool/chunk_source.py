@@ -32,6 +32,7 @@ from .checksum import crc32
 from .dtypes import dtype_from_name, itemsize
 from .errors import ChecksumMismatch, InputFileError, KvtoolError, NonFiniteValues
 from .fsutil import read_at
+from .native_loader import NativeExtension
 
 if TYPE_CHECKING:
     import torch
@@ -365,22 +366,14 @@ def _fresh(nbytes: int) -> memoryview:
     return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())
 
 
-_native_module: Any = None
+#: the extension connectors/paged_native.py copies with, loaded the one way (`native_loader`)
+_PAGED_NATIVE = NativeExtension("_paged_native", "KVTOOL_PAGED_NATIVE", "paged copy", "the torch path")
 
 
 def _native():
     """kvtool._paged_native (its one-pass checked copy), or None where it was not built or is
     turned off (KVTOOL_PAGED_NATIVE=0, as for the connectors' native copies)."""
-    global _native_module
-    if os.environ.get("KVTOOL_PAGED_NATIVE", "1").strip() in ("0", "false", "no", "off"):
-        return None
-    if _native_module is None:
-        try:
-            from . import _paged_native as module  # type: ignore[attr-defined]
-        except ImportError:
-            module = False
-        _native_module = module
-    return _native_module or None
+    return _PAGED_NATIVE.module()
 
 
 __all__ = ["BatchDecoder", "ChunkSource", "Decoder", "nonfinite_count"]
