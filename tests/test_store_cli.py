@@ -508,3 +508,17 @@ def test_a_tls_only_redis_with_client_certificates(capsys, redis_tls_server):
     code, out, err = call(capsys, "store", "stats", "--store", bare)
     assert code != 0 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "tls-s3cret" not in out + err
+
+
+def test_lookup_buffer_never_hands_out_an_entry_of_nan(store_url):
+    """A lookup-buffer entry written with NaN and a valid CRC (the seed's `insert` stores what it is
+    given) is refused at `drop_select` as a load refuses such a chunk: a miss, never the NaN."""
+    identity = make_identity()
+    buffer = StoreLookupBuffer(open_store(store_url), identity, chunk_size=4, owns_store=True)
+    tokens, roi = torch.arange(10, 16), torch.ones(6, dtype=torch.bool)
+    key = torch.randn(2, 6, 2, 8, generator=torch.Generator().manual_seed(1))
+    key[1, 3, 0, 5] = float("nan")
+    buffer.insert(tokens, roi, key, key.clone(), None)
+    assert buffer.drop_select(tokens, roi) == [None] * 5
+    assert buffer.store.counters.refused == 1
+    buffer.close()

@@ -16,7 +16,9 @@ import numpy as np
 from ..dtypes import dtype_name
 from ..errors import ObjectRefused, UsageError
 from ..identity import ModelIdentity
+from ..notices import notice
 from . import objects
+from .loading import DAMAGE
 from .chunk_store import ChunkStore, _as_token_array
 
 if TYPE_CHECKING:
@@ -126,7 +128,11 @@ class StoreLookupBuffer(KVLookupBufferBase):
             if not self.store.backend.delete(name):
                 continue  # another consumer selected it first
             with reader:
-                return _entry_tensors(reader)
+                try:
+                    return _entry_tensors(reader)
+                except DAMAGE as err:  # refused as a load refuses it (removed already: selected)
+                    self.store.count_refusal(err)
+                    notice(f"store: refused a damaged entry {name} ({err}); removed")
         return [None, None, None, None, None]
 
     def _name(self, tokens: np.ndarray, mask: np.ndarray) -> str:
@@ -175,11 +181,19 @@ class StoreKeyValueBuffer(KVStoreBufferBase):
             self.store.close()
 
 
+def _checked_chunk(reader, index: int) -> "torch.Tensor":
+    """Chunk `index` of an entry, checked as the load path checks what it hands to an engine: its
+    CRC-32C, its decoding, every value finite (store.md §5, check 13)."""
+    with reader.source(index, pread=True) as source:
+        source.scan_values = True
+        return source.decode()
+
+
 def _entry_tensors(reader) -> list:
     import torch
 
     m = reader.manifest
-    kv = torch.cat([reader.read_chunk(c.index) for c in m.chunks], dim=2)  # [2, L, N, C]
+    kv = torch.cat([_checked_chunk(reader, c.index) for c in m.chunks], dim=2)  # [2, L, N, C]
     shape = m.extensions["store"].get("key_shape")
     tokens = torch.from_numpy(reader.token_ids())
     roi = torch.from_numpy(reader.read_extra_array("roi_mask").astype(bool))
