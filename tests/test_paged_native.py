@@ -335,11 +335,13 @@ def test_any_slot_order_gives_the_reference_bytes(layout):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_transposed_pages_of_large_blocks(dtype, nontemporal):
+@pytest.mark.parametrize("H", [4, 8])
+def test_transposed_pages_of_large_blocks(dtype, H, nontemporal):
     """vLLM's CPU layout at its own block size (128): a run of slots is more than the kernel's
-    tile buffer holds (it goes in parts), whole blocks and partial ones, plain and checked."""
+    tile buffer holds (it goes in parts; 8 heads of fp32: a whole block's gather too, through
+    half the buffer), whole blocks and partial ones, plain and checked."""
     gen = torch.Generator().manual_seed(12)
-    T, BS, L, H, D, NB = 300, 128, 2, 4, 64, 5
+    T, BS, L, D, NB = 300, 128, 2, 64, 5
     layout = PagedLayout("vllm_cpu")
     bufs = make_buffers("vllm_cpu", L, NB, BS, H, D, dtype, gen)
     order = torch.randperm(NB, generator=gen)
