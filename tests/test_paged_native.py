@@ -198,6 +198,20 @@ def nontemporal(request):
         native.nontemporal_min(previous)
 
 
+@pytest.fixture(params=[512, 256, 128], ids=["stores-512", "stores-256", "stores-128"])
+def stream_width(request):
+    """Run the test with non-temporal copies of whole lines on registers of at most
+    `request.param` bits (the widest the CPU has at most; 128: the 16-byte loop), every copy
+    non-temporal, and put the widest back afterwards."""
+    got = native.stream_width(request.param)
+    previous = native.nontemporal_min(0)
+    try:
+        yield got
+    finally:
+        native.nontemporal_min(previous)
+        native.stream_width(512)
+
+
 @pytest.fixture(params=[True, False], ids=["mapped", "windowed"])
 def file_reads(request):
     """Run the test with payloads in files mapped behind the fault guard, or read a window at a
@@ -335,11 +349,13 @@ def test_any_slot_order_gives_the_reference_bytes(layout):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_transposed_pages_of_large_blocks(dtype, nontemporal):
+@pytest.mark.parametrize("H", [4, 8])
+def test_transposed_pages_of_large_blocks(dtype, H, nontemporal):
     """vLLM's CPU layout at its own block size (128): a run of slots is more than the kernel's
-    tile buffer holds (it goes in parts), whole blocks and partial ones, plain and checked."""
+    tile buffer holds (it goes in parts; 8 heads of fp32: a whole block's gather too, through
+    half the buffer), whole blocks and partial ones, plain and checked."""
     gen = torch.Generator().manual_seed(12)
-    T, BS, L, H, D, NB = 300, 128, 2, 4, 64, 5
+    T, BS, L, D, NB = 300, 128, 2, 64, 5
     layout = PagedLayout("vllm_cpu")
     bufs = make_buffers("vllm_cpu", L, NB, BS, H, D, dtype, gen)
     order = torch.randperm(NB, generator=gen)
@@ -355,6 +371,30 @@ def test_transposed_pages_of_large_blocks(dtype, nontemporal):
     got = torch.empty_like(view)
     assert paged_native.native_gather(ref, layout, slots, got)
     assert torch.equal(got, view)
+
+
+@needs_native
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype,H,D", [(torch.float32, 3, 8), (torch.bfloat16, 2, 64)])
+def test_every_store_width_gives_the_reference_bytes(layout, dtype, H, D, stream_width):
+    """Whole-line non-temporal copies on each register width: runs of slots that start at a
+    block's start and inside one (copies of whole lines and with a tail), blob parts that start
+    off a line (3 heads of 8 fp32: 96-byte tokens, 133 of them) and on one, gather and scatter."""
+    gen = torch.Generator().manual_seed(21)
+    T, BS, L, NB = 133, 16, 2, 12
+    bufs = make_buffers(layout, L, NB, BS, H, D, dtype, gen)
+    order = torch.randperm(NB, generator=gen)
+    t = torch.arange(T) + 5  # the first run starts inside its block
+    slots = order[t // BS] * BS + t % BS
+    blob = torch.randn(2, L, T, H * D, generator=gen).to(dtype)
+    ref, out = clone_buffers(bufs, layout), clone_buffers(bufs, layout)
+    paged_torch.torch_scatter(blob, ref, PagedLayout(layout), slots)
+    assert paged_native.native_scatter(blob, out, PagedLayout(layout), slots)
+    assert buffers_equal(ref, out, layout)
+    want, got = torch.empty_like(blob), torch.empty_like(blob)
+    paged_torch.torch_gather(bufs, PagedLayout(layout), slots, want)
+    assert paged_native.native_gather(bufs, PagedLayout(layout), slots, got)
+    assert torch.equal(want, got)
 
 
 def _file_payload(tmp_path, shape, dtype, gen, lead=100, cut=0):
