@@ -71,7 +71,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from kvtool.connectors import MemoryObj, PagedMemConnectorV2, paged_native  # noqa: E402
 from kvtool.format import ContainerReader, ContainerWriter  # noqa: E402
 from kvtool.identity import ModelIdentity  # noqa: E402
-from kvtool.load import file_tasks, load_chunks  # noqa: E402
+from kvtool.load import Destination, file_tasks, load_chunks  # noqa: E402
 from kvtool.store import open_store  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -116,11 +116,14 @@ class Paged:
         return out.tensor
 
 
-class _DecodedOnly:
-    """A load destination without `scatter_source`: every chunk comes decoded (checked first)."""
+class _DecodedOnly(Destination):
+    """A load destination that takes decoded KV only: every chunk comes decoded (checked first)."""
 
     def __init__(self, paged: "Paged"):
-        self.device, self.scatter = paged.target.device, paged.scatter
+        self.device, self.paged = paged.target.device, paged
+
+    def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
+        self.paged.scatter(kv, start, end)
 
 
 def before(reader: ContainerReader, paged: Paged, tokens: int) -> None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..destination import Destination
 from ..errors import ConnectorError
 from .memory import MemoryFormat, MemoryObj
 
@@ -151,7 +152,7 @@ def _is_int(v: Any) -> bool:
     return True
 
 
-class ConnectorTarget:
+class ConnectorTarget(Destination):
     """An engine's buffers, seen through a connector, as a load's destination (`kvtool.load`):
     decoded KV goes through `to_gpu`; a whole stored chunk through `to_gpu_source`, which copies a
     raw chunk straight from its stored bytes, checked as it copies. Tokens [start, end) of a load
@@ -164,6 +165,9 @@ class ConnectorTarget:
 
     def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
         self.connector.to_gpu(MemoryObj.from_tensor(kv), start, end, **self.kwargs)
+
+    def takes_sources(self) -> bool:
+        return True
 
     def scatter_source(self, source: "ChunkSource", start: int, end: int) -> None:
         self.connector.to_gpu_source(source, start, end, **self.kwargs)

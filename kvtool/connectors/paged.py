@@ -272,6 +272,9 @@ class PagedTarget(ConnectorTarget):
     def scatter_source(self, source: ChunkSource, start: int, end: int) -> None:
         self.connector._source_into(self._bound_once(), source, start, end, whole_mapping=True)
 
+    def takes_source_runs(self) -> bool:
+        return True
+
     def scatter_sources(self, sources: list[ChunkSource], start: int, end: int) -> "list[KvtoolError | None] | None":
         return self.connector._sources_into(self._bound_once(), sources, start, end)
 
