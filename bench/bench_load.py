@@ -68,10 +68,10 @@ import numpy  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from kvtool.connectors import MemoryObj, PagedMemConnectorV2, paged_native  # noqa: E402
+from kvtool.connectors import PagedMemConnectorV2, paged_native  # noqa: E402
 from kvtool.format import ContainerReader, ContainerWriter  # noqa: E402
 from kvtool.identity import ModelIdentity  # noqa: E402
-from kvtool.load import file_tasks, load_chunks  # noqa: E402
+from kvtool.load import Destination, file_tasks, load_chunks  # noqa: E402
 from kvtool.store import open_store  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -108,19 +108,22 @@ class Paged:
         self.checked_first = _DecodedOnly(self)
 
     def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
-        self.connector.to_gpu(MemoryObj.from_tensor(kv), start, end, kvcaches=self.caches, slot_mapping=self.slots)
+        self.connector.scatter(kv, start, end, kvcaches=self.caches, slot_mapping=self.slots)
 
     def gather(self, tokens: int) -> torch.Tensor:
-        out = self.connector.allocate(tokens, torch.bfloat16)
-        self.connector.from_gpu(out, 0, tokens, kvcaches=self.caches, slot_mapping=self.slots)
-        return out.tensor
+        out = torch.empty(self.connector.get_shape(tokens), dtype=torch.bfloat16)
+        self.connector.gather(out, 0, tokens, kvcaches=self.caches, slot_mapping=self.slots)
+        return out
 
 
-class _DecodedOnly:
-    """A load destination without `scatter_source`: every chunk comes decoded (checked first)."""
+class _DecodedOnly(Destination):
+    """A load destination that takes decoded KV only: every chunk comes decoded (checked first)."""
 
     def __init__(self, paged: "Paged"):
-        self.device, self.scatter = paged.target.device, paged.scatter
+        self.device, self.paged = paged.target.device, paged
+
+    def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
+        self.paged.scatter(kv, start, end)
 
 
 def before(reader: ContainerReader, paged: Paged, tokens: int) -> None:
@@ -354,7 +357,7 @@ def gpu_candidates(kv, files, tmp, store_cache, token_ids, layers, heads, head_d
 
 def vllm_cpu_layout(rounds: int) -> list[dict]:
     """The vLLM connector's copies (integrations.engine_blocks): 1,024 tokens (4 chunks) of the
-    default model's float32 KV into vLLM's CPU layout as a load does it (`scatter_into`, each chunk
+    default model's float32 KV into vLLM's CPU layout as a load does it (`EngineBlocks.target`, each chunk
     CRC-checked as it is copied from its stored bytes) and out of it as a save does (`read` into a
     recycled buffer, `SaveBuffers`), the native copy vs the torch reference, next to a plain copy of
     the same bytes."""
@@ -369,7 +372,7 @@ def vllm_cpu_layout(rounds: int) -> list[dict]:
     sources = [ChunkSource.from_tensor(kv, f"chunk {c}") for c, kv in enumerate(stored)]
     for source in sources:
         source.checked = False  # stored bytes: CRC-checked as they are copied
-    target = blocks.scatter_into(block_ids, tokens)
+    target = blocks.target(block_ids, tokens)
     src, dst = torch.randn(2, layers, tokens, heads * head_dim), torch.empty(2, layers, tokens, heads * head_dim)
 
     def load():
@@ -393,8 +396,8 @@ def vllm_cpu_layout(rounds: int) -> list[dict]:
         return run
 
     times = time_rounds({"limit: copy of the same bytes": lambda: dst.copy_(src),
-                         "load (scatter_into, checked), native": load,
-                         "load (scatter_into, checked), torch reference": torch_path(load),
+                         "load (target, checked), native": load,
+                         "load (target, checked), torch reference": torch_path(load),
                          "save (read), native": save, "save (read), torch reference": torch_path(save)}, rounds)
     nbytes = src.numel() * 4
     copy = times["limit: copy of the same bytes"]

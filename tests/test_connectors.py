@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvtool.connectors import (
     ConnectorError,
+    ConnectorTarget,
     GPUConnectorInterface,
     MemoryFormat,
     MemoryObj,
@@ -654,3 +655,94 @@ def test_vllm_cpu_layout_is_the_page_vllm_cpu_writes():
                            layer[b].view(H, -1)[:, [c * BS + t for c in range(D)]])
     with pytest.raises(ValueError, match="contiguous"):
         gather_paged([layer.transpose(1, 2).contiguous().transpose(1, 2)], "vllm_cpu", slots, out)
+
+
+# ---------------------------------------------------------------------------
+# the public connectors as a user of LMCache's contract calls them, and kvtool's tensor calls
+# ---------------------------------------------------------------------------
+
+
+def test_lmcaches_paged_and_nested_connectors_as_a_user_calls_them():
+    """LMCache's documented usage (VLLMPagedMemGPUConnector, VLLMNestedTupleGPUConnector): allocate
+    a KV_BLOB memory object, `from_gpu` fills it (format set to KV_BLOB), `to_gpu` puts it back; a
+    missing `kvcaches` or `slot_mapping` is a ValueError. kvtool's `gather` / `scatter` do the same
+    with the tensor itself."""
+    L, H, D, NB, BS, T = 2, 2, 4, 6, 4, 10
+    paged = [(torch.randn(NB, BS, H, D), torch.randn(NB, BS, H, D)) for _ in range(L)]
+    slots = torch.tensor([5, 4, 20, 21, 22, 23, 8, 9, 10, 11])
+    nested = tuple((torch.randn(T, H, D), torch.randn(T, H, D)) for _ in range(L))
+    for conn, kwargs in ((PagedMemConnector(H * D, L), dict(kvcaches=paged, slot_mapping=slots)),
+                         (NestedTupleConnector(H * D, L), dict(kvcaches=nested))):
+        memory = conn.allocate(T, torch.float32)
+        memory.metadata.fmt = MemoryFormat.UNDEFINED
+        conn.from_gpu(memory, 0, T, **kwargs)
+        assert memory.metadata.fmt is MemoryFormat.KV_BLOB and memory.tensor.shape == conn.get_shape(T)
+        blob = torch.empty(conn.get_shape(T))
+        conn.gather(blob, 0, T, **kwargs)
+        assert torch.equal(blob, memory.tensor)
+        doubled = MemoryObj.from_tensor(memory.tensor * 2)
+        conn.to_gpu(doubled, 0, T, **kwargs)
+        conn.gather(blob, 0, T, **kwargs)
+        assert torch.equal(blob, memory.tensor * 2)
+        conn.scatter(memory.tensor, 0, T, **kwargs)
+        conn.from_gpu(doubled, 0, T, **kwargs)
+        assert torch.equal(doubled.tensor, memory.tensor)
+        with pytest.raises(ValueError, match="kvcaches"):
+            conn.to_gpu(memory, 0, T, **{k: v for k, v in kwargs.items() if k != "kvcaches"})
+    with pytest.raises(ValueError, match="slot_mapping"):
+        PagedMemConnector(H * D, L).from_gpu(memory, 0, T, kvcaches=paged)
+
+
+def test_a_connector_of_lmcaches_contract_alone_gets_gather_scatter_and_loads():
+    """A connector written against LMCache's contract only (from_gpu / to_gpu with MemoryObj) is
+    still a load's destination: `gather` / `scatter` and `ConnectorTarget` hand it memory objects."""
+    from kvtool.chunk_source import ChunkSource
+    from kvtool.load import ChunkTask, load
+
+    class Theirs(GPUConnectorInterface):
+        def __init__(self):
+            super().__init__(4, 1)
+            self.kv = torch.zeros(2, 1, 8, 4)
+
+        def from_gpu(self, memory_obj, start, end, **kwargs):
+            memory_obj.tensor.copy_(self.kv[:, :, start:end])
+
+        def to_gpu(self, memory_obj, start, end, **kwargs):
+            assert isinstance(memory_obj, MemoryObj)
+            self.kv[:, :, start:end] = memory_obj.tensor
+
+    conn = Theirs()
+    kv = torch.randn(2, 1, 8, 4)
+    outcome = load([ChunkTask(0, 8, lambda: ChunkSource.from_tensor(kv))], ConnectorTarget(conn))
+    assert outcome.error is None and torch.equal(conn.kv, kv)
+    out = torch.empty(2, 1, 3, 4)
+    conn.gather(out, 2, 5)
+    assert torch.equal(out, kv[:, :, 2:5])
+
+
+def test_kvtools_connectors_make_no_memory_object_inside(monkeypatch):
+    """A load into paged or nested buffers, and a gather, never wrap a chunk in a MemoryObj to
+    unwrap it again (before: every scattered chunk went through MemoryObj.from_tensor)."""
+    from kvtool.chunk_source import ChunkSource
+    from kvtool.connectors import memory
+    from kvtool.load import ChunkTask, load
+
+    made = []
+    for maker in ("from_tensor", "allocate"):
+        original = getattr(memory.MemoryObj, maker).__func__
+        monkeypatch.setattr(memory.MemoryObj, maker,
+                            classmethod(lambda cls, *a, _f=original, **k: made.append(cls) or _f(cls, *a, **k)))
+    L, H, D, NB, BS, T = 2, 2, 4, 6, 4, 8
+    kv = torch.randn(2, L, T, H * D)
+    paged = [torch.zeros(2, NB, BS, H, D) for _ in range(L)]
+    v2 = PagedMemConnectorV2(H * D, L, layout="flash_attn")
+    nested = tuple((torch.zeros(T, H * D), torch.zeros(T, H * D)) for _ in range(L))
+    for target in (v2.target(kvcaches=paged, slot_mapping=torch.arange(T)),
+                   NestedTupleConnector(H * D, L).target(kvcaches=nested)):
+        tasks = [ChunkTask(0, 4, lambda: ChunkSource.from_tensor(kv[:, :, :4])),  # raw: copied from its bytes
+                 ChunkTask(4, 8, lambda: ChunkSource.from_tensor(kv), origin=0)]  # part of a chunk: decoded
+        assert load(tasks, target).error is None
+    out = torch.empty(2, L, T, H * D)
+    v2.gather(out, 0, T, kvcaches=paged, slot_mapping=torch.arange(T))
+    assert torch.equal(out, kv)
+    assert made == []

@@ -19,6 +19,23 @@ def engine(layout: str, device: str) -> list[torch.Tensor]:
     return [torch.zeros(SHAPES[layout], device=device) for _ in range(L)]
 
 
+def write(blocks: EngineBlocks, kv: torch.Tensor, block_ids: list[int], start: int) -> None:
+    """Tokens [start, start + T) of a request into its blocks, as a user puts them: through the
+    blocks' load destination (`target`), its `scatter` of a KV_BLOB."""
+    end = start + kv.shape[2]
+    blocks.target(block_ids, end).scatter(kv.contiguous(), start, end)
+
+
+def test_write_and_scatter_into_are_deprecated_for_target():
+    blocks = EngineBlocks(engine("flash_attn", "cpu"), BS, "flash_attn")
+    kv = torch.randn(2, L, 20, H * D)
+    with pytest.warns(DeprecationWarning, match=r"EngineBlocks.target\(block_ids, end\).scatter"):
+        blocks.write(kv[:, :, 4:], [3, 1], 4)
+    assert torch.equal(blocks.read([3, 1], 4, 20), kv[:, :, 4:])
+    with pytest.warns(DeprecationWarning, match="use EngineBlocks.target"):
+        assert blocks.scatter_into([3, 1], 20).kwargs["slot_mapping"].tolist() == blocks.slots([3, 1], 20).tolist()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["vllm_cpu", "vllm", "flash_attn", "flashinfer"])
 def test_tokens_round_trip_through_a_requests_blocks(layout, device):
@@ -28,8 +45,8 @@ def test_tokens_round_trip_through_a_requests_blocks(layout, device):
     assert blocks.layout.value == layout
     block_ids = [7, 2, 9, 0, 5]  # a request's blocks, in token order, not in memory order
     kv = torch.randn(2, L, 70, H * D)
-    blocks.write(kv[:, :, :40], block_ids, 0)
-    blocks.write(kv[:, :, 40:], block_ids, 40)  # a later step continues where the first stopped
+    write(blocks, kv[:, :, :40], block_ids, 0)
+    write(blocks, kv[:, :, 40:], block_ids, 40)  # a later step continues where the first stopped
     assert torch.equal(blocks.read(block_ids, 0, 70), kv)
     assert torch.equal(blocks.read(block_ids, 33, 51), kv[:, :, 33:51])
     untouched = [b for b in range(NB) if b not in block_ids]
@@ -47,7 +64,7 @@ def test_a_save_reads_into_a_recycled_buffer(layout, device):
     blocks = EngineBlocks(engine(layout, device), BS, layout)
     block_ids = [7, 2, 9, 0, 5]
     kv = torch.randn(2, L, 70, H * D)
-    blocks.write(kv, block_ids, 0)
+    write(blocks, kv, block_ids, 0)
     buffers = SaveBuffers(keep=2)
     first = blocks.read(block_ids, 0, 30)
     buffers.give(blocks.read(block_ids, 0, 64)[:, :, :16])  # a view of part of it: the whole comes back
@@ -68,7 +85,7 @@ def test_the_gpu_copies_leave_the_same_buffers_as_the_cpu(layout):
     kv = torch.randn(2, L, 50, H * D)
     cpu, gpu = EngineBlocks(engine(layout, "cpu"), BS, layout), EngineBlocks(engine(layout, "cuda"), BS, layout)
     for blocks in (cpu, gpu):
-        blocks.write(kv, [3, 1, 10, 4], 0)
+        write(blocks, kv, [3, 1, 10, 4], 0)
     for a, b in zip(cpu.layers, gpu.layers):
         assert torch.equal(a, b.cpu())
 
@@ -93,7 +110,7 @@ def test_the_vllm_layout_follows_the_tensors_strides():
     blocks = EngineBlocks([view] * L, BS, "vllm")
     kv = torch.randn(2, L, 40, H * D)
     block_ids = [3, 8, 1]
-    blocks.write(kv, block_ids, 0)
+    write(blocks, kv, block_ids, 0)
     token, head = 21, 1  # in block_ids[1] = 8 at offset 5
     assert torch.equal(physical[8, 5, head, :D], kv[0, L - 1, token].view(H, D)[head])
     assert torch.equal(physical[8, 5, head, D:], kv[1, L - 1, token].view(H, D)[head])
@@ -101,7 +118,7 @@ def test_the_vllm_layout_follows_the_tensors_strides():
 
 
 def test_the_store_loads_into_a_requests_blocks_from_a_token_on(tmp_path):
-    """The vLLM connector's load: ModelCache.load_prefix through EngineBlocks.scatter_into, from
+    """The vLLM connector's load: ModelCache.load_prefix through EngineBlocks.target, from
     the first token vLLM does not hold; its own blocks before that are never written."""
     from fixtures import make_identity
     from kvtool.store import open_store

@@ -11,7 +11,7 @@ from kvtool.chunk_source import ChunkSource
 from kvtool.connectors import ConnectorTarget, PagedMemConnectorV2
 from kvtool.errors import ChecksumMismatch, DecodeError
 from kvtool.format import ContainerReader
-from kvtool.load import ChunkTask, file_tasks, load_chunks
+from kvtool.load import ChunkTask, Destination, file_tasks, load, load_chunks
 
 L, H, D, BS = 2, 2, 8, 4
 
@@ -37,11 +37,15 @@ def paged_target(num_tokens: int, seed: int = 0, checking: bool = True):
     return target, read
 
 
-class _DecodedOnly:
-    """A destination without `scatter_source`: the load decodes every chunk (checked first)."""
+class _DecodedOnly(Destination):
+    """A destination that takes decoded KV only (`Destination`'s defaults): the load decodes every
+    chunk (checked first)."""
 
     def __init__(self, target):
-        self.device, self.scatter = target.device, target.scatter
+        self.device, self.target = target.device, target
+
+    def scatter(self, kv, start, end):
+        self.target.scatter(kv, start, end)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -635,7 +639,7 @@ def test_a_load_from_inside_a_chunk_loads_that_chunk_alone_and_the_rest_together
     target, read = together_target(48)
     with ContainerReader(f.path) as reader:
         tasks = file_tasks(reader, 48)
-        tasks[0] = ChunkTask(5, 8, tasks[0].open, origin=0, codec="raw")  # the engine holds tokens 0-4
+        tasks[0] = ChunkTask(5, 8, tasks[0].open, origin=0, codec=tasks[0].codec)  # the engine holds tokens 0-4
         outcome = load_chunks(tasks, target, threads=2)
     assert outcome.error is None and outcome.loaded_tokens == 48
     assert torch.equal(read(5, 48), f.kv[:, :, 5:]) and not read(0, 5).any()
@@ -698,3 +702,80 @@ def test_the_store_loads_a_hot_prefix_together_and_refuses_an_object_damaged_in_
         assert calls == [4] and len(released) >= 4
     finally:
         loading.forget_checked()
+
+
+# --- the destination is declared, the codec asked (issue 47, finding 5) ---------------------------
+
+
+def test_the_load_asks_the_destination_what_it_takes_never_probes_it(tmp_path):
+    """A destination that has a `scatter_source` but does not say it takes sources gets every chunk
+    decoded through `scatter` (before: `hasattr` found the method and called it)."""
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=32, chunk_size=8, dtype=torch.float32)
+    target, read = paged_target(32)
+
+    class Declared(Destination):
+        device = target.device
+
+        def scatter(self, kv, start, end):
+            target.scatter(kv, start, end)
+
+        def scatter_source(self, source, start, end):  # there, but not taken: takes_sources() is False
+            raise AssertionError("scatter_source called on a destination that does not take sources")
+
+    for threads in (1, 2):
+        with ContainerReader(f.path) as reader:
+            outcome = load_chunks(file_tasks(reader, 32), Declared(), threads=threads)
+        assert outcome.error is None and outcome.loaded_tokens == 32
+        assert torch.equal(read(0, 32), f.kv)
+
+
+def test_an_undeclared_destination_still_loads_decoded_kv_with_a_deprecation(tmp_path):
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=16, chunk_size=8, dtype=torch.float32)
+    target, read = paged_target(16)
+
+    class Plain:  # what a destination was before Destination was declared: device and scatter
+        device = target.device
+        scatter = staticmethod(target.scatter)
+
+    with ContainerReader(f.path) as reader, pytest.warns(DeprecationWarning, match="subclass kvtool.load.Destination"):
+        outcome = load(file_tasks(reader, 16), Plain())
+    assert outcome.error is None and torch.equal(read(0, 16), f.kv)
+
+
+def test_the_load_asks_the_codec_how_a_chunk_loads_never_its_name(tmp_path, monkeypatch):
+    """A file's tasks carry their codecs (the codec table's objects): raw chunks go together in one
+    native call, a zstd chunk is decoded; CacheGen's says it decodes in device batches. A codec
+    given by name is deprecated and ignored."""
+    from kvtool.codecs import get_codec
+
+    assert get_codec("cachegen").decodes_in_device_batches
+    assert not any(get_codec(name).decodes_in_device_batches for name in ("raw", "zstd", "pca"))
+    calls = counting_calls(monkeypatch)
+    identity = make_identity(num_layers=L, num_kv_heads=H, head_dim=D)
+    f = write_kv_file(tmp_path / "f.kvc", identity=identity, num_tokens=32, chunk_size=8, dtype=torch.float32,
+                      codecs_per_chunk=[("raw", None), ("raw", None), ("raw", None), ("zstd", None)])
+    target, read = together_target(32)
+    with ContainerReader(f.path) as reader:
+        tasks = file_tasks(reader, 32)
+        assert [t.codec for t in tasks] == [get_codec("raw")] * 3 + [get_codec("zstd")]
+        outcome = load_chunks(tasks, target, threads=2)
+    assert outcome.error is None and torch.equal(read(0, 32), f.kv)
+    assert calls == [3]  # (before: a task's codec compared with "raw" by name)
+    with pytest.warns(DeprecationWarning, match="get_codec"):
+        assert ChunkTask(0, 8, tasks[0].open, codec="raw").codec is None
+
+
+def test_the_load_path_names_no_codec_and_probes_nothing():
+    """The source of kvtool/load: no `hasattr` probe, no codec named by string."""
+    import re
+    from pathlib import Path
+
+    import kvtool.load
+
+    for path in Path(kvtool.load.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert "hasattr(" not in text, path
+        assert not re.search(r"""codec\s*(==|!=|not in|in)\s*[("']""", text), path
+        assert not re.search(r"""["'](raw|zstd|cachegen|pca)["']""", text), path

@@ -34,6 +34,10 @@ class Codec(ABC):
     # True when the payload is the tensor's bytes as they are (a reader may then read it
     # straight into a tensor, or view it without a copy).
     payload_is_tensor_bytes: ClassVar[bool] = False
+    # True when a GPU decodes several chunks of this codec faster in one launch (`decode_batch_to`)
+    # than one by one: the load path then reads them in groups into pinned memory and decodes each
+    # group on the device (kvtool.load.path), instead of decoding each chunk on the CPU.
+    decodes_in_device_batches: ClassVar[bool] = False
 
     @abstractmethod
     def default_params(self) -> dict[str, Any]:

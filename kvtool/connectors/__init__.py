@@ -9,15 +9,19 @@ Our own implementation of LMCache's GPU connector contract:
 * `GPUConnectorInterface`: ``from_gpu(memory_obj, start, end, **kwargs)``
   (engine -> memory object), ``to_gpu(memory_obj, start, end, **kwargs)``
   (memory object -> engine), ``get_shape(num_tokens)``, plus
-  ``allocate(num_tokens, dtype, device, pin_memory=)``.
-* `NestedTupleConnector(hidden_dim_size, num_layers)`: whole-sequence
-  tuple over layers of (K, V), each ``[T, H, D]``, ``[T, H*D]`` or HF's
-  ``[1, H, T, D]``; kwarg ``kvcaches``.
+  ``allocate(num_tokens, dtype, device, pin_memory=)``; and kvtool's own
+  ``gather(blob, start, end, **kwargs)`` / ``scatter(blob, start, end, **kwargs)``,
+  the same transfers with the KV_BLOB tensor itself (what kvtool uses inside:
+  a `MemoryObj` is made only where LMCache's contract is the surface).
+* `NestedTupleConnector(hidden_dim_size, num_layers)`: LMCache's
+  `VLLMNestedTupleGPUConnector`: whole-sequence tuple over layers of (K, V),
+  each ``[T, H, D]``, ``[T, H*D]`` or HF's ``[1, H, T, D]``; kwarg ``kvcaches``.
 * `PagedMemConnector(hidden_dim_size, num_layers, num_kv_heads=None, head_dim=None)`:
-  per layer (K, V) each ``[num_blocks, block_size, H, D]``; kwargs
-  ``kvcaches``, ``slot_mapping``.
+  LMCache's `VLLMPagedMemGPUConnector`: per layer (K, V) each
+  ``[num_blocks, block_size, H, D]``; kwargs ``kvcaches``, ``slot_mapping``.
 * `PagedMemConnectorV2(hidden_dim_size, num_layers, use_gpu=False,
   layout="kv_tuple", num_kv_heads=None, head_dim=None, chunk_size=None)`:
+  LMCache's `VLLMPagedMemGPUConnectorV2` (kvtool's own engine, capture and replay use it):
   full per-token slot mapping with -1 for prefix-cached tokens, layouts
   `PagedLayout` = "flash_attn" | "flashinfer" | "vllm" | "kv_tuple".
 * `to_gpu_source(source, start, end, **kwargs)`: a stored chunk (`kvtool.chunk_source`) into

@@ -1,10 +1,12 @@
 """The connector contract (after LMCache's `GPUConnectorInterface`) and shared checks.
 
 A connector moves the KV of tokens `start..end` of a sequence between an
-inference engine's KV buffers and a `MemoryObj` in the KV_BLOB format:
+inference engine's KV buffers and a KV_BLOB:
 
-* `from_gpu(memory_obj, start, end, **kwargs)`: engine buffers -> memory object.
-* `to_gpu(memory_obj, start, end, **kwargs)`:   memory object -> engine buffers.
+* `from_gpu(memory_obj, start, end, **kwargs)`: engine buffers -> memory object (LMCache's contract).
+* `to_gpu(memory_obj, start, end, **kwargs)`:   memory object -> engine buffers (LMCache's contract).
+* `gather(blob, start, end, **kwargs)` / `scatter(blob, start, end, **kwargs)`: the same with the
+  KV_BLOB tensor itself, what kvtool uses inside (no `MemoryObj` made to be unwrapped again).
 * `to_gpu_source(source, start, end, **kwargs)`: a stored chunk (`ChunkSource`) -> engine
   buffers, checked as it is copied.
 * `get_shape(num_tokens)`: the KV_BLOB shape for `num_tokens` tokens.
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..destination import Destination
 from ..errors import ConnectorError
 from .memory import MemoryFormat, MemoryObj
 
@@ -54,12 +57,24 @@ class GPUConnectorInterface(ABC):
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
         """Copy `memory_obj` into the engine buffers at tokens `start..end`."""
 
+    def gather(self, blob: torch.Tensor, start: int, end: int, **kwargs: Any) -> None:
+        """`from_gpu` into a KV_BLOB tensor: the KV of tokens `start..end` from the engine buffers
+        into `blob` (`get_shape(end - start)`, contiguous, a KV dtype, on the CPU or the buffers'
+        device). kvtool's connectors take the tensor as it is; this default, for a connector that
+        implements only LMCache's contract, hands it to `from_gpu` in a `MemoryObj`."""
+        self.from_gpu(MemoryObj.from_tensor(blob), start, end, **kwargs)
+
+    def scatter(self, blob: torch.Tensor, start: int, end: int, **kwargs: Any) -> None:
+        """`to_gpu` from a KV_BLOB tensor: `blob` into the engine buffers at tokens `start..end`
+        (same rules as `gather`). This default hands it to `to_gpu` in a `MemoryObj`."""
+        self.to_gpu(MemoryObj.from_tensor(blob), start, end, **kwargs)
+
     def to_gpu_source(self, source: "ChunkSource", start: int, end: int, **kwargs: Any) -> None:
         """Copy a stored chunk (`kvtool.chunk_source.ChunkSource`, tokens `start..end` exactly)
-        into the engine buffers, from checked bytes. Here: decoded (checked first), then `to_gpu`;
+        into the engine buffers, from checked bytes. Here: decoded (checked first), then `scatter`;
         the paged and nested connectors copy a raw chunk straight from its stored bytes instead,
         checking them as they copy (one pass)."""
-        self.to_gpu(MemoryObj.from_tensor(source.decode()), start, end, **kwargs)
+        self.scatter(source.decode(), start, end, **kwargs)
 
     def target(self, **kwargs: Any) -> "ConnectorTarget":
         """The engine buffers these transfer keywords name (`kvcaches=`, `slot_mapping=`) as the
@@ -104,16 +119,11 @@ class GPUConnectorInterface(ABC):
             raise ConnectorError(f"'{name}' must be provided in kwargs")
         return value
 
-    def _check_memory_obj(
-        self, memory_obj: MemoryObj, num_tokens: int, buffer_device: torch.device, *, reading: bool
-    ) -> torch.Tensor:
-        """Validate `memory_obj` for a transfer of `num_tokens` tokens and return its tensor.
-
-        `reading=True` (to_gpu) needs fmt KV_BLOB; `reading=False` (from_gpu)
-        also accepts UNDEFINED and sets KV_BLOB once the checks pass. The
-        tensor must be contiguous, of shape `get_shape(num_tokens)`, of a
-        KV dtype (it may differ from the buffers' dtype: values are converted),
-        and on the CPU or on the buffers' device."""
+    @staticmethod
+    def _tensor_of(memory_obj: MemoryObj, *, reading: bool) -> torch.Tensor:
+        """The tensor of a `MemoryObj` handed to `to_gpu` (`reading`: its format must be KV_BLOB)
+        or `from_gpu` (KV_BLOB or UNDEFINED): LMCache's contract, at its surface only; the tensor
+        itself is checked by `gather` / `scatter` (`_check_blob`)."""
         if not isinstance(memory_obj, MemoryObj):
             raise ConnectorError(f"expected a MemoryObj, got {type(memory_obj).__name__}")
         fmt = memory_obj.metadata.fmt
@@ -125,19 +135,25 @@ class GPUConnectorInterface(ABC):
             raise ConnectorError("memory object has no tensor")
         if not isinstance(t, torch.Tensor):
             raise ConnectorError(f"memory object tensor is a {type(t).__name__}, not a torch.Tensor")
+        return t
+
+    def _check_blob(self, t: Any, num_tokens: int, buffer_device: torch.device) -> torch.Tensor:
+        """`t` checked as the KV_BLOB of a transfer of `num_tokens` tokens: a contiguous tensor of
+        shape `get_shape(num_tokens)`, of a KV dtype (it may differ from the buffers' dtype: values
+        are converted), on the CPU or on the buffers' device."""
+        if not isinstance(t, torch.Tensor):
+            raise ConnectorError(f"the KV_BLOB is a {type(t).__name__}, not a torch.Tensor")
         want = self.get_shape(num_tokens)
         if t.shape != want:
-            raise ConnectorError(f"memory object has shape {tuple(t.shape)}, expected {tuple(want)}")
+            raise ConnectorError(f"the KV_BLOB has shape {tuple(t.shape)}, expected {tuple(want)}")
         if t.dtype not in BLOB_DTYPES:
-            raise ConnectorError(f"memory object dtype {t.dtype} is not one of bfloat16, float16, float32")
+            raise ConnectorError(f"the KV_BLOB's dtype {t.dtype} is not one of bfloat16, float16, float32")
         if t.device.type != "cpu" and t.device != buffer_device:
             raise ConnectorError(
-                f"memory object is on {t.device}; it must be on the CPU or on the buffers' device {buffer_device}"
+                f"the KV_BLOB is on {t.device}; it must be on the CPU or on the buffers' device {buffer_device}"
             )
         if not t.is_contiguous():
-            raise ConnectorError("memory object tensor must be contiguous")
-        if not reading:
-            memory_obj.metadata.fmt = MemoryFormat.KV_BLOB
+            raise ConnectorError("the KV_BLOB must be contiguous")
         return t
 
 
@@ -151,7 +167,7 @@ def _is_int(v: Any) -> bool:
     return True
 
 
-class ConnectorTarget:
+class ConnectorTarget(Destination):
     """An engine's buffers, seen through a connector, as a load's destination (`kvtool.load`):
     decoded KV goes through `to_gpu`; a whole stored chunk through `to_gpu_source`, which copies a
     raw chunk straight from its stored bytes, checked as it copies. Tokens [start, end) of a load
@@ -163,7 +179,10 @@ class ConnectorTarget:
         self.device = _device_of(kwargs.get("kvcaches"))
 
     def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
-        self.connector.to_gpu(MemoryObj.from_tensor(kv), start, end, **self.kwargs)
+        self.connector.scatter(kv, start, end, **self.kwargs)
+
+    def takes_sources(self) -> bool:
+        return True
 
     def scatter_source(self, source: "ChunkSource", start: int, end: int) -> None:
         self.connector.to_gpu_source(source, start, end, **self.kwargs)

@@ -9,11 +9,13 @@ import torch
 from ..chunk_source import ChunkSource
 from . import paged_native
 from .base import ConnectorError, GPUConnectorInterface
-from .memory import MemoryObj
+from .memory import MemoryFormat, MemoryObj
 
 
 class NestedTupleConnector(GPUConnectorInterface):
-    """Engine KV = tuple over layers of `(K, V)`, covering the WHOLE token sequence.
+    """Engine KV = tuple over layers of `(K, V)`, covering the WHOLE token sequence: LMCache's
+    `VLLMNestedTupleGPUConnector` (public: a caller that holds such tuples, a Hugging Face
+    cache's layers among them, moves their KV to and from KV_BLOBs with it).
 
     Each of K and V is one of (T = number of tokens in the sequence):
 
@@ -83,9 +85,16 @@ class NestedTupleConnector(GPUConnectorInterface):
         return [pair[0] for pair in views] + [pair[1] for pair in views]
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        self.gather(self._tensor_of(memory_obj, reading=False), start, end, **kwargs)
+        memory_obj.metadata.fmt = MemoryFormat.KV_BLOB
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        self.scatter(self._tensor_of(memory_obj, reading=True), start, end, **kwargs)
+
+    def gather(self, blob: torch.Tensor, start: int, end: int, **kwargs: Any) -> None:
         views, total = self._token_views(kwargs)
         start, end = self._check_range(start, end, total)
-        blob = self._check_memory_obj(memory_obj, end - start, views[0][0].device, reading=False)
+        blob = self._check_blob(blob, end - start, views[0][0].device)
         if paged_native.native_token_copy(self._blob_order(views), start, end, blob, scatter=False):
             return
         n = end - start
@@ -94,10 +103,10 @@ class NestedTupleConnector(GPUConnectorInterface):
                 src = pair[kv][start:end]
                 blob[kv, li].view(n, *src.shape[1:]).copy_(src)
 
-    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+    def scatter(self, blob: torch.Tensor, start: int, end: int, **kwargs: Any) -> None:
         views, total = self._token_views(kwargs)
         start, end = self._check_range(start, end, total)
-        blob = self._check_memory_obj(memory_obj, end - start, views[0][0].device, reading=True)
+        blob = self._check_blob(blob, end - start, views[0][0].device)
         if paged_native.native_token_copy(self._blob_order(views), start, end, blob, scatter=True):
             return
         self._copy_in(views, start, end, blob)
@@ -112,8 +121,7 @@ class NestedTupleConnector(GPUConnectorInterface):
             if blob.dtype == views[0][0].dtype and paged_native.native_token_copy(
                     self._blob_order(views), start, end, blob, scatter=True, source=source):
                 return
-        blob = self._check_memory_obj(MemoryObj.from_tensor(source.decode()), end - start, views[0][0].device,
-                                      reading=True)
+        blob = self._check_blob(source.decode(), end - start, views[0][0].device)
         self._copy_in(views, start, end, blob)
 
     def _copy_in(self, views, start: int, end: int, blob: torch.Tensor) -> None:

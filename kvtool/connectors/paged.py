@@ -9,7 +9,7 @@ import torch
 from ..chunk_source import ChunkSource
 from ..errors import KvtoolError
 from .base import ConnectorError, ConnectorTarget, GPUConnectorInterface
-from .memory import MemoryObj
+from .memory import MemoryFormat, MemoryObj
 from .paged_copy import gather_paged, scatter_paged, scatter_paged_source, scatter_paged_sources
 from .paged_native import native_slots_ok
 from .paged_layout import LayerKV, PagedGeometry, PagedLayout, buffers_signature, layer_tensors, paged_geometry
@@ -43,15 +43,18 @@ class _PagedConnector(GPUConnectorInterface):
 
     # ---- checks ------------------------------------------------------------
 
-    def _check_kvcaches(self, kwargs: dict[str, Any]) -> tuple[list[LayerKV], PagedGeometry, torch.Tensor, tuple | None]:
+    def _check_kvcaches(self, kwargs: dict[str, Any], *,
+                        remembered: bool = True) -> tuple[list[LayerKV], PagedGeometry, torch.Tensor, tuple | None]:
         """Validate `kvcaches`; return it as a list, its geometry, layer 0's first tensor and the
-        buffers' signature. The buffers last checked are not checked again (their signature)."""
+        buffers' signature. For the calls of LMCache's contract (`remembered`: each call names its
+        buffers again) the buffers last checked are not checked again (their signature); a load's
+        target checks its buffers once itself (`PagedTarget`), so it neither asks nor tells."""
         kvcaches = self._require_kwarg(kwargs, "kvcaches")
         if isinstance(kvcaches, torch.Tensor) or not isinstance(kvcaches, Sequence):
             raise ConnectorError("'kvcaches' must be a list or tuple over layers")
         kvcaches = list(kvcaches)
         signature = buffers_signature(kvcaches, self.layout) if len(kvcaches) == self.num_layers else None
-        checked = self._checked  # one read: load workers call from several threads
+        checked = self._checked if remembered else None  # one read: load workers call from several threads
         if signature is not None and checked is not None and checked[0] == signature:
             return kvcaches, checked[1], layer_tensors(kvcaches[0], self.layout)[0], checked[0]  # checked already
         if len(kvcaches) != self.num_layers:
@@ -79,7 +82,8 @@ class _PagedConnector(GPUConnectorInterface):
                     raise ConnectorError(f"KV buffers must be floating point, got {t.dtype}")
         if self.use_gpu and first.device.type != "cuda":
             raise ConnectorError(f"use_gpu=True needs CUDA kvcaches, got buffers on {first.device}")
-        self._checked = None if signature is None else (signature, geo)
+        if remembered:
+            self._checked = None if signature is None else (signature, geo)
         return kvcaches, geo, first, signature
 
     @staticmethod
@@ -156,10 +160,17 @@ class _PagedConnector(GPUConnectorInterface):
     # ---- transfers -----------------------------------------------------------
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        self.gather(self._tensor_of(memory_obj, reading=False), start, end, **kwargs)
+        memory_obj.metadata.fmt = MemoryFormat.KV_BLOB
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        self.scatter(self._tensor_of(memory_obj, reading=True), start, end, **kwargs)
+
+    def gather(self, blob: torch.Tensor, start: int, end: int, **kwargs: Any) -> None:
         kvcaches, geo, first, signature = self._check_kvcaches(kwargs)
         start, end = self._check_range(start, end)
         slots = self._check_slots(kwargs, start, end, geo, first.device, distinct=False)
-        blob = self._check_memory_obj(memory_obj, end - start, first.device, reading=False)
+        blob = self._check_blob(blob, end - start, first.device)
         if blob.device == first.device:
             gather_paged(kvcaches, self.layout, slots, blob, signature=signature)
         else:  # memory object on the host, buffers on a device: gather there, copy once
@@ -167,8 +178,8 @@ class _PagedConnector(GPUConnectorInterface):
             gather_paged(kvcaches, self.layout, slots, tmp, signature=signature)
             blob.copy_(tmp)
 
-    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        self._blob_into(self._bind(kwargs), memory_obj, start, end)
+    def scatter(self, blob: torch.Tensor, start: int, end: int, **kwargs: Any) -> None:
+        self._blob_into(self._bind(kwargs), blob, start, end)
 
     def to_gpu_source(self, source: ChunkSource, start: int, end: int, **kwargs: Any) -> None:
         """A stored chunk into the buffers: a raw one into host buffers straight from its stored
@@ -178,17 +189,18 @@ class _PagedConnector(GPUConnectorInterface):
     def target(self, **kwargs: Any) -> "PagedTarget":
         return PagedTarget(self, **kwargs)
 
-    def _bind(self, kwargs: dict[str, Any]) -> "_Bound":
-        """The buffers and the slot mapping of a call's `kwargs`, checked."""
-        kvcaches, geo, first, signature = self._check_kvcaches(kwargs)
+    def _bind(self, kwargs: dict[str, Any], *, remembered: bool = True) -> "_Bound":
+        """The buffers and the slot mapping of a call's `kwargs`, checked (`remembered`: see
+        `_check_kvcaches`)."""
+        kvcaches, geo, first, signature = self._check_kvcaches(kwargs, remembered=remembered)
         sm = self._slot_tensor(kwargs)
         if sm.device.type == "cpu" and (sm.dtype != torch.int64 or not sm.is_contiguous()):
             sm = sm.to(torch.int64).contiguous()  # (the native checks and copies take int64)
         return _Bound(kvcaches, geo, first, signature, sm)
 
-    def _blob_into(self, bound: "_Bound", memory_obj: MemoryObj, start: int, end: int, *,
+    def _blob_into(self, bound: "_Bound", blob: torch.Tensor, start: int, end: int, *,
                    whole_mapping: bool = False) -> None:
-        """`to_gpu` with the buffers and the slot mapping checked already (`bound`). Slots on the
+        """`scatter` with the buffers and the slot mapping checked already (`bound`). Slots on the
         host for buffers on a device: with `whole_mapping` (a load's target, many chunks) the
         whole mapping is moved once, else this range."""
         start, end = self._check_range(start, end)
@@ -196,7 +208,7 @@ class _PagedConnector(GPUConnectorInterface):
         slots = self._slots_of(bound.slot_mapping, start, end, bound.geo, bound.slot_mapping.device, distinct=True)
         if first.device != slots.device:
             slots = bound.on_device(first.device)[start:end] if whole_mapping else slots.to(first.device)
-        blob = self._check_memory_obj(memory_obj, end - start, first.device, reading=True)
+        blob = self._check_blob(blob, end - start, first.device)
         if blob.device != first.device:
             tmp = self._device_blob(end - start, first.dtype, first.device)
             tmp.copy_(blob, non_blocking=blob.is_pinned())
@@ -207,8 +219,7 @@ class _PagedConnector(GPUConnectorInterface):
                      whole_mapping: bool = False) -> None:
         start, end = self._check_range(start, end)
         if bound.first.device.type != "cpu" or not source.raw:
-            return self._blob_into(bound, MemoryObj.from_tensor(source.decode()), start, end,
-                                   whole_mapping=whole_mapping)
+            return self._blob_into(bound, source.decode(), start, end, whole_mapping=whole_mapping)
         slots = self._slots_of(bound.slot_mapping, start, end, bound.geo, bound.first.device, distinct=True)
         if source.shape != (2, self.num_layers, end - start, self.hidden_dim_size):
             raise ConnectorError(f"{source.what} holds KV of shape {list(source.shape)}, "
@@ -251,10 +262,12 @@ class _Bound:
 
 class PagedTarget(ConnectorTarget):
     """A paged connector's buffers as the destination of one load (`_PagedConnector.target`): the
-    buffers and the slot mapping are checked when the first chunk arrives, not again for each
-    chunk (~50 us a chunk, an eighth of copying a 5.9 MB one): a target lives for one load, and
-    an engine does not reallocate its buffers while a load fills them. Each chunk's slots are
-    still checked (in range, distinct)."""
+    buffers and the slot mapping are checked when the first chunk arrives, fully, and not again
+    for each chunk (~50 us a chunk, an eighth of copying a 5.9 MB one): a target lives for one
+    load, and an engine does not reallocate its buffers while a load fills them. This binding is
+    the one thing that spares the load its checks (the connector's memory of the buffers it last
+    checked serves the calls of LMCache's contract only). Each chunk's slots are still checked
+    (in range, distinct)."""
 
     def __init__(self, connector: "_PagedConnector", **kwargs: Any):
         super().__init__(connector, **kwargs)
@@ -263,14 +276,17 @@ class PagedTarget(ConnectorTarget):
     def _bound_once(self) -> _Bound:
         bound = self._bound
         if bound is None:  # (two workers may both bind: the same checks, the same answer)
-            bound = self._bound = self.connector._bind(self.kwargs)
+            bound = self._bound = self.connector._bind(self.kwargs, remembered=False)
         return bound
 
     def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
-        self.connector._blob_into(self._bound_once(), MemoryObj.from_tensor(kv), start, end, whole_mapping=True)
+        self.connector._blob_into(self._bound_once(), kv, start, end, whole_mapping=True)
 
     def scatter_source(self, source: ChunkSource, start: int, end: int) -> None:
         self.connector._source_into(self._bound_once(), source, start, end, whole_mapping=True)
+
+    def takes_source_runs(self) -> bool:
+        return True
 
     def scatter_sources(self, sources: list[ChunkSource], start: int, end: int) -> "list[KvtoolError | None] | None":
         return self.connector._sources_into(self._bound_once(), sources, start, end)
@@ -333,7 +349,8 @@ class PagedMemConnectorV2(_PagedConnector):
 
 class PagedMemConnector(_PagedConnector):
     """Paged engine buffers in the V1 layout: per layer a tuple `(K, V)`, each
-    ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``: LMCache's `VLLMPagedMemGPUConnector`
+    (public, for a caller written against it).
 
     Constructor: ``PagedMemConnector(hidden_dim_size, num_layers,
     num_kv_heads=None, head_dim=None)``. kwargs ``kvcaches`` and

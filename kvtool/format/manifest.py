@@ -65,6 +65,12 @@ class ChunkEntry:
     def decoded_bytes(self) -> int:
         return math.prod(self.shape) * EXTRA_DTYPES[self.dtype]
 
+    @property
+    def codec_object(self) -> codecs.Codec:
+        """The chunk's codec from the codec table (`codec` is its name): what the load path asks
+        how the chunk loads. CodecUnavailable when its module cannot load."""
+        return codecs.get_codec(self.codec_id)
+
     def to_json(self) -> dict[str, Any]:
         return {"start": self.start, "end": self.end, "prefix_hash": self.prefix_hash,
                 "codec": self.codec, "codec_id": self.codec_id, "codec_params": self.codec_params,

@@ -18,11 +18,12 @@ Token t of a request whose blocks are `block_ids` lives in slot
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Sequence
 
 import torch
 
-from ..connectors import ConnectorTarget, MemoryObj, PagedLayout, PagedMemConnectorV2, paged_geometry
+from ..connectors import ConnectorTarget, PagedLayout, PagedMemConnectorV2, paged_geometry
 from ..errors import ConnectorError
 
 
@@ -64,19 +65,22 @@ class EngineBlocks:
             + t % self.block_size
 
     def write(self, kv: torch.Tensor, block_ids: Sequence[int], start: int) -> None:
-        """Put tokens [start, start + T) of a request into its blocks; `kv` is [2, L, T, H*D] (KV_BLOB)."""
+        """Deprecated: `target(block_ids, start + T).scatter(kv, start, start + T)`."""
+        warnings.warn("EngineBlocks.write is deprecated: use EngineBlocks.target(block_ids, end).scatter(kv, start, end)",
+                      DeprecationWarning, stacklevel=2)
         end = start + kv.shape[2]
-        memory = self.paged.allocate(kv.shape[2], self.dtype)
-        memory.tensor.copy_(kv)
-        self.paged.to_gpu(memory, start, end, kvcaches=self.layers, slot_mapping=self.slots(block_ids, end))
+        self.target(block_ids, end).scatter(kv.contiguous(), start, end)
 
     def target(self, block_ids: Sequence[int], end: int) -> ConnectorTarget:
         """The blocks of a request holding `block_ids`, tokens [0, end), as the destination of a
-        load (`kvtool.load`): tokens [start, stop) go to their slots; safe from several threads."""
+        load (`kvtool.load`): tokens [start, stop) go to their slots; safe from several threads.
+        Its `scatter(kv, start, stop)` puts a KV_BLOB `[2, L, stop - start, H*D]` there itself."""
         return self.paged.target(kvcaches=self.layers, slot_mapping=self.slots(block_ids, end))
 
     def scatter_into(self, block_ids: Sequence[int], end: int) -> ConnectorTarget:
-        """`target`, by the name bench/bench_load.py uses."""
+        """Deprecated: `target`."""
+        warnings.warn("EngineBlocks.scatter_into is deprecated: use EngineBlocks.target", DeprecationWarning,
+                      stacklevel=2)
         return self.target(block_ids, end)
 
     def read(self, block_ids: Sequence[int], start: int, end: int, into: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,11 +90,11 @@ class EngineBlocks:
         shape = self.paged.get_shape(end - start)
         if into is not None and into.dtype == self.dtype and into.device.type == "cpu" and into.is_contiguous() \
                 and into.numel() >= shape.numel():
-            memory = MemoryObj.from_tensor(into.view(-1)[:shape.numel()].view(shape))
+            blob = into.view(-1)[:shape.numel()].view(shape)
         else:
-            memory = self.paged.allocate(end - start, self.dtype)
-        self.paged.from_gpu(memory, start, end, kvcaches=self.layers, slot_mapping=self.slots(block_ids, end))
-        return memory.tensor
+            blob = torch.empty(shape, dtype=self.dtype)
+        self.paged.gather(blob, start, end, kvcaches=self.layers, slot_mapping=self.slots(block_ids, end))
+        return blob
 
 
 class SaveBuffers:

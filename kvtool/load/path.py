@@ -3,7 +3,9 @@ destination's buffers out, on the CPU or a GPU, for every codec:
 
     destination on the CPU        load_chunks: worker threads open, check and copy (raw: straight
                                   from the stored bytes, checked as copied) or decode each chunk
-    on a GPU, CacheGen chunks     decoded on the GPU in batches (one launch per batch), scattered
+    on a GPU, chunks of a codec   decoded on the GPU in batches (one launch per batch), scattered
+    that decodes in device        in order (the codec says so: `decodes_in_device_batches`;
+    batches (CacheGen)            CacheGen's does)
     on a GPU, other chunks        load_chunks_staged: pinned buffers filled (and checked) on
                                   worker threads, copied and scattered on a side stream
 
@@ -19,10 +21,10 @@ from typing import Sequence
 from .. import pinned
 from ..chunk_source import ChunkSource
 from ..errors import KvtoolError
-from .pipeline import ChunkTask, Destination, LoadOutcome, _workers, load_chunks
+from .pipeline import ChunkTask, Destination, LoadOutcome, _workers, as_destination, load_chunks
 from .staged import load_chunks_staged
 
-#: On a GPU, CacheGen chunks decode this many at a time (one launch each group), the next group
+#: On a GPU, chunks whose codec decodes in device batches (CacheGen) decode this many at a time (one launch each group), the next group
 #: read into pinned memory while one decodes: enough to fill the device, few enough that reading
 #: overlaps decoding. H100, 8B geometry, 8,192 tokens (bench_load, one run): groups of 32 29.4 GB/s,
 #: 16 32.0, 8 24.5; at 2,048 tokens 18.4 / 20.1 / 19.1.
@@ -33,10 +35,11 @@ def load(tasks: Sequence[ChunkTask], destination: Destination, *, threads: int |
     """Load `tasks` into `destination` (its `device` decides how; module docstring). `threads`:
     the CPU pipeline's workers (default: the usable cores, at most 8)."""
     tasks = list(tasks)
+    destination = as_destination(destination)
     device = destination.device
     if device.type != "cuda":
         return load_chunks(tasks, destination, threads=threads)
-    if tasks and all(task.codec == "cachegen" for task in tasks):
+    if tasks and all(task.codec is not None and task.codec.decodes_in_device_batches for task in tasks):
         return _decode_on_device(tasks, destination, device)
     return load_chunks_staged(tasks, destination, device)
 

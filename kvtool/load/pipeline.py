@@ -3,11 +3,12 @@ was read.
 
     tasks:        ChunkTask(start, end, open) in token order; open() -> the chunk's `ChunkSource`
                   (kvtool.chunk_source: where its bytes are, what they are, how they become KV)
-    destination:  scatter(kv [2, L, end - start, C] contiguous, start, end): decoded KV
+    destination:  a `Destination` (kvtool.destination): scatter(kv [2, L, end - start, C]
+                  contiguous, start, end): decoded KV; when it `takes_sources()`,
                   scatter_source(source, start, end): a whole raw chunk straight from its stored
-                  bytes, CRC-checked as it is copied (the bytes are read once, not three times)
-                  scatter_sources(sources, start, end): several whole raw chunks, one after the
-                  other from `start`, in one native call (optional)
+                  bytes, CRC-checked as it is copied (the bytes are read once, not three times);
+                  when it `takes_source_runs()`, scatter_sources(sources, start, end): several
+                  whole raw chunks, one after the other from `start`, in one native call
 
 Raw whole chunks whose bytes are in a mapping (a container file's, a hot store object's) go
 together: opened in order on the calling thread, then copied and checked by one native call that
@@ -25,13 +26,15 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..chunk_source import ChunkSource
+from ..destination import Destination
 from ..devices import host_threads, thread_share
 from ..errors import KvtoolError, ShapeMismatch
 
@@ -42,31 +45,42 @@ class ChunkTask:
     end: int  # tokens [start, end) of this chunk are loaded
     open: Callable[[], ChunkSource]  # the chunk (its token 0 is `origin`), opened where it is loaded
     origin: int | None = None  # default: start
-    codec: str | None = None  # the chunk's codec when known before it is opened (a file's manifest)
+    # the chunk's codec (a `kvtool.codecs.Codec`) when known before it is opened (a file's manifest:
+    # `ChunkEntry.codec_object`): the load asks it how the chunk loads (`payload_is_tensor_bytes`,
+    # `decodes_in_device_batches`), never compares its name
+    codec: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.codec, str):  # (what ChunkTask took before: a name, which the load cannot ask)
+            warnings.warn("ChunkTask(codec=NAME) is deprecated and ignored: pass the codec itself, "
+                          "kvtool.codecs.get_codec(NAME)", DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "codec", None)
 
     @property
     def first_row(self) -> int:
         return 0 if self.origin is None else self.start - self.origin
 
 
-class Destination(Protocol):
-    """Where a load puts KV: an engine's buffers (`connector.target(...)`), tensors."""
+def as_destination(destination: Any) -> Destination:
+    """`destination` as a `Destination`. An object that only has `device` and `scatter` (what a
+    destination had to have before `Destination` was declared) still loads, as a destination of
+    decoded KV, with a DeprecationWarning."""
+    if isinstance(destination, Destination):
+        return destination
+    warnings.warn(f"a load's destination ({type(destination).__name__}) that does not subclass "
+                  "kvtool.load.Destination is deprecated: subclass it (it gets decoded KV only, through "
+                  "scatter)", DeprecationWarning, stacklevel=3)
+    return _DecodedOnly(destination)
 
-    device: torch.device
+
+class _DecodedOnly(Destination):
+    """An undeclared destination (`as_destination`): decoded KV through its `scatter`."""
+
+    def __init__(self, destination: Any):
+        self.device, self._scatter = destination.device, destination.scatter
 
     def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
-        """Decoded KV of tokens [start, end): `[2, L, end - start, C]`, contiguous; valid during
-        the call only (it may view a reused buffer: a destination that keeps it copies it)."""
-
-    def scatter_source(self, source: ChunkSource, start: int, end: int) -> None:
-        """A whole stored chunk of tokens [start, end), copied from its stored bytes and checked
-        as copied (ChecksumMismatch after the copy when they are damaged). Optional: a
-        destination without it gets every chunk decoded (checked first) through `scatter`."""
-
-    def scatter_sources(self, sources: list[ChunkSource], start: int, end: int) -> "list[KvtoolError | None] | None":
-        """Whole raw chunks in memory or a mapping, one after the other, tokens [start, end)
-        in all, copied and checked as `scatter_source` does each: per chunk None (loaded) or
-        why it is refused; None when not taken (nothing written). Optional."""
+        self._scatter(kv, start, end)
 
 
 @dataclass
@@ -109,15 +123,22 @@ def _as_blob(kv: torch.Tensor, first: int, count: int) -> torch.Tensor:
 def load_chunks(tasks: Sequence[ChunkTask], destination: Destination, *, threads: int | None = None) -> LoadOutcome:
     """Load `tasks` into a destination on the CPU, several chunks at once (module docstring)."""
     tasks = list(tasks)
+    destination = as_destination(destination)
     if not tasks:
         return LoadOutcome(loaded_tokens=0, chunks=0)
     threads = threads or load_threads(len(tasks))
     if threading.current_thread().name.startswith(_WORKER_PREFIX):
         threads = 1  # a load inside a load's worker runs in place: waiting on the pool could deadlock it
-    if hasattr(destination, "scatter_sources") and threads > 1:
+    if destination.takes_source_runs() and threads > 1:
         return _load_together(tasks, destination, threads)
+    return _load_each(tasks, destination, threads)
+
+
+def _load_each(tasks: list[ChunkTask], destination: Destination, threads: int) -> LoadOutcome:
+    """`load_chunks` chunk by chunk: on `threads` threads, each chunk opened, checked and copied
+    (`scatter_source`, when the destination takes it) or decoded (`scatter`) where it was read."""
     share = max(1, host_threads() // threads)  # each worker's native copies take cores / workers
-    copies_sources = hasattr(destination, "scatter_source")
+    copies_sources = destination.takes_sources()
 
     def run(task: ChunkTask) -> None:
         with thread_share(share), task.open() as source:
@@ -166,8 +187,8 @@ def _open_run(tasks: list[ChunkTask], first: int,
     sources: list[ChunkSource] = []
     try:
         for task in tasks[first:first + size]:
-            if task.codec not in (None, "raw"):
-                break
+            if task.codec is not None and not task.codec.payload_is_tensor_bytes:
+                break  # a chunk to decode: opened by the worker that decodes it
             try:
                 source = task.open()
             except KvtoolError as err:
@@ -224,7 +245,7 @@ def _load_together(tasks: list[ChunkTask], destination: Destination, threads: in
             # another codec (decoded), or bytes fetched into memory (a network backend's: the next
             # fetch overlaps this copy): chunk by chunk on the workers
             return _chunk_by_chunk(tasks, first, destination, threads, [odd])
-        outcome = load_chunks([_opened_task(tasks[first], odd)], _OneByOne(destination), threads=1)
+        outcome = _load_each([_opened_task(tasks[first], odd)], destination, threads=1)
         if outcome.error is not None:
             return LoadOutcome(loaded_tokens=outcome.loaded_tokens, chunks=first, error=outcome.error, failed=first)
         first += 1
@@ -250,20 +271,11 @@ def _chunk_by_chunk(tasks: list[ChunkTask], first: int, destination: Destination
     opened = [source for source in opened if source is not None]
     rest = [_opened_task(task, source) for task, source in zip(tasks[first:], opened)] + tasks[first + len(opened):]
     try:
-        outcome = load_chunks(rest, _OneByOne(destination), threads=threads)
+        outcome = _load_each(rest, destination, threads=threads)
     finally:
         _release(opened)  # (released twice does nothing)
     return LoadOutcome(loaded_tokens=outcome.loaded_tokens, chunks=first + outcome.chunks, error=outcome.error,
                        failed=None if outcome.failed is None else first + outcome.failed)
-
-
-class _OneByOne:
-    """A destination seen without its `scatter_sources`: chunk by chunk."""
-
-    def __init__(self, destination: Destination):
-        self.device, self.scatter = destination.device, destination.scatter
-        if hasattr(destination, "scatter_source"):
-            self.scatter_source = destination.scatter_source
 
 
 def _run_shared(tasks: list[ChunkTask], run: Callable[[ChunkTask], None], threads: int) -> dict[int, BaseException | None]:
@@ -328,5 +340,14 @@ def file_tasks(reader, num_tokens: int, *, named: bool = False) -> list[ChunkTas
         what = f"{reader.path}: chunk {chunk.index}" if named else None
         tasks.append(ChunkTask(chunk.start, min(chunk.end, num_tokens),
                                lambda index=chunk.index, what=what: reader.source(index, what=what),
-                               codec=chunk.codec))
+                               codec=_codec_of(chunk)))
     return tasks
+
+
+def _codec_of(chunk) -> Any:
+    """A manifest entry's codec, or None when its module cannot load (opening the chunk says why,
+    as that chunk's refusal)."""
+    try:
+        return chunk.codec_object
+    except KvtoolError:
+        return None

@@ -12,13 +12,16 @@ from typing import Sequence
 
 import torch
 
+from ..destination import Destination
 from .path import load
 from .pipeline import ChunkTask
 
 
-class BlobTarget:
+class BlobTarget(Destination):
     """A load's destination that is one KV_BLOB `[2, L, T, C]` on the CPU, allocated up front (the
-    pipeline's threads scatter into it at once: each writes its own tokens)."""
+    pipeline's threads scatter into it at once: each writes its own tokens). It takes decoded KV
+    only (`Destination`'s defaults): a raw chunk is checked in the thread's reused buffer, then
+    copied in."""
 
     def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype):
         self.device = torch.device("cpu")

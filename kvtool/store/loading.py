@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..chunk_source import ChunkSource
+from ..destination import Destination
 from ..errors import (ChecksumMismatch, DecodeError, NonFiniteValues, NotCached, ObjectRefused, ObjectUnreadable,
                       ShapeMismatch)
 from . import objects
@@ -192,8 +193,9 @@ def load_prefix(cache, token_ids, destination, *, max_tokens: int | None = None,
     return hit
 
 
-class TensorTarget:
-    """A load's destination that keeps each chunk's KV as a tensor on `device` (`get_prefix`)."""
+class TensorTarget(Destination):
+    """A load's destination that keeps each chunk's KV as a tensor on `device` (`get_prefix`): a
+    whole raw chunk is decoded straight onto `device` from its checked bytes (`takes_sources`)."""
 
     def __init__(self, device: "torch.device | str | None" = None):
         import torch
@@ -203,6 +205,9 @@ class TensorTarget:
 
     def scatter(self, kv: "torch.Tensor", start: int, end: int) -> None:
         self.parts[start] = kv.to(self.device, copy=True)  # (kv may view a load's reused buffer)
+
+    def takes_sources(self) -> bool:
+        return True
 
     def scatter_source(self, source: ChunkSource, start: int, end: int) -> None:
         self.parts[start] = source.decode(self.device)

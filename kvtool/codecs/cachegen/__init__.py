@@ -59,6 +59,7 @@ class CacheGenCodec(Codec):
     codec_id = 2
     params_version = PARAMS_VERSION
     lossless = False
+    decodes_in_device_batches = True  # the GPU coder decodes a group of chunks in one launch
 
     def __init__(self, threads: int | None = None) -> None:
         self.threads = threads

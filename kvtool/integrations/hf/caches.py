@@ -3,7 +3,7 @@
 transformers keeps each layer's K and V contiguous, `[batch, kv_heads, T, head_dim]`. With batch
 1 that is, seen through a permuted view `[1, T, kv_heads, head_dim]`, a paged buffer of one block
 of T slots in the connector's "kv_tuple" layout, token t in slot t. So KV leaves and enters a
-transformers cache the way it leaves and enters any engine's paged buffers: `from_gpu` gathers a
+transformers cache the way it leaves and enters any engine's paged buffers: `gather` gathers a
 chunk out of it, and a load (`kvtool.load.load`, a file's chunks or the store's objects) scatters
 chunks into it, checked as they are copied.
 """
@@ -82,9 +82,9 @@ def gather(cache, identity: ModelIdentity, start: int, end: int, kv_dtype: torch
     keys = [layer.keys for layer in cache.layers]
     values = [layer.values for layer in cache.layers]
     paged = connector(identity)
-    memory = paged.allocate(end - start, kv_dtype, device, pin_memory=pin_memory)
-    paged.from_gpu(memory, start, end, kvcaches=as_paged(keys, values), slot_mapping=slots(keys[0].shape[2]))
-    return memory.tensor
+    blob = torch.empty(paged.get_shape(end - start), dtype=kv_dtype, device=device, pin_memory=pin_memory)
+    paged.gather(blob, start, end, kvcaches=as_paged(keys, values), slot_mapping=slots(keys[0].shape[2]))
+    return blob
 
 
 def load_cache(model: HFModel, num_tokens: int, load: Callable[[ConnectorTarget, int], int]) -> DynamicCache:
