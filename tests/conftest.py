@@ -70,6 +70,13 @@ SLOW_TESTS = {
     "test_hostile_store.py::test_an_object_that_cannot_be_read_is_a_miss_and_fsck_goes_on",  # 2-4 s
     "test_cuda.py::test_every_cu_compiles_for_sm90",  # nvcc on every kernel: 9 s
     "test_cachegen.py::test_simd_and_portable_coders_agree_byte_for_byte",  # subprocesses: 6 s
+    "test_pca_native.py::test_a_default_model_chunk_of_256_tokens",  # 3 s
+    "test_hostile_reads.py::test_operation_refuses_a_file_cut_while_it_reads",  # 8 cases: 5 s
+    "test_hostile_reads.py::test_blob_ok_of_a_cut_file_is_false",  # 2.5 s
+    "test_decode_memory.py::test_decoding_one_chunk_grows_memory_by_at_most_twice_its_size",  # 28 subprocesses: 12 s
+    "test_codec_params_hostile.py::test_every_edge_value_of_every_codecs_parameters_is_a_kvtool_answer",  # 8 s
+    "test_format.py::test_a_killed_writers_temp_file_is_removed_by_the_next_write_and_a_live_ones_kept",  # 3 s
+    "test_native_loading.py::test_every_thread_that_asks_at_once_gets_the_native_module",  # 3 s
 }
 
 
