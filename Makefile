@@ -1,11 +1,12 @@
 # Two entry points: `make demo` (the main job on the embedded default model) and
 # `make test` (the whole test suite). Both install everything they need into .venv.
+# `make test-quick` is the inner loop: the tests that need no model, no vLLM and nothing slow.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 KVTOOL := $(VENV)/bin/kvtool
 OUT ?= out
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-quick bench clean
 
 install: $(VENV)/.installed
 
@@ -46,6 +47,13 @@ demo: install
 
 test: install $(VENV)/.vllm
 	$(PY) -m pytest -q
+
+# The tests that need no default model, no transformers model and no vLLM (tests/conftest.py marks
+# those from the fixtures and modules they use), nor the slow ones: a few minutes on 2 cores, where
+# `make test` takes half an hour. Real files and real redis-servers still; no vLLM install needed.
+QUICK ?= not model and not transformers and not engine and not slow
+test-quick: install
+	$(PY) -m pytest -q -m "$(QUICK)"
 
 bench: install
 	$(PY) bench/bench_container.py
