@@ -40,6 +40,16 @@ Blended prefill (CacheBlend; kvtool/engine/blend.py)::
         .prefix, .recomputed (positions run from the check layer on), .deviation [n],
         .recomputed_cached, .recompute_fraction
 
+What the operations need of an engine (kvtool/engine/protocol.py; kvtool's runner is adapted in
+`kvtool.ops.engines`, transformers in `kvtool.integrations.hf.engine`)::
+
+    Engine: .name .identity .config .tokenizer .device .dtype .max_position_embeddings
+        .kind ("kvtool" or "hf") .run_metadata(block_size) .capture_steps(...) -> CaptureSteps
+        .new_sequence(total, kv_dtype, block_size, seed) -> CachedSequence
+        .recompute(tokens, continue_tokens, ...) -> Reference (logits, tokens, ttft_s)
+    CachedSequence: .load(load, num_tokens) .prefill(tokens, start, logits, prefill_chunk)
+        .generate(tokens, start, max_new_tokens, first, prefill_chunk) .continue_from(tokens, keep, n)
+
 Typical capture::
 
     model = load_model(None)
@@ -60,6 +70,7 @@ _EXPORTS = {
     "BlockAllocator": "paged", "PagedKVCache": "paged", "Sequence": "paged",
     "Runner": "runner",
     "BlendResult": "blend", "Segment": "blend", "blend_prefill": "blend", "capture_segment": "blend",
+    "CachedSequence": "protocol", "CaptureSteps": "protocol", "Engine": "protocol", "Reference": "protocol",
 }
 
 

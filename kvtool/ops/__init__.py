@@ -12,5 +12,6 @@ imports it.
 - `info` (info.py): versions and backends
 
 `capture` and `replay` run kvtool's engine, or with `engine="hf"` a transformers model
-(`kvtool.integrations.hf`, imported only then).
+(`kvtool.integrations.hf`, imported only then), through one interface
+(`kvtool.engine.protocol.Engine`; `engines.py` chooses the engine and adapts kvtool's runner).
 """

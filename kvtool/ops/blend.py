@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..devices import describe, synchronize
-from ..engine import LoadedModel, Runner, load_model
+from ..engine import LoadedModel, Runner
 from ..engine.blend import DEFAULT_CHECK_LAYER, BlendResult, Segment, blend_prefill, check_segment
 from ..errors import ModelMismatch, PromptError, ToleranceExceeded, UsageError
 from ..format import ContainerReader
@@ -36,10 +36,12 @@ from ..format.made_by import check_vocabulary
 from ..fsutil import read_text_file
 from ..identity import ModelIdentity
 from ..load import file_tasks, load_blob
-from .compare import compare_logits
+from ..engine.model import DEFAULT_PREFILL_CHUNK
+from .compare import compare_logits, forced_along, measure
 from .engine_io import new_cache
+from .engines import KvtoolSequence, greedy, open_engine, recompute
 from .inputs import check_text
-from .replay import check_context, free_run_after, greedy, recompute
+from .replay import check_context
 from .requests import BlendRequest
 from .result import Result
 
@@ -320,8 +322,7 @@ def open_inputs(request: BlendRequest, stage: Callable[[str], None]) -> BlendInp
 
         open_store(request.store, create=False).close()
     stage("loading the model")
-    model = request.model if isinstance(request.model, LoadedModel) \
-        else load_model(request.model, dtype=request.weights, device=request.where)
+    model = open_engine(request).model  # (kvtool's engine: the blend runs in its paged runner)
     layer = _check_layer(request, model)
     question = model.tokenizer.encode(question_text)
     check_vocabulary(question, model.config.vocab_size)
@@ -372,6 +373,11 @@ class BlendRun:
         """[1, V], the first new token's logits."""
         return self.result.logits[None]
 
+    @property
+    def sequence(self) -> KvtoolSequence:
+        """The blended sequence as a measure runs it."""
+        return KvtoolSequence(self.runner, self.seq)
+
 
 def blend_into_cache(inputs: BlendInputs, request: BlendRequest, ratio: float, seed: int) -> BlendRun:
     """A fresh shuffled paged cache with room for the prompt and the continuation, and the blended
@@ -398,14 +404,14 @@ def measure_blend(inputs: BlendInputs, request: BlendRequest, blended: BlendRun,
     stage(f"recomputing {n} tokens and {continue_tokens} more (the reference)")
     ref_logits, generated, ttft_full = recompute(model, inputs.tokens, continue_tokens, inputs.kv_dtype,
                                                  request.block_size, prefill_chunk=max(n, 1))  # [N, V]
-    blend_logits = _teacher_forced(blended.runner, blended.seq, n, blended.first, generated)  # [N, V]
-    blend_cmp = compare_logits(ref_logits, blend_logits, generated)
+    blend_cmp, own = measure(ref_logits, generated, blended.sequence, inputs.tokens,
+                             blended.first, DEFAULT_PREFILL_CHUNK)
     stage("naive reuse (recompute ratio 0)")
     naive = blend_into_cache(inputs, request, 0.0, seed=2)
-    naive_cmp = compare_logits(ref_logits, _teacher_forced(naive.runner, naive.seq, n, naive.first, generated),
-                               generated)
+    naive_logits = forced_along(naive.sequence, inputs.tokens, naive.first, generated,
+                                DEFAULT_PREFILL_CHUNK)  # [N, V]
+    naive_cmp = compare_logits(ref_logits, naive_logits, generated)
     same = blend_cmp["greedy_identical_tokens"]
-    own = free_run_after(blended.runner, blended.seq, n, generated, blend_logits, same)
     return generated, {"ttft_full_s": ttft_full, "ttft_naive_s": inputs.load_s + naive.seconds,
                        "speedup": ttft_full / max(inputs.load_s + blended.seconds, 1e-9), "blend": blend_cmp,
                        "naive": naive_cmp, "blend_continuation_tokens": own,
@@ -433,12 +439,6 @@ def _warm_up(model: LoadedModel) -> None:
     cache, seq = new_cache(model, 4, torch.bfloat16, 16, seed=0)
     Runner(model, cache).prefill(seq, [0, 0, 0, 0], logits="last")
     synchronize(model.device)
-
-
-def _teacher_forced(runner: Runner, seq, n: int, first: torch.Tensor, forced: list[int]) -> torch.Tensor:
-    """Logits [N, V]: the prompt's last position, then each forced token but the last fed."""
-    rest = runner.prefill(seq, forced[:-1], start_pos=n, logits="all") if len(forced) > 1 else first[:0]
-    return torch.cat([first, rest])
 
 
 def _check_thresholds(result: BlendReplayResult, min_top1: float | None,

@@ -13,14 +13,15 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Union
+from typing import Any, Union
 
 import torch
 
 from .. import codecs
 from ..devices import describe, synchronize
 from ..engine import LoadedModel, PagedKVCache, Runner, load_model
-from ..errors import ModelError, PromptError, UsageError
+from ..engine.protocol import CaptureSteps, Engine
+from ..errors import PromptError, UsageError
 from ..format import ContainerReader, ContainerWriter
 from ..format.made_by import check_vocabulary
 from ..format.reader import BytesSource
@@ -29,16 +30,18 @@ from ..store.containers import ingest
 from ..format.segment import segment_extension
 from ..fsutil import read_text_file
 from ..load import SavePipeline
+from . import engines
 from .engine_io import paged_connector
+from .engines import as_engine, open_engine
 from .inputs import check_text, check_token_source, read_token_file
 from .requests import CaptureRequest, PromptCaptureRequest, prompt_metadata
+from .moved import moved_names
 from .result import Result
 
-if TYPE_CHECKING:  # (imports transformers: loaded only for --engine hf)
-    from ..integrations.hf.models import HFModel
-
-#: the engines a capture runs: kvtool's paged runner, or a transformers model (`--engine hf`)
-AnyModel = Union[LoadedModel, "HFModel"]
+#: what a capture or a replay runs: a model of either engine (kvtool's paged runner's `LoadedModel`;
+#: Any: a transformers model or `kvtool.integrations.hf`'s `HFModel`), or one already in its engine
+#: (`kvtool.ops.engines.as_engine`)
+AnyModel = Union[LoadedModel, Engine, Any]
 
 
 @dataclass
@@ -127,7 +130,7 @@ def encode_prompt(model: AnyModel, text: str, chat: bool, generation_prompt: boo
 def adds_special_tokens(model: AnyModel) -> bool:
     """Whether plain text gets the tokenizer's special tokens (a BOS, for many models): with
     transformers, as `tokenizer(text)` does; kvtool's engine takes the text as it is."""
-    return not isinstance(model, LoadedModel)
+    return as_engine(model).adds_special_tokens
 
 
 def tokenizer_metadata(model: AnyModel, chat: bool) -> dict[str, str]:
@@ -180,7 +183,7 @@ def run_prompt_capture(request: PromptCaptureRequest,
         open_store(request.capture.store).close()
     if on_chunk is not None:
         on_chunk(0, 0, 0)  # the model is loading
-    model = engine_model(request)
+    model = open_engine(request)
     ids = _source_tokens(model, request.prompt, request.prompt_file, request.tokens_file, request.chat,
                          request.generation_prompt)
     what = request.capture
@@ -188,26 +191,6 @@ def run_prompt_capture(request: PromptCaptureRequest,
         what = replace(what, metadata={**(what.metadata or {}), **tokenizer_metadata(model, request.chat)})
     progress = None if on_chunk is None else (lambda index, end: on_chunk(index, end, len(ids)))
     return run_capture(model, ids, what, progress)
-
-
-def engine_model(request) -> AnyModel:
-    """The request's model in its engine (`request.engine`): kvtool's runner's `LoadedModel`, or a
-    transformers model (`HFModel`), loaded in the request's dtype on its device unless given."""
-    if request.engine == "hf":
-        try:
-            from ..integrations.hf.models import HFModel, load_hf_model
-        except ImportError as err:  # (transformers is an extra: kvtool[model])
-            raise ModelError(f"--engine hf needs transformers ({err}): pip install 'kvtool[model]'") from None
-        if isinstance(request.model, LoadedModel):
-            raise UsageError("--engine hf runs a transformers model: give its folder or Hub id, or the model")
-        if isinstance(request.model, (str, Path)) or request.model is None:
-            return load_hf_model(request.model, dtype=request.weights, device=request.where)
-        return HFModel.of(request.model)
-    if isinstance(request.model, LoadedModel):
-        return request.model
-    if not isinstance(request.model, (str, Path)) and request.model is not None:
-        raise UsageError(f"a {type(request.model).__name__} runs with engine='hf' (kvtool's engine loads a folder)")
-    return load_model(request.model, dtype=request.weights, device=request.where)
 
 
 def capture(model: AnyModel, token_ids: list[int], output: str | Path | None, *, chunk_size: int = 256,
@@ -243,10 +226,6 @@ def capture(model: AnyModel, token_ids: list[int], output: str | Path | None, *,
     request = CaptureRequest(output, store=store, namespace=namespace, chunk_size=chunk_size, codec=codec,
                              params=params, kv_dtype=kv_dtype, block_size=block_size, shuffle_seed=shuffle_seed,
                              hidden_states=hidden_states, roi=roi, segment=segment, metadata=metadata)
-    if not isinstance(model, LoadedModel):
-        from ..integrations.hf.models import HFModel
-
-        model = HFModel.of(model)
     return run_capture(model, token_ids, request, on_chunk)
 
 
@@ -255,76 +234,32 @@ def capture(model: AnyModel, token_ids: list[int], output: str | Path | None, *,
 
 def run_capture(model: AnyModel, token_ids: list[int], request: CaptureRequest,
                 on_chunk: Callable[[int, int], None] | None = None) -> CaptureResult:
-    """A checked capture of `token_ids`: the roi mask (its ranges checked against the prompt), a
-    cache for the tokens (`paged_capture`, or transformers' own: `hf_capture`), the chunks
-    prefilled and written as they come (`write_chunks`), the whole chunks put into the store
-    (`put_in_store`), the result. `on_chunk(index, tokens_done)` after each chunk is written."""
-    params = request.codec_params_for(model.identity.fingerprint())  # (pca: the model's calibration)
+    """A checked capture of `token_ids`, in whichever engine runs the model: the roi mask (its
+    ranges checked against the prompt), a cache for the tokens (`capture_steps`: kvtool's shuffled
+    paged cache, or transformers' own), the chunks prefilled and written as they come
+    (`write_chunks`), the whole chunks put into the store (`put_in_store`), the result.
+    `on_chunk(index, tokens_done)` after each chunk is written."""
+    engine = as_engine(model)
+    params = request.codec_params_for(engine.identity.fingerprint())  # (pca: the model's calibration)
     if params is not request.params:
         request = replace(request, params=params)
     mask = roi_mask(len(token_ids), request.roi) if request.roi is not None else None
-    steps = paged_capture(model, len(token_ids), request) if isinstance(model, LoadedModel) \
-        else hf_capture(model, len(token_ids), request)
+    steps = capture_steps(engine, len(token_ids), request)
     started = time.perf_counter()
-    writer, timings = write_chunks(model, token_ids, request, steps, mask, on_chunk)
+    writer, timings = write_chunks(engine, token_ids, request, steps, mask, on_chunk)
     stored_in = put_in_store(request, writer) if request.store is not None else None
-    return capture_result(model, token_ids, request, writer, timings, started, stored_in)
+    return capture_result(engine, token_ids, request, writer, timings, started, stored_in)
 
 
-class CaptureSteps(Protocol):
-    """A capture's two steps per chunk, whichever engine runs the model: `prefill` tokens [start,
-    end) into its cache, then `gather` their KV out of it through the paged connector."""
-
-    def prefill(self, token_ids: list[int], start: int, end: int, hidden: bool) -> torch.Tensor | None:
-        """Tokens [start, end) computed; their final hidden states [n, E] with `hidden`, else None."""
-
-    def gather(self, start: int, end: int) -> torch.Tensor:
-        """Tokens [start, end)'s KV_BLOB [2, L, n, C], placed for the codec."""
-
-
-@dataclass(frozen=True)
-class PagedCapture:
-    """The paged cache a capture prefills, and how each chunk's KV leaves it (`CaptureSteps`)."""
-
-    cache: PagedKVCache
-    runner: Runner
-    seq: Any  # the sequence being captured
-    slot_mapping: torch.Tensor  # [n], the whole sequence's slots
-    connector: Any  # the paged connector: from_gpu gathers a chunk
-    blob_device: torch.device  # where a chunk's KV_BLOB goes: where the codec encodes it
-    pinned: bool  # a host KV_BLOB in pinned memory (a GPU model's chunk bound for a CPU codec)
-    kv_dtype: torch.dtype
-    prefill_chunk: int
-
-    def prefill(self, token_ids: list[int], start: int, end: int, hidden: bool) -> torch.Tensor | None:
-        return self.runner.prefill(self.seq, token_ids[start:end], start_pos=start, prefill_chunk=self.prefill_chunk,
-                                   logits="hidden" if hidden else "none")  # [n, E] or None
-
-    def gather(self, start: int, end: int) -> torch.Tensor:
-        memory = self.connector.allocate(end - start, self.kv_dtype, self.blob_device, pin_memory=self.pinned)
-        self.connector.from_gpu(memory, start, end, kvcaches=self.cache.kv_caches, slot_mapping=self.slot_mapping)
-        return memory.tensor
-
-
-def paged_capture(model: LoadedModel, num_tokens: int, request: CaptureRequest) -> PagedCapture:
-    """A shuffled paged cache for `num_tokens`, where the model runs, and the connector that
-    gathers from it into KV_BLOBs placed for the codec."""
-    device = model.device
-    cache = PagedKVCache.for_tokens(model.config, num_tokens, block_size=request.block_size,
-                                    kv_dtype=request.torch_kv_dtype, device=device, shuffle_seed=request.shuffle_seed)
-    seq = cache.new_sequence(num_tokens)
-    blob_device, pinned = codecs.get_codec(request.codec).input_placement(device)
-    return PagedCapture(cache, Runner(model, cache), seq, seq.slot_mapping(num_tokens, device=device),
-                        paged_connector(model), blob_device, pinned, request.torch_kv_dtype, request.chunk_size)
-
-
-def hf_capture(model: "HFModel", num_tokens: int, request: CaptureRequest) -> CaptureSteps:
-    """transformers' own cache for `num_tokens` (as `generate` makes it), which the paged connector
-    gathers from as one block of every token (`kvtool.integrations.hf.runs.PromptPrefill`)."""
-    from ..integrations.hf.runs import PromptPrefill
-
-    blob_device, pinned = codecs.get_codec(request.codec).input_placement(model.device)
-    return PromptPrefill(model, num_tokens, request.torch_kv_dtype, blob_device, pinned)
+def capture_steps(model: AnyModel, num_tokens: int, request: CaptureRequest) -> CaptureSteps:
+    """The engine's cache for `num_tokens` and how each chunk's KV leaves it: a KV_BLOB placed for
+    the request's codec (where it encodes: a GPU for CacheGen, pinned host memory for the others
+    of a GPU model)."""
+    engine = as_engine(model)
+    blob_device, pinned = codecs.get_codec(request.codec).input_placement(engine.device)
+    return engine.capture_steps(num_tokens, kv_dtype=request.torch_kv_dtype, block_size=request.block_size,
+                                shuffle_seed=request.shuffle_seed, prefill_chunk=request.chunk_size,
+                                blob_device=blob_device, pinned=pinned)
 
 
 def write_chunks(model: AnyModel, token_ids: list[int], request: CaptureRequest, steps: CaptureSteps,
@@ -356,12 +291,12 @@ def write_chunks(model: AnyModel, token_ids: list[int], request: CaptureRequest,
 
 
 def run_metadata(model: AnyModel, request: CaptureRequest) -> dict[str, str]:
-    """What the file records of the run that computed its KV: the engine (transformers': its
-    version, attention implementation and the config's digest), device, dtype, and the request's."""
-    engine = {"engine": "kvtool paged runner", "block_size": str(request.block_size)} \
-        if isinstance(model, LoadedModel) else model.engine_metadata()
-    return {**engine, "device": describe(model.device), "model_dtype": str(model.dtype).removeprefix("torch."),
-            **(request.metadata or {})}
+    """What the file records of the run that computed its KV: the engine (kvtool's: its block;
+    transformers': its version, attention implementation and the config's digest), device, dtype,
+    and the request's."""
+    engine = as_engine(model)
+    return {**engine.run_metadata(request.block_size), "device": describe(engine.device),
+            "model_dtype": str(engine.dtype).removeprefix("torch."), **(request.metadata or {})}
 
 
 def prefill_and_gather(model: AnyModel, token_ids: list[int], request: CaptureRequest, steps: CaptureSteps,
@@ -404,21 +339,20 @@ def put_in_store(request: CaptureRequest, writer: ContainerWriter) -> dict[str, 
 
 def capture_result(model: AnyModel, token_ids: list[int], request: CaptureRequest, writer: ContainerWriter,
                    timings: CaptureTimings, started: float, stored_in: dict[str, Any] | None) -> CaptureResult:
-    n, output = len(token_ids), request.output
+    engine, n, output = as_engine(model), len(token_ids), request.output
     return CaptureResult(
-        output=str(output) if output is not None else None, model=model.name,
-        fingerprint=model.identity.fingerprint(), num_tokens=n, num_chunks=len(writer.chunks),
+        output=str(output) if output is not None else None, model=engine.name,
+        fingerprint=engine.identity.fingerprint(), num_tokens=n, num_chunks=len(writer.chunks),
         chunk_size=request.chunk_size, codec=request.codec, kv_dtype=request.kv_dtype,
-        device=describe(model.device), model_dtype=str(model.dtype).removeprefix("torch."),
-        # transformers' cache is one block of every token
-        block_size=request.block_size if isinstance(model, LoadedModel) else n, extras=sorted(writer.extras),
+        device=describe(engine.device), model_dtype=str(engine.dtype).removeprefix("torch."),
+        block_size=engine.capture_block_size(request.block_size, n), extras=sorted(writer.extras),
         file_bytes=Path(output).stat().st_size if output is not None else len(writer.getvalue()),
         decoded_bytes=sum(c.decoded_bytes for c in writer.chunks),
         stored_bytes=sum(c.blob.length for c in writer.chunks),
         seconds=time.perf_counter() - started, prefill_tokens_per_s=n / max(timings.prefill_s, 1e-9),
         timings={**asdict(timings), "overhead_share": timings.overhead_share}, store=stored_in,
         segment=segment_extension(0)["segment"] if request.segment else None,
-        engine="kvtool" if isinstance(model, LoadedModel) else "hf")
+        engine=engine.kind)
 
 
 def roi_mask(num_tokens: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
@@ -453,3 +387,12 @@ def capture_kv(model_path: str | Path | None, text: str, num_tokens: int,
     connector.from_gpu(memory, 0, num_tokens, kvcaches=cache.kv_caches,
                                     slot_mapping=seq.slot_mapping(num_tokens))
     return memory.tensor, ids, model.identity
+
+
+# Names this module had before the engines were one interface: each answers with what to use.
+__getattr__ = moved_names(__name__, {
+    "PagedCapture": ("kvtool.ops.engines.PagedCapture", lambda: engines.PagedCapture),
+    "paged_capture": ("capture_steps (any engine)", lambda: capture_steps),
+    "hf_capture": ("capture_steps (any engine)", lambda: capture_steps),
+    "engine_model": ("kvtool.ops.engines.open_engine", lambda: open_engine),
+})

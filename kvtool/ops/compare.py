@@ -1,5 +1,10 @@
 """How close a run from cached KV comes to a full recompute: next-token distributions
-compared along a forced continuation (replay's `--compare`, the RD benchmark)."""
+compared along a forced continuation (replay's `--compare`, a blend's, the RD benchmark).
+
+`measure` is the one measure against a recompute, in any engine (`CachedSequence`): the cached
+run teacher-forced along the reference's greedy continuation (`forced_along`), compared with it
+position by position (`compare_logits`), then its own greedy continuation from where they part
+(`own_continuation`)."""
 
 from __future__ import annotations
 
@@ -9,7 +14,41 @@ import torch
 import torch.nn.functional as F
 
 from ..engine import LoadedModel, Runner
+from ..engine.protocol import CachedSequence
 from .engine_io import new_cache, write_kv
+
+
+def measure(reference_logits: torch.Tensor, forced: list[int], seq: CachedSequence, tokens: list[int],
+            first: torch.Tensor, prefill_chunk: int) -> tuple[dict[str, Any], list[int]]:
+    """The cached run (`seq`, holding `tokens`' KV but the last's, or all of it; `first` [1, V]
+    the first new token's logits) teacher-forced along `forced`, the reference's greedy
+    continuation, and compared with the reference's logits [N, V] position by position; then its
+    own greedy continuation, which equals `forced` up to the first position whose top-1 differs.
+    Returns (`compare_logits`' measures, the cached run's own continuation)."""
+    cached_logits = forced_along(seq, tokens, first, forced, prefill_chunk)  # [N, V]
+    compared = compare_logits(reference_logits, cached_logits, forced)
+    own = own_continuation(seq, tokens, forced, cached_logits, compared["greedy_identical_tokens"])
+    return compared, own
+
+
+def forced_along(seq: CachedSequence, tokens: list[int], first: torch.Tensor, forced: list[int],
+                 prefill_chunk: int) -> torch.Tensor:
+    """Logits [N, V] of the cached run along `forced`: `first` (the prompt's last position's), then
+    each forced token but the last fed after the prompt's `tokens`."""
+    n = len(tokens)
+    rest = seq.prefill(tokens + forced[:-1], n, "all", prefill_chunk) if len(forced) > 1 else first[:0]
+    return torch.cat([first, rest])
+
+
+def own_continuation(seq: CachedSequence, tokens: list[int], forced: list[int], cached_logits: torch.Tensor,
+                     same: int) -> list[int]:
+    """The cached run's own greedy continuation, after `forced_along`: the forced tokens up to the
+    first position whose top-1 differs (`same`), then its own choice there, then its greedy decoding
+    from that point (the cache cut back there: the teacher-forced tokens after it are forgotten)."""
+    if same >= len(forced):
+        return list(forced)
+    own = forced[:same] + [int(cached_logits[same].argmax())]
+    return own + seq.continue_from(tokens + own, len(tokens) + same, len(forced) - len(own))
 
 
 def compare_logits(ref: torch.Tensor, got: torch.Tensor, forced: list[int]) -> dict[str, Any]:

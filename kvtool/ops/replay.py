@@ -1,10 +1,12 @@
-"""Replay: load a KV file into a fresh paged buffer and continue from it.
+"""Replay: load a KV file (or the store's prefix) into a fresh cache and continue from it.
 
-The file's chunks are decoded and written into a newly allocated paged cache,
-with a shuffled (non-contiguous) block assignment, through
-`PagedMemConnectorV2.to_gpu` and the new sequence's slot mapping. The model then
-computes only what the file does not hold. `compare` measures the cached run
-against a full recompute of the same tokens:
+One path for either engine (`kvtool.engine.protocol.Engine`): the file's chunks are loaded
+through `kvtool.load.load` into a fresh sequence of the engine's cache (kvtool's runner: a
+paged cache with a shuffled, non-contiguous block assignment, through the paged connector's
+destination and the sequence's slot mapping; transformers: its contiguous cache as one block,
+holding at most all but the prompt's last token). The model then computes only what the file
+does not hold. `compare` measures the cached run against a full recompute of the same tokens
+(`kvtool.ops.compare.measure`, written once for both engines):
 
 - greedy: the recompute's greedy continuation is the reference; the cached run
   is teacher-forced along it, so "greedy tokens identical up to position i" is
@@ -28,7 +30,8 @@ import torch
 from .. import codecs
 from ..devices import describe, synchronize
 from ..connectors import ConnectorTarget
-from ..engine import LoadedModel, Runner, logits_from_hidden
+from ..engine import LoadedModel
+from ..engine.protocol import CachedSequence, Engine, Reference
 from ..errors import DataError, NonFiniteValues, PromptError, ShapeMismatch, ToleranceExceeded
 from ..format import ContainerReader
 from ..format.hashing import prefix_hashes
@@ -36,14 +39,15 @@ from ..format.made_by import check_made_by, check_vocabulary
 from ..fsutil import read_text_file
 from ..load import file_tasks, load
 from ..notices import notice
-from .compare import compare_logits
-from .engine_io import new_cache, paged_connector
+from . import engines
+from .compare import measure
+from .engines import as_engine, open_engine
 from .inputs import check_text, continuation
+from .moved import moved_names
 from .requests import ReplayRequest
 from .result import Result
 
-if TYPE_CHECKING:  # (imports transformers: loaded only for --engine hf)
-    from ..integrations.hf.models import HFModel
+if TYPE_CHECKING:
     from .capture import AnyModel
 
 
@@ -240,13 +244,13 @@ def replay_from_file(request: ReplayRequest, stage: Callable[[str], None]) -> Re
     """`replay FILE`: the file checked against the model (`file_prefix`), the reuse of its chunks
     planned for the suffix or the new prompt (`plan_reuse`), then run."""
     with ContainerReader(request.path) as reader:
-        model = _load_model(request, stage)
-        prefix = file_prefix(reader, model, request.allow_other_weights)  # the file was made by this model
-        # transformers' convention computes the prompt's last token: its stored hidden state is not used
-        plan = plan_reuse(reader, new_tokens=_new_prompt_tokens(request, model),
-                          suffix_tokens=_suffix_tokens(request, model),
-                          use_hidden_states=request.use_hidden_states and isinstance(model, LoadedModel))
-        return run_plan(prefix, model, plan, request.continue_tokens, request.compares, stage)
+        engine = _load_model(request, stage)
+        prefix = file_prefix(reader, engine, request.allow_other_weights)  # the file was made by this model
+        # (transformers' convention computes the prompt's last token: its stored hidden state is not used)
+        plan = plan_reuse(reader, new_tokens=_new_prompt_tokens(request, engine),
+                          suffix_tokens=_suffix_tokens(request, engine),
+                          use_hidden_states=request.use_hidden_states and engine.starts_from_hidden_states)
+        return run_plan(prefix, engine, plan, request.continue_tokens, request.compares, stage)
 
 
 def replay_from_store(request: ReplayRequest, stage: Callable[[str], None]) -> ReplayResult:
@@ -271,12 +275,10 @@ def replay_from_store(request: ReplayRequest, stage: Callable[[str], None]) -> R
                         request.compares, stage)
 
 
-def _load_model(request: ReplayRequest, stage: Callable[[str], None]) -> "AnyModel":
-    """The request's model in its engine (`ops.capture.engine_model`)."""
-    from .capture import engine_model
-
+def _load_model(request: ReplayRequest, stage: Callable[[str], None]) -> Engine:
+    """The request's model in its engine (`ops.engines.open_engine`)."""
     stage("loading the model")
-    return engine_model(request)
+    return open_engine(request)
 
 
 def _new_prompt_tokens(request: ReplayRequest, model: "AnyModel") -> list[int] | None:
@@ -310,7 +312,7 @@ def _check_thresholds(result: ReplayResult, min_top1: float | None, max_kl: floa
     return result
 
 
-def replay_plan(prefix: "Prefix | ContainerReader", model: LoadedModel, plan: ReusePlan, *,
+def replay_plan(prefix: "Prefix | ContainerReader", model: "AnyModel", plan: ReusePlan, *,
                 continue_tokens: int = 32, compare: bool = False, block_size: int = 16,
                 on_stage: Callable[[str], None] | None = None, allow_other_weights: bool = False) -> ReplayResult:
     """Run `plan` on a prefix (`file_prefix`, `store_prefix`; an open file is taken as its
@@ -325,27 +327,23 @@ def replay_plan(prefix: "Prefix | ContainerReader", model: LoadedModel, plan: Re
 
 def run_plan(prefix: Prefix, model: "AnyModel", plan: ReusePlan, continue_tokens: int, compare: bool,
              stage: Callable[[str], None], block_size: int = 16) -> ReplayResult:
-    """A replay's steps once its inputs are checked: the full recompute (with `compare`, the
-    reference, run first), the prefix loaded and the first new token's logits
-    (`start_from_prefix`), the continuation (greedy, or teacher-forced along the reference and
-    measured: `measure_against`), the result. A transformers model runs `run_hf_plan`."""
-    if not isinstance(model, LoadedModel):
-        return run_hf_plan(prefix, model, plan, continue_tokens, compare, stage)
+    """A replay's steps once its inputs are checked, in whichever engine runs the model: the full
+    recompute (with `compare`, the reference, run first), the prefix loaded into a fresh sequence
+    of the engine's cache (`start_from_prefix`), the continuation (greedy, or teacher-forced along
+    the reference and measured: `continue_or_measure`), the result."""
+    engine = as_engine(model)
     n = len(plan.tokens)
-    check_context(model, n, continue_tokens)
-    warm_up(model, prefix)
+    check_context(engine, n, continue_tokens)
+    engine.warm_up(prefix.kv_dtype, _codecs_to_warm(prefix))
     reference = None
     if compare:
-        stage(f"recomputing {n} tokens and {continue_tokens} more (the reference)")
-        reference = recompute(model, plan.tokens, continue_tokens, prefix.kv_dtype, block_size, prefix.chunk_size)
+        stage(f"recomputing {n} tokens and {continue_tokens} more{engine.recompute_label} (the reference)")
+        reference = engine.recompute(plan.tokens, continue_tokens, prefix.kv_dtype, block_size, prefix.chunk_size)
     source = "the file" if prefix.reader is not None else "the store"
-    stage(f"loading {plan.reused} tokens from {source} and continuing")
-    start = start_from_prefix(prefix, model, plan, n + continue_tokens, block_size)
-    if reference is None:
-        generated, measured = greedy(start.runner, start.seq, start.first, continue_tokens), {}
-    else:
-        generated, measured = measure_against(reference, start, model, continue_tokens, prefix.chunk_size)
-    return replay_result(prefix, model, start, continue_tokens, generated, measured)
+    stage(f"loading {plan.reused} tokens from {source}{engine.cache_label} and continuing")
+    start = start_from_prefix(prefix, engine, plan, n + continue_tokens, block_size)
+    generated, ttft_s, measured = continue_or_measure(engine, start, reference, continue_tokens, prefix.chunk_size)
+    return replay_result(prefix, engine, start, ttft_s, generated, measured)
 
 
 def check_context(model: "AnyModel", num_tokens: int, continue_tokens: int) -> None:
@@ -355,227 +353,99 @@ def check_context(model: "AnyModel", num_tokens: int, continue_tokens: int) -> N
                           f"{model.max_position_embeddings}")
 
 
+def _codecs_to_warm(prefix: Prefix) -> tuple[str, ...]:
+    """The codecs a prefix may decode: a file's own, or (the store's) every codec."""
+    return tuple(prefix.codecs) if prefix.reader is not None else tuple(codecs.codec_names())
+
+
 @dataclass(frozen=True)
 class CachedStart:
-    """A replay's paged cache once the prefix is loaded into it and the first new token's logits
-    exist: what the continuation starts from."""
+    """A replay's sequence in the engine's cache once the prefix is loaded into it: what the
+    continuation starts from."""
 
-    runner: Runner
-    seq: Any  # the sequence in the runner's cache, holding the prompt's KV
+    seq: CachedSequence  # holding the prompt's reused KV
     plan: ReusePlan  # as loaded: fewer reused tokens when the store could not give them all
     reused: int  # tokens whose KV came from the prefix
     first_from: str  # "hidden_states" or "prefill"
-    first: torch.Tensor  # [1, V], the first new token's logits
+    first: torch.Tensor | None  # [1, V], the first new token's logits when known (from the stored hidden states)
     load_s: float
-    ttft_s: float  # from the start of the load to the first logits
+    started: float  # (time.perf_counter) the start of the load: the cached run's time to first token runs from it
     notice: str | None  # why less was reused than planned
 
 
-def start_from_prefix(prefix: Prefix, model: LoadedModel, plan: ReusePlan, total: int,
-                      block_size: int) -> CachedStart:
-    """A fresh shuffled paged cache of `total` slots, the plan's reused tokens loaded into it
-    through the one load path (`kvtool.load.load`), then the first new token's logits
-    (`first_logits`); timed from the start of the load."""
-    cache, seq = new_cache(model, total, prefix.kv_dtype, block_size, seed=1)
-    slot_mapping = seq.slot_mapping(total, device=model.device)  # [total]
-    runner = Runner(model, cache)
-    synchronize(model.device)
-    t0 = time.perf_counter()
-    # the one load path; slots checked on the host: no device sync per chunk (the copy is small)
-    target = paged_connector(model).target(kvcaches=cache.kv_caches, slot_mapping=slot_mapping.cpu())
-    loaded = prefix.load(target, plan.reused) if plan.reused else 0
-    seq.num_tokens = loaded
-    synchronize(model.device)
-    load_s = time.perf_counter() - t0
+def start_from_prefix(prefix: Prefix, engine: Engine, plan: ReusePlan, total: int, block_size: int) -> CachedStart:
+    """A fresh sequence of `total` slots in the engine's cache (kvtool's: shuffled paged blocks), the
+    plan's reused tokens loaded into it through the one load path (`kvtool.load.load`), and where
+    the plan reuses every token, the first new token's logits from the file's stored hidden
+    states (`hidden_start`)."""
+    seq = engine.new_sequence(total, prefix.kv_dtype, block_size, seed=1)
+    synchronize(engine.device)
+    started = time.perf_counter()
+    loaded = seq.load(prefix.load, plan.reused)
+    synchronize(engine.device)
+    load_s = time.perf_counter() - started
     why = None
     if loaded < plan.reused:  # the store refused or lost a chunk: the rest is computed
         why = f"{plan.reused - loaded} cached tokens could not be loaded: computed"
         plan = ReusePlan(tokens=plan.tokens, reused=loaded, chunks=-(-loaded // prefix.chunk_size))
-    first, reused, first_from, unusable = first_logits(runner, seq, prefix, model, plan)
-    synchronize(model.device)
-    return CachedStart(runner, seq, plan, reused, first_from, first, load_s, time.perf_counter() - t0,
+    first, reused, first_from, unusable = None, plan.reused, "prefill", None
+    if plan.from_hidden:
+        first, reused, first_from, unusable = hidden_start(prefix, engine, plan)
+    return CachedStart(seq, plan, reused, first_from, first, load_s, started,
                        unusable if unusable is not None else why)
 
 
-def first_logits(runner: Runner, seq, prefix: Prefix, model: LoadedModel,
-                 plan: ReusePlan) -> tuple[torch.Tensor, int, str, str | None]:
-    """The first new token's logits [1, V]: from the file's stored hidden state of the last token
-    when the plan reuses every token, else by prefilling what the plan does not reuse. Returns
-    (logits, tokens reused, "hidden_states" or "prefill", why the hidden states were unusable)."""
-    tokens, n = plan.tokens, len(plan.tokens)
-    if not plan.from_hidden:
-        return (runner.prefill(seq, tokens[plan.reused:], start_pos=plan.reused, prefill_chunk=prefix.chunk_size,
-                               logits="last"), plan.reused, "prefill", None)
+def hidden_start(prefix: Prefix, engine: Engine, plan: ReusePlan) -> tuple[torch.Tensor | None, int, str, str | None]:
+    """The first new token's logits [1, V] from the file's stored hidden state of the last token.
+    Returns (logits, tokens reused, "hidden_states", None), or where the stored hidden states are
+    unusable (None, all but the last token, "prefill", why): the last token is then recomputed."""
+    n = len(plan.tokens)
     try:
-        hidden = last_hidden_state(prefix.reader, model, n)  # [1, E]
+        hidden = last_hidden_state(prefix.reader, engine, n)  # [1, E]
     except DataError as err:  # the KV is intact: recompute the last token instead
         notice(f"the stored hidden states are unusable ({err}); the last token is recomputed")
-        first = runner.prefill(seq, tokens[n - 1:], start_pos=n - 1, logits="last")  # rewrites its own slot
-        return first, n - 1, "prefill", f"hidden_states unusable: {err}"
-    return logits_from_hidden(model.weights, hidden, model.config.final_softcap), plan.reused, "hidden_states", None
+        return None, n - 1, "prefill", f"hidden_states unusable: {err}"
+    return engine.logits_from_hidden(hidden), plan.reused, "hidden_states", None
 
 
-def greedy(runner: Runner, seq, first: torch.Tensor, continue_tokens: int) -> list[int]:
-    """Up to `continue_tokens` tokens of greedy decoding, the first from the logits `first` [1, V];
-    it stops at the model's end of sequence (included), as `Runner.generate` does."""
-    stop = set(runner.config.eos_token_ids)
-    generated = [int(first[0].argmax())]
-    while len(generated) < continue_tokens and generated[-1] not in stop:
-        generated.append(int(runner.decode_step(seq, generated[-1]).argmax()))
-    return generated
+def continue_or_measure(engine: Engine, start: CachedStart, reference: Reference | None, continue_tokens: int,
+                        prefill_chunk: int) -> tuple[list[int], float, dict[str, Any]]:
+    """From the loaded prefix: without a reference, greedy decoding (the engine's own: transformers'
+    `generate`); with one, the first new token's logits, then the cached run teacher-forced along
+    the reference's continuation and measured against it (`kvtool.ops.compare.measure`). Returns
+    (the continuation: the reference's with a measure, the cached run's time to first token, the
+    measurements: `ReplayResult` fields)."""
+    tokens, reused, seq = start.plan.tokens, start.reused, start.seq
+    if reference is None:
+        synchronize(engine.device)
+        before = time.perf_counter() - start.started
+        generated, first_s = seq.generate(tokens, reused, continue_tokens, start.first, prefill_chunk)
+        return generated, before + first_s, {}
+    first = start.first if start.first is not None else seq.prefill(tokens, reused, "last", prefill_chunk)
+    synchronize(engine.device)
+    ttft_s = time.perf_counter() - start.started
+    compared, own = measure(reference.logits, reference.tokens, seq, tokens, first, prefill_chunk)
+    same = compared["greedy_identical_tokens"]
+    return reference.tokens, ttft_s, {
+        "ttft_recompute_s": reference.ttft_s, "speedup": reference.ttft_s / max(ttft_s, 1e-9), **compared,
+        "cached_continuation_tokens": own, "cached_continuation": engine.tokenizer.decode(own),
+        "agreed_continuation": engine.tokenizer.decode(reference.tokens[:same])}
 
 
-def measure_against(reference: tuple[torch.Tensor, list[int], float], start: CachedStart, model: LoadedModel,
-                    continue_tokens: int, prefill_chunk: int) -> tuple[list[int], dict[str, Any]]:
-    """The cached run teacher-forced along the recompute's greedy continuation and compared with
-    it position by position (`compare_logits`), then its own greedy continuation from where they
-    part. Returns (the reference continuation, the measurements: `ReplayResult` fields)."""
-    ref_logits, generated, ttft_recompute = reference  # [N, V], N tokens, seconds
-    n = len(start.plan.tokens)
-    rest = start.runner.prefill(start.seq, generated[:-1], start_pos=n, prefill_chunk=prefill_chunk, logits="all") \
-        if len(generated) > 1 else start.first[:0]
-    cached_logits = torch.cat([start.first, rest])  # [N, V]
-    measured: dict[str, Any] = {"ttft_recompute_s": ttft_recompute,
-                                "speedup": ttft_recompute / max(start.ttft_s, 1e-9),
-                                **compare_logits(ref_logits, cached_logits, generated)}
-    same = measured["greedy_identical_tokens"]
-    own = free_run_after(start.runner, start.seq, n, generated, cached_logits, same)
-    measured.update(cached_continuation_tokens=own, cached_continuation=model.tokenizer.decode(own),
-                    agreed_continuation=model.tokenizer.decode(generated[:same]))
-    return generated, measured
-
-
-def replay_result(prefix: Prefix, model: LoadedModel, start: CachedStart, continue_tokens: int,
-                  generated: list[int], measured: dict[str, Any]) -> ReplayResult:
+def replay_result(prefix: Prefix, engine: Engine, start: CachedStart, ttft_s: float, generated: list[int],
+                  measured: dict[str, Any]) -> ReplayResult:
     n, reused_any = len(start.plan.tokens), start.plan.reused > 0
     return ReplayResult(
-        file=prefix.source, model=model.name, num_tokens=n, reused_tokens=start.reused,
+        file=prefix.source, model=engine.name, num_tokens=n, reused_tokens=start.reused,
         computed_tokens=n - start.reused, chunks_loaded=start.plan.chunks,
-        codecs=sorted(set(prefix.codecs)) if reused_any else [], device=describe(model.device),
-        model_dtype=str(model.dtype).removeprefix("torch."), first_token_from=start.first_from,
+        codecs=sorted(set(prefix.codecs)) if reused_any else [], device=describe(engine.device),
+        model_dtype=str(engine.dtype).removeprefix("torch."), first_token_from=start.first_from,
         weights=prefix.weights if reused_any else "nothing reused", load_s=start.load_s,
-        ttft_cached_s=start.ttft_s, continue_tokens=len(generated), continuation_tokens=generated,
-        continuation=model.tokenizer.decode(generated), notice=start.notice, **measured)
-
-
-def free_run_after(runner: Runner, seq, n: int, forced: list[int], cached_logits: torch.Tensor,
-                   same: int) -> list[int]:
-    """The cached run's own greedy continuation: the forced tokens up to the first position
-    whose top-1 differs, then its own choice there, then greedy decoding from that point
-    (the teacher-forced slots after it are written over)."""
-    if same >= len(forced):
-        return list(forced)
-    own = forced[:same] + [int(cached_logits[same].argmax())]
-    seq.num_tokens = n + same  # forget the forced tokens from the first difference on
-    while len(own) < len(forced):
-        own.append(int(runner.decode_step(seq, own[-1]).argmax()))
-    return own
-
-
-def recompute(model: LoadedModel, tokens: list[int], continue_tokens: int, kv_dtype: torch.dtype,
-              block_size: int, prefill_chunk: int) -> tuple[torch.Tensor, list[int], float]:
-    """The full recompute, no cache: logits [N, V] along its greedy continuation, the
-    continuation, and its time to first token."""
-    cache, seq = new_cache(model, len(tokens) + continue_tokens, kv_dtype, block_size, seed=2)
-    runner = Runner(model, cache)
-    synchronize(model.device)
-    t0 = time.perf_counter()
-    logits = runner.prefill(seq, tokens, prefill_chunk=prefill_chunk, logits="last")  # [1, V]
-    synchronize(model.device)
-    ttft = time.perf_counter() - t0
-    ref_logits, greedy, stop = [logits[0]], [], set(model.config.eos_token_ids)
-    for i in range(continue_tokens):  # up to continue_tokens, stopping at the end of sequence (kept)
-        greedy.append(int(ref_logits[-1].argmax()))
-        if greedy[-1] in stop:
-            break
-        if i + 1 < continue_tokens:
-            ref_logits.append(runner.decode_step(seq, greedy[-1]))
-    return torch.stack(ref_logits), greedy, ttft
-
-
-# --- with transformers (--engine hf) --------------------------------------------------------------
-#
-# The prefix (a file's chunks or the store's objects) loads through the one load path into a
-# transformers cache (`kvtool.integrations.hf.caches.load_cache`: the contiguous cache as one block
-# of a paged buffer) holding at most all but the prompt's last token, transformers' convention;
-# `generate` (greedy) continues from it. With `compare`, a fresh `generate` of the whole prompt is
-# the reference, and the cached run is teacher-forced along its continuation and measured as for
-# kvtool's runner (`compare_logits`).
-
-
-def run_hf_plan(prefix: Prefix, model: "HFModel", plan: ReusePlan, continue_tokens: int, compare: bool,
-                stage: Callable[[str], None]) -> ReplayResult:
-    """`run_plan` for a transformers model: the reference (with `compare`), the prefix loaded into
-    a transformers cache, the continuation (greedy `generate`, or teacher-forced along the
-    reference and measured), the result."""
-    from ..integrations.hf.caches import load_cache
-    from ..integrations.hf.runs import greedy
-
-    n = len(plan.tokens)
-    check_context(model, n, continue_tokens)
-    reference = None
-    if compare:
-        stage(f"recomputing {n} tokens and {continue_tokens} more with transformers (the reference)")
-        reference = greedy(model, plan.tokens, None, continue_tokens)
-    source = "the file" if prefix.reader is not None else "the store"
-    stage(f"loading {plan.reused} tokens from {source} into a transformers cache and continuing")
-    synchronize(model.device)
-    started = time.perf_counter()
-    cache = load_cache(model, plan.reused, prefix.load)
-    synchronize(model.device)
-    load_s = time.perf_counter() - started
-    loaded = cache.get_seq_length()
-    why = None
-    if loaded < plan.reused:  # the store refused or lost a chunk: the rest is computed
-        why = f"{plan.reused - loaded} cached tokens could not be loaded: computed"
-        plan = ReusePlan(tokens=plan.tokens, reused=loaded, chunks=-(-loaded // prefix.chunk_size))
-    if reference is None:
-        generated, _, first_s = greedy(model, plan.tokens, cache, continue_tokens)
-        ttft_s, measured = load_s + first_s, {}
-    else:
-        generated, ttft_s, measured = _measure_hf(model, plan, cache, reference, started)
-    reused = plan.reused
-    return ReplayResult(
-        file=prefix.source, model=model.name, num_tokens=n, reused_tokens=reused, computed_tokens=n - reused,
-        chunks_loaded=plan.chunks, codecs=sorted(set(prefix.codecs)) if reused else [],
-        device=describe(model.device), model_dtype=str(model.dtype).removeprefix("torch."),
-        first_token_from="prefill", weights=prefix.weights if reused else "nothing reused", load_s=load_s,
         ttft_cached_s=ttft_s, continue_tokens=len(generated), continuation_tokens=generated,
-        continuation=model.tokenizer.decode(generated), notice=why, engine="hf", **measured)
+        continuation=engine.tokenizer.decode(generated), notice=start.notice, engine=engine.kind, **measured)
 
 
-def _measure_hf(model: "HFModel", plan: ReusePlan, cache, reference: tuple[list[int], torch.Tensor, float],
-                started: float) -> tuple[list[int], float, dict[str, Any]]:
-    """The cached run teacher-forced along the reference's continuation and compared with it
-    position by position, then its own greedy continuation from where they part (the cache cut
-    back there). Returns (the reference continuation, the cached run's time to first token,
-    the measurements: `ReplayResult` fields)."""
-    from ..integrations.hf.runs import forced_logits, greedy
-
-    generated, ref_logits, ttft_recompute = reference
-    n = len(plan.tokens)
-    first = forced_logits(model, plan.tokens, cache, plan.reused)[-1:]  # [1, V]: the first new token's
-    synchronize(model.device)
-    ttft_s = time.perf_counter() - started
-    rest = forced_logits(model, plan.tokens + generated[:-1], cache, n) if len(generated) > 1 else first[:0]
-    cached_logits = torch.cat([first, rest])  # [N, V]
-    measured: dict[str, Any] = {"ttft_recompute_s": ttft_recompute, "speedup": ttft_recompute / max(ttft_s, 1e-9),
-                                **compare_logits(ref_logits, cached_logits, generated)}
-    same = measured["greedy_identical_tokens"]
-    own = list(generated)
-    if same < len(generated):  # from the first difference on, the cached run's own choices
-        own = generated[:same] + [int(cached_logits[same].argmax())]
-        surplus = len(generated) - 1 - same  # teacher-forced tokens past the difference: the cache keeps n + same
-        if surplus:
-            cache.crop(-surplus)
-        if len(own) < len(generated):
-            own += greedy(model, plan.tokens + own, cache, len(generated) - len(own))[0]
-    measured.update(cached_continuation_tokens=own, cached_continuation=model.tokenizer.decode(own),
-                    agreed_continuation=model.tokenizer.decode(generated[:same]))
-    return generated, ttft_s, measured
-
-
-def last_hidden_state(reader: ContainerReader, model: LoadedModel, n: int) -> torch.Tensor:
+def last_hidden_state(reader: ContainerReader, model: "AnyModel", n: int) -> torch.Tensor:
     """The file's final hidden state of token n - 1, [1, E], on the model's device."""
     hidden = reader.read_extra("hidden_states")  # [num_tokens, E]
     if hidden.shape[1] != model.config.hidden_size:
@@ -587,23 +457,13 @@ def last_hidden_state(reader: ContainerReader, model: LoadedModel, n: int) -> to
     return last.to(model.device)
 
 
-_warmed: set[tuple[str, tuple[str, ...]]] = set()
-
-
-def warm_up(model: LoadedModel, prefix: Prefix) -> None:
-    """On a GPU, pay the one-time costs (kernel builds and loads, library handles, lazy
-    modules) before anything is timed: each codec of the prefix warms itself up (the store's:
-    every codec), the paged copy kernel loads, one tiny prefill runs. Nothing to do on the CPU."""
-    from ..connectors.paged_copy import load_cuda_kernel
-
-    names = tuple(prefix.codecs) if prefix.reader is not None else tuple(codecs.codec_names())
-    key = (str(model.device), names)
-    if model.device.type != "cuda" or key in _warmed:
-        return
-    _warmed.add(key)
-    load_cuda_kernel()
-    for name in names:
-        codecs.get_codec(name).warm_up(model.device)
-    cache, seq = new_cache(model, 2, prefix.kv_dtype, 16, seed=0)
-    Runner(model, cache).prefill(seq, [0, 0], logits="last")
-    synchronize(model.device)
+# Names this module had before the engines were one interface: each answers with what to use.
+__getattr__ = moved_names(__name__, {
+    "run_hf_plan": ("run_plan, which runs any engine", lambda: run_plan),
+    "greedy": ("kvtool.ops.engines.greedy", lambda: engines.greedy),
+    "recompute": ("Engine.recompute, or kvtool.ops.engines.recompute", lambda: engines.recompute),
+    "warm_up": ("Engine.warm_up", None),
+    "first_logits": ("hidden_start, or CachedSequence.prefill", None),
+    "free_run_after": ("kvtool.ops.compare.own_continuation", None),
+    "measure_against": ("kvtool.ops.compare.measure", None),
+})

@@ -8,6 +8,8 @@
   contiguous cache is one block of a paged buffer)
 - `runs.py`: the model run for `capture --engine hf` (prefill chunk by chunk) and
   `replay --engine hf` (greedy `generate`, teacher-forced logits)
+- `engine.py`: a transformers model behind the interface of kvtool's operations
+  (`kvtool.engine.protocol.Engine`): `HFEngine`, what `--engine hf` runs
 
 Imported only where transformers is asked for (`--engine hf`, `kvtool.hf`): `kvtool` itself
 never imports it.

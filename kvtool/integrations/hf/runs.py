@@ -15,8 +15,8 @@ from .models import HFModel, check_window
 
 class PromptPrefill:
     """One prompt run through the model in chunks, its KV in a transformers cache (as `generate`
-    would make it) that the capture gathers each chunk out of through the paged connector. The
-    interface of `kvtool.ops.capture`'s paged capture: `prefill`, then `gather`."""
+    would make it) that the capture gathers each chunk out of through the paged connector: a
+    capture's steps (`kvtool.engine.protocol.CaptureSteps`), `prefill`, then `gather`."""
 
     def __init__(self, model: HFModel, num_tokens: int, kv_dtype: torch.dtype, blob_device: torch.device,
                  pinned: bool):
