@@ -24,6 +24,8 @@ JOB.json:
     ignore_eos   keep generating past the end-of-sequence token       (default false)
     max_num_batched_tokens, enable_prefix_caching   passed to vLLM    (defaults: vLLM's, off)
     model        a HF model folder (default: kvtool's default model, converted)
+    dtype        the model's dtype, passed to vLLM: float32 | bfloat16 | float16   (default float32;
+                 bfloat16 on a CPU with AMX keeps vLLM's KV pages in AMX tiles)
 
 Prints `RESULT {"engine_seconds": s, "requests": [{request_id, prompt_tokens, prompt_token_ids,
 num_cached_tokens, token_ids, text, seconds, ttft_seconds}, ...]}`: `seconds` is the wall time of generate() for that prompt
@@ -90,7 +92,7 @@ def main() -> None:
     if job.get("enable_lora"):
         extra.update(enable_lora=True, max_lora_rank=int(job.get("max_lora_rank", 8)), max_loras=1)
     began = time.perf_counter()
-    llm = LLM(model=model, dtype="float32", max_model_len=4096, enforce_eager=True,
+    llm = LLM(model=model, dtype=job.get("dtype", "float32"), max_model_len=4096, enforce_eager=True,
               enable_prefix_caching=bool(job.get("enable_prefix_caching", False)),
               kv_transfer_config=transfer_config(job), disable_log_stats=False, **extra)
     engine_seconds = time.perf_counter() - began

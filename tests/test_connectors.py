@@ -30,6 +30,7 @@ from kvtool.connectors import (
     slot_to_block_offset,
 )
 from kvtool.errors import KvtoolError
+from kvtool.connectors import paged_torch
 from kvtool.connectors.paged_layout import channel_stride
 
 LAYOUTS = ["flash_attn", "flashinfer", "vllm", "kv_tuple", "vllm_cpu"]
@@ -655,6 +656,66 @@ def test_vllm_cpu_layout_is_the_page_vllm_cpu_writes():
                            layer[b].view(H, -1)[:, [c * BS + t for c in range(D)]])
     with pytest.raises(ValueError, match="contiguous"):
         gather_paged([layer.transpose(1, 2).contiguous().transpose(1, 2)], "vllm_cpu", slots, out)
+
+
+def _amx_logical(layer, kv):
+    """A view of one "vllm_cpu_amx" layer's K or V with dims [NB, BS, H, D], by tile views (not
+    amx_page_offset's arithmetic): K's page part is [BS/16, D/2, 16, 2] (16-token tiles of channel
+    pairs), V's [D/16, BS/2, 16, 2] (16-channel tiles of token pairs)."""
+    NB, H, BS, D = *layer.shape[:3], layer.shape[3] // 2
+    part = layer.view(NB, H, 2, BS * D)[:, :, kv]
+    if kv == 0:
+        tiles = part.view(NB, H, BS // 16, D // 2, 16, 2).permute(0, 2, 4, 1, 3, 5)  # [NB, BS/16, 16, H, D/2, 2]
+        return tiles.reshape(NB, BS, H, D)
+    tiles = part.view(NB, H, D // 16, BS // 2, 16, 2).permute(0, 3, 5, 1, 2, 4)  # [NB, BS/2, 2, H, D/16, 16]
+    return tiles.reshape(NB, BS, H, D)
+
+
+@pytest.mark.parametrize("NB,H,BS,D", [(3, 1, 32, 64), (5, 2, 64, 128), (4, 3, 128, 64), (2, 2, 32, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_vllm_cpu_amx_layout_reads_and_writes_vllms_amx_tiles(NB, H, BS, D, dtype):
+    """vLLM 0.32's CPU pages for isa "amx" (measured against vLLM in tests/test_vllm_keys.py):
+    gather gives each token's K and V out of the tiles, whatever the slot order, on both the native
+    entry point (which hands this layout to the torch reference) and the torch reference; scatter
+    into fresh pages rebuilds exactly the written slots and nothing else."""
+    gen = torch.Generator().manual_seed(NB * 1000 + BS + D)
+    L = 2
+    layers = [torch.randn(NB, H, BS, 2 * D, generator=gen).to(dtype) for _ in range(L)]
+    T = NB * BS - 5
+    slots = torch.randperm(NB * BS, generator=gen)[:T]  # out of order, across every block
+    b, o = slots // BS, slots % BS
+    want = torch.stack([torch.stack([_amx_logical(layer, kv)[b, o].reshape(T, H * D) for layer in layers])
+                        for kv in (0, 1)])
+    out = torch.empty(2, L, T, H * D, dtype=dtype)
+    gather_paged(layers, "vllm_cpu_amx", slots, out)
+    assert torch.equal(out, want)
+    reference = torch.empty_like(out)
+    paged_torch.torch_gather(layers, PagedLayout.VLLM_CPU_AMX, slots, reference)
+    assert torch.equal(reference, want)
+    fresh = [torch.zeros_like(layer) for layer in layers]
+    scatter_paged(out, fresh, "vllm_cpu_amx", slots)
+    for layer, got in zip(layers, fresh):
+        for kv in (0, 1):
+            assert torch.equal(_amx_logical(got, kv)[b, o], _amx_logical(layer, kv)[b, o])
+        unwritten = torch.ones(NB * BS, dtype=torch.bool)
+        unwritten[slots] = False
+        for kv in (0, 1):
+            assert not _amx_logical(got, kv).reshape(NB * BS, -1)[unwritten].any()
+
+
+def test_vllm_cpu_amx_layout_refuses_pages_vllm_never_tiles():
+    """Only what vLLM lays out in AMX tiles (block size and head dim multiples of 32, contiguous
+    pages) is taken: anything else is one clear error, not a wrong read."""
+    slots = torch.arange(4)
+    with pytest.raises(KvtoolError, match="multiples of 32, got 16 and 64"):
+        gather_paged([torch.zeros(2, 1, 16, 128, dtype=torch.bfloat16)], "vllm_cpu_amx", slots,
+                     torch.empty(2, 1, 4, 64, dtype=torch.bfloat16))
+    with pytest.raises(KvtoolError, match="multiples of 32, got 32 and 48"):
+        gather_paged([torch.zeros(2, 1, 32, 96, dtype=torch.bfloat16)], "vllm_cpu_amx", slots,
+                     torch.empty(2, 1, 4, 48, dtype=torch.bfloat16))
+    strided = torch.zeros(2, 32, 1, 128, dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(KvtoolError, match="'vllm_cpu_amx' needs each \\(block, head\\) page contiguous"):
+        gather_paged([strided], "vllm_cpu_amx", slots, torch.empty(2, 1, 4, 64, dtype=torch.bfloat16))
 
 
 # ---------------------------------------------------------------------------

@@ -27,7 +27,8 @@ NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.isfile("/u
 GCC = shutil.which("gcc") or shutil.which("cc")
 HAS_CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (GPU tests: scripts/gpu_check.sh)")
-LAYOUTS = [layout for layout in PagedLayout if layout is not PagedLayout.VLLM_CPU]  # the kernel's layouts
+LAYOUTS = [layout for layout in PagedLayout
+           if layout not in (PagedLayout.VLLM_CPU, PagedLayout.VLLM_CPU_AMX)]  # the kernel's layouts (not the host pages)
 LAYOUT_CODE = {PagedLayout.FLASH_ATTN: 0, PagedLayout.FLASHINFER: 1, PagedLayout.VLLM: 2, PagedLayout.KV_TUPLE: 3}
 
 

@@ -53,6 +53,21 @@ def test_tokens_round_trip_through_a_requests_blocks(layout, device):
     assert torch.equal(blocks.read(untouched, 0, BS * len(untouched)), torch.zeros(2, L, BS * len(untouched), H * D))
 
 
+def test_tokens_round_trip_through_vllms_amx_pages():
+    """vLLM's bfloat16 pages on an AMX CPU ("vllm_cpu_amx": block size and head dim multiples
+    of 32) round-trip a request's tokens through its blocks like every other layout."""
+    blocks = EngineBlocks([torch.zeros(6, 2, 32, 64, dtype=torch.bfloat16) for _ in range(L)], 32, "vllm_cpu_amx")
+    assert blocks.layout.value == "vllm_cpu_amx"
+    block_ids = [4, 1, 5]
+    kv = torch.randn(2, L, 90, 2 * 32).to(torch.bfloat16)
+    write(blocks, kv[:, :, :50], block_ids, 0)
+    write(blocks, kv[:, :, 50:], block_ids, 50)
+    assert torch.equal(blocks.read(block_ids, 0, 90), kv)
+    assert not blocks.read([0, 2, 3], 0, 96).any()  # other blocks untouched
+    with pytest.raises(UnsupportedKVLayout, match="multiples of 32"):
+        EngineBlocks([torch.zeros(6, 2, 16, 64, dtype=torch.bfloat16)], 16, "vllm_cpu_amx")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["vllm_cpu", "flash_attn"])
 def test_a_save_reads_into_a_recycled_buffer(layout, device):

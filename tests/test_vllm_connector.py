@@ -152,6 +152,23 @@ def test_a_second_engine_loads_the_prefix_raw(tmp_path, reference, raw_store):
     assert stored_codecs(store) == {"raw"}
 
 
+def test_a_second_engine_loads_the_prefix_in_bfloat16(tmp_path):
+    """bfloat16, the common CPU serving dtype: on a CPU with AMX tiles vLLM keeps its KV pages in
+    AMX tiles (kvtool's "vllm_cpu_amx"), elsewhere as in float32. One engine saves P's chunks raw,
+    a second loads them, and its greedy output is that of bfloat16 vLLM without a connector."""
+    import torch
+
+    plain = serve(tmp_path / "plain", [PROMPT], connector="none", dtype="bfloat16")["requests"][0]
+    store = str(tmp_path / "store")
+    first = serve(tmp_path / "first", [PROMPT], store=store, codec="raw", dtype="bfloat16")
+    layout = "vllm_cpu_amx" if torch.cpu._is_amx_tile_supported() else "vllm_cpu"
+    assert f"in kvtool layout {layout!r}" in first["log"]
+    assert first["requests"][0]["num_cached_tokens"] == 0
+    second = serve(tmp_path / "second", [PROMPT], store=store, codec="raw", dtype="bfloat16")["requests"][0]
+    assert second["num_cached_tokens"] == whole_chunks(plain)
+    assert second["token_ids"] == plain["token_ids"]
+
+
 @pytest.mark.parametrize("codec", ["zstd", "cachegen"])
 def test_a_second_engine_loads_the_prefix(tmp_path, reference, codec):
     """zstd with chunked prefill (256-token steps) and vLLM's own prefix caching on, P and Q in a

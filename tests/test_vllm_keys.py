@@ -207,21 +207,124 @@ def test_the_counters_vllm_logs_add_up_across_threads_and_processes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_vllms_cpu_pages_read_back_as_kvtool_reads_them(dtype):
-    """vLLM's own cache write into a scratch page reads back through kvtool's "vllm_cpu" layout
-    on this machine (what the worker checks before it serves). On a CPU with AMX, vLLM keeps
-    bfloat16 pages in its AMX layout, which kvtool does not read: refused in one line, before
-    any KV could be loaded wrongly (the worker makes this very check when vLLM starts)."""
+    """vLLM's own cache write into a scratch page reads back through the kvtool layout chosen for
+    vLLM's pages on this machine (what the worker checks before it serves): on a CPU with AMX,
+    bfloat16 pages are in vLLM's AMX tiles ("vllm_cpu_amx"), every other case "vllm_cpu"."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvtool.integrations.engine_blocks import EngineBlocks
+    from kvtool.integrations.vllm.layout import check_cpu_pages, cpu_pages_layout
+
+    pages = torch.zeros(4, 2, 32, 128, dtype=dtype)
+    layout = cpu_pages_layout(pages)
+    assert layout.value == ("vllm_cpu_amx" if _get_attn_isa(dtype, 32, 64) == "amx" else "vllm_cpu")
+    check_cpu_pages(EngineBlocks([pages], 32, layout))
+
+
+def test_pages_in_the_wrong_layout_are_refused():
+    """Pages that do not read back in the layout the worker was given are refused in one line
+    (here AMX's bfloat16 pages read as "vllm_cpu", or the other way round): never wrong KV."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from kvtool.integrations.engine_blocks import EngineBlocks, UnsupportedKVLayout
     from kvtool.integrations.vllm.layout import check_cpu_pages
 
-    blocks = EngineBlocks([torch.zeros(4, 2, 32, 128, dtype=dtype)], 32, "vllm_cpu")
-    if _get_attn_isa(dtype, 32, 64) == "amx":
-        with pytest.raises(UnsupportedKVLayout, match="isa amx"):
-            check_cpu_pages(blocks)
-        return
-    check_cpu_pages(blocks)
+    amx = _get_attn_isa(torch.bfloat16, 32, 64) == "amx"
+    wrong = "vllm_cpu" if amx else "vllm_cpu_amx"
+    blocks = EngineBlocks([torch.zeros(4, 2, 32, 128, dtype=torch.bfloat16)], 32, wrong)
+    with pytest.raises(UnsupportedKVLayout, match=f"isa {'amx' if amx else ''}.*not its '{wrong}'"):
+        check_cpu_pages(blocks)
+
+
+# --- vLLM's AMX pages (bfloat16 on a CPU with AMX tiles) ------------------------------------------
+
+def _amx_or_skip(block_size: int, head_dim: int) -> None:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    if _get_attn_isa(torch.bfloat16, block_size, head_dim) != "amx":
+        pytest.skip("vLLM does not use its AMX pages on this CPU")
+
+
+def _vllm_write(layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, isa: str) -> None:
+    """vLLM's own cache write (its CPU backend's do_kv_cache_update) of [T, H, D] K and V."""
+    from vllm import _custom_ops as ops
+
+    NB, H, BS, width = layer.shape
+    key_pages, value_pages = layer.view(NB, H, 2 * BS, width // 2).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key.contiguous(), value.contiguous(), key_pages, value_pages, slots, isa)
+
+
+AMX_CASES = [(3, 1, 32, 64), (5, 2, 64, 128), (4, 4, 128, 64), (6, 8, 32, 128)]  # (blocks, heads, block size, head dim)
+
+
+@pytest.mark.parametrize("NB,H,BS,D", AMX_CASES)
+def test_vllms_amx_pages_read_and_write_as_vllm_does(NB, H, BS, D):
+    """K and V coded per (token, head, channel) (integers, exact in bfloat16), written by vLLM's
+    own AMX cache write in slots out of order, some blocks partly: kvtool's gather gives them back
+    exactly, and kvtool's scatter of them into fresh pages gives the very bytes vLLM wrote."""
+    from kvtool.connectors import gather_paged, scatter_paged
+
+    _amx_or_skip(BS, D)
+    gen = torch.Generator().manual_seed(NB * BS + D)
+    T = NB * BS - BS // 2 - 3
+    slots = torch.randperm(NB * BS, generator=gen)[:T]
+    t, h, c = torch.meshgrid(torch.arange(T), torch.arange(H), torch.arange(D), indexing="ij")
+    layers, blob = [], torch.empty(2, 2, T, H * D, dtype=torch.bfloat16)
+    for li in range(2):  # integers below 256 are exact in bfloat16; every (t, h, c) its own pattern
+        key = ((t * 7 + h * 31 + c * 3 + li) % 251 - 125).to(torch.bfloat16)
+        value = ((t * 5 + h * 17 + c * 11 + li) % 241 - 120).to(torch.bfloat16)
+        layer = torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16)
+        _vllm_write(layer, key, value, slots, "amx")
+        layers.append(layer)
+        blob[0, li], blob[1, li] = key.reshape(T, -1), value.reshape(T, -1)
+    out = torch.empty_like(blob)
+    gather_paged(layers, "vllm_cpu_amx", slots, out)
+    assert torch.equal(out, blob)
+    fresh = [torch.zeros_like(layer) for layer in layers]
+    scatter_paged(blob, fresh, "vllm_cpu_amx", slots)
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(fresh, layers))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_vllms_amx_attention_over_pages_kvtool_scattered(D):
+    """vLLM's own CPU attention (isa "amx") over pages filled by kvtool's scatter equals its
+    attention over the pages its own cache write filled, and attention computed in float32 from
+    the K and V (within bfloat16 rounding): vLLM reads what kvtool writes."""
+    from vllm import _custom_ops as ops
+
+    from kvtool.connectors import scatter_paged
+
+    _amx_or_skip(32, D)
+    torch.cpu._init_amx()  # the process's permission to use AMX tiles (vLLM's CPU worker asks for it too)
+    NB, H, BS, heads, T = 5, 2, 32, 4, 100
+    gen = torch.Generator().manual_seed(D)
+    key, value = (torch.randn(T, H, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    query = torch.randn(1, heads, D, generator=gen).to(torch.bfloat16)  # one decode token
+    table = torch.tensor([[3, 0, 4, 1]], dtype=torch.int32)  # the request's blocks, out of order
+    slots = table[0].long()[torch.arange(T) // BS] * BS + torch.arange(T) % BS
+    by_vllm, by_kvtool = (torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(2))
+    _vllm_write(by_vllm, key, value, slots, "amx")
+    scatter_paged(torch.stack([key.reshape(1, T, -1), value.reshape(1, T, -1)]), [by_kvtool], "vllm_cpu_amx", slots)
+
+    def attention(layer: torch.Tensor) -> torch.Tensor:
+        key_pages, value_pages = layer.view(NB, H, 2 * BS, D).chunk(2, dim=2)
+        seq_lens, starts = torch.tensor([T], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+        metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=1, num_heads=heads, num_kv_heads=H, head_dim=D, seq_lens=seq_lens, dtype=torch.bfloat16,
+            query_start_loc=starts, causal=True, sliding_window_size=-1, isa="amx", enable_kv_split=False)
+        out = torch.empty(1, heads, D, dtype=torch.bfloat16)
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=key_pages, value_cache=value_pages, output=out, query_start_loc=starts,
+            seq_lens=seq_lens, scale=D ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+        return out
+
+    ours = attention(by_kvtool)
+    assert torch.equal(ours, attention(by_vllm))
+    keys, values = (x.float().repeat_interleave(heads // H, dim=1) for x in (key, value))
+    scores = torch.einsum("qhd,thd->hqt", query.float(), keys) * D ** -0.5
+    expected = torch.einsum("hqt,thd->qhd", scores.softmax(-1), values)
+    assert torch.allclose(ours.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 # --- a sliding-window model: the blocks vLLM does not keep ------------------------------------

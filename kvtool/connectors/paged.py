@@ -300,8 +300,8 @@ class PagedMemConnectorV2(_PagedConnector):
     chunk_size=None)``.
 
     * `layout`: a `PagedLayout` or its name: "flash_attn", "flashinfer",
-      "vllm" (0.32, CUDA), "vllm_cpu" (0.32's CPU backend) or "kv_tuple" (see
-      `kvtool.connectors.paged_layout`).
+      "vllm" (0.32, CUDA), "vllm_cpu" (0.32's CPU backend), "vllm_cpu_amx" (its
+      bfloat16 pages on AMX CPUs) or "kv_tuple" (see `kvtool.connectors.paged_layout`).
     * `use_gpu`: take the device path: the buffers must be CUDA tensors, and
       a host memory object is staged through a reusable device buffer (sized
       for at least `chunk_size` tokens). The copy itself goes through

@@ -17,6 +17,9 @@ layout         per-layer buffer                            used by
 "vllm_cpu"     one tensor ``[NB, H, BS, 2*D]``, each       vLLM 0.32's CPU backend
                (block, head) page holding K transposed     (docs/vllm-cpu-0.32-notes.md)
                ``[D, BS]``, then V ``[BS, D]``
+"vllm_cpu_amx" one tensor ``[NB, H, BS, 2*D]``, each       vLLM 0.32's CPU backend
+               (block, head) page holding K then V in      with isa "amx" (bfloat16
+               AMX tiles (`amx_page_offset`)               on AMX CPUs)
 =============  ==========================================  =========================
 
 Token `t` lives in slot `slot_mapping[t]`; ``slot = block * BS + offset``.
@@ -28,7 +31,9 @@ start at element `run_offset(...)` of the tensor that holds them and follow at
 (transposed: one channel every BS elements; its pages must be contiguous).
 Strides are in elements, so the same formula serves contiguous and permuted
 buffers. The CUDA kernel knows the first four layouts; "vllm_cpu" runs the
-torch path (its buffers are host memory).
+torch path (its buffers are host memory). "vllm_cpu_amx" has no run with one
+channel stride (K's channels go in pairs, V's in tiles): `amx_page_offset`
+places each element, and only the torch path copies it.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class PagedLayout(str, enum.Enum):
     VLLM = "vllm"
     KV_TUPLE = "kv_tuple"
     VLLM_CPU = "vllm_cpu"
+    VLLM_CPU_AMX = "vllm_cpu_amx"
 
     @classmethod
     def parse(cls, value: "PagedLayout | str") -> "PagedLayout":
@@ -93,7 +99,37 @@ def run_offset(layout: PagedLayout, kv, block, offset, head, strides: Sequence[i
         if kv == 0:
             return block * s[0] + head * s[1] + offset * s[3]
         return block * s[0] + head * s[1] + (block_size * head_dim + offset * head_dim) * s[3]
+    if layout is PagedLayout.VLLM_CPU_AMX:  # no run of channels: amx_page_offset places each element
+        raise ConnectorError("layout 'vllm_cpu_amx' has no run per head: use amx_page_offset")
     raise ConnectorError(f"unknown paged layout {layout!r}")
+
+
+#: vLLM's AMX tiles: K in 16-token tiles, V in 16-channel tiles (both in pairs, see below)
+AMX_TILE = 16
+
+
+def amx_page_offset(kv, offset, channel, block_size: int, head_dim: int):
+    """Element offset, from the start of its (block, head) page, of channel `channel` of the
+    token at `offset` in "vllm_cpu_amx": K (kv=0) or V. Measured on vLLM 0.32 by writing coded
+    bfloat16 K/V with `cpu_attn_reshape_and_cache(..., "amx")` (tests/test_vllm_keys.py checks
+    it against vLLM on every AMX machine). The page is K (BS*D elements), then V (BS*D):
+
+    * K: tiles of 16 tokens, each ``[D/2, 16, 2]``: channel pairs (VNNI), the 16 tokens of a
+      pair side by side: ``(o//16)*16*D + (c//2)*32 + (o%16)*2 + c%2``;
+    * V: tiles of 16 channels, each ``[BS/2, 16, 2]``: token pairs (VNNI), the 16 channels of a
+      pair side by side: ``BS*D + (c//16)*16*BS + (o//2)*32 + (c%16)*2 + o%2``.
+
+    Works on Python ints and integer tensors alike."""
+    if kv == 0:
+        return (offset // AMX_TILE) * AMX_TILE * head_dim + (channel // 2) * 2 * AMX_TILE \
+            + (offset % AMX_TILE) * 2 + channel % 2
+    return block_size * head_dim + (channel // AMX_TILE) * AMX_TILE * block_size + (offset // 2) * 2 * AMX_TILE \
+        + (channel % AMX_TILE) * 2 + offset % 2
+
+
+def page_start(block, head, strides: Sequence[int]):
+    """Element offset of the (block, head) page of "vllm_cpu" / "vllm_cpu_amx" ([NB, H, BS, 2*D])."""
+    return block * strides[0] + head * strides[1]
 
 
 def channel_stride(layout: PagedLayout, kv: int, strides: Sequence[int], block_size: int) -> int:
@@ -103,6 +139,10 @@ def channel_stride(layout: PagedLayout, kv: int, strides: Sequence[int], block_s
     return strides[-1]
 
 
+#: vLLM's CPU page layouts: one contiguous (block, head) page of K then V, host memory
+HOST_PAGE_LAYOUTS = (PagedLayout.VLLM_CPU, PagedLayout.VLLM_CPU_AMX)
+
+
 # Which dim of the per-layer tensor (or of K/V for kv_tuple) indexes heads.
 HEAD_DIM_INDEX = {
     PagedLayout.FLASH_ATTN: 3,
@@ -110,6 +150,7 @@ HEAD_DIM_INDEX = {
     PagedLayout.VLLM: 1,
     PagedLayout.KV_TUPLE: 2,
     PagedLayout.VLLM_CPU: 1,
+    PagedLayout.VLLM_CPU_AMX: 1,
 }
 
 
@@ -157,13 +198,18 @@ def paged_geometry(layer: LayerKV, layout: PagedLayout) -> PagedGeometry:
     elif layout is PagedLayout.FLASHINFER:
         ok = len(shape) == 5 and shape[1] == 2
         nb, _, bs, h, d = shape if ok else (0,) * 5
-    elif layout in (PagedLayout.VLLM, PagedLayout.VLLM_CPU):
+    elif layout in (PagedLayout.VLLM, *HOST_PAGE_LAYOUTS):
         ok = len(shape) == 4 and shape[3] % 2 == 0
         nb, h, bs, d2 = shape if ok else (0,) * 4
         d = d2 // 2
         st = t.stride()
-        if ok and layout is PagedLayout.VLLM_CPU and not (st[3] == 1 and st[2] == d2 and st[1] == bs * d2):
-            raise ConnectorError("layout 'vllm_cpu' needs each (block, head) page contiguous, as vLLM allocates it")
+        if ok and layout in HOST_PAGE_LAYOUTS and not (st[3] == 1 and st[2] == d2 and st[1] == bs * d2):
+            raise ConnectorError(f"layout {layout.value!r} needs each (block, head) page contiguous, "
+                                 "as vLLM allocates it")
+        if ok and layout is PagedLayout.VLLM_CPU_AMX and (bs % (2 * AMX_TILE) or d % (2 * AMX_TILE)):
+            # vLLM picks "amx" only for these (its _get_attn_isa), and only these were measured
+            raise ConnectorError(f"layout 'vllm_cpu_amx' needs a block size and head dim that are multiples of "
+                                 f"{2 * AMX_TILE}, got {bs} and {d}")
     else:
         ok = len(shape) == 4
         nb, bs, h, d = shape if ok else (0,) * 4
@@ -173,6 +219,7 @@ def paged_geometry(layer: LayerKV, layout: PagedLayout) -> PagedGeometry:
         PagedLayout.VLLM: "[num_blocks, H, block_size, 2*D]",
         PagedLayout.KV_TUPLE: "(K, V), each [num_blocks, block_size, H, D]",
         PagedLayout.VLLM_CPU: "[num_blocks, H, block_size, 2*D]",
+        PagedLayout.VLLM_CPU_AMX: "[num_blocks, H, block_size, 2*D]",
     }[layout]
     if not ok or min(nb, bs, h, d) < 1:
         raise ConnectorError(f"layout {layout.value!r} expects {want} per layer, got shape {shape}")

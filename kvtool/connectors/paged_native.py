@@ -6,7 +6,9 @@ each row's place per token and copies on a few threads, the GIL released, instea
 `index_copy_` per tensor over an index tensor. vLLM's transposed CPU K pages move a row per
 (token, head) with strided channels. Same contract and bytes as the reference
 (tests/test_connectors.py compares them on every layout). `paged_copy` picks it for CPU buffers;
-when the extension was not built, or KVTOOL_PAGED_NATIVE=0, the torch reference runs.
+when the extension was not built, or KVTOOL_PAGED_NATIVE=0, the torch reference runs. vLLM's AMX
+pages ("vllm_cpu_amx") are not a row map (a token's place in a page is not affine in its offset:
+paged_layout.amx_page_offset), so they always take the torch reference.
 """
 
 from __future__ import annotations
@@ -118,10 +120,15 @@ def _call(template: _Template, slots: torch.Tensor, blob: torch.Tensor) -> tuple
     return blob.data_ptr(), tokens, index
 
 
+def _row_mapped(layout: PagedLayout) -> bool:
+    """Whether the kernel's address map (`_address_map`) describes `layout`."""
+    return layout is not PagedLayout.VLLM_CPU_AMX
+
+
 def _copy(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor, blob: torch.Tensor,
           scatter: bool, signature: tuple | None) -> bool:
     module = native_module()
-    if module is None or slots.numel() == 0:
+    if module is None or slots.numel() == 0 or not _row_mapped(layout):
         return False
     template = _template(kv_caches, layout, signature)
     base, tokens, index = _call(template, slots, blob)
@@ -140,7 +147,7 @@ def native_scatter_source(source: ChunkSource, kv_caches: Sequence[LayerKV], lay
     module = native_module()
     first = layer_tensors(kv_caches[0], layout)[0]
     if module is None or not source.raw or first.device.type != "cpu" or slots.numel() == 0 \
-            or source.dtype not in _NAMES_OF.get(first.dtype, ()):
+            or source.dtype not in _NAMES_OF.get(first.dtype, ()) or not _row_mapped(layout):
         return False
     template = _template(kv_caches, layout, signature)
     threads = _threads(source.length)
@@ -194,7 +201,7 @@ def native_scatter_sources(sources: list[ChunkSource], kv_caches: Sequence[Layer
     module = native_module()
     first = layer_tensors(kv_caches[0], layout)[0]
     names = _NAMES_OF.get(first.dtype, ())
-    if module is None or first.device.type != "cpu" or not sources or slots.numel() == 0 \
+    if module is None or first.device.type != "cpu" or not sources or slots.numel() == 0 or not _row_mapped(layout) \
             or any(not s.raw or s.data is None or s.dtype not in names for s in sources):
         return None
     kinds = {s._finite_kind() for s in sources}

@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 
-from .paged_layout import (HEAD_DIM_INDEX, LayerKV, PagedGeometry, PagedLayout, channel_stride, layer_tensors,
-                           paged_geometry, run_offset, slot_to_block_offset)
+from .paged_layout import (HEAD_DIM_INDEX, LayerKV, PagedGeometry, PagedLayout, amx_page_offset, channel_stride,
+                           layer_tensors, page_start, paged_geometry, run_offset, slot_to_block_offset)
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ def _plan(t: torch.Tensor, layout: PagedLayout, kv: int, block, offset, geo: Pag
     (element-wise; strided channels)."""
     H, D = geo.num_kv_heads, geo.head_dim
     strides = t.stride()
+    if layout is PagedLayout.VLLM_CPU_AMX:  # AMX tiles: each element placed by amx_page_offset
+        return _amx_plan(t, kv, block, offset, geo)
     if layout is PagedLayout.VLLM_CPU and kv == 0:  # K is transposed in its page: element by element
         heads = torch.arange(H, device=block.device)
         start = run_offset(layout, kv, block[:, None], offset[:, None], heads[None, :], strides, D)  # [T, H]
@@ -61,6 +63,18 @@ def _plan(t: torch.Tensor, layout: PagedLayout, kv: int, block, offset, geo: Pag
         elems = start[..., None] + chan  # [T, H, D]
         return _Plan(elems.reshape(-1), 1, span)
     return _Plan((start // run).reshape(-1), run, span // run)
+
+
+def _amx_plan(t: torch.Tensor, kv: int, block, offset, geo: PagedGeometry) -> _Plan:
+    """Element by element: a token's channels are in pairs (K) or 16 at stride 2 (V), never one
+    run (paged_layout.amx_page_offset); the pages are contiguous (paged_geometry checks it)."""
+    dev = block.device
+    heads = torch.arange(geo.num_kv_heads, device=dev)
+    chan = torch.arange(geo.head_dim, device=dev)
+    pages = page_start(block[:, None, None], heads[None, :, None], t.stride())  # [T, H, 1]
+    elems = pages + amx_page_offset(kv, offset[:, None, None], chan[None, None, :], geo.block_size, geo.head_dim)
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return _Plan(elems.reshape(-1), 1, span)
 
 
 def _plans_for(kv_caches: Sequence[LayerKV], layout: PagedLayout, slots: torch.Tensor):

