@@ -890,12 +890,31 @@ def test_progress_on_a_terminal_never_breaks_a_command(tmp_path, argv):
 
     f = write_kv_file(tmp_path / "p.kvc", num_tokens=40, chunk_size=4, codec="zstd", token_ids=list(range(40)))
     args = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    import threading
+
     master, slave = pty.openpty()
+    shown = bytearray()
+
+    def drain():  # a terminal is read as it is written: an unread pty's buffer (~4 KB) would block the command
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # (the other end closed)
+                return
+            if not data:
+                return
+            shown.extend(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
     env = {**os.environ, "PYTHONPATH": str(REPO), "TERM": "xterm"}
-    proc = subprocess.run([sys.executable, "-m", "kvtool", args[0], str(f.path), *args[1:]], stdout=subprocess.PIPE,
-                          stderr=slave, env=env, timeout=120)
-    os.close(slave)
-    os.close(master)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kvtool", args[0], str(f.path), *args[1:]],
+                              stdout=subprocess.PIPE, stderr=slave, env=env, timeout=300)
+    finally:
+        os.close(slave)
+        reader.join(timeout=10)
+        os.close(master)
     assert proc.returncode == 0 and proc.stdout
 
 
