@@ -154,17 +154,18 @@ def test_a_second_engine_loads_the_prefix_raw(tmp_path, reference, raw_store):
 
 def test_a_second_engine_loads_the_prefix_in_bfloat16(tmp_path):
     """bfloat16, the common CPU serving dtype: on a CPU with AMX tiles vLLM keeps its KV pages in
-    AMX tiles (kvtool's "vllm_cpu_amx"), elsewhere as in float32. One engine saves P's chunks raw,
-    a second loads them, and its greedy output is that of bfloat16 vLLM without a connector."""
+    AMX tiles (kvtool's "vllm_cpu_amx"), elsewhere as in float32. The engine saves P's chunks raw
+    (gathered out of its pages), then serves P again with its own prefix cache off, so the chunks
+    load from the store into its pages: both greedy outputs are bfloat16 vLLM's without a connector.
+    (Loads across engines are shown in float32 above; an engine start is the suite's dearest step.)"""
     import torch
 
     plain = serve(tmp_path / "plain", [PROMPT], connector="none", dtype="bfloat16")["requests"][0]
-    store = str(tmp_path / "store")
-    first = serve(tmp_path / "first", [PROMPT], store=store, codec="raw", dtype="bfloat16")
+    got = serve(tmp_path / "kvtool", [PROMPT, PROMPT], store=str(tmp_path / "store"), codec="raw", dtype="bfloat16")
     layout = "vllm_cpu_amx" if torch.cpu._is_amx_tile_supported() else "vllm_cpu"
-    assert f"in kvtool layout {layout!r}" in first["log"]
-    assert first["requests"][0]["num_cached_tokens"] == 0
-    second = serve(tmp_path / "second", [PROMPT], store=store, codec="raw", dtype="bfloat16")["requests"][0]
+    assert f"in kvtool layout {layout!r}" in got["log"]
+    first, second = got["requests"]
+    assert first["num_cached_tokens"] == 0 and first["token_ids"] == plain["token_ids"]  # saving changes nothing
     assert second["num_cached_tokens"] == whole_chunks(plain)
     assert second["token_ids"] == plain["token_ids"]
 
