@@ -173,11 +173,9 @@ def one_input(data: bytes) -> None:
 def main() -> None:
     global NAME
     NAME = _name()
-    corpus = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-    if corpus and os.path.isdir(corpus) and not os.listdir(corpus):
-        for i, seed in enumerate(seeds()):
-            with open(os.path.join(corpus, f"seed-{i:02d}"), "wb") as f:
-                f.write(seed)
+    from corpus import seed_empty_corpus  # (fuzz/, this script's folder)
+
+    seed_empty_corpus(seeds())
     atheris.Setup(sys.argv, one_input)
     atheris.Fuzz()
 

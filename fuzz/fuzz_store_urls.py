@@ -20,7 +20,6 @@ With an empty corpus folder it first writes its seeds there: `FORMS`, the URL ma
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 
@@ -129,11 +128,9 @@ def main() -> None:
 
     with atheris.instrument_imports(include=["kvtool.store.urls"]):
         import kvtool.store.urls  # noqa: F401
-    corpus = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-    if corpus and os.path.isdir(corpus) and not os.listdir(corpus):
-        for i, seed in enumerate(seeds()):
-            with open(os.path.join(corpus, f"seed-{i:02d}"), "wb") as f:
-                f.write(seed)
+    from corpus import seed_empty_corpus  # (fuzz/, this script's folder)
+
+    seed_empty_corpus(seeds())
     atheris.Setup(sys.argv, one_input)
     atheris.Fuzz()
 

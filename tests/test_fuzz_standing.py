@@ -35,6 +35,23 @@ def with_own_peak_rss(argv: list[str]) -> list[str]:
     return [sys.executable, "-c", LAUNCHER, *argv]
 
 
+def run_fuzzer(script: str, tmp_path: Path, seconds: int, min_runs: int, env: dict | None = None) -> Path:
+    """fuzz/SCRIPT for `seconds` on an empty corpus (which the script may seed), through the launcher;
+    fails on any crash, hang or runaway allocation, or on fewer than `min_runs` inputs. The corpus."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    out = subprocess.run(with_own_peak_rss([sys.executable, str(REPO / "fuzz" / script),
+                                            f"-max_total_time={seconds}", "-rss_limit_mb=2048", "-timeout=10",
+                                            f"-artifact_prefix={tmp_path}/", str(corpus)]),
+                         capture_output=True, text=True, timeout=seconds + 180, cwd=tmp_path, env=env)
+    crashes = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("crash-", "timeout-", "oom-")))
+    assert out.returncode == 0 and not crashes, (crashes, out.stderr[-4000:])
+    runs = re.search(r"Done (\d+) runs", out.stderr)
+    assert runs and int(runs.group(1)) > min_runs, out.stderr[-2000:]
+    return corpus
+
+
+
 @pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="atheris not installed (pip install atheris)")
 def test_the_reader_fuzzer_finds_nothing_in_its_time(tmp_path):
     corpus = tmp_path / "corpus"
@@ -56,17 +73,7 @@ def test_the_reader_fuzzer_finds_nothing_in_its_time(tmp_path):
 def test_the_store_fuzzer_finds_nothing_in_its_time(tmp_path):
     """fuzz/fuzz_store.py: chunk objects from memory, from files cut short after they were opened,
     and under fsck (issue 27): a refusal or a clean load, never anything else."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    seconds = max(10, SECONDS * 2 // 3)
-    out = subprocess.run(with_own_peak_rss([sys.executable, str(REPO / "fuzz" / "fuzz_store.py"),
-                                            f"-max_total_time={seconds}", "-rss_limit_mb=2048", "-timeout=10",
-                                            f"-artifact_prefix={tmp_path}/", str(corpus)]),
-                         capture_output=True, text=True, timeout=seconds + 180, cwd=tmp_path)
-    crashes = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("crash-", "timeout-", "oom-")))
-    assert out.returncode == 0 and not crashes, (crashes, out.stderr[-4000:])
-    runs = re.search(r"Done (\d+) runs", out.stderr)
-    assert runs and int(runs.group(1)) > 100, out.stderr[-2000:]
+    run_fuzzer("fuzz_store.py", tmp_path, max(10, SECONDS * 2 // 3), min_runs=100)
 
 
 _PEAK_PROBE = """
