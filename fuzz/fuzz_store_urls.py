@@ -96,6 +96,14 @@ def secrets_in(text: str) -> list[str]:
     return [SECRET] if any(SECRET in v for v in values) else []  # (the marker: any other text may be a host)
 
 
+def _credentials_of(shown: str) -> str:
+    """The part of a shown URL where credentials would stand (between "://" and the last "@"):
+    `***` or a user name, never a password. The rest is the scheme, host, port and database, which
+    a short password may equal by chance ("6379", "edis:")."""
+    rest = shown.partition("://")[2]
+    return rest.rpartition("@")[0] if "@" in rest else ""
+
+
 def one_input(data: bytes) -> None:
     from kvtool.errors import StoreUrlInvalid
     from kvtool.store.redis_backend import client_options
@@ -109,10 +117,11 @@ def one_input(data: bytes) -> None:
         for shown in (str(err), redacted(text)):
             assert not any(s in shown for s in secrets) and "\n" not in shown, (text, shown)
         return
-    if url.password and len(url.password) >= 4 and url.password not in text.rpartition("@")[2]:
-        secrets.append(url.password)  # (unless the host, shown, holds the same text)
+    public = (f"{url.scheme}://", text.rpartition("@")[2])  # shown as they are: the scheme, the host and what follows
+    if url.password and len(url.password) >= 4 and not any(url.password in p for p in public):
+        secrets.append(url.password)  # (unless those hold the same text: "edis:" is in "redis://")
     if url.kind != "folder" or "@" in text:  # (a folder is shown as its path: only user:password@ marks a secret)
-        for shown in (url.shown, repr(url), redacted(text)):
+        for shown in (_credentials_of(url.shown), _credentials_of(redacted(text)), repr(url.options)):
             assert not any(s in shown for s in secrets), (text, shown)
     if url.kind == "folder":
         assert "://" not in text[len("file://"):] if url.scheme else "://" not in text, text
