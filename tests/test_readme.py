@@ -1,4 +1,4 @@
-"""README's Python API example runs as it stands (on the default model)."""
+"""The user documentation's examples (README and docs/) run as they stand (on the default model)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from user_docs import first_block
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def python_example(heading: str) -> str:
-    """The first Python block after a README heading."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index(heading):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    """The first Python block after a heading of README or a docs page."""
+    return first_block(heading, "python")
 
 
 def run_example(heading: str, cwd: Path) -> list[str]:
@@ -48,9 +47,7 @@ def test_readme_store_example_runs(tmp_path, default_model):
 
 @pytest.mark.model
 def test_readme_blend_commands_run(tmp_path, default_model):
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Blending cached segments"):]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    block = first_block("Blending cached segments", "bash")
     script = re.sub(r"^kvtool ", f"{sys.executable} -m kvtool ", block, flags=re.M)
     for folder in ("demo", "format-spec"):  # the documents it blends, from the repository's root
         (tmp_path / folder).symlink_to(REPO / folder)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from user_docs import first_block
 
 from redis_server import free_port
 
@@ -46,8 +47,7 @@ if not HAS_VLLM and os.environ.get("CI") == "true" and sys.platform == "linux" a
 
 
 def readme_block() -> str:
-    text = (REPO / "README.md").read_text()
-    return re.search(r"```bash\n(.*?)```", text[text.index(HEADING):], re.S).group(1)
+    return first_block(HEADING, "bash")
 
 
 def post(port: int, path: str, body: dict, timeout: float = 600) -> dict:

@@ -2,7 +2,7 @@
 
 One entry per architecture of `config.json`: how its config maps onto the engine's switches
 (`family_fields`), what its weights are called (`Family`), and whether CacheBlend's re-rotation of
-cached keys holds for it (`Family.blend`, the README's "Model families" table). What a family
+cached keys holds for it (`Family.blend`, docs/models.md). What a family
 has that the engine does not run is refused in one line (`ModelError`) naming what it runs.
 The facts come from transformers 5.19's modeling files of each family; tests/test_families.py
 holds the engine to transformers on tiny random models of each.

@@ -1,5 +1,5 @@
 """Prefill here, decode there: an OpenAI-compatible proxy in front of vLLM engines that share a kvtool
-store through KVToolConnector (README, "Prefill on one engine, decode on another").
+store through KVToolConnector (docs/vllm.md, "Prefill on one engine, decode on another").
 
     python -m kvtool.integrations.disagg_proxy --prefill http://127.0.0.1:8100 \\
         --decode http://127.0.0.1:8200 [--port 8000] [--host 127.0.0.1] [--timeout-s 600]
