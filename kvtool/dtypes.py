@@ -47,7 +47,8 @@ def canonical_name(name: str) -> str:
     """'bf16' or 'bfloat16' -> 'bfloat16'; UnsupportedDtype for anything else."""
     name = DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
     if name not in ITEMSIZE:
-        raise UnsupportedDtype(f"unsupported KV dtype {name!r}; expected one of {', '.join(KV_DTYPE_NAMES)}")
+        raise UnsupportedDtype(f"unsupported KV dtype {name!r}; expected bf16, fp16 or fp32 "
+                               f"({', '.join(KV_DTYPE_NAMES)})")
     return name
 
 

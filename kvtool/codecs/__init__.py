@@ -23,12 +23,23 @@ TABLE: tuple[tuple[int, str, str, str], ...] = (
 _made: dict[int, Codec] = {}
 
 
+def _did_you_mean(key: str | int) -> str:
+    """' (did you mean cachegen?)' for a name one slip away from a codec's (difflib's ratio, as
+    Python's own NameError suggestions do), else nothing."""
+    import difflib
+
+    if not isinstance(key, str):
+        return ""
+    close = difflib.get_close_matches(key.lower(), [name for _id, name, _m, _c in TABLE], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def get_codec(key: str | int) -> Codec:
     """The codec named `key` (its name, or its id in a file)."""
     entry = next((e for e in TABLE if (e[0] if isinstance(key, int) else e[1]) == key), None)
     if entry is None:
         known = ", ".join(f"{name} ({codec_id})" for codec_id, name, _module, _cls in TABLE)
-        raise UnknownCodec(f"unknown codec {key!r}; this build knows {known}")
+        raise UnknownCodec(f"unknown codec {key!r}{_did_you_mean(key)}; this build knows {known}")
     codec_id, name, module, cls = entry
     codec = _made.get(codec_id)
     if codec is None:

@@ -71,6 +71,9 @@ def put(files: list[str | Path], store: str, *, namespace: str | None = None) ->
     if not files:
         raise UsageError("give at least one .kvc file")
     keys = ExtraKeys(namespace=namespace or "")
+    for path in files:  # each file opened (header, manifest, trailer) before the store is: a file that is
+        with ContainerReader(path):  # not a kvtool file leaves no new, empty store behind
+            pass
     rows = []
     with connect(store) as s:
         for path in files:
