@@ -37,3 +37,122 @@ def test_a_failed_put_into_a_new_folder_leaves_no_store_behind(tmp_path, capsys)
     assert run(["store", "put", str(tmp_path / "junk.kvc"), "--store", str(store)]) == 2
     assert "not a kvtool file" in capsys.readouterr().err
     assert not store.exists()
+
+
+# --- store ls: whole names into a pipe, short distinct ids on a terminal; store rm takes either ----
+
+
+def _store_with_chunks(path, tokens: int = 40):
+    from fixtures import make_identity, make_kv
+    from kvtool.store import open_store
+
+    cache = open_store(path).for_model(make_identity(), chunk_size=8)
+    cache.put_sequence(list(range(tokens)), make_kv(make_identity(), tokens, torch.float32))
+    return sorted(o.name for o in cache.backend.scan())
+
+
+def _kvtool(*argv, stdout=None, env=None):
+    import os
+    import subprocess
+    import sys
+
+    from user_docs import REPO
+
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "COLUMNS"}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, "-m", "kvtool", *map(str, argv)], stdout=stdout or subprocess.PIPE,
+                          stderr=subprocess.PIPE, env=env, timeout=120)
+
+
+def _on_a_terminal(*argv, columns: int = 80) -> str:
+    """What the command shows on a terminal `columns` wide (a pty), its escapes taken out."""
+    import fcntl
+    import os
+    import pty
+    import re
+    import struct
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    shown = bytearray()
+
+    def drain():  # an unread pty's buffer would block the command
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:
+                return
+            if not data:
+                return
+            shown.extend(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        proc = _kvtool(*argv, stdout=slave, env={"TERM": "xterm"})
+    finally:
+        os.close(slave)
+        reader.join(timeout=10)
+        os.close(master)
+    assert proc.returncode == 0, proc.stderr
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode()).replace("\r", "")
+
+
+def test_store_ls_into_a_pipe_gives_whole_names_one_per_line(tmp_path):
+    names = _store_with_chunks(tmp_path / "s")
+    out = _kvtool("store", "ls", "--store", tmp_path / "s").stdout.decode()
+    rows = [line for line in out.splitlines() if line.startswith("chunk")]
+    assert len(rows) == len(names)
+    assert sorted(row.split()[-1] for row in rows) == names  # each whole, on its row's one line
+
+
+def test_store_ls_on_an_80_column_terminal_tells_rows_apart_and_rm_takes_its_ids(tmp_path):
+    names = _store_with_chunks(tmp_path / "s")
+    shown = _on_a_terminal("store", "ls", "--store", tmp_path / "s", columns=80)
+    lines = [line for line in shown.splitlines() if line.strip()]
+    assert all(len(line) <= 80 for line in lines), lines
+    ids = [line.split()[-1] for line in lines if line.startswith("chunk")]
+    assert len(ids) == len(set(ids)) == len(names)
+    stems = [n.rsplit("/", 1)[-1].split(".")[0] for n in names]
+    assert all(sum(s.startswith(i) for s in stems) == 1 for i in ids)
+    # an id from the terminal, and a whole name from the pipe, each remove their object
+    assert _kvtool("store", "rm", ids[0], "--store", tmp_path / "s").returncode == 0
+    whole = next(n for n in names if not n.rsplit("/", 1)[-1].startswith(ids[0]))
+    assert _kvtool("store", "rm", whole, "--store", tmp_path / "s").returncode == 0
+    left = _kvtool("store", "ls", "--store", tmp_path / "s").stdout.decode()
+    assert len([line for line in left.splitlines() if line.startswith("chunk")]) == len(names) - 2
+    assert whole not in left and ids[0] not in left
+
+
+def test_store_rm_refuses_a_name_that_names_nothing_and_removes_nothing(tmp_path, capsys):
+    names = _store_with_chunks(tmp_path / "s")
+    assert run(["store", "rm", "ffffffffffffzz", names[0], "--store", str(tmp_path / "s")]) == 2
+    assert "no object ffffffffffffzz in the store" in capsys.readouterr().err
+    from kvtool.store import open_store
+
+    assert len(list(open_store(tmp_path / "s").backend.scan())) == len(names)  # not even the one named rightly
+
+
+def test_a_start_several_names_share_is_refused_naming_how_many():
+    from kvtool.errors import UsageError
+    from kvtool.store.backend import ObjectInfo
+    from kvtool.store.upkeep import resolve_names
+
+    infos = [ObjectInfo(name=f"chunks/m/8/ab/abcd{i}.kvc", size=1, last_used=0.0) for i in range(3)]
+    with pytest.raises(UsageError, match="abcd is the start of 3 objects' names"):
+        resolve_names(["abcd"], infos)
+    assert resolve_names(["abcd1"], infos) == [infos[1]]
+    with pytest.raises(UsageError, match="no object abc in the store"):  # under 4 characters names nothing
+        resolve_names(["abc"], infos)
+
+
+def test_short_ids_grow_until_they_part():
+    from kvtool.store.upkeep import short_ids
+
+    names = ["chunks/m/8/ab/abcdef0123456789aa.kvc", "chunks/m/8/ab/abcdef0123456789bb.kvc",
+             "chunks/m/8/12/1234567890abcdef.kvc", "blocks/m/8/12/1234567890abcdef.kvc"]
+    ids = short_ids(names)
+    assert ids[names[0]] == "abcdef0123456789a" and ids[names[1]] == "abcdef0123456789b"
+    assert ids[names[2]] == names[2] and ids[names[3]] == names[3]  # the same stem: whole names

@@ -56,7 +56,8 @@ def test_a_put_in_another_codec_says_why_nothing_new_was_stored(tmp_path, capsys
 
 def test_store_ls_at_80_columns_shows_whole_names_and_the_models_name(tmp_path, capsys, monkeypatch):
     """issue 28 #3: names were cut ('chunks/d795c2699309b8814b2107...') and the model column held a
-    hash: now each name is whole (folded over lines), the model named as its objects record it."""
+    hash: now each name is whole (into a pipe, on its row's one line: issue 51 #2), the model named as
+    its objects record it."""
     from fixtures import make_identity, make_kv
     from kvtool.cli.app import run as cli
     from kvtool.store import open_store

@@ -22,6 +22,16 @@ from ..notices import terminal_safe
 
 stdout_console = Console(highlight=False)
 stderr_console = Console(stderr=True, highlight=False)
+# Into a pipe or a file, lines are never cut to a width (COLUMNS describes a terminal): a path, a
+# digest or an object's name stays whole on one line, to be copied or read by another program.
+_WHOLE_LINES = 1 << 16
+
+
+def result_console() -> Console:
+    """The console a result is rendered on: the terminal's width on a terminal; whole lines elsewhere."""
+    if stdout_console.is_terminal:
+        return stdout_console
+    return Console(highlight=False, width=_WHOLE_LINES, soft_wrap=True)
 
 Renderer = Callable[[Console, Any], None]  # (console, a result of the type it renders, escaped)
 _RENDERERS: dict[str, Renderer] = {}
@@ -41,7 +51,7 @@ def emit(result, json_mode: bool) -> None:
         sys.stdout.write(json.dumps(result.to_dict(), indent=2, default=str, allow_nan=False) + "\n")
         sys.stdout.flush()
     else:  # strings come from files and arguments: never let them act as rich markup
-        _RENDERERS[type(result).__name__](stdout_console, escaped(result))
+        _RENDERERS[type(result).__name__](result_console(), escaped(result))
 
 
 def escaped(value: Any) -> Any:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .options import WORDS, JsonOpt, ModelOpt, NamespaceOpt, OutputPath, StoreOpt
-from .output import KEPT_AS_STORED, emit, human_bytes, plural, renders
+from .output import KEPT_AS_STORED, emit, escaped, human_bytes, plural, renders
 
 if TYPE_CHECKING:
     from ..ops.store import (StoreFsckResult, StoreGcResult, StoreGetResult, StoreListing, StorePutResult,
@@ -66,11 +66,16 @@ def ls_command(store: StoreOpt, kind: Annotated[Optional[str], typer.Option(
                model: Annotated[Optional[str], typer.Option(
                    "--model", metavar="KEY", help="Only this model key (or its first digits).")] = None,
                limit: Annotated[Optional[int], typer.Option("--limit", metavar="N", help="At most N rows.")] = None,
+               wide: Annotated[bool, typer.Option("--wide", help="Whole names, not short ids, on a terminal too.")] = False,
                json: JsonOpt = False) -> None:
-    """List stored objects, most recently used first."""
+    """List stored objects, most recently used first (a terminal shows short ids; `store rm` takes either)."""
     from ..ops import store as ops
 
-    emit(ops.ls(store, kind=kind, model=model, limit=limit), json)
+    listing = ops.ls(store, kind=kind, model=model, limit=limit)
+    if wide and not json:
+        render_ls(Console(highlight=False, width=1 << 16, soft_wrap=True), escaped(listing), wide=True)
+    else:
+        emit(listing, json)
 
 
 @app.command("stats")
@@ -144,16 +149,20 @@ def render_get(console: Console, r: StoreGetResult) -> None:
 
 
 @renders("StoreListing")
-def render_ls(console: Console, r: StoreListing) -> None:
-    table = Table(box=None, header_style="bold")
+def render_ls(console: Console, r: StoreListing, wide: bool = False) -> None:
+    """A row per object. On a terminal the last column is each object's short id (distinct in the
+    store, as git abbreviates commits) so that rows fit and are told apart; into a pipe or a file,
+    and with --wide, the whole name on the row's one line. `store rm` takes either."""
+    whole = wide or not console.is_terminal
+    table = Table(box=None, header_style="bold", pad_edge=False)
     for col in ("kind", "model", "chunk", "bytes", "last used"):
         table.add_column(col, justify="right" if col in ("chunk", "bytes") else "left", no_wrap=True)
-    table.add_column("name", overflow="fold")  # whole, on as many lines as it takes: `store rm` takes it
+    table.add_column("name" if whole else "id", no_wrap=True, overflow="ellipsis")
     now = time.time()
     for o in r.objects:  # one stored object each, as the store lists it
         model = o.get("model_name") or o.get("model", "")[:12]  # the model's name where its objects say it
         table.add_row(o["kind"], model[:24], str(o.get("chunk_size", "")), human_bytes(o["bytes"]),
-                      _ago(now - o["last_used"]), o["name"])
+                      _ago(now - o["last_used"]), o["name"] if whole else o["id"])
     console.print(table)
     console.print(f"{plural(len(r.objects), 'object')} in {r.store}")
 

@@ -176,7 +176,9 @@ def ls(store: str, *, kind: str | None = None, model: str | None = None, limit: 
     if limit is not None and limit < 1:
         raise UsageError(f"--limit must be at least 1, got {limit}")
     with connect(store, create=False) as s:
-        rows = [upkeep.describe(o) for o in s.backend.scan()]
+        infos = list(s.backend.scan())
+        ids = upkeep.short_ids([o.name for o in infos])  # each distinct among every object of the store
+        rows = [upkeep.describe(o) | {"id": upkeep.printable(ids[o.name])} for o in infos]
         rows = [r for r in rows if (kind is None or r["kind"] == kind)
                 and (model is None or r.get("model", "").startswith(model))]
         rows.sort(key=lambda r: -r["last_used"])
@@ -271,9 +273,8 @@ def rm(store: str, names: list[str] | None = None, *, model: str | None = None, 
         raise UsageError("give object names, or --model KEY, or --namespace NAME, or --all")
     with connect(store, create=False) as s:
         infos = list(s.backend.scan())
-        if names:
-            wanted = set(names)
-            targets = [o for o in infos if o.name in wanted]
+        if names:  # whole names or short ids (store ls); nothing is removed when one names nothing
+            targets = upkeep.resolve_names(names, infos)
         elif model:
             targets = [o for o in infos if upkeep.describe(o).get("model", "").startswith(model)]
         elif namespace:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from ..errors import InputFileError, KvtoolError, ObjectRefused, ObjectUnreadable, StoreError, StoreUnavailable
+from ..errors import (InputFileError, KvtoolError, ObjectRefused, ObjectUnreadable, StoreError, StoreUnavailable,
+                      UsageError)
 from ..format.reader import PreadFile
 from . import objects
 from .backend import ObjectInfo
@@ -46,6 +47,58 @@ def describe(info: ObjectInfo) -> dict:
     elif kind == "entry":
         row.update(model=m.group(1), key=m.group(2))
     return row
+
+
+#: the fewest characters of a short id (git's default abbreviation is 7; objects number far more)
+SHORT_ID_MIN = 10
+
+
+def object_stem(name: str) -> str:
+    """The part of a name that tells an object apart: its last path component, without suffix
+    (a chunk's prefix hash)."""
+    return name.rsplit("/", 1)[-1].split(".", 1)[0]
+
+
+def short_ids(names: list[str], minimum: int = SHORT_ID_MIN) -> dict[str, str]:
+    """{name: the shortest start of its stem, at least `minimum` characters, that no other name's
+    stem starts with} (as git abbreviates commits). Names whose stems are equal keep their whole
+    name as id."""
+    stems = sorted({object_stem(n) for n in names})
+    need: dict[str, int] = {}
+    for i, stem in enumerate(stems):
+        common = max(_common_start(stem, stems[i - 1]) if i else 0,
+                     _common_start(stem, stems[i + 1]) if i + 1 < len(stems) else 0)
+        need[stem] = min(len(stem), max(minimum, common + 1))
+    count = Counter(object_stem(n) for n in names)
+    return {n: (n if count[object_stem(n)] > 1 else object_stem(n)[:need[object_stem(n)]]) for n in names}
+
+
+def _common_start(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def resolve_names(given: list[str], infos: list[ObjectInfo]) -> list[ObjectInfo]:
+    """The objects `given` names: each a whole name, or the start of one object's stem (a short id
+    from `store ls`); a start that several objects share is refused, naming how many."""
+    by_name = {o.name: o for o in infos}
+    chosen: dict[str, ObjectInfo] = {}
+    for name in given:
+        if name in by_name:
+            chosen[name] = by_name[name]
+            continue
+        matches = [o for o in infos if object_stem(o.name).startswith(name)] if len(name) >= 4 else []
+        if len(matches) > 1:
+            raise UsageError(f"{printable(name)} is the start of {len(matches)} objects' names: give more of it "
+                             "(store ls --wide shows whole names)")
+        if not matches:
+            raise UsageError(f"no object {printable(name)} in the store (a name or id as store ls shows it)")
+        chosen[matches[0].name] = matches[0]
+    return list(chosen.values())
 
 
 def model_names(store: ChunkStore, rows: list[dict]) -> dict[str, str]:
