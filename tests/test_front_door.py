@@ -156,3 +156,32 @@ def test_short_ids_grow_until_they_part():
     ids = short_ids(names)
     assert ids[names[0]] == "abcdef0123456789a" and ids[names[1]] == "abcdef0123456789b"
     assert ids[names[2]] == names[2] and ids[names[3]] == names[3]  # the same stem: whole names
+
+
+# --- replay: a cache that shares nothing with the prompt is said; a measure over too few tokens --
+
+
+@pytest.mark.model
+def test_a_cache_that_shares_nothing_with_the_prompt_says_so(tmp_path, capsys, default_model):
+    import kvtool
+
+    ids = default_model.tokenizer.encode("Bees carry pollen from flower to flower all summer long.")
+    kvtool.capture(default_model, ids, tmp_path / "bees.kvc", chunk_size=8)
+    capsys.readouterr()
+    code = run(["replay", str(tmp_path / "bees.kvc"), "--prompt", "Tides rise twice a day on most shores.",
+                "--continue", "2", "--compare"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "shares no tokens with the prompt: nothing is loaded" in err and err.count("notice") == 1
+    flat = " ".join(out.split())
+    assert "nothing from the cache (it shares no tokens with the prompt)" in flat
+    assert "(0 chunks, )" not in flat and "with the cache" not in flat
+    assert "over 2 teacher-forced tokens (too few to judge: 8 at least)" in flat
+
+
+def test_one_teacher_forced_token_is_singular_and_too_few():
+    from kvtool.cli.output import plural
+    from kvtool.cli.replay import too_few
+
+    assert plural(1, "teacher-forced token") + too_few(1) == "1 teacher-forced token (too few to judge: 8 at least)"
+    assert too_few(64) == ""

@@ -12,7 +12,7 @@ from rich.text import Text
 from ..errors import UsageError
 from .options import (WORDS, DeviceOpt, EngineOpt, JsonOpt, ModelDtypeOpt, ModelOpt, NamespaceOpt,
                       NoGenerationPromptOpt, OptionalStoreOpt, OtherWeightsOpt)
-from .output import emit, renders, stages
+from .output import emit, plural, renders, stages
 
 if TYPE_CHECKING:  # the results are only named here: importing them would load torch at start-up
     from ..ops.blend import BlendReplayResult
@@ -107,21 +107,27 @@ def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: Ch
 @renders("ReplayResult")
 def render(console: Console, r: ReplayResult) -> None:
     engine = ", transformers" if r.engine == "hf" else ""
-    console.print(f"[bold]{r.file}[/bold] on {r.model} ({r.device}{engine}): {r.reused_tokens} of {r.num_tokens} "
-                  f"tokens "
-                  f"from the cache ({r.chunks_loaded} chunks, {', '.join(r.codecs)}), "
-                  f"{r.computed_tokens} computed"
+    if r.reused_tokens:
+        reuse = (f"{r.reused_tokens} of {r.num_tokens} tokens from the cache ({plural(r.chunks_loaded, 'chunk')}, "
+                 f"{', '.join(r.codecs)}), {r.computed_tokens} computed")
+    else:  # a cache that shares nothing with the prompt: said, not shown as an empty load
+        reuse = f"nothing from the cache (it shares no tokens with the prompt): all {r.num_tokens} tokens computed"
+    console.print(f"[bold]{r.file}[/bold] on {r.model} ({r.device}{engine}): {reuse}"
                   + ("; the first new token from the stored hidden states" if r.first_token_from == "hidden_states"
                      else ""))
     if r.weights.startswith("other"):
         console.print(f"[yellow]{r.weights}[/yellow]")
-    line = f"time to first token {r.ttft_cached_s * 1e3:.0f}ms with the cache (load {r.load_s * 1e3:.0f}ms)"
+    if r.reused_tokens:
+        line = f"time to first token {r.ttft_cached_s * 1e3:.0f}ms with the cache (load {r.load_s * 1e3:.0f}ms)"
+    else:
+        line = f"time to first token {r.ttft_cached_s * 1e3:.0f}ms, nothing loaded"
     if r.ttft_recompute_s is not None:
         line += f" vs {r.ttft_recompute_s * 1e3:.0f}ms recomputed: {r.speedup:.1f}x"
     console.print(line)
     if r.top1_agreement is not None:
-        console.print(f"over {r.continue_tokens} teacher-forced tokens: top-1 agreement {100 * r.top1_agreement:.1f}%, "
-                      f"greedy identical for {r.greedy_identical_tokens}/{r.continue_tokens} tokens, "
+        console.print(f"over {plural(r.continue_tokens, 'teacher-forced token')}{too_few(r.continue_tokens)}: top-1 "
+                      f"agreement {100 * r.top1_agreement:.1f}%, greedy identical for "
+                      f"{r.greedy_identical_tokens}/{plural(r.continue_tokens, 'token')}, "
                       f"KL mean {r.kl_mean:.3g} max {r.kl_max:.3g}, ΔNLL {r.delta_nll:+.4f}")
     if r.cached_continuation is None:
         console.print(Text(f"continuation: {plain(r.continuation)!r}"), soft_wrap=True)
@@ -135,6 +141,16 @@ def render(console: Console, r: ReplayResult) -> None:
         full = plain(continued)
         console.print(Text(f"{label} {full[len(agreed):] if full.startswith(agreed) else full!r}"), soft_wrap=True)
     _failures(console, r.failures)
+
+
+#: fewer teacher-forced tokens than this say little of a cache's quality (a promise is judged on 64)
+JUDGED_ON_AT_LEAST = 8
+
+
+def too_few(tokens: int) -> str:
+    """' (too few to judge)' where the measure ran over so few tokens that its figures say little
+    (a model that ended its answer at once)."""
+    return f" (too few to judge: {JUDGED_ON_AT_LEAST} at least)" if tokens < JUDGED_ON_AT_LEAST else ""
 
 
 def plain(escaped_text: str) -> str:
@@ -166,7 +182,8 @@ def render_blend(console: Console, r: BlendReplayResult) -> None:
                  f"{r.ttft_naive_s * 1e3:.0f}ms")
     console.print(line)
     if r.blend is not None:
-        console.print(f"over {r.continue_tokens} teacher-forced tokens of the full prefill's answer:")
+        console.print(f"over {plural(r.continue_tokens, 'teacher-forced token')}{too_few(r.continue_tokens)} of the "
+                      "full prefill's answer:")
         for label, m in (("blend", r.blend), ("naive", r.naive)):  # compare_logits' measures, by name
             console.print(f"  {label}: top-1 agreement {100 * m['top1_agreement']:.1f}%, greedy identical for "
                           f"{m['greedy_identical_tokens']}/{r.continue_tokens}, KL mean {m['kl_mean']:.3g} "

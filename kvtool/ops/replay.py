@@ -340,6 +340,8 @@ def run_plan(prefix: Prefix, model: "AnyModel", plan: ReusePlan, continue_tokens
         stage(f"recomputing {n} tokens and {continue_tokens} more{engine.recompute_label} (the reference)")
         reference = engine.recompute(plan.tokens, continue_tokens, prefix.kv_dtype, block_size, prefix.chunk_size)
     source = "the file" if prefix.reader is not None else "the store"
+    if not plan.reused:  # the run goes on (a recompute is a valid answer), but never silently
+        notice(f"{prefix.source} shares no tokens with the prompt: nothing is loaded, all {n} tokens are computed")
     stage(f"loading {plan.reused} tokens from {source}{engine.cache_label} and continuing")
     start = start_from_prefix(prefix, engine, plan, n + continue_tokens, block_size)
     generated, ttft_s, measured = continue_or_measure(engine, start, reference, continue_tokens, prefix.chunk_size)
