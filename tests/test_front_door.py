@@ -185,3 +185,18 @@ def test_one_teacher_forced_token_is_singular_and_too_few():
 
     assert plural(1, "teacher-forced token") + too_few(1) == "1 teacher-forced token (too few to judge: 8 at least)"
     assert too_few(64) == ""
+
+
+def test_store_stats_counts_a_models_objects_in_the_stores_own_words(tmp_path, capsys):
+    from fixtures import make_identity, make_kv
+    from kvtool.store import open_store
+
+    cache = open_store(tmp_path / "s").for_model(make_identity(), chunk_size=8, block_size=4)
+    cache.put_sequence(list(range(20)), make_kv(make_identity(), 20, torch.float32))  # chunks, a piece, blocks
+    capsys.readouterr()
+    assert run(["store", "stats", "--store", str(tmp_path / "s")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    store_kinds = lines[0][lines[0].index("("):]
+    assert "chunk" in store_kinds and "object" in lines[0]
+    model_line = next(line for line in lines if line.strip().startswith("model "))
+    assert store_kinds in model_line  # one model: the same count, in the same words

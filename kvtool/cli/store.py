@@ -169,13 +169,16 @@ def render_ls(console: Console, r: StoreListing, wide: bool = False) -> None:
 
 @renders("StoreStats")
 def render_stats(console: Console, r: StoreStats) -> None:
-    kinds = ", ".join(plural(n, k) for k, n in sorted(r.by_kind.items())) or "nothing"
-    console.print(f"{r.store}: {plural(r.objects, 'object')}, {human_bytes(r.bytes)} ({kinds})")
-    for key, m in sorted(r.models.items()):
-        console.print(f"  model {key}: {plural(m['chunks'], 'chunk')}, {human_bytes(m['bytes'])}, chunk size "
-                      f"{', '.join(map(str, m['chunk_sizes']))}")
+    console.print(f"{r.store}: {plural(r.objects, 'object')}, {human_bytes(r.bytes)} ({_kinds(r.by_kind)})")
+    for key, m in sorted(r.models.items()):  # the same words per model as for the store: objects, of each kind
+        console.print(f"  model {key}: {plural(m['objects'], 'object')} ({_kinds(m['by_kind'])}), "
+                      f"{human_bytes(m['bytes'])}, chunk size {', '.join(map(str, m['chunk_sizes']))}")
     if r.foreign:
         console.print(f"[yellow]{plural(r.foreign, 'foreign file')}: `kvtool store fsck` removes them[/yellow]")
+
+
+def _kinds(by_kind: dict[str, int]) -> str:
+    return ", ".join(plural(n, k) for k, n in sorted(by_kind.items())) or "nothing"
 
 
 @renders("StoreGcResult")

@@ -150,7 +150,9 @@ def in_namespace(store: ChunkStore, info: ObjectInfo, namespace: str) -> bool:
 
 def inventory(store: ChunkStore) -> Inventory:
     kinds: Counter = Counter()
-    models: dict[str, dict] = defaultdict(lambda: {"chunks": 0, "bytes": 0, "chunk_sizes": set()})
+    # per model: its objects of every kind ("chunks" counts the chunks alone, as its name says)
+    models: dict[str, dict] = defaultdict(lambda: {"objects": 0, "chunks": 0, "by_kind": Counter(), "bytes": 0,
+                                                   "chunk_sizes": set()})
     total = count = 0
     for info in store.backend.scan():
         row = describe(info)
@@ -159,11 +161,14 @@ def inventory(store: ChunkStore) -> Inventory:
         total += info.size
         if row["kind"] in ("chunk", "piece", "block"):
             entry = models[row["model"]]
-            entry["chunks"] += 1
+            entry["objects"] += 1
+            entry["chunks"] += row["kind"] == "chunk"
+            entry["by_kind"][row["kind"]] += 1
             entry["bytes"] += info.size
             entry["chunk_sizes"].add(row["chunk_size"])
     return Inventory(objects=count, bytes=total, by_kind=dict(kinds), foreign=kinds.get("foreign", 0),
-                     models={k: {**v, "chunk_sizes": sorted(v["chunk_sizes"])} for k, v in models.items()})
+                     models={k: {**v, "by_kind": dict(v["by_kind"]), "chunk_sizes": sorted(v["chunk_sizes"])}
+                             for k, v in models.items()})
 
 
 @dataclass
