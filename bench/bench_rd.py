@@ -303,7 +303,7 @@ def kivi_transform(bits, group=32):
     return run
 
 
-PCA_ROWS = ("pca-99", "pca-97", "pca-95", "pca-89")
+PCA_ROWS = ("pca-99", "pca-97", "pca-95", "pca-89", "pca2-99", "pca2-97", "pca2-95", "pca2-89")
 
 
 def pca_calibration(model, args):
@@ -335,6 +335,10 @@ def build_rows(pca_digest=None, pca_steps=()):
     cg = lambda bins: cachegen_params(bins=bins)  # noqa: E731
     pca = [(f"pca-{q}", f"kvtool pca, quality {q} (step {params_for(pca_digest, q)['step']})",
             codec_transform("pca", params_for(pca_digest, q))) for q in ("99", "97", "95", "89")] if pca_digest else []
+    # bitstream version 2 (independent decode units, format-spec/pca.md §11): the same quantizer
+    pca += [(f"pca2-{q}", f"kvtool pca bitstream v2, quality {q} (step {params_for(pca_digest, q)['step']})",
+             codec_transform("pca", params_for(pca_digest, q, version=2))) for q in ("99", "97", "95", "89")] \
+        if pca_digest else []
     pca += [(f"pca-step-{step:g}", f"kvtool pca, step {step:g}",
              codec_transform("pca", {**{k: v for k, v in params_for(pca_digest, "97").items() if k != "quality"}, "step": step}))
             for step in pca_steps] if pca_digest else []
