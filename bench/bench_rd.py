@@ -95,6 +95,9 @@ def parse_args(argv=None):
     ap.add_argument("--md", default=str(_HERE / "RD_RESULTS.md"), help="markdown output ('' = none)")
     ap.add_argument("--png", default=str(_HERE / "rd_curve.png"), help="plot output ('' = none)")
     ap.add_argument("--json", default="", help="also write per-window results as JSON")
+    ap.add_argument("--save-kv", default="",
+                    help="also torch.save the exact KV of each kind's first window here ({kind: [2, L, T, C] bf16}), "
+                         "for studies of the codecs on the same KV without the model")
     ap.add_argument("--pca-steps", default="",
                     help="comma-separated extra pca quantizer steps, as rows pca-step-<step> (calibration as below)")
     ap.add_argument("--pca-calibration", default="",
@@ -428,10 +431,14 @@ def run(args):
           flush=True)
     results = {name: [] for name, _, _ in rows}
     checks = []
+    saved_kv = {}
     for wi, w in enumerate(windows):
         t0 = time.perf_counter()
         ctx, cont = w["context"], w["continuation"]
         kv = capture_context(model, ctx)  # [2, L, T, C] bf16, T = len(ctx)
+        if args.save_kv and w["kind"] not in saved_kv:
+            saved_kv[w["kind"]] = kv.clone()
+            torch.save(saved_kv, args.save_kv)
         values = kv.numel()
         ref = teacher_forced_eval(model, ctx, cont, kv=kv, kv_dtype=torch.bfloat16, prefill_chunk=CHUNK)
         ref_greedy = greedy_match(model, ctx, kv, None, args.greedy)

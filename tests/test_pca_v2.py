@@ -76,21 +76,27 @@ def test_round_trip_is_version_one_quantizer_with_the_exact_tables(geometry, tok
 
 
 @pytest.mark.parametrize("geometry, tokens, dtype, sinks, position, step, unit_log2", CASES[:5])
-def test_every_unit_decodes_alone_from_its_own_segment(geometry, tokens, dtype, sinks, position, step, unit_log2):
-    """Unit u, decoded one symbol at a time with every OTHER unit's segment zeroed, gives the
-    coefficients the whole-chunk decoder gives at the positions the side bytes name."""
+def test_every_unit_decodes_alone_from_its_own_stream(geometry, tokens, dtype, sinks, position, step, unit_log2):
+    """Unit u, decoded one symbol at a time from a payload where every byte that is not its own
+    (other regions, and its partner's part of its region) is zeroed, gives the coefficients the
+    whole-chunk decoder gives, at the positions the side bytes name."""
     cal = cal_of(*geometry)
     raw = raw_kv(cal, tokens, dtype, seed=tokens)
     payload = v2.encode_chunk(raw, dtype, cal, step, sinks, position, unit_log2)
     lay, q = v2.decode_coefficients(payload, raw.shape, dtype)
-    assert len(lay.spans) > 1
+    assert len(lay.spans) > 2
+    head = int(lay.reg_at[0])  # header, side bytes, sinks, unit table
     covered = np.zeros(q.shape, bool)
     for u in range(len(lay.spans)):
+        at, n = int(lay.reg_at[u // 2]), int(lay.reg_len[u // 2])
+        comp, tok, tab, shift = v2._unit_meta(lay, u)
+        stream = lay.stream(payload, u)
+        sym, x, words = v2._rans_scalar(stream, tab)
+        own = v2._raw_parts(stream, sym, x, words, shift)[1]  # the bytes of the region that are u's
         alone = bytearray(len(payload))
-        head = int(lay.seg_at[0])  # header, side bytes, sinks, unit table
         alone[:head] = payload[:head]
-        at, n = int(lay.seg_at[u]), int(lay.seg_len[u])
-        alone[at:at + n] = payload[at:at + n]
+        mine = slice(at, at + own) if u % 2 == 0 else slice(at + n - own, at + n)
+        alone[mine] = payload[mine]
         row, comp, tok, val = v2.decode_unit(bytes(alone), raw.shape, dtype, u)
         assert np.array_equal(q[row, tok, comp], val)
         assert not covered[row, tok, comp].any()  # no two units write one position
@@ -128,14 +134,14 @@ def test_damage_is_refused_or_decodes_without_a_crash():
     bad[4] = 1  # a version-1 reader's header on version 2's bytes
     with pytest.raises(DecodeError, match="version 2"):
         v2.parse(bytes(bad), raw.shape, "bfloat16")
-    table = int(lay.seg_at[0]) - 2 * len(lay.spans)
+    table = int(lay.reg_at[0]) - 2 * len(lay.reg_len)
     n0, n1 = struct.unpack_from("<HH", payload, table)
     bad = bytearray(payload)
-    struct.pack_into("<HH", bad, table, 2, n1 + n0 - 2)  # a segment shorter than its state
-    with pytest.raises(DecodeError, match="state"):
+    struct.pack_into("<HH", bad, table, 7, n1 + n0 - 7)  # a region shorter than its two states
+    with pytest.raises(DecodeError, match="states"):
         v2.parse(bytes(bad), raw.shape, "bfloat16")
     bad = bytearray(payload)
-    struct.pack_into("<HH", bad, table, n0 + 2, n1 - 2)  # a boundary moved: the same total length
+    struct.pack_into("<HH", bad, table, n0 + 1, n1 - 1)  # a boundary moved: the same total length
     with pytest.raises(DecodeError):
         v2.decode_chunk(bytes(bad), raw.shape, "bfloat16", cal, 0.5, 0)
     rng = np.random.default_rng(0)

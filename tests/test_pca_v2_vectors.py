@@ -51,7 +51,8 @@ def test_each_unit_alone_and_the_listed_layout(name):
     v = vector(name)
     shape, dtype = tuple(v["shape"]), v["dtype"]
     lay, q = v2.decode_coefficients(v["payload"], shape, dtype)
-    assert [[r, first, n, int(length)] for (r, first, n), length in zip(lay.spans, lay.seg_len)] == v["units"]
+    assert [list(span) for span in lay.spans] == v["units"]
+    assert [int(n) for n in lay.reg_len] == v["regions"] and len(v["regions"]) == -(-len(v["units"]) // 2)
     for u in range(len(lay.spans)):
         row, comp, tok, val = v2.decode_unit(v["payload"], shape, dtype, u)
         assert np.array_equal(q[row, tok, comp], val)
@@ -65,7 +66,7 @@ def test_each_unit_alone_and_the_listed_layout(name):
 def test_the_vectors_cover_what_section_11_asks():
     units = {name: vector(name)["units"] for name in ALL}
     assert units["bf16_sinks_only"] == []  # no coded token, no unit
-    assert len(units[mv.MANY]) >= 50 and any(n < 64 for _, _, n, _ in units[mv.MANY])  # short last units
+    assert len(units[mv.MANY]) >= 50 and any(n < 64 for _, _, n in units[mv.MANY])  # short last units
     for name in mv.FROM_V1:  # the inputs are version 1's vectors'
         assert (HERE / f"{name}.in.bin").read_bytes() == (HERE.parent / f"{name}.in.bin").read_bytes()
     lay, q = v2.decode_coefficients(vector(mv.MANY)["payload"], (2, 2, 199, 8), "bfloat16")

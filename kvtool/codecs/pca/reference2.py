@@ -6,9 +6,10 @@ entropy coding out for a decoder of many independent units (a GPU's threads):
 - every row's symbols (components ascending, tokens ascending within one, as in version 1) are cut
   into units of `U = 2^unit_log2` symbols (the row's last unit may be shorter); which components
   and tokens a unit's symbols belong to follows from the side bytes alone;
-- each unit is one rANS stream of its own (one state, its words) with its own low bits, sign bits
-  and escapes in one segment; a table of segment lengths gives every segment's offset by one
-  prefix sum, before anything is decoded;
+- each unit is one stream of its own (a rANS state, its words, its escapes, its low and sign bits);
+  two units share a region, the first read forward from its start, the second backward from its
+  end, and a table of region lengths gives every region's offset by one prefix sum, before
+  anything is decoded (one length per two units);
 - the writer starts each unit's rANS state at `2^31 | z`, z the first 31 of the unit's raw bits
   (low bits, then sign bits): the 31 bits a state would otherwise waste (`bits back`);
 - the RoPE tables are computed by a fixed sequence of float64 operations (`rope_tables`), each
@@ -183,24 +184,25 @@ def encode_chunk(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sin
             units.append(_Unit(r, sym[sl], tab[sl], raw_bits,
                                (hi[sl][sym[sl] == ESCAPE] - ESCAPE).astype(np.uint16)))
     coded = _rans_encode_units(units)
-    segments = []
-    for u, (state, words) in zip(units, coded):
-        rest = u.raw[BACK_BITS:]
-        segments.append(struct.pack("<I", state) + u.escapes.astype("<u2").tobytes()
-                        + np.packbits(rest, bitorder="little").tobytes() + words.astype("<u2").tobytes())
-    if any(len(s) > 0xFFFF for s in segments):
-        raise UsageError("pca: a unit's segment exceeds 65535 bytes (use a smaller unit)")
+    # a unit's stream: its end state, its words in reading order (the reverse of emission), its
+    # escapes, its raw bits from bit 31 on; two units share a region, the second stored backward
+    streams = [struct.pack("<I", state) + words[::-1].astype("<u2").tobytes() + u.escapes.astype("<u2").tobytes()
+               + np.packbits(u.raw[BACK_BITS:], bitorder="little").tobytes() for u, (state, words) in zip(units, coded)]
+    regions = [b"".join([streams[i], streams[i + 1][::-1] if i + 1 < len(streams) else b""])
+               for i in range(0, len(streams), 2)]
+    if any(len(r) > 0xFFFF for r in regions):
+        raise UsageError("pca: a pair of units exceeds 65535 bytes (use a smaller unit)")
     sink_bytes = np.ascontiguousarray(raw[:, :, :n_sink]).tobytes()
     out = [HEADER.pack(v1.MAGIC, FORMAT_VERSION, v1.DTYPE_CODES[dtype], unit_log2, 0, 2 * L, T, C, n_sink),
            side.tobytes(), b"\0" * v1._pad4(side.size), sink_bytes, b"\0" * v1._pad4(len(sink_bytes)),
-           np.array([len(s) for s in segments], "<u2").tobytes()]
-    return b"".join(out + segments)
+           np.array([len(r) for r in regions], "<u2").tobytes()]
+    return b"".join(out + regions)
 
 
 # --------------------------------------------------------------------------- reader
 @dataclass
 class Layout:
-    """What a reader knows before decoding any unit: every unit's symbols and segment."""
+    """What a reader knows before decoding any unit: every unit's symbols and region."""
     shape: tuple[int, int, int, int]
     dtype: str
     unit_log2: int
@@ -209,8 +211,14 @@ class Layout:
     side: np.ndarray  # uint8 [2L, C]
     sink_at: int
     spans: list[tuple[int, int, int]]  # (row, first symbol, count) per unit
-    seg_at: np.ndarray  # int64 [units]: each segment's offset in the payload
-    seg_len: np.ndarray  # int64 [units]
+    reg_at: np.ndarray  # int64 [pairs]: each pair's region's offset in the payload
+    reg_len: np.ndarray  # int64 [pairs]
+
+    def stream(self, data: bytes, u: int) -> bytes:
+        """Unit u's stream: its pair's region (u even), or that region backward (u odd)."""
+        at, n = int(self.reg_at[u // 2]), int(self.reg_len[u // 2])
+        region = data[at:at + n]
+        return region if u % 2 == 0 else region[::-1]
 
 
 def parse(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str) -> Layout:
@@ -238,17 +246,20 @@ def parse(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str) -> La
     pos += 2 * L * n_sink * C * item
     pos += v1._pad4(pos - sink_at)
     spans = unit_spans(side, Tc, 1 << unit_log2)
-    if len(payload) < pos + 2 * len(spans):
+    pairs = -(-len(spans) // 2)
+    if len(payload) < pos + 2 * pairs:
         raise DecodeError("pca: payload shorter than its unit table")
-    seg_len = np.frombuffer(bytes(payload[pos:pos + 2 * len(spans)]), "<u2").astype(np.int64)
-    pos += 2 * len(spans)
-    seg_at = pos + np.concatenate([[0], np.cumsum(seg_len)[:-1]]).astype(np.int64) if len(spans) else \
-        np.zeros(0, np.int64)
-    if len(payload) != pos + int(seg_len.sum()):
-        raise DecodeError(f"pca: payload is {len(payload)} bytes, its tables say {pos + int(seg_len.sum())}")
-    if (seg_len < 4).any():
-        raise DecodeError("pca: a unit's segment is shorter than its state")
-    return Layout((2, L, T, C), dtype, unit_log2, n_sink, Tc, side, sink_at, spans, seg_at, seg_len)
+    reg_len = np.frombuffer(bytes(payload[pos:pos + 2 * pairs]), "<u2").astype(np.int64)
+    pos += 2 * pairs
+    reg_at = pos + np.concatenate([[0], np.cumsum(reg_len)[:-1]]).astype(np.int64) if pairs else np.zeros(0, np.int64)
+    if len(payload) != pos + int(reg_len.sum()):
+        raise DecodeError(f"pca: payload is {len(payload)} bytes, its tables say {pos + int(reg_len.sum())}")
+    need = np.full(pairs, 8, np.int64)
+    if len(spans) % 2:
+        need[-1] = 4
+    if (reg_len < need).any():
+        raise DecodeError("pca: a unit's region is shorter than its states")
+    return Layout((2, L, T, C), dtype, unit_log2, n_sink, Tc, side, sink_at, spans, reg_at, reg_len)
 
 
 def _unit_meta(lay: Layout, u: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -261,23 +272,24 @@ def _unit_meta(lay: Layout, u: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     return comp, i % lay.Tc, sb & 31, sb >> 5
 
 
-def _raw_parts(data: bytes, lay: Layout, u: int, sym: np.ndarray, state: int, words_read: int,
-               shift: np.ndarray) -> np.ndarray:
-    """The signed coefficients of unit u from its symbols and the state its rANS ended in."""
-    at, length = int(lay.seg_at[u]), int(lay.seg_len[u])
+def _raw_parts(stream: bytes, sym: np.ndarray, state: int, words_read: int, shift: np.ndarray) -> tuple[np.ndarray,
+                                                                                                         int]:
+    """(the signed coefficients of a unit, the bytes of its stream it used) from its symbols and
+    the state its rANS ended in."""
     if state >> BACK_BITS != 1:
         raise DecodeError("pca: a unit's rANS stream does not end in a state of 2^31 + 31 bits")
     is_esc = sym == ESCAPE
     n_esc = int(is_esc.sum())
-    lo_bits = int(shift.sum())
-    if 4 + 2 * n_esc > length - 2 * words_read:
-        raise DecodeError("pca: a unit's segment is shorter than its escapes and words")
-    esc = np.frombuffer(data, "<u2", count=n_esc, offset=at + 4).astype(np.int64)
+    esc_at = 4 + 2 * words_read
+    raw_at = esc_at + 2 * n_esc
+    if raw_at > len(stream):
+        raise DecodeError("pca: a unit's escapes end early")
     hi = sym.copy()
-    hi[is_esc] += esc
-    rest_at, rest_end = at + 4 + 2 * n_esc, at + length - 2 * words_read
-    back = np.array([(state >> j) & 1 for j in range(BACK_BITS)], np.uint8)
-    bits = np.concatenate([back, np.unpackbits(np.frombuffer(data[rest_at:rest_end], np.uint8), bitorder="little")])
+    hi[is_esc] += np.frombuffer(stream, "<u2", count=n_esc, offset=esc_at).astype(np.int64)
+    lo_bits = int(shift.sum())
+    # every bit the unit may use: the state's 31, then the stream's bytes after the escapes
+    bits = np.concatenate([np.array([(state >> j) & 1 for j in range(BACK_BITS)], np.uint8),
+                           np.unpackbits(np.frombuffer(stream, np.uint8, offset=raw_at), bitorder="little")])
     if lo_bits > len(bits):
         raise DecodeError("pca: a unit's low bits end early")
     lo_w = np.zeros(len(sym), np.int64)
@@ -293,55 +305,63 @@ def _raw_parts(data: bytes, lay: Layout, u: int, sym: np.ndarray, state: int, wo
     used = lo_bits + int(nz.sum())
     if used > len(bits):
         raise DecodeError("pca: a unit's sign bits end early")
-    # the bits after the last one used: the state's unused ones and the last byte's padding, zero,
-    # and no whole byte more
-    if bits[used:].any() or (rest_end - rest_at) != max(0, -(-(used - BACK_BITS) // 8)):
+    raw_bytes = max(0, -(-(used - BACK_BITS) // 8))
+    # the bits after the last one used, up to the end of its byte, are zero
+    if bits[used:BACK_BITS + 8 * raw_bytes].any():
         raise DecodeError("pca: a unit's raw bits do not match its symbols")
     val = mag.copy()
     signs = bits[lo_bits:used].astype(bool)
     val[np.nonzero(nz)[0][signs]] *= -1
-    return val
+    return val, raw_at + raw_bytes
+
+
+def _rans_scalar(stream: bytes, tab: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """(symbols, end state, words read) of one unit's stream, one symbol at a time (§11.3)."""
+    x = struct.unpack_from("<I", stream, 0)[0]
+    p = 4
+    sym = np.zeros(len(tab), np.int64)
+    for i in range(len(tab)):
+        slot = x & ((1 << PROB_BITS) - 1)
+        s = int(SYMBOL_OF_SLOT[tab[i], slot])
+        x = int(FREQ[tab[i], s]) * (x >> PROB_BITS) + slot - int(CUM[tab[i], s])
+        if x < RANS_L:
+            if p + 2 > len(stream):
+                raise DecodeError("pca: a unit's rANS words end early")
+            x = (x << 16) | struct.unpack_from("<H", stream, p)[0]
+            p += 2
+        sym[i] = s
+    return sym, x, (p - 4) // 2
 
 
 def decode_unit(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str, u: int,
                 lay: Layout | None = None) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     """Unit u alone, one symbol at a time: (row, components, tokens, coefficients). Reads the
-    header, the side bytes and the unit table (to find its segment), then its segment only."""
+    header, the side bytes and the unit table (to find its region), then its own stream only."""
     lay = lay or parse(payload, shape, dtype)
-    data = bytes(payload)
+    stream = lay.stream(bytes(payload), u)
     comp, tok, tab, shift = _unit_meta(lay, u)
-    at, length = int(lay.seg_at[u]), int(lay.seg_len[u])
-    x = struct.unpack_from("<I", data, at)[0]
-    end, floor = at + length, at + 4
-    sym = np.zeros(len(comp), np.int64)
-    for i in range(len(comp)):
-        slot = x & ((1 << PROB_BITS) - 1)
-        s = int(SYMBOL_OF_SLOT[tab[i], slot])
-        x = int(FREQ[tab[i], s]) * (x >> PROB_BITS) + slot - int(CUM[tab[i], s])
-        if x < RANS_L:
-            end -= 2
-            if end < floor:
-                raise DecodeError("pca: a unit's rANS words end early")
-            x = (x << 16) | struct.unpack_from("<H", data, end)[0]
-        sym[i] = s
-    words_read = (at + length - end) // 2
-    return lay.spans[u][0], comp, tok, _raw_parts(data, lay, u, sym, x, words_read, shift)
+    sym, x, words_read = _rans_scalar(stream, tab)
+    val, _ = _raw_parts(stream, sym, x, words_read, shift)
+    return lay.spans[u][0], comp, tok, val
 
 
-def _rans_decode_units(data: bytes, lay: Layout, tabs: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray,
-                                                                                  np.ndarray]:
+def _rans_decode_units(streams: list[bytes], tabs: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray,
+                                                                              np.ndarray]:
     """Every unit's symbols at once (numpy across units): (symbols per unit, end states, words read)."""
-    n = len(lay.spans)
-    steps = max((s[2] for s in lay.spans), default=0)
+    n = len(streams)
+    steps = max((len(t) for t in tabs), default=0)
+    width = max((len(s) for s in streams), default=4) + 2
+    buf = np.zeros((n, width), np.uint64)
     tab = np.zeros((n, steps), np.int64)
     valid = np.zeros((n, steps), bool)
-    for i, t in enumerate(tabs):
+    for i, (st, t) in enumerate(zip(streams, tabs)):
+        buf[i, :len(st)] = np.frombuffer(st, np.uint8)
         tab[i, :len(t)] = t
         valid[i, :len(t)] = True
-    buf = np.frombuffer(data, np.uint8).astype(np.uint64)
-    x = np.array([struct.unpack_from("<I", data, int(a))[0] for a in lay.seg_at], np.uint64)
-    end = lay.seg_at + lay.seg_len
-    floor = lay.seg_at + 4
+    length = np.array([len(s) for s in streams], np.int64)
+    rows = np.arange(n)
+    x = buf[:, 0] | buf[:, 1] << np.uint64(8) | buf[:, 2] << np.uint64(16) | buf[:, 3] << np.uint64(24)
+    p = np.full(n, 4, np.int64)
     out = np.zeros((n, steps), np.int64)
     mask = np.uint64((1 << PROB_BITS) - 1)
     short = np.zeros(n, bool)
@@ -352,29 +372,35 @@ def _rans_decode_units(data: bytes, lay: Layout, tabs: list[np.ndarray]) -> tupl
         xn = FREQ[t, sym].astype(np.uint64) * (x >> np.uint64(PROB_BITS)) + slot.astype(np.uint64) \
             - CUM[t, sym].astype(np.uint64)
         need = v & (xn < np.uint64(RANS_L))
-        end = np.where(need, end - 2, end)
-        short |= need & (end < floor)
-        at = np.where(need & ~short, end, 0)
-        w = buf[at] | (buf[at + 1] << np.uint64(8))
+        short |= need & (p + 2 > length)
+        at = np.minimum(p, width - 2)
+        w = buf[rows, at] | (buf[rows, at + 1] << np.uint64(8))
         xn = np.where(need, (xn << np.uint64(16)) | w, xn)
+        p = np.where(need, p + 2, p)
         x = np.where(v, xn, x)
         out[:, k] = sym
     if short.any():
         raise DecodeError("pca: a unit's rANS words end early")
-    words_read = (lay.seg_at + lay.seg_len - end) // 2
-    return [out[i, :s[2]] for i, s in enumerate(lay.spans)], x, words_read
+    return [out[i, :len(t)] for i, t in enumerate(tabs)], x, (p - 4) // 2
 
 
 def decode_coefficients(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str) -> tuple[Layout, np.ndarray]:
-    """(layout, q int64 [2L, Tc, C]) with every unit decoded (all units' rANS steps together)."""
+    """(layout, q int64 [2L, Tc, C]) with every unit decoded (all units' rANS steps together); each
+    pair's two streams must fill its region exactly."""
     lay = parse(payload, shape, dtype)
     _, L, T, C = shape
     data = bytes(payload)
     metas = [_unit_meta(lay, u) for u in range(len(lay.spans))]
-    syms, states, words_read = _rans_decode_units(data, lay, [m[2] for m in metas])
+    streams = [lay.stream(data, u) for u in range(len(lay.spans))]
+    syms, states, words_read = _rans_decode_units(streams, [m[2] for m in metas])
     q = np.zeros((2 * L, lay.Tc, C), np.int64)
+    used = np.zeros(len(lay.reg_len), np.int64)
     for u, ((comp, tok, _, shift), sym) in enumerate(zip(metas, syms)):
-        q[lay.spans[u][0], tok, comp] = _raw_parts(data, lay, u, sym, int(states[u]), int(words_read[u]), shift)
+        val, n = _raw_parts(streams[u], sym, int(states[u]), int(words_read[u]), shift)
+        q[lay.spans[u][0], tok, comp] = val
+        used[u // 2] += n
+    if (used != lay.reg_len).any():
+        raise DecodeError("pca: a pair of units does not fill its region exactly")
     if (np.abs(q).sum(-1) > v1.TOKEN_L1_LIMIT).any():
         raise DecodeError(f"pca: a token's coefficients sum past {v1.TOKEN_L1_LIMIT}")
     return lay, q
@@ -410,9 +436,9 @@ def payload_stats(payload: bytes | memoryview, shape: tuple[int, ...], dtype: st
     lay = parse(payload, shape, dtype)
     _, L, T, C = shape
     values = 2 * L * T * C
-    rows_at = int(lay.seg_at[0]) - 2 * len(lay.spans) if len(lay.spans) else len(payload)
-    acc = {"header": 8 * HEADER.size, "side": 8 * (lay.sink_at - HEADER.size), "sinks": 8 * (rows_at - lay.sink_at),
-           "unit_table": 16 * len(lay.spans), "segments": 8 * int(lay.seg_len.sum())}
+    table_at = len(payload) - int(lay.reg_len.sum()) - 2 * len(lay.reg_len)
+    acc = {"header": 8 * HEADER.size, "side": 8 * (lay.sink_at - HEADER.size), "sinks": 8 * (table_at - lay.sink_at),
+           "unit_table": 16 * len(lay.reg_len), "regions": 8 * int(lay.reg_len.sum())}
     total = 8 * len(payload)
     return {"values": values, "bytes": len(payload), "bits_per_value": total / values,
             **{f"bpv_{k}": v / values for k, v in acc.items()},

@@ -5,7 +5,7 @@ units. These vectors code the inputs of the version-1 vectors (`../NAME.in.bin`,
 but for `unit` in place of `lanes`) and one longer chunk with many units, with kvtool's reference
 coder of version 2 (`kvtool/codecs/pca/reference2.py`), over the calibration objects in `..`.
 For each vector NAME this writes NAME.json (shape, dtype, parameters, the payload's SHA-256, and
-every unit's row, first symbol, symbol count and segment length), NAME.in.bin, NAME.payload.bin,
+every unit's row, first symbol and symbol count, and every pair's region length), NAME.in.bin, NAME.payload.bin,
 NAME.out.bin and NAME.rope.bin (section 11.5's float32 tables of the coded tokens: cos [L][Tc][D/2],
 then sin; absent when Tc = 0). tests/test_pca_v2_vectors.py checks the coder against them.
 """
@@ -68,9 +68,9 @@ def build() -> None:
                                   p["unit"].bit_length() - 1)
         out = v2.decode_chunk(payload, raw.shape, meta["dtype"], cal, p["step"], p["position"])
         lay = v2.parse(payload, raw.shape, meta["dtype"])
-        units = [[r, first, n, int(length)] for (r, first, n), length in zip(lay.spans, lay.seg_len)]
         record = {"shape": list(raw.shape), "dtype": meta["dtype"], "params": p,
-                  "payload_sha256": hashlib.sha256(payload).hexdigest(), "units": units}
+                  "payload_sha256": hashlib.sha256(payload).hexdigest(),
+                  "units": [list(span) for span in lay.spans], "regions": [int(n) for n in lay.reg_len]}
         (HERE / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
         (HERE / f"{name}.in.bin").write_bytes(np.ascontiguousarray(raw).tobytes())
         (HERE / f"{name}.payload.bin").write_bytes(payload)
@@ -81,7 +81,7 @@ def build() -> None:
             rope.write_bytes(cos.astype("<f4").tobytes() + sin.astype("<f4").tobytes())
         elif rope.exists():
             rope.unlink()
-        print(f"{name}: {len(payload)} bytes, {len(units)} units")
+        print(f"{name}: {len(payload)} bytes, {len(lay.spans)} units")
 
 
 if __name__ == "__main__":
