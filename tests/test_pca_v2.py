@@ -17,6 +17,7 @@ from kvtool.codecs import get_codec
 from kvtool.codecs.pca import PcaCodec, params_for
 from kvtool.codecs.pca import calibration as calmod
 from kvtool.codecs.pca import reference as v1
+from kvtool.codecs.pca import native
 from kvtool.codecs.pca import reference2 as v2
 from kvtool.errors import CodecParamsInvalid, DecodeError
 
@@ -224,3 +225,46 @@ def test_the_codec_writes_version_two_on_request_and_reads_both(cal_dir):
 def test_a_unit_that_is_not_a_power_of_two_in_range_is_refused(unit):
     with pytest.raises(CodecParamsInvalid, match="unit"):
         PcaCodec().validate_params({"version": 2, "calibration": "a" * 64, "step": 1.0, "unit": unit})
+
+
+# --------------------------------------------------------------------------- the native decoder
+needs_native = pytest.mark.skipif(not native.native_available(), reason="native pca coder not built (pip install -e .)")
+
+
+@needs_native
+@pytest.mark.parametrize("geometry, tokens, dtype, sinks, position, step, unit_log2",
+                         CASES + [((2, 2, 16, True), 90, "bfloat16", 4, 0, 0.6, 6),  # a basis per KV head
+                                  ((30, 3, 64), 256, "bfloat16", 4, 256, 0.8, 9)])  # the default model's shape
+def test_the_native_decoder_gives_the_reference_values(geometry, tokens, dtype, sinks, position, step, unit_log2):
+    cal = random_calibration(*geometry) if len(geometry) == 4 or geometry[0] == 30 else cal_of(*geometry)
+    raw = raw_kv(cal, tokens, dtype, seed=tokens)
+    payload = v2.encode_chunk(raw, dtype, cal, step, sinks, position, unit_log2)
+    want = v2.decode_chunk(payload, raw.shape, dtype, cal, step, position)
+    for threads in (1, 3):
+        assert same(native.decode_chunk_v2(payload, raw.shape, dtype, cal, step, position, threads=threads), want)
+
+
+def _outcome(decode):
+    try:
+        return decode().tobytes()
+    except DecodeError:
+        return "refused"
+
+
+@needs_native
+def test_damaged_payloads_get_the_reference_decision_from_the_native_decoder():
+    """Flipped bits anywhere after the header: the native decoder refuses what the reference
+    refuses (DecodeError) and decodes to the same values what both accept."""
+    cal, raw, payload = _payload()
+    rng = np.random.default_rng(7)
+    refused = 0
+    for _ in range(300):
+        bad = bytearray(payload)
+        i = int(rng.integers(v2.HEADER.size, len(bad)))
+        bad[i] ^= 1 << int(rng.integers(8))
+        bad = bytes(bad)
+        ref_out = _outcome(lambda: v2.decode_chunk(bad, raw.shape, "bfloat16", cal, 0.5, 0))
+        nat_out = _outcome(lambda: native.decode_chunk_v2(bad, raw.shape, "bfloat16", cal, 0.5, 0, threads=1))
+        assert ref_out == nat_out
+        refused += ref_out == "refused"
+    assert refused > 100  # most damage is seen

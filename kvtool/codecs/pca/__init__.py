@@ -10,8 +10,8 @@ are kept exact. Named quality points choose the step.
 - `fit`: learning one from samples (`kvtool.ops.calibrate` runs the model)
 - `reference`: the coder in numpy, the spec in executable form
 - `native`: the C coder (kernels/pca_cpu.c), the same bytes and values, used when built
-- `reference2`: bitstream version 2 (independent decode units for a GPU), numpy only, opt-in
-  (codec parameters `"version": 2`)
+- `reference2`: bitstream version 2 (independent decode units for a GPU), opt-in (codec
+  parameters `"version": 2`): the reference codes it, the native coder decodes it too
 - here: `PcaCodec`, its parameters and quality points
 """
 
@@ -130,7 +130,7 @@ class PcaCodec(Codec):
 
         raw = kv.contiguous().view(torch.int16 if dtype == "bfloat16" else kv.dtype).numpy()
         raw = raw.view(STORAGE[dtype])
-        if p["version"] == 2:  # the reference alone codes version 2 (no native coder of it yet)
+        if p["version"] == 2:  # the reference alone encodes version 2 (no native encoder of it yet)
             payload = reference2.encode_chunk(raw, dtype, find(p["calibration"]), p["step"], p["sinks"],
                                               p["position"], p["unit"].bit_length() - 1)
             return payload, p
@@ -144,9 +144,9 @@ class PcaCodec(Codec):
         if dtype not in STORAGE:
             raise CodecParamsInvalid(f"pca: KV dtype {dtype} is not one of {', '.join(STORAGE)}")
         check_header_against_params(payload, shape, p)
-        if p["version"] == 2:
-            return reference2.decode_chunk(payload, tuple(shape), dtype, find(p["calibration"]), p["step"],
-                                           p["position"])
+        if p["version"] == 2:  # the native decoder when built (the same values), else the reference
+            decode = native.decode_chunk_v2 if native.coder() is not reference else reference2.decode_chunk
+            return decode(payload, tuple(shape), dtype, find(p["calibration"]), p["step"], p["position"])
         return native.coder().decode_chunk(payload, tuple(shape), dtype, find(p["calibration"]), p["step"],
                                            p["position"])
 

@@ -210,3 +210,49 @@ def decode_chunk(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str
     except mod.CorruptError as exc:
         raise DecodeError(f"pca: {exc}") from None
     return out
+
+
+# --------------------------------------------------------------------------- bitstream version 2
+def decode_chunk_v2(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str, cal: Calibration, step: float,
+                    start: int, threads: int | None = None) -> np.ndarray:
+    """As reference2.decode_chunk: the header, side bytes and region table parsed here (as the
+    reference parses them), every unit decoded by the C coder, which reports the stream bytes
+    each unit used; each region must be filled exactly by its units."""
+    from . import reference2
+
+    mod = native_module(warn=False)
+    if mod is None:
+        raise UsageError("pca: the native coder is not built (pip install -e .)")
+    _, L, T, C = shape
+    if cal.layers != L or cal.channels != C:
+        raise DecodeError(f"pca: the calibration is for {cal.layers} layers x {cal.channels} channels, the chunk "
+                          f"has {L} x {C}")
+    lay = reference2.parse(payload, shape, dtype)
+    prep = prepared(cal)
+    n = len(lay.spans)
+    units = np.zeros((n, 6), np.int64)
+    if n:
+        spans = np.array(lay.spans, np.int64)
+        pair = np.arange(n) // 2
+        back = np.arange(n) % 2 == 1
+        units[:, :3] = spans
+        units[:, 3] = np.where(back, lay.reg_at[pair] + lay.reg_len[pair] - 1, lay.reg_at[pair])
+        units[:, 4] = np.where(back, -1, 1)
+        units[:, 5] = lay.reg_len[pair]
+    row_units = np.searchsorted(units[:, 0], np.arange(2 * L + 1), side="left").astype(np.int32)
+    consumed = np.zeros(n, np.int64)
+    cos, sin = reference2.rope_tables(prep.rope, start + lay.n_sink, lay.Tc)  # type: ignore[arg-type]
+    out = np.empty((2, L, T, C), dtype=_OUT[dtype])
+    try:
+        mod.decode2(payload, out.view(_STORAGE[dtype]), DTYPE_CODES[dtype], L, T, C, cal.head_dim, lay.n_sink,
+                    prep.cols, prep.block, prep.mean, prep.gain(cal, step), prep.m2_decode, len(prep.rope.inv_freq),
+                    np.ascontiguousarray(cos), np.ascontiguousarray(sin), prep.rope_map, FREQ, COST, SLOT_SYM, units,
+                    row_units, consumed, _threads(threads))
+    except mod.CorruptError as exc:
+        raise DecodeError(f"pca: {exc}") from None
+    if n and (np.bincount(np.arange(n) // 2, consumed) != lay.reg_len).any():
+        raise DecodeError("pca: a pair of units does not fill its region exactly")
+    storage = _OUT[dtype]
+    out[:, :, :lay.n_sink] = np.frombuffer(bytes(payload[lay.sink_at:lay.sink_at + out[:, :, :lay.n_sink].nbytes]),
+                                           storage).reshape(2, L, lay.n_sink, C)
+    return out
