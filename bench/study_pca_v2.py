@@ -7,7 +7,7 @@ The KV: .kvc files holding the default model's KV with the raw codec (any captur
 torch.save'd {name: [2, L, T, C] bf16} (bench_rd --save-kv); every whole 256-token chunk of it
 at its position. The calibration: --calibration FILE (the default model's, `kvtool calibrate`).
 
-    python bench/study_pca_v2.py --calibration CAL.kvcal --kv a.kvc b.kvc [--units 256,512,1024,2048]
+    python bench/study_pca_v2.py --calibration CAL.kvcal --kv a.kvc b.kvc [--units 512,768,1024]
 
 Also prints the units an 8B-shaped chunk (32 layers, 8 KV heads of 128, 256 tokens) would have at
 the live share of components measured here (units depend on how many components are coded).
@@ -63,7 +63,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calibration", required=True)
     ap.add_argument("--kv", nargs="+", required=True)
-    ap.add_argument("--units", default="256,512,1024,2048")
+    ap.add_argument("--units", default="512,768,1024")
     args = ap.parse_args(argv)
     with open(args.calibration, "rb") as f:
         cal = calmod.from_bytes(f.read())
@@ -76,7 +76,7 @@ def main(argv=None):
           f"load {os.getloadavg()}")
     print("\nversion 2's bits as a ratio to version 1's (all chunks' bytes together)")
     print(f"{'quality':<8}{'step':>6}{'v1 b/v':>9}" + "".join(f"{f'v2 U={u}':>13}" for u in units)
-          + f"{'live':>7}" + "".join(f"{f'units U={u}':>13}" for u in units) + f"{'8B units@512':>14}")
+          + f"{'live':>7}" + "".join(f"{f'units U={u}':>13}" for u in units) + f"{f'8B units@{v2.DEFAULT_UNIT}':>14}")
     timing = {}
     for quality, (step, _) in QUALITY_BY_AXES[calmod.axes(cal)].items():
         b1 = 0
@@ -90,24 +90,24 @@ def main(argv=None):
             b1 += len(p1)
             t1e, t1d = t1e + te, t1d + td
             for u in units:
-                p2, te = timed(lambda: v2.encode_chunk(raw, "bfloat16", cal, step, SINKS, pos, u.bit_length() - 1))
+                p2, te = timed(lambda: v2.encode_chunk(raw, "bfloat16", cal, step, SINKS, pos, u))
                 b2[u] += len(p2)
                 lay = v2.parse(p2, raw.shape, "bfloat16")
                 n_units[u] += len(lay.spans)
-                if u == 1 << v2.DEFAULT_UNIT_LOG2:
+                if u == v2.DEFAULT_UNIT:
                     _, td = timed(lambda: v2.decode_chunk(p2, raw.shape, "bfloat16", cal, step, pos))
                     t2e, t2d = t2e + te, t2d + td
                     live += int((lay.side != v2.ALL_ZERO).sum())
                     coded += lay.side.size
         share = live / coded
         # an 8B-shaped chunk after the first: 64 rows of 1024 components, 256 coded tokens
-        est_8b = 64 * math.ceil(share * 1024 * 256 / 512)
+        est_8b = 64 * math.ceil(share * 1024 * 256 / v2.DEFAULT_UNIT)
         print(f"{quality:<8}{step:>6g}{b1 * 8 / values:>9.4f}"
               + "".join(f"{b2[u] / b1:>12.4f}x" for u in units)
               + f"{share:>7.3f}" + "".join(f"{n_units[u] / len(chunks):>13.0f}" for u in units) + f"{est_8b:>14}")
         timing[quality] = (t1e, t1d, t2e, t2d)
     mb = values * 2 / 1e6
-    print(f"\nCPU seconds (process time) over the {len(chunks)} chunks, 1 thread, v1 native vs v2 reference (U=512), "
+    print(f"\nCPU seconds (process time) over the {len(chunks)} chunks, 1 thread, v1 native vs v2 reference (U={v2.DEFAULT_UNIT}), "
           f"in turn:")
     print(f"{'quality':<8}{'v1 enc MB/s':>12}{'v1 dec MB/s':>12}{'v2 enc MB/s':>12}{'v2 dec MB/s':>12}"
           f"{'v2/v1 enc':>10}{'v2/v1 dec':>10}")

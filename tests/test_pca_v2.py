@@ -47,22 +47,22 @@ def expected_q(raw, dtype, cal, step, sinks, position):
     return q.reshape(2 * raw.shape[1], T - s, raw.shape[3]), s, tables
 
 
-CASES = [  # (L, H, D), tokens, dtype, sinks, position, step, unit_log2
-    ((2, 2, 8), 40, "bfloat16", 4, 0, 0.5, 6),
-    ((2, 2, 8), 40, "bfloat16", 4, 0, 3.0, 6),  # few live components, short units
-    ((1, 3, 10), 33, "float16", 4, 2, 0.25, 7),
-    ((2, 2, 16), 70, "float32", 0, 1000, 1.0, 6),
-    ((2, 2, 16), 256, "bfloat16", 4, 0, 0.8, 9),
-    ((1, 2, 8), 3, "bfloat16", 4, 0, 1.0, 9),  # sinks only: no unit at all
+CASES = [  # (L, H, D), tokens, dtype, sinks, position, step, unit
+    ((2, 2, 8), 40, "bfloat16", 4, 0, 0.5, 64),
+    ((2, 2, 8), 40, "bfloat16", 4, 0, 3.0, 64),  # few live components, short units
+    ((1, 3, 10), 33, "float16", 4, 2, 0.25, 128),
+    ((2, 2, 16), 70, "float32", 0, 1000, 1.0, 192),  # a unit that is not a power of two
+    ((2, 2, 16), 256, "bfloat16", 4, 0, 0.8, 768),
+    ((1, 2, 8), 3, "bfloat16", 4, 0, 1.0, 512),  # sinks only: no unit at all
 ]
 
 
-@pytest.mark.parametrize("geometry, tokens, dtype, sinks, position, step, unit_log2", CASES)
+@pytest.mark.parametrize("geometry, tokens, dtype, sinks, position, step, unit", CASES)
 def test_round_trip_is_version_one_quantizer_with_the_exact_tables(geometry, tokens, dtype, sinks, position, step,
-                                                                   unit_log2):
+                                                                   unit):
     cal = cal_of(*geometry)
     raw = raw_kv(cal, tokens, dtype, seed=tokens)
-    payload = v2.encode_chunk(raw, dtype, cal, step, sinks, position, unit_log2)
+    payload = v2.encode_chunk(raw, dtype, cal, step, sinks, position, unit)
     q, s, tables = expected_q(raw, dtype, cal, step, sinks, position)
     lay, got_q = v2.decode_coefficients(payload, raw.shape, dtype)
     assert np.array_equal(got_q, q)
@@ -73,17 +73,17 @@ def test_round_trip_is_version_one_quantizer_with_the_exact_tables(geometry, tok
         want[:, :, s:] = v1.to_dtype(v1.inverse(q.reshape(2, cal.layers, tokens - s, -1), cal, position + s, step,
                                                 tables=tables), dtype)
     assert same(out, want)
-    assert v2.encode_chunk(raw, dtype, cal, step, sinks, position, unit_log2) == payload  # deterministic
+    assert v2.encode_chunk(raw, dtype, cal, step, sinks, position, unit) == payload  # deterministic
 
 
-@pytest.mark.parametrize("geometry, tokens, dtype, sinks, position, step, unit_log2", CASES[:5])
-def test_every_unit_decodes_alone_from_its_own_stream(geometry, tokens, dtype, sinks, position, step, unit_log2):
+@pytest.mark.parametrize("geometry, tokens, dtype, sinks, position, step, unit", CASES[:5])
+def test_every_unit_decodes_alone_from_its_own_stream(geometry, tokens, dtype, sinks, position, step, unit):
     """Unit u, decoded one symbol at a time from a payload where every byte that is not its own
     (other regions, and its partner's part of its region) is zeroed, gives the coefficients the
     whole-chunk decoder gives, at the positions the side bytes name."""
     cal = cal_of(*geometry)
     raw = raw_kv(cal, tokens, dtype, seed=tokens)
-    payload = v2.encode_chunk(raw, dtype, cal, step, sinks, position, unit_log2)
+    payload = v2.encode_chunk(raw, dtype, cal, step, sinks, position, unit)
     lay, q = v2.decode_coefficients(payload, raw.shape, dtype)
     assert len(lay.spans) > 2
     head = int(lay.reg_at[0])  # header, side bytes, sinks, unit table
@@ -110,14 +110,15 @@ def test_unit_spans_follow_the_side_bytes_alone():
     side = np.full((3, 8), v2.ALL_ZERO, np.uint8)
     side[0, [1, 4, 5]] = 0x21
     side[2, 0] = 0x00
-    assert v2.unit_spans(side, 100, 64) == [(0, 0, 64), (0, 64, 64), (0, 128, 64), (0, 192, 64), (0, 256, 44),
-                                            (2, 0, 64), (2, 64, 36)]
+    assert v2.unit_spans(side, 100, 64).tolist() == [[0, 0, 64], [0, 64, 64], [0, 128, 64], [0, 192, 64],
+                                                     [0, 256, 44], [2, 0, 64], [2, 64, 36]]
+    assert v2.unit_spans(np.full((2, 4), v2.ALL_ZERO, np.uint8), 100, 64).shape == (0, 3)
 
 
-def _payload(unit_log2=6, step=0.5):
+def _payload(unit=64, step=0.5):
     cal = cal_of(2, 2, 8)
     raw = raw_kv(cal, 40, "bfloat16", seed=40)
-    return cal, raw, v2.encode_chunk(raw, "bfloat16", cal, step, 4, 0, unit_log2)
+    return cal, raw, v2.encode_chunk(raw, "bfloat16", cal, step, 4, 0, unit)
 
 
 def test_damage_is_refused_or_decodes_without_a_crash():
@@ -128,7 +129,7 @@ def test_damage_is_refused_or_decodes_without_a_crash():
     with pytest.raises(DecodeError, match="bytes"):
         v2.decode_chunk(payload + b"\0", raw.shape, "bfloat16", cal, 0.5, 0)
     bad = bytearray(payload)
-    bad[6] = 5  # unit_log2 below the range
+    bad[6] = 65  # units of 65 x 64 symbols: past 4096
     with pytest.raises(DecodeError, match="header"):
         v2.parse(bytes(bad), raw.shape, "bfloat16")
     bad = bytearray(payload)
@@ -221,8 +222,8 @@ def test_the_codec_writes_version_two_on_request_and_reads_both(cal_dir):
     assert torch.equal(outs[1], outs[2])
 
 
-@pytest.mark.parametrize("unit", [48, 32, 8192, True])
-def test_a_unit_that_is_not_a_power_of_two_in_range_is_refused(unit):
+@pytest.mark.parametrize("unit", [48, 32, 100, 8192, 4160, True])
+def test_a_unit_that_is_not_a_multiple_of_64_up_to_4096_is_refused(unit):
     with pytest.raises(CodecParamsInvalid, match="unit"):
         PcaCodec().validate_params({"version": 2, "calibration": "a" * 64, "step": 1.0, "unit": unit})
 
@@ -232,13 +233,13 @@ needs_native = pytest.mark.skipif(not native.native_available(), reason="native 
 
 
 @needs_native
-@pytest.mark.parametrize("geometry, tokens, dtype, sinks, position, step, unit_log2",
-                         CASES + [((2, 2, 16, True), 90, "bfloat16", 4, 0, 0.6, 6),  # a basis per KV head
-                                  ((30, 3, 64), 256, "bfloat16", 4, 256, 0.8, 9)])  # the default model's shape
-def test_the_native_decoder_gives_the_reference_values(geometry, tokens, dtype, sinks, position, step, unit_log2):
+@pytest.mark.parametrize("geometry, tokens, dtype, sinks, position, step, unit",
+                         CASES + [((2, 2, 16, True), 90, "bfloat16", 4, 0, 0.6, 64),  # a basis per KV head
+                                  ((30, 3, 64), 256, "bfloat16", 4, 256, 0.8, 768)])  # the default model's shape
+def test_the_native_decoder_gives_the_reference_values(geometry, tokens, dtype, sinks, position, step, unit):
     cal = random_calibration(*geometry) if len(geometry) == 4 or geometry[0] == 30 else cal_of(*geometry)
     raw = raw_kv(cal, tokens, dtype, seed=tokens)
-    payload = v2.encode_chunk(raw, dtype, cal, step, sinks, position, unit_log2)
+    payload = v2.encode_chunk(raw, dtype, cal, step, sinks, position, unit)
     want = v2.decode_chunk(payload, raw.shape, dtype, cal, step, position)
     for threads in (1, 3):
         assert same(native.decode_chunk_v2(payload, raw.shape, dtype, cal, step, position, threads=threads), want)

@@ -34,7 +34,7 @@ PARAMS_VERSION = 2  # what this build reads: 1 (rANS lanes per row) and 2 (indep
 WRITE_VERSION = 1  # what a writer records by default: version 2 is opt-in (format-spec/pca.md §11.7)
 DEFAULT_SINKS = 4
 DEFAULT_LANES = 16
-DEFAULT_UNIT = 1 << reference2.DEFAULT_UNIT_LOG2  # version 2's symbols per unit
+DEFAULT_UNIT = reference2.DEFAULT_UNIT  # version 2's symbols per unit
 #: quality name -> (step, the top-1 agreement `verify --replay` holds a file to), for each kind of
 #: calibration (`calibration.axes`): the steps are bench_rd's (bench/RESULTS.md §32 for axes per
 #: layer, `kvtool calibrate`'s default; §34 for axes per KV head), each name a mean agreement its step
@@ -104,13 +104,13 @@ class PcaCodec(Codec):
             raise CodecParamsInvalid("pca: 'step' must be a number in [2^-10, 2^10]")
         p["step"] = float(step)
         layout = ("lanes", DEFAULT_LANES, 1, 64) if p["version"] == 1 else \
-            ("unit", DEFAULT_UNIT, 1 << reference2.UNIT_LOG2_MIN, 1 << reference2.UNIT_LOG2_MAX)
+            ("unit", DEFAULT_UNIT, reference2.UNIT_STEP, reference2.UNIT_MAX)
         for key, default, low, high in (("sinks", DEFAULT_SINKS, 0, 1 << 20), layout, ("position", 0, 0, 1 << 40)):
             value = p.setdefault(key, default)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise CodecParamsInvalid(f"pca: '{key}' must be an integer in [{low}, {high}]")
-        if p["version"] == 2 and p["unit"] & (p["unit"] - 1):
-            raise CodecParamsInvalid("pca: 'unit' must be a power of two")
+        if p["version"] == 2 and p["unit"] % reference2.UNIT_STEP:
+            raise CodecParamsInvalid(f"pca: 'unit' must be a multiple of {reference2.UNIT_STEP}")
         return p
 
     def check_position(self, params: dict[str, Any], position: int) -> None:
@@ -132,7 +132,7 @@ class PcaCodec(Codec):
         raw = raw.view(STORAGE[dtype])
         if p["version"] == 2:  # the reference alone encodes version 2 (no native encoder of it yet)
             payload = reference2.encode_chunk(raw, dtype, find(p["calibration"]), p["step"], p["sinks"],
-                                              p["position"], p["unit"].bit_length() - 1)
+                                              p["position"], p["unit"])
             return payload, p
         payload = native.coder().encode_chunk(raw, dtype, find(p["calibration"]), p["step"], p["sinks"],
                                               p["position"], p["lanes"])
@@ -190,7 +190,7 @@ def check_header_against_params(payload: memoryview | bytes, shape: tuple[int, .
                           f"{params['version']}")
     sinks = min(shape[2], max(0, params["sinks"] - params["position"]))
     if params["version"] == 2:
-        unit, n_sink = 1 << min(fields[3], 31), fields[8]
+        unit, n_sink = fields[3] * reference2.UNIT_STEP, fields[8]
         if unit != params["unit"] or n_sink != sinks:
             raise DecodeError(f"pca: the payload's header holds units of {unit} symbols and {n_sink} sink tokens, "
                               f"its codec parameters {params['unit']} and {sinks} (sinks {params['sinks']} from "

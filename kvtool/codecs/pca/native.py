@@ -232,7 +232,7 @@ def decode_chunk_v2(payload: bytes | memoryview, shape: tuple[int, ...], dtype: 
     n = len(lay.spans)
     units = np.zeros((n, 6), np.int64)
     if n:
-        spans = np.array(lay.spans, np.int64)
+        spans = lay.spans
         pair = np.arange(n) // 2
         back = np.arange(n) % 2 == 1
         units[:, :3] = spans

@@ -4,7 +4,7 @@ Version 2 keeps version 1's transform, quantizer and table choice (`reference`),
 entropy coding out for a decoder of many independent units (a GPU's threads):
 
 - every row's symbols (components ascending, tokens ascending within one, as in version 1) are cut
-  into units of `U = 2^unit_log2` symbols (the row's last unit may be shorter); which components
+  into units of `U` symbols (a multiple of 64; the row's last unit may be shorter); which components
   and tokens a unit's symbols belong to follows from the side bytes alone;
 - each unit is one stream of its own (a rANS state, its words, its escapes, its low and sign bits);
   two units share a region, the first read forward from its start, the second backward from its
@@ -31,9 +31,9 @@ from . import reference as v1
 from .calibration import Calibration
 
 FORMAT_VERSION = 2
-HEADER = struct.Struct("<4sBBBBIIII")  # magic, version, dtype, unit_log2, reserved, rows, tokens, channels, sinks
-UNIT_LOG2_MIN, UNIT_LOG2_MAX = 6, 12
-DEFAULT_UNIT_LOG2 = 9  # 512 symbols a unit: format-spec/pca.md §11.6
+HEADER = struct.Struct("<4sBBBBIIII")  # magic, version, dtype, unit / 64, reserved, rows, tokens, channels, sinks
+UNIT_STEP, UNIT_MAX = 64, 4096  # a unit's symbols: a multiple of 64, at most 4096
+DEFAULT_UNIT = 768  # kvtool's choice: format-spec/pca.md §11.7
 BACK_BITS = 31  # raw bits carried in a unit's initial rANS state
 STATE_TOP = 1 << BACK_BITS
 RANS_L = v1.RANS_L
@@ -86,13 +86,14 @@ def rope_tables(cal: Calibration, start: int, tokens: int) -> tuple[np.ndarray, 
 
 
 # --------------------------------------------------------------------------- layout (§11.2)
-def unit_spans(side: np.ndarray, Tc: int, unit: int) -> list[tuple[int, int, int]]:
-    """(row, first symbol, symbol count) of every unit, in payload order, from the side bytes."""
-    spans = []
-    for r, s in enumerate(side):
-        n = int((s != ALL_ZERO).sum()) * Tc
-        spans += [(r, i, min(unit, n - i)) for i in range(0, n, unit)]
-    return spans
+def unit_spans(side: np.ndarray, Tc: int, unit: int) -> np.ndarray:
+    """int64 [units, 3]: (row, first symbol, symbol count) of every unit, in payload order, from
+    the side bytes."""
+    n = (side != ALL_ZERO).sum(1).astype(np.int64) * Tc  # symbols of each row
+    per_row = -(-n // unit)
+    row = np.repeat(np.arange(len(n), dtype=np.int64), per_row)
+    first = (np.arange(int(per_row.sum()), dtype=np.int64) - np.repeat(np.cumsum(per_row) - per_row, per_row)) * unit
+    return np.stack([row, first, np.minimum(unit, n[row] - first)], 1).reshape(-1, 3)
 
 
 def _bits(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
@@ -148,14 +149,14 @@ def _rans_encode_units(units: list[_Unit]) -> list[tuple[int, np.ndarray]]:
 
 
 def encode_chunk(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sinks: int, start: int,
-                 unit_log2: int = DEFAULT_UNIT_LOG2) -> bytes:
+                 unit: int = DEFAULT_UNIT) -> bytes:
     """raw: the chunk [2, L, T, C] as stored (bf16 as uint16 bits). Returns the version-2 payload."""
     _, L, T, C = raw.shape
     if cal.layers != L or cal.channels != C:
         raise UsageError(f"pca: the calibration is for {cal.layers} layers x {cal.channels} channels, the chunk "
                          f"has {L} x {C}")
-    if not UNIT_LOG2_MIN <= unit_log2 <= UNIT_LOG2_MAX:
-        raise UsageError(f"pca: unit_log2 must be in {UNIT_LOG2_MIN}..{UNIT_LOG2_MAX}")
+    if not (UNIT_STEP <= unit <= UNIT_MAX and unit % UNIT_STEP == 0):
+        raise UsageError(f"pca: a unit's symbols must be a multiple of {UNIT_STEP} up to {UNIT_MAX}")
     x = v1.from_dtype(raw, dtype)
     if not np.isfinite(x).all():
         raise NonFiniteValues("pca: the KV input holds NaN or infinity")
@@ -166,7 +167,6 @@ def encode_chunk(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sin
     m = np.abs(q).reshape(2 * L, Tc, C)
     neg = (q < 0).reshape(2 * L, Tc, C)
     side = v1.choose(m) if Tc else np.full((2 * L, C), ALL_ZERO, np.uint8)
-    unit = 1 << unit_log2
     units: list[_Unit] = []
     for r in range(2 * L):
         live = np.nonzero(side[r] != ALL_ZERO)[0]
@@ -193,7 +193,7 @@ def encode_chunk(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sin
     if any(len(r) > 0xFFFF for r in regions):
         raise UsageError("pca: a pair of units exceeds 65535 bytes (use a smaller unit)")
     sink_bytes = np.ascontiguousarray(raw[:, :, :n_sink]).tobytes()
-    out = [HEADER.pack(v1.MAGIC, FORMAT_VERSION, v1.DTYPE_CODES[dtype], unit_log2, 0, 2 * L, T, C, n_sink),
+    out = [HEADER.pack(v1.MAGIC, FORMAT_VERSION, v1.DTYPE_CODES[dtype], unit // UNIT_STEP, 0, 2 * L, T, C, n_sink),
            side.tobytes(), b"\0" * v1._pad4(side.size), sink_bytes, b"\0" * v1._pad4(len(sink_bytes)),
            np.array([len(r) for r in regions], "<u2").tobytes()]
     return b"".join(out + regions)
@@ -205,12 +205,12 @@ class Layout:
     """What a reader knows before decoding any unit: every unit's symbols and region."""
     shape: tuple[int, int, int, int]
     dtype: str
-    unit_log2: int
+    unit: int  # symbols a unit
     n_sink: int
     Tc: int
     side: np.ndarray  # uint8 [2L, C]
     sink_at: int
-    spans: list[tuple[int, int, int]]  # (row, first symbol, count) per unit
+    spans: np.ndarray  # int64 [units, 3]: (row, first symbol, count) per unit
     reg_at: np.ndarray  # int64 [pairs]: each pair's region's offset in the payload
     reg_len: np.ndarray  # int64 [pairs]
 
@@ -225,11 +225,11 @@ def parse(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str) -> La
     _, L, T, C = shape
     if len(payload) < HEADER.size:
         raise DecodeError("pca: payload shorter than its header")
-    magic, version, dcode, unit_log2, reserved, rows, tokens, channels, n_sink = HEADER.unpack_from(payload, 0)
+    magic, version, dcode, unit64, reserved, rows, tokens, channels, n_sink = HEADER.unpack_from(payload, 0)
     if magic != v1.MAGIC or version != FORMAT_VERSION or reserved != 0:
         raise DecodeError("pca: not a pca payload of version 2")
     if dcode != v1.DTYPE_CODES[dtype] or rows != 2 * L or tokens != T or channels != C or n_sink > T \
-            or not UNIT_LOG2_MIN <= unit_log2 <= UNIT_LOG2_MAX:
+            or not 1 <= unit64 <= UNIT_MAX // UNIT_STEP:
         raise DecodeError("pca: the payload's header does not match the chunk's shape and dtype")
     pos = HEADER.size
     if len(payload) < pos + rows * C:
@@ -245,7 +245,7 @@ def parse(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str) -> La
     item = 4 if dtype == "float32" else 2
     pos += 2 * L * n_sink * C * item
     pos += v1._pad4(pos - sink_at)
-    spans = unit_spans(side, Tc, 1 << unit_log2)
+    spans = unit_spans(side, Tc, unit64 * UNIT_STEP)
     pairs = -(-len(spans) // 2)
     if len(payload) < pos + 2 * pairs:
         raise DecodeError("pca: payload shorter than its unit table")
@@ -259,12 +259,12 @@ def parse(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str) -> La
         need[-1] = 4
     if (reg_len < need).any():
         raise DecodeError("pca: a unit's region is shorter than its states")
-    return Layout((2, L, T, C), dtype, unit_log2, n_sink, Tc, side, sink_at, spans, reg_at, reg_len)
+    return Layout((2, L, T, C), dtype, unit64 * UNIT_STEP, n_sink, Tc, side, sink_at, spans, reg_at, reg_len)
 
 
 def _unit_meta(lay: Layout, u: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(component, token, table, shift) of each symbol of unit u."""
-    r, first, n = lay.spans[u]
+    r, first, n = (int(v) for v in lay.spans[u])
     live = np.nonzero(lay.side[r] != ALL_ZERO)[0]
     i = np.arange(first, first + n)
     comp = live[i // lay.Tc]
@@ -342,7 +342,7 @@ def decode_unit(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str,
     comp, tok, tab, shift = _unit_meta(lay, u)
     sym, x, words_read = _rans_scalar(stream, tab)
     val, _ = _raw_parts(stream, sym, x, words_read, shift)
-    return lay.spans[u][0], comp, tok, val
+    return int(lay.spans[u][0]), comp, tok, val
 
 
 def _rans_decode_units(streams: list[bytes], tabs: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray,
@@ -444,5 +444,5 @@ def payload_stats(payload: bytes | memoryview, shape: tuple[int, ...], dtype: st
             **{f"bpv_{k}": v / values for k, v in acc.items()},
             "bits_per_value_by_part": {k: v / values for k, v in acc.items()},
             "share": {k: v / total for k, v in acc.items()},
-            "units": len(lay.spans), "unit_symbols": 1 << lay.unit_log2, "sink_tokens": lay.n_sink,
+            "units": len(lay.spans), "unit_symbols": lay.unit, "sink_tokens": lay.n_sink,
             "components_coded": int((lay.side != ALL_ZERO).sum()), "components": 2 * L * C}

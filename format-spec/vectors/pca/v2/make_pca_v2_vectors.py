@@ -28,7 +28,7 @@ from kvtool.codecs.pca import reference2 as v2  # noqa: E402
 
 STORAGE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
 FROM_V1 = ("walk_bf16", "bf16_sinks", "fp16_position", "fp32_lanes1", "fp32_far", "bf16_sinks_only")
-UNIT_LOG2 = 6  # the smallest unit, so these small chunks have rows of more than one unit
+UNIT = 64  # the smallest unit, so these small chunks have rows of more than one unit
 MANY = "bf16_many_units"  # 2 layers, 199 tokens from position 300, step 0.5: dozens of units, escapes
 
 
@@ -52,10 +52,10 @@ def inputs() -> dict[str, tuple[dict, np.ndarray]]:
         meta = json.loads((V1 / f"{name}.json").read_text())
         raw = np.fromfile(V1 / f"{name}.in.bin", STORAGE[meta["dtype"]]).reshape(meta["shape"])
         params = {k: v for k, v in meta["params"].items() if k != "lanes"}
-        out[name] = (dict(meta, params=dict(params, version=2, unit=1 << UNIT_LOG2)), raw)
+        out[name] = (dict(meta, params=dict(params, version=2, unit=UNIT)), raw)
     main = json.loads((V1 / "bf16_sinks.json").read_text())["params"]["calibration"]
     raw = many_units_input(calibration(main))
-    params = {"version": 2, "calibration": main, "step": 0.5, "sinks": 4, "unit": 1 << UNIT_LOG2, "position": 300}
+    params = {"version": 2, "calibration": main, "step": 0.5, "sinks": 4, "unit": UNIT, "position": 300}
     out[MANY] = ({"shape": list(raw.shape), "dtype": "bfloat16", "params": params}, raw)
     return out
 
@@ -65,12 +65,12 @@ def build() -> None:
         p = meta["params"]
         cal = calibration(p["calibration"])
         payload = v2.encode_chunk(raw, meta["dtype"], cal, p["step"], p["sinks"], p["position"],
-                                  p["unit"].bit_length() - 1)
+                                  p["unit"])
         out = v2.decode_chunk(payload, raw.shape, meta["dtype"], cal, p["step"], p["position"])
         lay = v2.parse(payload, raw.shape, meta["dtype"])
         record = {"shape": list(raw.shape), "dtype": meta["dtype"], "params": p,
                   "payload_sha256": hashlib.sha256(payload).hexdigest(),
-                  "units": [list(span) for span in lay.spans], "regions": [int(n) for n in lay.reg_len]}
+                  "units": lay.spans.tolist(), "regions": [int(n) for n in lay.reg_len]}
         (HERE / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
         (HERE / f"{name}.in.bin").write_bytes(np.ascontiguousarray(raw).tobytes())
         (HERE / f"{name}.payload.bin").write_bytes(payload)
