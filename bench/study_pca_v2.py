@@ -9,7 +9,7 @@ at its position. The calibration: --calibration FILE (the default model's, `kvto
 
     python bench/study_pca_v2.py --calibration CAL.kvcal --kv a.kvc b.kvc [--units 512,768,1024]
 
-Also prints the units an 8B-shaped chunk (32 layers, 8 KV heads of 128, 256 tokens) would have at
+`--rope-check` alone compares §11.5's RoPE tables with libm's. Also prints the units an 8B-shaped chunk (32 layers, 8 KV heads of 128, 256 tokens) would have at
 the live share of components measured here (units depend on how many components are coded).
 """
 
@@ -53,6 +53,19 @@ def chunks_of(paths: list[str]) -> list[tuple[str, int, np.ndarray]]:
     return out
 
 
+def rope_agreement(positions: int = 1 << 17) -> None:
+    """How often §11.5's float32 RoPE tables differ from version 1's (libm's cos/sin), positions
+    0..positions-1, the usual RoPE bases and head sizes."""
+    for base in (1e4, 1e5, 5e5):
+        for D in (64, 128):
+            inv = (1.0 / (np.float32(base) ** (np.arange(0, D, 2, dtype=np.float32) / np.float32(D)))).astype(np.float32)
+            a = np.arange(positions, dtype=np.float64)[:, None] * inv.astype(np.float64)[None, :]
+            s2, c2 = v2.sincos(a)
+            diff = int((s2.astype(np.float32) != np.sin(a).astype(np.float32)).sum()
+                       + (c2.astype(np.float32) != np.cos(a).astype(np.float32)).sum())
+            print(f"RoPE base {base:g}, head_dim {D}: {diff} of {2 * a.size} float32 table entries differ from libm's")
+
+
 def timed(fn):
     t0 = time.process_time()
     r = fn()
@@ -61,10 +74,15 @@ def timed(fn):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calibration", required=True)
-    ap.add_argument("--kv", nargs="+", required=True)
+    ap.add_argument("--calibration")
+    ap.add_argument("--kv", nargs="+")
     ap.add_argument("--units", default="512,768,1024")
+    ap.add_argument("--rope-check", action="store_true", help="only compare the RoPE tables of §11.5 with libm's")
     args = ap.parse_args(argv)
+    if args.rope_check:
+        return rope_agreement()
+    if not (args.calibration and args.kv):
+        ap.error("--calibration and --kv are required (but with --rope-check)")
     with open(args.calibration, "rb") as f:
         cal = calmod.from_bytes(f.read())
     chunks = chunks_of(args.kv)
@@ -77,16 +95,16 @@ def main(argv=None):
     print("\nversion 2's bits as a ratio to version 1's (all chunks' bytes together)")
     print(f"{'quality':<8}{'step':>6}{'v1 b/v':>9}" + "".join(f"{f'v2 U={u}':>13}" for u in units)
           + f"{'live':>7}" + "".join(f"{f'units U={u}':>13}" for u in units) + f"{f'8B units@{v2.DEFAULT_UNIT}':>14}")
-    timing = {}
+    timing, sames = {}, []
     for quality, (step, _) in QUALITY_BY_AXES[calmod.axes(cal)].items():
         b1 = 0
         b2 = {u: 0 for u in units}
         n_units = {u: 0 for u in units}
-        live = coded = 0
+        live = coded = same = 0
         t1e = t1d = t2e = t2d = 0.0
         for _, pos, raw in chunks:  # v1 and v2 in turn, chunk by chunk (paired on this shared host)
             p1, te = timed(lambda: native.encode_chunk(raw, "bfloat16", cal, step, SINKS, pos, 16, threads=1))
-            _, td = timed(lambda: native.decode_chunk(p1, raw.shape, "bfloat16", cal, step, pos, threads=1))
+            out1, td = timed(lambda: native.decode_chunk(p1, raw.shape, "bfloat16", cal, step, pos, threads=1))
             b1 += len(p1)
             t1e, t1d = t1e + te, t1d + td
             for u in units:
@@ -95,7 +113,9 @@ def main(argv=None):
                 lay = v2.parse(p2, raw.shape, "bfloat16")
                 n_units[u] += len(lay.spans)
                 if u == v2.DEFAULT_UNIT:
-                    _, td = timed(lambda: v2.decode_chunk(p2, raw.shape, "bfloat16", cal, step, pos))
+                    out2, td = timed(lambda: v2.decode_chunk(p2, raw.shape, "bfloat16", cal, step, pos))
+                    same += out2.tobytes() == out1.tobytes() == native.decode_chunk_v2(
+                        p2, raw.shape, "bfloat16", cal, step, pos, threads=1).tobytes()
                     t2e, t2d = t2e + te, t2d + td
                     live += int((lay.side != v2.ALL_ZERO).sum())
                     coded += lay.side.size
@@ -106,6 +126,9 @@ def main(argv=None):
               + "".join(f"{b2[u] / b1:>12.4f}x" for u in units)
               + f"{share:>7.3f}" + "".join(f"{n_units[u] / len(chunks):>13.0f}" for u in units) + f"{est_8b:>14}")
         timing[quality] = (t1e, t1d, t2e, t2d)
+        sames.append(f"{quality}: {same} of {len(chunks)}")
+    print("chunks whose values version 2 decodes (reference and native) equal to version 1's, byte for byte: "
+          + ", ".join(sames))
     mb = values * 2 / 1e6
     print(f"\nCPU seconds (process time) over the {len(chunks)} chunks, 1 thread, v1 native vs v2 reference (U={v2.DEFAULT_UNIT}), "
           f"in turn:")
