@@ -142,6 +142,45 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* encode2(kv, dtype, L, T, C, D, sinks, unit, cols, block, r, mean, weight, m2, basis, sumsq_limit, nrope, cos,
+ * sin, rope_map, freq, cost, slot_sym, threads) -> bytes: version 2's side bytes, unit lengths and streams
+ * (pca_cpu.h) */
+static PyObject *py_encode2(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *kv, *mean, *weight, *m2, *basis, *lim, *cos, *sin, *rmap, *freq, *cost, *slot;
+    pca_chunk ck;
+    memset(&ck, 0, sizeof ck);
+    int threads;
+    unsigned int unit;
+    if (!PyArg_ParseTuple(args, "OiIIIIIIIIdOOOOOIOOOOOOi", &kv, &ck.dtype, &ck.layers, &ck.tokens, &ck.channels,
+                          &ck.head_dim, &ck.sinks, &unit, &ck.cols, &ck.block, &ck.r, &mean, &weight, &m2, &basis, &lim,
+                          &ck.nrope, &cos, &sin, &rmap, &freq, &cost, &slot, &threads))
+        return NULL;
+    if (!geometry_ok(&ck)) return NULL;
+    bufs b = {.n = 0};
+    const unsigned long long L = ck.layers, C = ck.channels;
+    const void *src = take(&b, kv, 2ull * L * ck.tokens * C * elem(ck.dtype), 0, "kv");
+    if (!src || !take_common(&b, &ck, mean, m2, cos, sin, rmap, freq, cost, slot) ||
+        !(ck.weight = (const float *)take(&b, weight, 4ull * 2 * L * C, 0, "weight")) ||
+        !(ck.basis = (const int16_t *)take(&b, basis, 2ull * 2 * L * C * C, 0, "basis")) ||
+        !(ck.sumsq_limit = (const int64_t *)take(&b, lim, 8ull * 2 * L, 0, "sumsq_limit"))) {
+        release(&b);
+        return NULL;
+    }
+    uint8_t *out = NULL;
+    size_t out_len = 0;
+    char err[256] = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pca_encode_chunk_v2(src, &ck, unit, threads, &out, &out_len, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    release(&b);
+    if (rc != PCA_OK) return raise_rc(rc, err);
+    PyObject *res = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)out_len);
+    free(out);
+    return res;
+}
+
 /* decode2(payload, out, dtype, L, T, C, D, sinks, cols, block, mean, gain, m2, nrope, cos, sin, rope_map, freq,
  * cost, slot_sym, units, row_units, consumed, threads): bitstream version 2 (pca_units.inc); units int64
  * [n][6] (row, first symbol, count, stream's first byte, direction, length), row_units int32 [2L + 1],
@@ -216,6 +255,7 @@ static PyObject *py_simd(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, "encode one chunk (see kvtool/codecs/pca/native.py)"},
     {"decode", py_decode, METH_VARARGS, "decode one chunk into a buffer (see kvtool/codecs/pca/native.py)"},
+    {"encode2", py_encode2, METH_VARARGS, "encode one chunk's version-2 units (see kvtool/codecs/pca/native.py)"},
     {"decode2", py_decode2, METH_VARARGS, "decode one chunk of bitstream version 2 into a buffer (native.py)"},
     {"f32_to_f16", py_f32_to_f16, METH_O, "float32 bytes -> float16 bits as numpy rounds them"},
     {"simd", py_simd, METH_NOARGS, "the coder's widest code path: 'avx512', 'avx2' or 'portable'"},

@@ -19,7 +19,7 @@ from kvtool.codecs.pca import calibration as calmod
 from kvtool.codecs.pca import reference as v1
 from kvtool.codecs.pca import native
 from kvtool.codecs.pca import reference2 as v2
-from kvtool.errors import CodecParamsInvalid, DecodeError
+from kvtool.errors import CodecParamsInvalid, DecodeError, NonFiniteValues, UsageError
 
 from test_pca_native import random_calibration, raw_kv
 
@@ -243,6 +243,35 @@ def test_the_native_decoder_gives_the_reference_values(geometry, tokens, dtype, 
     want = v2.decode_chunk(payload, raw.shape, dtype, cal, step, position)
     for threads in (1, 3):
         assert same(native.decode_chunk_v2(payload, raw.shape, dtype, cal, step, position, threads=threads), want)
+
+
+@needs_native
+@pytest.mark.parametrize("geometry, tokens, dtype, sinks, position, step, unit",
+                         CASES + [((2, 2, 16, True), 90, "bfloat16", 4, 0, 0.6, 64),  # a basis per KV head
+                                  ((30, 3, 64), 256, "bfloat16", 4, 256, 0.8, 768),  # the default model's shape
+                                  ((2, 2, 16), 200, "bfloat16", 4, 0, 0.05, 64)])  # a fine step: escapes, shift 6
+def test_the_native_encoder_writes_the_reference_bytes(geometry, tokens, dtype, sinks, position, step, unit):
+    cal = random_calibration(*geometry) if len(geometry) == 4 or geometry[0] == 30 else cal_of(*geometry)
+    raw = raw_kv(cal, tokens, dtype, seed=tokens)
+    want = v2.encode_chunk(raw, dtype, cal, step, sinks, position, unit)
+    for threads in (1, 3):
+        assert native.encode_chunk_v2(raw, dtype, cal, step, sinks, position, unit, threads=threads) == want
+
+
+@needs_native
+def test_the_native_encoder_refuses_what_the_reference_refuses():
+    cal = cal_of(2, 2, 8)
+    raw = raw_kv(cal, 20, "float32", seed=1)
+    raw[1, 0, 2, 3] = np.inf
+    with pytest.raises(NonFiniteValues):
+        native.encode_chunk_v2(raw, "float32", cal, 1.0, 4, 0)
+    raw = raw_kv(cal, 20, "float32", seed=1, scale=4000.0)  # coefficients past 2^16 a token at the finest step
+    with pytest.raises(UsageError, match="too large"):
+        v2.encode_chunk(raw, "float32", cal, 2.0 ** -10, 4, 0)
+    with pytest.raises(UsageError, match="too large"):
+        native.encode_chunk_v2(raw, "float32", cal, 2.0 ** -10, 4, 0)
+    with pytest.raises(UsageError, match="multiple of 64"):
+        native.encode_chunk_v2(raw, "float32", cal, 1.0, 4, 0, unit=100)
 
 
 def _outcome(decode):

@@ -11,7 +11,7 @@ are kept exact. Named quality points choose the step.
 - `reference`: the coder in numpy, the spec in executable form
 - `native`: the C coder (kernels/pca_cpu.c), the same bytes and values, used when built
 - `reference2`: bitstream version 2 (independent decode units for a GPU), opt-in (codec
-  parameters `"version": 2`): the reference codes it, the native coder decodes it too
+  parameters `"version": 2`): the reference codes it, and so does the native coder (the same bytes and values)
 - here: `PcaCodec`, its parameters and quality points
 """
 
@@ -130,10 +130,9 @@ class PcaCodec(Codec):
 
         raw = kv.contiguous().view(torch.int16 if dtype == "bfloat16" else kv.dtype).numpy()
         raw = raw.view(STORAGE[dtype])
-        if p["version"] == 2:  # the reference alone encodes version 2 (no native encoder of it yet)
-            payload = reference2.encode_chunk(raw, dtype, find(p["calibration"]), p["step"], p["sinks"],
-                                              p["position"], p["unit"])
-            return payload, p
+        if p["version"] == 2:  # the native coder when built (the same bytes), else the reference
+            encode = native.encode_chunk_v2 if native.coder() is not reference else reference2.encode_chunk
+            return encode(raw, dtype, find(p["calibration"]), p["step"], p["sinks"], p["position"], p["unit"]), p
         payload = native.coder().encode_chunk(raw, dtype, find(p["calibration"]), p["step"], p["sinks"],
                                               p["position"], p["lanes"])
         return payload, p
