@@ -38,7 +38,6 @@ from bench_cachegen import CHUNK, per_item_best, real_kv, synthetic_kv  # noqa: 
 from kvtool.codecs.cachegen import cachegen_decode, cachegen_encode, cachegen_params  # noqa: E402
 from kvtool.codecs.pca import QUALITY_BY_AXES, native  # noqa: E402
 from kvtool.codecs.pca import calibration as calmod  # noqa: E402
-from kvtool.codecs.pca import reference2  # noqa: E402
 
 
 def load_calibration(path: str | None) -> calmod.Calibration:
@@ -76,10 +75,9 @@ def measure(cal, chunks, repeat, v2=False) -> dict:
         want = np.concatenate([c.float().numpy() for _, c in chunks], 2)
         rel = float(np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean()))
         rows[f"pca-{quality}"] = (sum(len(p) for p in enc), ce, cd, rel)
-        if v2:  # bitstream version 2 (format-spec/pca.md §11): encoded by its numpy reference (once a
-            # chunk: no native encoder of it yet), decoded by the native coder
-            enc2, _, ce2 = per_item_best(lambda tr: reference2.encode_chunk(tr[1], "bfloat16", cal, step, 4, tr[0]),
-                                         raws, 1)
+        if v2:  # bitstream version 2 (format-spec/pca.md §11), its native coder, after version 1 on the same chunks
+            enc2, _, ce2 = per_item_best(
+                lambda tr: native.encode_chunk_v2(tr[1], "bfloat16", cal, step, 4, tr[0], threads=1), raws, repeat)
             dec2, _, cd2 = per_item_best(
                 lambda pt: native.decode_chunk_v2(pt[0], pt[1][1].shape, "bfloat16", cal, step, pt[1][0], threads=1),
                 list(zip(enc2, raws)), repeat)
@@ -107,8 +105,7 @@ def main(argv=None):
     ap.add_argument("--calibration")
     ap.add_argument("--kv", help="a torch.save'd [2, L, T, C] bf16 tensor to use instead of running the model")
     ap.add_argument("--v2", action="store_true",
-                    help="also pca bitstream version 2 (rows pca2-*: encoded by its numpy reference, one run a chunk; "
-                         "decoded natively)")
+                    help="also pca bitstream version 2 (rows pca2-*, its native coder, format-spec/pca.md §11)")
     args = ap.parse_args(argv)
 
     cal = load_calibration(args.calibration)
