@@ -9,7 +9,8 @@ at its position. The calibration: --calibration FILE (the default model's, `kvto
 
     python bench/study_pca_v2.py --calibration CAL.kvcal --kv a.kvc b.kvc [--units 512,768,1024]
 
-`--rope-check` alone compares §11.5's RoPE tables with libm's. Also prints the units an 8B-shaped chunk (32 layers, 8 KV heads of 128, 256 tokens) would have at
+`--rope-check` alone compares §11.5's RoPE tables with libm's. Also prints the units an 8B-shaped
+chunk (32 layers, 8 KV heads of 128, 256 tokens) would have at
 the live share of components measured here (units depend on how many components are coded).
 """
 
@@ -58,7 +59,8 @@ def rope_agreement(positions: int = 1 << 17) -> None:
     0..positions-1, the usual RoPE bases and head sizes."""
     for base in (1e4, 1e5, 5e5):
         for D in (64, 128):
-            inv = (1.0 / (np.float32(base) ** (np.arange(0, D, 2, dtype=np.float32) / np.float32(D)))).astype(np.float32)
+            exponent = np.arange(0, D, 2, dtype=np.float32) / np.float32(D)
+            inv = (1.0 / (np.float32(base) ** exponent)).astype(np.float32)
             a = np.arange(positions, dtype=np.float64)[:, None] * inv.astype(np.float64)[None, :]
             s2, c2 = v2.sincos(a)
             diff = int((s2.astype(np.float32) != np.sin(a).astype(np.float32)).sum()
@@ -130,7 +132,8 @@ def main(argv=None):
     print("chunks whose values version 2 decodes (reference and native) equal to version 1's, byte for byte: "
           + ", ".join(sames))
     mb = values * 2 / 1e6
-    print(f"\nCPU seconds (process time) over the {len(chunks)} chunks, 1 thread, v1 native vs v2 reference (U={v2.DEFAULT_UNIT}), "
+    print(f"\nCPU seconds (process time) over the {len(chunks)} chunks, 1 thread, v1 native vs v2 reference "
+          f"(U={v2.DEFAULT_UNIT}), "
           f"in turn:")
     print(f"{'quality':<8}{'v1 enc MB/s':>12}{'v1 dec MB/s':>12}{'v2 enc MB/s':>12}{'v2 dec MB/s':>12}"
           f"{'v2/v1 enc':>10}{'v2/v1 dec':>10}")

@@ -259,8 +259,9 @@ def encode_chunk_v2(raw: np.ndarray, dtype: str, cal: Calibration, step: float, 
     sink_bytes = np.ascontiguousarray(raw[:, :, :n_sink]).tobytes()
     head = reference2.HEADER.pack(reference.MAGIC, reference2.FORMAT_VERSION, DTYPE_CODES[dtype],
                                   unit // reference2.UNIT_STEP, 0, rows, T, C, n_sink)
-    return b"".join([head, side, b"\0" * reference._pad4(len(side)), sink_bytes, b"\0" * reference._pad4(len(sink_bytes)),
-                     np.array([len(g) for g in regions], "<u2").tobytes()] + regions)
+    return b"".join([head, side, b"\0" * reference._pad4(len(side)), sink_bytes,
+                     b"\0" * reference._pad4(len(sink_bytes)), np.array([len(g) for g in regions], "<u2").tobytes()]
+                    + regions)
 
 
 def decode_chunk_v2(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str, cal: Calibration, step: float,
