@@ -9,7 +9,8 @@ at its position. The calibration: --calibration FILE (the default model's, `kvto
 
     python bench/study_pca_v2.py --calibration CAL.kvcal --kv a.kvc b.kvc [--units 512,768,1024]
 
-`--rope-check` alone compares §11.5's RoPE tables with libm's. Also prints the units an 8B-shaped
+`--rope-check` alone compares §11.5's RoPE tables with libm's; `--synthetic-8b` alone codes one
+random 8B-shaped chunk (its units; native against the reference). Also prints the units an 8B-shaped
 chunk (32 layers, 8 KV heads of 128, 256 tokens) would have at
 the live share of components measured here (units depend on how many components are coded).
 """
@@ -68,6 +69,35 @@ def rope_agreement(positions: int = 1 << 17) -> None:
             print(f"RoPE base {base:g}, head_dim {D}: {diff} of {2 * a.size} float32 table entries differ from libm's")
 
 
+def synthetic_8b() -> None:
+    """An 8B-shaped chunk (32 layers, 8 KV heads of 128, 256 tokens after a sequence's first) of
+    random KV over a random orthonormal calibration (every component coded): its units, and the
+    native coder against the reference on it."""
+    rng = np.random.default_rng(8)
+    L, H, D, T = 32, 8, 128, 256
+    C = H * D
+    basis = np.empty((2, L, C, C), np.int16)
+    for p in range(2):
+        for layer in range(L):
+            q, _ = np.linalg.qr(rng.standard_normal((C, C)))
+            basis[p, layer] = np.rint(q * calmod.BASIS_ONE).clip(-32767, 32767)
+    inv_freq = np.tile((1.0 / 500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32), (L, 1))
+    cal = calmod.Calibration(mean=np.zeros((2, L, C), np.float32), weight=np.ones((2, L, C), np.float32),
+                             basis=basis, inv_freq=inv_freq, head_dim=D, model="synthetic-8b")
+    x = (rng.standard_normal((2, L, T, C)) * 2).astype(np.float32)
+    raw = (x.view(np.uint32) >> 16).astype(np.uint16)  # bf16 by truncation: any bf16 input will do
+    t0 = time.perf_counter()
+    payload = native.encode_chunk_v2(raw, "bfloat16", cal, 0.8, 4, 256)
+    t1 = time.perf_counter()
+    out = native.decode_chunk_v2(payload, raw.shape, "bfloat16", cal, 0.8, 256)
+    t2 = time.perf_counter()
+    lay = v2.parse(payload, raw.shape, "bfloat16")
+    same = out.tobytes() == v2.decode_chunk(payload, raw.shape, "bfloat16", cal, 0.8, 256).tobytes()
+    print(f"8B-shaped chunk [2, {L}, {T}, {C}] at step 0.8, U={lay.unit}: {len(lay.spans)} units, "
+          f"{(lay.side != v2.ALL_ZERO).mean():.3f} of the components coded, {len(payload) * 8 / raw.size:.3f} b/v; "
+          f"native encode {t1 - t0:.2f} s, decode {t2 - t1:.2f} s (wall, 1 call); native decode == reference: {same}")
+
+
 def timed(fn):
     t0 = time.process_time()
     r = fn()
@@ -80,9 +110,13 @@ def main(argv=None):
     ap.add_argument("--kv", nargs="+")
     ap.add_argument("--units", default="512,768,1024")
     ap.add_argument("--rope-check", action="store_true", help="only compare the RoPE tables of §11.5 with libm's")
+    ap.add_argument("--synthetic-8b", action="store_true",
+                    help="only code one random 8B-shaped chunk: its units, native against the reference")
     args = ap.parse_args(argv)
     if args.rope_check:
         return rope_agreement()
+    if args.synthetic_8b:
+        return synthetic_8b()
     if not (args.calibration and args.kv):
         ap.error("--calibration and --kv are required (but with --rope-check)")
     with open(args.calibration, "rb") as f:
