@@ -55,7 +55,7 @@ STEP_MAX = 2.0 ** 10  # format-spec/pca.md §2
 TRANSFORM = "transform"
 
 
-def measure(cal, chunks, repeat) -> dict:
+def measure(cal, chunks, repeat, v2=False) -> dict:
     """{method: (payload bytes, encode CPU s, decode CPU s, relative RMSE or None)} for CacheGen and
     the four pca points, each the sum over chunks of the best of `repeat` runs."""
     rows = {}
@@ -75,6 +75,15 @@ def measure(cal, chunks, repeat) -> dict:
         want = np.concatenate([c.float().numpy() for _, c in chunks], 2)
         rel = float(np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean()))
         rows[f"pca-{quality}"] = (sum(len(p) for p in enc), ce, cd, rel)
+        if v2:  # bitstream version 2 (format-spec/pca.md §11), its native coder, after version 1 on the same chunks
+            enc2, _, ce2 = per_item_best(
+                lambda tr: native.encode_chunk_v2(tr[1], "bfloat16", cal, step, 4, tr[0], threads=1), raws, repeat)
+            dec2, _, cd2 = per_item_best(
+                lambda pt: native.decode_chunk_v2(pt[0], pt[1][1].shape, "bfloat16", cal, step, pt[1][0], threads=1),
+                list(zip(enc2, raws)), repeat)
+            got2 = np.concatenate([(d.astype(np.uint32) << 16).view(np.float32) for d in dec2], 2)
+            rel2 = float(np.sqrt(((got2 - want) ** 2).mean() / (want ** 2).mean()))
+            rows[f"pca2-{quality}"] = (sum(len(p) for p in enc2), ce2, cd2, rel2)
     # The transform alone: at the largest step every coefficient rounds to zero, so the encoder
     # turns, weights and multiplies every token, then has nothing to choose or code. Its time is a
     # ceiling on pca's encode speed with this calibration on this core (RESULTS §36).
@@ -95,6 +104,8 @@ def main(argv=None):
                          "(both see the host's slow and fast spells)")
     ap.add_argument("--calibration")
     ap.add_argument("--kv", help="a torch.save'd [2, L, T, C] bf16 tensor to use instead of running the model")
+    ap.add_argument("--v2", action="store_true",
+                    help="also pca bitstream version 2 (rows pca2-*, its native coder, format-spec/pca.md §11)")
     args = ap.parse_args(argv)
 
     cal = load_calibration(args.calibration)
@@ -110,7 +121,7 @@ def main(argv=None):
 
     rows = {}
     for _ in range(args.rounds):  # CacheGen and pca in turn, each method's fastest round kept
-        for name, row in measure(cal, chunks, args.repeat).items():
+        for name, row in measure(cal, chunks, args.repeat, args.v2).items():
             rows[name] = row if name not in rows else (row[0], min(rows[name][1], row[1]),
                                                        min(rows[name][2], row[2]), row[3])
     nvals = sum(c.numel() for _, c in chunks)
@@ -121,6 +132,10 @@ def main(argv=None):
               f"{'' if rel is None else f'{rel:.4f}':>9}")
     cg = rows["cachegen"]
     points = [r for k, r in rows.items() if k.startswith("pca-")]
+    for quality in (q for q in QUALITY_BY_AXES[calmod.axes(cal)] if f"pca2-{q}" in rows):
+        one, two = rows[f"pca-{quality}"], rows[f"pca2-{quality}"]
+        print(f"pca2-{quality} / pca-{quality}: bits {two[0] / one[0]:.4f}x, encode speed {one[1] / two[1]:.3f}x, "
+              f"decode speed {one[2] / two[2]:.3f}x")
     worst_enc = min(cg[1] / r[1] for r in points)
     worst_dec = min(cg[2] / r[2] for r in points)
     print(f"\npca / cachegen per core, worst quality point: encode {worst_enc:.2f}x, decode {worst_dec:.2f}x "

@@ -95,6 +95,9 @@ def parse_args(argv=None):
     ap.add_argument("--md", default=str(_HERE / "RD_RESULTS.md"), help="markdown output ('' = none)")
     ap.add_argument("--png", default=str(_HERE / "rd_curve.png"), help="plot output ('' = none)")
     ap.add_argument("--json", default="", help="also write per-window results as JSON")
+    ap.add_argument("--save-kv", default="",
+                    help="also torch.save the exact KV of each kind's first window here ({kind: [2, L, T, C] bf16}), "
+                         "for studies of the codecs on the same KV without the model")
     ap.add_argument("--pca-steps", default="",
                     help="comma-separated extra pca quantizer steps, as rows pca-step-<step> (calibration as below)")
     ap.add_argument("--pca-calibration", default="",
@@ -303,7 +306,7 @@ def kivi_transform(bits, group=32):
     return run
 
 
-PCA_ROWS = ("pca-99", "pca-97", "pca-95", "pca-89")
+PCA_ROWS = ("pca-99", "pca-97", "pca-95", "pca-89", "pca2-99", "pca2-97", "pca2-95", "pca2-89")
 
 
 def pca_calibration(model, args):
@@ -335,6 +338,10 @@ def build_rows(pca_digest=None, pca_steps=()):
     cg = lambda bins: cachegen_params(bins=bins)  # noqa: E731
     pca = [(f"pca-{q}", f"kvtool pca, quality {q} (step {params_for(pca_digest, q)['step']})",
             codec_transform("pca", params_for(pca_digest, q))) for q in ("99", "97", "95", "89")] if pca_digest else []
+    # bitstream version 2 (independent decode units, format-spec/pca.md §11): the same quantizer
+    pca += [(f"pca2-{q}", f"kvtool pca bitstream v2, quality {q} (step {params_for(pca_digest, q)['step']})",
+             codec_transform("pca", params_for(pca_digest, q, version=2))) for q in ("99", "97", "95", "89")] \
+        if pca_digest else []
     pca += [(f"pca-step-{step:g}", f"kvtool pca, step {step:g}",
              codec_transform("pca", {**{k: v for k, v in params_for(pca_digest, "97").items() if k != "quality"}, "step": step}))
             for step in pca_steps] if pca_digest else []
@@ -424,10 +431,14 @@ def run(args):
           flush=True)
     results = {name: [] for name, _, _ in rows}
     checks = []
+    saved_kv = {}
     for wi, w in enumerate(windows):
         t0 = time.perf_counter()
         ctx, cont = w["context"], w["continuation"]
         kv = capture_context(model, ctx)  # [2, L, T, C] bf16, T = len(ctx)
+        if args.save_kv and w["kind"] not in saved_kv:
+            saved_kv[w["kind"]] = kv.clone()
+            torch.save(saved_kv, args.save_kv)
         values = kv.numel()
         ref = teacher_forced_eval(model, ctx, cont, kv=kv, kv_dtype=torch.bfloat16, prefill_chunk=CHUNK)
         ref_greedy = greedy_match(model, ctx, kv, None, args.greedy)

@@ -255,12 +255,11 @@ static void inverse_rows(const geo *g, uint32_t row, const int32_t *y, size_t ys
     }
 }
 
-static int decode_row(const geo *g, uint32_t row, const row_in *ri, uint32_t N, dscratch *s, rans_state *st,
-                      int stepped, uint8_t *out, char *msg, size_t msglen) {
+/* a row's values from its coefficients (s->q, pair-major, and s->last): the inverse transform and
+ * the inverse of the forward step, into out */
+static void row_values(const geo *g, uint32_t row, dscratch *s, uint8_t *out) {
     const pca_chunk *ck = g->ck;
     const uint32_t C = ck->channels;
-    int rc = decode_symbols(g, ri, N, s, st, stepped, msg, msglen);
-    if (rc != PCA_OK) return rc;
     const int16_t *m2 = ck->m2 + (size_t)row * (C / 2) * ck->cols * 2;
     for (uint32_t b = 0; b < g->Tp / PCA_TB; b++) { /* pairs of components up to the block's last nonzero */
         uint32_t last = 0;
@@ -282,6 +281,13 @@ static int decode_row(const geo *g, uint32_t row, const row_in *ri, uint32_t N, 
                        ck->cols);
         inverse_rows(g, row, s->y, ck->cols, t0, nt, out);
     }
+}
+
+static int decode_row(const geo *g, uint32_t row, const row_in *ri, uint32_t N, dscratch *s, rans_state *st,
+                      int stepped, uint8_t *out, char *msg, size_t msglen) {
+    int rc = decode_symbols(g, ri, N, s, st, stepped, msg, msglen);
+    if (rc != PCA_OK) return rc;
+    row_values(g, row, s, out);
     return PCA_OK;
 }
 
@@ -877,3 +883,5 @@ int pca_decode_chunk(const uint8_t *p, size_t len, const pca_chunk *ck, void *ou
     }
     return PCA_OK;
 }
+
+#include "pca_units.inc" /* bitstream version 2: independent units (format-spec/pca.md §11) */

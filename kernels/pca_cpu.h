@@ -61,6 +61,20 @@ int pca_encode_chunk(const void *kv, const pca_chunk *ck, int threads, uint8_t *
 int pca_decode_chunk(const uint8_t *payload, size_t len, const pca_chunk *ck, void *out, int threads,
                      char *err, size_t errlen);
 
+/* Decode a version-2 payload (format-spec/pca.md §11) into out, but for its sinks: units [n][6]
+ * (row, first symbol, count, stream's first byte, direction +-1, length) and row_units [2L + 1]
+ * (row r's units are row_units[r] .. row_units[r + 1] - 1) as the caller parsed them from the
+ * payload; consumed[u] (out): unit u's stream bytes used, for the caller's check of each region. */
+int pca_decode_chunk_v2(const uint8_t *payload, size_t len, const pca_chunk *ck, const int64_t *units, uint32_t nunits,
+                        const int32_t *row_units, int64_t *consumed, void *out, int threads, char *err,
+                        size_t errlen);
+
+/* Encode a version-2 chunk's units (units of `unit` symbols): on PCA_OK *out (malloc'ed) holds the
+ * side bytes [2L][C], a u32 unit count, each unit's u32 stream length, then the streams in unit
+ * order (kvtool/codecs/pca/native.py lays them out in regions). */
+int pca_encode_chunk_v2(const void *kv, const pca_chunk *ck, uint32_t unit, int threads, uint8_t **out,
+                        size_t *out_len, char *err, size_t errlen);
+
 /* f32 -> f16 bits as numpy's astype(float16) does (round to nearest even, NaN payloads kept):
  * exposed for the tests. */
 uint16_t pca_f32_to_f16(float f);

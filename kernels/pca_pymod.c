@@ -20,7 +20,7 @@ static PyObject *raise_rc(int rc, const char *msg) {
     return NULL;
 }
 
-#define NBUF 12
+#define NBUF 16
 typedef struct { Py_buffer v[NBUF]; int n; } bufs;
 
 static void release(bufs *b) {
@@ -142,6 +142,90 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* encode2(kv, dtype, L, T, C, D, sinks, unit, cols, block, r, mean, weight, m2, basis, sumsq_limit, nrope, cos,
+ * sin, rope_map, freq, cost, slot_sym, threads) -> bytes: version 2's side bytes, unit lengths and streams
+ * (pca_cpu.h) */
+static PyObject *py_encode2(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *kv, *mean, *weight, *m2, *basis, *lim, *cos, *sin, *rmap, *freq, *cost, *slot;
+    pca_chunk ck;
+    memset(&ck, 0, sizeof ck);
+    int threads;
+    unsigned int unit;
+    if (!PyArg_ParseTuple(args, "OiIIIIIIIIdOOOOOIOOOOOOi", &kv, &ck.dtype, &ck.layers, &ck.tokens, &ck.channels,
+                          &ck.head_dim, &ck.sinks, &unit, &ck.cols, &ck.block, &ck.r, &mean, &weight, &m2, &basis, &lim,
+                          &ck.nrope, &cos, &sin, &rmap, &freq, &cost, &slot, &threads))
+        return NULL;
+    if (!geometry_ok(&ck)) return NULL;
+    bufs b = {.n = 0};
+    const unsigned long long L = ck.layers, C = ck.channels;
+    const void *src = take(&b, kv, 2ull * L * ck.tokens * C * elem(ck.dtype), 0, "kv");
+    if (!src || !take_common(&b, &ck, mean, m2, cos, sin, rmap, freq, cost, slot) ||
+        !(ck.weight = (const float *)take(&b, weight, 4ull * 2 * L * C, 0, "weight")) ||
+        !(ck.basis = (const int16_t *)take(&b, basis, 2ull * 2 * L * C * C, 0, "basis")) ||
+        !(ck.sumsq_limit = (const int64_t *)take(&b, lim, 8ull * 2 * L, 0, "sumsq_limit"))) {
+        release(&b);
+        return NULL;
+    }
+    uint8_t *out = NULL;
+    size_t out_len = 0;
+    char err[256] = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pca_encode_chunk_v2(src, &ck, unit, threads, &out, &out_len, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    release(&b);
+    if (rc != PCA_OK) return raise_rc(rc, err);
+    PyObject *res = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)out_len);
+    free(out);
+    return res;
+}
+
+/* decode2(payload, out, dtype, L, T, C, D, sinks, cols, block, mean, gain, m2, nrope, cos, sin, rope_map, freq,
+ * cost, slot_sym, units, row_units, consumed, threads): bitstream version 2 (pca_units.inc); units int64
+ * [n][6] (row, first symbol, count, stream's first byte, direction, length), row_units int32 [2L + 1],
+ * consumed int64 [n] (out: each unit's stream bytes used); the sinks are the caller's */
+static PyObject *py_decode2(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *payload, *out, *mean, *gain, *m2, *cos, *sin, *rmap, *freq, *cost, *slot, *units, *row_units, *consumed;
+    pca_chunk ck;
+    memset(&ck, 0, sizeof ck);
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOiIIIIIIIOOOIOOOOOOOOOi", &payload, &out, &ck.dtype, &ck.layers, &ck.tokens,
+                          &ck.channels, &ck.head_dim, &ck.sinks, &ck.cols, &ck.block, &mean, &gain, &m2, &ck.nrope, &cos,
+                          &sin, &rmap, &freq, &cost, &slot, &units, &row_units, &consumed, &threads))
+        return NULL;
+    if (!geometry_ok(&ck)) return NULL;
+    bufs b = {.n = 0};
+    Py_buffer *pl = &b.v[b.n];
+    if (PyObject_GetBuffer(payload, pl, PyBUF_SIMPLE) < 0) return NULL;
+    b.n++;
+    const unsigned long long L = ck.layers, C = ck.channels;
+    Py_buffer *ub = &b.v[b.n];
+    if (PyObject_GetBuffer(units, ub, PyBUF_C_CONTIGUOUS) < 0) { release(&b); return NULL; }
+    b.n++;
+    const unsigned long long n = (unsigned long long)ub->len / 48;
+    void *dst = (void *)take(&b, out, 2ull * L * ck.tokens * C * elem(ck.dtype), 1, "out");
+    const int32_t *ru = dst ? (const int32_t *)take(&b, row_units, 4ull * (2 * L + 1), 0, "row_units") : NULL;
+    int64_t *used = ru ? (int64_t *)take(&b, consumed, 8ull * n, 1, "consumed") : NULL;
+    if (!used || (unsigned long long)ub->len != 48 * n || n >= (1ull << 31) ||
+        !take_common(&b, &ck, mean, m2, cos, sin, rmap, freq, cost, slot) ||
+        !(ck.gain = (const float *)take(&b, gain, 4ull * 2 * L * C, 0, "gain"))) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "units: not [n][6] int64");
+        release(&b);
+        return NULL;
+    }
+    char err[256] = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pca_decode_chunk_v2((const uint8_t *)pl->buf, (size_t)pl->len, &ck, (const int64_t *)ub->buf, (uint32_t)n, ru,
+                             used, dst, threads, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    release(&b);
+    if (rc != PCA_OK) return raise_rc(rc, err);
+    Py_RETURN_NONE;
+}
+
 /* f32_to_f16(bytes of float32) -> bytes of float16 bits: the decoder's rounding, for the tests */
 static PyObject *py_f32_to_f16(PyObject *self, PyObject *arg) {
     (void)self;
@@ -171,6 +255,8 @@ static PyObject *py_simd(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, "encode one chunk (see kvtool/codecs/pca/native.py)"},
     {"decode", py_decode, METH_VARARGS, "decode one chunk into a buffer (see kvtool/codecs/pca/native.py)"},
+    {"encode2", py_encode2, METH_VARARGS, "encode one chunk's version-2 units (see kvtool/codecs/pca/native.py)"},
+    {"decode2", py_decode2, METH_VARARGS, "decode one chunk of bitstream version 2 into a buffer (native.py)"},
     {"f32_to_f16", py_f32_to_f16, METH_O, "float32 bytes -> float16 bits as numpy rounds them"},
     {"simd", py_simd, METH_NOARGS, "the coder's widest code path: 'avx512', 'avx2' or 'portable'"},
     {NULL, NULL, 0, NULL},

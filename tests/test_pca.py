@@ -163,7 +163,8 @@ def test_non_finite_input_is_refused(cal):
     ({"position": 1.5}, "position"),
     ({"quality": "98"}, "quality"),
     ({"colour": 1}, "unknown"),
-    ({"version": 2}, "version"),
+    ({"version": 3}, "version"),
+    ({"version": 2}, "lanes"),  # version 2 codes in units, not lanes (format-spec/pca.md §11)
 ])
 def test_bad_parameters_are_one_named_error(bad, match):
     good = {"version": 1, "calibration": "a" * 64, "quality": "97", "step": 0.9, "sinks": 4, "lanes": 16, "position": 0}

@@ -10,6 +10,8 @@ are kept exact. Named quality points choose the step.
 - `fit`: learning one from samples (`kvtool.ops.calibrate` runs the model)
 - `reference`: the coder in numpy, the spec in executable form
 - `native`: the C coder (kernels/pca_cpu.c), the same bytes and values, used when built
+- `reference2`: bitstream version 2 (independent decode units for a GPU), opt-in (codec
+  parameters `"version": 2`): the reference codes it, and so does the native coder (the same bytes and values)
 - here: `PcaCodec`, its parameters and quality points
 """
 
@@ -22,15 +24,17 @@ import numpy as np
 
 from ...errors import CodecParamsInvalid, DecodeError
 from ..base import Codec
-from . import native, reference
+from . import native, reference, reference2
 from .calibration import find
 
 if TYPE_CHECKING:
     import torch
 
-PARAMS_VERSION = 1
+PARAMS_VERSION = 2  # what this build reads: 1 (rANS lanes per row) and 2 (independent units)
+WRITE_VERSION = 1  # what a writer records by default: version 2 is opt-in (format-spec/pca.md §11.7)
 DEFAULT_SINKS = 4
 DEFAULT_LANES = 16
+DEFAULT_UNIT = reference2.DEFAULT_UNIT  # version 2's symbols per unit
 #: quality name -> (step, the top-1 agreement `verify --replay` holds a file to), for each kind of
 #: calibration (`calibration.axes`): the steps are bench_rd's (bench/RESULTS.md §32 for axes per
 #: layer, `kvtool calibrate`'s default; §34 for axes per KV head), each name a mean agreement its step
@@ -53,13 +57,15 @@ def quality_points(calibration: str) -> dict[str, tuple[float, float]]:
     return QUALITY_BY_AXES[axes(find(calibration))]
 
 
-def params_for(calibration: str, quality: str = DEFAULT_QUALITY, sinks: int = DEFAULT_SINKS) -> dict[str, Any]:
+def params_for(calibration: str, quality: str = DEFAULT_QUALITY, sinks: int = DEFAULT_SINKS,
+               version: int = WRITE_VERSION) -> dict[str, Any]:
     """The parameters of a named quality point with this calibration object (it must be here:
-    the step depends on how its axes were learned)."""
+    the step depends on how its axes were learned), for bitstream `version` 1 or 2."""
     if quality not in QUALITY:
         raise CodecParamsInvalid(f"pca: quality {quality!r} is not one of {', '.join(QUALITY)}")
-    return {"version": PARAMS_VERSION, "calibration": calibration, "quality": quality,
-            "step": quality_points(calibration)[quality][0], "sinks": sinks, "lanes": DEFAULT_LANES, "position": 0}
+    layout = {"lanes": DEFAULT_LANES} if version == 1 else {"unit": DEFAULT_UNIT}
+    return {"version": version, "calibration": calibration, "quality": quality,
+            "step": quality_points(calibration)[quality][0], "sinks": sinks, **layout, "position": 0}
 
 
 class PcaCodec(Codec):
@@ -76,7 +82,9 @@ class PcaCodec(Codec):
         """A normalised copy of `params`; every field checked for its type and range here, where a
         manifest's parameters are parsed, so nothing downstream meets a list where a name was due."""
         p = self._check_version(params)
-        known = {"version", "calibration", "quality", "step", "sinks", "lanes", "position"}
+        # version 1 codes a row's symbols in `lanes`, version 2 in units of `unit` symbols
+        known = {"version", "calibration", "quality", "step", "sinks", "position",
+                 "lanes" if p["version"] == 1 else "unit"}
         if set(p) - known:
             raise CodecParamsInvalid(f"pca: unknown parameters {_shown(sorted(set(p) - known))}")
         quality = p.get("quality")
@@ -95,11 +103,14 @@ class PcaCodec(Codec):
                 or not 2.0 ** -10 <= step <= 2.0 ** 10:
             raise CodecParamsInvalid("pca: 'step' must be a number in [2^-10, 2^10]")
         p["step"] = float(step)
-        for key, default, low, high in (("sinks", DEFAULT_SINKS, 0, 1 << 20), ("lanes", DEFAULT_LANES, 1, 64),
-                                        ("position", 0, 0, 1 << 40)):
+        layout = ("lanes", DEFAULT_LANES, 1, 64) if p["version"] == 1 else \
+            ("unit", DEFAULT_UNIT, reference2.UNIT_STEP, reference2.UNIT_MAX)
+        for key, default, low, high in (("sinks", DEFAULT_SINKS, 0, 1 << 20), layout, ("position", 0, 0, 1 << 40)):
             value = p.setdefault(key, default)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise CodecParamsInvalid(f"pca: '{key}' must be an integer in [{low}, {high}]")
+        if p["version"] == 2 and p["unit"] % reference2.UNIT_STEP:
+            raise CodecParamsInvalid(f"pca: 'unit' must be a multiple of {reference2.UNIT_STEP}")
         return p
 
     def check_position(self, params: dict[str, Any], position: int) -> None:
@@ -119,6 +130,9 @@ class PcaCodec(Codec):
 
         raw = kv.contiguous().view(torch.int16 if dtype == "bfloat16" else kv.dtype).numpy()
         raw = raw.view(STORAGE[dtype])
+        if p["version"] == 2:  # the native coder when built (the same bytes), else the reference
+            encode = native.encode_chunk_v2 if native.coder() is not reference else reference2.encode_chunk
+            return encode(raw, dtype, find(p["calibration"]), p["step"], p["sinks"], p["position"], p["unit"]), p
         payload = native.coder().encode_chunk(raw, dtype, find(p["calibration"]), p["step"], p["sinks"],
                                               p["position"], p["lanes"])
         return payload, p
@@ -129,6 +143,9 @@ class PcaCodec(Codec):
         if dtype not in STORAGE:
             raise CodecParamsInvalid(f"pca: KV dtype {dtype} is not one of {', '.join(STORAGE)}")
         check_header_against_params(payload, shape, p)
+        if p["version"] == 2:  # the native decoder when built (the same values), else the reference
+            decode = native.decode_chunk_v2 if native.coder() is not reference else reference2.decode_chunk
+            return decode(payload, tuple(shape), dtype, find(p["calibration"]), p["step"], p["position"])
         return native.coder().decode_chunk(payload, tuple(shape), dtype, find(p["calibration"]), p["step"],
                                            p["position"])
 
@@ -137,7 +154,8 @@ class PcaCodec(Codec):
         p = self.validate_params(params)
         check_header_against_params(payload, shape, p)
         dtype = {v: k for k, v in reference.DTYPE_CODES.items()}.get(payload[5] if len(payload) > 5 else -1)
-        stats = reference.payload_stats(payload, tuple(shape), dtype or "bfloat16")
+        coder = reference2 if p["version"] == 2 else reference
+        stats = coder.payload_stats(payload, tuple(shape), dtype or "bfloat16")
         stats["ratio_vs_bf16"] = 16.0 / stats["bits_per_value"]
         stats["params"] = p
         return stats
@@ -164,10 +182,20 @@ def check_header_against_params(payload: memoryview | bytes, shape: tuple[int, .
     if len(payload) < reference.HEADER.size:
         return
     fields = reference.HEADER.unpack_from(payload, 0)
-    if fields[0] != reference.MAGIC or fields[1] != reference.FORMAT_VERSION:
-        return  # not a version-1 header: the coder says so
-    lanes, n_sink = fields[3], fields[8]
+    if fields[0] != reference.MAGIC or fields[1] not in (1, 2):
+        return  # not a pca header: the coder says so
+    if fields[1] != params["version"]:
+        raise DecodeError(f"pca: the payload is bitstream version {fields[1]}, its codec parameters version "
+                          f"{params['version']}")
     sinks = min(shape[2], max(0, params["sinks"] - params["position"]))
+    if params["version"] == 2:
+        unit, n_sink = fields[3] * reference2.UNIT_STEP, fields[8]
+        if unit != params["unit"] or n_sink != sinks:
+            raise DecodeError(f"pca: the payload's header holds units of {unit} symbols and {n_sink} sink tokens, "
+                              f"its codec parameters {params['unit']} and {sinks} (sinks {params['sinks']} from "
+                              f"position {params['position']})")
+        return
+    lanes, n_sink = fields[3], fields[8]
     if lanes != params["lanes"] or n_sink != sinks:
         raise DecodeError(f"pca: the payload's header holds {lanes} lanes and {n_sink} sink tokens, its codec "
                           f"parameters {params['lanes']} lanes and {sinks} (sinks {params['sinks']} from position "

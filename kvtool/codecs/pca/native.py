@@ -210,3 +210,100 @@ def decode_chunk(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str
     except mod.CorruptError as exc:
         raise DecodeError(f"pca: {exc}") from None
     return out
+
+
+# --------------------------------------------------------------------------- bitstream version 2
+def encode_chunk_v2(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sinks: int, start: int,
+                    unit: int | None = None, threads: int | None = None) -> bytes:
+    """As reference2.encode_chunk: the C coder gives the side bytes and every unit's stream
+    (version 1's transform and choice, then each unit's raw bits and rANS); the regions, the
+    table and the header are laid out here."""
+    from . import reference2
+
+    mod = native_module(warn=False)
+    if mod is None:
+        raise UsageError("pca: the native coder is not built (pip install -e .)")
+    unit = reference2.DEFAULT_UNIT if unit is None else unit
+    if not (reference2.UNIT_STEP <= unit <= reference2.UNIT_MAX and unit % reference2.UNIT_STEP == 0):
+        raise UsageError(f"pca: a unit's symbols must be a multiple of {reference2.UNIT_STEP} up to "
+                         f"{reference2.UNIT_MAX}")
+    _, L, T, C = raw.shape
+    if cal.layers != L or cal.channels != C:
+        raise UsageError(f"pca: the calibration is for {cal.layers} layers x {cal.channels} channels, the chunk "
+                         f"has {L} x {C}")
+    prep = prepared(cal)
+    n_sink = min(T, max(0, sinks - start))
+    cos, sin = reference2.rope_tables(prep.rope, start + n_sink, T - n_sink)  # type: ignore[arg-type]
+    r = 1.0 / (float(step) * float(1 << (reference.U_FRACTION + 14)))
+    data = np.ascontiguousarray(raw).view(_STORAGE[dtype])
+    try:
+        blob = mod.encode2(data, DTYPE_CODES[dtype], L, T, C, cal.head_dim, n_sink, unit, prep.cols, prep.block, r,
+                           prep.mean, prep.weight, prep.m2_encode, prep.basis, prep.sumsq_limit,
+                           len(prep.rope.inv_freq), np.ascontiguousarray(cos), np.ascontiguousarray(sin),
+                           prep.rope_map, FREQ, COST, SLOT_SYM, _threads(threads))
+    except mod.NonFiniteError:
+        raise NonFiniteValues("pca: the KV input holds NaN or infinity") from None
+    except mod.RangeError as exc:
+        raise UsageError(f"pca: a token's coefficients are too large for step {step} (sum of |q| {exc} > "
+                         f"{reference.TOKEN_L1_LIMIT}); use a larger step or another codec") from None
+    rows = 2 * L
+    side = blob[:rows * C]
+    n = struct.unpack_from("<I", blob, rows * C)[0]
+    lens = np.frombuffer(blob, "<u4", count=n, offset=rows * C + 4).astype(np.int64)
+    at = rows * C + 4 + 4 * n
+    ends = at + np.cumsum(lens)
+    streams = [blob[e - k:e] for e, k in zip(ends.tolist(), lens.tolist())]
+    regions = [streams[i] + (streams[i + 1][::-1] if i + 1 < n else b"") for i in range(0, n, 2)]
+    if any(len(g) > 0xFFFF for g in regions):
+        raise UsageError("pca: a pair of units exceeds 65535 bytes (use a smaller unit)")
+    sink_bytes = np.ascontiguousarray(raw[:, :, :n_sink]).tobytes()
+    head = reference2.HEADER.pack(reference.MAGIC, reference2.FORMAT_VERSION, DTYPE_CODES[dtype],
+                                  unit // reference2.UNIT_STEP, 0, rows, T, C, n_sink)
+    return b"".join([head, side, b"\0" * reference._pad4(len(side)), sink_bytes,
+                     b"\0" * reference._pad4(len(sink_bytes)), np.array([len(g) for g in regions], "<u2").tobytes()]
+                    + regions)
+
+
+def decode_chunk_v2(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str, cal: Calibration, step: float,
+                    start: int, threads: int | None = None) -> np.ndarray:
+    """As reference2.decode_chunk: the header, side bytes and region table parsed here (as the
+    reference parses them), every unit decoded by the C coder, which reports the stream bytes
+    each unit used; each region must be filled exactly by its units."""
+    from . import reference2
+
+    mod = native_module(warn=False)
+    if mod is None:
+        raise UsageError("pca: the native coder is not built (pip install -e .)")
+    _, L, T, C = shape
+    if cal.layers != L or cal.channels != C:
+        raise DecodeError(f"pca: the calibration is for {cal.layers} layers x {cal.channels} channels, the chunk "
+                          f"has {L} x {C}")
+    lay = reference2.parse(payload, shape, dtype)
+    prep = prepared(cal)
+    n = len(lay.spans)
+    units = np.zeros((n, 6), np.int64)
+    if n:
+        spans = lay.spans
+        pair = np.arange(n) // 2
+        back = np.arange(n) % 2 == 1
+        units[:, :3] = spans
+        units[:, 3] = np.where(back, lay.reg_at[pair] + lay.reg_len[pair] - 1, lay.reg_at[pair])
+        units[:, 4] = np.where(back, -1, 1)
+        units[:, 5] = lay.reg_len[pair]
+    row_units = np.searchsorted(units[:, 0], np.arange(2 * L + 1), side="left").astype(np.int32)
+    consumed = np.zeros(n, np.int64)
+    cos, sin = reference2.rope_tables(prep.rope, start + lay.n_sink, lay.Tc)  # type: ignore[arg-type]
+    out = np.empty((2, L, T, C), dtype=_OUT[dtype])
+    try:
+        mod.decode2(payload, out.view(_STORAGE[dtype]), DTYPE_CODES[dtype], L, T, C, cal.head_dim, lay.n_sink,
+                    prep.cols, prep.block, prep.mean, prep.gain(cal, step), prep.m2_decode, len(prep.rope.inv_freq),
+                    np.ascontiguousarray(cos), np.ascontiguousarray(sin), prep.rope_map, FREQ, COST, SLOT_SYM, units,
+                    row_units, consumed, _threads(threads))
+    except mod.CorruptError as exc:
+        raise DecodeError(f"pca: {exc}") from None
+    if n and (np.bincount(np.arange(n) // 2, consumed) != lay.reg_len).any():
+        raise DecodeError("pca: a pair of units does not fill its region exactly")
+    storage = _OUT[dtype]
+    out[:, :, :lay.n_sink] = np.frombuffer(bytes(payload[lay.sink_at:lay.sink_at + out[:, :, :lay.n_sink].nbytes]),
+                                           storage).reshape(2, L, lay.n_sink, C)
+    return out

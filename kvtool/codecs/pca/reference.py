@@ -52,9 +52,10 @@ def _turn(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, head_dim: int, back: 
     return np.concatenate([first, second], -1).reshape(L, T, C).astype(np.float32)
 
 
-def forward(x: np.ndarray, cal: Calibration, start: int, step: float) -> np.ndarray:
-    """Coefficients q int64 [2, L, T, C] of x float32 [2, L, T, C] (positions start..)."""
-    cos, sin = rope_tables(cal, start, x.shape[2])
+def forward(x: np.ndarray, cal: Calibration, start: int, step: float, tables=None) -> np.ndarray:
+    """Coefficients q int64 [2, L, T, C] of x float32 [2, L, T, C] (positions start..); `tables`:
+    (cos, sin) of those positions when not version 1's (`rope_tables`)."""
+    cos, sin = tables if tables is not None else rope_tables(cal, start, x.shape[2])
     out = np.empty(x.shape, dtype=np.int64)
     r = 1.0 / (float(step) * float(1 << (U_FRACTION + 14)))
     for part in range(2):
@@ -75,9 +76,10 @@ def gains(cal: Calibration, step: float) -> np.ndarray:
     return (float(step) / (16384.0 * cal.weight.astype(np.float64))).astype(np.float32)
 
 
-def inverse(q: np.ndarray, cal: Calibration, start: int, step: float) -> np.ndarray:
-    """float32 [2, L, T, C] from coefficients q [2, L, T, C] (|q| bounded as forward bounds it)."""
-    cos, sin = rope_tables(cal, start, q.shape[2])
+def inverse(q: np.ndarray, cal: Calibration, start: int, step: float, tables=None) -> np.ndarray:
+    """float32 [2, L, T, C] from coefficients q [2, L, T, C] (|q| bounded as forward bounds it);
+    `tables` as for `forward`."""
+    cos, sin = tables if tables is not None else rope_tables(cal, start, q.shape[2])
     h = gains(cal, step)
     out = np.empty(q.shape, dtype=np.float32)
     for part in range(2):

@@ -1,0 +1,74 @@
+"""The pca version-2 test vectors (format-spec/vectors/pca/v2, format-spec/pca.md §11.8): the
+reference coder reproduces their payloads and decoded values byte for byte, their RoPE tables are
+§11.5's, their unit lists are what the payloads' side bytes and unit tables give, and every unit
+decodes alone to what the whole chunk's decoder gives."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtool.codecs.pca import PcaCodec
+from kvtool.codecs.pca import reference2 as v2
+
+HERE = Path(__file__).resolve().parents[1] / "format-spec" / "vectors" / "pca" / "v2"
+_spec = importlib.util.spec_from_file_location("make_pca_v2_vectors", HERE / "make_pca_v2_vectors.py")
+mv = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mv)
+
+ALL = list(mv.FROM_V1) + [mv.MANY]
+
+
+def vector(name: str) -> dict:
+    meta = json.loads((HERE / f"{name}.json").read_text())
+    storage = mv.STORAGE[meta["dtype"]]
+    return dict(meta, raw=np.fromfile(HERE / f"{name}.in.bin", storage).reshape(meta["shape"]),
+                payload=(HERE / f"{name}.payload.bin").read_bytes(),
+                out=np.fromfile(HERE / f"{name}.out.bin", storage).reshape(meta["shape"]),
+                cal=mv.calibration(meta["params"]["calibration"]))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_reference_writes_and_reads_each_vector_byte_for_byte(name):
+    v = vector(name)
+    p = v["params"]
+    assert PcaCodec().validate_params(dict(p)) == p  # complete version-2 parameters, nothing unknown
+    assert hashlib.sha256(v["payload"]).hexdigest() == v["payload_sha256"]
+    payload = v2.encode_chunk(v["raw"], v["dtype"], v["cal"], p["step"], p["sinks"], p["position"],
+                              p["unit"])
+    assert payload == v["payload"]
+    out = v2.decode_chunk(v["payload"], tuple(v["shape"]), v["dtype"], v["cal"], p["step"], p["position"])
+    assert out.tobytes() == v["out"].tobytes()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_each_unit_alone_and_the_listed_layout(name):
+    v = vector(name)
+    shape, dtype = tuple(v["shape"]), v["dtype"]
+    lay, q = v2.decode_coefficients(v["payload"], shape, dtype)
+    assert lay.spans.tolist() == v["units"]
+    assert [int(n) for n in lay.reg_len] == v["regions"] and len(v["regions"]) == -(-len(v["units"]) // 2)
+    for u in range(len(lay.spans)):
+        row, comp, tok, val = v2.decode_unit(v["payload"], shape, dtype, u)
+        assert np.array_equal(q[row, tok, comp], val)
+    rope = HERE / f"{name}.rope.bin"
+    assert rope.exists() == (lay.Tc > 0)
+    if lay.Tc:
+        cos, sin = v2.rope_tables(v["cal"], v["params"]["position"] + lay.n_sink, lay.Tc)
+        assert rope.read_bytes() == cos.astype("<f4").tobytes() + sin.astype("<f4").tobytes()
+
+
+def test_the_vectors_cover_what_section_11_asks():
+    units = {name: vector(name)["units"] for name in ALL}
+    assert units["bf16_sinks_only"] == []  # no coded token, no unit
+    assert len(units[mv.MANY]) >= 50 and any(n < 64 for _, _, n in units[mv.MANY])  # short last units
+    for name in mv.FROM_V1:  # the inputs are version 1's vectors'
+        assert (HERE / f"{name}.in.bin").read_bytes() == (HERE.parent / f"{name}.in.bin").read_bytes()
+    lay, q = v2.decode_coefficients(vector(mv.MANY)["payload"], (2, 2, 199, 8), "bfloat16")
+    shift = np.where(lay.side == v2.ALL_ZERO, 0, lay.side >> 5).astype(np.int64)  # [rows, C]
+    assert ((np.abs(q) >> shift[:, None, :]) >= v2.ESCAPE).any()  # escapes are coded
