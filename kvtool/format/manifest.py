@@ -477,8 +477,8 @@ def _chunk(i: int, c: Any, chunk_size: int, num_tokens: int, num_layers: int, hi
     entry = ChunkEntry(index=i, start=start, end=end, prefix_hash=prefix_hash, codec=name,
                        codec_id=codec_id, codec_params=params, blob=_blob(c, where), shape=shape,
                        dtype=dtype)
-    limit = min(layout.MAX_CHUNK_DECODED_BYTES,
-                entry.blob.length * layout.MAX_EXPANSION + layout.EXPANSION_SLACK)
+    expansion = max(layout.MAX_EXPANSION, codec.max_expansion(end - start, ITEMSIZE[dtype]))
+    limit = min(layout.MAX_CHUNK_DECODED_BYTES, entry.blob.length * expansion + layout.EXPANSION_SLACK)
     if entry.decoded_bytes > limit:
         raise ManifestInvalid(f"manifest: {where} claims {entry.decoded_bytes} decoded bytes from "
                               f"{entry.blob.length} stored bytes, beyond the format's limit")
