@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.console import Console
 
-from .options import (BinsOpt, CodecOpt, DeviceOpt, EngineOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt,
+from .options import (BinsOpt, CodecOpt, DeviceOpt, EmbedCalibrationOpt, EngineOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt,
                       NamespaceOpt, NoGenerationPromptOpt, NoShuffleOpt, OptionalStoreOpt, ShuffleOpt, shuffle_choice)
 from .output import KEPT_AS_STORED, emit, human_bytes, plural, progress, renders
 
@@ -49,7 +49,8 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
             hidden_states: HiddenOpt = False, roi: RoiOpt = None, device: DeviceOpt = "auto",
             weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False,
             no_generation_prompt: NoGenerationPromptOpt = False, segment: SegmentOpt = False,
-            namespace: NamespaceOpt = None, engine: EngineOpt = "kvtool", json: JsonOpt = False) -> None:
+            namespace: NamespaceOpt = None, engine: EngineOpt = "kvtool", embed_calibration: EmbedCalibrationOpt = False,
+            json: JsonOpt = False) -> None:
     """Run a model on a prompt through a paged KV buffer and write its KV cache."""
     # the request first, torch-free: a usage error answers at once
     from ..ops.requests import CaptureRequest, PromptCaptureRequest, prompt_metadata
@@ -57,7 +58,7 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
     what = CaptureRequest.from_options(output, codec=codec, level=level, shuffle=shuffle_choice(shuffle, no_shuffle), bins=bins, kv_dtype=dtype,
                                        chunk_size=chunk_size, block_size=block_size, hidden_states=hidden_states,
                                        roi=roi, store=store, segment=segment, namespace=namespace,
-                                       quality=quality, calibration=calibration,
+                                       quality=quality, calibration=calibration, embed_calibration=embed_calibration,
                                        metadata=prompt_metadata(chat, tokens, not no_generation_prompt))
     request = PromptCaptureRequest(what, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, chat=chat,
                                    generation_prompt=not no_generation_prompt, model=model, device=device,

@@ -41,6 +41,8 @@ QualityOpt = Annotated[Optional[str], typer.Option(
     "--quality", metavar="Q", help="pca: the operating point, 99, 97 (default), 95 or 89 (README: what each promises).")]
 CalibrationOpt = Annotated[Optional[str], typer.Option(
     "--calibration", metavar="DIGEST", help="pca: the calibration object (default: the model's, from kvtool calibrate).")]
+EmbedCalibrationOpt = Annotated[bool, typer.Option(
+    "--embed-calibration", help="pca: carry the calibration object in the file (readers need no copy of it).")]
 LevelOpt = Annotated[Optional[int], typer.Option("--level", metavar="N", help="zstd level (default 1: on shuffled KV it beats 3 in ratio and speed).")]
 ShuffleOpt = Annotated[Optional[bool], typer.Option(
     "--shuffle", help="zstd: shuffle byte planes before compressing (on by default; --no-shuffle: off).",
