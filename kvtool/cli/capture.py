@@ -27,8 +27,7 @@ HiddenOpt = Annotated[bool, typer.Option(
 ChatOpt = Annotated[bool, typer.Option(
     "--chat", help="The prompt is a user message: apply the model's chat template (as transformers does).")]
 SegmentOpt = Annotated[bool, typer.Option(
-    "--segment", help="Mark the file a position-independent segment (computed alone from position 0) to place inside "
-                      "other prompts: replay --blend.")]
+    "--segment", help="Mark the file a segment, computed alone from position 0, for replay --blend.")]
 RoiOpt = Annotated[Optional[str], typer.Option(
     "--roi", metavar="RANGES", help="A roi_mask of token ranges, e.g. '0:16,40:64' ([start, end)).")]
 # compress's --quality and --calibration, told shorter (capture's help fits a screen)
