@@ -172,3 +172,25 @@ def test_a_damaged_calibration_object_is_refused_removed_and_the_chunks_missed(w
         hit = store.for_model(identity, chunk_size=4).get_prefix(list(range(8)))
         assert hit.chunks == [] and hit.unreadable and DIGEST[:16] in hit.unreadable[0]
     assert not obj.exists() and not (reader / f"{DIGEST}.kvcal").exists()
+
+
+def test_a_closed_or_dropped_store_is_no_longer_looked_in(tmp_path, monkeypatch):
+    """A store offers its objects to pca's decoder while it is open: closed (or dropped unclosed),
+    it is neither asked nor named in the one line of a miss."""
+    import gc
+
+    from kvtool.store import open_store
+
+    as_reader_host(monkeypatch, tmp_path)
+    closed, dropped = open_store(tmp_path / "closed"), open_store(tmp_path / "dropped")
+    urls = [closed.url, dropped.url]
+    closed.close()
+    del dropped
+    gc.collect()
+    with pytest.raises(calmod.CalibrationNotFound) as err:
+        calmod.find(DIGEST)
+    assert not any(url in str(err.value) for url in urls)
+    with open_store(tmp_path / "open") as store:
+        with pytest.raises(calmod.CalibrationNotFound) as err:
+            calmod.find(DIGEST)
+        assert store.url in str(err.value)

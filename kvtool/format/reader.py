@@ -249,6 +249,7 @@ class ContainerReader:
             this = weakref.ref(self)
             self._calibration_source = calibration.add_source(
                 f"the file {self.path}", lambda digest: (r := this()) and r.calibration_bytes(digest))
+            weakref.finalize(self, calibration.remove_source, self._calibration_source)  # (one never closed)
 
     # --- metadata ---------------------------------------------------------------
 

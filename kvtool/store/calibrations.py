@@ -49,9 +49,10 @@ class CalibrationShelf:
     def __init__(self, backend: "Backend"):
         self.backend = backend
         self.published: dict[str, float] = {}  # digest -> when it was last known to be stored
-        fetch = weakref.WeakMethod(self.fetch)  # (a store dropped unclosed is not kept alive by it)
+        fetch = weakref.WeakMethod(self.fetch)  # (a store dropped unclosed is not kept alive by it...
         self.source = calmod.add_source(f"the store {backend.url}",
                                         lambda digest: (fetch() or (lambda _digest: None))(digest))
+        weakref.finalize(self, calmod.remove_source, self.source)  # ...nor listed after it is gone)
 
     def close(self) -> None:
         calmod.remove_source(self.source)
