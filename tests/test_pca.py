@@ -7,10 +7,13 @@ the coder's properties do not depend on the model; tests/test_pca_model.py runs 
 from __future__ import annotations
 
 import hashlib
+import os
 
 import numpy as np
 import pytest
 import torch
+
+import kvtool
 
 from kvtool.codecs import get_codec
 from kvtool.codecs.pca import QUALITY, QUALITY_BY_AXES, PcaCodec, params_for
@@ -173,6 +176,73 @@ def test_bad_parameters_are_one_named_error(bad, match):
         PcaCodec().validate_params(params)
 
 
+def test_parameters_without_a_step_are_refused():
+    """pca.md §2: `step` is REQUIRED, with or without a `quality`; a quality is a JSON string."""
+    good = {"version": 1, "calibration": "a" * 64, "quality": "97", "step": 0.9, "sinks": 4, "lanes": 16, "position": 0}
+    for params in ({k: v for k, v in good.items() if k != "step"},
+                   {k: v for k, v in good.items() if k not in ("step", "quality")}):
+        with pytest.raises(CodecParamsInvalid, match="'step' is required"):
+            PcaCodec().validate_params(params)
+    with pytest.raises(CodecParamsInvalid, match="quality"):
+        PcaCodec().validate_params(dict(good, quality=97))
+
+
+def test_a_constant_chunk_expands_past_1024x_and_is_written_and_read(tmp_path, monkeypatch):
+    """pca.md §8, container.md §5: a chunk whose every coefficient is zero is a few bytes per row
+    and channel (here 1,208 bytes for 8 MiB of KV, 6,944x); the container's 1024x does not bound pca,
+    tokens x itemsize does. Before, the writer refused this file (ManifestInvalid, 'beyond the
+    format's limit') and a reader would have too."""
+    from fixtures import make_identity, read_everything, write_kv_file
+
+    identity = make_identity(num_layers=1, num_kv_heads=4, head_dim=128)
+    Cw, Dw = 512, 128
+    big = calmod.Calibration(mean=np.zeros((2, 1, Cw), np.float32), weight=np.ones((2, 1, Cw), np.float32),
+                             basis=np.broadcast_to(np.eye(Cw, dtype=np.int16) * calmod.BASIS_ONE, (2, 1, Cw, Cw)).copy(),
+                             inv_freq=(1.0 / 10000 ** (np.arange(0, Dw, 2) / Dw)).astype(np.float32)[None],
+                             head_dim=Dw, model="constant").save(tmp_path)
+    monkeypatch.setenv("KVTOOL_CALIBRATION_PATH", str(tmp_path))
+    calmod._loaded.clear()
+    T = 4096
+    kv = torch.zeros(2, 1, T, Cw, dtype=torch.bfloat16)
+    params = {"version": 1, "calibration": big.digest, "step": 1.0, "sinks": 0, "lanes": 16, "position": 0}
+    f = write_kv_file(tmp_path / "c.kvc", identity=identity, num_tokens=T, chunk_size=T, codec="pca",
+                      params=params, kv=kv)
+    got = read_everything(f.path)
+    with kvtool.open(f.path) as reader:
+        (chunk,) = reader.chunks
+        assert chunk.blob.length * 1024 + (1 << 20) < chunk.decoded_bytes < chunk.blob.length * T * 2
+        assert torch.equal(reader.read_chunk(0), kv)
+    assert got is not None
+    calmod._loaded.clear()
+
+
+def test_the_search_order_is_the_spec_s(cal, tmp_path, monkeypatch):
+    """pca.md §3.1: $KVTOOL_CALIBRATION_PATH's folders in order, then $KVTOOL_CALIBRATION_DIR; the
+    first file found is read, and one whose bytes hash otherwise is refused, not skipped; a miss
+    names every place looked; `model` in the metadata is not checked against anything."""
+    name = f"{cal.digest}.kvcal"
+    good = (tmp_path / "cal" / name).read_bytes()
+    first, second = tmp_path / "p1", tmp_path / "p2"
+    second.mkdir()
+    (second / name).write_bytes(good)
+    monkeypatch.setenv("KVTOOL_CALIBRATION_PATH", os.pathsep.join([str(first), "", str(second)]))
+    assert calmod.search_path() == [first, second, tmp_path / "cal"]
+    calmod._loaded.clear()
+    assert calmod.find(cal.digest).digest == cal.digest  # from p2 (p1 has none)
+    first.mkdir()
+    (first / name).write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # p1 now holds damaged bytes
+    calmod._loaded.clear()
+    with pytest.raises(DecodeError, match="hash"):
+        calmod.find(cal.digest)
+    for folder in (first, second, tmp_path / "cal"):
+        (folder / name).unlink()
+    calmod._loaded.clear()
+    with pytest.raises(calmod.CalibrationNotFound) as err:
+        calmod.find(cal.digest)
+    assert all(str(f) in str(err.value) for f in (first, second, tmp_path / "cal"))
+    assert cal.model != "any model" and calmod.from_bytes(good, cal.digest).model == cal.model
+
+
 def test_no_default_parameters_without_a_calibration():
     with pytest.raises(CodecParamsInvalid, match="calibration"):
         PcaCodec().default_params()
@@ -250,9 +320,11 @@ def test_the_step_of_a_quality_is_its_calibrations(cal):
     one = calmod.Calibration(**{**cal.__dict__, "basis": cal.basis[:, :, :D, :D].copy(), "mean": cal.mean[..., :D].copy(),
                                 "weight": cal.weight[..., :D].copy(), "digest": ""})
     assert calmod.axes(one) == "layer"
-    # a quality without a step (hand-made parameters): the version-1 step, without looking for the object
-    p = PcaCodec().validate_params({"version": 1, "calibration": "c" * 64, "quality": "97"})
-    assert p["step"] == QUALITY_BY_AXES["layer"]["97"][0] == 0.8
+    # a quality without a step (hand-made parameters): refused (pca.md §2), since a name's step
+    # depends on the calibration: before, the per-layer step was taken and a per-head writer's chunk
+    # decoded to other values without an error
+    with pytest.raises(CodecParamsInvalid, match="'step' is required"):
+        PcaCodec().validate_params({"version": 1, "calibration": "c" * 64, "quality": "97"})
 
 
 def test_payload_stats_account_for_every_byte(cal):

@@ -115,9 +115,10 @@ def test_put_sequence_with_pca_at_each_chunks_real_position(cal_env, default_mod
 
 
 def test_a_reader_without_the_calibration_misses_and_says_why(cal_env, default_model, capsys, tmp_path, monkeypatch):
-    """Another machine, without the calibration object: a load is a miss (nothing served, no
-    refusal) whose one-line reason names the digest; `store get` exits 1 with that one line;
-    `fsck` keeps the objects (intact: the calibration is elsewhere); with the object back, they load."""
+    """The capture put the calibration object in the store (store.md §4.7). Another machine without
+    it, once the store has lost it too (an eviction): a load is a miss (nothing served, no refusal)
+    whose one-line reason names the digest; `store get` exits 1 with that one line; `fsck` keeps
+    the objects (intact: the calibration is elsewhere); with the object back, they load."""
     from kvtool.ops.capture import capture
     from kvtool.store import open_store
 
@@ -128,6 +129,9 @@ def test_a_reader_without_the_calibration_misses_and_says_why(cal_env, default_m
             kv_dtype=torch.float32, store=str(store))
     objects = sorted(p for p in store.rglob("*.kvc"))
     assert len(objects) == 2
+    (stored,) = store.rglob("*.kvcal")
+    assert stored.name == f"{digest}.kvcal" and stored.read_bytes() == (cal_env[1] / stored.name).read_bytes()
+    stored.unlink()  # evicted
 
     without_calibration(monkeypatch, tmp_path)
     with open_store(str(store)) as s:

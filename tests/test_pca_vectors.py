@@ -4,8 +4,9 @@ tables are what they say, the spec's walk-through is what the files give, and da
 them are refused as section 7 says.
 
 Three decoders are checked: the reference (numpy), the native C coder (when built) and
-`make_pca_vectors.spec_decode`, a scalar decoder that follows the text of pca.md step by step
-and shares no code with the reference."""
+`make_pca_vectors.spec_decode`, a scalar decoder that follows the text of pca.md step by step;
+the generator's writer (`spec_encode`) and that decoder import nothing from kvtool: every table
+they use is in format-spec/ (pca.md and pca_tables.json, whose SHA-256 pca.md gives)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ needs_native = pytest.mark.skipif(not native.native_available(),
 
 def vector(name: str) -> dict:
     v = mv.load(name)
+    v["spec_cal"] = v["cal"]  # the generator's own reading of the object (format-spec/ alone)
+    v["cal"] = calmod.from_bytes(v["cal_bytes"], v["params"]["calibration"])  # kvtool's
     v["step"], v["sinks"], v["position"], v["lanes"] = (v["params"][k] for k in ("step", "sinks", "position", "lanes"))
     v["S"] = struct.unpack_from("<I", v["payload"], 20)[0]
     return v
@@ -95,7 +98,7 @@ def test_the_vectors_cover_what_a_decoder_meets():
     for name in ALL:
         v = vector(name)
         trace: dict = {}
-        mv.spec_decode(v["payload"], v["shape"], v["dtype"], v["cal"], v["step"], v["position"], trace=trace)
+        mv.spec_decode(v["payload"], v["shape"], v["dtype"], v["spec_cal"], v["step"], v["position"], trace=trace)
         dtypes.add(v["dtype"])
         lanes.add(v["lanes"])
         positions.append((v["position"], v["S"], v["shape"][2]))
@@ -112,6 +115,54 @@ def test_the_vectors_cover_what_a_decoder_meets():
     assert any(s == 4 and p == 0 for p, s, t in positions)  # S = 4 exact tokens at position 0
     assert any(s == 0 and p > 4 for p, s, t in positions)  # past the sinks
     assert any(s == t for p, s, t in positions)  # nothing coded
+
+
+def test_the_tables_file_is_the_one_pca_md_names_and_kvtool_s():
+    """pca.md §6.2 gives pca_tables.json's SHA-256; its tables are kvtool's, every row 12-bit."""
+    import json
+
+    data = mv.TABLES_FILE.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    assert digest == mv.TABLES_SHA256 and digest in mv.SPEC.read_text()
+    tables = json.loads(data)
+    assert np.array_equal(np.array(tables["freq"]), ref.FREQ) and np.array_equal(np.array(tables["cost_q8"]), ref.COST)
+    assert (tables["prob_bits"], tables["symbols"]) == (12, 16)
+    assert all(sum(row) == 4096 and min(row) >= 1 for row in tables["freq"])
+
+
+def test_the_generator_needs_nothing_of_kvtool(tmp_path):
+    """Run in a fresh interpreter that cannot import kvtool (isolated mode, from elsewhere, every
+    import of kvtool refused): the
+    generator's writer codes every vector's input to its payload and its decoder gives its output."""
+    import subprocess
+    import sys
+
+    script = f"""
+import importlib.abc, importlib.util, sys
+class NoKvtool(importlib.abc.MetaPathFinder):  # kvtool may be installed: make it unimportable
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "kvtool":
+            raise ImportError("kvtool is not available here")
+sys.meta_path.insert(0, NoKvtool())
+spec = importlib.util.spec_from_file_location("mv", {str(HERE / "make_pca_vectors.py")!r})
+mv = importlib.util.module_from_spec(spec); spec.loader.exec_module(mv)
+for name in mv.VECTORS:
+    v = mv.load(name); p = v["params"]
+    assert mv.spec_encode(v["input"], v["dtype"], v["cal"], p["step"], p["sinks"], p["position"], p["lanes"]) \
+        == v["payload"], name
+    out = mv.spec_decode(v["payload"], v["shape"], v["dtype"], v["cal"], p["step"], p["position"])
+    assert out.tobytes() == v["output"].tobytes(), name
+try:
+    import kvtool
+except ImportError:
+    print("no kvtool")
+assert not [m for m in sys.modules if m.startswith("kvtool")]
+print("ok", len(mv.VECTORS))
+"""
+    done = subprocess.run([sys.executable, "-I", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["no", "kvtool", "ok", str(len(ALL))]
 
 
 # --------------------------------------------------------------------------- the coders
@@ -146,7 +197,7 @@ def test_a_decoder_written_from_the_text_gives_the_values(name):
     _, L, T, C = v["shape"]
     tables = mv.rope_of(name, L, T - v["S"]) or (None, None)
     for cos, sin in (tables, (None, None)):
-        out = mv.spec_decode(v["payload"], v["shape"], v["dtype"], v["cal"], v["step"], v["position"], cos, sin)
+        out = mv.spec_decode(v["payload"], v["shape"], v["dtype"], v["spec_cal"], v["step"], v["position"], cos, sin)
         assert same(out, v["output"])
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.console import Console
 
-from .options import (BinsOpt, CodecOpt, DeviceOpt, EngineOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt,
+from .options import (BinsOpt, CodecOpt, DeviceOpt, EmbedCalibrationOpt, EngineOpt, JsonOpt, LevelOpt, ModelDtypeOpt, ModelOpt,
                       NamespaceOpt, NoGenerationPromptOpt, NoShuffleOpt, OptionalStoreOpt, ShuffleOpt, shuffle_choice)
 from .output import KEPT_AS_STORED, emit, human_bytes, plural, progress, renders
 
@@ -27,8 +27,7 @@ HiddenOpt = Annotated[bool, typer.Option(
 ChatOpt = Annotated[bool, typer.Option(
     "--chat", help="The prompt is a user message: apply the model's chat template (as transformers does).")]
 SegmentOpt = Annotated[bool, typer.Option(
-    "--segment", help="Mark the file a position-independent segment (computed alone from position 0) to place inside "
-                      "other prompts: replay --blend.")]
+    "--segment", help="Mark the file a segment, computed alone from position 0, for replay --blend.")]
 RoiOpt = Annotated[Optional[str], typer.Option(
     "--roi", metavar="RANGES", help="A roi_mask of token ranges, e.g. '0:16,40:64' ([start, end)).")]
 # compress's --quality and --calibration, told shorter (capture's help fits a screen)
@@ -49,7 +48,8 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
             hidden_states: HiddenOpt = False, roi: RoiOpt = None, device: DeviceOpt = "auto",
             weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False,
             no_generation_prompt: NoGenerationPromptOpt = False, segment: SegmentOpt = False,
-            namespace: NamespaceOpt = None, engine: EngineOpt = "kvtool", json: JsonOpt = False) -> None:
+            namespace: NamespaceOpt = None, engine: EngineOpt = "kvtool", embed_calibration: EmbedCalibrationOpt = False,
+            json: JsonOpt = False) -> None:
     """Run a model on a prompt through a paged KV buffer and write its KV cache."""
     # the request first, torch-free: a usage error answers at once
     from ..ops.requests import CaptureRequest, PromptCaptureRequest, prompt_metadata
@@ -57,7 +57,7 @@ def command(output: OutputOpt = None, store: OptionalStoreOpt = None, model: Mod
     what = CaptureRequest.from_options(output, codec=codec, level=level, shuffle=shuffle_choice(shuffle, no_shuffle), bins=bins, kv_dtype=dtype,
                                        chunk_size=chunk_size, block_size=block_size, hidden_states=hidden_states,
                                        roi=roi, store=store, segment=segment, namespace=namespace,
-                                       quality=quality, calibration=calibration,
+                                       quality=quality, calibration=calibration, embed_calibration=embed_calibration,
                                        metadata=prompt_metadata(chat, tokens, not no_generation_prompt))
     request = PromptCaptureRequest(what, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, chat=chat,
                                    generation_prompt=not no_generation_prompt, model=model, device=device,

@@ -64,6 +64,9 @@ def render(console: Console, r: FileSummary, wide: bool = False) -> None:
     for name, e in r.extras.items():
         console.print(f"extra  {name}: {e['dtype']} [{' x '.join(str(n) for n in e['shape'])}], "
                       f"{human_bytes(e['stored_bytes'])}")
+    for c in r.calibrations:
+        console.print(f"calibration {c['digest'][:16]}... carried: {human_bytes(c['stored_bytes'])}, "
+                      f"{c['bits_per_value']:.3f} bits/value over this file's KV (crc {c['checksum']})")
     if r.stats:
         console.print("per-layer statistics (outliers: channel, absmax / median)")
         console.print(stats_table(r.stats))

@@ -38,9 +38,11 @@ InputPath = Annotated[str, typer.Argument(metavar="FILE", help="A kvtool file (.
 OutputPath = Annotated[Path, typer.Option("-o", "--output", metavar="OUT", help="Output path.", show_default=False)]
 CodecOpt = Annotated[str, typer.Option("--codec", metavar="CODEC", help="Codec: raw, zstd, cachegen or pca.")]
 QualityOpt = Annotated[Optional[str], typer.Option(
-    "--quality", metavar="Q", help="pca: the operating point, 99, 97 (default), 95 or 89 (README: what each promises).")]
+    "--quality", metavar="Q", help="pca: 99, 97 (default), 95 or 89 (README: their promises).")]
 CalibrationOpt = Annotated[Optional[str], typer.Option(
-    "--calibration", metavar="DIGEST", help="pca: the calibration object (default: the model's, from kvtool calibrate).")]
+    "--calibration", metavar="DIGEST", help="pca: the calibration object (default: the model's).")]
+EmbedCalibrationOpt = Annotated[bool, typer.Option(
+    "--embed-calibration", help="pca: carry it in the file.")]
 LevelOpt = Annotated[Optional[int], typer.Option("--level", metavar="N", help="zstd level (default 1: on shuffled KV it beats 3 in ratio and speed).")]
 ShuffleOpt = Annotated[Optional[bool], typer.Option(
     "--shuffle", help="zstd: shuffle byte planes before compressing (on by default; --no-shuffle: off).",

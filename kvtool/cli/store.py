@@ -62,7 +62,7 @@ def get_command(store: StoreOpt, output: OutputPath, prompt: PromptOpt = None, p
 
 @app.command("ls")
 def ls_command(store: StoreOpt, kind: Annotated[Optional[str], typer.Option(
-                   "--kind", metavar="KIND", help="Only chunk, entry, tensor or foreign objects.")] = None,
+                   "--kind", metavar="KIND", help="Only chunk, entry, tensor, calibration or foreign objects.")] = None,
                model: Annotated[Optional[str], typer.Option(
                    "--model", metavar="KEY", help="Only this model key (or its first digits).")] = None,
                limit: Annotated[Optional[int], typer.Option("--limit", metavar="N", help="At most N rows.")] = None,

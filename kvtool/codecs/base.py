@@ -100,6 +100,12 @@ class Codec(ABC):
         first token's `position` in its sequence (the container's parser asks). This default:
         parameters that say nothing of it."""
 
+    def max_expansion(self, tokens: int, itemsize: int) -> int:
+        """How many times its stored length a chunk of `tokens` tokens may decode to, when more
+        than the container's 1024 (format-spec/container.md §5): 0, none. (pca: its smallest payload
+        of a chunk still holds a side byte per row and channel, so it expands less than tokens x itemsize.)"""
+        return 0
+
     def payload_stats(self, payload: memoryview, shape: tuple[int, ...],
                       params: dict[str, Any]) -> dict[str, Any] | None:
         """A breakdown of a payload's bits by part, for `inspect`; None when the codec has none."""

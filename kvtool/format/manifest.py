@@ -31,7 +31,9 @@ from . import layout
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 EXTRA_DTYPES = {**ITEMSIZE, "bool": 1}
 KNOWN_EXTRAS = {"hidden_states", "roi_mask"}
-KNOWN_TOP_LEVEL = ("model", "kv", "sequence", "chunks", "extras", "metadata")
+KNOWN_TOP_LEVEL = ("model", "kv", "sequence", "chunks", "extras", "metadata", "calibrations")
+MAX_CALIBRATIONS = 16  # pca calibration objects a file may carry (format-spec/pca.md §3.3)
+MAX_CALIBRATION_BYTES = 1 << 30  # one object: an 8B-shaped model's is 134 MB
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,8 @@ class Manifest:
     chunks: list[ChunkEntry]
     extras: dict[str, ExtraEntry] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    # pca calibration objects the file carries, by digest (format-spec/pca.md §3.3)
+    calibrations: dict[str, BlobRef] = field(default_factory=dict)
     # Top-level keys this reader does not define, kept as they are: the store's `store` key
     # (format-spec/store.md) or a later minor version's. Written after the known keys.
     extensions: dict[str, Any] = field(default_factory=dict)
@@ -130,6 +134,7 @@ class Manifest:
             "chunks": [c.to_json() for c in self.chunks],
             "extras": {name: e.to_json() for name, e in self.extras.items()},
             "metadata": self.metadata,
+            **({"calibrations": {d: b.to_json() for d, b in self.calibrations.items()}} if self.calibrations else {}),
             **{k: v for k, v in self.extensions.items() if k not in KNOWN_TOP_LEVEL},
         }
 
@@ -404,12 +409,36 @@ def parse_manifest(raw: bytes, *, data_end: int, alignment: int) -> Manifest:
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ManifestInvalid("manifest: metadata must be an object of strings")
 
+    calibrations = _calibrations(doc)
     blobs = [("tokens", tokens)] + [(f"chunk {c.index}", c.blob) for c in chunks] + \
-        [(f"extra {e.name}", e.blob) for e in extras.values()]
+        [(f"extra {e.name}", e.blob) for e in extras.values()] + \
+        [(f"calibration {d[:16]}...", b) for d, b in calibrations.items()]
     _check_blob_placement(blobs, data_end=data_end, alignment=alignment)
     return Manifest(model=model, kv_dtype=kv_dtype, num_tokens=num_tokens, chunk_size=chunk_size,
-                    tokens=tokens, chunks=chunks, extras=extras, metadata=metadata,
+                    tokens=tokens, chunks=chunks, extras=extras, metadata=metadata, calibrations=calibrations,
                     extensions={k: v for k, v in doc.items() if k not in KNOWN_TOP_LEVEL})
+
+
+def _calibrations(doc: dict[str, Any]) -> dict[str, BlobRef]:
+    """`calibrations`: {digest: blob} of the pca calibration objects the file carries (pca.md §3.3):
+    at most MAX_CALIBRATIONS, each named by 64 lower-case hex digits, at most MAX_CALIBRATION_BYTES."""
+    if "calibrations" not in doc:
+        return {}
+    entries = _get(doc, "calibrations", dict, "manifest")
+    if len(entries) > MAX_CALIBRATIONS:
+        raise ManifestInvalid(f"manifest: calibrations lists {len(entries)} objects, at most {MAX_CALIBRATIONS}")
+    out = {}
+    for digest, entry in entries.items():
+        if not _HEX64.match(digest):
+            raise ManifestInvalid("manifest: a calibrations key must be a SHA-256 digest (64 lower-case hex digits)")
+        if not isinstance(entry, dict):
+            raise ManifestInvalid(f"manifest: calibrations.{digest[:16]}... must be an object")
+        blob = _blob(entry, f"calibrations.{digest[:16]}...")
+        if not 0 < blob.length <= MAX_CALIBRATION_BYTES:
+            raise ManifestInvalid(f"manifest: calibrations.{digest[:16]}... holds {blob.length} bytes "
+                                  f"(1 to {MAX_CALIBRATION_BYTES})")
+        out[digest] = blob
+    return out
 
 
 def _check_free_form(doc: dict[str, Any]) -> None:
@@ -477,8 +506,8 @@ def _chunk(i: int, c: Any, chunk_size: int, num_tokens: int, num_layers: int, hi
     entry = ChunkEntry(index=i, start=start, end=end, prefix_hash=prefix_hash, codec=name,
                        codec_id=codec_id, codec_params=params, blob=_blob(c, where), shape=shape,
                        dtype=dtype)
-    limit = min(layout.MAX_CHUNK_DECODED_BYTES,
-                entry.blob.length * layout.MAX_EXPANSION + layout.EXPANSION_SLACK)
+    expansion = max(layout.MAX_EXPANSION, codec.max_expansion(end - start, ITEMSIZE[dtype]))
+    limit = min(layout.MAX_CHUNK_DECODED_BYTES, entry.blob.length * expansion + layout.EXPANSION_SLACK)
     if entry.decoded_bytes > limit:
         raise ManifestInvalid(f"manifest: {where} claims {entry.decoded_bytes} decoded bytes from "
                               f"{entry.blob.length} stored bytes, beyond the format's limit")

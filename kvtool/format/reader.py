@@ -27,6 +27,7 @@ refusal (without the native module, the source reads the file with pread too).
 from __future__ import annotations
 
 import functools
+import weakref
 import mmap
 import os
 import stat
@@ -218,6 +219,7 @@ class ContainerReader:
         if isinstance(source, (str, os.PathLike)):
             source = MappedFile(source)
         self._source = source
+        self._calibration_source: int | None = None
         # A local path, or the source's own name (e.g. a URL, which Path would mangle).
         self.path: Path | str = Path(source.name) if isinstance(source, MappedFile) else source.name
         try:
@@ -241,6 +243,13 @@ class ContainerReader:
         if crc32(raw) != self.trailer.manifest_crc32:
             raise ManifestCorrupt("manifest checksum mismatch (the file is corrupt)")
         self.manifest: Manifest = parsed_manifest(bytes(raw), self.trailer.manifest_offset, self.header.alignment)
+        if self.manifest.calibrations:  # pca's decoder may take them from here while the file is open
+            from ..codecs.pca import calibration
+
+            this = weakref.ref(self)
+            self._calibration_source = calibration.add_source(
+                f"the file {self.path}", lambda digest: (r := this()) and r.calibration_bytes(digest))
+            weakref.finalize(self, calibration.remove_source, self._calibration_source)  # (one never closed)
 
     # --- metadata ---------------------------------------------------------------
 
@@ -470,6 +479,7 @@ class ContainerReader:
         m = self.manifest
         blobs = sorted([(c.blob.offset, c.blob.offset + c.blob.length) for c in m.chunks]
                        + [(e.blob.offset, e.blob.offset + e.blob.length) for e in m.extras.values()]
+                       + [(b.offset, b.offset + b.length) for b in m.calibrations.values()]
                        + [(m.tokens.offset, m.tokens.offset + m.tokens.length)])
         bad, position = [], layout.HEADER_SIZE
         for start, end in blobs + [(self.trailer.manifest_offset, self.trailer.manifest_offset)]:
@@ -500,7 +510,19 @@ class ContainerReader:
 
     # --- lifetime ---------------------------------------------------------------
 
+    def calibration_bytes(self, digest: str) -> bytes | None:
+        """The pca calibration object `digest` the file carries (its CRC-32C checked), or None."""
+        blob = self.manifest.calibrations.get(digest)
+        if blob is None:
+            return None
+        return bytes(self.blob_bytes(blob, what=f"calibration {digest[:16]}..."))
+
     def close(self) -> None:
+        if self._calibration_source is not None:
+            from ..codecs.pca import calibration
+
+            calibration.remove_source(self._calibration_source)
+            self._calibration_source = None
         self._source.close()
 
     def __enter__(self) -> "ContainerReader":

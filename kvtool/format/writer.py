@@ -89,6 +89,7 @@ class ContainerWriter:
         self.hidden_kv = model["num_kv_heads"] * model["head_dim"]
         self.chunks: list[ChunkEntry] = []
         self.extras: dict[str, ExtraEntry] = {}
+        self.calibrations: dict[str, BlobRef] = {}  # pca calibration objects carried, by digest
         self._prev_hash = ZERO_HASH
         self.extensions = dict(extensions or {})
         self._sink = open_sink(path)  # until the state is set, a FileSink dropped cleans up itself
@@ -176,6 +177,26 @@ class ContainerWriter:
         self.extras[name] = ExtraEntry(name=name, blob=self._append_blob(raw),
                                        shape=tuple(tensor.shape), dtype=dtype)
 
+    def write_calibration(self, digest: str, data: bytes) -> None:
+        """Carry a pca calibration object (its bytes, which hash to `digest`) in the file, so that a
+        reader without it decodes the chunks that name it (format-spec/pca.md §3.3)."""
+        import hashlib
+
+        if self.state not in (WriterState.CHUNKS, WriterState.EXTRAS):
+            raise UsageError("write_calibration after finish")
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise UsageError(f"calibration {digest[:16]}...: the bytes given hash otherwise")
+        if digest not in self.calibrations:
+            self.calibrations[digest] = self._append_blob(data)
+
+    def embed_pca_calibrations(self) -> None:
+        """Carry the calibration object of every pca chunk written so far (format-spec/pca.md §3.3):
+        a reader without it decodes the file, at the object's cost in bits (`inspect` states it)."""
+        from ..codecs.pca.calibration import object_bytes
+
+        for digest in sorted({c.codec_params["calibration"] for c in self.chunks if c.codec == "pca"}):
+            self.write_calibration(digest, object_bytes(digest))
+
     def finish(self) -> Manifest:
         """Write tokens, manifest and trailer, and commit the sink (a file: fsync, rename over
         the target)."""
@@ -194,7 +215,7 @@ class ContainerWriter:
         manifest = Manifest(model=self.model, kv_dtype=self.kv_dtype_name,
                             num_tokens=self.num_tokens, chunk_size=self.chunk_size, tokens=tokens,
                             chunks=self.chunks, extras=self.extras, metadata=self.metadata,
-                            extensions=self.extensions)
+                            calibrations=self.calibrations, extensions=self.extensions)
         # Validate what we are about to write with the reader's own rules.
         from .manifest import parse_manifest
 

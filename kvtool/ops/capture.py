@@ -153,7 +153,7 @@ def capture_prompt(output: str | Path | None, *, prompt: str | None = None, prom
                    device: str = "auto", model_dtype: str = "fp32", chat: bool = False,
                    generation_prompt: bool = True, store: str | None = None, segment: bool = False,
                    namespace: str | None = None, engine: str = "kvtool", quality: str | None = None,
-                   calibration: str | None = None,
+                   calibration: str | None = None, embed_calibration: bool = False,
                    on_chunk: Callable[[int, int, int], None] | None = None) -> CaptureResult:
     """`kvtool capture` as a function: options as the command line gives them, every one
     checked before the model loads; `on_chunk(index, tokens_done, tokens_total)` reports progress.
@@ -161,13 +161,14 @@ def capture_prompt(output: str | Path | None, *, prompt: str | None = None, prom
     `segment` marks the file a position-independent segment (format-spec/segment.md). `engine`
     "hf" runs the model with transformers (any decoder-only model with a plain KV cache).
     `quality` and `calibration` (a digest) are pca's: without `calibration`, the one `kvtool
-    calibrate` registered for the model.
+    calibrate` registered for the model; `embed_calibration` carries that object in the file.
 
     The options become one `PromptCaptureRequest` (checked there), run by `run_prompt_capture`."""
     what = CaptureRequest.from_options(output, codec=codec, level=level, shuffle=shuffle, bins=bins,
                                        kv_dtype=kv_dtype, chunk_size=chunk_size, block_size=block_size,
                                        hidden_states=hidden_states, roi=roi, store=store, segment=segment,
                                        namespace=namespace, quality=quality, calibration=calibration,
+                                       embed_calibration=embed_calibration,
                                        metadata=prompt_metadata(chat, tokens_file, generation_prompt))
     request = PromptCaptureRequest(what, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens_file, chat=chat,
                                    generation_prompt=generation_prompt, model=model, device=device,
@@ -286,6 +287,8 @@ def write_chunks(model: AnyModel, token_ids: list[int], request: CaptureRequest,
             writer.write_extra("hidden_states", torch.cat(hidden))  # [n, E]
         if mask is not None:
             writer.write_extra("roi_mask", mask)
+        if request.embed_calibration:
+            writer.embed_pca_calibrations()
     timings.waiting_s += time.perf_counter() - finishing
     return writer, timings
 

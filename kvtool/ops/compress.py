@@ -29,6 +29,7 @@ class CompressResult(Result):
     input_file_bytes: int  # whole files: chunks, extras, token ids, manifest
     output_file_bytes: int
     extras_bytes: int
+    calibration_bytes: int  # pca calibration objects carried in the output (--embed-calibration)
     decoded_bytes: int
     ratio_vs_decoded: float
     bits_per_value: float
@@ -38,9 +39,12 @@ class CompressResult(Result):
 
 def compress(path: str | Path, output: str | Path, codec: str = "zstd", *, level: int | None = None,
              shuffle: bool | None = None, bins: str | None = None, quality: str | None = None,
-             calibration: str | None = None,
+             calibration: str | None = None, embed_calibration: bool = False,
              on_chunk: Callable[[int, int], None] | None = None) -> CompressResult:
-    """`kvtool compress`: options as the command line gives them."""
+    """`kvtool compress`: options as the command line gives them. `embed_calibration` (pca):
+    carry the calibration object in the file (format-spec/pca.md §3.3)."""
+    if embed_calibration and codec != "pca":
+        raise UsageError("--embed-calibration carries pca's calibration object in the file: give --codec pca")
     if codec != "pca":  # (pca's parameters need the file's model: below)
         params = codec_params(codec, level=level, shuffle=shuffle, bins=bins, quality=quality, calibration=calibration)
     if os.path.realpath(path) == os.path.realpath(output):
@@ -49,11 +53,12 @@ def compress(path: str | Path, output: str | Path, codec: str = "zstd", *, level
         if codec == "pca":
             params = codec_params(codec, level=level, shuffle=shuffle, bins=bins, quality=quality,
                                   calibration=calibration, model_fingerprint=reader.manifest.model["fingerprint"])
-        return compress_file(reader, output, codec, params, on_chunk=on_chunk)
+        return compress_file(reader, output, codec, params, on_chunk=on_chunk, embed_calibration=embed_calibration)
 
 
 def compress_file(reader: ContainerReader, output: str | Path, codec: str, params: dict[str, Any], *,
-                  on_chunk: Callable[[int, int], None] | None = None) -> CompressResult:
+                  on_chunk: Callable[[int, int], None] | None = None,
+                  embed_calibration: bool = False) -> CompressResult:
     """Write every chunk of an open file to `output` with `codec`; chunks already in that
     encoding are copied as they are. `on_chunk(done, total)` reports progress."""
     m = reader.manifest
@@ -75,6 +80,8 @@ def compress_file(reader: ContainerReader, output: str | Path, codec: str, param
                 on_chunk(c.index + 1, len(m.chunks))
         for name in m.extras:
             writer.write_extra(name, reader.read_extra(name))
+        if embed_calibration:
+            writer.embed_pca_calibrations()
     seconds = time.perf_counter() - started
     stored_in = sum(c.blob.length for c in m.chunks)
     stored_out = sum(c.blob.length for c in writer.chunks)
@@ -84,6 +91,7 @@ def compress_file(reader: ContainerReader, output: str | Path, codec: str, param
         input=str(reader.path), output=str(output), codec=codec, codec_params=params, num_chunks=len(m.chunks),
         chunks_copied=copied, input_bytes=stored_in, output_bytes=stored_out, input_file_bytes=reader.file_size,
         output_file_bytes=Path(output).stat().st_size, extras_bytes=sum(e.blob.length for e in m.extras.values()),
+        calibration_bytes=sum(b.length for b in writer.calibrations.values()),
         decoded_bytes=decoded,
         ratio_vs_decoded=decoded / max(stored_out, 1), bits_per_value=8 * stored_out / values, seconds=seconds,
         mb_per_s=decoded / 1e6 / max(seconds, 1e-9))

@@ -41,6 +41,10 @@ class FileSummary(Result):
     metadata: dict[str, str]
     stats: list[dict[str, Any]] | None = field(default=None)
     chunks_omitted: int = 0  # chunks past the first MAX_LISTED_CHUNKS, not in `chunks` (in the totals)
+    #: pca calibration objects the file carries (pca.md §3.3): digest, stored bytes, and their cost
+    #: spread over the file's KV values (bits/value, on top of the chunks')
+    calibrations: list[dict[str, Any]] = field(default_factory=list)
+    _unused: int = 0  # chunks past the first MAX_LISTED_CHUNKS, not in `chunks` (in the totals)
 
 
 def inspect(path: str | Path, *, stats: bool = False, all_chunks: bool = False,
@@ -89,7 +93,10 @@ def summarize(reader: ContainerReader, *, all_chunks: bool = False) -> FileSumma
                 "bad_checksums": bad},
         extras={name: {"shape": list(e.shape), "dtype": e.dtype, "stored_bytes": e.blob.length}
                 for name, e in m.extras.items()},
-        metadata=m.metadata, chunks_omitted=len(m.chunks) - listed)
+        metadata=m.metadata, chunks_omitted=len(m.chunks) - listed,
+        calibrations=[{"digest": d, "stored_bytes": b.length,
+                       "bits_per_value": 8 * b.length / (m.num_tokens * values_per_token),
+                       "checksum": "ok" if reader.blob_ok(b) else "BAD"} for d, b in m.calibrations.items()])
 
 
 def _intact_payload(reader: ContainerReader, chunk) -> memoryview | None:

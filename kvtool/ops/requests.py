@@ -81,6 +81,8 @@ class CaptureRequest:
     #: pca without `params`: the quality point of the model's registered calibration, looked up once
     #: the model is loaded (its fingerprint names it: `codec_params_for`)
     quality: str | None = None
+    #: pca: carry the calibration object in the file (format-spec/pca.md §3.3)
+    embed_calibration: bool = False
     extra_keys: ExtraKeys = field(init=False, repr=False)
 
     def codec_params_for(self, fingerprint: str) -> dict[str, Any] | None:
@@ -106,6 +108,9 @@ class CaptureRequest:
             raise UsageError("--namespace names a partition of the store: give --store URL")
         # frozen: set once, here; a bad namespace fails before the model loads
         object.__setattr__(self, "extra_keys", ExtraKeys(namespace=self.namespace or ""))
+        if self.embed_calibration and (self.codec != "pca" or self.output is None):
+            raise UsageError("--embed-calibration carries pca's calibration object in the file: give --codec pca "
+                             "and -o OUT")
         if self.segment and self.hidden_states:
             raise UsageError("--segment and --hidden-states: a segment's hidden states are not those of a prompt it "
                              "is placed in")
@@ -118,7 +123,8 @@ class CaptureRequest:
                      chunk_size: int = 256, block_size: int = 16, hidden_states: bool = False,
                      roi: str | None = None, store: str | None = None, segment: bool = False,
                      namespace: str | None = None, metadata: dict[str, str] | None = None,
-                     quality: str | None = None, calibration: str | None = None) -> "CaptureRequest":
+                     quality: str | None = None, calibration: str | None = None,
+                     embed_calibration: bool = False) -> "CaptureRequest":
         """The command line's spelling (a dtype's name, a codec's options, `--roi` ranges as text)
         parsed into a request: a typo fails before the model loads. pca without `calibration`:
         the model's registered one, found once the model is loaded (`codec_params_for`)."""
@@ -133,7 +139,8 @@ class CaptureRequest:
                                   calibration=calibration)
         return cls(output, store=store, namespace=namespace, chunk_size=chunk_size, codec=codec, params=params,
                    kv_dtype=kv, block_size=block_size, hidden_states=hidden_states, roi=ranges, segment=segment,
-                   metadata=metadata, quality=quality if params is None else None)
+                   metadata=metadata, quality=quality if params is None else None,
+                   embed_calibration=embed_calibration)
 
 
 @dataclass(frozen=True)

@@ -171,8 +171,8 @@ class StoreListing(Result):
 
 def ls(store: str, *, kind: str | None = None, model: str | None = None, limit: int | None = None) -> StoreListing:
     """`kvtool store ls`: the stored objects, most recently used first."""
-    if kind not in (None, "chunk", "entry", "tensor", "foreign"):
-        raise UsageError(f"--kind: {kind!r} is not one of chunk, entry, tensor, foreign")
+    if kind not in (None, "chunk", "entry", "tensor", "calibration", "foreign"):
+        raise UsageError(f"--kind: {kind!r} is not one of chunk, entry, tensor, calibration, foreign")
     if limit is not None and limit < 1:
         raise UsageError(f"--limit must be at least 1, got {limit}")
     with connect(store, create=False) as s:

@@ -232,6 +232,17 @@ def check_file(reader: ContainerReader, on_chunk: Callable[[int, int], None] | N
         checks[f"extra:{name}"] = "BAD" if bad else "ok"
         if bad:
             problem(NonFiniteValues(f"extra {name}: {bad} non-finite value(s)"))
+    for digest, blob in m.calibrations.items():  # carried pca calibration objects (pca.md §3.3)
+        data = _intact(reader, blob, f"calibration {digest[:16]}...", problem)
+        checks[f"calibration:{digest[:16]}"] = "BAD" if data is None else "ok"
+        if data is not None:
+            from ..codecs.pca.calibration import from_bytes
+
+            try:
+                from_bytes(bytes(data), expect_digest=digest)
+            except KvtoolError as err:
+                checks[f"calibration:{digest[:16]}"] = "BAD"
+                problem(type(err)(f"calibration {digest[:16]}...: {err}"))
     return report
 
 

@@ -23,6 +23,7 @@ from ..errors import KvtoolError, NotCached, ObjectRefused, ObjectUnreadable, St
 from ..identity import ModelIdentity
 from ..notices import notice
 from . import loading, objects
+from .calibrations import CalibrationShelf, pca_digests
 from .loading import FETCH_BATCH, PrefixHit
 from .names import BLOCK_SUFFIX, NO_EXTRA_KEYS, BlockLink, ChunkLink, ExtraKeys, block_links, chunk_chain
 from ..format.hashing import ZERO_HASH
@@ -108,6 +109,7 @@ class ChunkStore:
         self.backend = backend
         self.url = backend.url
         self.counters = StoreCounters()
+        self.calibrations = CalibrationShelf(backend)  # pca's calibration objects (store.md §4.7)
 
     def for_model(self, model: ModelIdentity | dict[str, Any], chunk_size: int = 256,
                   extra_keys: ExtraKeys = NO_EXTRA_KEYS, block_size: int | None = None) -> "ModelCache":
@@ -158,6 +160,7 @@ class ChunkStore:
         return list(self.backend.scan(prefix))
 
     def close(self) -> None:
+        self.calibrations.close()
         self.backend.close()
 
     def __enter__(self) -> "ChunkStore":
@@ -584,6 +587,7 @@ class ModelCache:
                                         kv=kv[:, :, first - start:end - start], codec=codec, params=params,
                                         extra=link.extra, piece_of=piece_of)
 
+        self.store.calibrations.publish(pca_digests([(codec, params)]))  # before the chunks that name it
         result = self._store(chain, tokens, encode)
         if self.block_size < self.chunk_size:
             self._store_blocks(tokens, whole, chain, start, start + kv.shape[2], encode, result)
@@ -640,6 +644,7 @@ class ModelCache:
                                         payload=payload, codec=codec, params=params, extra=link.extra)
 
         tokens = _as_token_array(token_ids)
+        self.store.calibrations.publish(pca_digests((codec, params) for _, codec, params in payloads[:len(chain)]))
         result = self._store(chain, tokens, encode)
         if self.block_size < self.chunk_size:  # each whole chunk's block index entries (no piece: no KV past them)
             self._store_blocks(tokens, self._chain(tokens), chain, 0, len(chain) * self.chunk_size, encode, result)

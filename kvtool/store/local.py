@@ -41,11 +41,11 @@ def _is_block_entry(name: str) -> bool:
     return name.endswith(".kvi") and "/blocks/" in name
 
 
-_NAME = re.compile(r"(chunks|entries|tensors)(/[0-9a-z][0-9a-z_-]*)+\.(kvc|kvi|safetensors)")
+_NAME = re.compile(r"(chunks|entries|tensors|calibrations)(/[0-9a-z][0-9a-z_-]*)+\.(kvc|kvi|safetensors|kvcal)")
 #: What `scan` may report and `delete` may remove: any file in the namespaces that is not hidden
 #: (fsck removes foreign files too), never outside them.
-_SCANNED = re.compile(r"(chunks|entries|tensors)(/[^/.][^/]*)+")
-NAMESPACES = ("chunks", "entries", "tensors")
+_SCANNED = re.compile(r"(chunks|entries|tensors|calibrations)(/[^/.][^/]*)+")
+NAMESPACES = ("chunks", "entries", "tensors", "calibrations")
 
 
 def _fresh_buffer(size: int) -> memoryview:

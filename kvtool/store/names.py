@@ -36,6 +36,8 @@ _TENSOR_NAME = re.compile(r"tensors/([0-9a-f]{2})/([0-9a-f]{64})\.safetensors\Z"
 _PIECE_NAME = re.compile(r"chunks/([0-9a-f]{32})/([1-9][0-9]{0,4})/pieces/([0-9a-f]{2})/([0-9a-f]{64})\.kvc\Z")
 _BLOCK_NAME = re.compile(r"chunks/([0-9a-f]{32})/([1-9][0-9]{0,4})/blocks/([0-9a-f]{2})/([0-9a-f]{64})\.kvi\Z")
 BLOCK_SUFFIX = ".kvi"
+CALIBRATION_SUFFIX = ".kvcal"
+_CALIBRATION_NAME = re.compile(r"calibrations/([0-9a-f]{2})/([0-9a-f]{64})\.kvcal\Z")
 #: Longest text a namespace, cache salt or adapter name may be (characters).
 MAX_KEY_TEXT = 1024
 #: Most multimodal inputs one request may carry.
@@ -284,6 +286,11 @@ def entry_name(model: str, key: str) -> str:
     return f"entries/{model}/{key}{CHUNK_SUFFIX}"
 
 
+def calibration_name(digest: str) -> str:
+    """A pca calibration object (§4.7), named by the SHA-256 of its bytes, as pca chunks name it."""
+    return f"calibrations/{digest[:2]}/{digest}{CALIBRATION_SUFFIX}"
+
+
 def tensor_name(key: str) -> str:
     digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
     return f"tensors/{digest[:2]}/{digest}{TENSOR_SUFFIX}"
@@ -299,20 +306,20 @@ def entry_key(model: str, tokens: "np.ndarray | Sequence[int]", roi: np.ndarray)
 
 
 def parse_name(name: str) -> tuple[str, re.Match] | None:
-    """("chunk" | "piece" | "block" | "entry" | "tensor", match) for a well-formed object name, else
+    """("chunk" | "piece" | "block" | "entry" | "tensor" | "calibration", match) for a well-formed object name, else
     None. A chunk's, piece's, block entry's or tensor's fan-out folder must be its hash's first two
     hex digits: one in another folder is not a name this store gives (a foreign file)."""
     for kind, pattern in (("chunk", _CHUNK_NAME), ("piece", _PIECE_NAME), ("block", _BLOCK_NAME),
-                          ("entry", _ENTRY_NAME), ("tensor", _TENSOR_NAME)):
+                          ("entry", _ENTRY_NAME), ("tensor", _TENSOR_NAME), ("calibration", _CALIBRATION_NAME)):
         m = pattern.match(name)
         if m:
             if (kind in ("chunk", "piece", "block") and m.group(3) != m.group(4)[:2]) or (
-                    kind == "tensor" and m.group(1) != m.group(2)[:2]):
+                    kind in ("tensor", "calibration") and m.group(1) != m.group(2)[:2]):
                 return None
             return kind, m
     return None
 
 
-__all__ = ["BlockLink", "block_links", "block_name", "piece_name", "restrict_extra", "ChunkLink", "ExtraKeys", "MultimodalKey", "NO_EXTRA_KEYS", "STORE_VERSION", "chunk_chain",
+__all__ = ["BlockLink", "block_links", "block_name", "calibration_name", "piece_name", "restrict_extra", "ChunkLink", "ExtraKeys", "MultimodalKey", "NO_EXTRA_KEYS", "STORE_VERSION", "chunk_chain",
            "chunk_name", "embeds_digest", "entry_key", "entry_name", "extra_bytes", "link_hash", "model_key",
            "parse_name", "salt_digest", "tensor_name"]

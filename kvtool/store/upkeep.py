@@ -46,6 +46,8 @@ def describe(info: ObjectInfo) -> dict:
         row.update(model=m.group(1), chunk_size=int(m.group(2)), prefix_hash=m.group(4))
     elif kind == "entry":
         row.update(model=m.group(1), key=m.group(2))
+    elif kind == "calibration":
+        row.update(digest=m.group(2))
     return row
 
 
@@ -264,8 +266,17 @@ def check_object(name: str, data, store: ChunkStore | None = None, namespace: st
             obj.reader.close()
     elif kind == "entry":
         objects.check_entry(data, name).close()
+    elif kind == "calibration":
+        check_calibration(data if not isinstance(data, PreadFile) else _whole(data), name, parsed[1].group(2))
     else:
         objects.check_tensor(data if not isinstance(data, PreadFile) else _whole(data), name)
+
+
+def check_calibration(data, name: str, digest: str) -> None:
+    """A pca calibration object (store.md §4.7): its bytes hash to its name's digest and parse."""
+    from .calibrations import check
+
+    check(bytes(data), name, digest)
 
 
 def _whole(source: PreadFile) -> bytes:

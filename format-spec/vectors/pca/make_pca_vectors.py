@@ -1,10 +1,12 @@
 """Build the pca test vectors in this folder (python format-spec/vectors/pca/make_pca_vectors.py).
 
 Two tiny calibration objects (1 KV head of head_dim 8, so C = 8; 1 layer for the walk-through,
-2 layers for the rest) and a few chunks coded with the reference coder. The coefficients are
+2 layers for the rest) and a few chunks coded by this script's own writer (`spec_encode`), written from
+format-spec/ alone: it imports nothing from kvtool (the frequency tables come from
+format-spec/pca_tables.json, checked against the SHA-256 pca.md gives). The coefficients are
 chosen first (so that the chunks hold what a test vector should: several shifts, components
 that are zero everywhere, escapes, renormalisation words) and the inputs made from them; the
-reference then codes those inputs as any writer would. For each vector NAME this writes:
+writer then codes those inputs as any writer would. For each vector NAME this writes:
 
   NAME.json          shape, dtype, the codec parameters (as a manifest holds them), and the
                      payload's SHA-256
@@ -19,9 +21,9 @@ and the "Test vectors" section of format-spec/pca.md (between its markers) and R
 table. tests/test_pca_vectors.py checks the coders against the files, and the text against
 what `walkthrough()` renders from them.
 
-`spec_decode` is a second decoder, scalar, following the text of pca.md step by step and sharing
-no code with the reference coder (only the normative tables of _tables.py, and rope_tables when
-no pinned tables are given): the walk-through's tables are its trace.
+`spec_decode` is a decoder, scalar, following the text of pca.md step by step: the
+walk-through's tables are its trace. tests/test_pca_vectors.py holds kvtool's coders (reference
+and native) to these files.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -37,10 +38,6 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 SPEC = HERE.parents[1] / "pca.md"
-sys.path.insert(0, str(HERE.parents[2]))
-
-from kvtool.codecs.pca import _tables as TB  # noqa: E402
-from kvtool.codecs.pca import calibration as calmod  # noqa: E402
 
 D = 8  # head_dim; one KV head, so C = D
 INV_FREQ = np.array([1.0, 0.1, 0.01, 0.001], dtype=np.float32)  # 10000 ** (-2i / 8): RoPE base 10000
@@ -48,6 +45,208 @@ STORAGE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
 DTYPE_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
 WALK = "walk_bf16"
 BEGIN, END = "<!-- pca-vectors:begin -->", "<!-- pca-vectors:end -->"
+
+
+class SpecError(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------- what the spec gives
+# Everything below is written from format-spec/ alone (pca.md and pca_tables.json): this script
+# imports nothing from kvtool, so its vectors are a second implementation's, not kvtool's bytes
+# checked against themselves.
+TABLES_FILE = HERE.parents[1] / "pca_tables.json"
+TABLES_SHA256 = "1e316800e70f92a01de9880950904d95d019bea2eb7fd068a9b49e81b0c5b7d9"  # pca.md §6.2
+BASIS_ONE = 1 << 14  # Q14 (pca.md §3)
+CAL_FORMAT = "kvtool-pca-calibration/1"
+
+
+def load_tables() -> tuple[list[list[int]], list[list[int]]]:
+    """(FREQ, COST_Q8) [32][16] from pca_tables.json, after checking its SHA-256 against pca.md's."""
+    data = TABLES_FILE.read_bytes()
+    if hashlib.sha256(data).hexdigest() != TABLES_SHA256:
+        raise SystemExit(f"{TABLES_FILE} is not the normative tables file (its SHA-256 differs)")
+    tables = json.loads(data)
+    return tables["freq"], tables["cost_q8"]
+
+
+FREQ, COST_Q8 = load_tables()
+CUM = [[sum(f[:s]) for s in range(17)] for f in FREQ]
+
+
+class Cal:
+    """A calibration object's tensors (pca.md §3): mean, weight F32 [2, L, C], basis I16 [2, L, C, C],
+    inv_freq F32 [L, D/2]. (A plain class: this file is also loaded without being a module of sys.modules.)"""
+
+    def __init__(self, mean: np.ndarray, weight: np.ndarray, basis: np.ndarray, inv_freq: np.ndarray,
+                 head_dim: int, model: str, digest: str = "") -> None:
+        self.mean, self.weight, self.basis, self.inv_freq = mean, weight, basis, inv_freq
+        self.head_dim, self.model, self.digest = head_dim, model, digest
+
+    @property
+    def layers(self) -> int:
+        return self.mean.shape[1]
+
+    @property
+    def channels(self) -> int:
+        return self.mean.shape[2]
+
+
+def calibration_bytes(cal: Cal) -> bytes:
+    """The object's file in the one fixed layout pca.md §3 describes: the header's JSON compact,
+    `__metadata__` first, the tensors in name order, data in that order, spaces to a multiple of 8."""
+    tensors = {"basis": ("I16", cal.basis.astype("<i2")), "inv_freq": ("F32", cal.inv_freq.astype("<f4")),
+               "mean": ("F32", cal.mean.astype("<f4")), "weight": ("F32", cal.weight.astype("<f4"))}
+    header: dict = {"__metadata__": {"format": CAL_FORMAT, "head_dim": str(cal.head_dim), "model": cal.model}}
+    parts, at = [], 0
+    for name, (dtype, array) in tensors.items():
+        raw = np.ascontiguousarray(array).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [at, at + len(raw)]}
+        parts.append(raw)
+        at += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + b"".join(parts)
+
+
+def parse_calibration(data: bytes, expect_digest: str | None = None) -> Cal:
+    """A calibration object from its bytes (safetensors, read by hand), its digest checked."""
+    digest = hashlib.sha256(data).hexdigest()
+    if expect_digest is not None and digest != expect_digest:
+        raise SpecError(f"calibration bytes hash to {digest}, not {expect_digest}")
+    (n,) = struct.unpack_from("<Q", data, 0)
+    header = json.loads(data[8:8 + n])
+    meta = header.pop("__metadata__")
+    if meta.get("format") != CAL_FORMAT or set(header) != {"basis", "inv_freq", "mean", "weight"}:
+        raise SpecError("not a calibration object")
+    np_dtype = {"F32": "<f4", "I16": "<i2"}
+    arrays = {name: np.frombuffer(data, np_dtype[e["dtype"]], int(np.prod(e["shape"])), 8 + n + e["data_offsets"][0])
+              .reshape(e["shape"]) for name, e in header.items()}
+    return Cal(mean=arrays["mean"].astype(np.float32), weight=arrays["weight"].astype(np.float32),
+               basis=arrays["basis"].astype(np.int16), inv_freq=arrays["inv_freq"].astype(np.float32),
+               head_dim=int(meta["head_dim"]), model=meta.get("model", ""), digest=digest)
+
+
+def rope_tables(cal: Cal, start: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) [L, tokens, D/2]: f32(cos(f64(pos) * f64(inv_freq))) (pca.md §5)."""
+    pos = np.arange(start, start + tokens, dtype=np.float64)
+    angle = pos[None, :, None] * cal.inv_freq.astype(np.float64)[:, None, :]
+    return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+
+
+def turn(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, back: bool) -> np.ndarray:
+    """x [L, T, C] float32 turned by the rotate-half pairs (i, i + D/2) of each head (pca.md §5):
+    every product rounded to float32, then the sum or difference (numpy float32 does not fuse)."""
+    L, T, C = x.shape
+    h = x.reshape(L, T, C // D, D)
+    a, b = h[..., :D // 2], h[..., D // 2:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    if back:
+        first, second = a * c + b * s, b * c - a * s
+    else:
+        first, second = a * c - b * s, b * c + a * s
+    return np.concatenate([first, second], -1).reshape(L, T, C).astype(np.float32)
+
+
+def to_storage(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 -> the dtype as stored, nearest even (bf16: the upper 16 bits after rounding)."""
+    if dtype == "float32":
+        return x.astype(np.float32)
+    if dtype == "float16":
+        return x.astype(np.float16)
+    bits = x.view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_storage(raw: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32)
+
+
+def spec_forward(x: np.ndarray, cal: Cal, start: int, step: float) -> np.ndarray:
+    """pca.md §5.1: q int64 [2, L, Tc, C] of the coded tokens x float32 [2, L, Tc, C]."""
+    cos, sin = rope_tables(cal, start, x.shape[2])
+    q = np.empty(x.shape, np.int64)
+    r = np.float64(1.0) / (np.float64(step) * np.float64(1 << 22))
+    for p in range(2):
+        xp = turn(x[p], cos, sin, back=True) if p == 0 else x[p]
+        u = ((xp - cal.mean[p][:, None, :]).astype(np.float32) * cal.weight[p][:, None, :]).astype(np.float32)
+        U = np.clip(np.rint(u.astype(np.float64) * 256.0), -(2 ** 23 - 1), 2 ** 23 - 1).astype(np.int64)
+        acc = np.einsum("ltc,lck->ltk", U, cal.basis[p].astype(np.int64))  # exact integers
+        q[p] = np.clip(np.rint(acc.astype(np.float64) * r), -32767, 32767).astype(np.int64)
+    if (np.abs(q).sum(-1) > 1 << 16).any():
+        raise SpecError("a token's sum of |q| exceeds 2^16 at this step")
+    return q
+
+
+def spec_choose(m: list[int], Tc: int) -> int:
+    """pca.md §6.2: the side byte of a live component with magnitudes m (its coded tokens)."""
+    best = None
+    for shift in range(7):
+        sym = [min(v >> shift, 15) for v in m]
+        for tab in range(32):
+            cost = sum(COST_Q8[tab][j] for j in sym) + 256 * (shift * Tc + 16 * sym.count(15))
+            if best is None or cost < best[0]:  # strict: ties keep the smaller shift, then table
+                best = (cost, tab | shift << 5)
+    return best[1]
+
+
+def _bits(values: list[tuple[int, int]]) -> bytes:
+    """(value, width) pairs packed LSB-first (pca.md §6.4), zero-padded to whole bytes."""
+    acc, n = 0, 0
+    for v, w in values:
+        acc |= (v & ((1 << w) - 1)) << n
+        n += w
+    return acc.to_bytes((n + 7) // 8, "little")
+
+
+def spec_encode(raw: np.ndarray, dtype: str, cal: Cal, step: float, sinks: int, position: int,
+                lanes: int) -> bytes:
+    """pca.md §4-6 as a writer: the payload of the chunk raw [2, L, T, C] as stored."""
+    _, L, T, C = raw.shape
+    S = sink_count(T, sinks, position)
+    Tc = T - S
+    x = from_storage(raw, dtype)
+    q = spec_forward(x[:, :, S:], cal, position + S, step).reshape(2 * L, Tc, C)
+    rows, table = [], []
+    for r in range(2 * L):
+        side = [0xFF if not Tc or not q[r, :, k].any() else spec_choose([abs(int(v)) for v in q[r, :, k]], Tc)
+                for k in range(C)]
+        syms, tabs, lo, sign, esc = [], [], [], [], []
+        for k in range(C):
+            if side[k] == 0xFF:
+                continue
+            shift = side[k] >> 5
+            for t in range(Tc):
+                v = int(q[r, t, k])
+                m = abs(v)
+                hi = m >> shift
+                syms.append(min(hi, 15))
+                tabs.append(side[k] & 31)
+                lo.append((m & ((1 << shift) - 1), shift))
+                if hi >= 15:
+                    esc.append(hi - 15)
+                if m:
+                    sign.append((int(v < 0), 1))
+        states = [1 << 16] * lanes
+        emitted = []
+        for i in range(len(syms) - 1, -1, -1):  # §6.3's writer: the symbols in reverse order
+            lane, f, c = i % lanes, FREQ[tabs[i]][syms[i]], CUM[tabs[i]][syms[i]]
+            s = states[lane]
+            if s >= f << 20:
+                emitted.append(s & 0xFFFF)
+                s >>= 16
+            states[lane] = ((s // f) << 12) + (s % f) + c
+        words = emitted[::-1]
+        tail = _bits(lo) + _bits(sign) + struct.pack(f"<{len(esc)}H", *esc)
+        body = (bytes(side) + bytes(-C % 4) + struct.pack(f"<{lanes}I", *states)
+                + struct.pack(f"<{len(words)}H", *words) + bytes(2 * (len(words) % 2)) + tail + bytes(-len(tail) % 4))
+        table.append(struct.pack("<IIII", len(words), sum(w for _, w in lo), len(sign), len(esc)))
+        rows.append(body)
+    header = struct.pack("<4sBBBBIIII", b"KVPC", 1, DTYPE_CODE[dtype], lanes, 0, 2 * L, T, C, S)
+    sink_bytes = np.ascontiguousarray(raw[:, :, :S]).astype(np.dtype(STORAGE[dtype]).newbyteorder("<")).tobytes()
+    return header + b"".join(table) + sink_bytes + bytes(-len(sink_bytes) % 4) + b"".join(rows)
 
 
 # --------------------------------------------------------------------------- calibration objects
@@ -60,10 +259,10 @@ def _householder_basis(vectors: list[list[int]]) -> np.ndarray:
         vv = sum(x * x for x in v)
         h = [[Fraction(int(i == j)) - Fraction(2 * v[i] * v[j], vv) for j in range(C)] for i in range(C)]
         m = [[sum(m[i][k] * h[k][j] for k in range(C)) for j in range(C)] for i in range(C)]
-    return np.array([[round(x * calmod.BASIS_ONE) for x in row] for row in m], dtype=np.int16)
+    return np.array([[round(x * BASIS_ONE) for x in row] for row in m], dtype=np.int16)
 
 
-def make_calibration(layers: int, seed: int) -> calmod.Calibration:
+def make_calibration(layers: int, seed: int) -> Cal:
     rng = np.random.default_rng(seed)
     basis = np.zeros((2, layers, D, D), np.int16)
     for p in range(2):
@@ -71,20 +270,12 @@ def make_calibration(layers: int, seed: int) -> calmod.Calibration:
             basis[p, layer] = _householder_basis([rng.integers(-9, 10, D).tolist() for _ in range(3)])
     mean = (rng.integers(-48, 49, (2, layers, D)) / 64).astype(np.float32)  # multiples of 1/64
     weight = (rng.integers(40, 161, (2, layers, D)) / 64).astype(np.float32)  # 0.625 .. 2.5
-    cal = calmod.Calibration(mean=mean, weight=weight, basis=basis, inv_freq=np.tile(INV_FREQ, (layers, 1)),
+    cal = Cal(mean=mean, weight=weight, basis=basis, inv_freq=np.tile(INV_FREQ, (layers, 1)),
                              head_dim=D, model="kvtool-pca-vector-model")
-    cal.check()
     return cal
 
 
 CALIBRATIONS = {"walk": (1, 101), "main": (2, 202)}  # name: (layers, seed)
-
-
-def calibration_bytes(cal: calmod.Calibration) -> bytes:
-    """The object's file: kvtool's one fixed layout (format-spec/pca.md §3; the safetensors library
-    writes its metadata in an order that changes from run to run, and the object is named by the
-    digest of its bytes)."""
-    return cal.to_bytes()
 
 
 # --------------------------------------------------------------------------- the vectors
@@ -113,39 +304,35 @@ def coefficients(L: int, Tc: int, seed: int) -> np.ndarray:
     return q
 
 
-def make_input(cal: calmod.Calibration, q: np.ndarray, dtype: str, T: int, S: int, start: int, step: float,
+def make_input(cal: Cal, q: np.ndarray, dtype: str, T: int, S: int, start: int, step: float,
                seed: int) -> np.ndarray:
     """The chunk [2, L, T, C] as stored: S sink tokens of noise, then tokens whose coefficients are
     (near) q: x = mean + (basis q step) / weight, turned forward for K, rounded to dtype."""
-    from kvtool.codecs.pca import reference as ref
-
     rng = np.random.default_rng(seed + 1000)
     L = cal.layers
     x = np.zeros((2, L, T, D), np.float32)
     x[:, :, :S] = (rng.standard_normal((2, L, S, D)) * 2).astype(np.float32)
-    b = cal.basis.astype(np.float64) / calmod.BASIS_ONE
+    b = cal.basis.astype(np.float64) / BASIS_ONE
     u = np.einsum("plck,pltk->pltc", b, q.astype(np.float64)) * step
     coded = (u / cal.weight[:, :, None, :] + cal.mean[:, :, None, :]).astype(np.float32)
     if T > S:
-        cos, sin = calmod.rope_tables(cal, start + S, T - S)
-        coded[0] = ref._turn(coded[0], cos, sin, D, back=False)
+        cos, sin = rope_tables(cal, start + S, T - S)
+        coded[0] = turn(coded[0], cos, sin, back=False)
     x[:, :, S:] = coded
-    return np.ascontiguousarray(ref.to_dtype(x, dtype).view(STORAGE[dtype]))
+    return np.ascontiguousarray(to_storage(x, dtype).view(STORAGE[dtype]))
 
 
 def sink_count(T: int, sinks: int, position: int) -> int:
     return min(T, max(0, sinks - position))
 
 
-def build() -> dict[str, calmod.Calibration]:
-    from kvtool.codecs.pca import reference as ref
-
+def build() -> dict[str, Cal]:
     cals = {}
     for old in HERE.glob("*.kvcal"):
         old.unlink()
     for name, (layers, seed) in CALIBRATIONS.items():
         data = calibration_bytes(make_calibration(layers, seed))
-        cal = calmod.from_bytes(data)
+        cal = parse_calibration(data)
         (HERE / f"{cal.digest}.kvcal").write_bytes(data)
         cals[name] = cal
     for name, (calname, dtype, T, sinks, position, step, lanes, seed) in VECTORS.items():
@@ -153,8 +340,8 @@ def build() -> dict[str, calmod.Calibration]:
         S = sink_count(T, sinks, position)
         q = coefficients(cal.layers, T - S, seed)
         raw = make_input(cal, q, dtype, T, S, position, step, seed)
-        payload = ref.encode_chunk(raw, dtype, cal, step, sinks, position, lanes)
-        out = ref.decode_chunk(payload, raw.shape, dtype, cal, step, position)
+        payload = spec_encode(raw, dtype, cal, step, sinks, position, lanes)
+        out = spec_decode(payload, raw.shape, dtype, cal, step, position)
         params = {"version": 1, "calibration": cal.digest, "step": step, "sinks": sinks, "lanes": lanes,
                   "position": position}
         meta = {"shape": list(raw.shape), "dtype": dtype, "params": params,
@@ -166,7 +353,7 @@ def build() -> dict[str, calmod.Calibration]:
         (HERE / f"{name}.out.bin").write_bytes(out.tobytes())
         rope = HERE / f"{name}.rope.bin"
         if T > S:
-            cos, sin = calmod.rope_tables(cal, position + S, T - S)
+            cos, sin = rope_tables(cal, position + S, T - S)
             rope.write_bytes(cos.astype("<f4").tobytes() + sin.astype("<f4").tobytes())
         elif rope.exists():
             rope.unlink()
@@ -184,7 +371,7 @@ def load(name: str) -> dict:
             "input": np.frombuffer((HERE / f"{name}.in.bin").read_bytes(), storage).reshape(shape),
             "payload": (HERE / f"{name}.payload.bin").read_bytes(),
             "output": np.frombuffer((HERE / f"{name}.out.bin").read_bytes(), storage).reshape(shape),
-            "cal_bytes": cal_bytes, "cal": calmod.from_bytes(cal_bytes, meta["params"]["calibration"])}
+            "cal_bytes": cal_bytes, "cal": parse_calibration(cal_bytes, meta["params"]["calibration"])}
 
 
 def rope_of(name: str, L: int, Tc: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -196,15 +383,11 @@ def rope_of(name: str, L: int, Tc: int) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 # --------------------------------------------------------------------------- a decoder from the text
-class SpecError(Exception):
-    pass
-
-
 def _f32(x) -> np.float32:
     return np.float32(x)
 
 
-def spec_decode(payload: bytes, shape: tuple[int, ...], dtype: str, cal: calmod.Calibration, step: float,
+def spec_decode(payload: bytes, shape: tuple[int, ...], dtype: str, cal: Cal, step: float,
                 position: int, cos=None, sin=None, trace: dict | None = None) -> np.ndarray:
     """pca.md sections 4-6 as written, one value at a time. cos/sin [L, Tc, D/2]: the tables to use
     (default: the spec's formula). `trace`: filled with what the walk-through prints."""
@@ -250,7 +433,7 @@ def spec_decode(payload: bytes, shape: tuple[int, ...], dtype: str, cal: calmod.
         rows.append(row)
     if pos != len(payload):
         raise SpecError(f"length {len(payload)}, table says {pos}")
-    freq, cum = TB.FREQ, [[sum(f[:s]) for s in range(17)] for f in TB.FREQ]
+    freq, cum = FREQ, CUM
     q = np.zeros((R, Tc, C), np.int64)
     for r, row in enumerate(rows):
         side = row["side"]
@@ -317,7 +500,7 @@ def spec_decode(payload: bytes, shape: tuple[int, ...], dtype: str, cal: calmod.
     if Tc == 0:
         return out
     if cos is None:
-        cos, sin = calmod.rope_tables(cal, position + S, Tc)
+        cos, sin = rope_tables(cal, position + S, Tc)
     for p in range(2):
         for layer in range(L):
             h = [_f32(np.float64(step) / (16384 * np.float64(cal.weight[p, layer, c]))) for c in range(C)]
@@ -560,7 +743,7 @@ def walkthrough() -> str:
     crows, best = [], None
     for shift in range(7):
         sym = [min(m >> shift, 15) for m in mags]
-        costs = [sum(TB.COST_Q8[tab][j] for j in sym) + 256 * (shift * Tc + 16 * sym.count(15)) for tab in range(32)]
+        costs = [sum(COST_Q8[tab][j] for j in sym) + 256 * (shift * Tc + 16 * sym.count(15)) for tab in range(32)]
         tab = min(range(32), key=lambda j: (costs[j], j))
         crows.append([shift, ", ".join(map(str, sym)), tab, costs[tab]])
         if best is None or costs[tab] < best[2]:

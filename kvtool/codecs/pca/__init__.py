@@ -90,11 +90,11 @@ class PcaCodec(Codec):
         quality = p.get("quality")
         if "quality" in p and not (isinstance(quality, str) and quality in QUALITY):
             raise CodecParamsInvalid(f"pca: quality {_shown(quality)} is not one of {', '.join(QUALITY)}")
-        # a quality without a step means the version-1 points' step (format-spec/pca.md §2: the
-        # steps of a calibration learned per layer); kvtool's writers always record the step, so a
-        # file's chunks never depend on which calibration table a reader would pick
-        if quality is not None and "step" not in p:
-            p["step"] = QUALITY_BY_AXES["layer"][quality][0]
+        # `step` is required (format-spec/pca.md §2): a quality's step depends on the calibration
+        # (per layer or per KV head), so a reader that took a name's step decoded a per-head
+        # writer's chunk to other values without a word
+        if "step" not in p:
+            raise CodecParamsInvalid("pca: 'step' is required (the quantizer step the chunk was coded with)")
         cal = p.get("calibration")
         if not isinstance(cal, str) or len(cal) != 64 or any(c not in "0123456789abcdef" for c in cal):
             raise CodecParamsInvalid("pca: 'calibration' must be a SHA-256 digest (64 lower-case hex digits)")
@@ -112,6 +112,12 @@ class PcaCodec(Codec):
         if p["version"] == 2 and p["unit"] % reference2.UNIT_STEP:
             raise CodecParamsInvalid(f"pca: 'unit' must be a multiple of {reference2.UNIT_STEP}")
         return p
+
+    def max_expansion(self, tokens: int, itemsize: int) -> int:
+        """Each row of a payload holds a side byte per channel, for that channel's `tokens` values,
+        so a chunk decodes to less than tokens x itemsize times its length (format-spec/pca.md §8):
+        a chunk of near-constant KV (every coefficient zero) legitimately passes the container's 1024x."""
+        return tokens * itemsize
 
     def check_position(self, params: dict[str, Any], position: int) -> None:
         """`position` is the chunk's first token's position, which the container gives: the

@@ -14,12 +14,14 @@ coded with it records. A reader finds it by that digest (`find`), never by model
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import pathlib
 import struct
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -149,24 +151,90 @@ def default_dir() -> pathlib.Path:
 
 
 _loaded: dict[str, Calibration] = {}
+_bytes: dict[str, bytes] = {}  # digest -> the object's bytes as found (what a writer publishes or embeds)
+_lock = threading.Lock()
+_source_ids = itertools.count()
+
+#: Where else an object may be fetched from, after the folders (format-spec/pca.md §3.1): each a
+#: callable digest -> (its bytes or None, where it looked). The places that hold objects beside
+#: the chunks that name them add themselves while open: a store (`store/calibrations.py`), a file
+#: that carries its calibration. Keyed by an id so that each removes its own.
+_sources: dict[int, tuple[str, Callable[[str], bytes | None]]] = {}
+
+
+def add_source(where: str, fetch: Callable[[str], bytes | None]) -> int:
+    """Let `find` fetch objects through `fetch` (after the folders); returns the id `remove_source` takes."""
+    key = next(_source_ids)
+    _sources[key] = (where, fetch)
+    return key
+
+
+def remove_source(key: int) -> None:
+    _sources.pop(key, None)
+
+
+def _check_digest(digest: str) -> None:
+    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise CodecParamsInvalid("pca: 'calibration' must be a SHA-256 digest (64 lower-case hex digits)")
 
 
 def find(digest: str) -> Calibration:
-    """The calibration object named `digest`, from memory or the search path; one line if absent."""
-    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-        raise CodecParamsInvalid("pca: 'calibration' must be a SHA-256 digest (64 lower-case hex digits)")
+    """The calibration object named `digest`: from memory, the search path's folders, then the
+    sources (a store, a file carrying it: checked by its digest, then kept in the cache folder so
+    the next process finds it there); one line naming every place looked if absent."""
+    _check_digest(digest)
     cal = _loaded.get(digest)
     if cal is not None:
         return cal
-    for folder in search_path():
-        path = folder / f"{digest}{SUFFIX}"
-        if path.is_file():
-            cal = from_bytes(path.read_bytes(), expect_digest=digest)
-            _loaded[digest] = cal
+    with _lock:  # (loads decode on worker threads: one fetch of an object, not one each)
+        cal = _loaded.get(digest)
+        if cal is not None:
             return cal
-    where = ", ".join(str(p) for p in search_path())
+        for folder in search_path():
+            path = folder / f"{digest}{SUFFIX}"
+            if path.is_file():
+                return _keep(path.read_bytes(), digest, save=False)
+        for _where, fetch in list(_sources.values()):
+            data = fetch(digest)
+            if data is not None:
+                return _keep(bytes(data), digest, save=True)
+    where = ", ".join([str(p) for p in search_path()] + [w for w, _ in _sources.values()])
     raise CalibrationNotFound(f"pca: calibration object {digest[:16]}... not found (looked in {where}); copy "
                               f"{digest}{SUFFIX} there or set KVTOOL_CALIBRATION_PATH")
+
+
+def _keep(data: bytes, digest: str, save: bool) -> Calibration:
+    """Parse and check `data` as the object `digest` (refused when its bytes hash otherwise), keep
+    it in memory and, fetched from elsewhere, in the cache folder (best effort: a read-only cache
+    folder leaves it in memory only)."""
+    cal = from_bytes(data, expect_digest=digest)
+    if save:
+        from ...fsutil import atomic_write
+
+        path = default_dir() / f"{digest}{SUFFIX}"
+        try:
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(path, lambda f: f.write(data))
+        except OSError:
+            pass
+    _bytes[digest] = data
+    _loaded[digest] = cal
+    return cal
+
+
+def object_bytes(digest: str) -> bytes:
+    """The bytes of the object named `digest` (found as `find` finds it): what a writer puts in a
+    store or a file beside the chunks that name it. They hash to `digest`."""
+    cal = find(digest)
+    data = _bytes.get(digest)
+    if data is None:  # remembered without a file (`remember`): its fixed layout, if that is its name
+        data = cal.to_bytes()
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise CalibrationNotFound(f"pca: calibration object {digest[:16]}... is known here only as tensors "
+                                      "laid out another way; save it to a folder of the search path")
+        _bytes[digest] = data
+    return data
 
 
 def blocks_per_head(basis: np.ndarray, head_dim: int) -> bool:
@@ -199,7 +267,9 @@ def axes(cal: Calibration) -> str:
 def remember(cal: Calibration) -> Calibration:
     """Keep `cal` (with its digest) for `find` in this process, without a file."""
     if not cal.digest:
-        cal = Calibration(**{**cal.__dict__, "digest": hashlib.sha256(cal.to_bytes()).hexdigest()})
+        data = cal.to_bytes()
+        cal = Calibration(**{**cal.__dict__, "digest": hashlib.sha256(data).hexdigest()})
+        _bytes[cal.digest] = data
     _loaded[cal.digest] = cal
     return cal
 
