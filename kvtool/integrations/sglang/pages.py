@@ -11,6 +11,7 @@ reads from it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -56,3 +57,22 @@ def flat_view(pool, flat: torch.Tensor) -> torch.Tensor:
     layout's order: `get_data_page(index)`, `get_dummy_flat_data_page()`)."""
     shape = pool.get_data_page(0, flat=False).shape
     return _canonical(pool, flat.view(shape))
+
+
+# Copies go through numpy views of the bits: torch's CPU copy of a transposed bfloat16 page (a
+# page_first page to the canonical view) runs at ~75 MB/s here, numpy's at ~15 GB/s.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.view(_BITS[t.element_size()]).numpy()
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src, bit for bit (a page into its view in the host pool)."""
+    _bits(dst)[...] = _bits(src)
+
+
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a page's view (what is stored)."""
+    return torch.from_numpy(np.ascontiguousarray(_bits(t))).view(t.dtype)

@@ -79,7 +79,7 @@ class KVToolHiCacheStorage(HiCacheStorage):
         done = []
         for i, page in enumerate(self._read(keys)):
             if page is not None:
-                pages.page_view(self.mem_pool_host, int(host_indices[i * page_size])).copy_(page)
+                pages.copy_into(pages.page_view(self.mem_pool_host, int(host_indices[i * page_size])), page)
             done.append(page is not None)
         return done
 
@@ -90,7 +90,7 @@ class KVToolHiCacheStorage(HiCacheStorage):
         out = []
         for page, target in zip(self._read(keys), targets):
             if page is not None:
-                pages.flat_view(self.mem_pool_host, target).copy_(page)
+                pages.copy_into(pages.flat_view(self.mem_pool_host, target), page)
             out.append(target if page is not None else None)
         return out
 
@@ -130,13 +130,14 @@ class KVToolHiCacheStorage(HiCacheStorage):
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         page_size = self.mem_pool_host.page_size
-        return self._write([(k, pages.page_view(self.mem_pool_host, int(host_indices[i * page_size])))
+        pool = self.mem_pool_host
+        return self._write([(k, pages.contiguous(pages.page_view(pool, int(host_indices[i * page_size]))))
                             for i, k in enumerate(keys)])
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> bool:
         """The generic interface: flat pages in the host layout's order."""
-        return all(self._write([(k, pages.flat_view(self.mem_pool_host, v.contiguous()))
+        return all(self._write([(k, pages.contiguous(pages.flat_view(self.mem_pool_host, v.contiguous())))
                                 for k, v in zip(keys, values)]))
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
