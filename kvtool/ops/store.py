@@ -120,6 +120,8 @@ def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_fil
     from .capture import read_tokens
 
     if sglang_page_size is not None:
+        if chunk_size is not None or codec is not None:
+            raise UsageError("--sglang-page-size reads SGLang's pages as stored (raw): no --chunk-size or --codec")
         return _get_sglang_pages(store, output, prompt, prompt_file, tokens_file, model, chat, namespace,
                                  sglang_page_size, sglang_tp)
     from .inputs import codec_params
