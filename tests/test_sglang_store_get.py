@@ -48,6 +48,17 @@ def test_the_ranks_pages_are_one_file_of_the_whole_pages(tmp_path, stored, capsy
         assert [int(t) for t in r.token_ids()] == tokens[:5 * PAGE]
         assert torch.equal(torch.cat([r.read_chunk(i) for i in range(len(r.chunks))], dim=2), kv)
     assert cli(capsys, "verify", out)[0] == 0
+    code, replayed, err = cli(capsys, "replay", out, "--continue", 2, "--json")  # (random KV: any tokens)
+    assert code == 0 and replayed["num_tokens"] == 5 * PAGE and replayed["reused_tokens"] > 0, err
+    code, shown, _ = cli(capsys, "inspect", out, "--json")
+    assert code == 0 and "SmolLM2" in json.dumps(shown)
+    # the store's upkeep sees the pages as the tensor objects they are
+    code, listed, _ = cli(capsys, "store", "ls", "--store", tmp_path / "s", "--kind", "tensor", "--json")
+    assert code == 0 and len(listed["objects"]) == 3 * 5
+    code, stats, _ = cli(capsys, "store", "stats", "--store", tmp_path / "s", "--json")
+    assert code == 0 and stats["by_kind"] == {"tensor": 15} and stats["foreign"] == 0
+    code, checked, _ = cli(capsys, "store", "fsck", "--store", tmp_path / "s", "--json")
+    assert code == 0, checked
     # read as pages of one rank: those are other keys (a rank's heads are not the model's), none stored
     code, _, err = cli(capsys, "store", "get", "--store", tmp_path / "s", "--tokens", path,
                        "--sglang-page-size", PAGE, "-o", tmp_path / "one.kvc")
@@ -68,6 +79,11 @@ def test_the_run_stops_at_a_damaged_page(tmp_path, stored, capsys, default_model
     assert got["cached_tokens"] == 2 * PAGE and any("CRC-32C" in why for why in got["refused"])
     with ContainerReader(out) as r:
         assert torch.equal(r.read_chunk(0), kv[:, :, :2 * PAGE])
+    code, checked, _ = cli(capsys, "store", "fsck", "--store", tmp_path / "s", "--json")
+    assert len(checked["damaged"]) == 1 and checked["intact"] == 14 and not victim.exists()  # found, removed
+    assert cli(capsys, "store", "gc", "--store", tmp_path / "s", "--max-bytes", "1")[0] == 0
+    code, listed, _ = cli(capsys, "store", "ls", "--store", tmp_path / "s", "--json")
+    assert code == 0 and listed["objects"] == []  # gc evicts pages like any object
 
 
 def test_nothing_stored_is_one_line_and_exit_1(tmp_path, default_model, capsys):
