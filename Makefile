@@ -31,6 +31,21 @@ $(VENV)/.vllm: $(VENV)/.installed
 		$(PY) -m pip install --quiet --no-deps peft==0.21.2; fi
 	touch $@
 
+# SGLang 0.5.23, for the SGLang backend's tests only (tests/test_sglang_*.py; they skip without it,
+# and fail in CI). Its own dependencies resolve to ~200 packages with torch 2.14.1 for CUDA: instead
+# the wheel alone, beside torch 2.13.0+cpu, and what importing its memory pools and cache controller
+# needs that the venv lacks (the rest -- numpy, transformers, triton, msgspec, pyzmq, ... -- vLLM's
+# install brought). SGLang imports torchvision.transforms; PyPI's torchvision 0.28.0 (CUDA's build)
+# goes into its own folder, outside site-packages, so that vLLM's engines never import it, and the
+# SGLang tests load it there (tests/sglang_pools.py says how). The page-key extension SGLang
+# compiles at first use needs g++ and libssl-dev (.ci/run installs them).
+$(VENV)/.sglang: $(VENV)/.vllm
+	if [ "$$(uname -s)-$$(uname -m)" = "Linux-x86_64" ]; then \
+		$(PY) -m pip install --quiet --no-deps sglang==0.5.23 && \
+		$(PY) -m pip install --quiet orjson==3.13.0 ipython==9.18.1 && \
+		$(PY) -m pip install --quiet --no-deps --target $(VENV)/sglang-torchvision torchvision==0.28.0; fi
+	touch $@
+
 # The demo's text ships with the repository (demo/context.md: the start of the container spec,
 # ~1,500 tokens): a few minutes on a 2-core machine, the model's own arithmetic (fp32 KV), so the
 # lossless file replays identically; the lossy one's trade-off is shown as one, before it.
@@ -45,7 +60,7 @@ demo: install
 	@echo "== the lossless file: the same tokens as recomputing, from its first token on, and sooner"
 	$(KVTOOL) replay $(OUT)/demo.kvc --compare --continue 16
 
-test: install $(VENV)/.vllm
+test: install $(VENV)/.vllm $(VENV)/.sglang
 	$(PY) -m pytest -q
 
 # The tests that need no default model, no transformers model and no vLLM (tests/conftest.py marks

@@ -40,6 +40,7 @@ MODEL_FIXTURES = {"default_model", "hf_reference_model"}
 #: probing for it in a subprocess, costs 10-20 s a module on a 2-core machine).
 MODULE_MARKS = {
     "test_vllm_*.py": ("engine", "model", "slow"),  # vLLM: its engine processes or its classes
+    "test_sglang_*.py": ("engine", "model", "slow"),  # SGLang: its pools and controller (10-20 s to import)
     "test_store_stress.py": ("slow",),  # processes racing (and killed) over a store: 45 s
     "test_fuzz_codec_params.py": ("slow",),  # a coverage-guided fuzzer for its time: 20 s
     "test_fuzz_store_urls.py": ("slow",),  # the same, 20 s

@@ -101,6 +101,8 @@ BREAKS = [
     ("engine/loader.py", "import transformers  # noqa", "Only integrations/hf imports transformers",
      "kvtool.engine.loader -> transformers"),
     ("store/buffers.py", "import vllm  # noqa", "Only integrations/vllm imports vLLM", "kvtool.store.buffers -> vllm"),
+    ("store/upkeep.py", "import sglang  # noqa", "Only integrations/sglang imports SGLang; nothing imports sglang/",
+     "kvtool.store.upkeep -> sglang"),
     ("integrations/disagg_proxy.py", "import torch  # noqa",
      "The proxy imports neither vLLM nor torch nor the rest of kvtool", "kvtool.integrations.disagg_proxy -> torch"),
     ("ops/dump.py", "from kvtool.connectors import paged_torch  # noqa", "paged_copy alone picks the paged copy",

@@ -35,6 +35,11 @@ BlockSizeOpt = Annotated[int, typer.Option(
     "--block-size", metavar="N", help="Match the prefix to a multiple of N tokens past the whole chunks "
                                       "(the engine's block; N = the chunk size: whole chunks only).")]
 ChatOpt = Annotated[bool, typer.Option("--chat", help="The prompt is a user message: apply the chat template.")]
+SGLangPageOpt = Annotated[Optional[int], typer.Option(
+    "--sglang-page-size", metavar="N", help="Read the pages SGLang's kvtool backend saved (its page size N) instead "
+                                            "of chunks.")]
+SGLangTpOpt = Annotated[int, typer.Option("--sglang-tp", metavar="N", help="With --sglang-page-size: the tensor-"
+                                          "parallel ranks that wrote them.")]
 MaxBytesOpt = Annotated[str, typer.Option("--max-bytes", metavar="SIZE", help="Keep at most this much, e.g. 10G.",
                                           show_default=False)]
 
@@ -51,13 +56,15 @@ def put_command(files: FilesArg, store: StoreOpt, namespace: NamespaceOpt = None
 def get_command(store: StoreOpt, output: OutputPath, prompt: PromptOpt = None, prompt_file: PromptFileOpt = None,
                 tokens: TokensOpt = None, model: ModelOpt = None, chunk_size: ChunkSizeOpt = None,
                 chat: ChatOpt = False, namespace: NamespaceOpt = None, codec: GetCodecOpt = None,
-                block_size: BlockSizeOpt = 16, json: JsonOpt = False) -> None:
+                block_size: BlockSizeOpt = 16, sglang_page_size: SGLangPageOpt = None, sglang_tp: SGLangTpOpt = 1,
+                json: JsonOpt = False) -> None:
     """Write the longest cached prefix of a prompt as a kvtool file (exit 1 when nothing is cached):
     its whole chunks, then the longest block-aligned run of tokens past them that a stored sequence shares."""
     from ..ops import store as ops
 
     emit(ops.get(store, output, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, model=model,
-                 chat=chat, chunk_size=chunk_size, namespace=namespace, codec=codec, block_size=block_size), json)
+                 chat=chat, chunk_size=chunk_size, namespace=namespace, codec=codec, block_size=block_size,
+                 sglang_page_size=sglang_page_size, sglang_tp=sglang_tp), json)
 
 
 @app.command("ls")

@@ -105,7 +105,7 @@ class StoreGetResult(Result):
 def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_file: Path | None = None,
         tokens_file: Path | None = None, model: str | Path | None = None, chat: bool = False,
         chunk_size: int | None = None, namespace: str | None = None, codec: str | None = None,
-        block_size: int | None = 16) -> StoreGetResult:
+        block_size: int | None = 16, sglang_page_size: int | None = None, sglang_tp: int = 1) -> StoreGetResult:
     """`kvtool store get --prompt-file F --store URL -o OUT`: the longest cached prefix of the
     prompt, as a container (at `chunk_size`, or the stored chunk size that covers the most), of
     the chunks stored under `namespace` (none: those stored without one). With `codec`, every
@@ -114,9 +114,16 @@ def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_fil
     others are decoded and encoded again (a store keeps one object per chunk, in the codec it was
     first put in). With `block_size`, the prefix goes on past the whole chunks to the longest
     block-aligned run of tokens a stored sequence shares (store.md §7; at a chunk size it does
-    not divide, whole chunks only)."""
+    not divide, whole chunks only). With `sglang_page_size`, the pages SGLang's kvtool backend
+    saved for the prompt instead (store.md §4.8; written by `sglang_tp` ranks)."""
     from ..engine import load_model
     from .capture import read_tokens
+
+    if sglang_page_size is not None:
+        if chunk_size is not None or codec is not None:
+            raise UsageError("--sglang-page-size reads SGLang's pages as stored (raw): no --chunk-size or --codec")
+        return _get_sglang_pages(store, output, prompt, prompt_file, tokens_file, model, chat, namespace,
+                                 sglang_page_size, sglang_tp)
     from .inputs import codec_params
 
     # (an unknown codec fails first; pca's parameters name the model's calibration: once it is loaded)
@@ -152,6 +159,31 @@ def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_fil
         return StoreGetResult(store=s.url, output=str(output), model=loaded.name, prompt_tokens=len(ids),
                               cached_tokens=n, chunks=len(codecs_used), codecs=sorted(set(codecs_used)),
                               file_bytes=os.path.getsize(output), refused=refused, reencoded=reencoded)
+
+
+def _get_sglang_pages(store, output, prompt, prompt_file, tokens_file, model, chat, namespace, page_size: int,
+                      tp_size: int) -> StoreGetResult:
+    """`store get --sglang-page-size`: the prompt's leading pages SGLang saved, as a raw container."""
+    from ..engine import load_model
+    from ..store.sglang_pages import pages_container
+    from .capture import read_tokens
+
+    if page_size <= 0:
+        raise UsageError(f"--sglang-page-size must be positive, got {page_size}")
+    with connect(store, create=False) as s:
+        loaded = load_model(model)
+        ids = read_tokens(loaded, prompt, prompt_file, tokens_file, chat)
+        n, refused = pages_container(s.backend, loaded.identity, ids, page_size, output, namespace=namespace or "",
+                                     tp_size=tp_size)
+        if n == 0:
+            why = f" ({refused[0]})" if refused else ""
+            where = f" in namespace {namespace!r}" if namespace else ""
+            raise NotCached(f"{s.url}: no SGLang page of this prompt's {len(ids)} tokens is stored{where} for "
+                            f"{loaded.name} at page size {page_size}{why}")
+        chunk = page_size * max(1, 256 // page_size)
+        return StoreGetResult(store=s.url, output=str(output), model=loaded.name, prompt_tokens=len(ids),
+                              cached_tokens=n, chunks=-(-n // chunk), codecs=["raw"],
+                              file_bytes=os.path.getsize(output), refused=refused, reencoded=0)
 
 
 def _beside(output: str | Path) -> str:
