@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from .options import WORDS, JsonOpt, ModelOpt, NamespaceOpt, OutputPath, StoreOpt
+from ..ops.file_requests import StoreGetRequest, StorePutRequest
+from .commands import request_command
+from .options import WORDS, JsonOpt, StoreOpt
 from .output import KEPT_AS_STORED, emit, escaped, human_bytes, plural, renders
 
 if TYPE_CHECKING:
@@ -20,44 +21,27 @@ if TYPE_CHECKING:
 app = typer.Typer(help="The chunk store: many sequences' chunks, by prefix; a folder or Redis.",
                   no_args_is_help=True, add_completion=False)
 
-GetCodecOpt = Annotated[Optional[str], typer.Option(
-    "--codec", metavar="CODEC", help="Every chunk in this codec (raw, zstd, cachegen, pca): those stored in another are "
-                                     "re-encoded. Default: each as stored.")]
-FilesArg = Annotated[list[str], typer.Argument(click_type=WORDS, metavar="FILE.kvc...",
-                                               help="kvtool files whose chunks to store.", show_default=False)]
-PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", help="Prompt text.")]
-PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", metavar="FILE", help="File with the prompt (UTF-8).")]
-TokensOpt = Annotated[Optional[Path], typer.Option(
-    "--tokens", metavar="FILE", help="File of token ids (JSON list or whitespace-separated).")]
-ChunkSizeOpt = Annotated[Optional[int], typer.Option(
-    "--chunk-size", metavar="N", help="Tokens per chunk of the stored KV (default: the stored size that covers the most).")]
-BlockSizeOpt = Annotated[int, typer.Option(
-    "--block-size", metavar="N", help="Match the prefix to a multiple of N tokens past the whole chunks "
-                                      "(the engine's block; N = the chunk size: whole chunks only).")]
-ChatOpt = Annotated[bool, typer.Option("--chat", help="The prompt is a user message: apply the chat template.")]
 MaxBytesOpt = Annotated[str, typer.Option("--max-bytes", metavar="SIZE", help="Keep at most this much, e.g. 10G.",
                                           show_default=False)]
 
 
-@app.command("put")
-def put_command(files: FilesArg, store: StoreOpt, namespace: NamespaceOpt = None, json: JsonOpt = False) -> None:
-    """Store the whole chunks of kvtool files (copied as encoded; chunks already stored are skipped)."""
+def _put(request: StorePutRequest, json: bool) -> None:
     from ..ops import store as ops
 
-    emit(ops.put(files, store, namespace=namespace), json)
+    emit(ops.put(request), json)
 
 
-@app.command("get")
-def get_command(store: StoreOpt, output: OutputPath, prompt: PromptOpt = None, prompt_file: PromptFileOpt = None,
-                tokens: TokensOpt = None, model: ModelOpt = None, chunk_size: ChunkSizeOpt = None,
-                chat: ChatOpt = False, namespace: NamespaceOpt = None, codec: GetCodecOpt = None,
-                block_size: BlockSizeOpt = 16, json: JsonOpt = False) -> None:
-    """Write the longest cached prefix of a prompt as a kvtool file (exit 1 when nothing is cached):
-    its whole chunks, then the longest block-aligned run of tokens past them that a stored sequence shares."""
+def _get(request: StoreGetRequest, json: bool) -> None:
     from ..ops import store as ops
 
-    emit(ops.get(store, output, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, model=model,
-                 chat=chat, chunk_size=chunk_size, namespace=namespace, codec=codec, block_size=block_size), json)
+    emit(ops.get(request), json)
+
+
+put_command = app.command("put")(request_command(StorePutRequest, _put, (
+    "Store the whole chunks of kvtool files (copied as encoded; chunks already stored are skipped).")))
+get_command = app.command("get")(request_command(StoreGetRequest, _get, (
+    "Write the longest cached prefix of a prompt as a kvtool file (exit 1 when nothing is cached): its whole "
+    "chunks, then the longest block-aligned run of tokens past them that a stored sequence shares.")))
 
 
 @app.command("ls")

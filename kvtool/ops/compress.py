@@ -12,7 +12,7 @@ from typing import Any
 from .. import codecs
 from ..errors import UsageError
 from ..format import ContainerReader, ContainerWriter
-from .inputs import codec_params
+from .file_requests import CompressRequest
 from .result import Result
 
 
@@ -36,20 +36,13 @@ class CompressResult(Result):
     mb_per_s: float
 
 
-def compress(path: str | Path, output: str | Path, codec: str = "zstd", *, level: int | None = None,
-             shuffle: bool | None = None, bins: str | None = None, quality: str | None = None,
-             calibration: str | None = None,
-             on_chunk: Callable[[int, int], None] | None = None) -> CompressResult:
-    """`kvtool compress`: options as the command line gives them."""
-    if codec != "pca":  # (pca's parameters need the file's model: below)
-        params = codec_params(codec, level=level, shuffle=shuffle, bins=bins, quality=quality, calibration=calibration)
-    if os.path.realpath(path) == os.path.realpath(output):
-        raise UsageError(f"{output}: the output is the input; give compress another -o (it writes a new file)")
-    with ContainerReader(path) as reader:
-        if codec == "pca":
-            params = codec_params(codec, level=level, shuffle=shuffle, bins=bins, quality=quality,
-                                  calibration=calibration, model_fingerprint=reader.manifest.model["fingerprint"])
-        return compress_file(reader, output, codec, params, on_chunk=on_chunk)
+def compress(path: str | Path | CompressRequest, output: str | Path | None = None, codec: str = "zstd", *,
+             on_chunk: Callable[[int, int], None] | None = None, **options: Any) -> CompressResult:
+    """`kvtool compress`: a `CompressRequest`, or its fields (options as the command line gives them)."""
+    request = path if isinstance(path, CompressRequest) else CompressRequest(path, output, codec, **options)
+    with ContainerReader(request.path) as reader:
+        params = request.params_for(reader.manifest.model["fingerprint"])  # (pca: the file's model's calibration)
+        return compress_file(reader, request.output, request.codec, params, on_chunk=on_chunk)
 
 
 def compress_file(reader: ContainerReader, output: str | Path, codec: str, params: dict[str, Any], *,

@@ -17,6 +17,7 @@ from ..format import ContainerReader
 from ..store import ChunkStore, open_store, upkeep
 from ..store.containers import ingest, prefix_container  # noqa: F401  (public here too)
 from ..store.names import ExtraKeys
+from .file_requests import StoreGetRequest, StorePutRequest
 from .result import Result
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*\Z", re.IGNORECASE)
@@ -66,11 +67,10 @@ class StorePutResult(Result):
         return {**super().to_dict(json_safe), "totals": self.totals}
 
 
-def put(files: list[str | Path], store: str, *, namespace: str | None = None) -> StorePutResult:
-    """`kvtool store put FILE... --store URL [--namespace NAME]`."""
-    if not files:
-        raise UsageError("give at least one .kvc file")
-    keys = ExtraKeys(namespace=namespace or "")
+def put(files: list[str | Path] | StorePutRequest, store: str | None = None, **options: Any) -> StorePutResult:
+    """`kvtool store put FILE... --store URL [--namespace NAME]`: a `StorePutRequest`, or its fields."""
+    request = files if isinstance(files, StorePutRequest) else StorePutRequest(files, store, **options)
+    files, store, keys = request.files, request.store, request.extra_keys
     for path in files:  # each file opened (header, manifest, trailer) before the store is: a file that is
         with ContainerReader(path):  # not a kvtool file leaves no new, empty store behind
             pass
@@ -102,12 +102,9 @@ class StoreGetResult(Result):
     reencoded: int = 0  # chunks re-encoded into the asked codec (`codec`); the rest copied as stored
 
 
-def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_file: Path | None = None,
-        tokens_file: Path | None = None, model: str | Path | None = None, chat: bool = False,
-        chunk_size: int | None = None, namespace: str | None = None, codec: str | None = None,
-        block_size: int | None = 16) -> StoreGetResult:
-    """`kvtool store get --prompt-file F --store URL -o OUT`: the longest cached prefix of the
-    prompt, as a container (at `chunk_size`, or the stored chunk size that covers the most), of
+def get(store: str | StoreGetRequest, output: str | Path | None = None, **options: Any) -> StoreGetResult:
+    """`kvtool store get --prompt-file F --store URL -o OUT` (a `StoreGetRequest`, or its fields):
+    the longest cached prefix of the prompt, as a container (at `chunk_size`, or the stored chunk size that covers the most), of
     the chunks stored under `namespace` (none: those stored without one). With `codec`, every
     chunk ends in that codec (its default parameters; pca's: quality 97 with the model's registered
     calibration): a chunk stored so is copied as it is, the
@@ -117,16 +114,15 @@ def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_fil
     not divide, whole chunks only)."""
     from ..engine import load_model
     from .capture import read_tokens
-    from .inputs import codec_params
 
-    # (an unknown codec fails first; pca's parameters name the model's calibration: once it is loaded)
-    params = codec_params(codec) if codec is not None and codec != "pca" else None
-    keys = ExtraKeys(namespace=namespace or "")
+    request = store if isinstance(store, StoreGetRequest) else StoreGetRequest(store, output, **options)
+    store, output, codec, chunk_size, namespace = (request.store, request.output, request.codec,
+                                                   request.chunk_size, request.namespace)
+    keys, block_size = request.extra_keys, request.block_size
     with connect(store, create=False) as s:
-        loaded = load_model(model)
-        if codec == "pca":
-            params = codec_params(codec, model_fingerprint=loaded.identity.fingerprint())
-        ids = read_tokens(loaded, prompt, prompt_file, tokens_file, chat)
+        loaded = load_model(request.model)
+        params = request.params_for(loaded.identity.fingerprint())  # (pca: the model's calibration)
+        ids = read_tokens(loaded, request.prompt, request.prompt_file, request.tokens_file, request.chat)
         refused: list[str] = []
         target = output if codec is None else _beside(output)
         try:
