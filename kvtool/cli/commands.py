@@ -37,14 +37,14 @@ def parameter(name: str, flag: Flag, default: Any) -> inspect.Parameter:
         info = typer.Option(*flag.flags, metavar=flag.metavar, help=flag.help, hidden=flag.hidden,
                             show_default=flag.show_default)
     empty = default is dataclasses.MISSING
-    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
                              default=inspect.Parameter.empty if empty else default,
                              annotation=Annotated[annotation, info])
 
 
 def off_parameter(name: str, flag: Flag) -> inspect.Parameter:
     """The hidden `--no-...` switch of a tri-state bool (`Flag.off`)."""
-    return inspect.Parameter(f"no_{name}", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=False,
+    return inspect.Parameter(f"no_{name}", inspect.Parameter.KEYWORD_ONLY, default=False,
                              annotation=Annotated[bool, typer.Option(flag.off, hidden=True)])
 
 
@@ -62,7 +62,7 @@ def signature_of(*request_classes: type) -> tuple[inspect.Signature, dict[str, t
             if flag.off:
                 params.append(off_parameter(field.name, flag))
     params.sort(key=lambda p: not _is_argument(p))  # (stable: arguments in their order, then options)
-    params.append(inspect.Parameter("json", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=False,
+    params.append(inspect.Parameter("json", inspect.Parameter.KEYWORD_ONLY, default=False,
                                     annotation=JsonOpt))
     return inspect.Signature(params), flags
 

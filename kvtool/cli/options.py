@@ -8,8 +8,6 @@ from typing import Annotated
 
 import typer
 
-from ..ops.fields import STORE_HELP
-
 try:  # typer 0.28 carries its own click; a type of the installed click's would be wrapped as a function
     from typer._click.types import ParamType
 except ImportError:  # pragma: no cover - a typer that uses the installed click
@@ -33,5 +31,3 @@ class _Words(ParamType):
 WORDS = _Words()
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for machines.")]
-# (the store's upkeep commands, `store ls|stats|gc|fsck|rm`, take no request: their URL as an option)
-StoreOpt = Annotated[str, typer.Option("--store", metavar="URL", help=STORE_HELP, show_default=False)]

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Annotated, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..ops.file_requests import StoreGetRequest, StorePutRequest
+from ..ops.file_requests import (StoreFsckRequest, StoreGcRequest, StoreGetRequest, StoreListRequest, StorePutRequest,
+                                 StoreRmRequest, StoreStatsRequest)
 from .commands import request_command
-from .options import WORDS, JsonOpt, StoreOpt
 from .output import KEPT_AS_STORED, emit, escaped, human_bytes, plural, renders
 
 if TYPE_CHECKING:
@@ -21,86 +22,42 @@ if TYPE_CHECKING:
 app = typer.Typer(help="The chunk store: many sequences' chunks, by prefix; a folder or Redis.",
                   no_args_is_help=True, add_completion=False)
 
-MaxBytesOpt = Annotated[str, typer.Option("--max-bytes", metavar="SIZE", help="Keep at most this much, e.g. 10G.",
-                                          show_default=False)]
+
+def _run(operation: str) -> Callable[[Any, bool], None]:
+    """`run(request, json)` of the store's operation `operation` (imported when it runs)."""
+    def run(request: Any, json: bool) -> None:
+        from ..ops import store as ops
+
+        emit(getattr(ops, operation)(request), json)
+    return run
 
 
-def _put(request: StorePutRequest, json: bool) -> None:
+def _list(request: StoreListRequest, json: bool) -> None:
     from ..ops import store as ops
 
-    emit(ops.put(request), json)
-
-
-def _get(request: StoreGetRequest, json: bool) -> None:
-    from ..ops import store as ops
-
-    emit(ops.get(request), json)
-
-
-put_command = app.command("put")(request_command(StorePutRequest, _put, (
-    "Store the whole chunks of kvtool files (copied as encoded; chunks already stored are skipped).")))
-get_command = app.command("get")(request_command(StoreGetRequest, _get, (
-    "Write the longest cached prefix of a prompt as a kvtool file (exit 1 when nothing is cached): its whole "
-    "chunks, then the longest block-aligned run of tokens past them that a stored sequence shares.")))
-
-
-@app.command("ls")
-def ls_command(store: StoreOpt, kind: Annotated[Optional[str], typer.Option(
-                   "--kind", metavar="KIND", help="Only chunk, entry, tensor or foreign objects.")] = None,
-               model: Annotated[Optional[str], typer.Option(
-                   "--model", metavar="KEY", help="Only this model key (or its first digits).")] = None,
-               limit: Annotated[Optional[int], typer.Option("--limit", metavar="N", help="At most N rows.")] = None,
-               wide: Annotated[bool, typer.Option("--wide", help="Whole names, not short ids, on a terminal too.")] = False,
-               json: JsonOpt = False) -> None:
-    """List stored objects, most recently used first (a terminal shows short ids; `store rm` takes either)."""
-    from ..ops import store as ops
-
-    listing = ops.ls(store, kind=kind, model=model, limit=limit)
-    if wide and not json:
+    listing = ops.ls(request)
+    if request.wide and not json:
         render_ls(Console(highlight=False, width=1 << 16, soft_wrap=True), escaped(listing), wide=True)
     else:
         emit(listing, json)
 
 
-@app.command("stats")
-def stats_command(store: StoreOpt, json: JsonOpt = False) -> None:
-    """How many objects and bytes, per kind and per model."""
-    from ..ops import store as ops
-
-    emit(ops.stats(store), json)
-
-
-@app.command("gc")
-def gc_command(store: StoreOpt, max_bytes: MaxBytesOpt, json: JsonOpt = False) -> None:
-    """Evict least recently used objects down to --max-bytes; remove dead writers' temp files."""
-    from ..ops import store as ops
-
-    emit(ops.gc(store, max_bytes), json)
-
-
-@app.command("fsck")
-def fsck_command(store: StoreOpt, repair: Annotated[bool, typer.Option(
-                     "--repair/--no-repair", help="Remove damaged and foreign objects (default) or only report.")] = True,
-                 json: JsonOpt = False) -> None:
-    """Check every object; exit 1 when damage is found and left in place."""
-    from ..ops import store as ops
-
-    emit(ops.fsck(store, repair=repair), json)
-
-
-@app.command("rm")
-def rm_command(store: StoreOpt, names: Annotated[Optional[list[str]], typer.Argument(
-                   click_type=WORDS, metavar="[NAME...]", help="Object names (from `store ls`).",
-                   show_default=False)] = None,
-               model: Annotated[Optional[str], typer.Option("--model", metavar="KEY", help="Every object of this model key.")] = None,
-               everything: Annotated[bool, typer.Option("--all", help="Every object.")] = False,
-               namespace: Annotated[Optional[str], typer.Option(
-                   "--namespace", metavar="NAME", help="Every object of this namespace.", show_default=False)] = None,
-               json: JsonOpt = False) -> None:
-    """Remove objects by name, by model, by namespace, or all of them (with the entries naming them)."""
-    from ..ops import store as ops
-
-    emit(ops.rm(store, names, model=model, everything=everything, namespace=namespace), json)
+for _name, _request, _run_it, _doc in (
+    ("put", StorePutRequest, _run("put"), "Store the whole chunks of kvtool files (copied as encoded; chunks "
+                                          "already stored are skipped)."),
+    ("get", StoreGetRequest, _run("get"), "Write the longest cached prefix of a prompt as a kvtool file (exit 1 "
+                                          "when nothing is cached): its whole chunks, then the longest "
+                                          "block-aligned run of tokens past them that a stored sequence shares."),
+    ("ls", StoreListRequest, _list, "List stored objects, most recently used first (a terminal shows short ids; "
+                                    "`store rm` takes either)."),
+    ("stats", StoreStatsRequest, _run("stats"), "How many objects and bytes, per kind and per model."),
+    ("gc", StoreGcRequest, _run("gc"), "Evict least recently used objects down to --max-bytes; remove dead "
+                                       "writers' temp files."),
+    ("fsck", StoreFsckRequest, _run("fsck"), "Check every object; exit 1 when damage is found and left in place."),
+    ("rm", StoreRmRequest, _run("rm"), "Remove objects by name, by model, by namespace, or all of them (with the "
+                                       "entries naming them)."),
+):
+    app.command(_name)(request_command(_request, _run_it, _doc))
 
 
 # --- rendering ---------------------------------------------------------------------------

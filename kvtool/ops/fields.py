@@ -97,12 +97,10 @@ STORE_HELP = "The chunk store: a folder, file://, redis://, redis+cluster://."
 
 def store_option(required: bool = False) -> Any:
     """`--store URL`; a value the command must be given when `required` (a field without default:
-    declare it before the fields with one)."""
-    if required:
-        return dataclasses.field(repr=False, metadata={FLAG: Flag(
-            flags=("--store",), kind=str, help=STORE_HELP, metavar="URL", show_default=False)})
-    field = option(None, "--store", metavar="URL", help=STORE_HELP, show_default=False)
-    field.repr = False  # (a URL may carry a password: never in a repr)
+    declare it before the fields with one). Never in a repr: a URL may carry a password."""
+    field = option(dataclasses.MISSING if required else None, "--store", metavar="URL", help=STORE_HELP,
+                   show_default=False)
+    field.repr = False
     return field
 
 
@@ -113,15 +111,12 @@ def namespace_option() -> Any:
 
 def input_file_argument() -> Any:
     # str, not Path: a Path would turn "https://host/f.kvc" into "https:/host/f.kvc" in messages
-    return dataclasses.field(metadata={FLAG: Flag(flags=("FILE",), kind=str, help="A kvtool file (.kvc).",
-                                                  argument=True, show_default=False)})
+    return option(dataclasses.MISSING, "FILE", argument=True, help="A kvtool file (.kvc).")
 
 
 def output_option(help: str = "Output path.", required: bool = True) -> Any:
-    flag = Flag(flags=("-o", "--output"), kind=Path, help=help, metavar="OUT", show_default=False)
-    if required:
-        return dataclasses.field(metadata={FLAG: flag})
-    return dataclasses.field(default=None, metadata={FLAG: flag})
+    return option(dataclasses.MISSING if required else None, "-o", "--output", kind=Path, metavar="OUT", help=help,
+                  show_default=False)
 
 
 def continue_option(default: int = 32, help: str = "Tokens to generate (they stop at end of sequence).") -> Any:

@@ -18,7 +18,7 @@ from .fields import (bins_option, calibration_option, codec_option, continue_opt
                      max_kl_option, min_top1_option, model_dtype_option, model_option, namespace_option, option,
                      other_weights_option, output_option, input_file_argument, prompt_file_option, prompt_option,
                      quality_option, shuffle_option, store_option, tokens_option)
-from .inputs import codec_params, continuation, fraction, model_dtype_name, non_negative
+from .inputs import codec_params, continuation, fraction, model_dtype_name, non_negative, parse_size
 
 
 @dataclass(frozen=True)
@@ -175,3 +175,81 @@ class StoreGetRequest:
 
 __all__ = ["CompressRequest", "DumpRequest", "InspectRequest", "StoreGetRequest", "StorePutRequest",
            "VerifyRequest"]
+
+
+# --- the store's upkeep -----------------------------------------------------------------------------
+
+#: what `store ls --kind` and the listing's rows call an object
+OBJECT_KINDS = ("chunk", "entry", "tensor", "foreign")
+
+
+def model_key_option(help: str) -> Any:
+    """`--model KEY`: a model key of the store's (or its first digits), not a model to load."""
+    return option(None, "--model", metavar="KEY", help=help)
+
+
+@dataclass(frozen=True)
+class StoreListRequest:
+    """One `store ls` (see there)."""
+
+    store: str = store_option(required=True)
+    kind: str | None = option(None, "--kind", metavar="KIND", help="Only chunk, entry, tensor or foreign objects.")
+    model: str | None = model_key_option("Only this model key (or its first digits).")
+    limit: int | None = option(None, "--limit", kind=int, metavar="N", help="At most N rows.")
+    wide: bool = option(False, "--wide", kind=bool, help=(  # (how the command prints it: the listing is the same)
+        "Whole names, not short ids, on a terminal too."))
+
+    def __post_init__(self) -> None:
+        if self.kind not in (None, *OBJECT_KINDS):
+            raise UsageError(f"--kind: {self.kind!r} is not one of {', '.join(OBJECT_KINDS)}")
+        if self.limit is not None and self.limit < 1:
+            raise UsageError(f"--limit must be at least 1, got {self.limit}")
+
+
+@dataclass(frozen=True)
+class StoreStatsRequest:
+    """One `store stats` (see there)."""
+
+    store: str = store_option(required=True)
+
+
+@dataclass(frozen=True)
+class StoreGcRequest:
+    """One `store gc` (see there); `max_bytes` a size ("10G") or a number of bytes."""
+
+    store: str = store_option(required=True)
+    max_bytes: int | str = option(dataclasses.MISSING, "--max-bytes", metavar="SIZE",
+                                  help="Keep at most this much, e.g. 10G.")
+    cap: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        cap = parse_size(self.max_bytes)
+        if cap is None or cap < 0:
+            raise UsageError("--max-bytes: give the size the store may keep, e.g. 10G")
+        object.__setattr__(self, "cap", cap)
+
+
+@dataclass(frozen=True)
+class StoreFsckRequest:
+    """One `store fsck` (see there)."""
+
+    store: str = store_option(required=True)
+    repair: bool = option(True, "--repair/--no-repair", kind=bool, show_default=True,
+                          help="Remove damaged and foreign objects (default) or only report.")
+
+
+@dataclass(frozen=True)
+class StoreRmRequest:
+    """One `store rm` (see there): exactly one of `names`, `model`, `namespace`, `everything`."""
+
+    store: str = store_option(required=True)
+    names: tuple[str, ...] | None = option(None, "[NAME...]", kind=list, argument=True,
+                                           help="Object names (from `store ls`).")
+    model: str | None = model_key_option("Every object of this model key.")
+    everything: bool = option(False, "--all", kind=bool, help="Every object.")
+    namespace: str | None = option(None, "--namespace", metavar="NAME", show_default=False,
+                                   help="Every object of this namespace.")
+
+    def __post_init__(self) -> None:
+        if sum(bool(x) for x in (self.names, self.model, self.everything, self.namespace)) != 1:
+            raise UsageError("give object names, or --model KEY, or --namespace NAME, or --all")

@@ -7,7 +7,6 @@ as a container), ls, stats, gc, fsck, rm.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,21 +16,11 @@ from ..format import ContainerReader
 from ..store import ChunkStore, open_store, upkeep
 from ..store.containers import ingest, prefix_container  # noqa: F401  (public here too)
 from ..store.names import ExtraKeys
-from .file_requests import StoreGetRequest, StorePutRequest
+from .file_requests import (StoreFsckRequest, StoreGcRequest, StoreGetRequest, StoreListRequest, StorePutRequest,
+                            StoreRmRequest, StoreStatsRequest)
+from .inputs import parse_size  # noqa: F401  (public here too)
 from .result import Result
 
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*\Z", re.IGNORECASE)
-
-
-def parse_size(text: str | int | None, option: str = "--max-bytes") -> int | None:
-    """`10G`, `512MiB`, `1.5g`, `1000000` -> bytes (K/M/G/T are powers of 1024)."""
-    if text is None or isinstance(text, int):
-        return text
-    m = _SIZE.match(text)
-    if not m:
-        raise UsageError(f"{option}: {text!r} is not a size (e.g. 512M, 10G, 1000000)")
-    scale = 1024 ** " kmgt".index(m.group(2).lower() or " ")
-    return int(float(m.group(1)) * scale)
 
 
 def connect(url: str, *, memory_bytes: int | str | None = None, max_bytes: int | str | None = None,
@@ -165,12 +154,10 @@ class StoreListing(Result):
     objects: list[dict[str, Any]]
 
 
-def ls(store: str, *, kind: str | None = None, model: str | None = None, limit: int | None = None) -> StoreListing:
-    """`kvtool store ls`: the stored objects, most recently used first."""
-    if kind not in (None, "chunk", "entry", "tensor", "foreign"):
-        raise UsageError(f"--kind: {kind!r} is not one of chunk, entry, tensor, foreign")
-    if limit is not None and limit < 1:
-        raise UsageError(f"--limit must be at least 1, got {limit}")
+def ls(store: str | StoreListRequest, **options: Any) -> StoreListing:
+    """`kvtool store ls`: the stored objects, most recently used first (a `StoreListRequest`, or its fields)."""
+    request = store if isinstance(store, StoreListRequest) else StoreListRequest(store, **options)
+    store, kind, model, limit = request.store, request.kind, request.model, request.limit
     with connect(store, create=False) as s:
         infos = list(s.backend.scan())
         ids = upkeep.short_ids([o.name for o in infos])  # each distinct among every object of the store
@@ -196,7 +183,9 @@ class StoreStats(Result):
     foreign: int
 
 
-def stats(store: str) -> StoreStats:
+def stats(store: str | StoreStatsRequest) -> StoreStats:
+    """`kvtool store stats`: how many objects and bytes, per kind and per model."""
+    store = store.store if isinstance(store, StoreStatsRequest) else store
     with connect(store, create=False) as s:
         inv = upkeep.inventory(s)
         return StoreStats(store=s.url, objects=inv.objects, bytes=inv.bytes, by_kind=inv.by_kind,
@@ -213,11 +202,11 @@ class StoreGcResult(Result):
     remaining_bytes: int
 
 
-def gc(store: str, max_bytes: int | str) -> StoreGcResult:
-    """`kvtool store gc --max-bytes 10G`: evict least recently used objects down to the cap."""
-    cap = parse_size(max_bytes)
-    if cap is None or cap < 0:
-        raise UsageError("--max-bytes: give the size the store may keep, e.g. 10G")
+def gc(store: str | StoreGcRequest, max_bytes: int | str | None = None) -> StoreGcResult:
+    """`kvtool store gc --max-bytes 10G`: evict least recently used objects down to the cap (a
+    `StoreGcRequest`, or its fields)."""
+    request = store if isinstance(store, StoreGcRequest) else StoreGcRequest(store, max_bytes)
+    store, cap = request.store, request.cap
     with connect(store, create=False) as s:
         r = upkeep.gc(s, cap)
         return StoreGcResult(store=s.url, max_bytes=cap, removed=r.removed, removed_bytes=r.removed_bytes,
@@ -240,8 +229,11 @@ class StoreFsckResult(Result):
         return not self.damaged or (self.repair and self.removed == len(self.damaged))
 
 
-def fsck(store: str, *, repair: bool = True) -> StoreFsckResult:
-    """`kvtool store fsck`: check every object (§5); remove the damaged and foreign ones."""
+def fsck(store: str | StoreFsckRequest, **options: Any) -> StoreFsckResult:
+    """`kvtool store fsck`: check every object (§5); remove the damaged and foreign ones (a
+    `StoreFsckRequest`, or its fields)."""
+    request = store if isinstance(store, StoreFsckRequest) else StoreFsckRequest(store, **options)
+    store, repair = request.store, request.repair
     with connect(store, create=False) as s:
         r = upkeep.fsck(s, repair=repair)
         result = StoreFsckResult(store=s.url, repair=repair, checked=r.checked, intact=r.intact, damaged=r.damaged,
@@ -261,12 +253,11 @@ class StoreRmResult(Result):
     block_entries: int = 0  # of `removed`: entries removed because what they named went
 
 
-def rm(store: str, names: list[str] | None = None, *, model: str | None = None, everything: bool = False,
-       namespace: str | None = None) -> StoreRmResult:
+def rm(store: str | StoreRmRequest, names: list[str] | None = None, **options: Any) -> StoreRmResult:
     """`kvtool store rm NAME... | --model KEY | --namespace NAME | --all`: the objects, and the block
-    index entries that name them (store.md §4.6), on every backend."""
-    if sum(bool(x) for x in (names, model, everything, namespace)) != 1:
-        raise UsageError("give object names, or --model KEY, or --namespace NAME, or --all")
+    index entries that name them (store.md §4.6), on every backend (a `StoreRmRequest`, or its fields)."""
+    request = store if isinstance(store, StoreRmRequest) else StoreRmRequest(store, names, **options)
+    store, names, model, namespace = request.store, request.names, request.model, request.namespace
     with connect(store, create=False) as s:
         infos = list(s.backend.scan())
         if names:  # whole names or short ids (store ls); nothing is removed when one names nothing
