@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from .. import codecs
-from ..errors import UsageError
 from ..format import ContainerReader, ContainerWriter
 from .file_requests import CompressRequest
 from .result import Result

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..devices import host_memory_bytes
 from ..dtypes import NUMPY_STORAGE, bfloat16_to_float32, itemsize
-from ..errors import OutputError, UsageError
+from ..errors import OutputError
 from ..format import ContainerReader
 from ..fsutil import atomic_write
 from .file_requests import DumpRequest

@@ -1,9 +1,11 @@
-"""The operations' requests: the options of one `capture`, `replay` or blended replay, each
-checked once, when the request is made, with the one-line usage errors the commands print.
+"""The operations' requests: the options of one `capture`, `replay`, blended replay or
+`calibrate`, each a field declared once (flag, type, default, help: `ops/fields.py`), the command
+built from them (`kvtool.cli.commands`), each checked once, when the request is made, with the
+one-line usage errors the commands print. (`ops/file_requests.py` holds the others' requests.)
 
 Nothing here imports torch: the CLI makes its request before anything heavy loads, so a usage
 error answers as fast as `--help`. What needs torch (the model's dtype, the device, which must
-exist here) is resolved the first time the operation asks for it (`weights`, `where`).
+exist here) is resolved the first time the operation asks for it (`torch_model_dtype`, `where`).
 """
 
 from __future__ import annotations

@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import NotCached, StoreDamaged, UsageError
+from ..errors import NotCached, StoreDamaged
 from ..format import ContainerReader
 from ..store import ChunkStore, open_store, upkeep
 from ..store.containers import ingest, prefix_container  # noqa: F401  (public here too)
-from ..store.names import ExtraKeys
 from .file_requests import (StoreFsckRequest, StoreGcRequest, StoreGetRequest, StoreListRequest, StorePutRequest,
                             StoreRmRequest, StoreStatsRequest)
 from .inputs import parse_size  # noqa: F401  (public here too)
