@@ -40,8 +40,8 @@ class Flag:
 
     @property
     def name(self) -> str:
-        """The spelling a message names it by: its long flag, or an argument's metavar."""
-        return self.flags[-1]
+        """The spelling a message names it by: its long flag, or an argument's name ("FILE")."""
+        return self.flags[0].strip("[]") if self.argument else self.flags[-1]
 
 
 def option(default: Any, *flags: str, kind: type = str, help: str, metavar: str | None = None,
