@@ -140,6 +140,10 @@ def test_the_python_api_takes_the_request_or_its_fields(tmp_path):
     (["store", "gc", "--store", "{s}", "--max-bytes", "lots"], "--max-bytes: 'lots' is not a size"),
     (["store", "ls", "--store", "{s}", "--kind", "blob"], "--kind: 'blob' is not one of"),
     (["store", "rm", "--store", "{s}", "--all", "--model", "ab"], "give object names, or --model KEY"),
+    (["replay", "{f}", "--blend", "{f}", "--prompt", "q"], "FILE does not apply to --blend / --blend-delimiter"),
+    (["replay", "--blend", "{f}", "--prompt", "q", "--engine", "hf"], "--engine hf does not apply to --blend"),
+    (["replay", "--blend", "{f}", "--prompt", "q", "--no-hidden-states"], "--no-hidden-states does not apply"),
+    (["replay", "{f}", "--check-layer", "2"], "--recompute-ratio and --check-layer apply to --blend"),
     (["replay", "{f}", "--model-dtype", "fp8"], "--model-dtype 'fp8': expected fp32, bf16 or fp16"),
 ])
 def test_a_requests_refusal_is_the_commands_usage_error(tmp_path, capsys, argv, message):
