@@ -123,8 +123,7 @@ def expected_top1(reader: ContainerReader, device: str | None = None,
 def _replay(request: VerifyRequest, report: VerifyReport, on_stage: Callable[[str], None] | None) -> None:
     """`--replay`: the file replayed and compared with a full recompute, held to `min_top1` (by
     default what its codecs promise: `expected_top1`); what fails is the report's problem."""
-    from ..errors import ToleranceExceeded
-    from .replay import replay
+    from .replay import replay  # (torch: only for --replay)
 
     min_top1 = request.min_top1
     if min_top1 is None:
