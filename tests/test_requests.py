@@ -177,7 +177,7 @@ def test_the_requests_are_checked_without_torch():
             "r = ReplayRequest(path='x.kvc', device='cpu', min_top1=0.5, store=None)\n"
             "BlendRequest(files=('a.kvc',), prompt='q')\n"
             "assert 'numpy' not in sys.modules, 'numpy was imported'  # (a codec's options import it)\n"
-            "p = PromptCaptureRequest(CaptureRequest.from_options('x.kvc', kv_dtype='fp16', roi='0:4'), prompt='p')\n"
+            "p = PromptCaptureRequest(CaptureRequest('x.kvc', kv_dtype='fp16', roi='0:4'), prompt='p')\n"
             "b = BlendRequest(files=('a.kvc',), prompt='q', recompute_ratio=0.2)\n"
             "for bad in (dict(path='x.kvc', device='gpu'), dict(path='x.kvc', continue_tokens=0)):\n"
             "    try:\n"
