@@ -114,7 +114,7 @@ def test_embed_calibration_is_pca_s(writer_host, tmp_path, capsys):
     from kvtool.ops.requests import CaptureRequest
 
     with pytest.raises(UsageError, match="--embed-calibration"):
-        CaptureRequest.from_options(tmp_path / "o.kvc", codec="zstd", embed_calibration=True)
+        CaptureRequest(tmp_path / "o.kvc", codec="zstd", embed_calibration=True)
 
 
 def test_a_hostile_entry_is_manifest_invalid_for_the_library_too(writer_host, tmp_path, capsys):

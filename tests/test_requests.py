@@ -57,7 +57,7 @@ def test_a_replay_request_refuses_what_the_command_refuses(options, message):
 
 def test_a_replay_request_is_frozen_and_resolves_what_it_checked():
     request = ReplayRequest(path="x.kvc", device="cpu", model_dtype="bf16", max_kl=0.1)
-    assert (request.weights, request.where, request.compares) == (torch.bfloat16, torch.device("cpu"), True)
+    assert (request.torch_model_dtype, request.where, request.compares) == (torch.bfloat16, torch.device("cpu"), True)
     assert not ReplayRequest(path="x.kvc", device="cpu").compares
     assert ReplayRequest(store="s", prompt="p", namespace="team", device="cpu").extra_keys.namespace == "team"
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -151,15 +151,15 @@ def test_capture_prompt_refuses_bad_options_before_the_model_loads(options, mess
 
 
 def test_capture_requests_are_frozen_and_parse_the_command_lines_spelling(tmp_path):
-    request = CaptureRequest.from_options(tmp_path / "x.kvc", codec="zstd", level=5, shuffle=False, kv_dtype="fp16",
-                                          roi="0:4,8:9", store="s", namespace="team")
+    request = CaptureRequest(tmp_path / "x.kvc", codec="zstd", level=5, shuffle=False, kv_dtype="fp16",
+                             roi="0:4,8:9", store="s", namespace="team")
     assert (request.kv_dtype, request.roi, request.extra_keys.namespace) == ("float16", [(0, 4), (8, 9)], "team")
     assert request.torch_kv_dtype == torch.float16
     assert CaptureRequest(None, store="s", kv_dtype=torch.bfloat16).kv_dtype == "bfloat16"  # a torch dtype is named
     assert request.params["level"] == 5 and request.params["shuffle"] == "none"
     assert CaptureRequest(None, store="s").params is None  # the codec's defaults, as `capture` takes them
     prompt = PromptCaptureRequest(request, prompt="p", device="cpu", model_dtype="bf16")
-    assert (prompt.weights, prompt.where) == (torch.bfloat16, torch.device("cpu"))
+    assert (prompt.torch_model_dtype, prompt.where) == (torch.bfloat16, torch.device("cpu"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         prompt.chat = True
 
@@ -177,7 +177,7 @@ def test_the_requests_are_checked_without_torch():
             "r = ReplayRequest(path='x.kvc', device='cpu', min_top1=0.5, store=None)\n"
             "BlendRequest(files=('a.kvc',), prompt='q')\n"
             "assert 'numpy' not in sys.modules, 'numpy was imported'  # (a codec's options import it)\n"
-            "p = PromptCaptureRequest(CaptureRequest.from_options('x.kvc', kv_dtype='fp16', roi='0:4'), prompt='p')\n"
+            "p = PromptCaptureRequest(CaptureRequest('x.kvc', kv_dtype='fp16', roi='0:4'), prompt='p')\n"
             "b = BlendRequest(files=('a.kvc',), prompt='q', recompute_ratio=0.2)\n"
             "for bad in (dict(path='x.kvc', device='gpu'), dict(path='x.kvc', continue_tokens=0)):\n"
             "    try:\n"

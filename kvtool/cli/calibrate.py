@@ -2,34 +2,26 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING
 
-import typer
 from rich.console import Console
 
-from .options import JsonOpt, ModelOpt
+from ..ops.requests import CalibrateRequest
+from .commands import request_command
 from .output import emit, human_bytes, renders
 
 if TYPE_CHECKING:
     from ..ops.calibrate import CalibrateResult
 
-TextOpt = Annotated[Optional[list[Path]], typer.Option(
-    "--text", metavar="FILE", help="UTF-8 text to learn on (repeatable; default: Python's own documentation "
-                                   "and modules, texts no benchmark here measures on).")]
 
-
-BasisOpt = Annotated[str, typer.Option(
-    "--basis", metavar="layer|head", help="principal axes per layer (the default: fewest bits) or per KV "
-                                          "head (the coder multiplies head by head: C/D times fewer "
-                                          "operations, ~10% more bits; bench/RESULTS.md §34)")]
-
-
-def command(model: ModelOpt = None, text: TextOpt = None, basis: BasisOpt = "layer", json: JsonOpt = False) -> None:
-    """Learn the pca codec's calibration object for a model (once per model and machine)."""
+def run(request: CalibrateRequest, json: bool) -> None:
     from ..ops.calibrate import calibrate_model
 
-    emit(calibrate_model(model, text, basis=basis), json)
+    emit(calibrate_model(request), json)
+
+
+command = request_command(CalibrateRequest, run,
+                          "Learn the pca codec's calibration object for a model (once per model and machine).")
 
 
 @renders("CalibrateResult")

@@ -6,26 +6,24 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from .options import (BinsOpt, CalibrationOpt, CodecOpt, EmbedCalibrationOpt, InputPath, JsonOpt, LevelOpt, NoShuffleOpt, OutputPath,
-                      QualityOpt, ShuffleOpt, shuffle_choice)
+from ..ops.file_requests import CompressRequest
+from .commands import request_command
 from .output import emit, human_bytes, human_rate, plural, progress, renders
 
 if TYPE_CHECKING:
     from ..ops.compress import CompressResult
 
 
-def command(path: InputPath, output: OutputPath, codec: CodecOpt = "zstd", level: LevelOpt = None,
-            shuffle: ShuffleOpt = None, no_shuffle: NoShuffleOpt = False, bins: BinsOpt = None,
-            quality: QualityOpt = None, calibration: CalibrationOpt = None,
-            embed_calibration: EmbedCalibrationOpt = False, json: JsonOpt = False) -> None:
-    """Re-encode a KV file with another codec (streaming: one chunk in memory at a time)."""
+def run(request: CompressRequest, json: bool) -> None:
     from ..ops.compress import compress
 
     with progress("compressing", "chunks", enabled=not json) as update:
-        result = compress(path, output, codec, level=level, shuffle=shuffle_choice(shuffle, no_shuffle), bins=bins,
-                          quality=quality, calibration=calibration, embed_calibration=embed_calibration,
-                          on_chunk=update)
+        result = compress(request, on_chunk=update)
     emit(result, json)
+
+
+command = request_command(CompressRequest, run,
+                          "Re-encode a KV file with another codec (streaming: one chunk in memory at a time).")
 
 
 @renders("CompressResult")

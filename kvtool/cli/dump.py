@@ -6,21 +6,24 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from .options import ChunksOpt, InputPath, JsonOpt, LayersOpt, OutputPath
+from ..ops.file_requests import DumpRequest
+from .commands import request_command
 from .output import emit, human_bytes, plural, progress, renders
 
 if TYPE_CHECKING:
     from ..ops.dump import DumpResult
 
 
-def command(path: InputPath, output: OutputPath, chunks: ChunksOpt = None, layers: LayersOpt = None,
-            json: JsonOpt = False) -> None:
-    """Export decoded KV to safetensors (one tensor per layer and K/V) or .npy."""
+def run(request: DumpRequest, json: bool) -> None:
     from ..ops.dump import dump
 
     with progress("decoding", "chunks", enabled=not json) as update:
-        result = dump(path, output, chunks=chunks, layers=layers, on_chunk=update)
+        result = dump(request, on_chunk=update)
     emit(result, json)
+
+
+command = request_command(DumpRequest, run,
+                          "Export decoded KV to safetensors (one tensor per layer and K/V) or .npy.")
 
 
 @renders("DumpResult")

@@ -2,35 +2,31 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
-import typer
 from rich.console import Console
 from rich.table import Table
 
-from .options import InputPath, JsonOpt
+from ..ops.file_requests import InspectRequest
+from .commands import request_command
 from .output import emit, escaped, human_bytes, plural, progress, renders
 
 if TYPE_CHECKING:
     from ..ops.inspect import FileSummary
 
-StatsOpt = Annotated[bool, typer.Option("--stats", help="Decode and show per-layer K/V statistics.")]
-WideOpt = Annotated[bool, typer.Option("--wide", help="Everything in full: hashes, fingerprint, codec parameters.")]
-AllOpt = Annotated[bool, typer.Option(
-    "--all", help="List every chunk (by default the first 1,000; the totals always cover all).")]
 
-
-def command(path: InputPath, stats: StatsOpt = False, wide: WideOpt = False, all_: AllOpt = False,
-            json: JsonOpt = False) -> None:
-    """Show the header, model identity, chunk table and totals of a KV file."""
+def run(request: InspectRequest, json: bool) -> None:
     from ..ops.inspect import inspect
 
-    with progress("decoding", "chunks", enabled=stats and not json) as update:
-        summary = inspect(path, stats=stats, all_chunks=all_, on_chunk=update)
-    if wide and not json:  # as wide as the lines are: full hashes never wrap, whatever the terminal
+    with progress("decoding", "chunks", enabled=request.stats and not json) as update:
+        summary = inspect(request, on_chunk=update)
+    if request.wide and not json:  # as wide as the lines are: full hashes never wrap, whatever the terminal
         render(Console(highlight=False, width=4096), escaped(summary), wide=True)
     else:
         emit(summary, json)
+
+
+command = request_command(InspectRequest, run, "Show the header, model identity, chunk table and totals of a KV file.")
 
 
 @renders("FileSummary")

@@ -2,106 +2,46 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING
 
-import typer
 from rich.console import Console
 from rich.text import Text
 
 from ..errors import UsageError
-from .options import (WORDS, DeviceOpt, EngineOpt, JsonOpt, ModelDtypeOpt, ModelOpt, NamespaceOpt,
-                      NoGenerationPromptOpt, OptionalStoreOpt, OtherWeightsOpt)
+from ..ops.requests import BlendRequest, ReplayRequest  # (torch-free: a usage error answers before torch loads)
+from .commands import request_command
 from .output import emit, plural, renders, stages
 
 if TYPE_CHECKING:  # the results are only named here: importing them would load torch at start-up
     from ..ops.blend import BlendReplayResult
     from ..ops.replay import ReplayResult
 
-ContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help=(
-    "Tokens to generate (they stop at end of sequence)."))]
-SuffixOpt = Annotated[Optional[str], typer.Option("--suffix", metavar="TEXT", help="Text after the cached tokens.")]
-SuffixFileOpt = Annotated[Optional[Path], typer.Option("--suffix-file", metavar="FILE", help="File with text to append.")]
-PromptOpt = Annotated[Optional[str], typer.Option(
-    "--prompt", metavar="TEXT", help="A new prompt: reuse the chunks of its cached prefix, compute the rest.")]
-PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", metavar="FILE", help="A new prompt, from a file.")]
-CompareOpt = Annotated[bool, typer.Option("--compare", help="Also recompute in full, and compare.")]
-NoHiddenOpt = Annotated[bool, typer.Option(
-    "--no-hidden-states", help="Ignore stored hidden states (measures the KV alone).")]
-ChatOpt = Annotated[bool, typer.Option("--chat", help="--prompt in the chat template.")]
-MinTop1Opt = Annotated[Optional[float], typer.Option(
-    "--min-top1", metavar="X", help="Exit 1 below this top-1 agreement (implies --compare).")]
-MaxKlOpt = Annotated[Optional[float], typer.Option(
-    "--max-kl", metavar="X", help="Exit 1 above this mean KL divergence (implies --compare).")]
 
-
-PathArg = Annotated[Optional[str], typer.Argument(
-    click_type=WORDS, metavar="[FILE]", help="A kvtool file (.kvc); or --store URL with --prompt/--prompt-file.",
-    show_default=False)]
-ChunkSizeOpt = Annotated[Optional[int], typer.Option(
-    "--chunk-size", metavar="N", help="With --store: the chunk size (default: the one covering most).")]
-BlendOpt = Annotated[Optional[list[str]], typer.Option(
-    "--blend", metavar="SEG.kvc", help=(
-        "A cached segment to blend (CacheBlend), once each in prompt order, before the question "
-        "(--prompt/--prompt-file)."), show_default=False)]
-BlendDelimiterOpt = Annotated[Optional[str], typer.Option(
-    "--blend-delimiter", metavar="TEXT", help=(
-        "Blend a prompt split at TEXT (LMCache's: ' # # '): segments, then the question last."))]
-RecomputeRatioOpt = Annotated[Optional[float], typer.Option(
-    "--recompute-ratio", metavar="X", help="--blend: share of cached tokens recomputed (default 0.15).")]
-CheckLayerOpt = Annotated[Optional[int], typer.Option(
-    "--check-layer", metavar="N", help="--blend: layer choosing what to recompute (default 1).")]
-
-
-def command(path: PathArg = None, store: OptionalStoreOpt = None, chunk_size: ChunkSizeOpt = None,
-            model: ModelOpt = None, continue_tokens: ContinueOpt = 32,
-            suffix: SuffixOpt = None, suffix_file: SuffixFileOpt = None, prompt: PromptOpt = None,
-            prompt_file: PromptFileOpt = None, compare: CompareOpt = False, min_top1: MinTop1Opt = None,
-            max_kl: MaxKlOpt = None, no_hidden_states: NoHiddenOpt = False, device: DeviceOpt = "auto",
-            weights_dtype: ModelDtypeOpt = "fp32", chat: ChatOpt = False,
-            no_generation_prompt: NoGenerationPromptOpt = False,
-            allow_other_weights: OtherWeightsOpt = False, blend: BlendOpt = None,
-            blend_delimiter: BlendDelimiterOpt = None, recompute_ratio: RecomputeRatioOpt = None,
-            check_layer: CheckLayerOpt = None, namespace: NamespaceOpt = None, engine: EngineOpt = "kvtool",
-            json: JsonOpt = False) -> None:
-    """Load a KV file into a fresh paged KV buffer, continue from it, and (--compare) check it."""
-    if blend or blend_delimiter is not None:
-        given = [name for name, value in (("FILE", path), ("--suffix", suffix), ("--suffix-file", suffix_file),
-                                          ("--chat", chat or None), ("--no-hidden-states", no_hidden_states or None),
-                                          ("--no-generation-prompt", no_generation_prompt or None),
-                                          ("--engine hf", engine if engine == "hf" else None))
-                 if value is not None]
+def which_request(values: dict, foreign) -> type:
+    """A blend (`--blend`, `--blend-delimiter`) or a replay, refusing the other's options."""
+    if values["files"] or values["delimiter"] is not None:
+        given = foreign(BlendRequest)
         if given:
             raise UsageError(f"{given[0]} does not apply to --blend / --blend-delimiter")
-        from ..ops.requests import BlendRequest  # (checked before torch loads: a usage error answers at once)
-
-        request = BlendRequest(files=tuple(blend or ()), model=model, prompt=prompt, prompt_file=prompt_file,
-                               delimiter=blend_delimiter, store=store, chunk_size=chunk_size,
-                               recompute_ratio=recompute_ratio, check_layer=check_layer,
-                               continue_tokens=continue_tokens, compare=compare, min_top1=min_top1, max_kl=max_kl,
-                               device=device, model_dtype=weights_dtype, allow_other_weights=allow_other_weights,
-                               namespace=namespace)
-        from ..ops.blend import run_blend
-
-        with stages(enabled=not json) as stage:
-            result = run_blend(request, on_stage=stage)
-        emit(result, json)
-        return
-    if recompute_ratio is not None or check_layer is not None:
+        return BlendRequest
+    if values["recompute_ratio"] is not None or values["check_layer"] is not None:
         raise UsageError("--recompute-ratio and --check-layer apply to --blend / --blend-delimiter")
-    from ..ops.requests import ReplayRequest  # (checked before torch loads: a usage error answers at once)
+    return ReplayRequest
 
-    request = ReplayRequest(path=path, model=model, continue_tokens=continue_tokens, suffix=suffix,
-                            suffix_file=suffix_file, prompt=prompt, prompt_file=prompt_file, compare=compare,
-                            min_top1=min_top1, max_kl=max_kl, device=device, model_dtype=weights_dtype,
-                            use_hidden_states=not no_hidden_states, chat=chat,
-                            generation_prompt=not no_generation_prompt, allow_other_weights=allow_other_weights,
-                            store=store, chunk_size=chunk_size, namespace=namespace, engine=engine)
-    from ..ops.replay import run_replay
 
+def run(request: ReplayRequest | BlendRequest, json: bool) -> None:
+    if isinstance(request, BlendRequest):
+        from ..ops.blend import run_blend as operation
+    else:
+        from ..ops.replay import run_replay as operation
     with stages(enabled=not json) as stage:
-        result = run_replay(request, on_stage=stage)
+        result = operation(request, on_stage=stage)
     emit(result, json)
+
+
+command = request_command(
+    ReplayRequest, run, "Load a KV file into a fresh paged KV buffer, continue from it, and (--compare) check it.",
+    also=(BlendRequest,), choose=which_request)
 
 
 @renders("ReplayResult")

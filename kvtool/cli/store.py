@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from .options import WORDS, JsonOpt, ModelOpt, NamespaceOpt, OutputPath, StoreOpt
+from ..ops.file_requests import (StoreFsckRequest, StoreGcRequest, StoreGetRequest, StoreListRequest, StorePutRequest,
+                                 StoreRmRequest, StoreStatsRequest)
+from .commands import request_command
 from .output import KEPT_AS_STORED, emit, escaped, human_bytes, plural, renders
 
 if TYPE_CHECKING:
@@ -20,110 +22,42 @@ if TYPE_CHECKING:
 app = typer.Typer(help="The chunk store: many sequences' chunks, by prefix; a folder or Redis.",
                   no_args_is_help=True, add_completion=False)
 
-GetCodecOpt = Annotated[Optional[str], typer.Option(
-    "--codec", metavar="CODEC", help="Every chunk in this codec (raw, zstd, cachegen, pca): those stored in another are "
-                                     "re-encoded. Default: each as stored.")]
-FilesArg = Annotated[list[str], typer.Argument(click_type=WORDS, metavar="FILE.kvc...",
-                                               help="kvtool files whose chunks to store.", show_default=False)]
-PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", help="Prompt text.")]
-PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", metavar="FILE", help="File with the prompt (UTF-8).")]
-TokensOpt = Annotated[Optional[Path], typer.Option(
-    "--tokens", metavar="FILE", help="File of token ids (JSON list or whitespace-separated).")]
-ChunkSizeOpt = Annotated[Optional[int], typer.Option(
-    "--chunk-size", metavar="N", help="Tokens per chunk of the stored KV (default: the stored size that covers the most).")]
-BlockSizeOpt = Annotated[int, typer.Option(
-    "--block-size", metavar="N", help="Match the prefix to a multiple of N tokens past the whole chunks "
-                                      "(the engine's block; N = the chunk size: whole chunks only).")]
-ChatOpt = Annotated[bool, typer.Option("--chat", help="The prompt is a user message: apply the chat template.")]
-SGLangPageOpt = Annotated[Optional[int], typer.Option(
-    "--sglang-page-size", metavar="N", help="Read the pages SGLang's kvtool backend saved (its page size N) instead "
-                                            "of chunks.")]
-SGLangTpOpt = Annotated[int, typer.Option("--sglang-tp", metavar="N", help="With --sglang-page-size: the tensor-"
-                                          "parallel ranks that wrote them.")]
-MaxBytesOpt = Annotated[str, typer.Option("--max-bytes", metavar="SIZE", help="Keep at most this much, e.g. 10G.",
-                                          show_default=False)]
+
+def _run(operation: str) -> Callable[[Any, bool], None]:
+    """`run(request, json)` of the store's operation `operation` (imported when it runs)."""
+    def run(request: Any, json: bool) -> None:
+        from ..ops import store as ops
+
+        emit(getattr(ops, operation)(request), json)
+    return run
 
 
-@app.command("put")
-def put_command(files: FilesArg, store: StoreOpt, namespace: NamespaceOpt = None, json: JsonOpt = False) -> None:
-    """Store the whole chunks of kvtool files (copied as encoded; chunks already stored are skipped)."""
+def _list(request: StoreListRequest, json: bool) -> None:
     from ..ops import store as ops
 
-    emit(ops.put(files, store, namespace=namespace), json)
-
-
-@app.command("get")
-def get_command(store: StoreOpt, output: OutputPath, prompt: PromptOpt = None, prompt_file: PromptFileOpt = None,
-                tokens: TokensOpt = None, model: ModelOpt = None, chunk_size: ChunkSizeOpt = None,
-                chat: ChatOpt = False, namespace: NamespaceOpt = None, codec: GetCodecOpt = None,
-                block_size: BlockSizeOpt = 16, sglang_page_size: SGLangPageOpt = None, sglang_tp: SGLangTpOpt = 1,
-                json: JsonOpt = False) -> None:
-    """Write the longest cached prefix of a prompt as a kvtool file (exit 1 when nothing is cached):
-    its whole chunks, then the longest block-aligned run of tokens past them that a stored sequence shares."""
-    from ..ops import store as ops
-
-    emit(ops.get(store, output, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens, model=model,
-                 chat=chat, chunk_size=chunk_size, namespace=namespace, codec=codec, block_size=block_size,
-                 sglang_page_size=sglang_page_size, sglang_tp=sglang_tp), json)
-
-
-@app.command("ls")
-def ls_command(store: StoreOpt, kind: Annotated[Optional[str], typer.Option(
-                   "--kind", metavar="KIND", help="Only chunk, entry, tensor, calibration or foreign objects.")] = None,
-               model: Annotated[Optional[str], typer.Option(
-                   "--model", metavar="KEY", help="Only this model key (or its first digits).")] = None,
-               limit: Annotated[Optional[int], typer.Option("--limit", metavar="N", help="At most N rows.")] = None,
-               wide: Annotated[bool, typer.Option("--wide", help="Whole names, not short ids, on a terminal too.")] = False,
-               json: JsonOpt = False) -> None:
-    """List stored objects, most recently used first (a terminal shows short ids; `store rm` takes either)."""
-    from ..ops import store as ops
-
-    listing = ops.ls(store, kind=kind, model=model, limit=limit)
-    if wide and not json:
+    listing = ops.ls(request)
+    if request.wide and not json:
         render_ls(Console(highlight=False, width=1 << 16, soft_wrap=True), escaped(listing), wide=True)
     else:
         emit(listing, json)
 
 
-@app.command("stats")
-def stats_command(store: StoreOpt, json: JsonOpt = False) -> None:
-    """How many objects and bytes, per kind and per model."""
-    from ..ops import store as ops
-
-    emit(ops.stats(store), json)
-
-
-@app.command("gc")
-def gc_command(store: StoreOpt, max_bytes: MaxBytesOpt, json: JsonOpt = False) -> None:
-    """Evict least recently used objects down to --max-bytes; remove dead writers' temp files."""
-    from ..ops import store as ops
-
-    emit(ops.gc(store, max_bytes), json)
-
-
-@app.command("fsck")
-def fsck_command(store: StoreOpt, repair: Annotated[bool, typer.Option(
-                     "--repair/--no-repair", help="Remove damaged and foreign objects (default) or only report.")] = True,
-                 json: JsonOpt = False) -> None:
-    """Check every object; exit 1 when damage is found and left in place."""
-    from ..ops import store as ops
-
-    emit(ops.fsck(store, repair=repair), json)
-
-
-@app.command("rm")
-def rm_command(store: StoreOpt, names: Annotated[Optional[list[str]], typer.Argument(
-                   click_type=WORDS, metavar="[NAME...]", help="Object names (from `store ls`).",
-                   show_default=False)] = None,
-               model: Annotated[Optional[str], typer.Option("--model", metavar="KEY", help="Every object of this model key.")] = None,
-               everything: Annotated[bool, typer.Option("--all", help="Every object.")] = False,
-               namespace: Annotated[Optional[str], typer.Option(
-                   "--namespace", metavar="NAME", help="Every object of this namespace.", show_default=False)] = None,
-               json: JsonOpt = False) -> None:
-    """Remove objects by name, by model, by namespace, or all of them (with the entries naming them)."""
-    from ..ops import store as ops
-
-    emit(ops.rm(store, names, model=model, everything=everything, namespace=namespace), json)
+for _name, _request, _run_it, _doc in (
+    ("put", StorePutRequest, _run("put"), "Store the whole chunks of kvtool files (copied as encoded; chunks "
+                                          "already stored are skipped)."),
+    ("get", StoreGetRequest, _run("get"), "Write the longest cached prefix of a prompt as a kvtool file (exit 1 "
+                                          "when nothing is cached): its whole chunks, then the longest "
+                                          "block-aligned run of tokens past them that a stored sequence shares."),
+    ("ls", StoreListRequest, _list, "List stored objects, most recently used first (a terminal shows short ids; "
+                                    "`store rm` takes either)."),
+    ("stats", StoreStatsRequest, _run("stats"), "How many objects and bytes, per kind and per model."),
+    ("gc", StoreGcRequest, _run("gc"), "Evict least recently used objects down to --max-bytes; remove dead "
+                                       "writers' temp files."),
+    ("fsck", StoreFsckRequest, _run("fsck"), "Check every object; exit 1 when damage is found and left in place."),
+    ("rm", StoreRmRequest, _run("rm"), "Remove objects by name, by model, by namespace, or all of them (with the "
+                                       "entries naming them)."),
+):
+    app.command(_name)(request_command(_request, _run_it, _doc))
 
 
 # --- rendering ---------------------------------------------------------------------------

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Any
 
-import typer
 from rich.console import Console
 
-from .options import DeviceOpt, InputPath, JsonOpt, ModelDtypeOpt, ModelOpt, OtherWeightsOpt
+from ..ops.file_requests import VerifyRequest
+from .commands import request_command
 from .output import emit, plural, renders, stages
 from .replay import render as render_replay
 
@@ -17,35 +16,17 @@ if TYPE_CHECKING:  # only named here: importing the replay's would load torch at
     from ..ops.replay import ReplayResult
     from ..ops.verify import VerifyReport
 
-AgainstOpt = Annotated[Optional[Path], typer.Option(
-    "--against", metavar="FILE", help="Compare decoded KV with this file (e.g. the raw original of a lossy file).")]
-AtolOpt = Annotated[float, typer.Option("--atol", metavar="X", help="Allowed absolute error per value.")]
-RtolOpt = Annotated[float, typer.Option(
-    "--rtol", metavar="X", help="Allowed error relative to the layer's largest reference magnitude.")]
-ReplayOpt = Annotated[bool, typer.Option(
-    "--replay", help="Also replay the file into the model and compare with a full recompute.")]
-ReplayTop1Opt = Annotated[Optional[float], typer.Option("--min-top1", metavar="X", help=(
-    "With --replay: minimum top-1 agreement (default: what the file's codec promises: 1.0 lossless, "
-    "0.70-0.88 cachegen by its bins)."))]
-ReplayKlOpt = Annotated[Optional[float], typer.Option("--max-kl", metavar="X", help="With --replay: maximum mean KL.")]
-ReplayContinueOpt = Annotated[int, typer.Option("--continue", metavar="N", help=(
-    "With --replay: teacher-forced tokens the agreement is measured over (a promise is judged on 64)."))]
 
-
-def command(path: InputPath, against: AgainstOpt = None, atol: AtolOpt = 0.0, rtol: RtolOpt = 0.0,
-            replay: ReplayOpt = False, model: ModelOpt = None, min_top1: ReplayTop1Opt = None,
-            max_kl: ReplayKlOpt = None, continue_tokens: ReplayContinueOpt = 64, device: DeviceOpt = "auto",
-            weights_dtype: ModelDtypeOpt = "fp32", allow_other_weights: OtherWeightsOpt = False,
-            json: JsonOpt = False) -> None:
-    """Check structure, checksums, decoding, finiteness and prefix hashes (exit 1 if any fails)."""
+def run(request: VerifyRequest, json: bool) -> None:
     from ..ops.verify import verify
 
     with stages(enabled=not json) as stage:  # one live display: the chunks checked, then the replay's stages
-        report = verify(path, against=against, atol=atol, rtol=rtol, replay=replay, model=model,
-                        min_top1=min_top1, max_kl=max_kl, continue_tokens=continue_tokens, device=device,
-                        model_dtype=weights_dtype, allow_other_weights=allow_other_weights, on_stage=stage,
-                        on_chunk=lambda done, total: stage(f"checking chunk {done} of {total}"))
+        report = verify(request, on_stage=stage, on_chunk=lambda done, total: stage(f"checking chunk {done} of {total}"))
     emit(report, json)
+
+
+command = request_command(VerifyRequest, run, (
+    "Check structure, checksums, decoding, finiteness and prefix hashes (exit 1 if any fails)."))
 
 
 @renders("VerifyReport")

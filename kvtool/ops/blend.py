@@ -233,29 +233,18 @@ def _file_parts(model: LoadedModel, files: list[str], allow_other_weights: bool)
     return parts
 
 
-def blend_replay(files: list[str] | None = None, model: str | Path | LoadedModel | None = None, *,
-                 prompt: str | None = None, prompt_file: Path | None = None, delimiter: str | None = None,
-                 store: str | None = None, chunk_size: int | None = None,
-                 recompute_ratio: float | None = None, check_layer: int | None = None,
-                 continue_tokens: int = 32, compare: bool = False, min_top1: float | None = None,
-                 max_kl: float | None = None, device: str = "auto", model_dtype: str = "fp32",
-                 allow_other_weights: bool = False, block_size: int = 16, namespace: str | None = None,
-                 on_stage: Callable[[str], None] | None = None) -> BlendReplayResult:
-    """`kvtool replay --blend` as a function.
+def blend_replay(files: list[str] | BlendRequest | None = None, model: str | Path | LoadedModel | None = None, *,
+                 on_stage: Callable[[str], None] | None = None, **options: Any) -> BlendReplayResult:
+    """`kvtool replay --blend` as a function: a `BlendRequest`, or its fields as keywords (checked
+    there), run by `run_blend`.
 
     Without `delimiter`: the prompt is the `files`' segments, in order, then the question
     (`prompt` / `prompt_file`, tokenized alone). With `delimiter`: the prompt text is split there
     (`split_prompt`) and each piece's KV found in `files` or the `store` (`retrieve`). Then the
     blended prefill, a greedy continuation of `continue_tokens`, and with `compare` the full
     prefill and naive reuse along the full prefill's greedy continuation. `min_top1` / `max_kl`
-    (each implies `compare`) hold the blend to a threshold (ToleranceExceeded, with the result).
-
-    The options become one `BlendRequest` (checked there), run by `run_blend`."""
-    request = BlendRequest(files=tuple(files or ()), model=model, prompt=prompt, prompt_file=prompt_file,
-                           delimiter=delimiter, store=store, chunk_size=chunk_size, recompute_ratio=recompute_ratio,
-                           check_layer=check_layer, continue_tokens=continue_tokens, compare=compare,
-                           min_top1=min_top1, max_kl=max_kl, device=device, model_dtype=model_dtype,
-                           allow_other_weights=allow_other_weights, block_size=block_size, namespace=namespace)
+    (each implies `compare`) hold the blend to a threshold (ToleranceExceeded, with the result)."""
+    request = files if isinstance(files, BlendRequest) else BlendRequest(files=files, model=model, **options)
     return run_blend(request, on_stage)
 
 

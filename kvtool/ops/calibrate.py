@@ -23,7 +23,9 @@ import dataclasses
 import pathlib
 import sysconfig
 import time
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +36,7 @@ from ..engine import LoadedModel, PagedKVCache, Runner
 from ..engine import model as engine_model
 from ..errors import UsageError
 from .engine_io import paged_connector
+from .requests import CalibrateRequest
 from .result import Result
 
 DEFAULT_BASIS = "layer"  # principal axes per layer: fewer bits; "head" codes faster (bench/RESULTS.md §34)
@@ -82,18 +85,23 @@ class CalibrateResult(Result):
     seconds: float
 
 
-def calibrate_model(model_path: str | pathlib.Path | None = None, text_files: list[pathlib.Path] | None = None,
-                    kscale: float = DEFAULT_KSCALE, basis: str = DEFAULT_BASIS) -> CalibrateResult:
+def calibrate_model(model: str | pathlib.Path | CalibrateRequest | None = None,
+                    text_files: list[pathlib.Path] | None = None, **options: Any) -> CalibrateResult:
     """`kvtool calibrate`: learn the pca codec's calibration object for a model on text files
     (default: Python's own documentation and modules), save it in kvtool's calibration folder
-    and make it the model's default."""
+    and make it the model's default. A `CalibrateRequest`, or its fields (`model_path`:
+    deprecated, `model`)."""
     from ..codecs.pca.calibration import default_dir, register
-    from ..codecs.pca.fit import BASES
     from ..engine import load_model
     from ..fsutil import read_text_file
 
-    if basis not in BASES:
-        raise UsageError(f"--basis must be one of {', '.join(BASES)}, got {basis!r}")
+    if "model_path" in options:
+        warnings.warn("calibrate_model(model_path=...) is deprecated: use model=...", DeprecationWarning,
+                      stacklevel=2)
+        model = options.pop("model_path")
+    request = model if isinstance(model, CalibrateRequest) else CalibrateRequest(model, text_files, **options)
+    model_path, text_files, basis = request.model, request.text_files, request.basis
+    kscale = DEFAULT_KSCALE if request.kscale is None else request.kscale
     started = time.perf_counter()
     model = load_model(model_path)
     texts = [read_text_file(p) for p in text_files] if text_files else default_texts()

@@ -145,34 +145,17 @@ def tokenizer_metadata(model: AnyModel, chat: bool) -> dict[str, str]:
 # --- the operations -------------------------------------------------------------------------
 
 
-def capture_prompt(output: str | Path | None, *, prompt: str | None = None, prompt_file: Path | None = None,
-                   tokens_file: Path | None = None, model: str | Path | LoadedModel | None = None,
-                   codec: str = "raw", level: int | None = None, shuffle: bool | None = None,
-                   bins: str | None = None, kv_dtype: str = "bf16", chunk_size: int = 256,
-                   block_size: int = 16, hidden_states: bool = False, roi: str | None = None,
-                   device: str = "auto", model_dtype: str = "fp32", chat: bool = False,
-                   generation_prompt: bool = True, store: str | None = None, segment: bool = False,
-                   namespace: str | None = None, engine: str = "kvtool", quality: str | None = None,
-                   calibration: str | None = None, embed_calibration: bool = False,
-                   on_chunk: Callable[[int, int, int], None] | None = None) -> CaptureResult:
-    """`kvtool capture` as a function: options as the command line gives them, every one
-    checked before the model loads; `on_chunk(index, tokens_done, tokens_total)` reports progress.
-    `store` (a URL) also puts the whole chunks into the chunk store; without `output`, only there.
-    `segment` marks the file a position-independent segment (format-spec/segment.md). `engine`
-    "hf" runs the model with transformers (any decoder-only model with a plain KV cache).
-    `quality` and `calibration` (a digest) are pca's: without `calibration`, the one `kvtool
-    calibrate` registered for the model; `embed_calibration` carries that object in the file.
-
-    The options become one `PromptCaptureRequest` (checked there), run by `run_prompt_capture`."""
-    what = CaptureRequest.from_options(output, codec=codec, level=level, shuffle=shuffle, bins=bins,
-                                       kv_dtype=kv_dtype, chunk_size=chunk_size, block_size=block_size,
-                                       hidden_states=hidden_states, roi=roi, store=store, segment=segment,
-                                       namespace=namespace, quality=quality, calibration=calibration,
-                                       embed_calibration=embed_calibration,
-                                       metadata=prompt_metadata(chat, tokens_file, generation_prompt))
-    request = PromptCaptureRequest(what, prompt=prompt, prompt_file=prompt_file, tokens_file=tokens_file, chat=chat,
-                                   generation_prompt=generation_prompt, model=model, device=device,
-                                   model_dtype=model_dtype, engine=engine)
+def capture_prompt(output: str | Path | PromptCaptureRequest | None = None, *,
+                   on_chunk: Callable[[int, int, int], None] | None = None, **options: Any) -> CaptureResult:
+    """`kvtool capture` as a function: a `PromptCaptureRequest`, or its fields and its capture's
+    (`CaptureRequest`'s) as keywords, as the command line gives them, every one checked before the
+    model loads; `on_chunk(index, tokens_done, tokens_total)` reports progress. `store` (a URL)
+    also puts the whole chunks into the chunk store; without `output`, only there. `segment` marks
+    the file a position-independent segment (format-spec/segment.md). `engine` "hf" runs the model
+    with transformers (any decoder-only model with a plain KV cache). `quality` and `calibration`
+    (a digest) are pca's: without `calibration`, the one `kvtool calibrate` registered for the
+    model. Run by `run_prompt_capture`."""
+    request = output if isinstance(output, PromptCaptureRequest) else PromptCaptureRequest.of(output=output, **options)
     return run_prompt_capture(request, on_chunk)
 
 
@@ -189,18 +172,15 @@ def run_prompt_capture(request: PromptCaptureRequest,
                          request.generation_prompt)
     what = request.capture
     if request.tokens_file is None:  # how the text became these tokens, the model's part included
-        what = replace(what, metadata={**(what.metadata or {}), **tokenizer_metadata(model, request.chat)})
+        what = replace(what, metadata={**(what.metadata or {}), **prompt_metadata(request.chat, None,
+                                                                                  request.generation_prompt),
+                                       **tokenizer_metadata(model, request.chat)})
     progress = None if on_chunk is None else (lambda index, end: on_chunk(index, end, len(ids)))
     return run_capture(model, ids, what, progress)
 
 
-def capture(model: AnyModel, token_ids: list[int], output: str | Path | None, *, chunk_size: int = 256,
-            codec: str = "raw", params: dict[str, Any] | None = None,
-            kv_dtype: torch.dtype = torch.bfloat16, block_size: int = 16, shuffle_seed: int | None = 0,
-            hidden_states: bool = False, roi: list[tuple[int, int]] | None = None,
-            on_chunk: Callable[[int, int], None] | None = None,
-            metadata: dict[str, str] | None = None, store: str | None = None,
-            segment: bool = False, namespace: str | None = None) -> CaptureResult:
+def capture(model: AnyModel, token_ids: list[int], output: str | Path | CaptureRequest | None = None, *,
+            on_chunk: Callable[[int, int], None] | None = None, **options: Any) -> CaptureResult:
     """Prefill `token_ids` chunk by chunk and write each chunk's KV as soon as it exists.
 
     `model` is kvtool's engine's (`kvtool.load_model`) or a transformers causal LM (whose cache,
@@ -223,10 +203,9 @@ def capture(model: AnyModel, token_ids: list[int], output: str | Path | None, *,
     alone from position 0 (stored_start 0), so the KV may be placed elsewhere in a new prompt
     (`kvtool.ops.blend`). Store objects do not carry it: a segment is found there by its tokens.
 
-    The options become one `CaptureRequest` (checked there), run by `run_capture`."""
-    request = CaptureRequest(output, store=store, namespace=namespace, chunk_size=chunk_size, codec=codec,
-                             params=params, kv_dtype=kv_dtype, block_size=block_size, shuffle_seed=shuffle_seed,
-                             hidden_states=hidden_states, roi=roi, segment=segment, metadata=metadata)
+    A `CaptureRequest`, or its fields as keywords (`params`: the codec's parameters as they are,
+    or its options `level`, `shuffle`, `bins`, `quality`, `calibration`), run by `run_capture`."""
+    request = output if isinstance(output, CaptureRequest) else CaptureRequest(output, **options)
     return run_capture(model, token_ids, request, on_chunk)
 
 

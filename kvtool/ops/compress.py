@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import codecs
-from ..errors import UsageError
 from ..format import ContainerReader, ContainerWriter
-from .inputs import codec_params
+from .file_requests import CompressRequest
 from .result import Result
 
 
@@ -37,23 +35,14 @@ class CompressResult(Result):
     mb_per_s: float
 
 
-def compress(path: str | Path, output: str | Path, codec: str = "zstd", *, level: int | None = None,
-             shuffle: bool | None = None, bins: str | None = None, quality: str | None = None,
-             calibration: str | None = None, embed_calibration: bool = False,
-             on_chunk: Callable[[int, int], None] | None = None) -> CompressResult:
-    """`kvtool compress`: options as the command line gives them. `embed_calibration` (pca):
-    carry the calibration object in the file (format-spec/pca.md §3.3)."""
-    if embed_calibration and codec != "pca":
-        raise UsageError("--embed-calibration carries pca's calibration object in the file: give --codec pca")
-    if codec != "pca":  # (pca's parameters need the file's model: below)
-        params = codec_params(codec, level=level, shuffle=shuffle, bins=bins, quality=quality, calibration=calibration)
-    if os.path.realpath(path) == os.path.realpath(output):
-        raise UsageError(f"{output}: the output is the input; give compress another -o (it writes a new file)")
-    with ContainerReader(path) as reader:
-        if codec == "pca":
-            params = codec_params(codec, level=level, shuffle=shuffle, bins=bins, quality=quality,
-                                  calibration=calibration, model_fingerprint=reader.manifest.model["fingerprint"])
-        return compress_file(reader, output, codec, params, on_chunk=on_chunk, embed_calibration=embed_calibration)
+def compress(path: str | Path | CompressRequest, output: str | Path | None = None, codec: str = "zstd", *,
+             on_chunk: Callable[[int, int], None] | None = None, **options: Any) -> CompressResult:
+    """`kvtool compress`: a `CompressRequest`, or its fields (options as the command line gives them)."""
+    request = path if isinstance(path, CompressRequest) else CompressRequest(path, output, codec, **options)
+    with ContainerReader(request.path) as reader:
+        params = request.params_for(reader.manifest.model["fingerprint"])  # (pca: the file's model's calibration)
+        return compress_file(reader, request.output, request.codec, params, on_chunk=on_chunk,
+                             embed_calibration=request.embed_calibration)
 
 
 def compress_file(reader: ContainerReader, output: str | Path, codec: str, params: dict[str, Any], *,
@@ -80,7 +69,7 @@ def compress_file(reader: ContainerReader, output: str | Path, codec: str, param
                 on_chunk(c.index + 1, len(m.chunks))
         for name in m.extras:
             writer.write_extra(name, reader.read_extra(name))
-        if embed_calibration:
+        if embed_calibration:  # (pca.md §3.3: the calibration objects its chunks name, carried)
             writer.embed_pca_calibrations()
     seconds = time.perf_counter() - started
     stored_in = sum(c.blob.length for c in m.chunks)

@@ -24,14 +24,16 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..devices import host_memory_bytes
 from ..dtypes import NUMPY_STORAGE, bfloat16_to_float32, itemsize
-from ..errors import OutputError, UsageError
+from ..errors import OutputError
 from ..format import ContainerReader
 from ..fsutil import atomic_write
+from .file_requests import DumpRequest
 from .inputs import parse_index_set
 from .result import Result
 from .windows import WINDOW_VALUES
@@ -58,16 +60,15 @@ class DumpResult(Result):
     sidecar: str | None = field(default=None)  # .npy: what the array holds, as JSON
 
 
-def dump(path: str | Path, output: str | Path, *, chunks: str | None = None, layers: str | None = None,
-         on_chunk: Callable[[int, int], None] | None = None) -> DumpResult:
+def dump(path: str | Path | DumpRequest, output: str | Path | None = None, *,
+         on_chunk: Callable[[int, int], None] | None = None, **options: Any) -> DumpResult:
     """Export the selected chunks and layers ('0-3,7' forms; default all) of a file, with the
-    file's extras (hidden states, region-of-interest mask) at the selected tokens;
-    `on_chunk(done, total)` reports progress. Chunks are decoded one at a time and written
-    straight to their places in the output."""
-    output = Path(output)
+    file's extras (hidden states, region-of-interest mask) at the selected tokens: a `DumpRequest`,
+    or its fields; `on_chunk(done, total)` reports progress. Chunks are decoded one at a time and
+    written straight to their places in the output."""
+    request = path if isinstance(path, DumpRequest) else DumpRequest(path, output, **options)
+    path, output, chunks, layers = request.path, Path(request.output), request.chunks, request.layers
     suffix = output.suffix.lower()
-    if suffix not in (".safetensors", ".npy"):
-        raise UsageError(f"output must end in .safetensors or .npy, got {output.name!r}")
     with ContainerReader(path) as reader:
         m = reader.manifest
         chunk_ids = parse_index_set(chunks, len(m.chunks), "chunks")

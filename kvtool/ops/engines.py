@@ -38,13 +38,13 @@ def open_engine(request) -> Engine:
         if isinstance(model, KvtoolEngine):
             raise UsageError("--engine hf runs a transformers model: give its folder or Hub id, or the model")
         if isinstance(model, (str, Path)) or model is None:
-            return hf.load(model, dtype=request.weights, device=request.where)
+            return hf.load(model, dtype=request.torch_model_dtype, device=request.where)
         return as_engine(model)
     if isinstance(model, Engine):
         return model
     if not isinstance(model, (str, Path)) and model is not None:
         raise UsageError(f"a {type(model).__name__} runs with engine='hf' (kvtool's engine loads a folder)")
-    return KvtoolEngine(load_model(model, dtype=request.weights, device=request.where))
+    return KvtoolEngine(load_model(model, dtype=request.torch_model_dtype, device=request.where))
 
 
 def as_engine(model) -> Engine:

@@ -7,6 +7,7 @@ is made, before anything is opened or loaded; its steps then trust what it holds
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +187,17 @@ def non_negative(name: str, value: float | None) -> None:
 def fraction(name: str, value: float | None) -> None:
     if value is not None and not 0 <= value <= 1:
         raise UsageError(f"{name} {value}: expected a fraction in [0, 1]")
+
+
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*\Z", re.IGNORECASE)
+
+
+def parse_size(text: str | int | None, option: str = "--max-bytes") -> int | None:
+    """`10G`, `512MiB`, `1.5g`, `1000000` -> bytes (K/M/G/T are powers of 1024)."""
+    if text is None or isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if not m:
+        raise UsageError(f"{option}: {text!r} is not a size (e.g. 512M, 10G, 1000000)")
+    scale = 1024 ** " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * scale)

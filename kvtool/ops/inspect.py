@@ -14,6 +14,7 @@ from ..dtypes import to_float64
 from ..errors import ChecksumMismatch
 from ..format import ContainerReader
 from ..format.hashing import crc32
+from .file_requests import InspectRequest
 from .result import Result
 from .windows import kv_windows
 
@@ -47,11 +48,13 @@ class FileSummary(Result):
     _unused: int = 0  # chunks past the first MAX_LISTED_CHUNKS, not in `chunks` (in the totals)
 
 
-def inspect(path: str | Path, *, stats: bool = False, all_chunks: bool = False,
-            on_chunk: Callable[[int, int], None] | None = None) -> FileSummary:
-    """Header, model identity, chunk table and totals of a KV file; `stats` decodes every
-    chunk for per-layer K/V statistics. The table lists the first MAX_LISTED_CHUNKS chunks, or
-    every one with `all_chunks`."""
+def inspect(path: str | Path | InspectRequest, *, on_chunk: Callable[[int, int], None] | None = None,
+            **options: Any) -> FileSummary:
+    """Header, model identity, chunk table and totals of a KV file (an `InspectRequest`, or its
+    fields); `stats` decodes every chunk for per-layer K/V statistics. The table lists the first
+    MAX_LISTED_CHUNKS chunks, or every one with `all_chunks`."""
+    request = path if isinstance(path, InspectRequest) else InspectRequest(path, **options)
+    path, stats, all_chunks = request.path, request.stats, request.all_chunks
     with ContainerReader(path) as reader:
         summary = summarize(reader, all_chunks=all_chunks)
         if stats:

@@ -193,15 +193,10 @@ def store_prefix(cache, tokens: list[int], kv_dtype: torch.dtype) -> Prefix:
                   weights="same weights (the store's key)", load=load_objects)
 
 
-def replay(path: str | Path | None, model: str | Path | LoadedModel | None = None, *, continue_tokens: int = 32,
-           suffix: str | None = None, suffix_file: Path | None = None, prompt: str | None = None,
-           prompt_file: Path | None = None, compare: bool = False, min_top1: float | None = None,
-           max_kl: float | None = None, device: str = "auto", model_dtype: str = "fp32",
-           use_hidden_states: bool = True, chat: bool = False, generation_prompt: bool = True,
-           allow_other_weights: bool = False, store: str | None = None, chunk_size: int | None = None,
-           namespace: str | None = None, engine: str = "kvtool",
-           on_stage: Callable[[str], None] | None = None) -> ReplayResult:
-    """Load a KV file into a fresh paged buffer and continue from it (`kvtool replay`).
+def replay(path: str | Path | ReplayRequest | None = None, model: str | Path | LoadedModel | None = None, *,
+           on_stage: Callable[[str], None] | None = None, **options: Any) -> ReplayResult:
+    """Load a KV file into a fresh paged buffer and continue from it (`kvtool replay`): a
+    `ReplayRequest`, or its fields as keywords (checked there), run by `run_replay`.
 
     `suffix` continues the file's own tokens; `prompt` reuses the file's chunks that a new
     prompt shares. `min_top1` / `max_kl` (each implies `compare`) raise ToleranceExceeded,
@@ -213,15 +208,8 @@ def replay(path: str | Path | None, model: str | Path | LoadedModel | None = Non
     the most), and the rest is computed; `namespace`: only chunks stored under it.
 
     `engine` "hf" replays with transformers (`model`: a folder, a Hub id in the local cache or a
-    transformers model): the prefix loads into a transformers cache and `generate` continues.
-
-    The options become one `ReplayRequest` (checked there), run by `run_replay`."""
-    request = ReplayRequest(path=path, model=model, continue_tokens=continue_tokens, suffix=suffix,
-                            suffix_file=suffix_file, prompt=prompt, prompt_file=prompt_file, compare=compare,
-                            min_top1=min_top1, max_kl=max_kl, device=device, model_dtype=model_dtype,
-                            use_hidden_states=use_hidden_states, chat=chat, generation_prompt=generation_prompt,
-                            allow_other_weights=allow_other_weights, store=store, chunk_size=chunk_size,
-                            namespace=namespace, engine=engine)
+    transformers model): the prefix loads into a transformers cache and `generate` continues."""
+    request = path if isinstance(path, ReplayRequest) else ReplayRequest(path=path, model=model, **options)
     return run_replay(request, on_stage)
 
 

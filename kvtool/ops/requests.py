@@ -1,13 +1,16 @@
-"""The operations' requests: the options of one `capture`, `replay` or blended replay, each
-checked once, when the request is made, with the one-line usage errors the commands print.
+"""The operations' requests: the options of one `capture`, `replay`, blended replay or
+`calibrate`, each a field declared once (flag, type, default, help: `ops/fields.py`), the command
+built from them (`kvtool.cli.commands`), each checked once, when the request is made, with the
+one-line usage errors the commands print. (`ops/file_requests.py` holds the others' requests.)
 
 Nothing here imports torch: the CLI makes its request before anything heavy loads, so a usage
 error answers as fast as `--help`. What needs torch (the model's dtype, the device, which must
-exist here) is resolved the first time the operation asks for it (`weights`, `where`).
+exist here) is resolved the first time the operation asks for it (`torch_model_dtype`, `where`).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -18,6 +21,12 @@ from ..dtypes import dtype_from_name, dtype_name
 from ..errors import UsageError
 from ..format.layout import MAX_CHUNK_SIZE
 from ..store.names import ExtraKeys
+from .fields import (bins_option, calibration_option, codec_option, compare_option, continue_option, device_option,
+                     embed_calibration_option, engine_option,
+                     generation_prompt_option, level_option, make, max_kl_option, min_top1_option, model_dtype_option,
+                     model_option, namespace_option, option, other_weights_option, output_option, part,
+                     prompt_file_option, prompt_option, quality_option, shuffle_option, store_chunk_size_option,
+                     store_option, tokens_option)
 from .inputs import (check_no_other_codec_options, check_text, check_token_source, codec_params, continuation,
                      fraction, kv_dtype_name, model_dtype_name, non_negative, parse_roi, pca_params, pca_quality)
 
@@ -33,7 +42,7 @@ ENGINES = ("kvtool", "hf")
 
 class _RunsTheModel:
     """What a request that runs the model checks without torch (`check_model_options`, from its
-    `__post_init__`) and resolves with torch on first use (`weights`, `where`)."""
+    `__post_init__`) and resolves with torch on first use (`torch_model_dtype`, `where`)."""
 
     model_dtype: str
     device: str
@@ -46,9 +55,15 @@ class _RunsTheModel:
             raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
 
     @cached_property
-    def weights(self) -> "torch.dtype":
-        """The model's dtype (torch's)."""
+    def torch_model_dtype(self) -> "torch.dtype":
+        """`model_dtype` as torch's dtype."""
         return dtype_from_name(model_dtype_name(self.model_dtype))
+
+    @property
+    def weights(self) -> "torch.dtype":
+        """Deprecated: `torch_model_dtype`."""
+        warnings.warn("a request's .weights is deprecated: use .torch_model_dtype", DeprecationWarning, stacklevel=2)
+        return self.torch_model_dtype
 
     @cached_property
     def where(self) -> "torch.device":
@@ -61,28 +76,37 @@ class _RunsTheModel:
 
 @dataclass(frozen=True)
 class CaptureRequest:
-    """What one capture writes: the options of `capture` (see there), checked once, here; the
-    command line's spelling of them is parsed by `from_options`. `roi` is checked against the
-    prompt's length when it is known. The check resolves `extra_keys` (the store's partition)."""
+    """What one capture writes: the options of `capture` (see there), checked once, here. The
+    codec's options (`level`, `shuffle`, `bins`, `quality`, `calibration`) become its `params`
+    (or give `params` itself); pca without a `calibration`: the model's registered one, found
+    once the model is loaded (`codec_params_for`). `roi` (ranges, or the command line's text) is
+    checked against the prompt's length when it is known. The check resolves `extra_keys` (the
+    store's partition)."""
 
-    output: str | Path | None
-    store: str | None = field(default=None, repr=False)  # (a URL may carry a password: never in a repr)
-    namespace: str | None = None
-    chunk_size: int = 256
-    codec: str = "raw"
-    params: dict[str, Any] | None = None
-    kv_dtype: Any = "bfloat16"  # a KV dtype's name (bf16, fp16, fp32 or their long names) or a torch dtype
-    block_size: int = 16
-    shuffle_seed: int | None = 0
-    hidden_states: bool = False
-    roi: list[tuple[int, int]] | None = None
-    segment: bool = False
-    metadata: dict[str, str] | None = None
-    #: pca without `params`: the quality point of the model's registered calibration, looked up once
-    #: the model is loaded (its fingerprint names it: `codec_params_for`)
-    quality: str | None = None
+    output: str | Path | None = output_option("Output path (optional with --store).", required=False)
+    store: str | None = store_option()
+    namespace: str | None = namespace_option()
+    chunk_size: int = option(256, "--chunk-size", kind=int, metavar="N", help="Tokens per chunk.")
+    codec: str = codec_option("raw")
+    level: int | None = level_option()
+    shuffle: bool | None = shuffle_option()
+    bins: str | None = bins_option()
+    quality: str | None = quality_option()
+    calibration: str | None = calibration_option()
     #: pca: carry the calibration object in the file (format-spec/pca.md §3.3)
-    embed_calibration: bool = False
+    embed_calibration: bool = embed_calibration_option()
+    params: dict[str, Any] | None = None  # (the Python API's: the codec's parameters as they are)
+    # a KV dtype's name (bf16, fp16, fp32 or their long names) or a torch dtype
+    kv_dtype: Any = option("bf16", "--dtype", metavar="DTYPE", help="KV dtype: bf16, fp16 or fp32.")
+    block_size: int = option(16, "--block-size", kind=int, metavar="N", help="Tokens per paged-KV block.")
+    shuffle_seed: int | None = 0
+    hidden_states: bool = option(False, "--hidden-states", kind=bool, help=(
+        "Also store the final hidden states (replay then computes nothing for the first new token)."))
+    roi: list[tuple[int, int]] | str | None = option(None, "--roi", metavar="RANGES", help=(
+        "A roi_mask of token ranges, e.g. '0:16,40:64' ([start, end))."))
+    segment: bool = option(False, "--segment", kind=bool, help=(
+        "Mark the file a segment, computed alone from position 0, for replay --blend."))
+    metadata: dict[str, str] | None = None
     extra_keys: ExtraKeys = field(init=False, repr=False)
 
     def codec_params_for(self, fingerprint: str) -> dict[str, Any] | None:
@@ -102,6 +126,10 @@ class CaptureRequest:
         # frozen: the KV dtype becomes its canonical name here (a torch dtype is named, not imported)
         object.__setattr__(self, "kv_dtype", kv_dtype_name(dtype_name(self.kv_dtype) if not isinstance(
             self.kv_dtype, str) else self.kv_dtype))
+        if isinstance(self.roi, str):  # the command line's ranges, parsed once: a typo fails before the model loads
+            object.__setattr__(self, "roi", parse_roi(self.roi))
+        if self.params is None:
+            object.__setattr__(self, "params", self._codec_params())
         if self.output is None and self.store is None:
             raise UsageError("give -o OUT, --store URL, or both")
         if self.namespace is not None and self.store is None:
@@ -117,49 +145,44 @@ class CaptureRequest:
         if not 1 <= self.chunk_size <= MAX_CHUNK_SIZE or not 1 <= self.block_size <= MAX_CHUNK_SIZE:
             raise UsageError(f"--chunk-size and --block-size must be in 1..{MAX_CHUNK_SIZE}")
 
+    def _codec_params(self) -> dict[str, Any] | None:
+        """The codec's options as its parameters; None for the codec's defaults (none given) and
+        for pca without a calibration (its options checked here: the model's calibration is found
+        once the model is loaded). An unknown codec fails here either way."""
+        if self.codec == "pca" and self.calibration is None:
+            check_no_other_codec_options(self.codec, self.level, self.shuffle, self.bins)
+            pca_quality(self.quality)
+            return None
+        params = codec_params(self.codec, level=self.level, shuffle=self.shuffle, bins=self.bins,
+                              quality=self.quality, calibration=self.calibration)
+        given = (self.level, self.shuffle, self.bins, self.quality, self.calibration)
+        return params if any(option is not None for option in given) else None
+
     @classmethod
-    def from_options(cls, output: str | Path | None, *, codec: str = "raw", level: int | None = None,
-                     shuffle: bool | None = None, bins: str | None = None, kv_dtype: str = "bf16",
-                     chunk_size: int = 256, block_size: int = 16, hidden_states: bool = False,
-                     roi: str | None = None, store: str | None = None, segment: bool = False,
-                     namespace: str | None = None, metadata: dict[str, str] | None = None,
-                     quality: str | None = None, calibration: str | None = None,
-                     embed_calibration: bool = False) -> "CaptureRequest":
-        """The command line's spelling (a dtype's name, a codec's options, `--roi` ranges as text)
-        parsed into a request: a typo fails before the model loads. pca without `calibration`:
-        the model's registered one, found once the model is loaded (`codec_params_for`)."""
-        kv = kv_dtype_name(kv_dtype)
-        ranges = parse_roi(roi) if roi is not None else None
-        if codec == "pca" and calibration is None:  # (its options checked here, before the model loads)
-            check_no_other_codec_options(codec, level, shuffle, bins)
-            pca_quality(quality)
-            params = None
-        else:
-            params = codec_params(codec, level=level, shuffle=shuffle, bins=bins, quality=quality,
-                                  calibration=calibration)
-        return cls(output, store=store, namespace=namespace, chunk_size=chunk_size, codec=codec, params=params,
-                   kv_dtype=kv, block_size=block_size, hidden_states=hidden_states, roi=ranges, segment=segment,
-                   metadata=metadata, quality=quality if params is None else None,
-                   embed_calibration=embed_calibration)
+    def from_options(cls, output: str | Path | None, **options: Any) -> "CaptureRequest":
+        """Deprecated: `CaptureRequest(output, ...)` takes the command line's spelling itself."""
+        warnings.warn("CaptureRequest.from_options is deprecated: use CaptureRequest(output, ...)",
+                      DeprecationWarning, stacklevel=2)
+        return cls(output, **options)
 
 
 @dataclass(frozen=True)
 class PromptCaptureRequest(_RunsTheModel):
     """One `kvtool capture` (`capture_prompt`, see there): the model, its tokens (exactly one of
     `prompt`, `prompt_file`, `tokens_file`) and what the `capture` writes; checked once, here,
-    before the model loads. The check resolves `weights` (the model's dtype) and `where` (its
-    device)."""
+    before the model loads. The check resolves `torch_model_dtype` and `where` (its device)."""
 
-    capture: CaptureRequest
-    prompt: str | None = None
-    prompt_file: Path | None = None
-    tokens_file: Path | None = None
-    chat: bool = False
-    generation_prompt: bool = True
-    model: str | Path | LoadedModel | None = None
-    device: str = "auto"
-    model_dtype: str = "fp32"
-    engine: str = "kvtool"
+    capture: CaptureRequest = part(CaptureRequest)
+    prompt: str | None = prompt_option()
+    prompt_file: Path | None = prompt_file_option()
+    tokens_file: Path | None = tokens_option()
+    chat: bool = option(False, "--chat", kind=bool, help=(
+        "The prompt is a user message: apply the model's chat template (as transformers does)."))
+    generation_prompt: bool = generation_prompt_option()
+    model: str | Path | LoadedModel | None = model_option()
+    device: str = device_option()
+    model_dtype: str = model_dtype_option()
+    engine: str = engine_option()
 
     def __post_init__(self) -> None:
         if self.capture.segment and self.chat:
@@ -170,6 +193,11 @@ class PromptCaptureRequest(_RunsTheModel):
         check_token_source(self.prompt, self.prompt_file, self.tokens_file, self.chat)
         if self.engine == "hf" and self.capture.block_size != 16:
             raise UsageError("--block-size is kvtool's paged cache; transformers' cache (--engine hf) is one block")
+
+    @classmethod
+    def of(cls, **options: Any) -> "PromptCaptureRequest":
+        """The request made of its fields and its capture's, by name (`capture_prompt`'s keywords)."""
+        return make(cls, options)
 
 
 def check_generation_prompt(chat: bool, generation_prompt: bool) -> None:
@@ -200,26 +228,29 @@ class ReplayRequest(_RunsTheModel):
     loaded: a KV `path` or a `store` URL. The check resolves `weights` (the model's dtype),
     `where` (its device) and `extra_keys` (the store's partition)."""
 
-    path: str | Path | None = None
-    model: str | Path | LoadedModel | None = None
-    continue_tokens: int = 32
-    suffix: str | None = None
-    suffix_file: Path | None = None
-    prompt: str | None = None
-    prompt_file: Path | None = None
-    compare: bool = False
-    min_top1: float | None = None
-    max_kl: float | None = None
-    device: str = "auto"
-    model_dtype: str = "fp32"
-    use_hidden_states: bool = True
-    chat: bool = False
-    generation_prompt: bool = True
-    allow_other_weights: bool = False
-    store: str | None = field(default=None, repr=False)  # (a URL may carry a password: never in a repr)
-    chunk_size: int | None = None
-    namespace: str | None = None
-    engine: str = "kvtool"
+    path: str | Path | None = option(None, "[FILE]", argument=True, help=(
+        "A kvtool file (.kvc); or --store URL with --prompt/--prompt-file."))
+    store: str | None = store_option()
+    chunk_size: int | None = store_chunk_size_option()
+    model: str | Path | LoadedModel | None = model_option()
+    continue_tokens: int = continue_option()
+    suffix: str | None = option(None, "--suffix", metavar="TEXT", help="Text after the cached tokens.")
+    suffix_file: Path | None = option(None, "--suffix-file", kind=Path, metavar="FILE",
+                                      help="File with text to append.")
+    prompt: str | None = prompt_option("A new prompt: reuse the chunks of its cached prefix, compute the rest.")
+    prompt_file: Path | None = prompt_file_option("A new prompt, from a file.")
+    compare: bool = compare_option()
+    min_top1: float | None = min_top1_option()
+    max_kl: float | None = max_kl_option()
+    device: str = device_option()
+    model_dtype: str = model_dtype_option()
+    use_hidden_states: bool = option(True, "--no-hidden-states", kind=bool, negate=True,
+                                     help="Ignore stored hidden states (measures the KV alone).")
+    chat: bool = option(False, "--chat", kind=bool, help="--prompt in the chat template.")
+    generation_prompt: bool = generation_prompt_option()
+    allow_other_weights: bool = other_weights_option()
+    namespace: str | None = namespace_option()
+    engine: str = engine_option()
     extra_keys: ExtraKeys = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -258,26 +289,32 @@ class BlendRequest(_RunsTheModel):
     (the model's dtype) and `where` (its device); `check_layer` is checked against the model once
     it is loaded."""
 
-    files: tuple[str | Path, ...] = ()
-    model: str | Path | LoadedModel | None = None
-    prompt: str | None = None
-    prompt_file: Path | None = None
-    delimiter: str | None = None
-    store: str | None = field(default=None, repr=False)  # (a URL may carry a password: never in a repr)
-    chunk_size: int | None = None
-    recompute_ratio: float | None = None
-    check_layer: int | None = None
-    continue_tokens: int = 32
-    compare: bool = False
-    min_top1: float | None = None
-    max_kl: float | None = None
-    device: str = "auto"
-    model_dtype: str = "fp32"
-    allow_other_weights: bool = False
+    files: tuple[str | Path, ...] = option((), "--blend", kind=list, metavar="SEG.kvc", show_default=False, help=(
+        "A cached segment to blend (CacheBlend), once each in prompt order, before the question "
+        "(--prompt/--prompt-file)."))
+    model: str | Path | LoadedModel | None = model_option()
+    prompt: str | None = prompt_option()
+    prompt_file: Path | None = prompt_file_option()
+    delimiter: str | None = option(None, "--blend-delimiter", metavar="TEXT", help=(
+        "Blend a prompt split at TEXT (LMCache's: ' # # '): segments, then the question last."))
+    store: str | None = store_option()
+    chunk_size: int | None = store_chunk_size_option()
+    recompute_ratio: float | None = option(None, "--recompute-ratio", kind=float, metavar="X", help=(
+        "--blend: share of cached tokens recomputed (default 0.15)."))
+    check_layer: int | None = option(None, "--check-layer", kind=int, metavar="N", help=(
+        "--blend: layer choosing what to recompute (default 1)."))
+    continue_tokens: int = continue_option()
+    compare: bool = compare_option()
+    min_top1: float | None = min_top1_option()
+    max_kl: float | None = max_kl_option()
+    device: str = device_option()
+    model_dtype: str = model_dtype_option()
+    allow_other_weights: bool = other_weights_option()
     block_size: int = 16
-    namespace: str | None = None
+    namespace: str | None = namespace_option()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "files", tuple(self.files or ()))  # (frozen: a list or None becomes a tuple)
         fraction("--recompute-ratio", self.recompute_ratio)
         fraction("--min-top1", self.min_top1)
         non_negative("--max-kl", self.max_kl)
@@ -312,5 +349,29 @@ class BlendRequest(_RunsTheModel):
         return self.compare or self.min_top1 is not None or self.max_kl is not None
 
 
-__all__ = ["BlendRequest", "CaptureRequest", "ENGINES", "PromptCaptureRequest", "ReplayRequest",
+# --- calibrate --------------------------------------------------------------------------------
+
+#: `codecs/pca/fit.py`'s BASES, named here without importing it (it imports torch); a test holds them equal
+CALIBRATION_BASES = ("head", "layer")
+
+
+@dataclass(frozen=True)
+class CalibrateRequest:
+    """The options of one `calibrate_model` (see there); `basis` checked here."""
+
+    model: str | Path | LoadedModel | None = model_option()
+    text_files: tuple[Path, ...] | None = option(None, "--text", kind=list[Path], metavar="FILE", help=(
+        "UTF-8 text to learn on (repeatable; default: Python's own documentation and modules, texts no "
+        "benchmark here measures on)."))
+    basis: str = option("layer", "--basis", metavar="layer|head", help=(
+        "principal axes per layer (the default: fewest bits) or per KV head (the coder multiplies head by "
+        "head: C/D times fewer operations, ~10% more bits; bench/RESULTS.md §34)"))
+    kscale: float | None = None  # (the Python API's: None, the fit's default)
+
+    def __post_init__(self) -> None:
+        if self.basis not in CALIBRATION_BASES:
+            raise UsageError(f"--basis must be one of {', '.join(CALIBRATION_BASES)}, got {self.basis!r}")
+
+
+__all__ = ["BlendRequest", "CalibrateRequest", "CaptureRequest", "ENGINES", "PromptCaptureRequest", "ReplayRequest",
            "check_generation_prompt", "prompt_metadata"]

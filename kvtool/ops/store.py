@@ -7,30 +7,19 @@ as a container), ls, stats, gc, fsck, rm.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import NotCached, StoreDamaged, UsageError
+from ..errors import NotCached, StoreDamaged
 from ..format import ContainerReader
 from ..store import ChunkStore, open_store, upkeep
 from ..store.containers import ingest, prefix_container  # noqa: F401  (public here too)
-from ..store.names import ExtraKeys
+from .file_requests import (StoreFsckRequest, StoreGcRequest, StoreGetRequest, StoreListRequest, StorePutRequest,
+                            StoreRmRequest, StoreStatsRequest)
+from .inputs import parse_size  # noqa: F401  (public here too)
 from .result import Result
 
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*\Z", re.IGNORECASE)
-
-
-def parse_size(text: str | int | None, option: str = "--max-bytes") -> int | None:
-    """`10G`, `512MiB`, `1.5g`, `1000000` -> bytes (K/M/G/T are powers of 1024)."""
-    if text is None or isinstance(text, int):
-        return text
-    m = _SIZE.match(text)
-    if not m:
-        raise UsageError(f"{option}: {text!r} is not a size (e.g. 512M, 10G, 1000000)")
-    scale = 1024 ** " kmgt".index(m.group(2).lower() or " ")
-    return int(float(m.group(1)) * scale)
 
 
 def connect(url: str, *, memory_bytes: int | str | None = None, max_bytes: int | str | None = None,
@@ -66,11 +55,10 @@ class StorePutResult(Result):
         return {**super().to_dict(json_safe), "totals": self.totals}
 
 
-def put(files: list[str | Path], store: str, *, namespace: str | None = None) -> StorePutResult:
-    """`kvtool store put FILE... --store URL [--namespace NAME]`."""
-    if not files:
-        raise UsageError("give at least one .kvc file")
-    keys = ExtraKeys(namespace=namespace or "")
+def put(files: list[str | Path] | StorePutRequest, store: str | None = None, **options: Any) -> StorePutResult:
+    """`kvtool store put FILE... --store URL [--namespace NAME]`: a `StorePutRequest`, or its fields."""
+    request = files if isinstance(files, StorePutRequest) else StorePutRequest(files, store, **options)
+    files, store, keys = request.files, request.store, request.extra_keys
     for path in files:  # each file opened (header, manifest, trailer) before the store is: a file that is
         with ContainerReader(path):  # not a kvtool file leaves no new, empty store behind
             pass
@@ -102,12 +90,9 @@ class StoreGetResult(Result):
     reencoded: int = 0  # chunks re-encoded into the asked codec (`codec`); the rest copied as stored
 
 
-def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_file: Path | None = None,
-        tokens_file: Path | None = None, model: str | Path | None = None, chat: bool = False,
-        chunk_size: int | None = None, namespace: str | None = None, codec: str | None = None,
-        block_size: int | None = 16, sglang_page_size: int | None = None, sglang_tp: int = 1) -> StoreGetResult:
-    """`kvtool store get --prompt-file F --store URL -o OUT`: the longest cached prefix of the
-    prompt, as a container (at `chunk_size`, or the stored chunk size that covers the most), of
+def get(store: str | StoreGetRequest, output: str | Path | None = None, **options: Any) -> StoreGetResult:
+    """`kvtool store get --prompt-file F --store URL -o OUT` (a `StoreGetRequest`, or its fields):
+    the longest cached prefix of the prompt, as a container (at `chunk_size`, or the stored chunk size that covers the most), of
     the chunks stored under `namespace` (none: those stored without one). With `codec`, every
     chunk ends in that codec (its default parameters; pca's: quality 97 with the model's registered
     calibration): a chunk stored so is copied as it is, the
@@ -119,21 +104,16 @@ def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_fil
     from ..engine import load_model
     from .capture import read_tokens
 
-    if sglang_page_size is not None:
-        if chunk_size is not None or codec is not None:
-            raise UsageError("--sglang-page-size reads SGLang's pages as stored (raw): no --chunk-size or --codec")
-        return _get_sglang_pages(store, output, prompt, prompt_file, tokens_file, model, chat, namespace,
-                                 sglang_page_size, sglang_tp)
-    from .inputs import codec_params
-
-    # (an unknown codec fails first; pca's parameters name the model's calibration: once it is loaded)
-    params = codec_params(codec) if codec is not None and codec != "pca" else None
-    keys = ExtraKeys(namespace=namespace or "")
+    request = store if isinstance(store, StoreGetRequest) else StoreGetRequest(store, output, **options)
+    if request.sglang_page_size is not None:
+        return _get_sglang_pages(request)
+    store, output, codec, chunk_size, namespace = (request.store, request.output, request.codec,
+                                                   request.chunk_size, request.namespace)
+    keys, block_size = request.extra_keys, request.block_size
     with connect(store, create=False) as s:
-        loaded = load_model(model)
-        if codec == "pca":
-            params = codec_params(codec, model_fingerprint=loaded.identity.fingerprint())
-        ids = read_tokens(loaded, prompt, prompt_file, tokens_file, chat)
+        loaded = load_model(request.model)
+        params = request.params_for(loaded.identity.fingerprint())  # (pca: the model's calibration)
+        ids = read_tokens(loaded, request.prompt, request.prompt_file, request.tokens_file, request.chat)
         refused: list[str] = []
         target = output if codec is None else _beside(output)
         try:
@@ -161,20 +141,18 @@ def get(store: str, output: str | Path, *, prompt: str | None = None, prompt_fil
                               file_bytes=os.path.getsize(output), refused=refused, reencoded=reencoded)
 
 
-def _get_sglang_pages(store, output, prompt, prompt_file, tokens_file, model, chat, namespace, page_size: int,
-                      tp_size: int) -> StoreGetResult:
+def _get_sglang_pages(request: StoreGetRequest) -> StoreGetResult:
     """`store get --sglang-page-size`: the prompt's leading pages SGLang saved, as a raw container."""
     from ..engine import load_model
     from ..store.sglang_pages import pages_container
     from .capture import read_tokens
 
-    if page_size <= 0:
-        raise UsageError(f"--sglang-page-size must be positive, got {page_size}")
-    with connect(store, create=False) as s:
-        loaded = load_model(model)
-        ids = read_tokens(loaded, prompt, prompt_file, tokens_file, chat)
+    page_size, namespace, output = request.sglang_page_size, request.namespace, request.output
+    with connect(request.store, create=False) as s:
+        loaded = load_model(request.model)
+        ids = read_tokens(loaded, request.prompt, request.prompt_file, request.tokens_file, request.chat)
         n, refused = pages_container(s.backend, loaded.identity, ids, page_size, output, namespace=namespace or "",
-                                     tp_size=tp_size)
+                                     tp_size=request.sglang_tp)
         if n == 0:
             why = f" ({refused[0]})" if refused else ""
             where = f" in namespace {namespace!r}" if namespace else ""
@@ -201,12 +179,10 @@ class StoreListing(Result):
     objects: list[dict[str, Any]]
 
 
-def ls(store: str, *, kind: str | None = None, model: str | None = None, limit: int | None = None) -> StoreListing:
-    """`kvtool store ls`: the stored objects, most recently used first."""
-    if kind not in (None, "chunk", "entry", "tensor", "calibration", "foreign"):
-        raise UsageError(f"--kind: {kind!r} is not one of chunk, entry, tensor, calibration, foreign")
-    if limit is not None and limit < 1:
-        raise UsageError(f"--limit must be at least 1, got {limit}")
+def ls(store: str | StoreListRequest, **options: Any) -> StoreListing:
+    """`kvtool store ls`: the stored objects, most recently used first (a `StoreListRequest`, or its fields)."""
+    request = store if isinstance(store, StoreListRequest) else StoreListRequest(store, **options)
+    store, kind, model, limit = request.store, request.kind, request.model, request.limit
     with connect(store, create=False) as s:
         infos = list(s.backend.scan())
         ids = upkeep.short_ids([o.name for o in infos])  # each distinct among every object of the store
@@ -232,7 +208,9 @@ class StoreStats(Result):
     foreign: int
 
 
-def stats(store: str) -> StoreStats:
+def stats(store: str | StoreStatsRequest) -> StoreStats:
+    """`kvtool store stats`: how many objects and bytes, per kind and per model."""
+    store = store.store if isinstance(store, StoreStatsRequest) else store
     with connect(store, create=False) as s:
         inv = upkeep.inventory(s)
         return StoreStats(store=s.url, objects=inv.objects, bytes=inv.bytes, by_kind=inv.by_kind,
@@ -249,11 +227,11 @@ class StoreGcResult(Result):
     remaining_bytes: int
 
 
-def gc(store: str, max_bytes: int | str) -> StoreGcResult:
-    """`kvtool store gc --max-bytes 10G`: evict least recently used objects down to the cap."""
-    cap = parse_size(max_bytes)
-    if cap is None or cap < 0:
-        raise UsageError("--max-bytes: give the size the store may keep, e.g. 10G")
+def gc(store: str | StoreGcRequest, max_bytes: int | str | None = None) -> StoreGcResult:
+    """`kvtool store gc --max-bytes 10G`: evict least recently used objects down to the cap (a
+    `StoreGcRequest`, or its fields)."""
+    request = store if isinstance(store, StoreGcRequest) else StoreGcRequest(store, max_bytes)
+    store, cap = request.store, request.cap
     with connect(store, create=False) as s:
         r = upkeep.gc(s, cap)
         return StoreGcResult(store=s.url, max_bytes=cap, removed=r.removed, removed_bytes=r.removed_bytes,
@@ -276,8 +254,11 @@ class StoreFsckResult(Result):
         return not self.damaged or (self.repair and self.removed == len(self.damaged))
 
 
-def fsck(store: str, *, repair: bool = True) -> StoreFsckResult:
-    """`kvtool store fsck`: check every object (§5); remove the damaged and foreign ones."""
+def fsck(store: str | StoreFsckRequest, **options: Any) -> StoreFsckResult:
+    """`kvtool store fsck`: check every object (§5); remove the damaged and foreign ones (a
+    `StoreFsckRequest`, or its fields)."""
+    request = store if isinstance(store, StoreFsckRequest) else StoreFsckRequest(store, **options)
+    store, repair = request.store, request.repair
     with connect(store, create=False) as s:
         r = upkeep.fsck(s, repair=repair)
         result = StoreFsckResult(store=s.url, repair=repair, checked=r.checked, intact=r.intact, damaged=r.damaged,
@@ -297,12 +278,11 @@ class StoreRmResult(Result):
     block_entries: int = 0  # of `removed`: entries removed because what they named went
 
 
-def rm(store: str, names: list[str] | None = None, *, model: str | None = None, everything: bool = False,
-       namespace: str | None = None) -> StoreRmResult:
+def rm(store: str | StoreRmRequest, names: list[str] | None = None, **options: Any) -> StoreRmResult:
     """`kvtool store rm NAME... | --model KEY | --namespace NAME | --all`: the objects, and the block
-    index entries that name them (store.md §4.6), on every backend."""
-    if sum(bool(x) for x in (names, model, everything, namespace)) != 1:
-        raise UsageError("give object names, or --model KEY, or --namespace NAME, or --all")
+    index entries that name them (store.md §4.6), on every backend (a `StoreRmRequest`, or its fields)."""
+    request = store if isinstance(store, StoreRmRequest) else StoreRmRequest(store, names, **options)
+    store, names, model, namespace = request.store, request.names, request.model, request.namespace
     with connect(store, create=False) as s:
         infos = list(s.backend.scan())
         if names:  # whole names or short ids (store ls); nothing is removed when one names nothing

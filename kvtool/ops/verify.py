@@ -22,7 +22,8 @@ from ..format import ContainerReader
 from ..format.hashing import crc32, prefix_hashes
 from ..format.made_by import check_vocabulary
 from ..identity import model_fingerprint
-from .inputs import continuation, fraction, model_dtype_name, non_negative
+from .file_requests import VerifyRequest
+from .inputs import model_dtype_name
 from .result import Result
 from .windows import count_nonfinite_windowed, kv_windows
 
@@ -63,51 +64,25 @@ class VerifyReport(Result):
         self.problem_types.append(type(problem).__name__)
 
 
-def verify(path: str | Path, *, against: str | Path | None = None, atol: float = 0.0, rtol: float = 0.0,
-           replay: bool = False, model: str | Path | None = None, min_top1: float | None = None,
-           max_kl: float | None = None, continue_tokens: int = 64, device: str = "auto",
-           model_dtype: str = "fp32", allow_other_weights: bool = False, check: bool = True,
-           on_stage: Callable[[str], None] | None = None,
-           on_chunk: Callable[[int, int], None] | None = None) -> VerifyReport:
-    """Every check `kvtool verify` makes. With `check` (the default) problems raise
-    VerificationFailed carrying the report; without, the report says them (`.ok`, `.problems`)."""
-    from ..devices import check_device_spec
-
-    if check_device_spec(device).group(1) == "cuda":  # a bad option is an error with or without --replay
-        from ..devices import resolve_device
-
-        resolve_device(device)  # (imports torch: only when CUDA is asked for)
-    model_dtype_name(model_dtype)
-    non_negative("--atol", atol)
-    non_negative("--rtol", rtol)
-    fraction("--min-top1", min_top1)
-    non_negative("--max-kl", max_kl)
-    continuation(continue_tokens)
-    with ContainerReader(path) as reader:
+def verify(path: str | Path | VerifyRequest, *, on_stage: Callable[[str], None] | None = None,
+           on_chunk: Callable[[int, int], None] | None = None, **options: Any) -> VerifyReport:
+    """Every check `kvtool verify` makes: a `VerifyRequest`, or its fields. With `check` (the
+    default) problems raise VerificationFailed carrying the report; without, the report says them
+    (`.ok`, `.problems`)."""
+    request = path if isinstance(path, VerifyRequest) else VerifyRequest(path, **options)
+    with ContainerReader(request.path) as reader:
         report = check_file(reader, on_chunk=on_chunk)
-        if against is not None and not report.problems:  # a damaged file is not compared
-            with ContainerReader(against) as other:
+        if request.against is not None and not report.problems:  # a damaged file is not compared
+            with ContainerReader(request.against) as other:
                 try:
-                    report.comparison = compare_files(reader, other, atol=atol, rtol=rtol)
+                    report.comparison = compare_files(reader, other, atol=request.atol, rtol=request.rtol)
                 except DataError as err:  # the reference itself is damaged
-                    report.add(type(err)(f"{against}: {err}"))
+                    report.add(type(err)(f"{request.against}: {err}"))
             if report.comparison is not None and not report.comparison["ok"]:
-                report.add(ToleranceExceeded(f"decoded KV differs from {against} beyond tolerance"))
-    if replay and not report.problems:
-        if min_top1 is None:
-            from ..devices import describe, resolve_device
-
-            with ContainerReader(path) as reader:
-                min_top1, why = expected_top1(reader, describe(resolve_device(device)),
-                                              model_dtype_name(model_dtype))
-        else:
-            why = "given (--min-top1)"
-        report.replay_threshold = {"min_top1": min_top1, "why": why}
-        report.replay, failures = _replay(path, model, continue_tokens, min_top1, max_kl, device, model_dtype,
-                                          on_stage, allow_other_weights)
-        for failure in failures:
-            report.add(ToleranceExceeded(f"replay: {failure}"))
-    if check and report.problems:
+                report.add(ToleranceExceeded(f"decoded KV differs from {request.against} beyond tolerance"))
+    if request.replay and not report.problems:
+        _replay(request, report, on_stage)
+    if request.check and report.problems:
         more = f" (and {report.problem_count - 1} more)" if report.problem_count > 1 else ""
         raise VerificationFailed(f"verify failed: {report.problems[0]}{more}", report=report,
                                  problems=report.problems)
@@ -145,18 +120,31 @@ def expected_top1(reader: ContainerReader, device: str | None = None,
     return expected, why
 
 
-def _replay(path, model, continue_tokens, min_top1, max_kl, device, model_dtype,
-            on_stage, allow_other_weights) -> tuple[dict, list[str]]:
-    from ..errors import ToleranceExceeded
-    from .replay import replay
+def _replay(request: VerifyRequest, report: VerifyReport, on_stage: Callable[[str], None] | None) -> None:
+    """`--replay`: the file replayed and compared with a full recompute, held to `min_top1` (by
+    default what its codecs promise: `expected_top1`); what fails is the report's problem."""
+    from .replay import replay  # (torch: only for --replay)
 
+    min_top1 = request.min_top1
+    if min_top1 is None:
+        from ..devices import describe, resolve_device
+
+        with ContainerReader(request.path) as reader:
+            min_top1, why = expected_top1(reader, describe(resolve_device(request.device)),
+                                          model_dtype_name(request.model_dtype))
+    else:
+        why = "given (--min-top1)"
+    report.replay_threshold = {"min_top1": min_top1, "why": why}
     try:
-        result = replay(path, model, continue_tokens=continue_tokens, compare=True, min_top1=min_top1,
-                        max_kl=max_kl, device=device, model_dtype=model_dtype, on_stage=on_stage,
-                        allow_other_weights=allow_other_weights)
+        result = replay(request.path, request.model, continue_tokens=request.continue_tokens, compare=True,
+                        min_top1=min_top1, max_kl=request.max_kl, device=request.device,
+                        model_dtype=request.model_dtype, on_stage=on_stage,
+                        allow_other_weights=request.allow_other_weights)
     except ToleranceExceeded as err:
         result = err.report
-    return result.to_dict(), list(result.failures)
+    report.replay = result.to_dict()
+    for failure in result.failures:
+        report.add(ToleranceExceeded(f"replay: {failure}"))
 
 
 def check_file(reader: ContainerReader, on_chunk: Callable[[int, int], None] | None = None) -> VerifyReport:
