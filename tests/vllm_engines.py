@@ -23,6 +23,7 @@ Runs with the Python that has vLLM: this one, or $KVTOOL_VLLM_PYTHON.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -40,7 +41,10 @@ IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 MAX_LIVE_ENGINES = 2
 
 
+@functools.cache
 def has_vllm() -> bool:
+    """Whether vLLM and kvtool's connector import in PYTHON: asked once a session (importing vLLM
+    takes 10-20 s here), by every module that needs it."""
     probe = subprocess.run([PYTHON, "-c", "import vllm, kvtool.integrations.vllm"], capture_output=True, timeout=300,
                            env={**os.environ, "PYTHONPATH": str(REPO)})
     return probe.returncode == 0
