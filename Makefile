@@ -60,8 +60,10 @@ demo: install
 	@echo "== the lossless file: the same tokens as recomputing, from its first token on, and sooner"
 	$(KVTOOL) replay $(OUT)/demo.kvc --compare --continue 16
 
+# The slowest steps are listed at the end of each run (--durations): the whole suite's budget is
+# 20 minutes on a 2-core machine, most of it vLLM engine starts (tests/vllm_engines.py shares them).
 test: install $(VENV)/.vllm $(VENV)/.sglang
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The tests that need no default model, no transformers model and no vLLM (tests/conftest.py marks
 # those from the fixtures and modules they use), nor the slow ones: a few minutes on 2 cores, where

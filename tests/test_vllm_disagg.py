@@ -24,9 +24,8 @@ import pytest
 from user_docs import first_block
 
 from redis_server import free_port
+from vllm_engines import PYTHON, REPO, has_vllm
 
-REPO = Path(__file__).resolve().parents[1]
-PYTHON = os.environ.get("KVTOOL_VLLM_PYTHON", sys.executable)
 CHUNK = 256
 HEADING = "## Prefill on one engine, decode on another"
 SHARED = " ".join(f"Clause {i}: the tenant shall keep the river gate number {i} closed after dusk." for i in range(40))
@@ -36,7 +35,10 @@ PROMPTS = [f"{SHARED}\n\nQuestion {q}: " + " ".join(
 
 
 def _has_vllm() -> bool:
-    probe = subprocess.run([PYTHON, "-c", "import vllm, fastapi, uvicorn, httpx"], capture_output=True, timeout=300)
+    """vLLM (probed once a session), and the proxy's own libraries."""
+    if not has_vllm():
+        return False
+    probe = subprocess.run([PYTHON, "-c", "import fastapi, uvicorn, httpx"], capture_output=True, timeout=300)
     return probe.returncode == 0
 
 

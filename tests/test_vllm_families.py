@@ -29,17 +29,14 @@ from pathlib import Path
 
 import pytest
 import test_vllm_connector as vllm_tests
-from test_vllm_connector import CHUNK, PROMPT, p_and_q, serve, stored_codecs, transfer_metrics, whole_chunks
+from test_vllm_connector import CHUNK, PROMPT, p_and_q, stored_codecs, transfer_metrics, whole_chunks
+from vllm_engines import IN_PROCESS, serve  # each engine in one process: half the start-up
 
 pytestmark = vllm_tests.pytestmark  # skipped where vLLM is not installed; in CI it must run
 
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 64
 MAX_TOKENS = 16
 WINDOW = 256  # the sliding model's window: a whole chunk, the least the connector takes
-#: Each engine is one process: vLLM's engine core and its CPU worker in the process that serves
-#: (about 35 s an engine here instead of 75: two fewer spawns, each importing vLLM again).
-#: test_vllm_connector runs the connector in vLLM's usual three processes.
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 TOKEN_BYTES = 2 * LAYERS * KV_HEADS * HEAD_DIM * 4  # one token's K and V, fp32
 
 
