@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from .options import JsonOpt, ModelOpt
-from .output import emit, human_bytes, renders
+from .output import emit, human_bytes, renders, stage_progress
 
 if TYPE_CHECKING:
     from ..ops.calibrate import CalibrateResult
@@ -27,9 +27,11 @@ BasisOpt = Annotated[str, typer.Option(
 
 def command(model: ModelOpt = None, text: TextOpt = None, basis: BasisOpt = "layer", json: JsonOpt = False) -> None:
     """Learn the pca codec's calibration object for a model (once per model and machine)."""
-    from ..ops.calibrate import calibrate_model
+    from ..ops.calibrate import STAGES, calibrate_model
 
-    emit(calibrate_model(model, text, basis=basis), json)
+    with stage_progress("calibrate", STAGES) as update:
+        result = calibrate_model(model, text, basis=basis, progress=update)
+    emit(result, json)
 
 
 @renders("CalibrateResult")
