@@ -49,6 +49,11 @@ def set_quiet(quiet: bool) -> None:
     _quiet = quiet
 
 
+def is_quiet() -> bool:
+    """Whether `--quiet` was given (a command's progress lines keep quiet too)."""
+    return _quiet
+
+
 def forget() -> None:
     """Say every notice again (tests)."""
     _said.clear()

@@ -127,6 +127,28 @@ def test_a_capture_continues_in_generate_as_transformers_does(tiny, tmp_path, en
         == want
 
 
+def test_kvtools_own_transformers_calls_warn_of_nothing(llama, tmp_path, capsys):
+    """Every warning an error around kvtool's calls into transformers: `kvtool.hf` (to_cache,
+    generate, from_cache) and both commands' runs (a capture's prefill; a replay's teacher-forced
+    logits and greedy generate). transformers 5.24 deprecates `past_key_values=` for `cache=` with
+    a FutureWarning: kvtool passes the keyword the installed version takes."""
+    import warnings
+
+    folder, model = llama
+    ids = prompt_ids(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kvtool.capture_prompt(tmp_path / "p.kvc", prompt=PROMPT, model=folder, engine="hf", kv_dtype="fp32",
+                              chunk_size=16, device="cpu")
+        cache, input_ids = kvtool.hf.to_cache(tmp_path / "p.kvc", model)
+        kvtool.hf.from_cache(cache, input_ids[:, :-1], tmp_path / "again.kvc", model)
+        out = kvtool.hf.generate(model, tmp_path / "p.kvc", max_new_tokens=4, do_sample=False)
+        code, r, err = cli(capsys, "replay", tmp_path / "p.kvc", "--engine", "hf", "--model", folder, "--compare",
+                           "--continue", "4", "--device", "cpu", "--json")
+    assert out[0, len(ids):].tolist() == greedy_reference(model, ids, 4)
+    assert code == 0 and r["top1_agreement"] == 1.0, err
+
+
 def test_both_engines_write_the_same_model_and_kv(llama, tmp_path):
     """A Llama folder gives the same identity in either engine (a file moves between them) and KV
     within float32 rounding."""

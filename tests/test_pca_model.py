@@ -46,6 +46,10 @@ def test_calibrate_capture_compress_verify(calibrated, cal_dir, capsys):
     folder, text, prompt = calibrated
     code, out, err = cli(capsys, "calibrate", "--text", text, "--json")
     assert code == 0, err
+    # stderr is not a terminal here: one line per stage as it starts, the last the saving
+    stages = err.splitlines()
+    assert len(stages) == 5 and all(line.startswith("kvtool calibrate: [") for line in stages)
+    assert "1/5 loading the model" in stages[0] and "5/5 saving" in stages[-1]
     digest = out["digest"]
     assert (cal_dir / f"{digest}.kvcal").stat().st_size == out["bytes"] and out["tokens"] >= 512
     assert calmod.for_model(out["model_fingerprint"]) == digest

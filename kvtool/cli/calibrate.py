@@ -8,16 +8,18 @@ from rich.console import Console
 
 from ..ops.requests import CalibrateRequest
 from .commands import request_command
-from .output import emit, human_bytes, renders
+from .output import emit, human_bytes, renders, stage_progress
 
 if TYPE_CHECKING:
     from ..ops.calibrate import CalibrateResult
 
 
 def run(request: CalibrateRequest, json: bool) -> None:
-    from ..ops.calibrate import calibrate_model
+    from ..ops.calibrate import STAGES, calibrate_model
 
-    emit(calibrate_model(request), json)
+    with stage_progress("calibrate", STAGES) as update:
+        result = calibrate_model(request, progress=update)
+    emit(result, json)
 
 
 command = request_command(CalibrateRequest, run,

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from ..notices import terminal_safe
+from ..notices import is_quiet, terminal_safe
 
 stdout_console = Console(highlight=False)
 stderr_console = Console(stderr=True, highlight=False)
@@ -113,6 +114,46 @@ def stages(enabled: bool) -> Iterator[Callable[[str], None]]:
         return
     with stderr_console.status("starting") as status:
         yield lambda text: status.update(text)
+
+
+@contextmanager
+def stage_progress(command: str, names: tuple[str, ...], enabled: bool = True) -> Iterator[Callable[[str, int, int], None]]:
+    """What a long command of several stages is doing, on stderr: a bar per stage on a terminal;
+    otherwise (a pipe, a file, a CI log) one whole line as each stage starts, with the time so
+    far. Nothing when not `enabled` or under `--quiet`. Yields `update(stage, done, total)`
+    (`stage` one of `names`; total 0: a stage of one step)."""
+    if not enabled or is_quiet():
+        yield lambda stage, done, total: None
+        return
+    started = time.monotonic()
+    if not stderr_console.is_terminal:
+        said: set[str] = set()
+
+        def line(stage: str, done: int, total: int) -> None:
+            if stage in said:
+                return
+            said.add(stage)
+            minutes, seconds = divmod(int(time.monotonic() - started), 60)
+            steps = f" ({total} steps)" if total else ""
+            sys.stderr.write(f"kvtool {command}: [{minutes}:{seconds:02d}] {names.index(stage) + 1}/{len(names)} "
+                             f"{terminal_safe(stage)}{steps}\n")
+            sys.stderr.flush()
+        yield line
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=stderr_console, transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def update(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                for earlier in tasks.values():  # a stage starts when the one before it is over
+                    bar.update(earlier, completed=bar.tasks[earlier].total or 1, total=bar.tasks[earlier].total or 1)
+                    bar.stop_task(earlier)
+                tasks[stage] = bar.add_task(f"{names.index(stage) + 1}/{len(names)} {escape(stage)}", total=total or 1)
+            bar.update(tasks[stage], completed=done, total=total or 1)
+        yield update
 
 
 def human_bytes(n: float) -> str:

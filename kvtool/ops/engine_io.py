@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..connectors import PagedMemConnectorV2
-from ..engine import LoadedModel, PagedKVCache
+from ..engine import LoadedModel, PagedKVCache, Runner
+from ..engine import model as engine_model
 
 
 def paged_connector(model: LoadedModel) -> PagedMemConnectorV2:
@@ -34,3 +35,33 @@ def write_kv(model: LoadedModel, cache: PagedKVCache, seq, kv: torch.Tensor, slo
         memory.tensor.copy_(kv[:, :, start:end])
         connector.to_gpu(memory, start, end, kvcaches=cache.kv_caches, slot_mapping=slot_mapping)
     seq.num_tokens = num_tokens
+
+
+def run_with_query_energy(model: LoadedModel, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV_BLOB [2, L, T, C] (bfloat16) of `ids`, and the summed squared queries [L, Hkv, D] (over
+    tokens and the query heads of each KV head). The queries are seen by wrapping the engine's
+    attention function for the length of this call (the engine keeps no hook for it)."""
+    cfg = model.config
+    energy = torch.zeros(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float64)
+    calls = [0]
+    real = engine_model.attention
+
+    def seeing_queries(q, *args, **kwargs):
+        layer = calls[0] % cfg.num_layers
+        group = cfg.num_heads // cfg.num_kv_heads
+        energy[layer] += q.float().pow(2).view(q.shape[0], cfg.num_kv_heads, group, cfg.head_dim).sum((0, 2)).double().cpu()
+        calls[0] += 1
+        return real(q, *args, **kwargs)
+
+    n = len(ids)
+    cache = PagedKVCache.for_tokens(cfg, n, kv_dtype=torch.bfloat16, device=model.device, shuffle_seed=0)
+    seq = cache.new_sequence(n)
+    engine_model.attention = seeing_queries
+    try:
+        Runner(model, cache).prefill(seq, ids, prefill_chunk=n, logits="none")
+    finally:
+        engine_model.attention = real
+    connector = paged_connector(model)
+    memory = connector.allocate(n, torch.bfloat16, model.device)
+    connector.from_gpu(memory, 0, n, kvcaches=cache.kv_caches, slot_mapping=seq.slot_mapping(n))
+    return memory.tensor.cpu().clone(), energy

@@ -30,7 +30,7 @@ from ...format.made_by import check_made_by, check_vocabulary
 from ...load import ChunkTask, file_tasks, load
 from ...store.chunk_store import ChunkStore, open_store
 from ...store.names import ExtraKeys
-from .caches import cached_tokens, gather, load_cache
+from .caches import cache_argument, cached_tokens, gather, load_cache
 from .models import HFModel
 
 #: how a refusal of other weights tells a Python caller to load the file anyway
@@ -40,7 +40,7 @@ _STORE_URL = re.compile(r"(redis|rediss|unix|file|memory)://", re.I)
 
 class CachedPrompt(NamedTuple):
     """What `to_cache` gives: `cache, input_ids = kvtool.hf.to_cache(...)`, then
-    `model.generate(input_ids, past_key_values=cache, ...)`."""
+    `model.generate(input_ids, past_key_values=cache, ...)` (`cache=cache` from transformers 5.24)."""
 
     cache: DynamicCache  # the KV of input_ids[:, :cache.get_seq_length()], positions from 0
     input_ids: torch.Tensor  # [1, T] int64 on the model's device: the whole prompt
@@ -99,13 +99,13 @@ def generate(model, source: Any, *, prompt_ids=None, allow_other_weights: bool =
              chunk_size: int | None = None, namespace: str | None = None, **generate_kwargs):
     """`model.generate` continuing a cached prompt, in one call: `to_cache(source, model, ...)`
     (the prompt's last token left to `generate`), then `model.generate(input_ids,
-    past_key_values=cache, **generate_kwargs)`. Returns what `generate` returns (by default the
+    past_key_values=cache, **generate_kwargs)` (`cache=` where transformers takes it, 5.24 on). Returns what `generate` returns (by default the
     prompt's ids and the new ones, `[1, T + new]`)."""
     hf = HFModel.of(model)
     cache, input_ids = to_cache(source, hf, prompt_ids=prompt_ids, allow_other_weights=allow_other_weights,
                                 chunk_size=chunk_size, namespace=namespace)
     generate_kwargs.setdefault("attention_mask", torch.ones_like(input_ids))
-    return hf.model.generate(input_ids, past_key_values=cache, **generate_kwargs)
+    return hf.model.generate(input_ids, **cache_argument(cache), **generate_kwargs)
 
 
 def from_cache(cache, token_ids, path: str | os.PathLike, model, *, codec: str = "raw",

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
@@ -20,6 +22,16 @@ from ...connectors import ConnectorTarget, PagedMemConnectorV2
 from ...errors import UnsupportedCache, UsageError
 from ...identity import ModelIdentity
 from .models import HFModel
+
+
+#: The keyword a model's forward and `generate` take a cache by: `cache` from transformers 5.24
+#: on, where `past_key_values` still works but warns that it is deprecated; `past_key_values` before.
+CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24.0.dev0") else "past_key_values"
+
+
+def cache_argument(cache: Cache | None) -> dict[str, Cache | None]:
+    """`{keyword: cache}` for a model's forward or `generate` (`CACHE_KEYWORD`)."""
+    return {CACHE_KEYWORD: cache}
 
 
 def connector(identity: ModelIdentity) -> PagedMemConnectorV2:

@@ -9,7 +9,7 @@ import time
 import torch
 
 from ...errors import UnsupportedCache
-from .caches import cached_tokens, filled_cache, gather
+from .caches import cache_argument, cached_tokens, filled_cache, gather
 from .models import HFModel, check_window
 
 
@@ -31,7 +31,7 @@ class PromptPrefill:
         their final hidden states [n, E] (after the final norm) with `hidden`, else None. The base
         model runs, not the LM head: a capture needs no logits."""
         ids = torch.tensor([token_ids[start:end]], dtype=torch.long, device=self.model.device)
-        out = self.model.model.base_model(input_ids=ids, past_key_values=self.cache, use_cache=True)
+        out = self.model.model.base_model(input_ids=ids, use_cache=True, **cache_argument(self.cache))
         held = cached_tokens(self.cache, self.model.identity)  # (refused in one line where it is not plain K/V)
         if held != end:
             raise UnsupportedCache(f"{self.model.identity.architecture}'s cache holds {held} tokens after a prefill "
@@ -68,7 +68,7 @@ def greedy(model: HFModel, token_ids: list[int], cache, max_new_tokens: int
     first = _FirstToken()
     started = time.perf_counter()
     with torch.inference_mode():
-        out = model.model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        out = model.model.generate(ids, attention_mask=torch.ones_like(ids), **cache_argument(cache),
                                    max_new_tokens=max_new_tokens, do_sample=False, streamer=first,
                                    return_dict_in_generate=True, output_logits=True, **_GREEDY)
     new = out.sequences[0, len(token_ids):].tolist()
@@ -84,7 +84,7 @@ def forced_logits(model: HFModel, token_ids: list[int], cache, start: int) -> to
     """float32 logits [n - start, V] of positions start .. n - 1 of `token_ids` run on a cache that
     holds tokens [0, start) (teacher-forced: each position sees the given tokens before it)."""
     ids = torch.tensor([token_ids[start:]], dtype=torch.long, device=model.device)
-    return model.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float()
+    return model.model(input_ids=ids, use_cache=True, **cache_argument(cache)).logits[0].float()
 
 
 __all__ = ["PromptPrefill", "forced_logits", "greedy"]
