@@ -200,3 +200,59 @@ def test_store_stats_counts_a_models_objects_in_the_stores_own_words(tmp_path, c
     assert "chunk" in store_kinds and "object" in lines[0]
     model_line = next(line for line in lines if line.strip().startswith("model "))
     assert store_kinds in model_line  # one model: the same count, in the same words
+
+
+def test_verify_help_quotes_cachegens_thresholds_from_their_table():
+    import re
+
+    from kvtool.codecs.cachegen import EXPECTED_TOP1
+    from kvtool.ops.file_requests import VerifyRequest
+    from kvtool.ops.fields import flag_of
+    import dataclasses
+
+    help_text = flag_of(next(f for f in dataclasses.fields(VerifyRequest) if f.name == "min_top1")).help
+    low, high = re.search(r"(\d\.\d\d)-(\d\.\d\d) cachegen", help_text).groups()
+    assert (float(low), float(high)) == (min(t for _, t in EXPECTED_TOP1), max(t for _, t in EXPECTED_TOP1))
+
+
+@pytest.mark.parametrize("flag", ["--chunk-size", "--block-size"])
+def test_a_size_out_of_range_names_its_own_flag_alone(capsys, flag):
+    assert run(["capture", "--prompt", "hi", "-o", "x.kvc", flag, "0"]) == 2
+    err = capsys.readouterr().err
+    other = "--block-size" if flag == "--chunk-size" else "--chunk-size"
+    assert f"{flag} must be in 1..65536, got 0" in err and other not in err
+
+
+def test_verify_says_a_problem_of_every_chunk_once(tmp_path, capsys, monkeypatch):
+    """A pca file read where its calibration is not: one FAIL line naming the chunks, not one per chunk."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from fixtures import make_identity
+    from kvtool.codecs.pca import calibration as calmod
+
+    vectors = Path(__file__).resolve().parents[1] / "format-spec" / "vectors" / "pca"
+    digest = json.loads((vectors / "bf16_sinks.json").read_text())["params"]["calibration"]
+    (tmp_path / "cal").mkdir()
+    shutil.copy(vectors / f"{digest}.kvcal", tmp_path / "cal")
+    monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", str(tmp_path / "cal"))
+    calmod._loaded.clear()
+    raw = write_kv_file(tmp_path / "raw.kvc", identity=make_identity(num_layers=2, num_kv_heads=1, head_dim=8),
+                        num_tokens=16, chunk_size=4).path
+    assert run(["compress", str(raw), "-o", str(tmp_path / "p.kvc"), "--codec", "pca", "--calibration", digest]) == 0
+    monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", str(tmp_path / "elsewhere"))
+    calmod._loaded.clear()
+    capsys.readouterr()
+    assert run(["verify", str(tmp_path / "p.kvc")]) == 1
+    out = capsys.readouterr().out
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert len(fails) == 1 and fails[0].startswith("FAIL chunks 0-3: pca: calibration object") and "4 problems" in out
+    calmod._loaded.clear()
+
+
+def test_grouped_problems_keep_what_differs():
+    from kvtool.cli.verify import grouped_problems
+
+    assert grouped_problems(["chunk 0: bad", "chunk 1: bad", "chunk 2: other", "chunk 5: bad", "tokens: crc"]) == [
+        "chunks 0-1, 5: bad", "chunk 2: other", "tokens: crc"]

@@ -121,8 +121,8 @@ CAPTURE_ERRORS = [
     ({"namespace": "a"}, "--namespace names a partition of the store: give --store URL"),
     ({"segment": True, "hidden_states": True},
      "--segment and --hidden-states: a segment's hidden states are not those of a prompt it is placed in"),
-    ({"chunk_size": 0}, f"--chunk-size and --block-size must be in 1..{MAX_CHUNK_SIZE}"),
-    ({"block_size": 100000000000}, f"--chunk-size and --block-size must be in 1..{MAX_CHUNK_SIZE}"),
+    ({"chunk_size": 0}, f"--chunk-size must be in 1..{MAX_CHUNK_SIZE}, got 0"),
+    ({"block_size": 100000000000}, f"--block-size must be in 1..{MAX_CHUNK_SIZE}, got 100000000000"),
     ({"kv_dtype": "int4"}, None),  # the dtype's own message, after "--dtype: "
     ({"roi": "5:5"}, "--roi range 5:5 is empty or negative"),
     ({"codec": "raw", "level": 3}, "--level and --shuffle apply to the zstd codec only"),

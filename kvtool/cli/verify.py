@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -47,11 +48,42 @@ def render(console: Console, r: VerifyReport) -> None:
         render_replay(console, replay_result(r.replay))
         limit = r.replay_threshold
         console.print(f"replay threshold: top-1 >= {limit['min_top1']:.2f} ({limit['why']})")
-    for p in r.problems:
+    for p in grouped_problems(r.problems):
         console.print(f"[red]FAIL[/red] {p}")
     if r.problems_omitted:
         console.print(f"[red]FAIL[/red] ... and {plural(r.problems_omitted, 'more problem')} (not listed)")
     console.print("[green]OK[/green]" if r.ok else f"[red]{plural(r.problem_count, 'problem')}[/red]")
+
+
+def grouped_problems(problems: list[str]) -> list[str]:
+    """Problems that say the same of several chunks (a pca file without its calibration: every
+    chunk) as one line naming them all, 'chunks 0-3: ...', in the order first met; `--json` keeps
+    the list as it is."""
+    by_text: dict[str, list[int]] = {}
+    lines: list[str | tuple[str]] = []
+    for problem in problems:
+        m = re.fullmatch(r"chunk (\d+): (.*)", problem, re.S)
+        if m is None:
+            lines.append(problem)
+            continue
+        if m.group(2) not in by_text:
+            by_text[m.group(2)] = []
+            lines.append((m.group(2),))
+        by_text[m.group(2)].append(int(m.group(1)))
+    return [line if isinstance(line, str) else f"{_chunks(by_text[line[0]])}: {line[0]}" for line in lines]
+
+
+def _chunks(indices: list[int]) -> str:
+    """'chunk 3', 'chunks 0-3', 'chunks 0-2, 5'."""
+    if len(indices) == 1:
+        return f"chunk {indices[0]}"
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return "chunks " + ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def replay_result(replay: dict[str, Any]) -> ReplayResult:

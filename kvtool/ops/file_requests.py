@@ -99,7 +99,7 @@ class VerifyRequest:
     model: str | Path | None = model_option()
     min_top1: float | None = min_top1_option(
         "With --replay: minimum top-1 agreement (default: what the file's codec promises: 1.0 lossless, "
-        "0.70-0.88 cachegen by its bins).")
+        "0.65-0.90 cachegen by its fewest bins, pca by its quality).")
     max_kl: float | None = max_kl_option("With --replay: maximum mean KL.")
     continue_tokens: int = continue_option(64, (
         "With --replay: teacher-forced tokens the agreement is measured over (a promise is judged on 64)."))

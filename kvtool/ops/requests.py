@@ -142,8 +142,9 @@ class CaptureRequest:
         if self.segment and self.hidden_states:
             raise UsageError("--segment and --hidden-states: a segment's hidden states are not those of a prompt it "
                              "is placed in")
-        if not 1 <= self.chunk_size <= MAX_CHUNK_SIZE or not 1 <= self.block_size <= MAX_CHUNK_SIZE:
-            raise UsageError(f"--chunk-size and --block-size must be in 1..{MAX_CHUNK_SIZE}")
+        for flag, value in (("--chunk-size", self.chunk_size), ("--block-size", self.block_size)):
+            if not 1 <= value <= MAX_CHUNK_SIZE:  # (the one given wrongly named, not both)
+                raise UsageError(f"{flag} must be in 1..{MAX_CHUNK_SIZE}, got {value}")
 
     def _codec_params(self) -> dict[str, Any] | None:
         """The codec's options as its parameters; None for the codec's defaults (none given) and
