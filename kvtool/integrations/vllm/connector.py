@@ -57,12 +57,13 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side.failed_blocks(set(invalid))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler_side.forget(request.request_id)
-        return False, None  # saves gather synchronously: vLLM may free the blocks now
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        """`SupportsHMA`'s end of a request (every group's blocks at once): as `request_finished`."""
-        return self.request_finished(request, [])
+        """`SupportsHMA`'s end of a request, every group's blocks at once (`request_finished`: one group's)."""
+        self.scheduler_side.held(request.request_id, block_ids)
+        self.scheduler_side.forget(request.request_id)
+        return False, None  # saves gather synchronously: vLLM may free the blocks now
 
     # --- worker side -------------------------------------------------------------------
 

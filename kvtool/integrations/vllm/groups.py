@@ -33,6 +33,7 @@ class KVGroup:
     layer_names: tuple[str, ...]
     layers: tuple[int, ...]  # the model's layer numbers of `layer_names`
     window: int | None = None
+    page_bytes: int = 0  # one block of one of its layers in vLLM's memory (0: not known)
 
     def describe(self) -> str:
         what = f"sliding window {self.window}" if self.window else "full attention"
@@ -86,7 +87,8 @@ def serving_groups(kv_cache_config, layer_names: list[str] | None = None) -> lis
             raise ValueError(f"KVToolConnector: vLLM's KV cache group {index} ({type(spec).__name__}) is a kind "
                              "kvtool does not store (it stores full-attention and sliding-window groups)")
         ordered = sorted(names, key=_layer_number)
-        served.append(KVGroup(index, tuple(ordered), tuple(_layer_number(n) for n in ordered), window))
+        served.append(KVGroup(index, tuple(ordered), tuple(_layer_number(n) for n in ordered), window,
+                              int(getattr(spec, "page_size_bytes", 0))))
     return served
 
 

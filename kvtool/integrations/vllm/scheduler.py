@@ -282,6 +282,15 @@ class SchedulerSide:
 
     # --- the end of a request, of the engine ----------------------------------------------
 
+    def held(self, req_id: str, block_ids) -> None:
+        """At a request's end, the KV memory vLLM holds for it (every group's blocks but the null
+        block: a sliding group's window only, with the hybrid allocator on), in the log."""
+        held = [sum(1 for block in block_ids[group.index] if block != NULL_BLOCK) if group.index < len(block_ids) else 0
+                for group in self.groups]
+        memory = sum(n * group.page_bytes * len(group.layers) for n, group in zip(held, self.groups))
+        log.info("kvtool: request %s ends holding %d of vLLM's KV blocks (%s), %d bytes", req_id, sum(held),
+                 " + ".join(map(str, held)), memory)
+
     def forget(self, req_id: str) -> None:
         """A finished or aborted request: its lookup, answer and state go."""
         self._lookups.forget(req_id)
