@@ -47,10 +47,12 @@ def refuse_state_layers(model_config) -> None:
     snapshots" says what storing one would need."""
     hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
     kinds: list[str] = []
-    for attr in ("layer_types", "layers_block_type"):
+    for attr in ("layers_block_type", "layer_types"):  # Jamba's own names first ("mamba"), then transformers'
         types = getattr(hf, attr, None)
         if isinstance(types, (list, tuple)):
-            kinds += [str(t) for t in types if str(t).lower() in _STATE_LAYER_KINDS]
+            kinds = [str(t) for t in types if str(t).lower() in _STATE_LAYER_KINDS]
+        if kinds:
+            break
     hybrid = bool(getattr(model_config, "is_hybrid", False) or getattr(model_config, "has_inner_state", False)
                   or getattr(model_config, "is_attention_free", False))
     if kinds or hybrid:
