@@ -119,7 +119,7 @@ def test_a_second_request_loads_every_group_and_the_greedy_output_is_the_same(en
                          log), group
     assert re.search(r"tokens 0\.\.512 are before vLLM's sliding window \(group \d+ \(sliding", log)
     metrics = transfer_metrics(log)
-    assert metrics["saved_chunks"] == 3 * len(served)  # P's 3 chunks, in every group
+    assert metrics["saved_chunks"] == 2 * 3 * len(served)  # P's 3 chunks in every group, and the tenant's again
     assert metrics["loaded_tokens"] == 3 * CHUNK  # one request's tokens, however many groups
     assert metrics["refusals"] == 0 and metrics["load_failures"] == 0
 
