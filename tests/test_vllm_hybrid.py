@@ -59,7 +59,10 @@ def make_gemma(name: str, folder: Path) -> Path:
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param_name, weights in model.named_parameters():
-            scale = 0.1 if "norm" in param_name else 0.3  # Gemma's norms scale by 1 + weight
+            # Gemma's norms scale by 1 + weight; it multiplies the embeddings by sqrt(hidden_size), which
+            # drawn as the other weights would swamp every layer's output (the greedy token would be the
+            # prompt's last one, again and again): drawn that much smaller
+            scale = 0.1 if "norm" in param_name else 0.3 / (128 ** 0.5 if "embed" in param_name else 1.0)
             weights.copy_(torch.randn(weights.shape, generator=generator) * scale)
     model.save_pretrained(folder)
     for file in ("tokenizer.json", "tokenizer_config.json"):
