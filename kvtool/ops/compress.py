@@ -12,6 +12,7 @@ from typing import Any
 from .. import codecs
 from ..errors import UsageError
 from ..format import ContainerReader, ContainerWriter
+from ..format.writer import check_codec_for_layout
 from .inputs import codec_params
 from .result import Result
 
@@ -46,6 +47,7 @@ def compress(path: str | Path, output: str | Path, codec: str = "zstd", *, level
     if os.path.realpath(path) == os.path.realpath(output):
         raise UsageError(f"{output}: the output is the input; give compress another -o (it writes a new file)")
     with ContainerReader(path) as reader:
+        check_codec_for_layout(codec, reader.manifest.kv_layout)  # before pca looks for a calibration
         if codec == "pca":
             params = codec_params(codec, level=level, shuffle=shuffle, bins=bins, quality=quality,
                                   calibration=calibration, model_fingerprint=reader.manifest.model["fingerprint"])
@@ -79,7 +81,7 @@ def compress_file(reader: ContainerReader, output: str | Path, codec: str, param
     stored_in = sum(c.blob.length for c in m.chunks)
     stored_out = sum(c.blob.length for c in writer.chunks)
     decoded = sum(c.decoded_bytes for c in m.chunks)
-    values = m.num_tokens * 2 * m.num_layers * m.hidden_kv
+    values = m.num_tokens * m.planes * m.num_layers * m.hidden_kv
     return CompressResult(
         input=str(reader.path), output=str(output), codec=codec, codec_params=params, num_chunks=len(m.chunks),
         chunks_copied=copied, input_bytes=stored_in, output_bytes=stored_out, input_file_bytes=reader.file_size,
