@@ -15,10 +15,10 @@ from ...connectors import PagedLayout
 from ...connectors.paged_layout import HOST_PAGE_LAYOUTS
 from ...errors import KvtoolError
 from ...load import SavePipeline
-from ..engine_blocks import EngineBlocks, SaveBuffers
+from ..engine_blocks import EngineBlocks, LatentBlocks, SaveBuffers
 from .caches import StoreCaches
 from .config import ConnectorConfig
-from .layout import check_cpu_pages, cpu_pages_layout, engine_layout
+from .layout import check_cpu_pages, check_latent_pages, cpu_pages_layout, engine_layout
 from .metadata import KVToolMetadata, LoadSpec, SaveSpec
 from .stats import KVToolConnectorStats, StatsRecorder
 
@@ -43,6 +43,13 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = engine_layout(self._vllm_config)
         layers = list(kv_caches.values())  # in model order
+        if layout.latent:  # MLA: one latent row per token and layer, stored as mla_latent chunks
+            self._blocks = LatentBlocks(layers, self.config.block_size)
+            check_latent_pages(self._blocks, self._vllm_config.model_config.hf_text_config.kv_lora_rank)
+            log.info("kvtool: store %s, codec %s, chunks of %d tokens, %s, vLLM's latent KV (%s) as kvtool layout "
+                     "'mla_latent'", self.caches.url, self.config.codec, self.config.chunk_size, self.config.role,
+                     layout.backend)
+            return
         if layout.paged is PagedLayout.VLLM_CPU:  # which page layout: that of the isa vLLM's attention picks
             layout = replace(layout, paged=cpu_pages_layout(layers[0]))
         self._blocks = EngineBlocks(layers, self.config.block_size, layout.paged)
