@@ -23,6 +23,8 @@ JOB.json:
     max_tokens   greedy tokens generated per prompt                   (default 16)
     ignore_eos   keep generating past the end-of-sequence token       (default false)
     max_num_batched_tokens, enable_prefix_caching   passed to vLLM    (defaults: vLLM's, off)
+    disable_hybrid_kv_cache_manager   passed to vLLM: true turns its hybrid allocator off (default:
+                 vLLM's choice, on for a connector that supports it)
     model        a HF model folder (default: kvtool's default model, converted)
     dtype        the model's dtype, passed to vLLM: float32 | bfloat16 | float16   (default float32;
                  bfloat16 on a CPU with AMX keeps vLLM's KV pages in AMX tiles)
@@ -92,6 +94,8 @@ def main() -> None:
     extra = {"max_num_batched_tokens": job["max_num_batched_tokens"]} if job.get("max_num_batched_tokens") else {}
     if job.get("attention_backend"):
         extra["attention_backend"] = job["attention_backend"]
+    if job.get("disable_hybrid_kv_cache_manager") is not None:
+        extra["disable_hybrid_kv_cache_manager"] = bool(job["disable_hybrid_kv_cache_manager"])
     if job.get("enable_lora"):
         extra.update(enable_lora=True, max_lora_rank=int(job.get("max_lora_rank", 8)), max_loras=1)
     began = time.perf_counter()

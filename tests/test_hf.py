@@ -241,9 +241,12 @@ def test_a_segment_placed_elsewhere_is_not_a_prefix_cache(llama, tmp_path):
 
 CACHE_KINDS = [
     (lambda: transformers.MambaConfig(num_hidden_layers=2, hidden_size=16, vocab_size=256),
-     "Mamba's cache holds linear attention or a recurrent state (no K/V per token)"),
+     "Mamba's cache holds linear_attention layers 0, 1: linear attention or a recurrent state (no K/V per token)"),
     (lambda: transformers.Qwen3NextConfig(num_hidden_layers=4),
-     "Qwen3Next's cache holds linear attention or a recurrent state (no K/V per token)"),
+     "Qwen3Next's cache holds linear_attention layers 0, 1, 2: linear attention or a recurrent state (no K/V per "
+     "token)"),
+    (lambda: transformers.JambaConfig(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1),
+     "Jamba's cache holds mamba layers 0, 2: linear attention or a recurrent state (no K/V per token)"),
     (lambda: transformers.DeepseekV3Config(num_hidden_layers=2),
      "DeepseekV3 uses multi-head latent attention (MLA): it caches a compressed latent"),
     (lambda: transformers.T5Config(), "T5 is an encoder-decoder model"),
@@ -252,7 +255,7 @@ CACHE_KINDS = [
 ]
 
 
-@pytest.mark.parametrize("make,message", CACHE_KINDS, ids=["mamba", "qwen3-next", "deepseek-v3-mla", "t5",
+@pytest.mark.parametrize("make,message", CACHE_KINDS, ids=["mamba", "qwen3-next", "jamba", "deepseek-v3-mla", "t5",
                                                               "gemma3n-shared-kv"])
 def test_caches_that_are_not_plain_kv_per_layer_are_refused(make, message):
     with pytest.raises(UnsupportedCache) as err:

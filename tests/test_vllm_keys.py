@@ -360,23 +360,36 @@ def tiny_model_folder(folder) -> str:
     return str(folder)
 
 
-def scheduler_side(tmp_path, kv_cache_config=None):
+def scheduler_side(tmp_path, kv_cache_config=None, codec: str = "raw", namespace: str = ""):
     from types import SimpleNamespace
 
     from kvtool.integrations.vllm.config import ConnectorConfig
+    from kvtool.integrations.vllm.groups import serving_groups
     from kvtool.integrations.vllm.scheduler import SchedulerSide
 
-    config = ConnectorConfig(store_url=str(tmp_path / "store"), codec="raw", chunk_size=WINDOW_CHUNK,
-                             block_size=BLOCK, save_generated=False, namespace="", lookup_wait_s=0.05)
+    config = ConnectorConfig(store_url=str(tmp_path / "store"), codec=codec, chunk_size=WINDOW_CHUNK,
+                             block_size=BLOCK, save_generated=False, namespace=namespace, lookup_wait_s=0.05)
     vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=tiny_model_folder(tmp_path / "tiny")))
-    return SchedulerSide(config, vllm_config, kv_cache_config)
+    return SchedulerSide(config, vllm_config, serving_groups(kv_cache_config))
 
 
-def first_step(req_id: str, blocks: list[int], computed: int, scheduled: int):
-    """vLLM's SchedulerOutput for a request's first step, the fields the connector reads."""
+def kv_groups(*specs):
+    """vLLM's KV cache config of groups of one layer each (group i: layer i), the fields the
+    connector reads."""
     from types import SimpleNamespace
 
-    new = SimpleNamespace(req_id=req_id, block_ids=(blocks,), num_computed_tokens=computed)
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, enable_kv_transfer=True,
+                                                            layer_names=[f"model.layers.{i}.self_attn.attn"])
+                                            for i, spec in enumerate(specs)])
+
+
+def first_step(req_id: str, blocks, computed: int, scheduled: int):
+    """vLLM's SchedulerOutput for a request's first step, the fields the connector reads (`blocks`:
+    one group's block ids, or a tuple of every group's)."""
+    from types import SimpleNamespace
+
+    new = SimpleNamespace(req_id=req_id, block_ids=blocks if isinstance(blocks, tuple) else (blocks,),
+                          num_computed_tokens=computed)
     cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
     return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
                            num_scheduled_tokens={req_id: scheduled}, finished_req_ids=set())
@@ -428,16 +441,97 @@ def test_a_sliding_window_shorter_than_a_chunk_is_refused_at_start(tmp_path):
     """vLLM frees a sliding layer's blocks before its window while a request runs: with a window
     shorter than a chunk, the start of a chunk could be freed (and reused) before the chunk is
     saved. vLLM does not start, told which chunk size would do."""
-    from types import SimpleNamespace
-
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
-    def groups(spec):
-        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
 
     spec = dict(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float32)
     with pytest.raises(ValueError, match="chunk_size 256 is longer than the model's sliding window of 128 tokens"):
-        scheduler_side(tmp_path, groups(SlidingWindowSpec(**spec, sliding_window=128)))
-    scheduler_side(tmp_path, groups(SlidingWindowSpec(**spec, sliding_window=256))).shutdown()  # a whole chunk
+        scheduler_side(tmp_path, kv_groups(SlidingWindowSpec(**spec, sliding_window=128)))
+    scheduler_side(tmp_path, kv_groups(SlidingWindowSpec(**spec, sliding_window=256))).shutdown()  # a whole chunk
     # vLLM keeps every block of a model whose sliding layers it runs as full ones (its hybrid manager off)
-    scheduler_side(tmp_path, groups(FullAttentionSpec(**spec, sliding_window=128))).shutdown()
+    scheduler_side(tmp_path, kv_groups(FullAttentionSpec(**spec, sliding_window=128))).shutdown()
+
+
+def test_hybrid_groups_load_and_save_each_group_under_its_own_identity(tmp_path):
+    """vLLM's hybrid allocator (the connector declares SupportsHMA) serves a Gemma-like model as two
+    KV cache groups: layer 0 sliding (window 256: the null block before its window), layer 1 full.
+    Each group's chunks are stored under its own identity: a hit needs every group's chunks; the
+    full group loads every token, the sliding group its window's only; saves are per group."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from kvtool.engine.loader import model_identity
+    from kvtool.integrations.vllm.groups import group_identity
+
+    spec = dict(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    side = scheduler_side(tmp_path, kv_groups(SlidingWindowSpec(**spec, sliding_window=WINDOW_CHUNK),
+                                              FullAttentionSpec(**spec)))
+    identity = model_identity(tmp_path / "tiny")
+    model = {**identity.to_dict(), "fingerprint": identity.fingerprint()}
+    sliding, full = (group_identity(model, group, side.groups) for group in side.groups)
+    assert (sliding["num_layers"], full["num_layers"]) == (1, 1)
+    assert sliding["extra"]["kv_group"] == {"layers": [0], "attention": "sliding_window", "window": WINDOW_CHUNK}
+    assert full["extra"]["kv_group"] == {"layers": [1], "attention": "full"}
+    keys = {objects_key(m) for m in (model, sliding, full)}
+    assert len(keys) == 3  # a group's chunk is never another group's, nor the whole model's
+
+    tokens = list(range(1, 854))  # 3 whole chunks
+    channels = identity.num_kv_heads * identity.head_dim
+    with open_store(str(tmp_path / "store")) as store:
+        store.for_model(full, WINDOW_CHUNK).put_sequence(tokens[:768], torch.randn(2, 1, 768, channels))
+        whole = store.for_model(identity, WINDOW_CHUNK)  # the model served as one group: another identity
+        whole.put_sequence(tokens[:768], torch.randn(2, identity.num_layers, 768, channels))
+        first = request("first", tokens)
+        assert matched(side, first, 0) == 0  # the sliding group has no chunk: neither the full group's nor the whole's
+        side.forget("first")
+        store.for_model(sliding, WINDOW_CHUNK).put_sequence(tokens[:768], torch.randn(2, 1, 768, channels))
+    second = request("second", tokens)
+    assert matched(side, second, 0) == 768
+    side.allocated(second, 768)
+    meta = side.build_meta(first_step("second", ([0, 0, 0, 0, 9, 10, 11], [5, 6, 7, 8, 12, 13, 14]), 0, 85))
+    assert [(load.group, load.start, load.end, load.block_ids[0]) for load in meta.loads] == [(0, 512, 768, 0),
+                                                                                             (1, 0, 768, 5)]
+    other = request("other", list(range(2000, 2853)))
+    assert matched(side, other, 0) == 0
+    side.allocated(other, 0)
+    meta = side.build_meta(first_step("other", ([1, 2, 3, 4, 15, 16, 17], [18, 19, 20, 21, 22, 23, 24]), 0, 853))
+    assert [(save.group, save.start, save.end, save.block_ids[0]) for save in meta.saves] == [(0, 0, 768, 1),
+                                                                                             (1, 0, 768, 18)]
+    side.shutdown()
+
+
+def objects_key(model: dict) -> str:
+    from kvtool.store.names import model_key
+
+    return model_key(model)
+
+
+def test_a_state_space_or_linear_attention_model_is_refused_in_one_line(tmp_path):
+    """Jamba's Mamba layers, Qwen3-Next's linear attention: a state per sequence, not a KV per
+    token. The connector refuses them at start, naming the layer kind (one line), and a KV cache
+    group of vLLM's state kind likewise; pca, whose calibration is of every layer together, is
+    refused with several groups."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from kvtool.integrations.vllm.groups import refuse_state_layers, serving_groups
+
+    jamba = SimpleNamespace(hf_config=SimpleNamespace(architectures=["JambaForCausalLM"],
+                                                      layers_block_type=["mamba", "attention"]), is_hybrid=True)
+    qwen3_next = SimpleNamespace(hf_config=SimpleNamespace(architectures=["Qwen3NextForCausalLM"],
+                                                           layer_types=["linear_attention"] * 3 + ["full_attention"]))
+    for config, kind in ((jamba, "mamba"), (qwen3_next, "linear_attention")):
+        with pytest.raises(ValueError, match=f"^KVToolConnector: {config.hf_config.architectures[0]} has {kind} layers, "
+                                             "whose state is not a per-token KV") as err:
+            refuse_state_layers(config)
+        assert "\n" not in str(err.value)
+    llama = SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]), is_hybrid=False)
+    refuse_state_layers(llama)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
+    with pytest.raises(ValueError, match="keep a state-space or linear-attention state .mamba2., not a per-token KV"):
+        serving_groups(kv_groups(FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
+                                                   dtype=torch.float32), mamba))
+    spec = dict(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    with pytest.raises(ValueError, match="codec pca calibrates every layer of the model together"):
+        scheduler_side(tmp_path, kv_groups(SlidingWindowSpec(**spec, sliding_window=256), FullAttentionSpec(**spec)),
+                       codec="pca")

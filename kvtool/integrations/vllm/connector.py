@@ -6,28 +6,32 @@ from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                  KVConnectorRole)
+                                                                  KVConnectorRole, SupportsHMA)
 
 from .config import read_config
+from .groups import refuse_state_layers, serving_groups
 from .metadata import KVToolMetadata
 from .scheduler import SchedulerSide
 from .stats import KVToolConnectorStats, build_stats
 from .worker import WorkerSide
 
 
-class KVToolConnector(KVConnectorBase_V1):
+class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM builds it twice, in two processes: with the scheduler role (`SchedulerSide`) and with
-    the worker role (`WorkerSide`); each object holds only its own side."""
+    the worker role (`WorkerSide`); each object holds only its own side. It serves every KV cache
+    group (`SupportsHMA`: vLLM keeps its hybrid allocator on, a sliding layer only its window)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        refuse_state_layers(vllm_config.model_config)
         config = self.config = read_config(vllm_config)
+        groups = serving_groups(kv_cache_config)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(config, vllm_config, kv_cache_config)
+            self.scheduler_side = SchedulerSide(config, vllm_config, groups)
         else:
-            self.worker_side = WorkerSide(config, self._vllm_config)
+            self.worker_side = WorkerSide(config, self._vllm_config, groups)
 
     # --- scheduler side ----------------------------------------------------------------
 
@@ -53,6 +57,11 @@ class KVToolConnector(KVConnectorBase_V1):
             self.scheduler_side.failed_blocks(set(invalid))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """`SupportsHMA`'s end of a request, every group's blocks at once (`request_finished`: one group's)."""
+        self.scheduler_side.held(request.request_id, block_ids)
         self.scheduler_side.forget(request.request_id)
         return False, None  # saves gather synchronously: vLLM may free the blocks now
 

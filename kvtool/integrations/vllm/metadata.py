@@ -19,6 +19,7 @@ class LoadSpec:
     start: int  # tokens [start, end) come from the store ([0, start) vLLM already holds)
     end: int
     keys: ExtraKeys  # the request's store keys (prompt embeddings: rows [0, end) only)
+    group: int = 0  # which of the served KV cache groups `block_ids` are (groups.py)
 
 
 @dataclass
@@ -29,6 +30,7 @@ class SaveSpec:
     start: int  # whole chunks [start, end) were completed by this step (or [start, end) is the prompt's tail: a piece)
     end: int
     keys: ExtraKeys
+    group: int = 0  # which of the served KV cache groups `block_ids` are (groups.py)
 
 
 @dataclass

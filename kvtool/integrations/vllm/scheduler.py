@@ -12,6 +12,7 @@ from ...errors import KvtoolError
 from ...store.names import ExtraKeys
 from .caches import StoreCaches
 from .config import ConnectorConfig
+from .groups import KVGroup
 from .keys import AdapterDigests, RequestFacts, UnusableKeys, extra_keys, keys_up_to, prompt_tokens, request_facts
 from .lookups import Lookups
 from .metadata import KVToolMetadata, LoadSpec, SaveSpec
@@ -35,18 +36,24 @@ def kept_from(blocks: list[int], start: int, end: int, block_size: int) -> int:
     return start
 
 
-def check_sliding_windows(kv_cache_config, chunk_size: int) -> None:
+def check_sliding_windows(groups: list[KVGroup], chunk_size: int) -> None:
     """A chunk is read from vLLM's blocks in the step that completes it; vLLM frees a sliding
     layer's blocks before its window as the request goes on, so a window shorter than a chunk could
     free the start of a chunk before the chunk is saved (a chunked prefill). Refused at start."""
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
-
-    for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
-        spec = group.kv_cache_spec
-        if isinstance(spec, SlidingWindowSpec) and spec.sliding_window < chunk_size:
+    for group in groups:
+        if group.window is not None and group.window < chunk_size:
             raise ValueError(f"KVToolConnector: chunk_size {chunk_size} is longer than the model's sliding window "
-                             f"of {spec.sliding_window} tokens (vLLM frees blocks outside it): use a chunk_size of "
-                             f"at most {spec.sliding_window}, a multiple of vLLM's block size")
+                             f"of {group.window} tokens (vLLM frees blocks outside it): use a chunk_size of "
+                             f"at most {group.window}, a multiple of vLLM's block size")
+
+
+def check_codec_groups(codec: str, groups: list[KVGroup]) -> None:
+    """pca's calibration holds a basis per layer of the whole model; a group's chunks hold some
+    of its layers only. Refused at start rather than coded with another layer's basis."""
+    if codec == "pca" and len(groups) > 1:
+        raise ValueError(f"KVToolConnector: codec pca calibrates every layer of the model together; vLLM serves "
+                         f"this one as {len(groups)} KV cache groups (its hybrid allocator): use raw, zstd or "
+                         "cachegen, or turn the hybrid allocator off (--disable-hybrid-kv-cache-manager)")
 
 
 @dataclass(frozen=True)
@@ -76,17 +83,21 @@ class RequestState:
     keys: ExtraKeys
     request: Any  # vLLM's Request: its all_token_ids grow as it decodes (save_generated)
     tokens: list[int]  # the prompt's token ids, as chunks of it are named
-    blocks: list[int] = field(default_factory=list)  # its blocks, in token order
+    #: its blocks in token order, one list per served KV cache group (a sliding group's: the null
+    #: block before its window)
+    blocks: list[list[int]] = field(default_factory=list)
     saved: int = 0  # whole chunks of tokens [0, saved) are stored
     load: LoadRange | None = None  # tokens to load the next time it is scheduled
     tail_saved: bool = False  # the prompt's block-aligned tokens past its last whole chunk: stored (or loaded)
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, vllm_config, kv_cache_config=None):
-        check_sliding_windows(kv_cache_config, config.chunk_size)
+    def __init__(self, config: ConnectorConfig, vllm_config, groups: list[KVGroup]):
+        check_sliding_windows(groups, config.chunk_size)
+        check_codec_groups(config.codec, groups)
         self.config = config
-        self.caches = StoreCaches(config, vllm_config.model_config.model)
+        self.groups = groups
+        self.caches = StoreCaches(config, vllm_config.model_config.model, groups)
         self.stats = StatsRecorder()
         self._digests = AdapterDigests()
         self._lookups: Lookups[RequestFacts, LookupResult] = Lookups(self._lookup, config.lookup_wait_s)
@@ -130,8 +141,14 @@ class SchedulerSide:
         return None
 
     def _stored(self, facts: RequestFacts, keys: ExtraKeys) -> int:
+        """The leading tokens every group's chunks cover (a group that holds fewer decides)."""
         try:
-            return self.caches.cache(keys).lookup(facts.tokens)
+            stored = len(facts.tokens)
+            for group in range(len(self.groups)):
+                stored = min(stored, self.caches.cache(keys, group).lookup(facts.tokens))
+                if stored == 0:
+                    break
+            return stored
         except KvtoolError as err:  # an unreachable store is a miss: the request is computed
             why = str(err)
         except Exception as err:
@@ -163,7 +180,7 @@ class SchedulerSide:
             state = self._states.get(new.req_id)
             if state is None:
                 continue
-            state.blocks = list(new.block_ids[0])
+            state.blocks = self._served(new.block_ids)
             self._take_load(meta, new.req_id, state)
             self._take_saves(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
@@ -174,7 +191,8 @@ class SchedulerSide:
             resumed = req_id in cached.resumed_req_ids
             new_blocks = cached.new_block_ids[i]
             if new_blocks is not None:  # back from preemption: all of its blocks are new
-                state.blocks = list(new_blocks[0]) if resumed else state.blocks + list(new_blocks[0])
+                served = self._served(new_blocks)
+                state.blocks = served if resumed else [old + new for old, new in zip(state.blocks, served)]
             if resumed:  # vLLM asked us again: load into the new blocks
                 self._take_load(meta, req_id, state)
             self._take_saves(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
@@ -184,6 +202,10 @@ class SchedulerSide:
         meta.ended, self._ended = sorted(self._ended), set()
         return meta
 
+    def _served(self, block_ids) -> list[list[int]]:
+        """vLLM's block ids of a request, one list per KV cache group, cut to the groups served."""
+        return [list(block_ids[group.index]) for group in self.groups]
+
     # --- after a step: loads that failed ------------------------------------------------
 
     def failed_blocks(self, invalid_block_ids: set[int]) -> None:
@@ -192,7 +214,8 @@ class SchedulerSide:
         was believed to hold from there is not: a request saves those chunks again once they are
         recomputed (the worker saved nothing built on them meanwhile: its `_tainted`)."""
         for req_id, state in self._states.items():
-            first = next((i for i, block in enumerate(state.blocks) if block in invalid_block_ids), None)
+            first = min((i for blocks in state.blocks for i, block in enumerate(blocks) if block in invalid_block_ids),
+                        default=None)  # (vLLM's block ids are one pool's: no group's id is another's)
             if first is None:
                 continue
             failed_from = first * self.config.block_size
@@ -207,13 +230,14 @@ class SchedulerSide:
         if state.load is None:
             return
         start, end = state.load.start, state.load.end
-        kept = kept_from(state.blocks, start, end, self.config.block_size)
-        if kept > start:  # vLLM's blocks before its sliding window are null: nothing to load there
-            log.info("kvtool: request %s: tokens %d..%d are before vLLM's sliding window: not loaded", req_id,
-                     start, kept)
-        if kept < end:
-            meta.loads.append(LoadSpec(req_id, state.tokens[:end], list(state.blocks), kept, end,
-                                       keys_up_to(state.keys, end)))
+        for group, blocks in enumerate(state.blocks):
+            kept = kept_from(blocks, start, end, self.config.block_size)
+            if kept > start:  # vLLM's blocks before its sliding window are null: nothing to load there
+                log.info("kvtool: request %s: tokens %d..%d are before vLLM's sliding window%s: not loaded", req_id,
+                         start, kept, self._which(group))
+            if kept < end:
+                meta.loads.append(LoadSpec(req_id, state.tokens[:end], list(blocks), kept, end,
+                                           keys_up_to(state.keys, end), group))
         state.saved = max(state.saved, end // self.config.chunk_size * self.config.chunk_size)  # stored already
         state.tail_saved = state.tail_saved or end >= self._tail(state)[1]  # (the store holds the tail: loaded from it)
         state.load = None
@@ -227,10 +251,11 @@ class SchedulerSide:
         chunk = self.config.chunk_size
         end = min(computed, len(tokens)) // chunk * chunk
         if end > state.saved:  # from the first whole chunk all of whose blocks vLLM keeps (a sliding window's)
-            start = -(-kept_from(state.blocks, state.saved, end, self.config.block_size) // chunk) * chunk
-            if start < end:
-                meta.saves.append(SaveSpec(req_id, list(tokens[:end]), list(state.blocks), start, end,
-                                           keys_up_to(state.keys, end)))
+            for group, blocks in enumerate(state.blocks):
+                start = -(-kept_from(blocks, state.saved, end, self.config.block_size) // chunk) * chunk
+                if start < end:
+                    meta.saves.append(SaveSpec(req_id, list(tokens[:end]), list(blocks), start, end,
+                                               keys_up_to(state.keys, end), group))
             state.saved = end
         self._take_tail(meta, req_id, state, computed)
 
@@ -246,11 +271,25 @@ class SchedulerSide:
         if state.tail_saved or end <= start or computed < end:
             return
         state.tail_saved = True
-        if kept_from(state.blocks, start, end, self.config.block_size) == start:  # (a window kept every block)
-            meta.saves.append(SaveSpec(req_id, list(state.tokens[:end]), list(state.blocks), start, end,
-                                       keys_up_to(state.keys, end)))
+        for group, blocks in enumerate(state.blocks):
+            if kept_from(blocks, start, end, self.config.block_size) == start:  # (a window kept every block)
+                meta.saves.append(SaveSpec(req_id, list(state.tokens[:end]), list(blocks), start, end,
+                                           keys_up_to(state.keys, end), group))
+
+    def _which(self, group: int) -> str:
+        """A log line's group, where vLLM serves several."""
+        return f" ({self.groups[group].describe()})" if len(self.groups) > 1 else ""
 
     # --- the end of a request, of the engine ----------------------------------------------
+
+    def held(self, req_id: str, block_ids) -> None:
+        """At a request's end, the KV memory vLLM holds for it (every group's blocks but the null
+        block: a sliding group's window only, with the hybrid allocator on), in the log."""
+        held = [sum(1 for block in block_ids[group.index] if block != NULL_BLOCK) if group.index < len(block_ids) else 0
+                for group in self.groups]
+        memory = sum(n * group.page_bytes * len(group.layers) for n, group in zip(held, self.groups))
+        log.info("kvtool: request %s ends holding %d of vLLM's KV blocks (%s), %d bytes", req_id, sum(held),
+                 " + ".join(map(str, held)), memory)
 
     def forget(self, req_id: str) -> None:
         """A finished or aborted request: its lookup, answer and state go."""

