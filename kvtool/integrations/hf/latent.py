@@ -30,6 +30,8 @@ from ...load.tensors import load_blob
 def is_latent_model(model) -> bool:
     """Whether a transformers model (or config) uses multi-head latent attention."""
     config = getattr(model, "config", model)
+    if not hasattr(config, "get_text_config"):  # not a transformers model: HFModel.of says so
+        return False
     return getattr(config.get_text_config(decoder=True), "kv_lora_rank", None) is not None
 
 
