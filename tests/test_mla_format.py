@@ -251,3 +251,26 @@ def test_the_mla_vectors_validate_against_the_schema():
         broken = {**manifest, "kv": {"dtype": "bfloat16", "layout": "mla_latent"}}  # no latent
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(broken, schema)
+
+
+def test_latent_chunks_load_only_for_their_namespace_salt_adapter_and_layout(tmp_path):
+    """The store's isolation holds for latent chunks: another namespace, cache salt or LoRA adapter
+    finds none of them, and neither does a K/V model whose other facts are the same."""
+    from kvtool.store import open_store
+    from kvtool.store.names import ExtraKeys
+
+    ids, kv = list(range(500, 548)), latent(48)
+    owner = ExtraKeys(namespace="team-a", cache_salt="salt-a", adapter="lora-a")
+    with open_store(str(tmp_path / "store")) as store:
+        assert store.for_model(mla_identity(), 16, owner).put_sequence(ids, kv).stored == 3
+        hit = store.for_model(mla_identity(), 16, owner).get_prefix(ids)
+        assert hit.num_tokens == 48 and torch.equal(hit.kv(), kv)
+        for other in (ExtraKeys(namespace="team-b", cache_salt="salt-a", adapter="lora-a"),
+                      ExtraKeys(namespace="team-a", cache_salt="salt-b", adapter="lora-a"),
+                      ExtraKeys(namespace="team-a", cache_salt="salt-a", adapter="lora-b"),
+                      ExtraKeys()):
+            assert store.for_model(mla_identity(), 16, other).get_prefix(ids).num_tokens == 0
+        kv_model = mla_identity().to_dict()
+        kv_model["extra"] = {}  # the same facts, K and V: another fingerprint, other names
+        kv_model = {**kv_model, "fingerprint": model_fingerprint(kv_model)}
+        assert store.for_model(kv_model, 16, owner).get_prefix(ids).num_tokens == 0
