@@ -141,3 +141,19 @@ def test_an_mla_file_from_vllm_inspects_verifies_dumps_and_recompresses_bit_exac
         assert f.get_tensor("layers.1.latent").shape == (3 * CHUNK, RANK + ROPE)
         assert torch.equal(f.get_tensor("layers.1.latent"), original[0, 1])
     assert stored_codecs(engines["store"]) == {"raw"}
+
+
+def test_the_latent_page_check_is_vllms_own_cache_write(monkeypatch):
+    """The start-up check writes latents with vLLM's CPUMLAImpl.do_kv_cache_update and reads them as
+    kvtool does: kvtool's rows pass in both dtypes; rows read in another order are refused."""
+    import torch
+
+    from kvtool.integrations.engine_blocks import LatentBlocks, UnsupportedKVLayout
+    from kvtool.integrations.vllm.layout import check_latent_pages
+
+    for dtype in (torch.float32, torch.bfloat16):
+        check_latent_pages(LatentBlocks([torch.zeros(4, 16, RANK + ROPE, dtype=dtype)], 16), RANK)
+    read = LatentBlocks.read
+    monkeypatch.setattr(LatentBlocks, "read", lambda self, *a, **k: read(self, *a, **k).flip(2))
+    with pytest.raises(UnsupportedKVLayout, match="keeps its latent pages in a layout kvtool does not know"):
+        check_latent_pages(LatentBlocks([torch.zeros(4, 16, RANK + ROPE)], 16), RANK)
