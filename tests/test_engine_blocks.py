@@ -190,6 +190,8 @@ def test_latent_pages_round_trip_through_a_requests_blocks():
     assert torch.equal(blocks.read(block_ids, 16, 40), latent[:, :, 16:])
     assert torch.equal(layers[1][2, 5], latent[0, 1, 21])  # token 21: block 2, row 5, as vLLM's cache write puts it
     assert not layers[0][7].any() and not layers[2][0].any()  # before the start, and others' blocks: untouched
+    as_vllm_hands_them = LatentBlocks([t[:, None] for t in layers], BS)  # [NB, 1, BS, W]: vLLM's CPU worker's view
+    assert torch.equal(as_vllm_hands_them.read(block_ids, 16, 40), latent[:, :, 16:])
     recycled = torch.empty(2 * L * 40 * width)
     got = blocks.read(block_ids, 16, 40, into=recycled)
     assert got.data_ptr() == recycled.data_ptr() and torch.equal(got, latent[:, :, 16:])

@@ -106,13 +106,14 @@ class EngineBlocks:
 
 
 class LatentBlocks:
-    """An MLA engine's latent pages (one `[NB, BS, W]` tensor per layer, in model order; W =
+    """An MLA engine's latent pages (one `[NB, BS, W]` or `[NB, 1, BS, W]` tensor per layer, in model order; W =
     kv_lora_rank + rope_dim) as block-addressed storage of mla_latent chunks `[1, L, T, W]`: a
     token's latent is the row of its slot. The same calls as `EngineBlocks` (`read`, `target`,
     `paged.get_shape`), by torch indexing: a latent row is one copy, nothing to transpose."""
 
     def __init__(self, layers: Sequence[torch.Tensor], block_size: int):
-        self.layers = list(layers)
+        # vLLM's CPU worker hands each layer as [NB, 1, BS, W] (its pages' one "head"): the same rows
+        self.layers = [t[:, 0] if t.dim() == 4 and t.shape[1] == 1 else t for t in layers]
         first = self.layers[0]
         if first.dim() != 3 or first.shape[1] != block_size or any(t.shape != first.shape or t.dtype != first.dtype
                                                                    for t in self.layers):
