@@ -119,7 +119,7 @@ def test_a_second_request_loads_every_group_and_the_greedy_output_is_the_same(en
                          log), group
     assert re.search(r"tokens 0\.\.512 are before vLLM's sliding window \(group \d+ \(sliding", log)
     metrics = transfer_metrics(log)
-    assert metrics["saved_chunks"] == 3 * len(served)  # P's 3 chunks, in every group
+    assert metrics["saved_chunks"] == 2 * 3 * len(served)  # P's 3 chunks in every group, and the tenant's again
     assert metrics["loaded_tokens"] == 3 * CHUNK  # one request's tokens, however many groups
     assert metrics["refusals"] == 0 and metrics["load_failures"] == 0
 
@@ -154,7 +154,7 @@ def make_jamba(folder: Path) -> Path:
     config = transformers.JambaConfig(
         vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, num_experts=1, expert_layer_period=2,
-        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, use_mamba_kernels=False, tie_word_embeddings=True,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, pad_token_id=2)
     model = transformers.JambaForCausalLM(config).float().eval()
     torch.manual_seed(0)

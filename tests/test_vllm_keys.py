@@ -485,6 +485,11 @@ def test_hybrid_groups_load_and_save_each_group_under_its_own_identity(tmp_path)
         store.for_model(sliding, WINDOW_CHUNK).put_sequence(tokens[:768], torch.randn(2, 1, 768, channels))
     second = request("second", tokens)
     assert matched(side, second, 0) == 768
+    assert matched(side, request("salted", tokens, cache_salt=SALT), 0) == 0  # every group's chunks are named by the keys
+    other_namespace = scheduler_side(tmp_path, kv_groups(SlidingWindowSpec(**spec, sliding_window=WINDOW_CHUNK),
+                                                         FullAttentionSpec(**spec)), namespace="tenant-b")
+    assert matched(other_namespace, request("b", tokens), 0) == 0
+    other_namespace.shutdown()
     side.allocated(second, 768)
     meta = side.build_meta(first_step("second", ([0, 0, 0, 0, 9, 10, 11], [5, 6, 7, 8, 12, 13, 14]), 0, 85))
     assert [(load.group, load.start, load.end, load.block_ids[0]) for load in meta.loads] == [(0, 512, 768, 0),
