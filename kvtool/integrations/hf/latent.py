@@ -73,7 +73,8 @@ def latent_to_cache(reader: ContainerReader, model, prompt: list[int] | None, le
     cache = DynamicCache(config=model.config)
     if n == 0:
         return cache, tokens
-    latent = load_blob(file_tasks(reader, n), (1, identity.num_layers, n, rank + rope_dim), reader.kv_dtype)
+    with torch.inference_mode(False):  # (a caller's inference mode: the load's threads must write the tensor)
+        latent = load_blob(file_tasks(reader, n), (1, identity.num_layers, n, rank + rope_dim), reader.kv_dtype)
     param = next(model.parameters())
     for layer in range(identity.num_layers):
         values = latent[0, layer].to(device=param.device, dtype=param.dtype)
