@@ -59,7 +59,11 @@ def make_gemma(name: str, folder: Path) -> Path:
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param_name, weights in model.named_parameters():
-            scale = 0.1 if "norm" in param_name else 0.3  # Gemma's norms scale by 1 + weight
+            # Gemma multiplies the embeddings by sqrt(hidden_size): drawn as the other weights they would
+            # swamp every layer's output, and its norms (1 + weight) drawn near 1 leave it repeating one
+            # token whatever the prompt (seen in transformers and vLLM); so: embeddings that much smaller,
+            # norms spread (16 and 11 distinct greedy tokens of 16 here, in transformers)
+            scale = 0.5 if "norm" in param_name else 0.3 / (128 ** 0.5 if "embed" in param_name else 1.0)
             weights.copy_(torch.randn(weights.shape, generator=generator) * scale)
     model.save_pretrained(folder)
     for file in ("tokenizer.json", "tokenizer_config.json"):
