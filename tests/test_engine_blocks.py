@@ -173,3 +173,32 @@ def test_the_store_loads_into_a_requests_blocks_on_every_device_alike(tmp_path, 
         loaded.append(blocks.read(block_ids, 0, 64).cpu())
         assert not loaded[-1][:, :, :BS].any()
     assert torch.equal(loaded[0], loaded[1])
+
+
+def test_latent_pages_round_trip_through_a_requests_blocks():
+    """MLA's pages (vLLM's CPU_MLA: [NB, BS, W] a layer, a token's latent the row of its slot):
+    an mla_latent chunk [1, L, T, W] in through `target`, out through `read`, exactly; the other
+    blocks, and the tokens before the load's start, untouched."""
+    from kvtool.integrations.engine_blocks import LatentBlocks
+
+    width = 576
+    layers = [torch.zeros(NB, BS, width) for _ in range(L)]
+    blocks = LatentBlocks(layers, BS)
+    latent = torch.randn(1, L, 40, width, generator=torch.Generator().manual_seed(0))
+    block_ids = [7, 2, 9]  # tokens 0..15 in block 7, 16..31 in block 2, 32..39 in block 9
+    blocks.target(block_ids, 40).scatter(latent[:, :, 16:].contiguous(), 16, 40)
+    assert torch.equal(blocks.read(block_ids, 16, 40), latent[:, :, 16:])
+    assert torch.equal(layers[1][2, 5], latent[0, 1, 21])  # token 21: block 2, row 5, as vLLM's cache write puts it
+    assert not layers[0][7].any() and not layers[2][0].any()  # before the start, and others' blocks: untouched
+    as_vllm_hands_them = LatentBlocks([t[:, None] for t in layers], BS)  # [NB, 1, BS, W]: vLLM's CPU worker's view
+    assert torch.equal(as_vllm_hands_them.read(block_ids, 16, 40), latent[:, :, 16:])
+    recycled = torch.empty(2 * L * 40 * width)
+    got = blocks.read(block_ids, 16, 40, into=recycled)
+    assert got.data_ptr() == recycled.data_ptr() and torch.equal(got, latent[:, :, 16:])
+
+
+def test_latent_pages_of_another_shape_are_refused_in_one_line():
+    from kvtool.integrations.engine_blocks import LatentBlocks
+
+    with pytest.raises(UnsupportedKVLayout, match=r"latent pages must be \[blocks, 16, width\]"):
+        LatentBlocks([torch.zeros(NB, H, BS, 2 * D)], BS)

@@ -18,7 +18,11 @@ def test_info_json_lists_codecs_and_backends(capsys):
     assert info["ok"] is True
     assert [c["name"] for c in info["codecs"]][:2] == ["raw", "zstd"]
     assert {c["id"] for c in info["codecs"]} >= {0, 1}
-    assert info["writes_format"] == "1.0" and info["reads_formats"] == ["1.x"]
+    assert info["writes_format"] == "1.1" and info["reads_formats"] == ["1.x"]
+    layouts = {kind["name"]: kind for kind in info["layouts"]}  # the layout kinds it reads and writes
+    assert list(layouts) == ["kv_blob", "mla_latent"]
+    assert layouts["mla_latent"]["since"] == "1.1" and layouts["mla_latent"]["codecs"] == ["raw", "zstd"]
+    assert all(kind["reads"] and kind["writes"] for kind in layouts.values())
     assert "cachegen" in info["backends"] and info["devices"] == {}  # no torch without --devices
     assert info["backends"]["pca"].startswith("native C coder (")  # its widest path: AVX-512 VNNI, AVX2, ...
     assert info["torch"].startswith("2.")
@@ -35,7 +39,8 @@ def test_info_devices_asks_torch_about_cuda(capsys):
 def test_info_human(capsys):
     assert run(["info"]) == 0
     out = capsys.readouterr().out
-    assert "writes format 1.0" in out and "zstd (1, lossless)" in out
+    assert "writes format 1.1" in out and "zstd (1, lossless)" in out
+    assert "layout     mla_latent (1.1, one latent per token and layer (MLA)): raw, zstd" in out
 
 
 @pytest.mark.skipif(os.environ.get("CI") != "true", reason="only CI must have the native coder built")

@@ -30,6 +30,8 @@ def render(console: Console, r: InfoResult) -> None:
                   f"{r.writes_format}, reads {', '.join(r.reads_formats)}")
     console.print("codecs     " + ", ".join(f"{c['name']} ({c['id']}, {'lossless' if c['lossless'] else 'lossy'})"
                                          for c in r.codecs))
+    for kind in r.layouts:  # what this build reads and writes (container.md 3.2)
+        console.print(f"layout     {kind['name']} ({kind['since']}, {kind['holds']}): {', '.join(kind['codecs'])}")
     for name, what in {**r.backends, **r.devices}.items():
         console.print(f"{name:<11}{what}")
     if not r.devices:

@@ -41,6 +41,9 @@ def render(console: Console, r: FileSummary, wide: bool = False) -> None:
     console.print(f"       {model['num_layers']} layers, {model['num_kv_heads']} KV heads x {model['head_dim']}, "
                   f"{rope_text(model.get('rope'))}")
     print_fingerprint(console, model["fingerprint"], wide)
+    if r.latent is not None:  # an mla_latent file: one latent per token and layer (container.md 3.2)
+        console.print(f"layout {r.kv_layout}: kv_lora_rank {r.latent['kv_lora_rank']} + rope_dim "
+                      f"{r.latent['rope_dim']} per token and layer")
     console.print(f"KV     {r.kv_dtype}, {r.num_tokens} tokens in {plural(r.num_chunks, 'chunk')} of "
                   f"{r.chunk_size}; token ids {checksum_text(r.tokens_checksum)}")
     console.print(chunk_table(r.chunks, wide))

@@ -152,8 +152,39 @@ def model_identity(path: str | Path) -> ModelIdentity:
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ModelError(f"model folder not found: {path}")
-    config = config_from_hf(_read_json(path / "config.json"), path)
+    hf = _read_json(path / "config.json")
+    if hf.get("kv_lora_rank") is not None:  # latent attention: kvtool's engine does not run it, vLLM does
+        return latent_identity(hf, path.resolve().name, weights_digest(path, weights_files(path)), path)
+    config = config_from_hf(hf, path)
     return identity_from_config(config, path.resolve().name, weights_digest(path, weights_files(path)))
+
+
+#: What an MLA model's identity records in `extra` beside the layout kind (container.md 3.2): the
+#: ranks and head widths that decide what its latent means and how its heads use it.
+LATENT_FACTS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank")
+
+
+def latent_identity(hf: dict, name: str, digest: str | None, path: Path | str = "") -> ModelIdentity:
+    """The identity of a multi-head latent attention model (DeepSeek-V2/V3, Kimi K2): one KV
+    "head" of kv_lora_rank + qk_rope_head_dim channels, the layout kind and its ranks in `extra`
+    (so its fingerprint, and every store name, is never a K/V model's). Facts its config lacks are
+    a one-line ModelError."""
+    archs = hf.get("architectures") or []
+    try:
+        rank, rope_dim = int(hf["kv_lora_rank"]), int(hf["qk_rope_head_dim"])
+        rope = dict(hf.get("rope_parameters") or {})
+        theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        return ModelIdentity(
+            weights_digest=digest, name=name, architecture=str(archs[0]) if archs else str(hf.get("model_type")),
+            num_layers=int(hf["num_hidden_layers"]), num_attention_heads=int(hf["num_attention_heads"]),
+            num_kv_heads=1, head_dim=rank + rope_dim, hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]), vocab_size=int(hf["vocab_size"]),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope={"rope_theta": theta, "rope_scaling": scaling},
+            extra={"kv_layout": "mla_latent", **{key: hf.get(key) for key in LATENT_FACTS}})
+    except (KeyError, TypeError, ValueError) as err:
+        raise ModelError(f"{path}: config.json of a latent attention model lacks or mistypes {err}") from None
 
 
 # "org/name": a Hugging Face Hub id (a local folder of that name wins).

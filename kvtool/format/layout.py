@@ -14,7 +14,7 @@ from ..errors import BadHeader, BadTrailer, NotAKvtoolFile, TruncatedFile, Unsup
 MAGIC = b"\x89KVC\r\n\x1a\n"  # PNG-style: catches text-mode and 7-bit transfers
 END_MAGIC = b"\x89KVCEND\n"
 VERSION_MAJOR = 1
-VERSION_MINOR = 0
+VERSION_MINOR = 1  # the newest minor version this reader knows (1.1: the mla_latent layout kind)
 SUPPORTED_MAJOR_VERSIONS = (1,)
 
 # struct Header { u8 magic[8]; u16 major; u16 minor; u32 header_size;
@@ -25,6 +25,13 @@ HEADER_SIZE = HEADER_STRUCT.size
 #                  u32 reserved; u8 end_magic[8]; }                // 32 bytes
 TRAILER_STRUCT = struct.Struct("<QQII8s")
 TRAILER_SIZE = TRAILER_STRUCT.size
+
+# The layout kinds of a chunk (container.md section 3.2), each with the minor version that brought
+# it: a writer writes the least version that holds its file, so a K/V file stays a 1.0 file.
+KV_BLOB = "kv_blob"  # [2, layers, tokens, kv_heads * head_dim]: K then V
+MLA_LATENT = "mla_latent"  # [1, layers, tokens, kv_lora_rank + rope_dim]: one latent per token and layer
+LAYOUT_MINOR = {KV_BLOB: 0, MLA_LATENT: 1}
+LAYOUT_PLANES = {KV_BLOB: 2, MLA_LATENT: 1}  # the leading dimension of a chunk
 
 DEFAULT_ALIGNMENT = 4096  # page size and the common direct-I/O block size
 MIN_ALIGNMENT = 64  # a cache line; keeps every dtype naturally aligned

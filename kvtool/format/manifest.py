@@ -34,6 +34,9 @@ KNOWN_EXTRAS = {"hidden_states", "roi_mask"}
 KNOWN_TOP_LEVEL = ("model", "kv", "sequence", "chunks", "extras", "metadata", "calibrations")
 MAX_CALIBRATIONS = 16  # pca calibration objects a file may carry (format-spec/pca.md §3.3)
 MAX_CALIBRATION_BYTES = 1 << 30  # one object: an 8B-shaped model's is 134 MB
+#: The codecs of an mla_latent chunk (container.md 3.2): the lossless ones. cachegen and pca are
+#: defined over K and V planes (pca turns keys back by their positions), not over a latent.
+LATENT_CODECS = ("raw", "zstd")
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,13 @@ class Manifest:
     # Top-level keys this reader does not define, kept as they are: the store's `store` key
     # (format-spec/store.md) or a later minor version's. Written after the known keys.
     extensions: dict[str, Any] = field(default_factory=dict)
+    kv_layout: str = layout.KV_BLOB  # container.md section 3.2: kv_blob or mla_latent
+    latent: dict[str, int] | None = None  # mla_latent's {"kv_lora_rank", "rope_dim"}
+
+    @property
+    def planes(self) -> int:
+        """A chunk's leading dimension: 2 (K, V) for kv_blob, 1 (the latent) for mla_latent."""
+        return layout.LAYOUT_PLANES[self.kv_layout]
 
     @property
     def num_layers(self) -> int:
@@ -128,7 +138,7 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
-            "kv": {"dtype": self.kv_dtype, "layout": "kv_blob"},
+            "kv": kv_json(self.kv_dtype, self.kv_layout, self.latent),
             "sequence": {"num_tokens": self.num_tokens, "chunk_size": self.chunk_size,
                          "tokens": self.tokens.to_json()},
             "chunks": [c.to_json() for c in self.chunks],
@@ -141,6 +151,23 @@ class Manifest:
     def to_bytes(self) -> bytes:
         return json.dumps(self.to_json(), separators=(",", ":"), ensure_ascii=False,
                           allow_nan=False).encode("utf-8")
+
+
+def kv_json(dtype: str, kv_layout: str, latent: dict[str, int] | None) -> dict[str, Any]:
+    kv: dict[str, Any] = {"dtype": dtype, "layout": kv_layout}
+    if latent is not None:
+        kv["latent"] = dict(latent)
+    return kv
+
+
+def layout_of_model(model: dict[str, Any]) -> tuple[str, dict[str, int] | None]:
+    """The layout kind a model's KV takes, from its identity: an MLA model's identity names it
+    in `extra` (`kv_layout`, `kv_lora_rank`, `qk_rope_head_dim`), so that its fingerprint, and
+    with it every store name, differs from any K/V model's (container.md section 3.2)."""
+    extra = model.get("extra") if isinstance(model.get("extra"), dict) else {}
+    if extra.get("kv_layout", layout.KV_BLOB) != layout.MLA_LATENT:
+        return layout.KV_BLOB, None
+    return layout.MLA_LATENT, {"kv_lora_rank": extra.get("kv_lora_rank"), "rope_dim": extra.get("qk_rope_head_dim")}
 
 
 # --- parsing ------------------------------------------------------------------
@@ -350,8 +377,9 @@ def _shape(obj: Any, where: str) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def parse_manifest(raw: bytes, *, data_end: int, alignment: int) -> Manifest:
-    """Parse and validate; `data_end` is where blobs must end (the manifest offset)."""
+def parse_manifest(raw: bytes, *, data_end: int, alignment: int, minor: int = layout.VERSION_MINOR) -> Manifest:
+    """Parse and validate; `data_end` is where blobs must end (the manifest offset), `minor` the
+    header's minor version (a layout kind needs the version that brought it)."""
     doc = load_json(raw)
     if not isinstance(doc, dict):
         raise ManifestInvalid("manifest: the top level must be a JSON object")
@@ -377,8 +405,7 @@ def parse_manifest(raw: bytes, *, data_end: int, alignment: int) -> Manifest:
     kv_dtype = _get(kv, "dtype", str, "kv")
     if kv_dtype not in ITEMSIZE:
         raise UnsupportedDtype(f"manifest: KV dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPE_NAMES)}")
-    if _get(kv, "layout", str, "kv") != "kv_blob":
-        raise ManifestInvalid("manifest: kv.layout must be 'kv_blob'")
+    kv_layout, latent = _kv_layout(kv, num_kv_heads, head_dim, minor)
 
     seq = _get(doc, "sequence", dict, "manifest")
     num_tokens = _int(seq, "num_tokens", "sequence", 1, layout.MAX_TOKENS)
@@ -398,7 +425,8 @@ def parse_manifest(raw: bytes, *, data_end: int, alignment: int) -> Manifest:
                               f"at chunk size {chunk_size} need {expected_chunks}")
     hidden_kv = num_kv_heads * head_dim
     first = _first_position(doc)
-    chunks = [_chunk(i, c, chunk_size, num_tokens, num_layers, hidden_kv, kv_dtype, first)
+    planes = layout.LAYOUT_PLANES[kv_layout]
+    chunks = [_chunk(i, c, chunk_size, num_tokens, num_layers, hidden_kv, kv_dtype, first, planes)
               for i, c in enumerate(raw_chunks)]
 
     extras: dict[str, ExtraEntry] = {}
@@ -416,7 +444,36 @@ def parse_manifest(raw: bytes, *, data_end: int, alignment: int) -> Manifest:
     _check_blob_placement(blobs, data_end=data_end, alignment=alignment)
     return Manifest(model=model, kv_dtype=kv_dtype, num_tokens=num_tokens, chunk_size=chunk_size,
                     tokens=tokens, chunks=chunks, extras=extras, metadata=metadata, calibrations=calibrations,
-                    extensions={k: v for k, v in doc.items() if k not in KNOWN_TOP_LEVEL})
+                    extensions={k: v for k, v in doc.items() if k not in KNOWN_TOP_LEVEL},
+                    kv_layout=kv_layout, latent=latent)
+
+
+def _kv_layout(kv: dict[str, Any], num_kv_heads: int, head_dim: int, minor: int) -> tuple[str, dict[str, int] | None]:
+    """kv.layout and, for mla_latent, kv.latent, checked against the model (container.md 3.2)."""
+    name = _get(kv, "layout", str, "kv")
+    if name not in layout.LAYOUT_MINOR:
+        known = ", ".join(sorted(layout.LAYOUT_MINOR))
+        raise ManifestInvalid(f"manifest: kv.layout {name[:40]!r} is not a layout kind of format version "
+                              f"{layout.VERSION_MAJOR}.{layout.VERSION_MINOR} ({known}); the file is version "
+                              f"{layout.VERSION_MAJOR}.{minor}: a newer kvtool may read it")
+    if layout.LAYOUT_MINOR[name] > minor:
+        raise ManifestInvalid(f"manifest: kv.layout {name!r} needs format version {layout.VERSION_MAJOR}."
+                              f"{layout.LAYOUT_MINOR[name]}; the file says {layout.VERSION_MAJOR}.{minor}")
+    if name == layout.KV_BLOB:
+        if "latent" in kv:
+            raise ManifestInvalid("manifest: kv.latent belongs to the mla_latent layout, not kv_blob")
+        return name, None
+    latent = _get(kv, "latent", dict, "kv")
+    if set(latent) != {"kv_lora_rank", "rope_dim"}:
+        raise ManifestInvalid("manifest: kv.latent must hold exactly kv_lora_rank and rope_dim")
+    rank = _int(latent, "kv_lora_rank", "kv.latent", 1, layout.MAX_HEAD_DIM)
+    rope = _int(latent, "rope_dim", "kv.latent", 0, layout.MAX_HEAD_DIM)
+    if rope % 2:
+        raise ManifestInvalid(f"manifest: kv.latent.rope_dim {rope} must be even (RoPE turns pairs)")
+    if (num_kv_heads, head_dim) != (1, rank + rope):
+        raise ManifestInvalid(f"manifest: an mla_latent file's model has 1 KV head of kv_lora_rank + rope_dim = "
+                              f"{rank + rope} channels, not {num_kv_heads} x {head_dim}")
+    return name, {"kv_lora_rank": rank, "rope_dim": rope}
 
 
 def _calibrations(doc: dict[str, Any]) -> dict[str, BlobRef]:
@@ -476,7 +533,7 @@ def _first_position(doc: dict[str, Any]) -> int:
 
 
 def _chunk(i: int, c: Any, chunk_size: int, num_tokens: int, num_layers: int, hidden_kv: int,
-           kv_dtype: str, first: int = 0) -> ChunkEntry:
+           kv_dtype: str, first: int = 0, planes: int = 2) -> ChunkEntry:
     where = f"chunks[{i}]"
     start = _int(c, "start", where, 0, layout.MAX_TOKENS)
     end = _int(c, "end", where, 0, layout.MAX_TOKENS)
@@ -492,12 +549,15 @@ def _chunk(i: int, c: Any, chunk_size: int, num_tokens: int, num_layers: int, hi
     if codec.name != name:
         raise ManifestInvalid(f"manifest: {where} names codec {name!r} but id {codec_id} is "
                               f"{codec.name!r}")
+    if planes != 2 and codec.name not in LATENT_CODECS:
+        raise ManifestInvalid(f"manifest: {where} is coded with {name!r}, which codes K and V, not an "
+                              f"mla_latent chunk (its codecs: {', '.join(LATENT_CODECS)})")
     params = codec.validate_params(_get(c, "codec_params", dict, where))
     codec.check_position(params, first + start)  # (pca: its keys are turned by their positions)
     shape = _shape(c, where)
-    if shape != (2, num_layers, end - start, hidden_kv):
+    if shape != (planes, num_layers, end - start, hidden_kv):
         raise ManifestInvalid(f"manifest: {where}.shape {list(shape)} is not "
-                              f"[2, {num_layers}, {end - start}, {hidden_kv}]")
+                              f"[{planes}, {num_layers}, {end - start}, {hidden_kv}]")
     dtype = _get(c, "dtype", str, where)
     if dtype not in ITEMSIZE:
         raise UnsupportedDtype(f"manifest: {where}.dtype {dtype!r} is not one of {', '.join(KV_DTYPE_NAMES)}")

@@ -195,18 +195,18 @@ MANIFESTS_KEPT = 512
 
 
 @functools.lru_cache(maxsize=MANIFESTS_KEPT)
-def _parsed_manifest_kept(raw: bytes, data_end: int, alignment: int) -> Manifest:
-    return parse_manifest(raw, data_end=data_end, alignment=alignment)
+def _parsed_manifest_kept(raw: bytes, data_end: int, alignment: int, minor: int) -> Manifest:
+    return parse_manifest(raw, data_end=data_end, alignment=alignment, minor=minor)
 
 
-def parsed_manifest(raw: bytes, data_end: int, alignment: int) -> Manifest:
+def parsed_manifest(raw: bytes, data_end: int, alignment: int, minor: int = layout.VERSION_MINOR) -> Manifest:
     """`parse_manifest`, every check of it, as of these exact bytes: the same bytes (and blobs'
     end and alignment) parse to the same Manifest, so a small one is parsed once and shared by
     the readers that open it (a Manifest is read-only: frozen, and nothing changes its dicts). A
     manifest that fails its checks is not kept: it fails them again each time."""
     if len(raw) > MANIFEST_KEPT_BYTES:
-        return parse_manifest(raw, data_end=data_end, alignment=alignment)
-    return _parsed_manifest_kept(raw, data_end, alignment)
+        return parse_manifest(raw, data_end=data_end, alignment=alignment, minor=minor)
+    return _parsed_manifest_kept(raw, data_end, alignment, minor)
 
 
 class ContainerReader:
@@ -242,7 +242,8 @@ class ContainerReader:
         raw = read(self.trailer.manifest_offset, self.trailer.manifest_length)
         if crc32(raw) != self.trailer.manifest_crc32:
             raise ManifestCorrupt("manifest checksum mismatch (the file is corrupt)")
-        self.manifest: Manifest = parsed_manifest(bytes(raw), self.trailer.manifest_offset, self.header.alignment)
+        self.manifest: Manifest = parsed_manifest(bytes(raw), self.trailer.manifest_offset, self.header.alignment,
+                                                   self.header.minor)
         if self.manifest.calibrations:  # pca's decoder may take them from here while the file is open
             from ..codecs.pca import calibration
 

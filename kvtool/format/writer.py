@@ -24,11 +24,19 @@ from ..version import __version__
 from . import layout
 from .hashing import ZERO_HASH, chain_hash, crc32, tokens_to_bytes
 from ..identity import ModelIdentity
-from .manifest import BlobRef, ChunkEntry, ExtraEntry, Manifest
+from .manifest import LATENT_CODECS, BlobRef, ChunkEntry, ExtraEntry, Manifest, layout_of_model
 from .sinks import Sink, open_sink
 
 if TYPE_CHECKING:
     import torch
+
+
+def check_codec_for_layout(codec: str, kv_layout: str) -> None:
+    """UsageError, one line, for a codec a chunk of this layout kind may not use (container.md 3.2:
+    cachegen and pca code K and V planes; an mla_latent chunk is raw or zstd)."""
+    if kv_layout != layout.KV_BLOB and codec not in LATENT_CODECS:
+        raise UsageError(f"codec {codec} codes K and V planes, not the {kv_layout} layout's latent "
+                         f"(use {' or '.join(LATENT_CODECS)})")
 
 
 class WriterState(enum.Enum):
@@ -87,6 +95,10 @@ class ContainerWriter:
             raise UsageError(f"{self.num_tokens} tokens in chunks of {chunk_size} make {self.num_chunks} chunks; "
                              f"a file holds at most {layout.MAX_CHUNKS} (a larger --chunk-size)")
         self.hidden_kv = model["num_kv_heads"] * model["head_dim"]
+        # An MLA model's identity names its latent layout (manifest.layout_of_model): the file
+        # is then an mla_latent file, one plane per chunk, of the version that brought the kind.
+        self.kv_layout, self.latent = layout_of_model(model)
+        self.planes = layout.LAYOUT_PLANES[self.kv_layout]
         self.chunks: list[ChunkEntry] = []
         self.extras: dict[str, ExtraEntry] = {}
         self.calibrations: dict[str, BlobRef] = {}  # pca calibration objects carried, by digest
@@ -96,7 +108,8 @@ class ContainerWriter:
         self.path = getattr(self._sink, "path", None)
         self._pos = 0
         self.state = WriterState.CHUNKS
-        self._write(layout.Header(alignment=alignment).pack())
+        self.minor = layout.LAYOUT_MINOR[self.kv_layout]
+        self._write(layout.Header(minor=self.minor, alignment=alignment).pack())
         self._pos = layout.HEADER_SIZE
 
     # --- sections, in order ------------------------------------------------
@@ -121,10 +134,10 @@ class ContainerWriter:
         if index >= self.num_chunks:
             raise UsageError(f"all {self.num_chunks} chunks are already written")
         start, end = index * self.chunk_size, min((index + 1) * self.chunk_size, self.num_tokens)
-        shape = (2, self.model["num_layers"], end - start, self.hidden_kv)
+        shape = (self.planes, self.model["num_layers"], end - start, self.hidden_kv)
         if tuple(kv.shape) != shape:
             raise UsageError(f"chunk {index} has shape {list(kv.shape)}, expected {list(shape)}")
-        impl = codecs.get_codec(codec)
+        impl = self._codec(codec)
         kv = kv.detach().to(dtype=self.kv_dtype).contiguous()  # the codec encodes it where it is, or copies
         params = impl.validate_params(params if params is not None else impl.default_params())
         if getattr(impl, "needs_position", False):  # a codec that turns keys back by their positions
@@ -137,7 +150,13 @@ class ContainerWriter:
         self._expect(WriterState.CHUNKS, "write_encoded_chunk")
         if len(self.chunks) >= self.num_chunks:
             raise UsageError(f"all {self.num_chunks} chunks are already written")
-        return self._append_chunk(payload, codecs.get_codec(codec), params)
+        return self._append_chunk(payload, self._codec(codec), params)
+
+    def _codec(self, codec: str | int) -> codecs.Codec:
+        """The codec table's entry; for an mla_latent file only the codecs its chunks may use."""
+        impl = codecs.get_codec(codec)
+        check_codec_for_layout(impl.name, self.kv_layout)
+        return impl
 
     def _append_chunk(self, payload, impl: codecs.Codec, params: dict[str, Any]) -> ChunkEntry:
         index = len(self.chunks)
@@ -146,7 +165,7 @@ class ContainerWriter:
         entry = ChunkEntry(index=index, start=start, end=end, prefix_hash=self._prev_hash.hex(),
                            codec=impl.name, codec_id=impl.codec_id, codec_params=params,
                            blob=self._append_blob(payload),
-                           shape=(2, self.model["num_layers"], end - start, self.hidden_kv),
+                           shape=(self.planes, self.model["num_layers"], end - start, self.hidden_kv),
                            dtype=self.kv_dtype_name)
         self.chunks.append(entry)
         return entry
@@ -215,13 +234,14 @@ class ContainerWriter:
         manifest = Manifest(model=self.model, kv_dtype=self.kv_dtype_name,
                             num_tokens=self.num_tokens, chunk_size=self.chunk_size, tokens=tokens,
                             chunks=self.chunks, extras=self.extras, metadata=self.metadata,
-                            calibrations=self.calibrations, extensions=self.extensions)
+                            calibrations=self.calibrations, extensions=self.extensions,
+                            kv_layout=self.kv_layout, latent=self.latent)
         # Validate what we are about to write with the reader's own rules.
         from .manifest import parse_manifest
 
         raw = manifest.to_bytes()
         manifest_offset = layout.align_up(self._pos, layout.MANIFEST_ALIGNMENT)
-        parse_manifest(raw, data_end=manifest_offset, alignment=self.alignment)
+        parse_manifest(raw, data_end=manifest_offset, alignment=self.alignment, minor=self.minor)
         self._pad_to(manifest_offset)
         self._write(raw)
         self._write(layout.Trailer(manifest_offset, len(raw), crc32(raw)).pack())

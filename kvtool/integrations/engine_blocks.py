@@ -15,6 +15,10 @@ shapes are only checked against it, never used to guess it:
 
 Token t of a request whose blocks are `block_ids` lives in slot
 `block_ids[t // BS] * BS + t % BS`.
+
+Multi-head latent attention keeps one latent per token and layer instead (`LatentBlocks`; vLLM's
+CPU_MLA backend: `[NB, BS, kv_lora_rank + rope_dim]` a layer, token t's latent the row of its
+slot), which kvtool stores as an mla_latent chunk `[1, L, T, kv_lora_rank + rope_dim]`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 from ..connectors import ConnectorTarget, PagedLayout, PagedMemConnectorV2, paged_geometry
 from ..connectors.paged_layout import HOST_PAGE_LAYOUTS
+from ..destination import Destination
 from ..errors import ConnectorError
 
 
@@ -98,6 +103,66 @@ class EngineBlocks:
             blob = torch.empty(shape, dtype=self.dtype)
         self.paged.gather(blob, start, end, kvcaches=self.layers, slot_mapping=self.slots(block_ids, end))
         return blob
+
+
+class LatentBlocks:
+    """An MLA engine's latent pages (one `[NB, BS, W]` or `[NB, 1, BS, W]` tensor per layer, in model order; W =
+    kv_lora_rank + rope_dim) as block-addressed storage of mla_latent chunks `[1, L, T, W]`: a
+    token's latent is the row of its slot. The same calls as `EngineBlocks` (`read`, `target`,
+    `paged.get_shape`), by torch indexing: a latent row is one copy, nothing to transpose."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], block_size: int):
+        # vLLM's CPU worker hands each layer as [NB, 1, BS, W] (its pages' one "head"): the same rows
+        self.layers = [t[:, 0] if t.dim() == 4 and t.shape[1] == 1 else t for t in layers]
+        first = self.layers[0]
+        if first.dim() != 3 or first.shape[1] != block_size or any(t.shape != first.shape or t.dtype != first.dtype
+                                                                   for t in self.layers):
+            raise UnsupportedKVLayout(f"latent pages must be [blocks, {block_size}, width] alike in every layer; "
+                                      f"the engine's first is {list(first.shape)}")
+        self.block_size, self.width = block_size, first.shape[2]
+        self.dtype, self.device = first.dtype, first.device
+        self._rows = [t.view(-1, self.width) for t in self.layers]  # [NB * BS, W]: a slot's row (views, no copy)
+        self.paged = self  # (the worker asks `blocks.paged.get_shape`, as of EngineBlocks)
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        return torch.Size((1, len(self.layers), num_tokens, self.width))
+
+    def slots(self, block_ids: Sequence[int], end: int) -> torch.Tensor:
+        t = torch.arange(end)
+        return torch.as_tensor(list(block_ids), dtype=torch.int64)[t // self.block_size] * self.block_size \
+            + t % self.block_size
+
+    def read(self, block_ids: Sequence[int], start: int, end: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens [start, end) as a host `[1, L, end - start, W]` tensor (a view of `into` when it fits)."""
+        shape = self.get_shape(end - start)
+        if into is not None and into.dtype == self.dtype and into.is_contiguous() and into.numel() >= shape.numel():
+            out = into.view(-1)[:shape.numel()].view(shape)
+        else:
+            out = torch.empty(shape, dtype=self.dtype)
+        slots = self.slots(block_ids, end)[start:].to(self.device)
+        for layer, rows in enumerate(self._rows):
+            out[0, layer].copy_(rows.index_select(0, slots))
+        return out
+
+    def target(self, block_ids: Sequence[int], end: int) -> "LatentTarget":
+        """The blocks of tokens [0, end) as a load's destination."""
+        return LatentTarget(self, self.slots(block_ids, end).to(self.device))
+
+
+class LatentTarget(Destination):
+    """Latent pages as a load's destination: decoded `[1, L, stop - start, W]` chunks go to their
+    tokens' rows (each chunk's rows are its own: several loading threads never write one row)."""
+
+    def __init__(self, blocks: LatentBlocks, slots: torch.Tensor):
+        self.blocks, self.slots, self.device = blocks, slots, blocks.device
+
+    def scatter(self, kv: torch.Tensor, start: int, end: int) -> None:
+        if tuple(kv.shape) != tuple(self.blocks.get_shape(end - start)):
+            raise ConnectorError(f"a latent chunk of shape {list(kv.shape)} does not fit "
+                                 f"{list(self.blocks.get_shape(end - start))}")
+        slots = self.slots[start:end]
+        for layer, rows in enumerate(self.blocks._rows):
+            rows.index_copy_(0, slots, kv[0, layer].to(device=rows.device, dtype=rows.dtype))
 
 
 class SaveBuffers:

@@ -10,6 +10,7 @@ from typing import Any
 
 from .. import codecs
 from ..format import ContainerReader, ContainerWriter
+from ..format.writer import check_codec_for_layout
 from .file_requests import CompressRequest
 from .result import Result
 
@@ -40,6 +41,7 @@ def compress(path: str | Path | CompressRequest, output: str | Path | None = Non
     """`kvtool compress`: a `CompressRequest`, or its fields (options as the command line gives them)."""
     request = path if isinstance(path, CompressRequest) else CompressRequest(path, output, codec, **options)
     with ContainerReader(request.path) as reader:
+        check_codec_for_layout(request.codec, reader.manifest.kv_layout)  # before pca looks for a calibration
         params = request.params_for(reader.manifest.model["fingerprint"])  # (pca: the file's model's calibration)
         return compress_file(reader, request.output, request.codec, params, on_chunk=on_chunk,
                              embed_calibration=request.embed_calibration)
@@ -75,7 +77,7 @@ def compress_file(reader: ContainerReader, output: str | Path, codec: str, param
     stored_in = sum(c.blob.length for c in m.chunks)
     stored_out = sum(c.blob.length for c in writer.chunks)
     decoded = sum(c.decoded_bytes for c in m.chunks)
-    values = m.num_tokens * 2 * m.num_layers * m.hidden_kv
+    values = m.num_tokens * m.planes * m.num_layers * m.hidden_kv
     return CompressResult(
         input=str(reader.path), output=str(output), codec=codec, codec_params=params, num_chunks=len(m.chunks),
         chunks_copied=copied, input_bytes=stored_in, output_bytes=stored_out, input_file_bytes=reader.file_size,

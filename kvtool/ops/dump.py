@@ -3,6 +3,9 @@
 safetensors output holds, for the selected tokens T and each selected layer i:
   layers.{i}.key    [T, num_kv_heads, head_dim]   (KV dtype)
   layers.{i}.value  [T, num_kv_heads, head_dim]
+  or, for an mla_latent file (container.md 3.2), in their place:
+  layers.{i}.latent [T, kv_lora_rank + rope_dim]  (the latent, then the rotated key part; the
+                    metadata's kv_lora_rank and rope_dim say where one ends)
   token_ids         [T] int64
   positions         [T] int64   (position of each exported token in the sequence)
   hidden_states     [T, hidden]  (when the file has them; their dtype)
@@ -10,7 +13,8 @@ safetensors output holds, for the selected tokens T and each selected layer i:
 and in the metadata the model's name, fingerprint and weights digest, the source path, and the
 file's own metadata (how its KV was computed, how its prompt became tokens: the prompt format,
 the chat template's digest, add_generation_prompt), which a reader needs to rebuild the input.
-.npy output holds one KV_BLOB array [2, layers, T, kv_heads * head_dim]; bf16 is
+.npy output holds one KV_BLOB array [2, layers, T, kv_heads * head_dim] ([1, layers, T,
+kv_lora_rank + rope_dim] for an mla_latent file); bf16 is
 widened to float32 (numpy has no bfloat16; the widening is exact). What it holds is
 said beside it, in OUT.npy.json: the source, model, fingerprint, weights digest, KV dtype, the
 file's metadata, the layers and chunks selected (axis 1 and 2 of the array), each token's position and id;
@@ -102,9 +106,9 @@ class _Selection:
         [T_i, C] values of chunk i) for every selected chunk and layer, a chunk decoded at a time."""
         first = 0
         for done, i in enumerate(self.chunk_ids, 1):
-            kv = self.reader.read_chunk_array(i)  # [2, L, T_i, C]; kv[kind, layer] is contiguous
+            kv = self.reader.read_chunk_array(i)  # [P, L, T_i, C] (P: 2, or 1 for a latent); kv[kind, layer] is contiguous
             for j, layer in enumerate(self.layer_ids):
-                for kind in range(2):
+                for kind in range(kv.shape[0]):
                     yield kind, j, first, kv[kind, layer]
             first += kv.shape[2]
             del kv  # (not held while the next chunk decodes)
@@ -123,14 +127,14 @@ def _write_npy(output: Path, selection: _Selection, token_ids: np.ndarray, posit
 
     def write(f) -> None:  # the header np.save writes, then each slab at its place in [2, L', T, C]
         np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(array_dtype),
-                                                 "fortran_order": False, "shape": (2, layers, tokens, channels)})
+                                                 "fortran_order": False, "shape": (m.planes, layers, tokens, channels)})
         data_at = f.tell()
         for kind, j, first, slab in selection.slabs():
             f.seek(data_at + ((kind * layers + j) * tokens + first) * channels * array_dtype.itemsize)
             rows = max(1, WINDOW_VALUES // channels)  # widened a window at a time
             for row in range(0, slab.shape[0], rows):
                 f.write(numpy_values(slab[row:row + rows], m.kv_dtype).astype(array_dtype, copy=False).data)
-        f.truncate(data_at + 2 * layers * tokens * channels * array_dtype.itemsize)  # (no selection: no slabs)
+        f.truncate(data_at + m.planes * layers * tokens * channels * array_dtype.itemsize)  # (no selection: no slabs)
 
     atomic_write(output, write)  # first: it decodes the chunks, and a chunk that fails leaves no file behind
     written = {}
@@ -141,7 +145,7 @@ def _write_npy(output: Path, selection: _Selection, token_ids: np.ndarray, posit
         written[name] = {"file": extra_path.name, "dtype": m.extras[name].dtype, "array_dtype": str(array.dtype)}
     about = {"source": source, "model": m.model["name"], "fingerprint": m.model["fingerprint"],
              "weights_digest": m.model.get("weights_digest"), "metadata": m.metadata, "kv_dtype": m.kv_dtype, "array_dtype": str(array_dtype),
-             "shape": "[2 (K, V), layers, tokens, kv_heads * head_dim]", "layers": selection.layer_ids,
+             "shape": _npy_shape_words(m), "kv_layout": m.kv_layout, "layers": selection.layer_ids,
              "chunks": selection.chunk_ids,
              "positions": positions.tolist(), "token_ids": token_ids.tolist(), "extras": written}
     sidecar = Path(f"{output}.json")
@@ -159,9 +163,11 @@ def _write_safetensors(output: Path, selection: _Selection, token_ids: np.ndarra
     for name, values in extras.items():  # hidden_states [T, E] in its dtype, roi_mask [T] bool
         small[name] = (np.ascontiguousarray(values), "bool" if values.dtype == np.bool_ else m.extras[name].dtype)
     entries = {name: (dtype, list(values.shape)) for name, (values, dtype) in small.items()}
+    kinds = _tensor_kinds(m)
     for layer in selection.layer_ids:
-        for kind in ("key", "value"):
-            entries[f"layers.{layer}.{kind}"] = (m.kv_dtype, [tokens, m.num_kv_heads, m.head_dim])
+        for kind in kinds:
+            shape = [tokens, m.hidden_kv] if kind == "latent" else [tokens, m.num_kv_heads, m.head_dim]
+            entries[f"layers.{layer}.{kind}"] = (m.kv_dtype, shape)
     order = sorted(entries, key=lambda name: (-SAFETENSORS_DTYPES[entries[name][0]][1], name))
     header: dict = {"__metadata__": _safetensors_metadata(m, source)}
     offsets, at = {}, 0
@@ -181,12 +187,23 @@ def _write_safetensors(output: Path, selection: _Selection, token_ids: np.ndarra
             f.seek(data_at + offsets[name])
             f.write(values.data)
         for kind, j, first, slab in selection.slabs():
-            name = f"layers.{selection.layer_ids[j]}.{('key', 'value')[kind]}"
+            name = f"layers.{selection.layer_ids[j]}.{kinds[kind]}"
             f.seek(data_at + offsets[name] + first * row_bytes)
             f.write(slab.data)  # [T_i, C] = [T_i, H, D] row-major: channel-major heads, as the tensor's view
         f.truncate(data_at + at)
 
     atomic_write(output, write)
+
+
+def _tensor_kinds(m) -> tuple[str, ...]:
+    """The safetensors names of a layer's planes: key and value, or an mla_latent file's latent."""
+    return ("key", "value") if m.planes == 2 else ("latent",)
+
+
+def _npy_shape_words(m) -> str:
+    if m.planes == 2:
+        return "[2 (K, V), layers, tokens, kv_heads * head_dim]"
+    return "[1 (the latent), layers, tokens, kv_lora_rank + rope_dim]"
 
 
 def _value_bytes(dtype: str) -> int:
@@ -199,6 +216,8 @@ def _safetensors_metadata(m, source: str) -> dict[str, str]:
             "source": source}  # the file's metadata: how the KV and the prompt's tokens were made
     if m.model.get("weights_digest"):
         meta["weights_digest"] = m.model["weights_digest"]
+    if m.latent is not None:  # where a layer's latent ends and its rotated key part begins
+        meta.update(kv_layout=m.kv_layout, **{key: str(value) for key, value in m.latent.items()})
     return meta
 
 

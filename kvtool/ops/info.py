@@ -17,6 +17,7 @@ class InfoResult(Result):
     writes_format: str
     reads_formats: list[str]
     codecs: list[dict[str, Any]]
+    layouts: list[dict[str, Any]]  # the layout kinds this build reads and writes (container.md 3.2)
     backends: dict[str, str]
     threads: int
     default_model_installed: bool
@@ -31,6 +32,7 @@ def info(*, devices: bool = False) -> InfoResult:
     from ..engine.default_model import default_model_installed
     from ..format import SUPPORTED_VERSIONS
     from ..format.layout import VERSION_MAJOR, VERSION_MINOR
+    from ..format.manifest import LATENT_CODECS
     from ..fsutil import cache_root
     from ..version import __version__
 
@@ -43,11 +45,23 @@ def info(*, devices: bool = False) -> InfoResult:
         reads_formats=list(SUPPORTED_VERSIONS),
         codecs=[{"name": c.name, "id": c.codec_id, "lossless": c.lossless, "params_version": c.params_version}
                 for c in found],
+        layouts=layout_kinds([c.name for c in found], list(LATENT_CODECS)),
         backends=backends, threads=default_threads(), default_model_installed=default_model_installed(),
         model_cache=str(cache_root()))
     if devices:
         result.devices = probe_devices()
     return result
+
+
+def layout_kinds(all_codecs: list[str], latent_codecs: list[str]) -> list[dict[str, Any]]:
+    """Each layout kind this build reads and writes, with the format version that brought it and
+    the codecs its chunks may use."""
+    from ..format.layout import LAYOUT_MINOR, VERSION_MAJOR
+
+    what = {"kv_blob": "K and V per KV head and layer", "mla_latent": "one latent per token and layer (MLA)"}
+    return [{"name": name, "since": f"{VERSION_MAJOR}.{minor}", "reads": True, "writes": True, "holds": what[name],
+             "codecs": all_codecs if name == "kv_blob" else [c for c in latent_codecs if c in all_codecs]}
+            for name, minor in LAYOUT_MINOR.items()]
 
 
 _PCA_PATHS = {"avx512": "AVX-512 VNNI", "avx2": "AVX2", "portable": "portable C, no SIMD"}

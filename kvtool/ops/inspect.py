@@ -41,6 +41,8 @@ class FileSummary(Result):
     extras: dict[str, Any]
     metadata: dict[str, str]
     stats: list[dict[str, Any]] | None = field(default=None)
+    kv_layout: str = "kv_blob"  # the chunks' layout kind (container.md 3.2): kv_blob or mla_latent
+    latent: dict[str, int] | None = None  # mla_latent: kv_lora_rank and rope_dim
     chunks_omitted: int = 0  # chunks past the first MAX_LISTED_CHUNKS, not in `chunks` (in the totals)
     #: pca calibration objects the file carries (pca.md §3.3): digest, stored bytes, and their cost
     #: spread over the file's KV values (bits/value, on top of the chunks')
@@ -64,7 +66,7 @@ def inspect(path: str | Path | InspectRequest, *, on_chunk: Callable[[int, int],
 
 def summarize(reader: ContainerReader, *, all_chunks: bool = False) -> FileSummary:
     m = reader.manifest
-    values_per_token = 2 * m.num_layers * m.hidden_kv
+    values_per_token = m.planes * m.num_layers * m.hidden_kv
     listed = len(m.chunks) if all_chunks else min(len(m.chunks), MAX_LISTED_CHUNKS)
     rows, bad = [], 0
     for c in m.chunks:
@@ -99,7 +101,8 @@ def summarize(reader: ContainerReader, *, all_chunks: bool = False) -> FileSumma
         metadata=m.metadata, chunks_omitted=len(m.chunks) - listed,
         calibrations=[{"digest": d, "stored_bytes": b.length,
                        "bits_per_value": 8 * b.length / (m.num_tokens * values_per_token),
-                       "checksum": "ok" if reader.blob_ok(b) else "BAD"} for d, b in m.calibrations.items()])
+                       "checksum": "ok" if reader.blob_ok(b) else "BAD"} for d, b in m.calibrations.items()],
+        kv_layout=m.kv_layout, latent=m.latent)
 
 
 def _intact_payload(reader: ContainerReader, chunk) -> memoryview | None:
@@ -113,17 +116,18 @@ def _intact_payload(reader: ContainerReader, chunk) -> memoryview | None:
 
 @np.errstate(invalid="ignore", over="ignore", divide="ignore")  # NaN/inf KV: reported as such, not warned
 def layer_stats(reader: ContainerReader, on_chunk: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
-    """Per layer and K/V: min, max, mean, std, and channels far above the median max-abs."""
+    """Per layer and K/V (an mla_latent file: its latent): min, max, mean, std, and channels far
+    above the median max-abs."""
     m = reader.manifest
-    shape = (2, m.num_layers)
+    shape = (m.planes, m.num_layers)
     count = 0
     total = np.zeros(shape)
     total_sq = np.zeros(shape)
     lo = np.full(shape, np.inf)
     hi = np.full(shape, -np.inf)
-    chan_absmax = np.zeros((2, m.num_layers, m.hidden_kv))
+    chan_absmax = np.zeros((m.planes, m.num_layers, m.hidden_kv))
     for c in m.chunks:
-        kv = reader.read_chunk_array(c.index)  # [2, L, T, C]
+        kv = reader.read_chunk_array(c.index)  # [2, L, T, C], or [1, L, T, C] for a latent
         count += kv.shape[2] * kv.shape[3]
         for layers, tokens in kv_windows(kv.shape):  # float64 a window at a time, not the chunk (8x it)
             part = to_float64(kv[:, layers, tokens], c.dtype)  # NaN/inf stay as they are
@@ -140,11 +144,12 @@ def layer_stats(reader: ContainerReader, on_chunk: Callable[[int, int], None] | 
     lower_median = np.sort(chan_absmax, axis=2)[:, :, (m.hidden_kv - 1) // 2]  # the lower middle value
     median = np.maximum(lower_median, 1e-30)  # [2, L]
     out = []
-    for kind in range(2):
+    names = ("K", "V") if m.planes == 2 else ("latent",)
+    for kind in range(m.planes):
         for layer in range(m.num_layers):
             ratio = chan_absmax[kind, layer] / median[kind, layer]
             top = np.argsort(-ratio, kind="stable")[:3]
-            out.append({"kind": "K" if kind == 0 else "V", "layer": layer,
+            out.append({"kind": names[kind], "layer": layer,
                         "min": float(lo[kind, layer]), "max": float(hi[kind, layer]),
                         "mean": float(mean[kind, layer]), "std": float(std[kind, layer]),
                         "outlier_channels": [{"channel": int(c), "absmax_over_median": float(ratio[c])}

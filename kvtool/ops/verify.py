@@ -253,14 +253,14 @@ def compare_files(reader: ContainerReader, other: ContainerReader, *, atol: floa
                   rtol: float) -> dict[str, Any]:
     """Per-layer max abs / relative error of `reader` against the reference `other`."""
     a, b = reader.manifest, other.manifest
-    if (a.num_layers, a.hidden_kv) != (b.num_layers, b.hidden_kv):
+    if (a.planes, a.num_layers, a.hidden_kv) != (b.planes, b.num_layers, b.hidden_kv):
         raise ModelMismatch(f"cannot compare: {reader.path} has {a.num_layers} layers x {a.hidden_kv} "
                             f"channels, {other.path} has {b.num_layers} x {b.hidden_kv}")
     if a.num_tokens != b.num_tokens or not np.array_equal(reader.token_ids(), other.token_ids()):
         raise ModelMismatch(f"cannot compare: {reader.path} and {other.path} hold different token sequences")
-    max_abs = np.zeros((2, a.num_layers))
-    ref_max = np.zeros((2, a.num_layers))
-    sq_err = np.zeros((2, a.num_layers))
+    max_abs = np.zeros((a.planes, a.num_layers))  # a.planes: K and V, or an mla_latent file's one latent
+    ref_max = np.zeros((a.planes, a.num_layers))
+    sq_err = np.zeros((a.planes, a.num_layers))
     for start in range(0, a.num_tokens, a.chunk_size):
         end = min(start + a.chunk_size, a.num_tokens)
         x = read_range_array(reader, start, end)
@@ -275,9 +275,9 @@ def compare_files(reader: ContainerReader, other: ContainerReader, *, atol: floa
     rmse = np.sqrt(sq_err / (a.num_tokens * a.hidden_kv))
     rel = max_abs / np.maximum(ref_max, 1e-30)
     within = max_abs <= atol + rtol * ref_max
-    layers = [{"kind": "KV"[k], "layer": l, "max_abs": float(max_abs[k, l]), "max_rel": float(rel[k, l]),
+    layers = [{"kind": ("KV" if a.planes == 2 else "L")[k], "layer": l, "max_abs": float(max_abs[k, l]), "max_rel": float(rel[k, l]),
                "rmse": float(rmse[k, l]), "ok": bool(within[k, l])}
-              for l in range(a.num_layers) for k in range(2)]
+              for l in range(a.num_layers) for k in range(a.planes)]
     return {"against": str(other.path), "atol": atol, "rtol": rtol, "ok": bool(within.all()),
             "max_abs": float(max_abs.max()), "max_rel": float(rel.max()), "layers": layers}
 

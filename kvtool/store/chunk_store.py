@@ -26,7 +26,9 @@ from . import loading, objects
 from .calibrations import CalibrationShelf, pca_digests
 from .loading import FETCH_BATCH, PrefixHit
 from .names import BLOCK_SUFFIX, NO_EXTRA_KEYS, BlockLink, ChunkLink, ExtraKeys, block_links, chunk_chain
+from ..format import layout
 from ..format.hashing import ZERO_HASH
+from ..format.manifest import layout_of_model
 from .backend import Backend, ObjectInfo
 from .local import LocalBackend
 from .memory import MemoryBackend
@@ -187,6 +189,9 @@ class ModelCache:
             model = {**model.to_dict(), "fingerprint": model.fingerprint()}
         self.model = dict(model)
         self.key = objects.model_key(self.model)
+        # K and V planes, or an MLA model's one latent (its identity names the layout kind, and
+        # with it every name here: container.md 3.2)
+        self.planes = layout.LAYOUT_PLANES[layout_of_model(self.model)[0]]
         self.chunk_size = chunk_size
         #: the store as this namespace sees it (Redis: the namespace's key prefix, store.md §6.2)
         self.backend: Backend = store.backend.within(extra_keys.namespace)
@@ -577,8 +582,8 @@ class ModelCache:
         tokens = _as_token_array(token_ids)
         whole = chunk_chain(tokens, self.chunk_size, self.extra_keys)
         chain = [link for link in whole if link.start >= start]
-        if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[2] < len(chain) * self.chunk_size:
-            raise UsageError(f"kv must be a KV_BLOB [2, L, T, C] covering the tokens, got {list(kv.shape)}")
+        if kv.dim() != 4 or kv.shape[0] != self.planes or kv.shape[2] < len(chain) * self.chunk_size:
+            raise UsageError(f"kv must be a KV_BLOB [{self.planes}, L, T, C] covering the tokens, got {list(kv.shape)}")
         kv_dtype = dtype_name(kv.dtype)
 
         def encode(i: int, link, tokens_of_chunk, piece_of: int | None = None) -> bytes:

@@ -31,6 +31,7 @@ from ...load import ChunkTask, file_tasks, load
 from ...store.chunk_store import ChunkStore, open_store
 from ...store.names import ExtraKeys
 from .caches import cache_argument, cached_tokens, gather, load_cache
+from .latent import is_latent_model, latent_from_cache, latent_to_cache
 from .models import HFModel
 
 #: how a refusal of other weights tells a Python caller to load the file anyway
@@ -78,7 +79,14 @@ def to_cache(source: Any, model, *, prompt_ids=None, leave_last_token: bool = Tr
     The cache is made as transformers makes one for `model` (its layers' kinds), in the model's
     dtype on its device. Refused in one line: a file of another model or (unless
     `allow_other_weights`) other weights, a segment or dump that does not start at position 0,
-    a model whose cache is not plain K/V per layer."""
+    a model whose cache is not plain K/V per layer.
+
+    A multi-head latent attention model (DeepSeek, Kimi) takes an mla_latent file (container.md
+    3.2: vLLM's latent, a file `from_cache` wrote): its cache is made of the latent itself, as
+    transformers keeps it (`latent.py`)."""
+    if not isinstance(model, HFModel) and is_latent_model(model):
+        return _latent_to_cache(source, model, prompt_ids, leave_last_token, allow_other_weights,
+                                chunk_size, namespace)
     hf = HFModel.of(model)
     prompt = _ids(prompt_ids, "prompt_ids") if prompt_ids is not None else None
     if isinstance(source, ChunkStore) or (isinstance(source, (str, os.PathLike)) and _is_store(source)):
@@ -101,11 +109,11 @@ def generate(model, source: Any, *, prompt_ids=None, allow_other_weights: bool =
     (the prompt's last token left to `generate`), then `model.generate(input_ids,
     past_key_values=cache, **generate_kwargs)` (`cache=` where transformers takes it, 5.24 on). Returns what `generate` returns (by default the
     prompt's ids and the new ones, `[1, T + new]`)."""
-    hf = HFModel.of(model)
+    hf = model if isinstance(model, HFModel) or is_latent_model(model) else HFModel.of(model)
     cache, input_ids = to_cache(source, hf, prompt_ids=prompt_ids, allow_other_weights=allow_other_weights,
                                 chunk_size=chunk_size, namespace=namespace)
     generate_kwargs.setdefault("attention_mask", torch.ones_like(input_ids))
-    return hf.model.generate(input_ids, **cache_argument(cache), **generate_kwargs)
+    return (hf.model if isinstance(hf, HFModel) else hf).generate(input_ids, **cache_argument(cache), **generate_kwargs)
 
 
 def from_cache(cache, token_ids, path: str | os.PathLike, model, *, codec: str = "raw",
@@ -119,7 +127,16 @@ def from_cache(cache, token_ids, path: str | os.PathLike, model, *, codec: str =
     its last token is not in the cache yet; it is left out). `kv_dtype` (default: the cache's
     dtype, bf16 for one kvtool does not store) and `codec` (raw, zstd, cachegen; `params` its
     options) as in `kvtool.capture`; `metadata` is recorded beside the run's (e.g. how the prompt
-    was made)."""
+    was made). A multi-head latent attention model's cache holds its latent: written as an
+    mla_latent file (raw or zstd)."""
+    if not isinstance(model, HFModel) and is_latent_model(model):
+        done = latent_from_cache(cache, _ids(token_ids, "token_ids"), path, model, codec=codec,
+                                 kv_dtype=canonical_name(kv_dtype) if isinstance(kv_dtype, str) else kv_dtype,
+                                 chunk_size=chunk_size, metadata=metadata)
+        with ContainerReader(done["path"]) as reader:
+            return SavedCache(path=done["path"], num_tokens=done["num_tokens"], num_chunks=done["num_chunks"],
+                              codec=codec, kv_dtype=reader.manifest.kv_dtype, fingerprint=done["fingerprint"],
+                              file_bytes=reader.file_size)
     hf = HFModel.of(model)
     held = cached_tokens(cache, hf.identity)
     ids = _ids(token_ids, "token_ids")
@@ -145,6 +162,22 @@ def from_cache(cache, token_ids, path: str | os.PathLike, model, *, codec: str =
 
 
 # --- the sources --------------------------------------------------------------------------------
+
+
+def _latent_to_cache(source, model, prompt_ids, leave_last: bool, allow_other_weights: bool, chunk_size,
+                     namespace) -> CachedPrompt:
+    """An mla_latent file as a latent attention model's cache (stores and dumps: not yet)."""
+    if chunk_size is not None or namespace is not None or isinstance(source, ChunkStore) or (
+            isinstance(source, (str, os.PathLike)) and (_is_store(source) or str(source).lower().endswith(".safetensors"))):
+        raise UsageError(f"{type(model).__name__} uses multi-head latent attention: its cache comes from an "
+                         f"mla_latent file (a store or a dump: export the prefix to a file first)")
+    prompt = _ids(prompt_ids, "prompt_ids") if prompt_ids is not None else None
+    if isinstance(source, ContainerReader):
+        cache, tokens = latent_to_cache(source, model, prompt, leave_last, allow_other_weights)
+    else:
+        with ContainerReader(source) as reader:
+            cache, tokens = latent_to_cache(reader, model, prompt, leave_last, allow_other_weights)
+    return CachedPrompt(cache, torch.tensor([tokens], dtype=torch.long, device=next(model.parameters()).device))
 
 
 def _from_file(reader: ContainerReader, hf: HFModel, prompt: list[int] | None, leave_last: bool,

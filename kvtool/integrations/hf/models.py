@@ -248,7 +248,8 @@ def check_plain_kv(config) -> list[int | None]:
     if getattr(text, "kv_lora_rank", None) is not None:
         raise UnsupportedCache(f"{_arch(config)} uses multi-head latent attention (MLA): it caches a compressed "
                                f"latent, its keys and values of other widths (qk {getattr(text, 'qk_head_dim', '?')}, "
-                               f"v {getattr(text, 'v_head_dim', '?')}); kvtool holds plain K/V per layer")
+                               f"v {getattr(text, 'v_head_dim', '?')}); kvtool's transformers engine holds plain K/V "
+                               f"per layer (kvtool.hf.to_cache and from_cache move its latent as an mla_latent file)")
     try:
         layers = DynamicCache(config=config).layers
     except Exception as err:  # a config transformers' own cache does not understand

@@ -54,6 +54,12 @@ def read_config(vllm_config) -> ConnectorConfig:
                          f"{codec!r})")
     else:
         params = None
+    if getattr(vllm_config.model_config.hf_text_config, "kv_lora_rank", None) is not None:
+        from ...format.manifest import LATENT_CODECS
+
+        if codec not in LATENT_CODECS:  # the latent's chunks are mla_latent ones (container.md 3.2)
+            raise ValueError(f"KVToolConnector: codec {codec} codes K and V planes; this model caches a latent "
+                             f"(multi-head latent attention): use codec {' or '.join(LATENT_CODECS)}")
     block_size = vllm_config.cache_config.block_size
     chunk_size = int(extra.get_from_extra_config("chunk_size", 256))
     if chunk_size <= 0 or chunk_size % block_size:

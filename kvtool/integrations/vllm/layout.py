@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ...connectors import PagedLayout
-from ..engine_blocks import EngineBlocks, UnsupportedKVLayout
+from ..engine_blocks import EngineBlocks, LatentBlocks, UnsupportedKVLayout
 
 #: (backend name, vLLM KV cache layout) -> kvtool layout. vLLM 0.32 hands a connector one
 #: [num_blocks, H, block_size, 2*D] view per layer whatever its layout (the layout permutes its
@@ -26,11 +26,21 @@ _KNOWN: dict[tuple[str, str], PagedLayout] = {
 }
 
 
+#: vLLM's latent attention (MLA) backends whose pages kvtool reads: each layer one [NB, BS,
+#: kv_lora_rank + rope_dim] tensor, a token's latent the row of its slot (vLLM 0.32's
+#: CPUMLAImpl.do_kv_cache_update writes it so); kvtool stores it as an mla_latent chunk.
+LATENT_BACKENDS = ("CPU_MLA",)
+
+
 @dataclass(frozen=True)
 class EngineLayout:
     backend: str  # vLLM's attention backend, e.g. "CPU_ATTN"
     cache_layout: str  # vLLM's resolved KV cache layout, e.g. "LBHNC"
-    paged: PagedLayout  # kvtool's name for it
+    paged: PagedLayout | None  # kvtool's name for it; None: a latent backend's pages (LATENT_BACKENDS)
+
+    @property
+    def latent(self) -> bool:
+        return self.paged is None
 
 
 def engine_layout(vllm_config) -> EngineLayout:
@@ -47,12 +57,35 @@ def engine_layout(vllm_config) -> EngineLayout:
     if len(backends) != 1:
         raise UnsupportedKVLayout(f"kvtool needs one attention backend for every layer; vLLM uses "
                                   f"{', '.join(backends) or 'none'}")
+    if backends[0] in LATENT_BACKENDS:
+        return EngineLayout(backends[0], str(layout), None)
+    if backends[0].endswith("MLA"):  # another MLA backend's pages (AMX_MLA's tiles): not read, so refused
+        raise UnsupportedKVLayout(f"kvtool reads the latent pages of vLLM's {', '.join(LATENT_BACKENDS)} backend, not "
+                                  f"{backends[0]}'s: start vLLM with attention_backend=CPU_MLA")
     paged = _KNOWN.get((backends[0], str(layout)))
     if paged is None:
         known = ", ".join(sorted({f"{b} {l}" for b, l in _KNOWN if b != "FLASH_ATTN"} | {"FLASH_ATTN (any layout)"}))
         raise UnsupportedKVLayout(f"kvtool does not know the KV layout of vLLM's attention backend {backends[0]} "
                                   f"with KV cache layout {layout} (it knows {known})")
     return EngineLayout(backends[0], str(layout), paged)
+
+
+def check_latent_pages(blocks: LatentBlocks, kv_lora_rank: int) -> None:
+    """Write known latents into a scratch page with vLLM's own CPU_MLA cache write and read them
+    back as kvtool does: pages that do not read back are refused before a wrong latent could load."""
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    block_size, width = blocks.block_size, blocks.width
+    scratch = torch.zeros(2, block_size, width, dtype=blocks.dtype)
+    tokens = block_size + 3  # across both blocks, the second one first
+    generator = torch.Generator().manual_seed(0)
+    latent = torch.randn(tokens, width, generator=generator).to(blocks.dtype)
+    probe = LatentBlocks([scratch], block_size)
+    # (do_kv_cache_update reads nothing of its instance: called unbound, on the scratch page)
+    CPUMLAImpl.do_kv_cache_update(None, latent[:, :kv_lora_rank], latent[:, None, kv_lora_rank:], scratch,
+                                  probe.slots([1, 0], tokens), "auto", None)
+    if not torch.equal(probe.read([1, 0], 0, tokens)[0, 0], latent):
+        raise UnsupportedKVLayout("vLLM's CPU_MLA backend keeps its latent pages in a layout kvtool does not know")
 
 
 def cpu_pages_layout(first: torch.Tensor) -> PagedLayout:

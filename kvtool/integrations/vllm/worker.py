@@ -15,11 +15,11 @@ from ...connectors import PagedLayout
 from ...connectors.paged_layout import HOST_PAGE_LAYOUTS
 from ...errors import KvtoolError
 from ...load import SavePipeline
-from ..engine_blocks import EngineBlocks, SaveBuffers
+from ..engine_blocks import EngineBlocks, LatentBlocks, SaveBuffers
 from .caches import StoreCaches
 from .config import ConnectorConfig
 from .groups import KVGroup
-from .layout import check_cpu_pages, cpu_pages_layout, engine_layout
+from .layout import check_cpu_pages, check_latent_pages, cpu_pages_layout, engine_layout
 from .metadata import KVToolMetadata, LoadSpec, SaveSpec
 from .stats import KVToolConnectorStats, StatsRecorder
 
@@ -33,7 +33,7 @@ class WorkerSide:
         self.caches = StoreCaches(config, vllm_config.model_config.model, groups)
         self.stats = StatsRecorder()  # the saving thread adds to it too
         self._vllm_config = vllm_config
-        self._blocks: list[EngineBlocks] = []  # one per served KV cache group, in `groups`' order
+        self._blocks: list[EngineBlocks | LatentBlocks] = []  # one per served KV cache group, in `groups`' order
         self._save_buffers = SaveBuffers(keep=6)  # SavePipeline holds at most 4 pending saves
         self._saving: SavePipeline | None = None  # encode + write of gathered chunks, off the step
         self._load_errors: set[int] = set()
@@ -45,6 +45,14 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = engine_layout(self._vllm_config)
         layers = list(kv_caches.values())  # in model order
+        if layout.latent:  # MLA: one latent row per token and layer, stored as mla_latent chunks (one group)
+            self._blocks = [LatentBlocks([kv_caches[name] for name in group.layer_names] if group.layer_names
+                                         else layers, self.config.block_size) for group in self.groups]
+            check_latent_pages(self._blocks[0], self._vllm_config.model_config.hf_text_config.kv_lora_rank)
+            log.info("kvtool: store %s, codec %s, chunks of %d tokens, %s, vLLM's latent KV (%s) as kvtool layout "
+                     "'mla_latent'", self.caches.url, self.config.codec, self.config.chunk_size, self.config.role,
+                     layout.backend)
+            return
         if layout.paged is PagedLayout.VLLM_CPU:  # which page layout: that of the isa vLLM's attention picks
             layout = replace(layout, paged=cpu_pages_layout(layers[0]))
         # each group's layers, in model order (a group of the hybrid allocator shares its tensors

