@@ -199,8 +199,9 @@ def test_an_engine_loads_the_prefix_pca(tmp_path, monkeypatch, reference, pca_ca
     its chunk's first position), then P and Q again, loading them from the store (separate engine
     processes are shown by the raw, zstd and cachegen tests; an engine start is the suite's
     dearest step); its greedy output is reported against the uncached one. A second engine on a
-    machine without the calibration object loads nothing (a miss whose warning names the digest,
-    recomputed: vLLM's uncached output exactly); a connector told to encode with it refuses."""
+    machine without the calibration object fetches it from the store by its digest and loads the
+    prefix (the calibration travels with the data); a connector told to encode with an object it
+    cannot find refuses."""
     from kvtool.engine.default_model import default_model_path
     from kvtool.format import ContainerReader
     from kvtool.integrations.vllm.config import pca_params
@@ -228,15 +229,18 @@ def test_an_engine_loads_the_prefix_pca(tmp_path, monkeypatch, reference, pca_ca
     kept = {o: o.read_bytes() for o in (tmp_path / "store").rglob("*.kvc")}
     other = serve(tmp_path / "third", [PROMPT], store=store, codec="raw", policy="recompute",
                   env={**elsewhere, **IN_PROCESS})
-    assert other["requests"][0]["token_ids"] == reference["token_ids"]  # never pca's KV without its basis
-    assert "could be loaded" in other["log"] and f"calibration object {digest[:16]}... not found" in other["log"]
+    # the calibration travels with the data (issue 50, store.md §4.7): the engine on a machine without
+    # the object fetches it from the store by its digest, checks it, keeps it, and loads the prefix
+    assert other["requests"][0]["num_cached_tokens"] == whole_chunks(reference), other["log"][-3000:]
+    assert (tmp_path / "no-calibration" / f"{digest}.kvcal").is_file()
+    assert f"calibration object {digest[:16]}... not found" not in other["log"]
     assert {o: o.read_bytes() for o in (tmp_path / "store").rglob("*.kvc")} == kept  # intact: nothing removed
 
     # the connector's config is read where vLLM builds it; a ValueError there stops the engine
     # (test_an_unreachable_store_is_named_when_the_engine_starts shows that on a real start)
     from kvtool.codecs.pca import calibration as calibrations
 
-    monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", elsewhere["KVTOOL_CALIBRATION_DIR"])
+    monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", str(tmp_path / "nowhere"))  # (no store to fetch it from)
     monkeypatch.setattr(calibrations, "_loaded", {})  # as a fresh engine process: nothing in memory
     with pytest.raises(ValueError, match=f"KVToolConnector: pca: calibration object {digest[:16]}... not found"):
         pca_params(str(default_model_path()), None, digest)
