@@ -47,7 +47,7 @@ $(VENV)/.sglang: $(VENV)/.vllm
 	touch $@
 
 # The demo's text ships with the repository (demo/context.md: the start of the container spec,
-# ~1,500 tokens): a few minutes on a 2-core machine, the model's own arithmetic (fp32 KV), so the
+# ~1,500 tokens): under a minute on a quiet 2-core machine (RESULTS §41), the model's own arithmetic (fp32 KV), so the
 # lossless file replays identically; the lossy one's trade-off is shown as one, before it.
 demo: install
 	@mkdir -p $(OUT)
