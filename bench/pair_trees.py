@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TIME_COLUMNS = ("ms", "µs/op", "us/op", "s", "seconds", "ms (median)", "median ms")
 NUMBER = re.compile(r"^[-+]?[\d,]*\.?\d+(e[-+]?\d+)?x?$", re.I)
+RATIO_IN_WORDS = re.compile(r"^\d[\d.,]*x\b")  # "0.85x file write+fsync+rename": a figure, not a name
 
 
 def worktree(rev: str, parent: Path) -> Path:
@@ -52,8 +53,9 @@ def tables(text: str) -> dict[tuple, float]:
         if all(set(c) <= set("-: ") for c in cells):
             continue
         value = row_time(header, cells)
-        if value is not None:
-            key = (tuple(header), tuple(c for c in cells if not NUMBER.match(c.replace(" ", ""))))
+        if value is not None:  # a row is named by its text, not by its figures (nor a ratio told in words)
+            key = (tuple(header), tuple(c for c in cells if not NUMBER.match(c.replace(" ", ""))
+                                        and not RATIO_IN_WORDS.match(c)))
             rows.setdefault(key, value)
     return rows
 
@@ -91,6 +93,7 @@ def main() -> None:
                                  capture_output=True, text=True)
             if out.returncode:
                 sys.exit(f"{side} ({args.__dict__[side]}) round {r + 1} failed:\n{out.stderr[-2000:]}")
+            (parent / f"{side}.{r + 1}.out").write_text(out.stdout)  # (kept beside the worktrees)
             runs[side].append(tables(out.stdout))
             print(f"round {r + 1}: {side} done", file=sys.stderr)
     keys = [k for k in runs["after"][0] if all(k in t for side in runs.values() for t in side)]
