@@ -21,10 +21,9 @@ import pytest
 
 from fixtures import cli, make_identity, write_kv_file
 from kvtool.codecs.pca import calibration as calmod
+from pca_hosts import DIGEST, VECTORS, as_reader_host, writer_host  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
-VECTORS = ROOT / "format-spec" / "vectors" / "pca"
-DIGEST = json.loads((VECTORS / "bf16_sinks.json").read_text())["params"]["calibration"]  # L = 2, C = 8
 PARAMS = {"version": 1, "calibration": DIGEST, "quality": "97", "step": 0.8, "sinks": 4, "lanes": 16, "position": 0}
 
 # one process's side: put (the writer) or load (a reader) 3 chunks of 4 tokens of pca KV, then
@@ -91,27 +90,6 @@ def test_two_hosts_sharing_redis_read_each_others_pca_chunks(redis_url, tmp_path
     client.delete(*names)  # gone from the store (an eviction): B reads from its own folder now
     client.close()
     assert run_side("load", redis_url, b) == read
-
-
-@pytest.fixture()
-def writer_host(tmp_path, monkeypatch):
-    """This process as the writer's host: the object in its calibration folder only."""
-    folder = tmp_path / "cal-writer"
-    folder.mkdir()
-    shutil.copy(VECTORS / f"{DIGEST}.kvcal", folder)
-    monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", str(folder))
-    monkeypatch.delenv("KVTOOL_CALIBRATION_PATH", raising=False)
-    calmod._loaded.clear()
-    yield folder
-    calmod._loaded.clear()
-
-
-def as_reader_host(monkeypatch, tmp_path) -> Path:
-    """This process as another host: an empty calibration folder of its own."""
-    folder = tmp_path / "cal-reader"
-    monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", str(folder))
-    calmod._loaded.clear()
-    return folder
 
 
 def pca_file(tmp_path: Path) -> Path:

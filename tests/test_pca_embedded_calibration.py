@@ -8,38 +8,16 @@ The calibration is the test vectors' (format-spec/vectors/pca: 2 layers, one KV 
 from __future__ import annotations
 
 import hashlib
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from fixtures import cli, make_identity, rebuild, write_kv_file
 from kvtool.codecs.pca import calibration as calmod
+from pca_hosts import DIGEST, VECTORS, as_reader_host, writer_host  # noqa: F401  (a fixture)
 from kvtool.errors import ManifestInvalid, UsageError
 
-VECTORS = Path(__file__).resolve().parents[1] / "format-spec" / "vectors" / "pca"
-DIGEST = json.loads((VECTORS / "bf16_sinks.json").read_text())["params"]["calibration"]  # L = 2, C = 8
 IDENTITY = make_identity(num_layers=2, num_kv_heads=1, head_dim=8)
-
-
-@pytest.fixture()
-def writer_host(tmp_path, monkeypatch):
-    folder = tmp_path / "cal-writer"
-    folder.mkdir()
-    shutil.copy(VECTORS / f"{DIGEST}.kvcal", folder)
-    monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", str(folder))
-    monkeypatch.delenv("KVTOOL_CALIBRATION_PATH", raising=False)
-    calmod._loaded.clear()
-    yield folder
-    calmod._loaded.clear()
-
-
-def reader_host(monkeypatch, tmp_path) -> Path:
-    folder = tmp_path / "cal-reader"
-    monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", str(folder))
-    calmod._loaded.clear()
-    return folder
 
 
 def pca_file(capsys, tmp_path: Path, *extra: str) -> Path:
@@ -58,7 +36,7 @@ def test_a_file_carrying_its_calibration_reads_where_the_object_is_not(writer_ho
                "--embed-calibration")[0] == 0
     size = (VECTORS / f"{DIGEST}.kvcal").stat().st_size
     assert carrying.stat().st_size >= plain.stat().st_size + size
-    folder = reader_host(monkeypatch, tmp_path)
+    folder = as_reader_host(monkeypatch, tmp_path)
     code, _, err = cli(capsys, "verify", plain)
     assert code == 1 and "not found" in err  # the file without it: as before
     calmod._loaded.clear()
@@ -85,7 +63,7 @@ def test_damaged_carried_calibration_is_refused(writer_host, tmp_path, capsys, m
     data = bytearray(carrying.read_bytes())
     data[blob.offset + blob.length - 1] ^= 1
     carrying.write_bytes(bytes(data))
-    reader_host(monkeypatch, tmp_path)
+    as_reader_host(monkeypatch, tmp_path)
     code, _, err = cli(capsys, "verify", carrying)
     assert code == 1 and "calibration" in err
 
