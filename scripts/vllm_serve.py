@@ -36,6 +36,7 @@ JOB.json:
     dtype        the model's dtype, passed to vLLM: float32 | bfloat16 | float16   (default float32;
                  bfloat16 on a CPU with AMX keeps vLLM's KV pages in AMX tiles)
     attention_backend   vLLM's attention backend by name, e.g. CPU_MLA  (default: vLLM's choice)
+    custom_ops   vLLM's compilation_config custom_ops, e.g. ["-rotary_embedding"]  (default: vLLM's)
 
 Prints `RESULT {"engine_seconds": s, "requests": [{request_id, prompt_tokens, prompt_token_ids,
 num_cached_tokens, token_ids, text, seconds, ttft_seconds}, ...]}`: `seconds` is the wall time of generate() for that prompt
@@ -100,6 +101,8 @@ def start_engine(job: dict):
     extra = {"max_num_batched_tokens": job["max_num_batched_tokens"]} if job.get("max_num_batched_tokens") else {}
     if job.get("attention_backend"):
         extra["attention_backend"] = job["attention_backend"]
+    if job.get("custom_ops"):
+        extra["compilation_config"] = {"custom_ops": list(job["custom_ops"])}
     if job.get("disable_hybrid_kv_cache_manager") is not None:
         extra["disable_hybrid_kv_cache_manager"] = bool(job["disable_hybrid_kv_cache_manager"])
     if job.get("enable_lora"):
