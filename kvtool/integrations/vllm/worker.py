@@ -19,7 +19,7 @@ from ..engine_blocks import EngineBlocks, LatentBlocks, SaveBuffers
 from .caches import StoreCaches
 from .config import ConnectorConfig
 from .groups import KVGroup
-from .layout import check_cpu_pages, check_latent_pages, cpu_pages_layout, engine_layout
+from .layout import check_cpu_pages, check_latent_pages, cpu_pages_layout, engine_layout, latent_rope_fault
 from .metadata import KVToolMetadata, LoadSpec, SaveSpec
 from .stats import KVToolConnectorStats, StatsRecorder
 
@@ -49,6 +49,9 @@ class WorkerSide:
             self._blocks = [LatentBlocks([kv_caches[name] for name in group.layer_names] if group.layer_names
                                          else layers, self.config.block_size) for group in self.groups]
             check_latent_pages(self._blocks[0], self._vllm_config.model_config.hf_text_config.kv_lora_rank)
+            fault = latent_rope_fault(self._vllm_config)
+            if fault:  # vLLM serves its own latent back consistently; another reader of the store could not
+                log.warning("kvtool: %s", fault)
             log.info("kvtool: store %s, codec %s, chunks of %d tokens, %s, vLLM's latent KV (%s) as kvtool layout "
                      "'mla_latent'", self.caches.url, self.config.codec, self.config.chunk_size, self.config.role,
                      layout.backend)
