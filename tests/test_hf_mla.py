@@ -84,6 +84,24 @@ def test_a_transformers_latent_goes_to_a_file_and_back_bit_for_bit(deepseek, tmp
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
 
+def test_the_files_rotated_part_is_k_pe_turned_in_pairs_at_its_own_position(deepseek, tmp_path):
+    """container.md 3.2's k_pe, from the model's own projection: channels R + 2i and R + 2i + 1
+    turned by position * inv_freq[i] (rope_theta 10000), at each token's own position, in every
+    token (the convention vLLM's native rotary op writes, tests/test_vllm_mla_rope.py)."""
+    folder, model = deepseek
+    kvtool.hf.from_cache(prefill(model, IDS), IDS, tmp_path / "hf.kvc", model)
+    with ContainerReader(tmp_path / "hf.kvc") as reader:
+        stored = reader.read_range(0, len(IDS))[0, 0, :, RANK:].double()
+    with torch.no_grad():
+        hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(torch.tensor([IDS])))
+        raw = model.model.layers[0].self_attn.kv_a_proj_with_mqa(hidden)[0, :, RANK:].double()
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, ROPE, 2, dtype=torch.float64) / ROPE)
+    angle = torch.arange(len(IDS), dtype=torch.float64)[:, None] * inv_freq
+    a, b = raw[:, 0::2], raw[:, 1::2]
+    turned = torch.stack((a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()), dim=-1).flatten(-2)
+    assert ((stored - turned).norm() / turned.norm()).item() < 1e-5
+
+
 def test_a_continuation_from_the_file_is_transformers_own(deepseek, tmp_path):
     folder, model = deepseek
     kvtool.hf.from_cache(prefill(model, IDS), IDS, tmp_path / "hf.kvc", model)
