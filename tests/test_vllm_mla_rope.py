@@ -72,3 +72,24 @@ def test_the_connector_tells_the_kernel_from_the_native_op(deepseek):
     fault = latent_rope_fault(engine_config(deepseek, []))
     assert fault and FAULT in fault and "custom_ops': ['-rotary_embedding']" in fault and "\n" not in fault
     assert latent_rope_fault(engine_config(deepseek, ["-rotary_embedding"])) is None
+
+
+def test_a_faulty_engines_latent_is_stored_apart_from_the_models(deepseek, tmp_path):
+    """Both sides of the connector key an engine whose rotary op is the faulty kernel under an
+    identity of its own: a correct engine, transformers (kvtool.hf) and `store get` look the model's
+    latent up under model_identity's and never see such chunks; the faulty engine still finds its own."""
+    from kvtool.engine.loader import model_identity
+    from kvtool.integrations.vllm.caches import LATENT_ROPE_FAULT, StoreCaches
+    from kvtool.integrations.vllm.config import ConnectorConfig
+    from kvtool.integrations.vllm.layout import engine_latent_fault
+
+    config = ConnectorConfig(str(tmp_path / "store"), "raw", 256, 16, False, "", 0.1)
+    kernel = StoreCaches(config, str(deepseek), None, engine_latent_fault(engine_config(deepseek, [])))
+    native = StoreCaches(config, str(deepseek), None, engine_latent_fault(engine_config(deepseek, ["-rotary_embedding"])))
+    try:
+        assert native._models[0]["fingerprint"] == model_identity(deepseek).fingerprint()  # the model's latent
+        assert kernel._models[0]["extra"]["latent_rope"] == LATENT_ROPE_FAULT
+        assert kernel._models[0]["fingerprint"] != native._models[0]["fingerprint"]
+    finally:
+        kernel.close()
+        native.close()

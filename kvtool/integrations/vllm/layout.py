@@ -120,6 +120,18 @@ def latent_rope_fault(vllm_config) -> str | None:
             f"['-rotary_embedding']}}")
 
 
+def engine_latent_fault(vllm_config) -> str | None:
+    """latent_rope_fault for an MLA model on vLLM's CPU platform, else None: both sides of the
+    connector ask it, so the scheduler's lookups and the worker's saves use the same identity. (The
+    check runs the engine's rotary op on CPU tensors: on another platform it is not asked.)"""
+    from vllm.platforms import current_platform
+
+    text = getattr(vllm_config.model_config, "hf_text_config", None)
+    if getattr(text, "kv_lora_rank", None) is None or not current_platform.is_cpu():
+        return None
+    return latent_rope_fault(vllm_config)
+
+
 def cpu_pages_layout(first: torch.Tensor) -> PagedLayout:
     """Which of kvtool's CPU page layouts vLLM's CPU pages `first` ([NB, H, BS, 2*D], one layer)
     are in: vLLM's CPU attention lays its pages out for the instruction set it picks for their

@@ -14,6 +14,7 @@ from .caches import StoreCaches
 from .config import ConnectorConfig
 from .groups import KVGroup
 from .keys import AdapterDigests, RequestFacts, UnusableKeys, extra_keys, keys_up_to, prompt_tokens, request_facts
+from .layout import engine_latent_fault
 from .lookups import Lookups
 from .metadata import KVToolMetadata, LoadSpec, SaveSpec
 from .stats import KVToolConnectorStats, StatsRecorder
@@ -97,7 +98,7 @@ class SchedulerSide:
         check_codec_groups(config.codec, groups)
         self.config = config
         self.groups = groups
-        self.caches = StoreCaches(config, vllm_config.model_config.model, groups)
+        self.caches = StoreCaches(config, vllm_config.model_config.model, groups, engine_latent_fault(vllm_config))
         self.stats = StatsRecorder()
         self._digests = AdapterDigests()
         self._lookups: Lookups[RequestFacts, LookupResult] = Lookups(self._lookup, config.lookup_wait_s)

@@ -19,7 +19,7 @@ from ..engine_blocks import EngineBlocks, LatentBlocks, SaveBuffers
 from .caches import StoreCaches
 from .config import ConnectorConfig
 from .groups import KVGroup
-from .layout import check_cpu_pages, check_latent_pages, cpu_pages_layout, engine_layout, latent_rope_fault
+from .layout import check_cpu_pages, check_latent_pages, cpu_pages_layout, engine_latent_fault, engine_layout
 from .metadata import KVToolMetadata, LoadSpec, SaveSpec
 from .stats import KVToolConnectorStats, StatsRecorder
 
@@ -30,7 +30,7 @@ class WorkerSide:
     def __init__(self, config: ConnectorConfig, vllm_config, groups: list[KVGroup]):
         self.config = config
         self.groups = groups
-        self.caches = StoreCaches(config, vllm_config.model_config.model, groups)
+        self.caches = StoreCaches(config, vllm_config.model_config.model, groups, engine_latent_fault(vllm_config))
         self.stats = StatsRecorder()  # the saving thread adds to it too
         self._vllm_config = vllm_config
         self._blocks: list[EngineBlocks | LatentBlocks] = []  # one per served KV cache group, in `groups`' order
@@ -49,9 +49,9 @@ class WorkerSide:
             self._blocks = [LatentBlocks([kv_caches[name] for name in group.layer_names] if group.layer_names
                                          else layers, self.config.block_size) for group in self.groups]
             check_latent_pages(self._blocks[0], self._vllm_config.model_config.hf_text_config.kv_lora_rank)
-            fault = latent_rope_fault(self._vllm_config)
-            if fault:  # vLLM serves its own latent back consistently; another reader of the store could not
-                log.warning("kvtool: %s", fault)
+            fault = engine_latent_fault(self._vllm_config)
+            if fault:  # vLLM serves its own latent back consistently: kept under its own identity (caches.py)
+                log.warning("kvtool: %s; its chunks are stored apart, for engines that compute the same", fault)
             log.info("kvtool: store %s, codec %s, chunks of %d tokens, %s, vLLM's latent KV (%s) as kvtool layout "
                      "'mla_latent'", self.caches.url, self.config.codec, self.config.chunk_size, self.config.role,
                      layout.backend)
