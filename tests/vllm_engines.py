@@ -18,19 +18,29 @@ Starting a vLLM engine is the dearest step of the suite (35-75 s on a 2-core mac
   a connector's saving thread may still be writing after a job returns, so a test that counts
   saves runs its whole sequence as one job.
 
+Each engine process (both kinds) is forked from one process per session that imported vLLM once
+(`ForkServer`, scripts/vllm_serve.py --fork-server): importing vLLM is most of a process's start-up
+here, and a forked process is otherwise the process `python scripts/vllm_serve.py` would be: its
+own environment, folder, streams and exit code; vLLM's three processes, where asked for, are that
+process's own children as before.
+
 Runs with the Python that has vLLM: this one, or $KVTOOL_VLLM_PYTHON.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import itertools
 import json
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,14 +54,116 @@ MAX_LIVE_ENGINES = 2
 @functools.cache
 def has_vllm() -> bool:
     """Whether vLLM and kvtool's connector import in PYTHON: asked once a session (importing vLLM
-    takes 10-20 s here), by every module that needs it."""
-    probe = subprocess.run([PYTHON, "-c", "import vllm, kvtool.integrations.vllm"], capture_output=True, timeout=300,
-                           env={**os.environ, "PYTHONPATH": str(REPO)})
-    return probe.returncode == 0
+    takes 10-20 s here), by every module that needs it, of the fork server that imports both."""
+    return fork_server().ready()
 
 
 def engine_env(env: dict | None = None) -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+
+
+class Forked:
+    """A process the fork server started: `poll`, `wait` and `kill` as subprocess.Popen's (its exit
+    is set by the server's reader, which may hear of it first)."""
+
+    def __init__(self):
+        self.pid, self.returncode, self._exited = None, None, threading.Event()
+
+    def exited(self, returncode: int) -> None:
+        self.returncode = returncode
+        self._exited.set()
+
+    def poll(self) -> int | None:
+        return self.returncode if self._exited.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(f"vllm_serve.py (pid {self.pid})", timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class ForkServer:
+    """scripts/vllm_serve.py --fork-server: vLLM imported once; `start(argv, ...)` forks a process
+    that runs as `python scripts/vllm_serve.py *argv` would, in `env`, `cwd`, with these streams."""
+
+    def __init__(self, env: dict):
+        self.env = env
+        self._proc = subprocess.Popen([PYTHON, str(SERVE), "--fork-server"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        self._lock, self._ids = threading.Lock(), itertools.count()
+        self._forked: dict[int, tuple[Forked, threading.Event]] = {}  # id -> (the process, started)
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _record(self, number: int) -> tuple[Forked, threading.Event]:
+        with self._lock:
+            return self._forked.setdefault(number, (Forked(), threading.Event()))
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            words = line.split()
+            if words == ["READY"]:
+                self._ready.set()
+            elif len(words) == 3 and words[0] == "STARTED":
+                forked, started = self._record(int(words[1]))
+                forked.pid = int(words[2])
+                started.set()
+            elif len(words) == 3 and words[0] == "EXIT":
+                self._record(int(words[1]))[0].exited(int(words[2]))
+        self._ready.set()  # it exited: start() says so
+
+    def ready(self) -> bool:
+        """Whether it imported vLLM and kvtool's connector (it says READY then, or exits)."""
+        self._ready.wait(timeout=300)
+        return self.alive()
+
+    def alive(self) -> bool:
+        """Running and taking requests."""
+        return self._proc.poll() is None and not self._proc.stdin.closed
+
+    def start(self, argv: list[str], env: dict, cwd: Path, stdout: Path, stderr: Path, stdin: Path | None = None) -> Forked:
+        assert self.ready(), "the vLLM fork server exited (does vLLM import? python scripts/vllm_serve.py --fork-server)"
+        number = next(self._ids)
+        forked, started = self._record(number)
+        request = {"id": number, "argv": argv, "env": env, "cwd": str(cwd), "stdout": str(stdout),
+                   "stderr": str(stderr), "stdin": str(stdin) if stdin else None}
+        with self._lock:
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+        assert started.wait(timeout=60), "the vLLM fork server did not start a process in 60 s"
+        return forked
+
+    def close(self, wait: bool = True) -> None:
+        if not self._proc.stdin.closed:
+            self._proc.stdin.close()  # it exits once its processes have
+        if wait and self._proc.poll() is None:
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+
+
+_fork_server: list[ForkServer] = []
+
+
+def fork_server() -> ForkServer:
+    """The session's fork server, started on first use. A forked process takes its own whole
+    environment; the server's (this process's when it started) is only what vLLM and kvtool read
+    as they are imported, which is nothing a job sets: vLLM reads its settings (VLLM_*) when an
+    engine starts, kvtool its own when it is used."""
+    if not _fork_server or not _fork_server[0].alive():
+        _fork_server[:] = [ForkServer(engine_env())]
+    return _fork_server[0]
+
+
+atexit.register(lambda: [server.close() for server in _fork_server])
 
 
 def serve(workdir: Path, prompts: list, connector: str = "kvtool", env: dict | None = None, **job) -> dict:
@@ -60,12 +172,17 @@ def serve(workdir: Path, prompts: list, connector: str = "kvtool", env: dict | N
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / f"job-{len(list(workdir.glob('job-*.json')))}.json"
     spec.write_text(json.dumps({"prompts": prompts, "connector": connector, **job}))
-    out = subprocess.run([PYTHON, str(SERVE), str(spec)], capture_output=True, text=True, timeout=900,
-                         env=engine_env(env), cwd=workdir)
-    log = out.stdout + out.stderr  # vLLM logs to stdout
+    stdout, stderr = spec.with_suffix(".stdout"), spec.with_suffix(".stderr")
+    process = fork_server().start([str(spec)], engine_env(env), workdir, stdout, stderr)
+    try:
+        returncode = process.wait(timeout=900)
+    finally:
+        process.kill()
+    out, err = stdout.read_text(), stderr.read_text()
+    log = out + err  # vLLM logs to stdout
     spec.with_suffix(".log").write_text(log)
-    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stderr[-4000:]
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    assert returncode == 0 and lines, err[-4000:]
     return {**json.loads(lines[-1][len("RESULT "):]), "log": log}
 
 
@@ -80,19 +197,32 @@ class EngineServer:
         self.workdir, self.settings = workdir, job
         spec = workdir / "engine.json"
         spec.write_text(json.dumps(job))
-        self._log = (workdir / "engine.log").open("w")
-        self._proc = subprocess.Popen([PYTHON, str(SERVE), "--serve", str(spec)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env=engine_env({**IN_PROCESS, **(env or {})}), cwd=workdir)
+        jobs, log = workdir / "jobs.fifo", workdir / "engine.log"
+        os.mkfifo(jobs)
+        self._jobs = os.open(jobs, os.O_RDWR)  # (a FIFO opened to read and write never waits for its other end)
+        log.touch()
+        self._proc = fork_server().start(["--serve", str(spec)], engine_env({**IN_PROCESS, **(env or {})}), workdir,
+                                         stdout=log, stderr=log, stdin=jobs)
         self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read, args=(log,), daemon=True).start()
         self._ready = False  # awaited by the first job: the engine starts while the caller goes on
 
-    def _read(self) -> None:
-        for line in self._proc.stdout:
-            self._log.write(line)
-            self._log.flush()
-            self._lines.put(line.rstrip("\n"))
+    def _read(self, path: Path) -> None:
+        """The engine's log as it writes it, a line at a time, until it exits and its log is read."""
+        partial = ""
+        with path.open() as log:
+            while True:
+                exited = self._proc.poll() is not None  # (asked before reading: its last lines are read after)
+                for piece in iter(log.readline, ""):
+                    partial += piece
+                    if partial.endswith("\n"):
+                        self._lines.put(partial.rstrip("\n"))
+                        partial = ""
+                if exited:
+                    break
+                time.sleep(0.02)
+        if partial:
+            self._lines.put(partial)
         self._lines.put(None)  # the engine exited
 
     def _until(self, last, what: str, timeout: float = 900) -> list[str]:
@@ -113,22 +243,20 @@ class EngineServer:
         if not self._ready:
             self._until(lambda line: line == "READY", "start")
             self._ready = True
-        self._proc.stdin.write(json.dumps({"prompts": prompts}) + "\n")
-        self._proc.stdin.flush()
+        os.write(self._jobs, (json.dumps({"prompts": prompts}) + "\n").encode())
         lines = self._until(lambda line: re.fullmatch(r"JOB-END \d+", line) is not None, "serve a job")
         result = next(x for x in lines if x.startswith("RESULT "))
         log = "\n".join(x for x in lines if not re.fullmatch(r"JOB-(BEGIN|END) \d+", x) and x is not result)
         return {**json.loads(result[len("RESULT "):]), "log": log}
 
     def close(self) -> None:
+        os.close(self._jobs)  # the end of its jobs: it exits
         if self._proc.poll() is None:
-            self._proc.stdin.close()  # the end of its jobs: it exits
             try:
                 self._proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=30)
-        self._log.close()
 
 
 class EngineServers:
