@@ -35,45 +35,88 @@ def with_own_peak_rss(argv: list[str]) -> list[str]:
     return [sys.executable, "-c", LAUNCHER, *argv]
 
 
+class Fuzzing:
+    """fuzz/SCRIPT running for `seconds` on an empty corpus (which the script may seed) and any
+    further corpus folders, through the launcher, its log in a file (so that two can run at once:
+    each fuzzer is one thread, and on a machine of two cores two of them, each on its own core,
+    run as many inputs as each would alone, in the time of the longer)."""
+
+    def __init__(self, script: str, workdir: Path, seconds: int, *corpora: Path, env: dict | None = None):
+        self.workdir, self.seconds, self.corpus = workdir, seconds, workdir / "corpus"
+        self.corpus.mkdir()
+        self._log = (workdir / "fuzzer.log").open("w+")
+        self._proc = subprocess.Popen(with_own_peak_rss([sys.executable, str(REPO / "fuzz" / script),
+                                                         f"-max_total_time={seconds}", "-rss_limit_mb=2048",
+                                                         "-timeout=10", f"-artifact_prefix={workdir}/",
+                                                         str(self.corpus), *map(str, corpora)]),
+                                      stdout=subprocess.DEVNULL, stderr=self._log, cwd=workdir, env=env)
+
+    def finish(self, timeout: float) -> tuple[int, str]:
+        """Its exit status and its log, once it is done (killed past `timeout` s)."""
+        try:
+            code = self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            raise
+        self._log.seek(0)
+        return code, self._log.read()
+
+    def crashes(self) -> list[str]:
+        return sorted(p.name for p in self.workdir.iterdir() if p.name.startswith(("crash-", "timeout-", "oom-")))
+
+    def check(self, min_runs: int) -> Path:
+        """Fails on any crash, hang or runaway allocation, or on fewer than `min_runs` inputs. The corpus."""
+        code, log = self.finish(timeout=self.seconds + 180)
+        crashes = self.crashes()
+        assert code == 0 and not crashes, (crashes, log[-4000:])
+        runs = re.search(r"Done (\d+) runs", log)
+        assert runs and int(runs.group(1)) > min_runs, log[-2000:]
+        return self.corpus
+
+
 def run_fuzzer(script: str, tmp_path: Path, seconds: int, min_runs: int, env: dict | None = None) -> Path:
     """fuzz/SCRIPT for `seconds` on an empty corpus (which the script may seed), through the launcher;
     fails on any crash, hang or runaway allocation, or on fewer than `min_runs` inputs. The corpus."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    out = subprocess.run(with_own_peak_rss([sys.executable, str(REPO / "fuzz" / script),
-                                            f"-max_total_time={seconds}", "-rss_limit_mb=2048", "-timeout=10",
-                                            f"-artifact_prefix={tmp_path}/", str(corpus)]),
-                         capture_output=True, text=True, timeout=seconds + 180, cwd=tmp_path, env=env)
-    crashes = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("crash-", "timeout-", "oom-")))
-    assert out.returncode == 0 and not crashes, (crashes, out.stderr[-4000:])
-    runs = re.search(r"Done (\d+) runs", out.stderr)
-    assert runs and int(runs.group(1)) > min_runs, out.stderr[-2000:]
-    return corpus
+    return Fuzzing(script, tmp_path, seconds, env=env).check(min_runs)
 
+
+READER, STORE = "test_the_reader_fuzzer_finds_nothing_in_its_time", "test_the_store_fuzzer_finds_nothing_in_its_time"
+
+
+@pytest.fixture(scope="module")
+def standing_fuzzers(request, tmp_path_factory) -> dict[str, Fuzzing]:
+    """The fuzzers of this module's selected tests, started together (each its own thread, its own
+    core): {test name: its fuzzing}. Each test waits for its own and checks it."""
+    here = [item.name for item in request.session.items if item.path == Path(__file__)]
+    started = {}
+    if READER in here:
+        started[READER] = Fuzzing("fuzz_reader.py", tmp_path_factory.mktemp("reader-fuzz"), SECONDS,
+                                  REPO / "format-spec" / "vectors")
+    if STORE in here:
+        started[STORE] = Fuzzing("fuzz_store.py", tmp_path_factory.mktemp("store-fuzz"), max(10, SECONDS * 2 // 3))
+    yield started
+    for fuzzing in started.values():
+        if fuzzing._proc.poll() is None:
+            fuzzing._proc.kill()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="atheris not installed (pip install atheris)")
-def test_the_reader_fuzzer_finds_nothing_in_its_time(tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    out = subprocess.run(with_own_peak_rss([sys.executable, str(REPO / "fuzz" / "fuzz_reader.py"),
-                                            f"-max_total_time={SECONDS}", "-rss_limit_mb=2048", "-timeout=10",
-                                            f"-artifact_prefix={tmp_path}/", str(corpus),
-                                            str(REPO / "format-spec" / "vectors")]),
-                         capture_output=True, text=True, timeout=SECONDS + 120, cwd=tmp_path)
-    crashes = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("crash-", "timeout-", "oom-")))
-    rss = re.findall(r"rss: (\d+)Mb", out.stderr)
-    assert out.returncode == 0 and not crashes, (
+def test_the_reader_fuzzer_finds_nothing_in_its_time(standing_fuzzers):
+    fuzzing = standing_fuzzers[READER]
+    code, log = fuzzing.finish(timeout=SECONDS + 120)
+    crashes = fuzzing.crashes()
+    rss = re.findall(r"rss: (\d+)Mb", log)
+    assert code == 0 and not crashes, (
         crashes, f"fuzzer rss first/last: {rss[:1]}/{rss[-1:]} MB; this process's peak: "
-                 f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10} MB", out.stderr[-4000:])
-    assert "Done" in out.stderr and "runs in" in out.stderr
+                 f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10} MB", log[-4000:])
+    assert "Done" in log and "runs in" in log
 
 
 @pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="atheris not installed (pip install atheris)")
-def test_the_store_fuzzer_finds_nothing_in_its_time(tmp_path):
+def test_the_store_fuzzer_finds_nothing_in_its_time(standing_fuzzers):
     """fuzz/fuzz_store.py: chunk objects from memory, from files cut short after they were opened,
     and under fsck (issue 27): a refusal or a clean load, never anything else."""
-    run_fuzzer("fuzz_store.py", tmp_path, max(10, SECONDS * 2 // 3), min_runs=100)
+    standing_fuzzers[STORE].check(min_runs=100)
 
 
 _PEAK_PROBE = """
