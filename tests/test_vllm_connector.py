@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_engines import IN_PROCESS, PYTHON, REPO, EngineServer, engine_env, has_vllm, serve
+from vllm_engines import IN_PROCESS, PYTHON, REPO, EngineServer, has_vllm, run_serve, serve
 
 CHUNK = 256
 PROMPT = ("The history of computing is long and varied. " * 2 +
@@ -79,10 +79,12 @@ def long_reference(references):
 def raw_store(tmp_path_factory, reference):
     """A folder store filled by one engine serving P with the raw codec (nothing to load yet), then
     P for tenant A (cache salt A): the chunks just saved without a salt are not A's, so that
-    request loads nothing, and saves P's chunks again under A's keys. Its log is job-0.log."""
+    request loads nothing, and saves P's chunks again under A's keys. Its log is job-0.log. In one
+    process: the engines that load what it saved show vLLM's three (the saves handed from the
+    scheduler to the worker are shown by the tenants' and the failed loads' engines)."""
     workdir = tmp_path_factory.mktemp("raw")
     first, tenant_a = serve(workdir, [PROMPT, {"prompt": PROMPT, "cache_salt": SALT_A}], store=str(workdir / "store"),
-                            codec="raw")["requests"]
+                            codec="raw", env=IN_PROCESS)["requests"]
     assert first["num_cached_tokens"] == 0
     assert first["token_ids"] == reference["token_ids"]  # saving changes nothing
     assert tenant_a["num_cached_tokens"] == 0
@@ -375,8 +377,7 @@ def test_an_unreachable_store_is_named_when_the_engine_starts(tmp_path):
     is a miss and a skipped save with a warning (the connector catches kvtool's errors)."""
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps({"prompts": [PROMPT], "connector": "kvtool", "store": "redis://127.0.0.1:1/0"}))
-    out = subprocess.run([PYTHON, str(REPO / "scripts" / "vllm_serve.py"), str(spec)], capture_output=True,
-                         text=True, timeout=600, env=engine_env(IN_PROCESS), cwd=tmp_path)
+    out = run_serve(tmp_path, spec, IN_PROCESS, timeout=600)
     assert out.returncode != 0
     assert "redis://127.0.0.1:1/0: the Redis server cannot be reached" in out.stdout + out.stderr
 

@@ -166,23 +166,31 @@ def fork_server() -> ForkServer:
 atexit.register(lambda: [server.close() for server in _fork_server])
 
 
+def run_serve(workdir: Path, spec: Path, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`python scripts/vllm_serve.py SPEC` in `workdir` with engine_env(env), as subprocess.run
+    would run it with capture_output and text (a process forked by the fork server): its exit
+    code, stdout and stderr (kept beside the job, SPEC.stdout and SPEC.stderr)."""
+    stdout, stderr = spec.with_suffix(".stdout"), spec.with_suffix(".stderr")
+    process = fork_server().start([str(spec)], engine_env(env), workdir, stdout, stderr)
+    try:
+        returncode = process.wait(timeout=timeout)
+    finally:
+        process.kill()  # (past the timeout)
+    return subprocess.CompletedProcess([PYTHON, str(SERVE), str(spec)], returncode, stdout.read_text(),
+                                       stderr.read_text())
+
+
 def serve(workdir: Path, prompts: list, connector: str = "kvtool", env: dict | None = None, **job) -> dict:
     """One fresh vLLM engine process serving `prompts` in order; its result and its log (also
     kept beside the job, job-N.log)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / f"job-{len(list(workdir.glob('job-*.json')))}.json"
     spec.write_text(json.dumps({"prompts": prompts, "connector": connector, **job}))
-    stdout, stderr = spec.with_suffix(".stdout"), spec.with_suffix(".stderr")
-    process = fork_server().start([str(spec)], engine_env(env), workdir, stdout, stderr)
-    try:
-        returncode = process.wait(timeout=900)
-    finally:
-        process.kill()
-    out, err = stdout.read_text(), stderr.read_text()
-    log = out + err  # vLLM logs to stdout
+    out = run_serve(workdir, spec, env)
+    log = out.stdout + out.stderr  # vLLM logs to stdout
     spec.with_suffix(".log").write_text(log)
-    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-    assert returncode == 0 and lines, err[-4000:]
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-4000:]
     return {**json.loads(lines[-1][len("RESULT "):]), "log": log}
 
 
