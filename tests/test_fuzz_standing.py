@@ -93,7 +93,9 @@ def standing_fuzzers(request, tmp_path_factory) -> dict[str, Fuzzing]:
         started[READER] = Fuzzing("fuzz_reader.py", tmp_path_factory.mktemp("reader-fuzz"), SECONDS,
                                   REPO / "format-spec" / "vectors")
     if STORE in here:
-        started[STORE] = Fuzzing("fuzz_store.py", tmp_path_factory.mktemp("store-fuzz"), max(10, SECONDS * 2 // 3))
+        # one thread: torch's pool of two would contend with the other fuzzer for the second core
+        started[STORE] = Fuzzing("fuzz_store.py", tmp_path_factory.mktemp("store-fuzz"), max(10, SECONDS * 2 // 3),
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     yield started
     for fuzzing in started.values():
         if fuzzing._proc.poll() is None:
