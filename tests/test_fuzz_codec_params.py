@@ -6,18 +6,13 @@ through a small process so that libFuzzer's -rss_limit_mb counts the fuzzer's ow
 from __future__ import annotations
 
 import importlib.util
-import os
-from pathlib import Path
 
 import pytest
 
-from test_fuzz_standing import run_fuzzer
-
-REPO = Path(__file__).resolve().parents[1]
-SECONDS = int(os.environ.get("KVTOOL_FUZZ_CODEC_PARAMS_SECONDS", "20"))
+from test_fuzz_standing import fuzzing_beside_its_partner
 
 
 @pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="atheris not installed (pip install atheris)")
-def test_the_codec_params_fuzzer_finds_nothing_in_its_time(tmp_path):
-    env = dict(os.environ, KVTOOL_CALIBRATION_PATH=str(REPO / "format-spec" / "vectors" / "pca"))
-    run_fuzzer("fuzz_codec_params.py", tmp_path, SECONDS, min_runs=1000, env=env)
+def test_the_codec_params_fuzzer_finds_nothing_in_its_time(request):
+    """(Beside the store URL fuzzer when both run: test_fuzz_standing.SIDE_BY_SIDE.)"""
+    fuzzing_beside_its_partner(request).check(min_runs=1000)

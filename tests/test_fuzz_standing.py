@@ -80,6 +80,44 @@ def run_fuzzer(script: str, tmp_path: Path, seconds: int, min_runs: int, env: di
     return Fuzzing(script, tmp_path, seconds, env=env).check(min_runs)
 
 
+#: Fuzzers of two modules that run side by side, each in one thread (torch's pool of two would
+#: contend for the other core): the first module's test starts both when both are selected, the
+#: second's finds its own running or done. {test (file::name): (script, seconds, environment)}.
+CODEC_PARAMS = "test_fuzz_codec_params.py::test_the_codec_params_fuzzer_finds_nothing_in_its_time"
+STORE_URLS = "test_fuzz_store_urls.py::test_the_store_url_fuzzer_finds_nothing_in_its_time"
+SIDE_BY_SIDE = {
+    CODEC_PARAMS: ("fuzz_codec_params.py", int(os.environ.get("KVTOOL_FUZZ_CODEC_PARAMS_SECONDS", "20")),
+                   {"KVTOOL_CALIBRATION_PATH": str(REPO / "format-spec" / "vectors" / "pca")}),
+    STORE_URLS: ("fuzz_store_urls.py", 20, {}),
+}
+PARTNER = {CODEC_PARAMS: STORE_URLS, STORE_URLS: CODEC_PARAMS}
+_started_beside: dict[str, Fuzzing] = {}
+
+
+def fuzzing_beside_its_partner(request) -> Fuzzing:
+    """The calling test's fuzzing (a SIDE_BY_SIDE test): started by its partner's test, or now,
+    with its partner's when that test is selected and has not run."""
+    own = f"{request.node.path.name}::{request.node.name}"
+    if own in _started_beside:
+        return _started_beside.pop(own)
+    factory = request.getfixturevalue("tmp_path_factory")
+
+    def start(name: str) -> Fuzzing:
+        script, seconds, env = SIDE_BY_SIDE[name]
+        return Fuzzing(script, factory.mktemp(script.removesuffix(".py")), seconds,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+
+    partner = PARTNER[own]
+    if any(f"{item.path.name}::{item.name}" == partner for item in request.session.items) \
+            and partner not in _ran_beside:
+        _started_beside[partner] = start(partner)
+    _ran_beside.add(own)
+    return start(own)
+
+
+_ran_beside: set[str] = set()
+
+
 READER, STORE = "test_the_reader_fuzzer_finds_nothing_in_its_time", "test_the_store_fuzzer_finds_nothing_in_its_time"
 
 

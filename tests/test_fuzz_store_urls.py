@@ -6,16 +6,13 @@ fails it."""
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
-from test_fuzz_standing import run_fuzzer  # (the fuzzer charged for its own memory only)
-
-REPO = Path(__file__).resolve().parents[1]
-SECONDS = 20
+from test_fuzz_standing import fuzzing_beside_its_partner  # (each fuzzer charged for its own memory only)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="atheris not installed (pip install atheris)")
-def test_the_store_url_fuzzer_finds_nothing_in_its_time(tmp_path):
-    corpus = run_fuzzer("fuzz_store_urls.py", tmp_path, SECONDS, min_runs=1000)
+def test_the_store_url_fuzzer_finds_nothing_in_its_time(request):
+    """(Beside the codec parameters' fuzzer when both run: test_fuzz_standing.SIDE_BY_SIDE.)"""
+    corpus = fuzzing_beside_its_partner(request).check(min_runs=1000)
     assert len(list(corpus.iterdir())) >= 40  # the matrix was its seed
