@@ -61,7 +61,8 @@ demo: install
 	$(KVTOOL) replay $(OUT)/demo.kvc --compare --continue 16
 
 # The slowest steps are listed at the end of each run (--durations): the whole suite's budget is
-# 20 minutes on a 2-core machine, most of it vLLM engine starts (tests/vllm_engines.py shares them).
+# 20 minutes on a 2-core machine, most of it vLLM engines (tests/vllm_engines.py forks them from one
+# process that imported vLLM once, and shares them).
 test: install $(VENV)/.vllm $(VENV)/.sglang
 	$(PY) -m pytest -q --durations=25
 

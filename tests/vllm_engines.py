@@ -1,13 +1,15 @@
 """vLLM engines for the tests: one-shot engine processes and long-lived shared ones.
 
-Starting a vLLM engine is the dearest step of the suite (35-75 s on a 2-core machine), so:
+Starting a vLLM engine is the dearest step of the suite, mostly importing vLLM (8-15 s a process
+on a 2-core machine), so:
 
 - `serve(workdir, prompts, **job)`: one fresh engine process (scripts/vllm_serve.py) serving
   `prompts` in order, as a user's server would; its result and its log. For a test whose point is
   a fresh engine (a second engine loading what the first saved, a store changed under an engine,
   an engine that must refuse to start).
-- `env=IN_PROCESS`: vLLM's engine core and its CPU worker in the process that serves (about 35 s
-  an engine here instead of 75: two fewer spawns, each importing vLLM again). vLLM's usual three
+- `env=IN_PROCESS`: vLLM's engine core and its CPU worker in the process that serves (an engine
+  up in about 3 s here, forked as below, instead of 13: vLLM spawns its worker, which imports vLLM
+  again). vLLM's usual three
   processes (the default) are what the scheduler-to-worker hand-over, the counters that cross
   processes and the failure reports are shown in; a test about neither can run in one.
 - `EngineServer` / the `vllm_engine` fixture (tests/conftest.py): one long-lived in-process engine
@@ -19,10 +21,10 @@ Starting a vLLM engine is the dearest step of the suite (35-75 s on a 2-core mac
   saves runs its whole sequence as one job.
 
 Each engine process (both kinds) is forked from one process per session that imported vLLM once
-(`ForkServer`, scripts/vllm_serve.py --fork-server): importing vLLM is most of a process's start-up
-here, and a forked process is otherwise the process `python scripts/vllm_serve.py` would be: its
-own environment, folder, streams and exit code; vLLM's three processes, where asked for, are that
-process's own children as before.
+(`ForkServer`, scripts/vllm_serve.py --fork-server; `has_vllm` is that process coming up): a
+forked process is otherwise the process `python scripts/vllm_serve.py` would be: its own
+environment, folder, streams and exit code; vLLM's three processes, where asked for, are that
+process's own children as before (`run_serve` for a test that reads a refusal's exit code itself).
 
 Runs with the Python that has vLLM: this one, or $KVTOOL_VLLM_PYTHON.
 """
