@@ -25,15 +25,14 @@ the layer kind: its state is not a per-token KV."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import test_vllm_connector as vllm_tests
-from test_vllm_connector import CHUNK, OTHER, PROMPT, PYTHON, REPO, SALT_A, serve, transfer_metrics
+from test_vllm_connector import CHUNK, OTHER, PROMPT, SALT_A, serve, transfer_metrics
+from vllm_engines import run_serve
 from vllm_isolation import connector_lookup, engine_config, random_lora, served_groups
 
 pytestmark = vllm_tests.pytestmark  # skipped where vLLM is not installed; in CI it must run
@@ -221,9 +220,7 @@ def test_a_jamba_like_model_is_refused_at_engine_start_in_one_line(tmp_path):
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"prompts": [PROMPT], "connector": "kvtool", "store": str(tmp_path / "store"),
                                "model": str(model), "max_tokens": 4}))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
-    out = subprocess.run([PYTHON, str(REPO / "scripts" / "vllm_serve.py"), str(job)], capture_output=True, text=True,
-                         timeout=900, env=env, cwd=tmp_path)
+    out = run_serve(tmp_path, job, IN_PROCESS)  # forked as every engine of the suite (tests/vllm_engines.py)
     log = out.stdout + out.stderr
     (tmp_path / "job.log").write_text(log)
     assert out.returncode != 0 and "RESULT " not in out.stdout
