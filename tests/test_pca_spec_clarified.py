@@ -1,0 +1,119 @@
+"""What format-spec/pca.md says since a decoder written from the text alone read it (section 10's
+"clarified" row of 2026-12-02), each held to kvtool's readers (the reference coders and the native
+one) on the spec's own vectors: a coded component of zeros decodes to the same values; with no
+coded token a version-1 reader ignores the side bytes and version 2 refuses any but 0xFF; tables
+16 and 17 are one table; a version-2 payload's length is 11.2's formula."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtool.codecs.pca import calibration as calmod
+from kvtool.codecs.pca import native
+from kvtool.codecs.pca import reference as ref
+from kvtool.codecs.pca import reference2 as ref2
+from kvtool.errors import DecodeError
+
+SPEC = Path(__file__).resolve().parents[1] / "format-spec"
+VECTORS = SPEC / "vectors" / "pca"
+_spec = importlib.util.spec_from_file_location("make_pca_vectors", VECTORS / "make_pca_vectors.py")
+mv = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mv)
+HEADER = 24
+ROW_ENTRY = 16
+
+
+def vector(name: str, folder: Path = VECTORS) -> dict:
+    meta = json.loads((folder / f"{name}.json").read_text())
+    storage = mv.STORAGE[meta["dtype"]]
+    digest = meta["params"]["calibration"]
+    return dict(meta, raw=np.fromfile(folder / f"{name}.in.bin", storage).reshape(meta["shape"]),
+                payload=(folder / f"{name}.payload.bin").read_bytes(),
+                out=np.fromfile(folder / f"{name}.out.bin", storage).reshape(meta["shape"]),
+                cal=calmod.from_bytes((VECTORS / f"{digest}.kvcal").read_bytes(), digest))
+
+
+def decoders(version: int) -> list:
+    found = [ref.decode_chunk if version == 1 else ref2.decode_chunk]
+    if native.native_available():
+        found.append(native.decode_chunk if version == 1 else native.decode_chunk_v2)
+    return found
+
+
+def decode_all(version: int, payload: bytes, v: dict) -> list[np.ndarray]:
+    p = v["params"]
+    return [decode(payload, tuple(v["shape"]), v["dtype"], v["cal"], p["step"], p["position"])
+            for decode in decoders(version)]
+
+
+def test_a_coded_component_of_zeros_decodes_to_the_same_values(monkeypatch):
+    """6.1: a writer that codes a component of zeros (table 0, shift 0: Tc zero symbols) instead of
+    marking it 0xFF makes another payload that every reader decodes to the same values."""
+    v = vector("walk_bf16")
+    p = v["params"]
+    choose = ref.choose
+    revived = []
+
+    def choose_and_code_a_dead_component(m):
+        side = choose(m)
+        dead = np.argwhere(side == ref.ALL_ZERO)
+        assert len(dead), "walk_bf16 has a component of zeros"
+        side[tuple(dead[0])] = 0  # table 0, shift 0
+        revived.append(tuple(dead[0]))
+        return side
+
+    monkeypatch.setattr(ref, "choose", choose_and_code_a_dead_component)
+    payload = ref.encode_chunk(v["raw"], v["dtype"], v["cal"], p["step"], p["sinks"], p["position"], p["lanes"])
+    assert revived and payload != v["payload"]
+    for out in decode_all(1, payload, v):
+        assert out.tobytes() == v["out"].tobytes()
+
+
+def side_bytes_v1(payload: bytes, rows: int, channels: int, sink_bytes: int) -> int:
+    """The offset of row 0's side bytes in a version-1 payload (4)."""
+    return HEADER + ROW_ENTRY * rows + sink_bytes + (-sink_bytes) % 4
+
+
+def test_with_no_coded_token_version_1_ignores_the_side_bytes_and_version_2_refuses_them():
+    v1, v2 = vector("bf16_sinks_only"), vector("bf16_sinks_only", VECTORS / "v2")
+    _, L, T, C = v1["shape"]
+    assert struct.unpack_from("<I", v1["payload"], 20)[0] == T  # every token a sink: Tc = 0
+    at = side_bytes_v1(v1["payload"], 2 * L, C, 2 * L * T * C * 2)
+    assert v1["payload"][at:at + C] == b"\xff" * C  # as a writer MUST write them
+    changed = bytearray(v1["payload"])
+    changed[at] = 0
+    for out in decode_all(1, bytes(changed), v1):
+        assert out.tobytes() == v1["out"].tobytes()
+    changed = bytearray(v2["payload"])
+    assert changed[HEADER:HEADER + 2 * L * C] == b"\xff" * (2 * L * C)
+    changed[HEADER] = 0
+    for decode in decoders(2):
+        with pytest.raises(DecodeError, match="without coded tokens has a coded component"):
+            decode(bytes(changed), tuple(v2["shape"]), v2["dtype"], v2["cal"], v2["params"]["step"],
+                   v2["params"]["position"])
+
+
+def test_tables_16_and_17_are_one_table():
+    tables = json.loads((SPEC / "pca_tables.json").read_text())
+    assert tables["freq"][16] == tables["freq"][17] and tables["cost_q8"][16] == tables["cost_q8"][17]
+    others = [row for i, row in enumerate(tables["freq"]) if i != 17]
+    assert len({tuple(row) for row in others}) == 31  # no other two alike
+
+
+@pytest.mark.parametrize("name", sorted(p.name[:-len(".json")] for p in (VECTORS / "v2").glob("*.json")))
+def test_a_version_2_payload_is_as_long_as_11_2_says(name):
+    v = vector(name, VECTORS / "v2")
+    _, L, T, C = v["shape"]
+    S = struct.unpack_from("<I", v["payload"], 20)[0]
+    itemsize = 4 if v["dtype"] == "float32" else 2
+    regions = v["regions"]
+    align4 = lambda n: n + (-n) % 4  # noqa: E731
+    assert len(v["payload"]) == (HEADER + align4(2 * L * C) + align4(2 * L * S * C * itemsize)
+                                 + 2 * len(regions) + sum(regions))
+    assert len(regions) == -(-len(v["units"]) // 2)
