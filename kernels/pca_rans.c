@@ -120,7 +120,22 @@ static inline int pca_row_more(const pca_row_state *r, uint32_t N) {
 #undef ROWS_TARGET
 #undef ROWS_DEC8
 #undef ROWS
+
+#include "pca_units_simd.inc"
 #endif
+
+int pca_rans_dec_units(pca_unit_rans *u, uint32_t count, const uint32_t *dec, const uint8_t *payload, size_t len,
+                       const int32_t *tab_off, uint32_t Tc, uint8_t *tmp) {
+#ifdef PCA_RANS_AVX2
+    if (len < (1u << 31) - 16 && pca_simd_avx512()) { /* the gathers' indices are int32 offsets */
+        for (uint32_t b = 0; b < count; b += UNITS_BATCH)
+            units_batch_avx512(u + b, count - b < UNITS_BATCH ? count - b : UNITS_BATCH, dec, payload, tab_off, Tc, tmp);
+        return 1;
+    }
+#endif
+    (void)u; (void)count; (void)dec; (void)payload; (void)len; (void)tab_off; (void)Tc; (void)tmp;
+    return 0;
+}
 
 static int row_fits(uint32_t N, const pca_rans_row *r) {
     return N % 8 == 0 && r->Tc >= N && r->count && r->wp <= r->nwords;
