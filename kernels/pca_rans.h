@@ -125,3 +125,21 @@ typedef struct {
 } pca_raw_out;
 
 void pca_raw_encode(pca_raw_out *o, int sh, const int16_t *q, uint32_t n, uint8_t *sym);
+
+/* Bitstream version 2's writer (§11.3, informative): one unit's rANS for pca_rans_enc_units. Its
+ * n symbols sym[0 .. n), the last at token tc of live component jc; x its initial state
+ * (2^31 | its first 31 raw bits). Its words go below words[woff + wp] (wp = n in: the words of
+ * symbol n - 1 first, each one place lower), the u16 below the last one written touched too. Out:
+ * x the final state, wp where its words start. */
+typedef struct {
+    uint32_t x, n, jc, tc, wp;
+    int32_t woff;
+    const uint8_t *sym;
+} pca_unit_enc;
+
+/* The rANS of `count` units of one row, 16 a vector (AVX-512). tabs[j]: the table of live
+ * component j (j < nl); tb the 32 tables; tmp: 64 * 4096 + 4 * nl bytes.
+ * Returns 1 when it ran, 0 (nothing done) on other CPUs. */
+int pca_rans_enc_units(pca_unit_enc *u, uint32_t count, const pca_enc_table *tb, const uint8_t *tabs, uint32_t nl,
+                       uint32_t Tc, uint16_t *words, uint8_t *tmp);
+

@@ -226,9 +226,9 @@ def decode_chunk(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str
 # --------------------------------------------------------------------------- bitstream version 2
 def encode_chunk_v2(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sinks: int, start: int,
                     unit: int | None = None, threads: int | None = None) -> bytes:
-    """As reference2.encode_chunk: the C coder gives the side bytes and every unit's stream
-    (version 1's transform and choice, then each unit's raw bits and rANS); the regions, the
-    table and the header are laid out here."""
+    """As reference2.encode_chunk: the C coder gives the side bytes and the regions (version 1's
+    transform and choice, then each unit's raw bits and rANS, two units' streams a region); the
+    header, the sinks and the region table are laid out here."""
     from . import reference2
 
     mod = native_module(warn=False)
@@ -259,20 +259,16 @@ def encode_chunk_v2(raw: np.ndarray, dtype: str, cal: Calibration, step: float, 
                          f"{reference.TOKEN_L1_LIMIT}); use a larger step or another codec") from None
     rows = 2 * L
     side = blob[:rows * C]
-    n = struct.unpack_from("<I", blob, rows * C)[0]
-    lens = np.frombuffer(blob, "<u4", count=n, offset=rows * C + 4).astype(np.int64)
-    at = rows * C + 4 + 4 * n
-    ends = at + np.cumsum(lens)
-    streams = [blob[e - k:e] for e, k in zip(ends.tolist(), lens.tolist())]
-    regions = [streams[i] + (streams[i + 1][::-1] if i + 1 < n else b"") for i in range(0, n, 2)]
-    if any(len(g) > 0xFFFF for g in regions):
+    pairs = struct.unpack_from("<I", blob, rows * C)[0]
+    lens = np.frombuffer(blob, "<u4", count=pairs, offset=rows * C + 4)
+    if (lens > 0xFFFF).any():
         raise UsageError("pca: a pair of units exceeds 65535 bytes (use a smaller unit)")
+    regions = memoryview(blob)[rows * C + 4 + 4 * pairs:]  # laid out by the C coder (§11.2)
     sink_bytes = np.ascontiguousarray(raw[:, :, :n_sink]).tobytes()
     head = reference2.HEADER.pack(reference.MAGIC, reference2.FORMAT_VERSION, DTYPE_CODES[dtype],
                                   unit // reference2.UNIT_STEP, 0, rows, T, C, n_sink)
     return b"".join([head, side, b"\0" * reference._pad4(len(side)), sink_bytes,
-                     b"\0" * reference._pad4(len(sink_bytes)), np.array([len(g) for g in regions], "<u2").tobytes()]
-                    + regions)
+                     b"\0" * reference._pad4(len(sink_bytes)), lens.astype("<u2").tobytes(), regions])
 
 
 def decode_chunk_v2(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str, cal: Calibration, step: float,
