@@ -70,8 +70,9 @@ int pca_decode_chunk_v2(const uint8_t *payload, size_t len, const pca_chunk *ck,
                         size_t errlen);
 
 /* Encode a version-2 chunk's units (units of `unit` symbols): on PCA_OK *out (malloc'ed) holds the
- * side bytes [2L][C], a u32 unit count, each unit's u32 stream length, then the streams in unit
- * order (kvtool/codecs/pca/native.py lays them out in regions). */
+ * side bytes [2L][C], a u32 region count, each region's u32 length, then the regions (format-spec
+ * pca.md §11.2: units 2j and 2j + 1's streams, the second backward); kvtool/codecs/pca/native.py
+ * adds the header, the sinks and the u16 region table. */
 int pca_encode_chunk_v2(const void *kv, const pca_chunk *ck, uint32_t unit, int threads, uint8_t **out,
                         size_t *out_len, char *err, size_t errlen);
 

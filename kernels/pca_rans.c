@@ -120,7 +120,46 @@ static inline int pca_row_more(const pca_row_state *r, uint32_t N) {
 #undef ROWS_TARGET
 #undef ROWS_DEC8
 #undef ROWS
+
+#include "pca_units_simd.inc"
 #endif
+
+int pca_rans_dec_units(pca_unit_rans *u, uint32_t count, const uint32_t *dec, const uint8_t *payload, size_t len,
+                       const int32_t *tab_off, uint32_t Tc, uint8_t *tmp) {
+#ifdef PCA_RANS_AVX2
+    if (len < (1u << 31) - 16 && pca_simd_avx512()) { /* the gathers' indices are int32 offsets */
+        for (uint32_t b = 0; b < count; b += UNITS_BATCH)
+            units_batch_avx512(u + b, count - b < UNITS_BATCH ? count - b : UNITS_BATCH, dec, payload, tab_off, Tc, tmp);
+        return 1;
+    }
+#endif
+    (void)u; (void)count; (void)dec; (void)payload; (void)len; (void)tab_off; (void)Tc; (void)tmp;
+    return 0;
+}
+
+int pca_rans_enc_units(pca_unit_enc *u, uint32_t count, const pca_enc_table *tb, const uint8_t *tabs, uint32_t nl,
+                       uint32_t Tc, uint16_t *words, uint8_t *tmp) {
+#ifdef PCA_RANS_AVX2
+    if (pca_simd_avx512()) {
+        /* per (table, symbol): f | cum << 16 and floor((2^32 - 1) / f); per live component its
+         * table's first entry */
+        uint32_t fc[PCA_NTAB * PCA_NSYM], rcp[PCA_NTAB * PCA_NSYM];
+        for (int t = 0; t < PCA_NTAB; t++)
+            for (int j = 0; j < PCA_NSYM; j++) {
+                fc[t * PCA_NSYM + j] = tb[t].f[j] | tb[t].cum[j] << 16;
+                rcp[t * PCA_NSYM + j] = tb[t].rcp[j];
+            }
+        int32_t *tab16 = (int32_t *)(tmp + (size_t)64 * 4096);
+        for (uint32_t j = 0; j < nl; j++) tab16[j] = (int32_t)tabs[j] * PCA_NSYM;
+        for (uint32_t b = 0; b < count; b += UNITS_BATCH)
+            units_ebatch_avx512(u + b, count - b < UNITS_BATCH ? count - b : UNITS_BATCH, fc, rcp, tab16, tabs, Tc,
+                                words, tmp);
+        return 1;
+    }
+#endif
+    (void)u; (void)count; (void)tb; (void)tabs; (void)nl; (void)Tc; (void)words; (void)tmp;
+    return 0;
+}
 
 static int row_fits(uint32_t N, const pca_rans_row *r) {
     return N % 8 == 0 && r->Tc >= N && r->count && r->wp <= r->nwords;

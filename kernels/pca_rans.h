@@ -59,6 +59,25 @@ int pca_choose_counts(const int16_t *q, uint32_t Tc, uint16_t *m, uint32_t P[65]
 void pca_choose_shift(const uint64_t h[PCA_NSYM], int s, uint64_t Tc, const uint64_t (*cost_t)[PCA_NTAB],
                       const int16_t *cost16, uint64_t *best, uint8_t *side);
 
+/* Bitstream version 2 (§11.3): one unit's rANS for pca_rans_dec_units. Its stream's byte i is
+ * payload[at + dir * i] (dir +1 or -1), len bytes; its n symbols start at token tc of live
+ * component jc. In: x, the state read from the stream's first 4 bytes, and p = 4. Out: x the end
+ * state, p the stream bytes read, over 1 when a renormalisation needed a word past len (the word
+ * then reads as 0: the unit is corrupt), and the symbols in sym[0 .. n). */
+typedef struct {
+    int64_t at;
+    int32_t dir;
+    uint32_t len, n, jc, tc, x, p, over;
+    uint8_t *sym;
+} pca_unit_rans;
+
+/* The rANS of `count` units of one row, 16 a vector (AVX-512; the loop of pca_units.inc's
+ * rans_step, lane by lane). tab_off[j] = 4096 * the table of live component j, for j <= the row's
+ * live count (the entry after the last, any table); tmp: 64 * (the longest unit's symbols) bytes.
+ * Returns 1 when it ran, 0 (nothing done) on other CPUs or a payload of 2^31 bytes or more. */
+int pca_rans_dec_units(pca_unit_rans *u, uint32_t count, const uint32_t *dec, const uint8_t *payload, size_t len,
+                       const int32_t *tab_off, uint32_t Tc, uint8_t *tmp);
+
 #endif
 
 /* The raw parts of one component (§6.4) as the decoder reads them: positions in bits, reads never
@@ -106,3 +125,21 @@ typedef struct {
 } pca_raw_out;
 
 void pca_raw_encode(pca_raw_out *o, int sh, const int16_t *q, uint32_t n, uint8_t *sym);
+
+/* Bitstream version 2's writer (§11.3, informative): one unit's rANS for pca_rans_enc_units. Its
+ * n symbols sym[0 .. n), the last at token tc of live component jc; x its initial state
+ * (2^31 | its first 31 raw bits). Its words go below words[woff + wp] (wp = n in: the words of
+ * symbol n - 1 first, each one place lower), the u16 below the last one written touched too. Out:
+ * x the final state, wp where its words start. */
+typedef struct {
+    uint32_t x, n, jc, tc, wp;
+    int32_t woff;
+    const uint8_t *sym;
+} pca_unit_enc;
+
+/* The rANS of `count` units of one row, 16 a vector (AVX-512). tabs[j]: the table of live
+ * component j (j < nl); tb the 32 tables; tmp: 64 * 4096 + 4 * nl bytes.
+ * Returns 1 when it ran, 0 (nothing done) on other CPUs. */
+int pca_rans_enc_units(pca_unit_enc *u, uint32_t count, const pca_enc_table *tb, const uint8_t *tabs, uint32_t nl,
+                       uint32_t Tc, uint16_t *words, uint8_t *tmp);
+

@@ -372,12 +372,16 @@ def test_every_portable_path_is_the_reference(tmp_path, flag, path):
 
 def test_kept_rope_tables_are_the_calibrations(monkeypatch):
     """The coder slices kept tables of positions 0..n; they are calibration.rope_tables's numbers for
-    any range, past what is kept too (computed afresh there)."""
+    any range (version 1; version 2: reference2.rope_tables's, §11.5), past what is kept too
+    (computed afresh there)."""
+    from kvtool.codecs.pca import reference2
+
     cal = cal_of("small")  # two layers with their own frequencies: two rows
     prep = native._Prepared(cal)
     monkeypatch.setattr(prep, "_rope_limit", 5000)
-    for start, tokens in ((0, 1), (300, 256), (4090, 10), (0, 5000), (4999, 2), (70000, 3)):
-        want = calmod.rope_tables(prep.rope, start, tokens)
-        got = prep.rope_tables(start, tokens)
-        assert all(g.flags.c_contiguous and same(g, w) for g, w in zip(got, want)), (start, tokens)
-    assert prep._rope_kept[0].shape[1] == 5000
+    for version, make in ((1, calmod.rope_tables), (2, reference2.rope_tables)):
+        for start, tokens in ((0, 1), (300, 256), (4090, 10), (0, 5000), (4999, 2), (70000, 3)):
+            want = make(prep.rope, start, tokens)
+            got = prep.rope_tables(start, tokens, version=version)
+            assert all(g.flags.c_contiguous and same(g, w) for g, w in zip(got, want)), (version, start, tokens)
+        assert prep._rope_kept[version][0].shape[1] == 5000

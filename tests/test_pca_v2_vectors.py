@@ -1,7 +1,8 @@
-"""The pca version-2 test vectors (format-spec/vectors/pca/v2, format-spec/pca.md §11.8): the
-reference coder reproduces their payloads and decoded values byte for byte, their RoPE tables are
-§11.5's, their unit lists are what the payloads' side bytes and unit tables give, and every unit
-decodes alone to what the whole chunk's decoder gives."""
+"""The pca version-2 test vectors (format-spec/vectors/pca/v2, format-spec/pca.md §11.8), made by a
+generator that imports nothing from kvtool: kvtool's reference coder reproduces their payloads and
+decoded values byte for byte, their RoPE tables are §11.5's, their unit lists are what the
+payloads' side bytes and unit tables give, and every unit decodes alone to what the whole chunk's
+decoder gives."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from kvtool.codecs.pca import PcaCodec
+from kvtool.codecs.pca import calibration as calmod
 from kvtool.codecs.pca import reference2 as v2
 
 HERE = Path(__file__).resolve().parents[1] / "format-spec" / "vectors" / "pca" / "v2"
@@ -30,7 +32,7 @@ def vector(name: str) -> dict:
     return dict(meta, raw=np.fromfile(HERE / f"{name}.in.bin", storage).reshape(meta["shape"]),
                 payload=(HERE / f"{name}.payload.bin").read_bytes(),
                 out=np.fromfile(HERE / f"{name}.out.bin", storage).reshape(meta["shape"]),
-                cal=mv.calibration(meta["params"]["calibration"]))
+                cal=calmod.from_bytes((HERE.parent / f"{meta['params']['calibration']}.kvcal").read_bytes()))
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -72,3 +74,48 @@ def test_the_vectors_cover_what_section_11_asks():
     lay, q = v2.decode_coefficients(vector(mv.MANY)["payload"], (2, 2, 199, 8), "bfloat16")
     shift = np.where(lay.side == v2.ALL_ZERO, 0, lay.side >> 5).astype(np.int64)  # [rows, C]
     assert ((np.abs(q) >> shift[:, None, :]) >= v2.ESCAPE).any()  # escapes are coded
+
+
+def test_the_generator_needs_nothing_of_kvtool(tmp_path):
+    """In a fresh interpreter that cannot import kvtool (isolated mode, from elsewhere, every import
+    of kvtool refused), the generator's own writer codes every vector's input to its payload, its
+    own reader gives its output, unit list and region lengths, and its §11.5 tables are the files'."""
+    import subprocess
+    import sys
+
+    script = f"""
+import importlib.abc, importlib.util, json, sys
+import numpy as np
+class NoKvtool(importlib.abc.MetaPathFinder):  # kvtool may be installed: make it unimportable
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "kvtool":
+            raise ImportError("kvtool is not available here")
+sys.meta_path.insert(0, NoKvtool())
+spec = importlib.util.spec_from_file_location("mv2", {str(HERE / "make_pca_v2_vectors.py")!r})
+mv = importlib.util.module_from_spec(spec); spec.loader.exec_module(mv)
+here = mv.HERE
+for name, (meta, raw) in mv.inputs().items():
+    p, dtype = meta["params"], meta["dtype"]
+    saved = json.loads((here / f"{{name}}.json").read_text())
+    assert saved["params"] == p and (here / f"{{name}}.in.bin").read_bytes() == raw.tobytes(), name
+    cal = mv.calibration(p["calibration"])
+    payload = mv.spec_encode2(raw, dtype, cal, p["step"], p["sinks"], p["position"], p["unit"])
+    assert payload == (here / f"{{name}}.payload.bin").read_bytes(), name
+    out = mv.spec_decode2(payload, raw.shape, dtype, cal, p["step"], p["position"])
+    assert out.tobytes() == (here / f"{{name}}.out.bin").read_bytes(), name
+    lay = mv.parse2(payload, raw.shape, dtype)
+    assert [list(s) for s in lay["spans"]] == saved["units"] and lay["reg_len"] == saved["regions"], name
+    if lay["Tc"]:
+        cos, sin = mv.rope_tables(cal, p["position"] + lay["S"], lay["Tc"])
+        assert cos.tobytes() + sin.tobytes() == (here / f"{{name}}.rope.bin").read_bytes(), name
+try:
+    import kvtool
+except ImportError:
+    print("no kvtool")
+assert not [m for m in sys.modules if m.startswith("kvtool")]
+print("ok", len(mv.inputs()))
+"""
+    done = subprocess.run([sys.executable, "-I", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["no", "kvtool", "ok", str(len(ALL))]

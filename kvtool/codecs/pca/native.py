@@ -66,6 +66,14 @@ def _this() -> ModuleType:
     return sys.modules[__name__]
 
 
+def _rope_tables_v2(cal: Any, start: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """format-spec/pca.md §11.5's tables (each entry its position's and frequency's alone, as
+    version 1's: so a kept table's slice is a chunk's)"""
+    from . import reference2
+
+    return reference2.rope_tables(cal, start, tokens)
+
+
 # --------------------------------------------------------------------------- prepared calibration
 class _Prepared:
     def __init__(self, cal: Calibration):
@@ -91,24 +99,27 @@ class _Prepared:
         self.rope_map = np.ascontiguousarray(of_layer.reshape(-1), dtype=np.int32)
         # positions 0..n-1 of those tables, kept: a chunk's are a slice (the same numbers, as each
         # entry is its position's and frequency's alone), not a float64 cos and sin per chunk
-        self._rope_kept = (np.empty((len(rows), 0, rows.shape[1]), np.float32),) * 2  # read-only once kept
+        none = (np.empty((len(rows), 0, rows.shape[1]), np.float32),) * 2
+        self._rope_kept = {1: none, 2: none}  # per bitstream version; read-only once kept
         self._rope_lock = threading.Lock()
         self._rope_limit = max(0, ROPE_KEPT_BYTES // (8 * rows.size))  # positions kept at most
 
-    def rope_tables(self, start: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """calibration.rope_tables of the distinct rows, [rows, tokens, D/2] each, contiguous"""
+    def rope_tables(self, start: int, tokens: int, version: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """calibration.rope_tables (version 1) or reference2.rope_tables (version 2, §11.5) of the
+        distinct rows, [rows, tokens, D/2] each, contiguous"""
+        make = rope_tables if version == 1 else _rope_tables_v2
         end = start + tokens
-        cos, sin = self._rope_kept
+        cos, sin = self._rope_kept[version]
         if end > cos.shape[1] and end <= self._rope_limit:
             with self._rope_lock:
-                cos, sin = self._rope_kept
+                cos, sin = self._rope_kept[version]
                 if end > cos.shape[1]:
                     n = min(self._rope_limit, max(end, 2 * cos.shape[1], 4096))
-                    cos, sin = rope_tables(self.rope, 0, n)  # type: ignore[arg-type]
+                    cos, sin = make(self.rope, 0, n)  # type: ignore[arg-type]
                     cos.flags.writeable = sin.flags.writeable = False  # its slices go to every coder
-                    self._rope_kept = (cos, sin)
+                    self._rope_kept[version] = (cos, sin)
         if end > cos.shape[1]:
-            return rope_tables(self.rope, start, tokens)  # type: ignore[arg-type]
+            return make(self.rope, start, tokens)  # type: ignore[arg-type]
         return np.ascontiguousarray(cos[:, start:end]), np.ascontiguousarray(sin[:, start:end])
 
     def _pairs(self, m: np.ndarray) -> np.ndarray:
@@ -215,9 +226,9 @@ def decode_chunk(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str
 # --------------------------------------------------------------------------- bitstream version 2
 def encode_chunk_v2(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sinks: int, start: int,
                     unit: int | None = None, threads: int | None = None) -> bytes:
-    """As reference2.encode_chunk: the C coder gives the side bytes and every unit's stream
-    (version 1's transform and choice, then each unit's raw bits and rANS); the regions, the
-    table and the header are laid out here."""
+    """As reference2.encode_chunk: the C coder gives the side bytes and the regions (version 1's
+    transform and choice, then each unit's raw bits and rANS, two units' streams a region); the
+    header, the sinks and the region table are laid out here."""
     from . import reference2
 
     mod = native_module(warn=False)
@@ -233,7 +244,7 @@ def encode_chunk_v2(raw: np.ndarray, dtype: str, cal: Calibration, step: float, 
                          f"has {L} x {C}")
     prep = prepared(cal)
     n_sink = min(T, max(0, sinks - start))
-    cos, sin = reference2.rope_tables(prep.rope, start + n_sink, T - n_sink)  # type: ignore[arg-type]
+    cos, sin = prep.rope_tables(start + n_sink, T - n_sink, version=2)
     r = 1.0 / (float(step) * float(1 << (reference.U_FRACTION + 14)))
     data = np.ascontiguousarray(raw).view(_STORAGE[dtype])
     try:
@@ -248,20 +259,16 @@ def encode_chunk_v2(raw: np.ndarray, dtype: str, cal: Calibration, step: float, 
                          f"{reference.TOKEN_L1_LIMIT}); use a larger step or another codec") from None
     rows = 2 * L
     side = blob[:rows * C]
-    n = struct.unpack_from("<I", blob, rows * C)[0]
-    lens = np.frombuffer(blob, "<u4", count=n, offset=rows * C + 4).astype(np.int64)
-    at = rows * C + 4 + 4 * n
-    ends = at + np.cumsum(lens)
-    streams = [blob[e - k:e] for e, k in zip(ends.tolist(), lens.tolist())]
-    regions = [streams[i] + (streams[i + 1][::-1] if i + 1 < n else b"") for i in range(0, n, 2)]
-    if any(len(g) > 0xFFFF for g in regions):
+    pairs = struct.unpack_from("<I", blob, rows * C)[0]
+    lens = np.frombuffer(blob, "<u4", count=pairs, offset=rows * C + 4)
+    if (lens > 0xFFFF).any():
         raise UsageError("pca: a pair of units exceeds 65535 bytes (use a smaller unit)")
+    regions = memoryview(blob)[rows * C + 4 + 4 * pairs:]  # laid out by the C coder (§11.2)
     sink_bytes = np.ascontiguousarray(raw[:, :, :n_sink]).tobytes()
     head = reference2.HEADER.pack(reference.MAGIC, reference2.FORMAT_VERSION, DTYPE_CODES[dtype],
                                   unit // reference2.UNIT_STEP, 0, rows, T, C, n_sink)
     return b"".join([head, side, b"\0" * reference._pad4(len(side)), sink_bytes,
-                     b"\0" * reference._pad4(len(sink_bytes)), np.array([len(g) for g in regions], "<u2").tobytes()]
-                    + regions)
+                     b"\0" * reference._pad4(len(sink_bytes)), lens.astype("<u2").tobytes(), regions])
 
 
 def decode_chunk_v2(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str, cal: Calibration, step: float,
@@ -292,7 +299,7 @@ def decode_chunk_v2(payload: bytes | memoryview, shape: tuple[int, ...], dtype: 
         units[:, 5] = lay.reg_len[pair]
     row_units = np.searchsorted(units[:, 0], np.arange(2 * L + 1), side="left").astype(np.int32)
     consumed = np.zeros(n, np.int64)
-    cos, sin = reference2.rope_tables(prep.rope, start + lay.n_sink, lay.Tc)  # type: ignore[arg-type]
+    cos, sin = prep.rope_tables(start + lay.n_sink, lay.Tc, version=2)
     out = np.empty((2, L, T, C), dtype=_OUT[dtype])
     try:
         mod.decode2(payload, out.view(_STORAGE[dtype]), DTYPE_CODES[dtype], L, T, C, cal.head_dim, lay.n_sink,
