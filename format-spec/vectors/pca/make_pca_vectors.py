@@ -634,7 +634,8 @@ def walkthrough() -> str:
           "when `Tc = 0`). A writer MUST produce `NAME.payload.bin` from `NAME.in.bin` and the parameters, a",
           "reader MUST produce `NAME.out.bin` from the payload, both byte for byte.", ""]
     o += _para("Each calibration object has an orthonormal basis in Q14 and RoPE frequencies of base 10000, "
-               "`f32(10000^(-2i/D))`. Those of the first five vectors (and version 2's, section 11.8) have one "
+               "`f32(10000^(-2i/D))`. Those of the first six vectors (and of version 2's `bf16_many_units` and "
+               "`fp16_past_2e32`, section 11.8) have one "
                "KV head of `D = 8` (so `C = 8`; frequencies `1, 0.1, 0.01, 0.001`). Those of `bf16_heads` and "
                "`fp16_heads_blocks` have three KV heads of `D = 6` (`C = 18`; frequencies `1, 0.046415888, "
                "0.0021544347`): keys turn by the pairs `(6h + i, 6h + 3 + i)` of head `h` (section 5), and each "
