@@ -154,7 +154,8 @@ def to_storage(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float32":
         return x.astype(np.float32)
     if dtype == "float16":
-        return x.astype(np.float16)
+        with np.errstate(over="ignore"):  # past the float16 maximum: an infinity, as IEEE 754 converts
+            return x.astype(np.float16)
     bits = x.view(np.uint32).astype(np.uint64)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
@@ -263,9 +264,12 @@ def _householder_basis(vectors: list[list[int]]) -> np.ndarray:
     return np.array([[round(x * BASIS_ONE) for x in row] for row in m], dtype=np.int16)
 
 
-def make_calibration(layers: int, seed: int, heads: int = 1, head_dim: int = D, per_head: bool = False) -> Cal:
+def make_calibration(layers: int, seed: int, heads: int = 1, head_dim: int = D, per_head: bool = False,
+                     tiny_weight: bool = False) -> Cal:
     """`heads` KV heads of `head_dim`; `per_head`: the basis zero outside the heads' D x D blocks
-    (pca.md section 5.3), else one dense C x C basis."""
+    (pca.md section 5.3), else one dense C x C basis; `tiny_weight`: V's channel 0 of layer 0
+    weighs 2^-14, so a step that keeps the other channels' values to ~10^-3 moves its values by
+    tens (a value near the float16 maximum decodes past it)."""
     rng = np.random.default_rng(seed)
     C = heads * head_dim
     basis = np.zeros((2, layers, C, C), np.int16)
@@ -280,6 +284,8 @@ def make_calibration(layers: int, seed: int, heads: int = 1, head_dim: int = D, 
                 basis[p, layer] = _householder_basis([rng.integers(-9, 10, C).tolist() for _ in range(3)])
     mean = (rng.integers(-48, 49, (2, layers, C)) / 64).astype(np.float32)  # multiples of 1/64
     weight = (rng.integers(40, 161, (2, layers, C)) / 64).astype(np.float32)  # 0.625 .. 2.5
+    if tiny_weight:
+        weight[1, 0, 0] = 2.0 ** -14
     inv_freq = INV_FREQ if head_dim == D else (10000.0 ** (-np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
     cal = Cal(mean=mean, weight=weight, basis=basis, inv_freq=np.tile(inv_freq, (layers, 1)),
                              head_dim=head_dim, model="kvtool-pca-vector-model")
@@ -289,7 +295,8 @@ def make_calibration(layers: int, seed: int, heads: int = 1, head_dim: int = D, 
 # name: (layers, seed[, KV heads, head_dim, per-head basis]); "heads" and "blocks": 3 KV heads of
 # D = 6 (C = 18: the head pairing of section 5 and, in version 1, two zero bytes after each row's
 # side bytes), "blocks" with a basis per KV head (section 5.3)
-CALIBRATIONS = {"walk": (1, 101), "main": (2, 202), "heads": (1, 303, 3, 6), "blocks": (1, 404, 3, 6, True)}
+CALIBRATIONS = {"walk": (1, 101), "main": (2, 202), "heads": (1, 303, 3, 6), "blocks": (1, 404, 3, 6, True),
+                "edges": (1, 505, 1, D, False, True)}
 
 
 # --------------------------------------------------------------------------- the vectors
@@ -304,7 +311,9 @@ VECTORS = {
     "bf16_sinks_only": ("main", "bfloat16", 3, 4, 0, 1.0, 16, 6),
     "bf16_heads": ("heads", "bfloat16", 8, 4, 2, 1.0, 5, 7),
     "fp16_heads_blocks": ("blocks", "float16", 7, 4, 3, 0.5, 3, 8),
+    "fp16_edges": ("edges", "float16", 12, 4, 10, 2.0 ** -8, 4, 0),
 }
+EDGES = "fp16_edges"  # its input is `edges_input`'s, not made from coefficients
 
 
 SCALE = {8: [40.0, 12.0, 5.0, 0.0, 1.2, 0.6, 0.0, 0.4],  # components 3 and 6: zero
@@ -341,6 +350,15 @@ def make_input(cal: Cal, q: np.ndarray, dtype: str, T: int, S: int, start: int, 
     return np.ascontiguousarray(to_storage(x, dtype).view(STORAGE[dtype]))
 
 
+def edges_input(T: int, seed: int) -> np.ndarray:
+    """float16 [2, 1, T, 8]: values of ~3 * 10^-3 (some decode to float16 subnormals), and V's
+    channel 0 (weight 2^-14) at -65504 and 65504 in turn (some decode past the float16 maximum:
+    infinities, pca.md section 5.2)."""
+    x = (np.random.default_rng(seed).standard_normal((2, 1, T, D)) * 3e-3).astype(np.float32)
+    x[1, 0, :, 0] = np.where(np.arange(T) % 2, 65504.0, -65504.0)
+    return to_storage(x, "float16")
+
+
 def sink_count(T: int, sinks: int, position: int) -> int:
     return min(T, max(0, sinks - position))
 
@@ -357,8 +375,11 @@ def build() -> dict[str, Cal]:
     for name, (calname, dtype, T, sinks, position, step, lanes, seed) in VECTORS.items():
         cal = cals[calname]
         S = sink_count(T, sinks, position)
-        q = coefficients(cal.layers, T - S, seed, cal.channels)
-        raw = make_input(cal, q, dtype, T, S, position, step, seed)
+        if name == EDGES:
+            raw = edges_input(T, seed)
+        else:
+            q = coefficients(cal.layers, T - S, seed, cal.channels)
+            raw = make_input(cal, q, dtype, T, S, position, step, seed)
         payload = spec_encode(raw, dtype, cal, step, sinks, position, lanes)
         out = spec_decode(payload, raw.shape, dtype, cal, step, position)
         params = {"version": 1, "calibration": cal.digest, "step": step, "sinks": sinks, "lanes": lanes,
@@ -550,7 +571,8 @@ def _round_to(x: np.float32, dtype: str):
     if dtype == "float32":
         return x
     if dtype == "float16":
-        return np.float16(x)
+        with np.errstate(over="ignore"):  # past the float16 maximum: an infinity (pca.md section 5.2)
+            return np.float16(x)
     bits = int(np.float32(x).view(np.uint32))
     return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # nearest even (finite values)
 
@@ -565,6 +587,7 @@ NOTES = {
     "bf16_sinks_only": "T = S = 3: no coded token, every side byte 0xFF, lane states only",
     "bf16_heads": "3 KV heads of D = 6 (C = 18): pairs (6h + i, 6h + 3 + i), 2 zero bytes after the side bytes; lanes 5",
     "fp16_heads_blocks": "as `bf16_heads`, with a basis per KV head (5.3: zero outside the 6 x 6 blocks); lanes 3",
+    EDGES: "noise, not coefficients: V channel 0 (weight 2^-14) at ±65504 decodes to ±inf 7 times; 2 float16 subnormals",
 }
 
 
@@ -624,7 +647,7 @@ def walkthrough() -> str:
     assert out.tobytes() == v["output"].tobytes()
     o: list[str] = []
     o += ["### 9.1 The files", "",
-          "`format-spec/vectors/pca/` holds the vectors below and the four calibration objects they use, each",
+          "`format-spec/vectors/pca/` holds the vectors below and the five calibration objects they use, each",
           "named `<digest>.kvcal` by its SHA-256 (point `KVTOOL_CALIBRATION_PATH` at the folder). For each",
           "vector NAME: `NAME.json` (the shape `[2, L, T, C]`, the dtype, the codec parameters as a manifest",
           "records them, the payload's SHA-256), `NAME.in.bin` (the chunk that was coded, as stored,",
@@ -634,9 +657,12 @@ def walkthrough() -> str:
           "when `Tc = 0`). A writer MUST produce `NAME.payload.bin` from `NAME.in.bin` and the parameters, a",
           "reader MUST produce `NAME.out.bin` from the payload, both byte for byte.", ""]
     o += _para("Each calibration object has an orthonormal basis in Q14 and RoPE frequencies of base 10000, "
-               "`f32(10000^(-2i/D))`. Those of the first six vectors (and of version 2's `bf16_many_units` and "
-               "`fp16_past_2e32`, section 11.8) have one "
-               "KV head of `D = 8` (so `C = 8`; frequencies `1, 0.1, 0.01, 0.001`). Those of `bf16_heads` and "
+               "`f32(10000^(-2i/D))`. Those of the first six vectors and `fp16_edges` (and of version 2's "
+               "`bf16_many_units` and `fp16_past_2e32`, section 11.8) have one "
+               "KV head of `D = 8` (so `C = 8`; frequencies `1, 0.1, 0.01, 0.001`); `fp16_edges`' object gives V's "
+               "channel 0 the weight 2^-14, so that at its step of 2^-8 values of that channel near ±65504 decode "
+               "past the float16 maximum, to infinities (section 5.2), while its other values, of ~10^-3, "
+               "decode to some float16 subnormals. Those of `bf16_heads` and "
                "`fp16_heads_blocks` have three KV heads of `D = 6` (`C = 18`; frequencies `1, 0.046415888, "
                "0.0021544347`): keys turn by the pairs `(6h + i, 6h + 3 + i)` of head `h` (section 5), and each "
                "row's 18 side bytes are followed by two zero bytes (section 4). `bf16_heads`' basis is dense "
@@ -644,7 +670,8 @@ def walkthrough() -> str:
                "`6 x 6` blocks (section 5.3), an ordinary object that a coder MAY sum block by block. "
                "`make_pca_vectors.py` rebuilds everything.") + [""]
     o += vectors_table() + [""]
-    o += _para("Every row of every vector that codes tokens has components that are zero at every coded "
+    o += _para("Every row of every vector that codes tokens and is made from coefficients (all but `fp16_edges`) "
+               "has components that are zero at every coded "
                "token (side byte `0xFF`) and one escape; together the rows use every shift from 0 to 6.") + [""]
     # ---- the walk-through
     o += [f"### 9.2 Walk-through: `{WALK}`", "", "The parameters:", "", "```json", json.dumps(p), "```", ""]

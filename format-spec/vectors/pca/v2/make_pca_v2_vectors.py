@@ -35,7 +35,7 @@ SpecError = mv1.SpecError
 STORAGE = mv1.STORAGE
 FREQ, CUM = mv1.FREQ, mv1.CUM
 FROM_V1 = ("walk_bf16", "bf16_sinks", "fp16_position", "fp32_lanes1", "fp32_far", "bf16_sinks_only", "bf16_heads",
-           "fp16_heads_blocks")
+           "fp16_heads_blocks", "fp16_edges")
 UNIT = 64  # the smallest unit, so these small chunks have rows of more than one unit
 MANY = "bf16_many_units"  # 2 layers, 199 tokens from position 300, step 0.5: dozens of units, escapes
 # from position 2^32 (frequency 1 among the object's): 11.5's tables unlike libm's, an odd number of
