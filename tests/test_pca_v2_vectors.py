@@ -115,6 +115,10 @@ def test_the_far_vector_holds_what_no_other_does():
     big = acc[np.abs(acc) > 1 << 24]
     assert (big.astype(np.float32).astype(np.int64) != big).any()  # f32(acc) rounds at least once
     assert int(np.abs(acc).max()) == v["facts"]["max_abs_acc"]
+    # a reader that took libm's tables (version 1's, section 5) would not give NAME.out.bin
+    lib = mv.mv1.to_storage(mv.inverse(q, v["cal"], lcos, lsin, p["step"]), dtype)
+    assert v["out"].dtype == np.float32 and lib.tobytes() != v["out"].tobytes()
+    assert v["facts"]["values_unlike_libm_reader"] >= 1
 
 def test_the_generator_needs_nothing_of_kvtool(tmp_path):
     """In a fresh interpreter that cannot import kvtool (isolated mode, from elsewhere, every import

@@ -658,7 +658,7 @@ def walkthrough() -> str:
           "reader MUST produce `NAME.out.bin` from the payload, both byte for byte.", ""]
     o += _para("Each calibration object has an orthonormal basis in Q14 and RoPE frequencies of base 10000, "
                "`f32(10000^(-2i/D))`. Those of the first six vectors and `fp16_edges` (and of version 2's "
-               "`bf16_many_units` and `fp16_past_2e32`, section 11.8) have one "
+               "`bf16_many_units` and `fp32_past_2e32`, section 11.8) have one "
                "KV head of `D = 8` (so `C = 8`; frequencies `1, 0.1, 0.01, 0.001`); `fp16_edges`' object gives V's "
                "channel 0 the weight 2^-14, so that at its step of 2^-8 values of that channel near ±65504 decode "
                "past the float16 maximum, to infinities (section 5.2), while its other values, of ~10^-3, "

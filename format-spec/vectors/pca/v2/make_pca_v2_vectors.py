@@ -39,8 +39,9 @@ FROM_V1 = ("walk_bf16", "bf16_sinks", "fp16_position", "fp32_lanes1", "fp32_far"
 UNIT = 64  # the smallest unit, so these small chunks have rows of more than one unit
 MANY = "bf16_many_units"  # 2 layers, 199 tokens from position 300, step 0.5: dozens of units, escapes
 # from position 2^32 (frequency 1 among the object's): 11.5's tables unlike libm's, an odd number of
-# units, a unit of fewer than 31 raw bits, |acc| > 2^24 where f32(acc) rounds (see `far_vector`)
-FAR = "fp16_past_2e32"
+# units, a unit of fewer than 31 raw bits, |acc| > 2^24 where f32(acc) rounds (see `far_vector`);
+# float32, so that the tables' differences reach the decoded values (float16 would round them away)
+FAR = "fp32_past_2e32"
 FAR_POSITION, FAR_STEP, FAR_SEED = 1 << 32, 0.25, 9
 ESCAPE, ALL_ZERO, BACK_BITS = 15, 0xFF, 31
 
@@ -310,7 +311,8 @@ def libm_tables(cal, start: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
 def far_facts(raw: np.ndarray, dtype: str, cal, payload: bytes) -> dict:
     """What `FAR` must hold, measured on the chunk: entries where 11.5's tables differ from libm's,
     the units (odd count), the fewest raw bits of a unit, the largest |acc| of section 5.2 and
-    whether some f32(acc) rounds."""
+    whether some f32(acc) rounds; and how many decoded values a reader that took libm's tables
+    would get wrong."""
     _, L, T, C = raw.shape
     cos, sin = rope_tables(cal, FAR_POSITION, T)
     lcos, lsin = libm_tables(cal, FAR_POSITION, T)
@@ -322,24 +324,27 @@ def far_facts(raw: np.ndarray, dtype: str, cal, payload: bytes) -> dict:
                 for r, first, n in lay["spans"]]
     acc = np.concatenate([np.einsum("ltk,lck->ltc", q[p], cal.basis[p].astype(np.int64)).ravel() for p in range(2)])
     big = acc[np.abs(acc) > 1 << 24]
-    return {"rope_entries_unlike_libm": int(unlike.sum()),
+    out = mv1.to_storage(inverse(q, cal, cos, sin, FAR_STEP), dtype)
+    out_libm = mv1.to_storage(inverse(q, cal, lcos, lsin, FAR_STEP), dtype)
+    return {"values_unlike_libm_reader": int((out.view(np.uint32) != out_libm.view(np.uint32)).sum()),
+            "rope_entries_unlike_libm": int(unlike.sum()),
             "positions_unlike_libm": sorted({FAR_POSITION + int(t) for t in np.nonzero(unlike)[1]}),
             "units": len(lay["spans"]), "fewest_raw_bits": min(raw_bits), "max_abs_acc": int(np.abs(acc).max()),
             "acc_rounded_by_f32": int((big.astype(np.float32).astype(np.int64) != big).sum())}
 
 
 def far_vector(cal) -> tuple[int, np.ndarray]:
-    """(T, the float16 chunk [2, L, T, C]) of the fewest tokens from position 2^32 (no sinks) whose
+    """(T, the float32 chunk [2, L, T, C]) of the fewest tokens from position 2^32 (no sinks) whose
     facts hold: coefficients as version 1's vectors' with one more outlier (q = 2900 on V's first
     component, so |acc| reaches ~2^25, and V layer 1's last component zero), coded at step 0.25."""
     for T in range(8, 64):
         q = mv1.coefficients(cal.layers, T, FAR_SEED, cal.channels)
         q[1, 0, T // 2, 0] = 2900
         q[1, 1, :, 7] = 0  # V layer 1 one component fewer: rows of unequal lengths, so the unit count can be odd
-        raw = mv1.make_input(cal, q, "float16", T, 0, FAR_POSITION, FAR_STEP, FAR_SEED)
-        payload = spec_encode2(raw, "float16", cal, FAR_STEP, 0, FAR_POSITION, UNIT)
-        facts = far_facts(raw, "float16", cal, payload)
-        if (facts["rope_entries_unlike_libm"] and facts["units"] % 2 and facts["fewest_raw_bits"] < BACK_BITS
+        raw = mv1.make_input(cal, q, "float32", T, 0, FAR_POSITION, FAR_STEP, FAR_SEED)
+        payload = spec_encode2(raw, "float32", cal, FAR_STEP, 0, FAR_POSITION, UNIT)
+        facts = far_facts(raw, "float32", cal, payload)
+        if (facts["values_unlike_libm_reader"] and facts["units"] % 2 and facts["fewest_raw_bits"] < BACK_BITS
                 and facts["acc_rounded_by_f32"]):
             return T, raw
     raise SystemExit("no chunk length from 8 to 63 tokens holds what the far vector must")
@@ -358,7 +363,7 @@ def inputs() -> dict[str, tuple[dict, np.ndarray]]:
     out[MANY] = ({"shape": list(raw.shape), "dtype": "bfloat16", "params": params}, raw)
     _, raw = far_vector(calibration(main))
     params = {"version": 2, "calibration": main, "step": FAR_STEP, "sinks": 0, "unit": UNIT, "position": FAR_POSITION}
-    out[FAR] = ({"shape": list(raw.shape), "dtype": "float16", "params": params}, raw)
+    out[FAR] = ({"shape": list(raw.shape), "dtype": "float32", "params": params}, raw)
     return out
 
 
