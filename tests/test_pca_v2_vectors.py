@@ -115,10 +115,16 @@ def test_the_far_vector_holds_what_no_other_does():
     big = acc[np.abs(acc) > 1 << 24]
     assert (big.astype(np.float32).astype(np.int64) != big).any()  # f32(acc) rounds at least once
     assert int(np.abs(acc).max()) == v["facts"]["max_abs_acc"]
-    # a reader that took libm's tables (version 1's, section 5) would not give NAME.out.bin
+    # readers that took libm's tables (version 1's, section 5), kept acc exact or fused a multiply-add
+    # would not give NAME.out.bin (numpy rounds every operation; the vector is float32 so that a
+    # last-bit difference is not rounded away)
+    assert v["out"].dtype == np.float32
     lib = mv.mv1.to_storage(mv.inverse(q, v["cal"], lcos, lsin, p["step"]), dtype)
-    assert v["out"].dtype == np.float32 and lib.tobytes() != v["out"].tobytes()
-    assert v["facts"]["values_unlike_libm_reader"] >= 1
+    assert lib.tobytes() != v["out"].tobytes() and v["facts"]["values_unlike_libm_reader"] >= 1
+    for wrong, fact in (("acc", "values_unlike_unrounded_acc_reader"), ("fma", "values_unlike_fused_reader")):
+        other = mv.mv1.to_storage(mv.inverse(q, v["cal"], cos, sin, p["step"], wrong=wrong), dtype)
+        unlike = int((other[:, :, :] != v["out"]).sum())
+        assert unlike >= 1 and unlike == v["facts"][fact], wrong
 
 def test_the_generator_needs_nothing_of_kvtool(tmp_path):
     """In a fresh interpreter that cannot import kvtool (isolated mode, from elsewhere, every import

@@ -111,13 +111,21 @@ def forward(x: np.ndarray, cal, cos: np.ndarray, sin: np.ndarray, step: float) -
     return q
 
 
-def inverse(q: np.ndarray, cal, cos: np.ndarray, sin: np.ndarray, step: float) -> np.ndarray:
-    """§5.2: float32 [2, L, Tc, C] of q [2, L, Tc, C]."""
+def inverse(q: np.ndarray, cal, cos: np.ndarray, sin: np.ndarray, step: float, wrong: str = "") -> np.ndarray:
+    """§5.2: float32 [2, L, Tc, C] of q [2, L, Tc, C]. `wrong`, for the far vector's facts: "acc", a
+    reader that multiplies the exact acc by h in float64 and rounds once; "fma", one that fuses
+    f32(acc) * h + mean (one rounding; exact in float64 but for the sum's rare last bit)."""
     out = np.empty(q.shape, np.float32)
     for p in range(2):
         acc = np.einsum("ltk,lck->ltc", q[p], cal.basis[p].astype(np.int64))  # exact integers
         h = (np.float64(step) / (16384 * cal.weight[p].astype(np.float64))).astype(np.float32)  # [L, C]
-        x = ((acc.astype(np.float32) * h[:, None, :]).astype(np.float32) + cal.mean[p][:, None, :]).astype(np.float32)
+        if wrong == "fma":
+            x = (acc.astype(np.float32).astype(np.float64) * h[:, None, :].astype(np.float64)
+                 + cal.mean[p][:, None, :].astype(np.float64)).astype(np.float32)
+        else:
+            a = acc.astype(np.float64) if wrong == "acc" else acc.astype(np.float32)
+            prod = (a * h[:, None, :].astype(a.dtype)).astype(np.float32)
+            x = (prod + cal.mean[p][:, None, :]).astype(np.float32)
         out[p] = mv1.turn(x, cos, sin, back=False) if p == 0 else x
     return out
 
@@ -311,8 +319,8 @@ def libm_tables(cal, start: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
 def far_facts(raw: np.ndarray, dtype: str, cal, payload: bytes) -> dict:
     """What `FAR` must hold, measured on the chunk: entries where 11.5's tables differ from libm's,
     the units (odd count), the fewest raw bits of a unit, the largest |acc| of section 5.2 and
-    whether some f32(acc) rounds; and how many decoded values a reader that took libm's tables
-    would get wrong."""
+    whether some f32(acc) rounds; and how many decoded values three wrong readers would get wrong:
+    one that took libm's tables, one that did not round acc to float32, one that fused a multiply-add."""
     _, L, T, C = raw.shape
     cos, sin = rope_tables(cal, FAR_POSITION, T)
     lcos, lsin = libm_tables(cal, FAR_POSITION, T)
@@ -326,7 +334,11 @@ def far_facts(raw: np.ndarray, dtype: str, cal, payload: bytes) -> dict:
     big = acc[np.abs(acc) > 1 << 24]
     out = mv1.to_storage(inverse(q, cal, cos, sin, FAR_STEP), dtype)
     out_libm = mv1.to_storage(inverse(q, cal, lcos, lsin, FAR_STEP), dtype)
+    out_exact = mv1.to_storage(inverse(q, cal, cos, sin, FAR_STEP, wrong="acc"), dtype)
+    out_fma = mv1.to_storage(inverse(q, cal, cos, sin, FAR_STEP, wrong="fma"), dtype)
     return {"values_unlike_libm_reader": int((out.view(np.uint32) != out_libm.view(np.uint32)).sum()),
+            "values_unlike_unrounded_acc_reader": int((out.view(np.uint32) != out_exact.view(np.uint32)).sum()),
+            "values_unlike_fused_reader": int((out.view(np.uint32) != out_fma.view(np.uint32)).sum()),
             "rope_entries_unlike_libm": int(unlike.sum()),
             "positions_unlike_libm": sorted({FAR_POSITION + int(t) for t in np.nonzero(unlike)[1]}),
             "units": len(lay["spans"]), "fewest_raw_bits": min(raw_bits), "max_abs_acc": int(np.abs(acc).max()),
@@ -335,16 +347,17 @@ def far_facts(raw: np.ndarray, dtype: str, cal, payload: bytes) -> dict:
 
 def far_vector(cal) -> tuple[int, np.ndarray]:
     """(T, the float32 chunk [2, L, T, C]) of the fewest tokens from position 2^32 (no sinks) whose
-    facts hold: coefficients as version 1's vectors' with one more outlier (q = 2900 on V's first
-    component, so |acc| reaches ~2^25, and V layer 1's last component zero), coded at step 0.25."""
+    facts hold: coefficients as version 1's vectors' but V layer 0's first component ±(2900 + 37 t) at
+    token t (so |acc| passes 2^24 often) and V layer 1's last component zero, coded at step 0.25."""
     for T in range(8, 64):
         q = mv1.coefficients(cal.layers, T, FAR_SEED, cal.channels)
-        q[1, 0, T // 2, 0] = 2900
+        q[1, 0, :, 0] = np.where(np.arange(T) % 2, 1, -1) * (2900 + 37 * np.arange(T))  # |acc| past 2^24
         q[1, 1, :, 7] = 0  # V layer 1 one component fewer: rows of unequal lengths, so the unit count can be odd
         raw = mv1.make_input(cal, q, "float32", T, 0, FAR_POSITION, FAR_STEP, FAR_SEED)
         payload = spec_encode2(raw, "float32", cal, FAR_STEP, 0, FAR_POSITION, UNIT)
         facts = far_facts(raw, "float32", cal, payload)
-        if (facts["values_unlike_libm_reader"] and facts["units"] % 2 and facts["fewest_raw_bits"] < BACK_BITS
+        if (facts["values_unlike_libm_reader"] and facts["values_unlike_unrounded_acc_reader"]
+                and facts["values_unlike_fused_reader"] and facts["units"] % 2 and facts["fewest_raw_bits"] < BACK_BITS
                 and facts["acc_rounded_by_f32"]):
             return T, raw
     raise SystemExit("no chunk length from 8 to 63 tokens holds what the far vector must")
