@@ -126,6 +126,36 @@ def test_a_vector_decodes_to_float16_infinities_and_subnormals():
     assert ((out != 0) & (np.abs(out) < 2.0 ** -14)).any()
 
 
+def _turn_pairs(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pairs: list[tuple[int, int, int]]) -> np.ndarray:
+    """x [L, Tc, C] turned forward by (first channel, second channel, frequency) pairs."""
+    out = x.copy()
+    for i, j, f in pairs:
+        a, b, c, s = x[..., i], x[..., j], cos[..., f], sin[..., f]
+        out[..., i], out[..., j] = (a * c - b * s).astype(np.float32), (b * c + a * s).astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("name", ["bf16_heads", "fp16_heads_blocks"])
+def test_a_reader_that_pairs_the_channels_otherwise_fails_the_three_head_vectors(name):
+    """Section 5's pairs (h*D + i, h*D + D/2 + i) give NAME.out.bin; the interleaved pairs
+    (h*D + 2i, h*D + 2i + 1) and pairs across heads (i, i + C/2) do not."""
+    v = vector(name)
+    trace: dict = {}
+    mv.spec_decode(v["payload"], v["shape"], v["dtype"], v["spec_cal"], v["step"], v["position"], trace=trace)
+    _, L, T, C = v["shape"]
+    S, D = v["S"], v["spec_cal"].head_dim
+    cos, sin = mv.rope_of(name, L, T - S)
+    x = np.array([[[trace["x"][(0, layer, t, c)][2] for c in range(C)] for t in range(T - S)] for layer in range(L)],
+                 np.float32)  # K before the turn
+    spec = [(h * D + i, h * D + D // 2 + i, i) for h in range(C // D) for i in range(D // 2)]
+    interleaved = [(h * D + 2 * i, h * D + 2 * i + 1, i) for h in range(C // D) for i in range(D // 2)]
+    across = [(i, i + C // 2, i % (D // 2)) for i in range(C // 2)]
+    want = v["output"][0, :, S:]
+    assert same(mv.to_storage(_turn_pairs(x, cos, sin, spec), v["dtype"]), want)
+    for pairs in (interleaved, across):
+        assert (mv.to_storage(_turn_pairs(x, cos, sin, pairs), v["dtype"]) != want).any()
+
+
 def test_the_vectors_pin_several_kv_heads_and_a_basis_per_head():
     """C = 18 (3 heads of 6): the pairs of section 5 inside each head, two zero bytes after each
     row's side bytes (C mod 4 = 2), and one object whose basis is zero outside the heads' blocks

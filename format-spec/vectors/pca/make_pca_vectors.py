@@ -585,9 +585,12 @@ NOTES = {
     "fp32_lanes1": "position 3: S = 1; one lane, so every word in one stream",
     "fp32_far": "sinks 0, position 70000 (large RoPE angles), lanes 3",
     "bf16_sinks_only": "T = S = 3: no coded token, every side byte 0xFF, lane states only",
-    "bf16_heads": "3 KV heads of D = 6 (C = 18): pairs (6h + i, 6h + 3 + i), 2 zero bytes after the side bytes; lanes 5",
-    "fp16_heads_blocks": "as `bf16_heads`, with a basis per KV head (5.3: zero outside the 6 x 6 blocks); lanes 3",
-    EDGES: "noise, not coefficients: V channel 0 (weight 2^-14) at ±65504 decodes to ±inf 7 times; 2 float16 subnormals",
+    "bf16_heads": ("3 KV heads of D = 6 (C = 18): pairs (6h + i, 6h + 3 + i), 2 zero bytes after the side "
+                   "bytes; lanes 5"),
+    "fp16_heads_blocks": ("as `bf16_heads`, with a basis per KV head (5.3: zero outside the 6 x 6 blocks); "
+                          "lanes 3"),
+    EDGES: ("noise, not coefficients: V channel 0 (weight 2^-14) at ±65504 decodes to ±inf 7 times; "
+            "2 float16 subnormals"),
 }
 
 
