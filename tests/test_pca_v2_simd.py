@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(not native.native_available(), reason="native pc
 
 VECTORS = Path(__file__).resolve().parents[1] / "format-spec" / "vectors" / "pca" / "v2"
 STORAGE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
+N_VECTORS = 11  # the version-2 vectors (format-spec/pca.md §11.8), each a case too
 
 CASES = [  # (L, H, D[, per head]), tokens, dtype, sinks, position, step, unit
     ((2, 2, 16), 204, "bfloat16", 4, 0, 0.05, 64),  # 100 units a row (a batch of 64, then 36), escapes
@@ -95,7 +96,7 @@ def check_v2_cases() -> dict:
 
 def test_the_default_path_is_the_reference():
     seen = check_v2_cases()
-    assert seen["cases"] == len(CASES) + 7 and seen["odd_rows"] and seen["batches"] and seen["escapes"]
+    assert seen["cases"] == len(CASES) + N_VECTORS and seen["odd_rows"] and seen["batches"] and seen["escapes"]
     assert seen["refused"] > 10  # most flips land in low or sign bits, which decode to other values
 
 
@@ -115,4 +116,4 @@ def test_the_fallback_paths_are_the_reference(tmp_path, flag, path):
         "print(check_v2_cases()['cases'])\n")
     env = dict(os.environ, KVTOOL_PCA_SIMD=flag)
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.split() == [str(len(CASES) + 7)], out.stderr[-2000:]
+    assert out.returncode == 0 and out.stdout.split() == [str(len(CASES) + N_VECTORS)], out.stderr[-2000:]

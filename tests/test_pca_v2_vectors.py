@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtool.codecs.pca import PcaCodec
+from kvtool.codecs.pca import PcaCodec, native
 from kvtool.codecs.pca import calibration as calmod
 from kvtool.codecs.pca import reference2 as v2
 
@@ -23,7 +23,7 @@ _spec = importlib.util.spec_from_file_location("make_pca_v2_vectors", HERE / "ma
 mv = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mv)
 
-ALL = list(mv.FROM_V1) + [mv.MANY]
+ALL = list(mv.FROM_V1) + [mv.MANY, mv.FAR]
 
 
 def vector(name: str) -> dict:
@@ -45,6 +45,18 @@ def test_the_reference_writes_and_reads_each_vector_byte_for_byte(name):
                               p["unit"])
     assert payload == v["payload"]
     out = v2.decode_chunk(v["payload"], tuple(v["shape"]), v["dtype"], v["cal"], p["step"], p["position"])
+    assert out.tobytes() == v["out"].tobytes()
+
+
+@pytest.mark.skipif(not native.native_available(), reason="native pca coder not built (pip install -e .)")
+@pytest.mark.parametrize("name", ALL)
+def test_the_native_coder_writes_and_reads_each_vector_byte_for_byte(name):
+    v = vector(name)
+    p = v["params"]
+    payload = native.encode_chunk_v2(np.array(v["raw"]), v["dtype"], v["cal"], p["step"], p["sinks"], p["position"],
+                                     p["unit"])
+    assert payload == v["payload"]
+    out = native.decode_chunk_v2(v["payload"], tuple(v["shape"]), v["dtype"], v["cal"], p["step"], p["position"])
     assert out.tobytes() == v["out"].tobytes()
 
 
@@ -75,6 +87,44 @@ def test_the_vectors_cover_what_section_11_asks():
     shift = np.where(lay.side == v2.ALL_ZERO, 0, lay.side >> 5).astype(np.int64)  # [rows, C]
     assert ((np.abs(q) >> shift[:, None, :]) >= v2.ESCAPE).any()  # escapes are coded
 
+
+def test_the_far_vector_holds_what_no_other_does():
+    """From position 2^32: section 11.5's tables differ from libm's (so a reader using libm fails
+    it), an odd number of units (the last alone in its region), units of fewer than 31 raw bits
+    (part of the end state unused, and zero), and values whose |acc| > 2^24 where f32(acc) rounds
+    (section 5.2). Measured with kvtool's own functions, beside the facts the json records."""
+    v = vector(mv.FAR)
+    shape, dtype, p = tuple(v["shape"]), v["dtype"], v["params"]
+    _, L, T, C = shape
+    assert p["position"] >= 1 << 32 and p["sinks"] == 0 and 1.0 in v["cal"].inv_freq
+    cos, sin = v2.rope_tables(v["cal"], p["position"], T)
+    lcos, lsin = mv.libm_tables(v["cal"], p["position"], T)
+    unlike = int(((cos != lcos) | (sin != lsin)).sum())
+    assert unlike >= 1 and v["facts"]["rope_entries_unlike_libm"] >= 1
+    lay, q = v2.decode_coefficients(v["payload"], shape, dtype)
+    assert len(lay.spans) % 2 == 1 and len(lay.reg_len) == (len(lay.spans) + 1) // 2
+    shift = np.where(lay.side == v2.ALL_ZERO, 0, lay.side >> 5).astype(np.int64)  # [rows, C]
+    raw_bits = []
+    for u in range(len(lay.spans)):
+        row, comp, tok, val = v2.decode_unit(v["payload"], shape, dtype, u)
+        raw_bits.append(int(shift[row, comp].sum() + (val != 0).sum()))
+    assert min(raw_bits) < v2.BACK_BITS and min(raw_bits) == v["facts"]["fewest_raw_bits"]
+    q = q.reshape(2, L, T, C)
+    basis = v["cal"].basis.astype(np.int64)
+    acc = np.concatenate([np.einsum("ltk,lck->ltc", q[part], basis[part]).ravel() for part in range(2)])
+    big = acc[np.abs(acc) > 1 << 24]
+    assert (big.astype(np.float32).astype(np.int64) != big).any()  # f32(acc) rounds at least once
+    assert int(np.abs(acc).max()) == v["facts"]["max_abs_acc"]
+    # readers that took libm's tables (version 1's, section 5), kept acc exact or fused a multiply-add
+    # would not give NAME.out.bin (numpy rounds every operation; the vector is float32 so that a
+    # last-bit difference is not rounded away)
+    assert v["out"].dtype == np.float32
+    lib = mv.mv1.to_storage(mv.inverse(q, v["cal"], lcos, lsin, p["step"]), dtype)
+    assert lib.tobytes() != v["out"].tobytes() and v["facts"]["values_unlike_libm_reader"] >= 1
+    for wrong, fact in (("acc", "values_unlike_unrounded_acc_reader"), ("fma", "values_unlike_fused_reader")):
+        other = mv.mv1.to_storage(mv.inverse(q, v["cal"], cos, sin, p["step"], wrong=wrong), dtype)
+        unlike = int((other[:, :, :] != v["out"]).sum())
+        assert unlike >= 1 and unlike == v["facts"][fact], wrong
 
 def test_the_generator_needs_nothing_of_kvtool(tmp_path):
     """In a fresh interpreter that cannot import kvtool (isolated mode, from elsewhere, every import

@@ -57,7 +57,7 @@ def test_the_files_are_what_their_json_says(name):
     assert hashlib.sha256(v["payload"]).hexdigest() == v["meta"]["payload_sha256"]
     assert PcaCodec().validate_params(dict(v["params"])) == v["params"]  # complete, nothing unknown
     _, L, T, C = v["shape"]
-    assert (v["cal"].layers, v["cal"].channels, v["cal"].head_dim) == (L, C, mv.D)
+    assert (v["cal"].layers, v["cal"].channels, v["cal"].head_dim) == (L, C, v["spec_cal"].head_dim)
     assert v["S"] == mv.sink_count(T, v["sinks"], v["position"])
     for suffix in ("json", "in.bin", "payload.bin", "out.bin", "rope.bin"):
         path = HERE / f"{name}.{suffix}"
@@ -69,15 +69,16 @@ def test_the_calibration_objects_are_the_generator_s():
     """Exact rationals for the basis, grid values for the rest, one fixed file layout: the same
     bytes on any machine; and only the objects the vectors name are in the folder."""
     names = set()
-    for layers, seed in mv.CALIBRATIONS.values():
-        data = mv.calibration_bytes(mv.make_calibration(layers, seed))
+    for args in mv.CALIBRATIONS.values():
+        layers = args[0]
+        data = mv.calibration_bytes(mv.make_calibration(*args))
         digest = hashlib.sha256(data).hexdigest()
         assert (HERE / f"{digest}.kvcal").read_bytes() == data
         stored = calmod.from_bytes(data, digest)
         b = stored.basis.astype(np.float64) / calmod.BASIS_ONE  # orthonormal within its Q14 rounding
         for p in range(2):
             for layer in range(layers):
-                assert np.abs(b[p, layer].T @ b[p, layer] - np.eye(mv.D)).max() < 1e-3
+                assert np.abs(b[p, layer].T @ b[p, layer] - np.eye(stored.channels)).max() < 1e-3
         names.add(f"{digest}.kvcal")
     assert {p.name for p in HERE.glob("*.kvcal")} == names
     assert {vector(name)["params"]["calibration"] + ".kvcal" for name in ALL} == names
@@ -102,7 +103,7 @@ def test_the_vectors_cover_what_a_decoder_meets():
         dtypes.add(v["dtype"])
         lanes.add(v["lanes"])
         positions.append((v["position"], v["S"], v["shape"][2]))
-        for row in trace.get("rows", []):
+        for row in trace.get("rows", []) if name != mv.EDGES else []:  # fp16_edges: noise, not coefficients
             coded = v["shape"][2] > v["S"]
             assert (0xFF in row["side"]) and row["counts"][3] == int(coded)  # zero components, one escape
             shifts |= {b >> 5 for b in row["side"] if b != 0xFF}
@@ -115,6 +116,60 @@ def test_the_vectors_cover_what_a_decoder_meets():
     assert any(s == 4 and p == 0 for p, s, t in positions)  # S = 4 exact tokens at position 0
     assert any(s == 0 and p > 4 for p, s, t in positions)  # past the sinks
     assert any(s == t for p, s, t in positions)  # nothing coded
+
+
+def test_a_vector_decodes_to_float16_infinities_and_subnormals():
+    """pca.md section 5.2: a value past the float16 maximum is an infinity (both signs here), and
+    values below 2^-14 are float16 subnormals, not zero."""
+    out = vector(mv.EDGES)["output"].astype(np.float32)
+    assert np.isposinf(out).any() and np.isneginf(out).any()
+    assert ((out != 0) & (np.abs(out) < 2.0 ** -14)).any()
+
+
+def _turn_pairs(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pairs: list[tuple[int, int, int]]) -> np.ndarray:
+    """x [L, Tc, C] turned forward by (first channel, second channel, frequency) pairs."""
+    out = x.copy()
+    for i, j, f in pairs:
+        a, b, c, s = x[..., i], x[..., j], cos[..., f], sin[..., f]
+        out[..., i], out[..., j] = (a * c - b * s).astype(np.float32), (b * c + a * s).astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("name", ["bf16_heads", "fp16_heads_blocks"])
+def test_a_reader_that_pairs_the_channels_otherwise_fails_the_three_head_vectors(name):
+    """Section 5's pairs (h*D + i, h*D + D/2 + i) give NAME.out.bin; the interleaved pairs
+    (h*D + 2i, h*D + 2i + 1) and pairs across heads (i, i + C/2) do not."""
+    v = vector(name)
+    trace: dict = {}
+    mv.spec_decode(v["payload"], v["shape"], v["dtype"], v["spec_cal"], v["step"], v["position"], trace=trace)
+    _, L, T, C = v["shape"]
+    S, D = v["S"], v["spec_cal"].head_dim
+    cos, sin = mv.rope_of(name, L, T - S)
+    x = np.array([[[trace["x"][(0, layer, t, c)][2] for c in range(C)] for t in range(T - S)] for layer in range(L)],
+                 np.float32)  # K before the turn
+    spec = [(h * D + i, h * D + D // 2 + i, i) for h in range(C // D) for i in range(D // 2)]
+    interleaved = [(h * D + 2 * i, h * D + 2 * i + 1, i) for h in range(C // D) for i in range(D // 2)]
+    across = [(i, i + C // 2, i % (D // 2)) for i in range(C // 2)]
+    want = v["output"][0, :, S:]
+    assert same(mv.to_storage(_turn_pairs(x, cos, sin, spec), v["dtype"]), want)
+    for pairs in (interleaved, across):
+        assert (mv.to_storage(_turn_pairs(x, cos, sin, pairs), v["dtype"]) != want).any()
+
+
+def test_the_vectors_pin_several_kv_heads_and_a_basis_per_head():
+    """C = 18 (3 heads of 6): the pairs of section 5 inside each head, two zero bytes after each
+    row's side bytes (C mod 4 = 2), and one object whose basis is zero outside the heads' blocks
+    (section 5.3), alongside one whose basis mixes the heads."""
+    forms = set()
+    for name in ALL:
+        cal = vector(name)["spec_cal"]
+        heads = cal.channels // cal.head_dim
+        if heads == 1:
+            continue
+        assert cal.channels % 4 == 2  # the side bytes' padding of section 4
+        blocks = np.kron(np.eye(heads, dtype=bool), np.ones((cal.head_dim, cal.head_dim), dtype=bool))
+        forms.add(bool((cal.basis[..., ~blocks] == 0).all()))
+    assert forms == {True, False}
 
 
 def test_the_tables_file_is_the_one_pca_md_names_and_kvtool_s():

@@ -39,7 +39,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 SPEC = HERE.parents[1] / "pca.md"
 
-D = 8  # head_dim; one KV head, so C = D
+D = 8  # head_dim of the one-head objects (C = D); the three-head objects have D = 6, C = 18
 INV_FREQ = np.array([1.0, 0.1, 0.01, 0.001], dtype=np.float32)  # 10000 ** (-2i / 8): RoPE base 10000
 STORAGE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
 DTYPE_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
@@ -138,8 +138,9 @@ def turn(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, back: bool) -> np.ndar
     """x [L, T, C] float32 turned by the rotate-half pairs (i, i + D/2) of each head (pca.md §5):
     every product rounded to float32, then the sum or difference (numpy float32 does not fuse)."""
     L, T, C = x.shape
-    h = x.reshape(L, T, C // D, D)
-    a, b = h[..., :D // 2], h[..., D // 2:]
+    hd = 2 * cos.shape[-1]  # the head size D: the tables have D/2 frequencies
+    h = x.reshape(L, T, C // hd, hd)
+    a, b = h[..., :hd // 2], h[..., hd // 2:]
     c, s = cos[:, :, None, :], sin[:, :, None, :]
     if back:
         first, second = a * c + b * s, b * c - a * s
@@ -153,7 +154,8 @@ def to_storage(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float32":
         return x.astype(np.float32)
     if dtype == "float16":
-        return x.astype(np.float16)
+        with np.errstate(over="ignore"):  # past the float16 maximum: an infinity, as IEEE 754 converts
+            return x.astype(np.float16)
     bits = x.view(np.uint32).astype(np.uint64)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
@@ -262,20 +264,39 @@ def _householder_basis(vectors: list[list[int]]) -> np.ndarray:
     return np.array([[round(x * BASIS_ONE) for x in row] for row in m], dtype=np.int16)
 
 
-def make_calibration(layers: int, seed: int) -> Cal:
+def make_calibration(layers: int, seed: int, heads: int = 1, head_dim: int = D, per_head: bool = False,
+                     tiny_weight: bool = False) -> Cal:
+    """`heads` KV heads of `head_dim`; `per_head`: the basis zero outside the heads' D x D blocks
+    (pca.md section 5.3), else one dense C x C basis; `tiny_weight`: V's channel 0 of layer 0
+    weighs 2^-14, so a step that keeps the other channels' values to ~10^-3 moves its values by
+    tens (a value near the float16 maximum decodes past it)."""
     rng = np.random.default_rng(seed)
-    basis = np.zeros((2, layers, D, D), np.int16)
+    C = heads * head_dim
+    basis = np.zeros((2, layers, C, C), np.int16)
     for p in range(2):
         for layer in range(layers):
-            basis[p, layer] = _householder_basis([rng.integers(-9, 10, D).tolist() for _ in range(3)])
-    mean = (rng.integers(-48, 49, (2, layers, D)) / 64).astype(np.float32)  # multiples of 1/64
-    weight = (rng.integers(40, 161, (2, layers, D)) / 64).astype(np.float32)  # 0.625 .. 2.5
-    cal = Cal(mean=mean, weight=weight, basis=basis, inv_freq=np.tile(INV_FREQ, (layers, 1)),
-                             head_dim=D, model="kvtool-pca-vector-model")
+            if per_head:
+                for h in range(heads):
+                    block = slice(h * head_dim, (h + 1) * head_dim)
+                    basis[p, layer, block, block] = _householder_basis(
+                        [rng.integers(-9, 10, head_dim).tolist() for _ in range(3)])
+            else:
+                basis[p, layer] = _householder_basis([rng.integers(-9, 10, C).tolist() for _ in range(3)])
+    mean = (rng.integers(-48, 49, (2, layers, C)) / 64).astype(np.float32)  # multiples of 1/64
+    weight = (rng.integers(40, 161, (2, layers, C)) / 64).astype(np.float32)  # 0.625 .. 2.5
+    if tiny_weight:
+        weight[1, 0, 0] = 2.0 ** -14
+    inv_freq = INV_FREQ if head_dim == D else (10000.0 ** (-np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
+    cal = Cal(mean=mean, weight=weight, basis=basis, inv_freq=np.tile(inv_freq, (layers, 1)),
+                             head_dim=head_dim, model="kvtool-pca-vector-model")
     return cal
 
 
-CALIBRATIONS = {"walk": (1, 101), "main": (2, 202)}  # name: (layers, seed)
+# name: (layers, seed[, KV heads, head_dim, per-head basis]); "heads" and "blocks": 3 KV heads of
+# D = 6 (C = 18: the head pairing of section 5 and, in version 1, two zero bytes after each row's
+# side bytes), "blocks" with a basis per KV head (section 5.3)
+CALIBRATIONS = {"walk": (1, 101), "main": (2, 202), "heads": (1, 303, 3, 6), "blocks": (1, 404, 3, 6, True),
+                "edges": (1, 505, 1, D, False, True)}
 
 
 # --------------------------------------------------------------------------- the vectors
@@ -288,15 +309,22 @@ VECTORS = {
     "fp32_lanes1": ("main", "float32", 9, 4, 3, 0.5, 1, 4),
     "fp32_far": ("main", "float32", 5, 0, 70000, 0.125, 3, 5),
     "bf16_sinks_only": ("main", "bfloat16", 3, 4, 0, 1.0, 16, 6),
+    "bf16_heads": ("heads", "bfloat16", 8, 4, 2, 1.0, 5, 7),
+    "fp16_heads_blocks": ("blocks", "float16", 7, 4, 3, 0.5, 3, 8),
+    "fp16_edges": ("edges", "float16", 12, 4, 10, 2.0 ** -8, 4, 0),
 }
+EDGES = "fp16_edges"  # its input is `edges_input`'s, not made from coefficients
 
 
-def coefficients(L: int, Tc: int, seed: int) -> np.ndarray:
-    """int64 [2, L, Tc, C]: a PCA-like spread (large first components, small last ones), two
+SCALE = {8: [40.0, 12.0, 5.0, 0.0, 1.2, 0.6, 0.0, 0.4],  # components 3 and 6: zero
+         18: [40.0, 12.0, 5.0, 0.0, 1.2, 0.6, 0.0, 0.4, 9.0, 3.0, 0.0, 2.0, 0.8, 6.0, 0.3, 1.5, 0.5, 0.2]}
+
+
+def coefficients(L: int, Tc: int, seed: int, C: int = D) -> np.ndarray:
+    """int64 [2, L, Tc, C]: a PCA-like spread (large first components, small last ones), some
     components zero at every token, and one outlier per row (an escape at small shifts)."""
     rng = np.random.default_rng(seed)
-    scale = np.array([40.0, 12.0, 5.0, 0.0, 1.2, 0.6, 0.0, 0.4])  # components 3 and 6: zero
-    q = np.rint(rng.standard_normal((2, L, Tc, D)) * scale).astype(np.int64)
+    q = np.rint(rng.standard_normal((2, L, Tc, C)) * np.array(SCALE[C])).astype(np.int64)
     for p in range(2):
         for layer in range(L):
             if Tc:
@@ -309,9 +337,9 @@ def make_input(cal: Cal, q: np.ndarray, dtype: str, T: int, S: int, start: int, 
     """The chunk [2, L, T, C] as stored: S sink tokens of noise, then tokens whose coefficients are
     (near) q: x = mean + (basis q step) / weight, turned forward for K, rounded to dtype."""
     rng = np.random.default_rng(seed + 1000)
-    L = cal.layers
-    x = np.zeros((2, L, T, D), np.float32)
-    x[:, :, :S] = (rng.standard_normal((2, L, S, D)) * 2).astype(np.float32)
+    L, C = cal.layers, cal.channels
+    x = np.zeros((2, L, T, C), np.float32)
+    x[:, :, :S] = (rng.standard_normal((2, L, S, C)) * 2).astype(np.float32)
     b = cal.basis.astype(np.float64) / BASIS_ONE
     u = np.einsum("plck,pltk->pltc", b, q.astype(np.float64)) * step
     coded = (u / cal.weight[:, :, None, :] + cal.mean[:, :, None, :]).astype(np.float32)
@@ -322,6 +350,15 @@ def make_input(cal: Cal, q: np.ndarray, dtype: str, T: int, S: int, start: int, 
     return np.ascontiguousarray(to_storage(x, dtype).view(STORAGE[dtype]))
 
 
+def edges_input(T: int, seed: int) -> np.ndarray:
+    """float16 [2, 1, T, 8]: values of ~3 * 10^-3 (some decode to float16 subnormals), and V's
+    channel 0 (weight 2^-14) at -65504 and 65504 in turn (some decode past the float16 maximum:
+    infinities, pca.md section 5.2)."""
+    x = (np.random.default_rng(seed).standard_normal((2, 1, T, D)) * 3e-3).astype(np.float32)
+    x[1, 0, :, 0] = np.where(np.arange(T) % 2, 65504.0, -65504.0)
+    return to_storage(x, "float16")
+
+
 def sink_count(T: int, sinks: int, position: int) -> int:
     return min(T, max(0, sinks - position))
 
@@ -330,16 +367,19 @@ def build() -> dict[str, Cal]:
     cals = {}
     for old in HERE.glob("*.kvcal"):
         old.unlink()
-    for name, (layers, seed) in CALIBRATIONS.items():
-        data = calibration_bytes(make_calibration(layers, seed))
+    for name, args in CALIBRATIONS.items():
+        data = calibration_bytes(make_calibration(*args))
         cal = parse_calibration(data)
         (HERE / f"{cal.digest}.kvcal").write_bytes(data)
         cals[name] = cal
     for name, (calname, dtype, T, sinks, position, step, lanes, seed) in VECTORS.items():
         cal = cals[calname]
         S = sink_count(T, sinks, position)
-        q = coefficients(cal.layers, T - S, seed)
-        raw = make_input(cal, q, dtype, T, S, position, step, seed)
+        if name == EDGES:
+            raw = edges_input(T, seed)
+        else:
+            q = coefficients(cal.layers, T - S, seed, cal.channels)
+            raw = make_input(cal, q, dtype, T, S, position, step, seed)
         payload = spec_encode(raw, dtype, cal, step, sinks, position, lanes)
         out = spec_decode(payload, raw.shape, dtype, cal, step, position)
         params = {"version": 1, "calibration": cal.digest, "step": step, "sinks": sinks, "lanes": lanes,
@@ -378,7 +418,7 @@ def rope_of(name: str, L: int, Tc: int) -> tuple[np.ndarray, np.ndarray] | None:
     path = HERE / f"{name}.rope.bin"
     if not path.exists():
         return None
-    t = np.frombuffer(path.read_bytes(), "<f4").reshape(2, L, Tc, D // 2)
+    t = np.frombuffer(path.read_bytes(), "<f4").reshape(2, L, Tc, -1)
     return t[0], t[1]
 
 
@@ -512,14 +552,15 @@ def spec_decode(payload: bytes, shape: tuple[int, ...], dtype: str, cal: Cal, st
                     if trace is not None:
                         trace.setdefault("x", {})[(p, layer, t, c)] = (acc, h[c], xs[-1])
                 if p == 0:
-                    half = D // 2
+                    hd = cal.head_dim
+                    half = hd // 2
                     turned = list(xs)
-                    for head in range(C // D):
+                    for head in range(C // hd):  # pairs (h*D + i, h*D + D/2 + i), one head's at a time
                         for i in range(half):
-                            a, b = xs[head * D + i], xs[head * D + half + i]
+                            a, b = xs[head * hd + i], xs[head * hd + half + i]
                             cs, sn = cos[layer, t, i], sin[layer, t, i]
-                            turned[head * D + i] = _f32(_f32(a * cs) - _f32(b * sn))
-                            turned[head * D + half + i] = _f32(_f32(b * cs) + _f32(a * sn))
+                            turned[head * hd + i] = _f32(_f32(a * cs) - _f32(b * sn))
+                            turned[head * hd + half + i] = _f32(_f32(b * cs) + _f32(a * sn))
                     xs = turned
                 for c in range(C):
                     out[p, layer, S + t, c] = _round_to(xs[c], dtype)
@@ -530,7 +571,8 @@ def _round_to(x: np.float32, dtype: str):
     if dtype == "float32":
         return x
     if dtype == "float16":
-        return np.float16(x)
+        with np.errstate(over="ignore"):  # past the float16 maximum: an infinity (pca.md section 5.2)
+            return np.float16(x)
     bits = int(np.float32(x).view(np.uint32))
     return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # nearest even (finite values)
 
@@ -543,6 +585,12 @@ NOTES = {
     "fp32_lanes1": "position 3: S = 1; one lane, so every word in one stream",
     "fp32_far": "sinks 0, position 70000 (large RoPE angles), lanes 3",
     "bf16_sinks_only": "T = S = 3: no coded token, every side byte 0xFF, lane states only",
+    "bf16_heads": ("3 KV heads of D = 6 (C = 18): pairs (6h + i, 6h + 3 + i), 2 zero bytes after the side "
+                   "bytes; lanes 5"),
+    "fp16_heads_blocks": ("as `bf16_heads`, with a basis per KV head (5.3: zero outside the 6 x 6 blocks); "
+                          "lanes 3"),
+    EDGES: ("noise, not coefficients: V channel 0 (weight 2^-14) at ±65504 decodes to ±inf 7 times; "
+            "2 float16 subnormals"),
 }
 
 
@@ -602,7 +650,7 @@ def walkthrough() -> str:
     assert out.tobytes() == v["output"].tobytes()
     o: list[str] = []
     o += ["### 9.1 The files", "",
-          "`format-spec/vectors/pca/` holds the vectors below and the two calibration objects they use, each",
+          "`format-spec/vectors/pca/` holds the vectors below and the five calibration objects they use, each",
           "named `<digest>.kvcal` by its SHA-256 (point `KVTOOL_CALIBRATION_PATH` at the folder). For each",
           "vector NAME: `NAME.json` (the shape `[2, L, T, C]`, the dtype, the codec parameters as a manifest",
           "records them, the payload's SHA-256), `NAME.in.bin` (the chunk that was coded, as stored,",
@@ -610,11 +658,23 @@ def walkthrough() -> str:
           "laid out as the input) and `NAME.rope.bin` (the float32 tables of the coded tokens, section 5:",
           "`cos[L][Tc][D/2]`, then `sin` likewise, for positions `position + S` to `position + T - 1`; absent",
           "when `Tc = 0`). A writer MUST produce `NAME.payload.bin` from `NAME.in.bin` and the parameters, a",
-          "reader MUST produce `NAME.out.bin` from the payload, both byte for byte. Both calibration objects",
-          "have one KV head of `D = 8` (so `C = 8`), RoPE frequencies `1, 0.1, 0.01, 0.001` (base 10000) and",
-          "an orthonormal basis in Q14; `make_pca_vectors.py` rebuilds everything.", ""]
+          "reader MUST produce `NAME.out.bin` from the payload, both byte for byte.", ""]
+    o += _para("Each calibration object has an orthonormal basis in Q14 and RoPE frequencies of base 10000, "
+               "`f32(10000^(-2i/D))`. Those of the first six vectors and `fp16_edges` (and of version 2's "
+               "`bf16_many_units` and `fp32_past_2e32`, section 11.8) have one "
+               "KV head of `D = 8` (so `C = 8`; frequencies `1, 0.1, 0.01, 0.001`); `fp16_edges`' object gives V's "
+               "channel 0 the weight 2^-14, so that at its step of 2^-8 values of that channel near ±65504 decode "
+               "past the float16 maximum, to infinities (section 5.2), while its other values, of ~10^-3, "
+               "decode to some float16 subnormals. Those of `bf16_heads` and "
+               "`fp16_heads_blocks` have three KV heads of `D = 6` (`C = 18`; frequencies `1, 0.046415888, "
+               "0.0021544347`): keys turn by the pairs `(6h + i, 6h + 3 + i)` of head `h` (section 5), and each "
+               "row's 18 side bytes are followed by two zero bytes (section 4). `bf16_heads`' basis is dense "
+               "(every component mixes all three heads); `fp16_heads_blocks`' is zero outside the heads' "
+               "`6 x 6` blocks (section 5.3), an ordinary object that a coder MAY sum block by block. "
+               "`make_pca_vectors.py` rebuilds everything.") + [""]
     o += vectors_table() + [""]
-    o += _para("Every row of every vector that codes tokens has components that are zero at every coded "
+    o += _para("Every row of every vector that codes tokens and is made from coefficients (all but `fp16_edges`) "
+               "has components that are zero at every coded "
                "token (side byte `0xFF`) and one escape; together the rows use every shift from 0 to 6.") + [""]
     # ---- the walk-through
     o += [f"### 9.2 Walk-through: `{WALK}`", "", "The parameters:", "", "```json", json.dumps(p), "```", ""]

@@ -34,9 +34,15 @@ _spec.loader.exec_module(mv1)
 SpecError = mv1.SpecError
 STORAGE = mv1.STORAGE
 FREQ, CUM = mv1.FREQ, mv1.CUM
-FROM_V1 = ("walk_bf16", "bf16_sinks", "fp16_position", "fp32_lanes1", "fp32_far", "bf16_sinks_only")
+FROM_V1 = ("walk_bf16", "bf16_sinks", "fp16_position", "fp32_lanes1", "fp32_far", "bf16_sinks_only", "bf16_heads",
+           "fp16_heads_blocks", "fp16_edges")
 UNIT = 64  # the smallest unit, so these small chunks have rows of more than one unit
 MANY = "bf16_many_units"  # 2 layers, 199 tokens from position 300, step 0.5: dozens of units, escapes
+# from position 2^32 (frequency 1 among the object's): 11.5's tables unlike libm's, an odd number of
+# units, a unit of fewer than 31 raw bits, |acc| > 2^24 where f32(acc) rounds (see `far_vector`);
+# float32, so that the tables' differences reach the decoded values (float16 would round them away)
+FAR = "fp32_past_2e32"
+FAR_POSITION, FAR_STEP, FAR_SEED = 1 << 32, 0.25, 9
 ESCAPE, ALL_ZERO, BACK_BITS = 15, 0xFF, 31
 
 
@@ -105,13 +111,21 @@ def forward(x: np.ndarray, cal, cos: np.ndarray, sin: np.ndarray, step: float) -
     return q
 
 
-def inverse(q: np.ndarray, cal, cos: np.ndarray, sin: np.ndarray, step: float) -> np.ndarray:
-    """§5.2: float32 [2, L, Tc, C] of q [2, L, Tc, C]."""
+def inverse(q: np.ndarray, cal, cos: np.ndarray, sin: np.ndarray, step: float, wrong: str = "") -> np.ndarray:
+    """§5.2: float32 [2, L, Tc, C] of q [2, L, Tc, C]. `wrong`, for the far vector's facts: "acc", a
+    reader that multiplies the exact acc by h in float64 and rounds once; "fma", one that fuses
+    f32(acc) * h + mean (one rounding; exact in float64 but for the sum's rare last bit)."""
     out = np.empty(q.shape, np.float32)
     for p in range(2):
         acc = np.einsum("ltk,lck->ltc", q[p], cal.basis[p].astype(np.int64))  # exact integers
         h = (np.float64(step) / (16384 * cal.weight[p].astype(np.float64))).astype(np.float32)  # [L, C]
-        x = ((acc.astype(np.float32) * h[:, None, :]).astype(np.float32) + cal.mean[p][:, None, :]).astype(np.float32)
+        if wrong == "fma":
+            x = (acc.astype(np.float32).astype(np.float64) * h[:, None, :].astype(np.float64)
+                 + cal.mean[p][:, None, :].astype(np.float64)).astype(np.float32)
+        else:
+            a = acc.astype(np.float64) if wrong == "acc" else acc.astype(np.float32)
+            prod = (a * h[:, None, :].astype(a.dtype)).astype(np.float32)
+            x = (prod + cal.mean[p][:, None, :]).astype(np.float32)
         out[p] = mv1.turn(x, cos, sin, back=False) if p == 0 else x
     return out
 
@@ -290,6 +304,65 @@ def many_units_input(cal) -> np.ndarray:
     return mv1.to_storage(x, "bfloat16")
 
 
+def libm_tables(cal, start: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) float32 [L, tokens, D/2] as version 1 (section 5) takes them: this platform's libm
+    (Python's math module calls it) on f64(pos) * f64(inv_freq), rounded to float32."""
+    import math
+
+    angles = [[[float(pos) * float(w) for w in cal.inv_freq[layer].astype(np.float64)]
+               for pos in range(start, start + tokens)] for layer in range(cal.layers)]
+    cos = np.array([[[math.cos(a) for a in row] for row in layer] for layer in angles], np.float32)
+    sin = np.array([[[math.sin(a) for a in row] for row in layer] for layer in angles], np.float32)
+    return cos, sin
+
+
+def far_facts(raw: np.ndarray, dtype: str, cal, payload: bytes) -> dict:
+    """What `FAR` must hold, measured on the chunk: entries where 11.5's tables differ from libm's,
+    the units (odd count), the fewest raw bits of a unit, the largest |acc| of section 5.2 and
+    whether some f32(acc) rounds; and how many decoded values three wrong readers would get wrong:
+    one that took libm's tables, one that did not round acc to float32, one that fused a multiply-add."""
+    _, L, T, C = raw.shape
+    cos, sin = rope_tables(cal, FAR_POSITION, T)
+    lcos, lsin = libm_tables(cal, FAR_POSITION, T)
+    unlike = (cos != lcos) | (sin != lsin)  # [L, T, D/2]
+    q = forward(mv1.from_storage(raw, dtype), cal, cos, sin, FAR_STEP)
+    lay = parse2(payload, raw.shape, dtype)
+    qr = q.reshape(2 * L, T, C)
+    raw_bits = [sum(shift + int(qr[r, t, k] != 0) for k, t, _, shift in symbols(lay["side"][r], T)[first:first + n])
+                for r, first, n in lay["spans"]]
+    acc = np.concatenate([np.einsum("ltk,lck->ltc", q[p], cal.basis[p].astype(np.int64)).ravel() for p in range(2)])
+    big = acc[np.abs(acc) > 1 << 24]
+    out = mv1.to_storage(inverse(q, cal, cos, sin, FAR_STEP), dtype)
+    out_libm = mv1.to_storage(inverse(q, cal, lcos, lsin, FAR_STEP), dtype)
+    out_exact = mv1.to_storage(inverse(q, cal, cos, sin, FAR_STEP, wrong="acc"), dtype)
+    out_fma = mv1.to_storage(inverse(q, cal, cos, sin, FAR_STEP, wrong="fma"), dtype)
+    return {"values_unlike_libm_reader": int((out.view(np.uint32) != out_libm.view(np.uint32)).sum()),
+            "values_unlike_unrounded_acc_reader": int((out.view(np.uint32) != out_exact.view(np.uint32)).sum()),
+            "values_unlike_fused_reader": int((out.view(np.uint32) != out_fma.view(np.uint32)).sum()),
+            "rope_entries_unlike_libm": int(unlike.sum()),
+            "positions_unlike_libm": sorted({FAR_POSITION + int(t) for t in np.nonzero(unlike)[1]}),
+            "units": len(lay["spans"]), "fewest_raw_bits": min(raw_bits), "max_abs_acc": int(np.abs(acc).max()),
+            "acc_rounded_by_f32": int((big.astype(np.float32).astype(np.int64) != big).sum())}
+
+
+def far_vector(cal) -> tuple[int, np.ndarray]:
+    """(T, the float32 chunk [2, L, T, C]) of the fewest tokens from position 2^32 (no sinks) whose
+    facts hold: coefficients as version 1's vectors' but V layer 0's first component ±(2900 + 37 t) at
+    token t (so |acc| passes 2^24 often) and V layer 1's last component zero, coded at step 0.25."""
+    for T in range(8, 64):
+        q = mv1.coefficients(cal.layers, T, FAR_SEED, cal.channels)
+        q[1, 0, :, 0] = np.where(np.arange(T) % 2, 1, -1) * (2900 + 37 * np.arange(T))  # |acc| past 2^24
+        q[1, 1, :, 7] = 0  # V layer 1 one component fewer: rows of unequal lengths, so the unit count can be odd
+        raw = mv1.make_input(cal, q, "float32", T, 0, FAR_POSITION, FAR_STEP, FAR_SEED)
+        payload = spec_encode2(raw, "float32", cal, FAR_STEP, 0, FAR_POSITION, UNIT)
+        facts = far_facts(raw, "float32", cal, payload)
+        if (facts["values_unlike_libm_reader"] and facts["values_unlike_unrounded_acc_reader"]
+                and facts["values_unlike_fused_reader"] and facts["units"] % 2 and facts["fewest_raw_bits"] < BACK_BITS
+                and facts["acc_rounded_by_f32"]):
+            return T, raw
+    raise SystemExit("no chunk length from 8 to 63 tokens holds what the far vector must")
+
+
 def inputs() -> dict[str, tuple[dict, np.ndarray]]:
     out = {}
     for name in FROM_V1:
@@ -301,6 +374,9 @@ def inputs() -> dict[str, tuple[dict, np.ndarray]]:
     raw = many_units_input(calibration(main))
     params = {"version": 2, "calibration": main, "step": 0.5, "sinks": 4, "unit": UNIT, "position": 300}
     out[MANY] = ({"shape": list(raw.shape), "dtype": "bfloat16", "params": params}, raw)
+    _, raw = far_vector(calibration(main))
+    params = {"version": 2, "calibration": main, "step": FAR_STEP, "sinks": 0, "unit": UNIT, "position": FAR_POSITION}
+    out[FAR] = ({"shape": list(raw.shape), "dtype": "float32", "params": params}, raw)
     return out
 
 
@@ -314,6 +390,8 @@ def build() -> None:
         record = {"shape": list(raw.shape), "dtype": meta["dtype"], "params": p,
                   "payload_sha256": hashlib.sha256(payload).hexdigest(),
                   "units": [list(s) for s in lay["spans"]], "regions": lay["reg_len"]}
+        if name == FAR:  # measured here; rope_entries_unlike_libm and its positions by this platform's libm
+            record["facts"] = far_facts(raw, meta["dtype"], cal, payload)
         (HERE / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
         (HERE / f"{name}.in.bin").write_bytes(np.ascontiguousarray(raw).tobytes())
         (HERE / f"{name}.payload.bin").write_bytes(payload)
