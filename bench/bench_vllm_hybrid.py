@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from test_vllm_connector import PROMPT, serve  # noqa: E402  (one engine process per run, as the tests)
-from test_vllm_hybrid import IN_PROCESS, MODELS, make_gemma  # noqa: E402
+from test_vllm_hybrid import IN_PROCESS, MODELS, make_model  # noqa: E402
 
 
 def run(workdir: Path, name: str, hybrid: bool) -> dict:
@@ -63,7 +63,7 @@ def main() -> None:
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench-hybrid-"))
     rows = []
     for name in args.models.split(","):
-        make_gemma(name, base / name / "model")
+        make_model(name, base / name / "model")
         for hybrid in (True, False):
             rows.append(run(base / name / ("on" if hybrid else "off"), name, hybrid))
             print(json.dumps(rows[-1]), flush=True)

@@ -96,7 +96,8 @@ def to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float32":
         return x
     if dtype == "float16":
-        return x.astype(np.float16)
+        with np.errstate(over="ignore"):  # past ±65504 a value is float16's infinity, as IEEE 754 rounds it
+            return x.astype(np.float16)
     bits = x.view(np.uint32).astype(np.uint64)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
