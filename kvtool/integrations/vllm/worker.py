@@ -18,7 +18,7 @@ from ...load import SavePipeline
 from ..engine_blocks import EngineBlocks, LatentBlocks, SaveBuffers
 from .caches import StoreCaches
 from .config import ConnectorConfig
-from .groups import KVGroup
+from .groups import KVGroup, refuse_split_kv_sinks
 from .layout import check_cpu_pages, check_latent_pages, cpu_pages_layout, engine_latent_fault, engine_layout
 from .metadata import KVToolMetadata, LoadSpec, SaveSpec
 from .stats import KVToolConnectorStats, StatsRecorder
@@ -43,6 +43,7 @@ class WorkerSide:
         self._tainted: dict[str, int] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        refuse_split_kv_sinks(self._vllm_config, self.groups)  # before any request: vLLM's decode would be wrong
         layout = engine_layout(self._vllm_config)
         layers = list(kv_caches.values())  # in model order
         if layout.latent:  # MLA: one latent row per token and layer, stored as mla_latent chunks (one group)
