@@ -14,6 +14,7 @@
 #define PCA_ERR_PARAM 3
 #define PCA_ERR_CORRUPT 4
 #define PCA_ERR_RANGE 5 /* encode: a token's sum of |q| exceeds 2^16 at this step */
+#define PCA_ERR_UNIT 6  /* encode, version 2: a pair of units exceeds 65535 bytes */
 
 #define PCA_DTYPE_BF16 0
 #define PCA_DTYPE_F16 1
@@ -69,12 +70,13 @@ int pca_decode_chunk_v2(const uint8_t *payload, size_t len, const pca_chunk *ck,
                         const int32_t *row_units, int64_t *consumed, void *out, int threads, char *err,
                         size_t errlen);
 
-/* Encode a version-2 chunk's units (units of `unit` symbols): on PCA_OK *out (malloc'ed) holds the
- * side bytes [2L][C], a u32 region count, each region's u32 length, then the regions (format-spec
- * pca.md §11.2: units 2j and 2j + 1's streams, the second backward); kvtool/codecs/pca/native.py
- * adds the header, the sinks and the u16 region table. */
-int pca_encode_chunk_v2(const void *kv, const pca_chunk *ck, uint32_t unit, int threads, uint8_t **out,
-                        size_t *out_len, char *err, size_t errlen);
+/* Encode a version-2 chunk: on PCA_OK the buffer alloc(ctx, size) gave (the caller's) holds the
+ * whole payload of format-spec/pca.md §11.2: head (the caller's header), the side bytes [2L][C],
+ * sinks (the caller's), the u16 region table, then the regions (units 2j and 2j + 1's streams,
+ * the second backward). PCA_ERR_UNIT when a region exceeds 65535 bytes (nothing allocated). */
+int pca_encode_chunk_v2(const void *kv, const pca_chunk *ck, uint32_t unit, int threads, const uint8_t *head,
+                        size_t head_len, const uint8_t *sinks, size_t sink_len, uint8_t *(*alloc)(void *, size_t),
+                        void *ctx, char *err, size_t errlen);
 
 /* f32 -> f16 bits as numpy's astype(float16) does (round to nearest even, NaN payloads kept):
  * exposed for the tests. */

@@ -15,6 +15,7 @@ static PyObject *raise_rc(int rc, const char *msg) {
     if (rc == PCA_ERR_NONFINITE) PyErr_SetString(NonFiniteError, msg);
     else if (rc == PCA_ERR_CORRUPT) PyErr_SetString(CorruptError, msg);
     else if (rc == PCA_ERR_RANGE) PyErr_SetString(RangeError, msg);
+    else if (rc == PCA_ERR_UNIT) PyErr_SetString(PyExc_OverflowError, msg);
     else if (rc == PCA_ERR_NOMEM) PyErr_NoMemory();
     else PyErr_SetString(PyExc_ValueError, msg);
     return NULL;
@@ -142,19 +143,33 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* the payload's bytes object, made where the coder asks for it (the GIL taken for that moment): the
+ * coder lays the payload out in it, one copy */
+typedef struct { PyObject *bytes; } bytes_out;
+
+static uint8_t *alloc_bytes(void *ctx, size_t n) {
+    bytes_out *o = (bytes_out *)ctx;
+    PyGILState_STATE st = PyGILState_Ensure();
+    o->bytes = n <= PY_SSIZE_T_MAX ? PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n) : NULL;
+    if (!o->bytes) PyErr_Clear(); /* the coder reports PCA_ERR_NOMEM */
+    PyGILState_Release(st);
+    return o->bytes ? (uint8_t *)PyBytes_AS_STRING(o->bytes) : NULL;
+}
+
 /* encode2(kv, dtype, L, T, C, D, sinks, unit, cols, block, r, mean, weight, m2, basis, sumsq_limit, nrope, cos,
- * sin, rope_map, freq, cost, slot_sym, threads) -> bytes: version 2's side bytes, unit lengths and streams
- * (pca_cpu.h) */
+ * sin, rope_map, freq, cost, slot_sym, threads, head, sink_bytes) -> bytes: the whole version-2 payload,
+ * head (its header) and sink_bytes (its sinks) as given (pca_cpu.h); OverflowError when a pair of
+ * units exceeds 65535 bytes */
 static PyObject *py_encode2(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *kv, *mean, *weight, *m2, *basis, *lim, *cos, *sin, *rmap, *freq, *cost, *slot;
+    PyObject *kv, *head, *sink_bytes, *mean, *weight, *m2, *basis, *lim, *cos, *sin, *rmap, *freq, *cost, *slot;
     pca_chunk ck;
     memset(&ck, 0, sizeof ck);
     int threads;
     unsigned int unit;
-    if (!PyArg_ParseTuple(args, "OiIIIIIIIIdOOOOOIOOOOOOi", &kv, &ck.dtype, &ck.layers, &ck.tokens, &ck.channels,
+    if (!PyArg_ParseTuple(args, "OiIIIIIIIIdOOOOOIOOOOOOiOO", &kv, &ck.dtype, &ck.layers, &ck.tokens, &ck.channels,
                           &ck.head_dim, &ck.sinks, &unit, &ck.cols, &ck.block, &ck.r, &mean, &weight, &m2, &basis, &lim,
-                          &ck.nrope, &cos, &sin, &rmap, &freq, &cost, &slot, &threads))
+                          &ck.nrope, &cos, &sin, &rmap, &freq, &cost, &slot, &threads, &head, &sink_bytes))
         return NULL;
     if (!geometry_ok(&ck)) return NULL;
     bufs b = {.n = 0};
@@ -167,18 +182,28 @@ static PyObject *py_encode2(PyObject *self, PyObject *args) {
         release(&b);
         return NULL;
     }
-    uint8_t *out = NULL;
-    size_t out_len = 0;
+    Py_buffer *hb = &b.v[b.n];
+    if (PyObject_GetBuffer(head, hb, PyBUF_SIMPLE) < 0) { release(&b); return NULL; }
+    b.n++;
+    const uint8_t *sinks = (const uint8_t *)take(&b, sink_bytes, 2ull * L * ck.sinks * C * elem(ck.dtype), 0,
+                                                 "sink_bytes");
+    if (!sinks) {
+        release(&b);
+        return NULL;
+    }
+    bytes_out o = {NULL};
     char err[256] = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = pca_encode_chunk_v2(src, &ck, unit, threads, &out, &out_len, err, sizeof err);
+    rc = pca_encode_chunk_v2(src, &ck, unit, threads, (const uint8_t *)hb->buf, (size_t)hb->len, sinks,
+                             2ull * L * ck.sinks * C * elem(ck.dtype), alloc_bytes, &o, err, sizeof err);
     Py_END_ALLOW_THREADS
     release(&b);
-    if (rc != PCA_OK) return raise_rc(rc, err);
-    PyObject *res = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)out_len);
-    free(out);
-    return res;
+    if (rc != PCA_OK) {
+        Py_XDECREF(o.bytes);
+        return raise_rc(rc, err);
+    }
+    return o.bytes;
 }
 
 /* decode2(payload, out, dtype, L, T, C, D, sinks, cols, block, mean, gain, m2, nrope, cos, sin, rope_map, freq,

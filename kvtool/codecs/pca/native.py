@@ -226,9 +226,9 @@ def decode_chunk(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str
 # --------------------------------------------------------------------------- bitstream version 2
 def encode_chunk_v2(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sinks: int, start: int,
                     unit: int | None = None, threads: int | None = None) -> bytes:
-    """As reference2.encode_chunk: the C coder gives the side bytes and the regions (version 1's
-    transform and choice, then each unit's raw bits and rANS, two units' streams a region); the
-    header, the sinks and the region table are laid out here."""
+    """As reference2.encode_chunk: the C coder gives the whole payload (version 1's transform and
+    choice, then each unit's raw bits and rANS, two units' streams a region) around the header
+    and the sinks given here."""
     from . import reference2
 
     mod = native_module(warn=False)
@@ -247,28 +247,21 @@ def encode_chunk_v2(raw: np.ndarray, dtype: str, cal: Calibration, step: float, 
     cos, sin = prep.rope_tables(start + n_sink, T - n_sink, version=2)
     r = 1.0 / (float(step) * float(1 << (reference.U_FRACTION + 14)))
     data = np.ascontiguousarray(raw).view(_STORAGE[dtype])
-    try:
-        blob = mod.encode2(data, DTYPE_CODES[dtype], L, T, C, cal.head_dim, n_sink, unit, prep.cols, prep.block, r,
+    head = reference2.HEADER.pack(reference.MAGIC, reference2.FORMAT_VERSION, DTYPE_CODES[dtype],
+                                  unit // reference2.UNIT_STEP, 0, 2 * L, T, C, n_sink)
+    sink_bytes = np.ascontiguousarray(data[:, :, :n_sink]).tobytes()
+    try:  # the whole payload, laid out by the C coder (§11.2)
+        return mod.encode2(data, DTYPE_CODES[dtype], L, T, C, cal.head_dim, n_sink, unit, prep.cols, prep.block, r,
                            prep.mean, prep.weight, prep.m2_encode, prep.basis, prep.sumsq_limit,
                            len(prep.rope.inv_freq), np.ascontiguousarray(cos), np.ascontiguousarray(sin),
-                           prep.rope_map, FREQ, COST, SLOT_SYM, _threads(threads))
+                           prep.rope_map, FREQ, COST, SLOT_SYM, _threads(threads), head, sink_bytes)
     except mod.NonFiniteError:
         raise NonFiniteValues("pca: the KV input holds NaN or infinity") from None
     except mod.RangeError as exc:
         raise UsageError(f"pca: a token's coefficients are too large for step {step} (sum of |q| {exc} > "
                          f"{reference.TOKEN_L1_LIMIT}); use a larger step or another codec") from None
-    rows = 2 * L
-    side = blob[:rows * C]
-    pairs = struct.unpack_from("<I", blob, rows * C)[0]
-    lens = np.frombuffer(blob, "<u4", count=pairs, offset=rows * C + 4)
-    if (lens > 0xFFFF).any():
-        raise UsageError("pca: a pair of units exceeds 65535 bytes (use a smaller unit)")
-    regions = memoryview(blob)[rows * C + 4 + 4 * pairs:]  # laid out by the C coder (§11.2)
-    sink_bytes = np.ascontiguousarray(raw[:, :, :n_sink]).tobytes()
-    head = reference2.HEADER.pack(reference.MAGIC, reference2.FORMAT_VERSION, DTYPE_CODES[dtype],
-                                  unit // reference2.UNIT_STEP, 0, rows, T, C, n_sink)
-    return b"".join([head, side, b"\0" * reference._pad4(len(side)), sink_bytes,
-                     b"\0" * reference._pad4(len(sink_bytes)), lens.astype("<u2").tobytes(), regions])
+    except OverflowError:
+        raise UsageError("pca: a pair of units exceeds 65535 bytes (use a smaller unit)") from None
 
 
 def decode_chunk_v2(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str, cal: Calibration, step: float,
@@ -288,16 +281,18 @@ def decode_chunk_v2(payload: bytes | memoryview, shape: tuple[int, ...], dtype: 
     lay = reference2.parse(payload, shape, dtype)
     prep = prepared(cal)
     n = len(lay.spans)
-    units = np.zeros((n, 6), np.int64)
-    if n:
-        spans = lay.spans
-        pair = np.arange(n) // 2
-        back = np.arange(n) % 2 == 1
-        units[:, :3] = spans
-        units[:, 3] = np.where(back, lay.reg_at[pair] + lay.reg_len[pair] - 1, lay.reg_at[pair])
-        units[:, 4] = np.where(back, -1, 1)
-        units[:, 5] = lay.reg_len[pair]
-    row_units = np.searchsorted(units[:, 0], np.arange(2 * L + 1), side="left").astype(np.int32)
+    pairs = len(lay.reg_len)
+    # a pair's two units side by side: the forward one reads its region from the start, the
+    # backward one from the end
+    units = np.empty((pairs, 2, 6), np.int64)
+    units.reshape(-1, 6)[:n, :3] = lay.spans
+    units[:, 0, 3] = lay.reg_at
+    units[:, 1, 3] = lay.reg_at + lay.reg_len - 1
+    units[:, 0, 4] = 1
+    units[:, 1, 4] = -1
+    units[:, :, 5] = lay.reg_len[:, None]
+    units = units.reshape(-1, 6)[:n]
+    row_units = np.searchsorted(lay.spans[:, 0], np.arange(2 * L + 1), side="left").astype(np.int32)
     consumed = np.zeros(n, np.int64)
     cos, sin = prep.rope_tables(start + lay.n_sink, lay.Tc, version=2)
     out = np.empty((2, L, T, C), dtype=_OUT[dtype])
@@ -308,7 +303,9 @@ def decode_chunk_v2(payload: bytes | memoryview, shape: tuple[int, ...], dtype: 
                     row_units, consumed, _threads(threads))
     except mod.CorruptError as exc:
         raise DecodeError(f"pca: {exc}") from None
-    if n and (np.bincount(np.arange(n) // 2, consumed) != lay.reg_len).any():
+    if n % 2:
+        consumed = np.append(consumed, 0)
+    if n and (consumed.reshape(-1, 2).sum(1) != lay.reg_len).any():
         raise DecodeError("pca: a pair of units does not fill its region exactly")
     storage = _OUT[dtype]
     out[:, :, :lay.n_sink] = np.frombuffer(bytes(payload[lay.sink_at:lay.sink_at + out[:, :, :lay.n_sink].nbytes]),
