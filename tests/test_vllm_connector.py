@@ -309,28 +309,11 @@ def lora_adapter(tmp_path_factory) -> Path:
     """A random peft LoRA adapter of the default model (q and v projections, rank 8), its lora_B
     drawn nonzero (peft starts it at zero: the adapter would change nothing) and large enough to
     change the greedy output of P (N(0, 0.05) changes none of its 16 tokens, N(0, 0.5) all)."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        if os.environ.get("CI") == "true":
-            raise RuntimeError("CI must run the LoRA test: peft did not install (make test)")
-        pytest.skip("peft is not installed (make test installs it)")
-    import torch
-    from transformers import AutoModelForCausalLM
+    from vllm_isolation import random_lora
 
     from kvtool.engine.default_model import default_model_path
 
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
-    with torch.no_grad():
-        for name, weights in model.named_parameters():
-            if "lora_B" in name:
-                weights.normal_(0.0, 0.5)
-    folder = tmp_path_factory.mktemp("lora") / "lora_a"
-    model.save_pretrained(folder)
-    return folder
+    return random_lora(default_model_path(), ["q_proj", "v_proj"], tmp_path_factory.mktemp("lora") / "lora_a")
 
 
 def test_lora_requests_never_share_chunks_with_the_base_model(tmp_path, reference, lora_adapter):

@@ -1,6 +1,5 @@
-"""The vLLM connector's isolation on the MLA and hybrid layouts (tests/test_vllm_mla.py,
-tests/test_vllm_hybrid.py): a random peft LoRA adapter of a tiny model folder, made as
-test_vllm_connector's `lora_adapter` makes the default model's (peft starts lora_B at zero, so the
+"""The vLLM connector's isolation tests' helpers (tests/test_vllm_connector.py, test_vllm_mla.py,
+test_vllm_hybrid.py): a random peft LoRA adapter of a model folder (peft starts lora_B at zero, so the
 adapter would change nothing: it is drawn nonzero, large enough to change the greedy output), and
 the connector's own lookup in another namespace (a namespace is an engine's setting, not a
 request's: asked of the store an engine filled, no second engine is started for it)."""
