@@ -67,8 +67,8 @@ test: install $(VENV)/.vllm $(VENV)/.sglang
 	$(PY) -m pytest -q --durations=25
 
 # The tests that need no default model, no transformers model and no vLLM (tests/conftest.py marks
-# those from the fixtures and modules they use), nor the slow ones: a few minutes on 2 cores, where
-# `make test` takes half an hour. Real files and real redis-servers still; no vLLM install needed.
+# those from the fixtures and modules they use), nor the slow ones: about 2 minutes on 2 cores, where
+# `make test` takes about 19 (bench/RESULTS.md §43). Real files and real redis-servers still; no vLLM install needed.
 QUICK ?= not model and not transformers and not engine and not slow
 test-quick: install
 	$(PY) -m pytest -q -m "$(QUICK)"
