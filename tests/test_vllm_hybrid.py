@@ -146,6 +146,19 @@ def test_vllm_keeps_its_hybrid_allocator_and_the_connector_serves_every_group(en
     assert sum(len(re.search(r"layers ([\d,]+)", g)[1].split(",")) for g in served) == layers  # each layer once
 
 
+def test_a_second_engine_loads_every_group_the_first_stored(engines):
+    """Another engine process, the allocator on, on the first's store: P's 768 tokens in every group
+    (the sliding ones their window), with the output of the engine without the connector."""
+    second = serve_model(engines["store"].parent / "second", engines["name"], [PROMPT], store=str(engines["store"]),
+                         codec="raw")
+    (got,) = second["requests"]
+    assert got["num_cached_tokens"] == 3 * CHUNK
+    assert got["token_ids"] == engines["reference"]["requests"][0]["token_ids"]
+    for group in groups(second["log"]):
+        span = "512..768" if "sliding" in group else "0..768"
+        assert re.search(rf"loaded tokens {span} \(\d+ bytes\) in [\d.]+ ms \({re.escape(group)}\)", second["log"]), group
+
+
 def test_a_second_request_loads_every_group_and_the_greedy_output_is_the_same(engines):
     (reference,) = engines["reference"]["requests"]
     first, again, *_ = engines["hybrid"]["requests"]
