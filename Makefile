@@ -68,7 +68,7 @@ test: install $(VENV)/.vllm $(VENV)/.sglang
 
 # The tests that need no default model, no transformers model and no vLLM (tests/conftest.py marks
 # those from the fixtures and modules they use), nor the slow ones: about 2 minutes on 2 cores, where
-# `make test` takes about 19 (bench/RESULTS.md §43). Real files and real redis-servers still; no vLLM install needed.
+# `make test` takes about 19½ (bench/RESULTS.md §43). Real files and real redis-servers still; no vLLM install needed.
 QUICK ?= not model and not transformers and not engine and not slow
 test-quick: install
 	$(PY) -m pytest -q -m "$(QUICK)"
