@@ -15,9 +15,11 @@
 #endif
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
-static int g_avx2 = 0, g_avx512 = 0;
+static int g_avx2 = 0, g_avx512 = 0, g_gather = 1;
 
-/* KVTOOL_PCA_SIMD: 0 (or n/f) the portable loops only; "avx2" no AVX-512; else the best the CPU has */
+/* KVTOOL_PCA_SIMD: 0 (or n/f) the portable loops only; "avx2" no AVX-512; else the best the CPU has.
+ * KVTOOL_PCA_GATHER: 1 or 0 overrides the choice between gathers and scalar loads in version 2's
+ * unit decoder (by default scalar loads on AMD CPUs, where they measured faster: bench/RESULTS.md §44) */
 static void init_simd(void) {
 #ifdef PCA_HAVE_AVX2
     const char *env = getenv("KVTOOL_PCA_SIMD");
@@ -29,6 +31,8 @@ static void init_simd(void) {
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
                __builtin_cpu_supports("avx512vbmi2") && /* the rANS loops' expand and compress */
                __builtin_cpu_supports("bmi2");           /* the raw parts' pext (every such CPU has it) */
+    const char *gather = getenv("KVTOOL_PCA_GATHER");
+    g_gather = gather && gather[0] ? gather[0] == '1' : !__builtin_cpu_is("amd");
 #endif
 }
 
@@ -40,6 +44,11 @@ int pca_simd_avx2(void) {
 int pca_simd_avx512(void) {
     pthread_once(&g_once, init_simd);
     return g_avx512;
+}
+
+int pca_units_gather(void) {
+    pthread_once(&g_once, init_simd);
+    return g_gather;
 }
 
 /* Portable: the same sums, one token at a time (the compiler vectorises the j loop). */

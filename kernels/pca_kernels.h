@@ -27,6 +27,9 @@ int pca_simd_avx2(void);
 /* 1 when the AVX-512 paths are in use too (AVX-512 F, BW, VL, VNNI and VBMI2: Ice Lake, Zen 4 and
  * later; KVTOOL_PCA_SIMD neither 0 nor "avx2") */
 int pca_simd_avx512(void);
+/* 1: version 2's unit decoder reads the table entries and words by gathers; 0: by scalar loads
+ * (where every read of a batch stays inside the payload) */
+int pca_units_gather(void);
 
 static inline float pca_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t pca_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }

@@ -277,6 +277,12 @@ static PyObject *py_simd(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(pca_simd_avx512() ? "avx512" : pca_simd_avx2() ? "avx2" : "portable");
 }
 
+static PyObject *py_units_gather(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(pca_simd_avx512() && pca_units_gather());
+}
+
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, "encode one chunk (see kvtool/codecs/pca/native.py)"},
     {"decode", py_decode, METH_VARARGS, "decode one chunk into a buffer (see kvtool/codecs/pca/native.py)"},
@@ -284,6 +290,8 @@ static PyMethodDef methods[] = {
     {"decode2", py_decode2, METH_VARARGS, "decode one chunk of bitstream version 2 into a buffer (native.py)"},
     {"f32_to_f16", py_f32_to_f16, METH_O, "float32 bytes -> float16 bits as numpy rounds them"},
     {"simd", py_simd, METH_NOARGS, "the coder's widest code path: 'avx512', 'avx2' or 'portable'"},
+    {"units_gather", py_units_gather, METH_NOARGS,
+     "whether version 2's AVX-512 unit decoder reads by gathers (else by scalar loads; KVTOOL_PCA_GATHER)"},
     {NULL, NULL, 0, NULL},
 };
 

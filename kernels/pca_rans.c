@@ -129,7 +129,8 @@ int pca_rans_dec_units(pca_unit_rans *u, uint32_t count, const uint32_t *dec, co
 #ifdef PCA_RANS_AVX2
     if (len < (1u << 31) - 16 && pca_simd_avx512()) { /* the gathers' indices are int32 offsets */
         for (uint32_t b = 0; b < count; b += UNITS_BATCH)
-            units_batch_avx512(u + b, count - b < UNITS_BATCH ? count - b : UNITS_BATCH, dec, payload, tab_off, Tc, tmp);
+            units_batch_avx512(u + b, count - b < UNITS_BATCH ? count - b : UNITS_BATCH, dec, payload, len, tab_off, Tc,
+                               tmp);
         return 1;
     }
 #endif

@@ -62,8 +62,8 @@ void pca_choose_shift(const uint64_t h[PCA_NSYM], int s, uint64_t Tc, const uint
 /* Bitstream version 2 (§11.3): one unit's rANS for pca_rans_dec_units. Its stream's byte i is
  * payload[at + dir * i] (dir +1 or -1), len bytes; its n symbols start at token tc of live
  * component jc. In: x, the state read from the stream's first 4 bytes, and p = 4. Out: x the end
- * state, p the stream bytes read, over 1 when a renormalisation needed a word past len (the word
- * then reads as 0: the unit is corrupt), and the symbols in sym[0 .. n). */
+ * state, p the stream bytes read, over 1 when a renormalisation needed a word past len (the unit
+ * is corrupt: its state and symbols then mean nothing), and the symbols in sym[0 .. n). */
 typedef struct {
     int64_t at;
     int32_t dir;
@@ -73,7 +73,8 @@ typedef struct {
 
 /* The rANS of `count` units of one row, 16 a vector (AVX-512; the loop of pca_units.inc's
  * rans_step, lane by lane). tab_off[j] = 4096 * the table of live component j, for j <= the row's
- * live count (the entry after the last, any table); tmp: 64 * (the longest unit's symbols) bytes.
+ * live count (the entry after the last, any table); tmp: 72 * 4096 bytes (the symbols, then each
+ * step's turn masks).
  * Returns 1 when it ran, 0 (nothing done) on other CPUs or a payload of 2^31 bytes or more. */
 int pca_rans_dec_units(pca_unit_rans *u, uint32_t count, const uint32_t *dec, const uint8_t *payload, size_t len,
                        const int32_t *tab_off, uint32_t Tc, uint8_t *tmp);

@@ -117,3 +117,23 @@ def test_the_fallback_paths_are_the_reference(tmp_path, flag, path):
     env = dict(os.environ, KVTOOL_PCA_SIMD=flag)
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == [str(len(CASES) + N_VECTORS)], out.stderr[-2000:]
+
+
+def test_both_unit_readers_are_the_reference(tmp_path):
+    """Version 2's AVX-512 unit decoder reads table entries and words either by gathers or by
+    scalar loads (the default on AMD CPUs: bench/RESULTS.md §44); the one this CPU does not use
+    by default, forced with KVTOOL_PCA_GATHER in a subprocess, gives the same as the reference."""
+    if native.native_module().simd() != "avx512":
+        pytest.skip("no AVX-512 path on this CPU")
+    other = not native.native_module().units_gather()
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from test_pca_v2_simd import check_v2_cases\n"
+        "from kvtool.codecs.pca import native\n"
+        f"assert native.native_module().units_gather() is {other!r}\n"
+        "print(check_v2_cases()['cases'])\n")
+    env = dict(os.environ, KVTOOL_PCA_GATHER="1" if other else "0")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == [str(len(CASES) + N_VECTORS)], out.stderr[-2000:]
