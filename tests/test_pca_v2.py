@@ -298,3 +298,34 @@ def test_damaged_payloads_get_the_reference_decision_from_the_native_decoder():
         assert ref_out == nat_out
         refused += ref_out == "refused"
     assert refused > 100  # most damage is seen
+
+
+@needs_native
+def test_a_pair_of_the_largest_units_cannot_reach_the_region_limit():
+    """The refusal 'a pair of units exceeds 65535 bytes' (both coders) cannot be reached: the
+    writer's choice (§6.1) costs at most what shift 0 with the table of the most frequent escape
+    costs, so a symbol takes at most that table's dearest symbol plus 16 escape bits and a sign,
+    18.5 bits: a pair of 4096-symbol units stays under 19 KB. Every coefficient an escape at
+    shift 0 (|q| 1000-1063 everywhere, float32, tokens 4096 of one component each) reaches the
+    bound; both coders write it, and with units of 64 too."""
+    cal = random_calibration(1, 2, 8, seed=1)  # C = 16: a token's sum of |q| stays under 2^16
+    T, step, dtype = 4096, 2.0 ** -4, "float32"
+    rng = np.random.default_rng(0)
+    want_q = rng.choice([-1, 1], size=(2, 1, T, 16)) * rng.integers(1000, 1064, size=(2, 1, T, 16))
+    raw = v1.inverse(want_q, cal, 0, step, tables=v2.rope_tables(cal, 0, T))
+    bits = min(max(np.log2(4096 / v2.FREQ[t, s]) + (s > 0) + 16 * (s == v2.ESCAPE) for s in range(v2.ESCAPE + 1))
+               for t in range(len(v2.FREQ)))
+    bound = 2 * (4 + 2 + int(np.ceil(4096 * bits / 8)) + 1)  # two states, rounding of words and raw bytes
+    assert bits < 19 and bound < 0xFFFF // 3
+    payload = native.encode_chunk_v2(raw, dtype, cal, step, 0, 0, 4096, threads=1)
+    assert v2.encode_chunk(raw, dtype, cal, step, 0, 0, 4096) == payload
+    lay, q = v2.decode_coefficients(payload, raw.shape, dtype)
+    assert (lay.side >> 5 == 0).all() and (np.abs(q) >= 15).all()  # shift 0, every symbol an escape
+    assert len(lay.reg_len) == 16 and 0.99 * bound < lay.reg_len.max() <= bound
+    want = v2.decode_chunk(payload, raw.shape, dtype, cal, step, 0)
+    assert same(native.decode_chunk_v2(payload, raw.shape, dtype, cal, step, 0, threads=1), want)
+    small = native.encode_chunk_v2(raw, dtype, cal, step, 0, 0, 64, threads=1)
+    assert v2.encode_chunk(raw, dtype, cal, step, 0, 0, 64) == small
+    assert v2.units_of(small, raw.shape, dtype) == 2 * 16 * T // 64
+    assert same(native.decode_chunk_v2(small, raw.shape, dtype, cal, step, 0, threads=1), want)
+    assert same(v2.decode_chunk(small, raw.shape, dtype, cal, step, 0), want)
