@@ -65,7 +65,7 @@ pca = Extension(
     "kvtool._pca_native",
     sources=["kernels/pca_cpu.c", "kernels/pca_kernels.c", "kernels/pca_rans.c", "kernels/pca_pymod.c"],
     depends=["kernels/pca_cpu.h", "kernels/pca_kernels.h", "kernels/pca_rans.h", "kernels/pca_rans_rows.inc",
-             "kernels/pca_units.inc", "kernels/pca_units_simd.inc"],
+             "kernels/pca_units.inc", "kernels/pca_units_simd.inc", "kernels/pca_units_avx2.inc"],
     include_dirs=["kernels"],
     extra_compile_args=extra_compile,
     extra_link_args=extra_link,

@@ -122,6 +122,7 @@ static inline int pca_row_more(const pca_row_state *r, uint32_t N) {
 #undef ROWS
 
 #include "pca_units_simd.inc"
+#include "pca_units_avx2.inc"
 #endif
 
 int pca_rans_dec_units(pca_unit_rans *u, uint32_t count, const uint32_t *dec, const uint8_t *payload, size_t len,
@@ -131,6 +132,15 @@ int pca_rans_dec_units(pca_unit_rans *u, uint32_t count, const uint32_t *dec, co
         for (uint32_t b = 0; b < count; b += UNITS_BATCH)
             units_batch_avx512(u + b, count - b < UNITS_BATCH ? count - b : UNITS_BATCH, dec, payload, len, tab_off, Tc,
                                tmp);
+        return 1;
+    }
+    /* AVX2 alone: only where every batch's reads stay inside the payload (else the scalar chains) */
+    if (len < (1u << 31) - 16 && pca_simd_avx2() && !pca_simd_avx512()) {
+        for (uint32_t b = 0; b < count; b += UNITS8_BATCH)
+            if (!units_inside(u + b, count - b < UNITS8_BATCH ? count - b : UNITS8_BATCH, len)) return 0;
+        for (uint32_t b = 0; b < count; b += UNITS8_BATCH)
+            units_batch_avx2(u + b, count - b < UNITS8_BATCH ? count - b : UNITS8_BATCH, dec, payload, tab_off, Tc, tmp,
+                             tmp + (size_t)64 * 4096);
         return 1;
     }
 #endif
