@@ -151,7 +151,7 @@ int pca_rans_dec_units(pca_unit_rans *u, uint32_t count, const uint32_t *dec, co
 int pca_rans_enc_units(pca_unit_enc *u, uint32_t count, const pca_enc_table *tb, const uint8_t *tabs, uint32_t nl,
                        uint32_t Tc, uint16_t *words, uint8_t *tmp) {
 #ifdef PCA_RANS_AVX2
-    if (pca_simd_avx512()) {
+    if (pca_simd_avx2()) {
         /* per (table, symbol): f | cum << 16 and floor((2^32 - 1) / f); per live component its
          * table's first entry */
         uint32_t fc[PCA_NTAB * PCA_NSYM], rcp[PCA_NTAB * PCA_NSYM];
@@ -162,9 +162,14 @@ int pca_rans_enc_units(pca_unit_enc *u, uint32_t count, const pca_enc_table *tb,
             }
         int32_t *tab16 = (int32_t *)(tmp + (size_t)64 * 4096);
         for (uint32_t j = 0; j < nl; j++) tab16[j] = (int32_t)tabs[j] * PCA_NSYM;
-        for (uint32_t b = 0; b < count; b += UNITS_BATCH)
-            units_ebatch_avx512(u + b, count - b < UNITS_BATCH ? count - b : UNITS_BATCH, fc, rcp, tab16, tabs, Tc,
-                                words, tmp);
+        if (pca_simd_avx512())
+            for (uint32_t b = 0; b < count; b += UNITS_BATCH)
+                units_ebatch_avx512(u + b, count - b < UNITS_BATCH ? count - b : UNITS_BATCH, fc, rcp, tab16, tabs, Tc,
+                                    words, tmp);
+        else /* AVX2 alone: 8 a vector */
+            for (uint32_t b = 0; b < count; b += UNITS8_BATCH)
+                units_ebatch_avx2(u + b, count - b < UNITS8_BATCH ? count - b : UNITS8_BATCH, fc, rcp, tab16, tabs,
+                                  Tc, words, tmp);
         return 1;
     }
 #endif

@@ -71,11 +71,12 @@ typedef struct {
     uint8_t *sym;
 } pca_unit_rans;
 
-/* The rANS of `count` units of one row, 16 a vector (AVX-512; the loop of pca_units.inc's
- * rans_step, lane by lane). tab_off[j] = 4096 * the table of live component j, for j <= the row's
+/* The rANS of `count` units of one row, 16 a vector with AVX-512, 8 with AVX2 alone (the loop of
+ * pca_units.inc's rans_step, lane by lane). tab_off[j] = 4096 * the table of live component j, for j <= the row's
  * live count (the entry after the last, any table); tmp: 72 * 4096 bytes (the symbols, then each
  * step's turn masks).
- * Returns 1 when it ran, 0 (nothing done) on other CPUs or a payload of 2^31 bytes or more. */
+ * Returns 1 when it ran, 0 (nothing done) on other CPUs, a payload of 2^31 bytes or more, or (AVX2
+ * alone) a row with a unit whose reads could leave the payload. */
 int pca_rans_dec_units(pca_unit_rans *u, uint32_t count, const uint32_t *dec, const uint8_t *payload, size_t len,
                        const int32_t *tab_off, uint32_t Tc, uint8_t *tmp);
 
@@ -138,7 +139,7 @@ typedef struct {
     const uint8_t *sym;
 } pca_unit_enc;
 
-/* The rANS of `count` units of one row, 16 a vector (AVX-512). tabs[j]: the table of live
+/* The rANS of `count` units of one row, 16 a vector (AVX-512) or 8 (AVX2). tabs[j]: the table of live
  * component j (j < nl); tb the 32 tables; tmp: 64 * 4096 + 4 * nl bytes.
  * Returns 1 when it ran, 0 (nothing done) on other CPUs. */
 int pca_rans_enc_units(pca_unit_enc *u, uint32_t count, const pca_enc_table *tb, const uint8_t *tabs, uint32_t nl,
