@@ -72,6 +72,17 @@ def test_calibrate_capture_compress_verify(calibrated, cal_dir, capsys):
     assert out["replay"]["top1_agreement"] >= QUALITY["89"][1]
     code, out, err = cli(capsys, "verify", packed, "--against", raw, "--rtol", "10", "--atol", "10")
     assert code == 0, err
+    # --bitstream 2: the same quality point in version 2's independent units (pca.md §11), the
+    # same quantizer, so the same values as version 1's file wherever §11.5's tables are libm's
+    packed2 = folder / "p.pca2.kvc"
+    code, out, err = cli(capsys, "compress", raw, "-o", packed2, "--codec", "pca", "--quality", "89",
+                         "--bitstream", "2", "--json")
+    assert code == 0 and out["codec_params"]["version"] == 2 and out["codec_params"]["unit"] == 768, err
+    code, out, err = cli(capsys, "inspect", packed2, "--json")
+    assert code == 0 and out["chunks"][0]["codec_params"]["version"] == 2
+    assert out["chunks"][0]["codec_stats"]["bits_per_value_by_part"]["regions"] > 0
+    code, _, err = cli(capsys, "verify", packed2, "--against", packed)
+    assert code == 0, err
 
     # the default point (97) on a text bench_rd never measures: its own verify --replay passes
     licence = pathlib.Path("/usr/share/common-licenses/Artistic")
@@ -103,6 +114,7 @@ def test_calibrate_capture_compress_verify(calibrated, cal_dir, capsys):
     (["--quality", "98"], "--quality '98': choose 99, 97, 95, 89"),
     (["--calibration", "f" * 64], "not found"),
     (["--calibration", "xyz"], "SHA-256"),
+    (["--bitstream", "3"], "--bitstream 3: choose 1 (the default) or 2"),
 ])
 def test_bad_pca_options_are_one_line(calibrated, cal_dir, capsys, tmp_path, args, message):
     from fixtures import write_kv_file
@@ -128,6 +140,8 @@ def test_no_calibration_for_the_model_is_one_line(capsys, tmp_path, monkeypatch)
     assert code == 2 and "run `kvtool calibrate`" in err and err.strip().count("\n") == 0
     code, _, err = cli(capsys, "compress", f.path, "-o", tmp_path / "o.kvc", "--codec", "zstd", "--quality", "97")
     assert code == 2 and "apply to the pca codec only" in err
+    code, _, err = cli(capsys, "compress", f.path, "-o", tmp_path / "o.kvc", "--codec", "zstd", "--bitstream", "2")
+    assert code == 2 and "apply to the pca codec only" in err and err.strip().count("\n") == 0
 
 
 @pytest.mark.model

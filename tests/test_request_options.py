@@ -73,6 +73,7 @@ def flag_declarations(flag: str) -> int:
 # (--model and --namespace also name other things: a model key in `store ls|rm`, the namespace whose
 # objects `store rm` removes)
 @pytest.mark.parametrize("flag", ["--model-dtype", "--codec", "--device", "--engine", "--store", "--level", "--shuffle", "--bins", "--quality", "--calibration",
+                                  "--bitstream",
                                   "--min-top1", "--max-kl", "--continue", "--compare", "--prompt", "--prompt-file",
                                   "--tokens", "--allow-other-weights", "--no-generation-prompt"])
 def test_a_shared_option_is_declared_once(flag):

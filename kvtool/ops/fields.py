@@ -168,6 +168,11 @@ def quality_option() -> Any:
     return option(None, "--quality", metavar="Q", help="pca: 99, 97 (default), 95 or 89.")
 
 
+def bitstream_option() -> Any:
+    return option(None, "--bitstream", kind=int, metavar="N",
+                  help="pca: bitstream 1 (default) or 2 (units a GPU decodes apart).")
+
+
 def calibration_option() -> Any:
     return option(None, "--calibration", metavar="DIGEST", help="pca: default: the model's own.")
 

@@ -14,8 +14,8 @@ from typing import Any
 from ..devices import check_device_spec
 from ..errors import UsageError
 from ..store.names import ExtraKeys
-from .fields import (bins_option, calibration_option, codec_option, continue_option, device_option,
-                     embed_calibration_option, level_option,
+from .fields import (bins_option, bitstream_option, calibration_option, codec_option, continue_option,
+                     device_option, embed_calibration_option, level_option,
                      max_kl_option, min_top1_option, model_dtype_option, model_option, namespace_option, option,
                      other_weights_option, output_option, input_file_argument, prompt_file_option, prompt_option,
                      quality_option, shuffle_option, store_option, tokens_option)
@@ -35,6 +35,7 @@ class CompressRequest:
     bins: str | None = bins_option()
     quality: str | None = quality_option()
     calibration: str | None = calibration_option()
+    bitstream: int | None = bitstream_option()
     #: pca: carry the calibration object in the file (format-spec/pca.md §3.3)
     embed_calibration: bool = embed_calibration_option()
     params: dict[str, Any] | None = field(init=False, default=None)
@@ -53,7 +54,8 @@ class CompressRequest:
         if self.params is not None:
             return self.params
         return codec_params(self.codec, level=self.level, shuffle=self.shuffle, bins=self.bins,
-                            quality=self.quality, calibration=self.calibration, model_fingerprint=model_fingerprint)
+                            quality=self.quality, calibration=self.calibration, model_fingerprint=model_fingerprint,
+                            bitstream=self.bitstream)
 
 
 @dataclass(frozen=True)

@@ -99,18 +99,18 @@ def parse_roi(spec: str) -> list[tuple[int, int]]:
 
 def codec_params(codec: str, *, level: int | None = None, shuffle: bool | None = None,
                  bins: str | None = None, quality: str | None = None, calibration: str | None = None,
-                 model_fingerprint: str | None = None) -> dict[str, Any]:
-    """Codec options (`--level`, `--shuffle`, `--bins`, `--quality`, `--calibration`) -> parameters
-    validated by the codec. pca's calibration defaults to the one `kvtool calibrate` made for
-    the model `model_fingerprint`."""
+                 model_fingerprint: str | None = None, bitstream: int | None = None) -> dict[str, Any]:
+    """Codec options (`--level`, `--shuffle`, `--bins`, `--quality`, `--calibration`,
+    `--bitstream`) -> parameters validated by the codec. pca's calibration defaults to the one
+    `kvtool calibrate` made for the model `model_fingerprint`."""
     from .. import codecs
 
     impl = codecs.get_codec(codec)
-    if (quality is not None or calibration is not None) and codec != "pca":
-        raise UsageError("--quality and --calibration apply to the pca codec only")
+    if (quality is not None or calibration is not None or bitstream is not None) and codec != "pca":
+        raise UsageError("--quality, --calibration and --bitstream apply to the pca codec only")
     if codec == "pca":
         check_no_other_codec_options(codec, level, shuffle, bins)
-        return pca_params(quality, calibration, model_fingerprint)
+        return pca_params(quality, calibration, model_fingerprint, bitstream)
     params = impl.default_params()
     if level is not None or shuffle is not None:
         if "level" not in params:
@@ -143,14 +143,26 @@ def pca_quality(quality: str | None) -> str:
     return quality or DEFAULT_QUALITY
 
 
-def pca_params(quality: str | None, calibration: str | None, model_fingerprint: str | None) -> dict[str, Any]:
+def pca_bitstream(bitstream: int | None) -> int:
+    """`--bitstream`, checked: pca's bitstream version (format-spec/pca.md §11), 1 when None."""
+    from ..codecs.pca import WRITE_VERSION
+
+    if bitstream is not None and bitstream not in (1, 2):
+        raise UsageError(f"--bitstream {bitstream}: choose 1 (the default) or 2")
+    return WRITE_VERSION if bitstream is None else bitstream
+
+
+def pca_params(quality: str | None, calibration: str | None, model_fingerprint: str | None,
+               bitstream: int | None = None) -> dict[str, Any]:
     """pca's parameters: the quality point (`pca_quality`) with the calibration object `calibration`
-    (a digest), or else the one `kvtool calibrate` registered for the model `model_fingerprint`;
-    the object must be here (a usage error, one line, otherwise)."""
+    (a digest), or else the one `kvtool calibrate` registered for the model `model_fingerprint`, in
+    bitstream `bitstream` (`pca_bitstream`); the object must be here (a usage error, one line,
+    otherwise)."""
     from ..codecs.pca import params_for
     from ..codecs.pca.calibration import CalibrationNotFound, find, for_model
 
     quality = pca_quality(quality)  # before the calibration is looked for
+    version = pca_bitstream(bitstream)
     digest = calibration or (for_model(model_fingerprint) if model_fingerprint else None)
     if digest is None:
         raise UsageError("--codec pca: no calibration object for this model; run `kvtool calibrate` "
@@ -159,7 +171,7 @@ def pca_params(quality: str | None, calibration: str | None, model_fingerprint: 
         find(digest)  # present and intact, before any chunk is written
     except CalibrationNotFound as err:  # an option that names nothing here: a usage error (exit 2)
         raise UsageError(str(err)) from None
-    return params_for(digest, quality)
+    return params_for(digest, quality, version=version)
 
 
 def model_dtype_name(name: str) -> str:

@@ -21,14 +21,15 @@ from ..dtypes import dtype_from_name, dtype_name
 from ..errors import UsageError
 from ..format.layout import MAX_CHUNK_SIZE
 from ..store.names import ExtraKeys
-from .fields import (bins_option, calibration_option, codec_option, compare_option, continue_option, device_option,
-                     embed_calibration_option, engine_option,
+from .fields import (bins_option, bitstream_option, calibration_option, codec_option, compare_option, continue_option,
+                     device_option, embed_calibration_option, engine_option,
                      generation_prompt_option, level_option, make, max_kl_option, min_top1_option, model_dtype_option,
                      model_option, namespace_option, option, other_weights_option, output_option, part,
                      prompt_file_option, prompt_option, quality_option, shuffle_option, store_chunk_size_option,
                      store_option, tokens_option)
 from .inputs import (check_no_other_codec_options, check_text, check_token_source, codec_params, continuation,
-                     fraction, kv_dtype_name, model_dtype_name, non_negative, parse_roi, pca_params, pca_quality)
+                     fraction, kv_dtype_name, model_dtype_name, non_negative, parse_roi, pca_bitstream, pca_params,
+                     pca_quality)
 
 if TYPE_CHECKING:
     import torch
@@ -93,6 +94,7 @@ class CaptureRequest:
     bins: str | None = bins_option()
     quality: str | None = quality_option()
     calibration: str | None = calibration_option()
+    bitstream: int | None = bitstream_option()
     #: pca: carry the calibration object in the file (format-spec/pca.md §3.3)
     embed_calibration: bool = embed_calibration_option()
     params: dict[str, Any] | None = None  # (the Python API's: the codec's parameters as they are)
@@ -114,7 +116,7 @@ class CaptureRequest:
         with the calibration `kvtool calibrate` registered for that model (a one-line usage error
         saying to run it when there is none)."""
         if self.codec == "pca" and self.params is None:
-            return pca_params(self.quality, None, fingerprint)
+            return pca_params(self.quality, None, fingerprint, self.bitstream)
         return self.params
 
     @cached_property
@@ -153,10 +155,11 @@ class CaptureRequest:
         if self.codec == "pca" and self.calibration is None:
             check_no_other_codec_options(self.codec, self.level, self.shuffle, self.bins)
             pca_quality(self.quality)
+            pca_bitstream(self.bitstream)
             return None
         params = codec_params(self.codec, level=self.level, shuffle=self.shuffle, bins=self.bins,
-                              quality=self.quality, calibration=self.calibration)
-        given = (self.level, self.shuffle, self.bins, self.quality, self.calibration)
+                              quality=self.quality, calibration=self.calibration, bitstream=self.bitstream)
+        given = (self.level, self.shuffle, self.bins, self.quality, self.calibration, self.bitstream)
         return params if any(option is not None for option in given) else None
 
     @classmethod
