@@ -155,7 +155,7 @@ def level_option() -> Any:
 def shuffle_option() -> Any:
     # (--no-shuffle out of the help: a --shuffle/--no-shuffle pair takes a column of every line of it)
     return option(None, "--shuffle", kind=bool, off="--no-shuffle", show_default=False,
-                  help="zstd: shuffle byte planes before compressing (on by default; --no-shuffle: off).")
+                  help="zstd: shuffle byte planes first (default; --no-shuffle: off).")
 
 
 def bins_option() -> Any:
@@ -170,7 +170,7 @@ def quality_option() -> Any:
 
 def bitstream_option() -> Any:
     return option(None, "--bitstream", kind=int, metavar="N",
-                  help="pca: bitstream 1 (default) or 2 (units a GPU decodes apart).")
+                  help="pca: 1 (default) or 2 (GPU units).")
 
 
 def calibration_option() -> Any:
