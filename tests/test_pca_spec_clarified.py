@@ -2,7 +2,9 @@
 "clarified" row of 2026-12-02), each held to kvtool's readers (the reference coders and the native
 one) on the spec's own vectors: a coded component of zeros decodes to the same values; with no
 coded token a version-1 reader ignores the side bytes and version 2 refuses any but 0xFF; tables
-16 and 17 are one table; a version-2 payload's length is 11.2's formula."""
+16 and 17 are one table; a version-2 payload's length is 11.2's formula; and, after a second such
+decoder, section 3's calibration object layout: `head_dim` plain digits, the tensors' bytes back to
+back from offset 0, no basis entry of -32768."""
 
 from __future__ import annotations
 
@@ -117,3 +119,63 @@ def test_a_version_2_payload_is_as_long_as_11_2_says(name):
     assert len(v["payload"]) == (HEADER + align4(2 * L * C) + align4(2 * L * S * C * itemsize)
                                  + 2 * len(regions) + sum(regions))
     assert len(regions) == -(-len(v["units"]) // 2)
+
+
+# --------------------------------------------------------------------------- section 3's object layout
+def _rewritten(data: bytes, edit) -> bytes:
+    """The calibration object `data` with its safetensors header edited by `edit(header)` (in place),
+    written back compact and padded with spaces to a multiple of 8, the data unchanged."""
+    (n,) = struct.unpack_from("<Q", data, 0)
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data[8 + n:]
+
+
+def _one_object() -> bytes:
+    return next(VECTORS.glob("*.kvcal")).read_bytes()
+
+
+def test_the_rewriting_itself_keeps_an_object_readable():
+    data = _one_object()
+    same = _rewritten(data, lambda h: None)
+    assert calmod.from_bytes(same).head_dim == calmod.from_bytes(data).head_dim
+
+
+@pytest.mark.parametrize("head_dim", ["+{}", "0{}", "{} ", "{}.0", "{}_0"])
+def test_a_head_dim_other_than_plain_decimal_digits_is_refused(head_dim):
+    data = _one_object()
+    d = calmod.from_bytes(data).head_dim
+    bad = _rewritten(data, lambda h: h["__metadata__"].update(head_dim=head_dim.format(d)))
+    with pytest.raises(DecodeError, match="head_dim"):
+        calmod.from_bytes(bad)
+
+
+@pytest.mark.parametrize("how", ["gap", "overlap", "short"])
+def test_tensor_bytes_that_leave_a_gap_overlap_or_miss_their_size_are_refused(how):
+    """§3: the tensors' byte ranges follow each other from offset 0 to the file's end, each its
+    element count times its dtype's size."""
+    data = _one_object()
+
+    def edit(h):
+        names = sorted((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][0])
+        first, second = h[names[0]], h[names[1]]
+        if how == "gap":  # the second tensor starts 4 bytes later (and ends 4 later: the last one then runs out)
+            second["data_offsets"] = [second["data_offsets"][0] + 4, second["data_offsets"][1] + 4]
+        elif how == "overlap":
+            second["data_offsets"] = [second["data_offsets"][0] - 4, second["data_offsets"][1] - 4]
+        else:
+            first["data_offsets"] = [first["data_offsets"][0], first["data_offsets"][1] - 4]
+
+    with pytest.raises(DecodeError, match="not a calibration object"):
+        calmod.from_bytes(_rewritten(data, edit))
+
+
+def test_a_basis_entry_of_minus_32768_is_refused():
+    cal = calmod.from_bytes(_one_object())
+    basis = cal.basis.copy()
+    basis[0, 0, 0, 0] = -32768
+    object.__setattr__(cal, "basis", basis)  # (frozen: the bytes a careless writer would make)
+    with pytest.raises(DecodeError, match="-32768"):
+        calmod.from_bytes(cal.to_bytes())

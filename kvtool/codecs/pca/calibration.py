@@ -126,10 +126,10 @@ def from_bytes(data: bytes, expect_digest: str | None = None) -> Calibration:
         raise DecodeError(f"pca calibration: not a calibration object ({err})") from None
     if meta.get("format") != FORMAT or set(tensors) != {"mean", "weight", "basis", "inv_freq"}:
         raise DecodeError(f"pca calibration: not a {FORMAT} object")
-    try:
-        head_dim = int(meta["head_dim"])
-    except (KeyError, ValueError):
-        raise DecodeError("pca calibration: no head_dim") from None
+    head_dim = meta.get("head_dim")  # plain decimal digits (format-spec/pca.md §3): not int()'s "+64" or "6_4"
+    if not isinstance(head_dim, str) or not head_dim.isascii() or not head_dim.isdigit() or head_dim.startswith("0"):
+        raise DecodeError("pca calibration: no head_dim (a decimal number without sign or leading zeros)")
+    head_dim = int(head_dim)
     cal = Calibration(mean=tensors["mean"], weight=tensors["weight"], basis=tensors["basis"],
                       inv_freq=tensors["inv_freq"], head_dim=head_dim, model=str(meta.get("model", "")), digest=digest)
     cal.check()
