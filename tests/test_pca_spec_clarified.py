@@ -179,3 +179,19 @@ def test_a_basis_entry_of_minus_32768_is_refused():
     object.__setattr__(cal, "basis", basis)  # (frozen: the bytes a careless writer would make)
     with pytest.raises(DecodeError, match="-32768"):
         calmod.from_bytes(cal.to_bytes())
+
+
+@pytest.mark.parametrize("tensor, value", [("weight", 2.0 ** -97), ("mean", 2.0 ** 101), ("mean", -(2.0 ** 101))])
+def test_a_weight_or_mean_that_could_overflow_the_inverse_is_refused(tensor, value):
+    """§3: weights at least 2^-96 and means within 2^100, so section 5.2 never makes an infinity
+    (and then a NaN) in float32; the bounds themselves are accepted."""
+    cal = calmod.from_bytes(_one_object())
+    for v, ok in ((value, False), (2.0 ** -96 if tensor == "weight" else np.sign(value) * 2.0 ** 100, True)):
+        array = getattr(cal, tensor).copy()
+        array[1, 0, 0] = v
+        object.__setattr__(cal, tensor, array)
+        if ok:
+            assert calmod.from_bytes(cal.to_bytes()).digest
+        else:
+            with pytest.raises(DecodeError, match="2\\^-96|2\\^100"):
+                calmod.from_bytes(cal.to_bytes())

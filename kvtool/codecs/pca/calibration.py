@@ -36,6 +36,8 @@ SUFFIX = ".kvcal"
 MAX_CHANNELS = 4096  # the integer sums of §5 stay exact below this (2^23 * 2^15 * 2^12 < 2^53)
 
 
+WEIGHT_MIN, MEAN_MAX = 2.0 ** -96, 2.0 ** 100  # format-spec/pca.md §3: the inverse never overflows float32
+
 class CalibrationNotFound(DecodeError):
     """A chunk names a calibration object this machine does not have."""
 
@@ -71,6 +73,9 @@ class Calibration:
         if not (np.isfinite(self.mean).all() and np.isfinite(self.weight).all() and (self.weight > 0).all()
                 and np.isfinite(self.inv_freq).all()):
             raise DecodeError("pca calibration: a mean, weight or frequency is not finite (or a weight not > 0)")
+        # so that nothing section 5.2 computes in float32 overflows: no infinity, so no NaN (pca.md §3)
+        if (self.weight < WEIGHT_MIN).any() or (np.abs(self.mean) > MEAN_MAX).any():
+            raise DecodeError("pca calibration: a weight below 2^-96 or a mean beyond 2^100 (pca.md §3)")
         if (self.basis == -32768).any():
             raise DecodeError("pca calibration: a basis entry is -32768 (entries are within +-32767)")
 
