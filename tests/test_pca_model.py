@@ -166,3 +166,18 @@ def test_axes_per_head_on_the_real_model(default_model):
         assert native.encode_chunk(raw, "bfloat16", cal, step, 4, 0, 16) == want
         got = native.decode_chunk(want, raw.shape, "bfloat16", cal, step, 0)
         assert np.array_equal(got, ref.decode_chunk(want, raw.shape, "bfloat16", cal, step, 0))
+
+
+@pytest.mark.parametrize("bitstream", [True, 2.0, 0, 3])
+def test_a_bitstream_other_than_1_or_2_is_refused_through_the_python_api(tmp_path, bitstream):
+    """`bitstream` True or 2.0 equal 1 and 2 in Python; the request refuses them (and 0, 3) in one
+    line before any calibration is looked for or any chunk written."""
+    from fixtures import write_kv_file
+
+    from kvtool.errors import UsageError
+    from kvtool.ops.compress import compress
+
+    f = write_kv_file(tmp_path / "a.kvc", num_tokens=8)
+    with pytest.raises(UsageError, match="--bitstream"):
+        compress(f.path, tmp_path / "o.kvc", "pca", bitstream=bitstream)
+    assert not (tmp_path / "o.kvc").exists()

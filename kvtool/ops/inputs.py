@@ -147,7 +147,7 @@ def pca_bitstream(bitstream: int | None) -> int:
     """`--bitstream`, checked: pca's bitstream version (format-spec/pca.md §11), 1 when None."""
     from ..codecs.pca import WRITE_VERSION
 
-    if bitstream is not None and bitstream not in (1, 2):
+    if bitstream is not None and (type(bitstream) is not int or bitstream not in (1, 2)):  # (not True, not 2.0)
         raise UsageError(f"--bitstream {bitstream}: choose 1 (the default) or 2")
     return WRITE_VERSION if bitstream is None else bitstream
 

@@ -132,7 +132,8 @@ def from_bytes(data: bytes, expect_digest: str | None = None) -> Calibration:
     if meta.get("format") != FORMAT or set(tensors) != {"mean", "weight", "basis", "inv_freq"}:
         raise DecodeError(f"pca calibration: not a {FORMAT} object")
     head_dim = meta.get("head_dim")  # plain decimal digits (format-spec/pca.md §3): not int()'s "+64" or "6_4"
-    if not isinstance(head_dim, str) or not head_dim.isascii() or not head_dim.isdigit() or head_dim.startswith("0"):
+    if (not isinstance(head_dim, str) or not head_dim.isascii() or not head_dim.isdigit() or head_dim.startswith("0")
+            or len(head_dim) > 4):  # (C <= 4096: so is D; and int() refuses 4,300 digits with a bare ValueError)
         raise DecodeError("pca calibration: no head_dim (a decimal number without sign or leading zeros)")
     head_dim = int(head_dim)
     cal = Calibration(mean=tensors["mean"], weight=tensors["weight"], basis=tensors["basis"],
