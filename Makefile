@@ -61,14 +61,14 @@ demo: install
 	$(KVTOOL) replay $(OUT)/demo.kvc --compare --continue 16
 
 # The slowest steps are listed at the end of each run (--durations): the whole suite's budget is
-# 20 minutes on a 2-core machine, most of it vLLM engines (tests/vllm_engines.py forks them from one
+# 20 minutes on §43's 2-core host (32 on §45's), most of it vLLM engines (tests/vllm_engines.py forks them from one
 # process that imported vLLM once, and shares them).
 test: install $(VENV)/.vllm $(VENV)/.sglang
 	$(PY) -m pytest -q --durations=25
 
 # The tests that need no default model, no transformers model and no vLLM (tests/conftest.py marks
-# those from the fixtures and modules they use), nor the slow ones: about 2 minutes on 2 cores, where
-# `make test` takes about 19½ (bench/RESULTS.md §43). Real files and real redis-servers still; no vLLM install needed.
+# those from the fixtures and modules they use), nor the slow ones: about 2-3 minutes on 2 cores, where
+# `make test` takes about 19½-32 (bench/RESULTS.md §43, §45: two hosts). Real files and real redis-servers still; no vLLM install needed.
 QUICK ?= not model and not transformers and not engine and not slow
 test-quick: install
 	$(PY) -m pytest -q -m "$(QUICK)"
