@@ -100,23 +100,28 @@ def test_the_default_path_is_the_reference():
     assert seen["refused"] > 10  # most flips land in low or sign bits, which decode to other values
 
 
-@pytest.mark.parametrize("flag,path", [("0", "portable"), ("avx2", "avx2")])
-def test_the_fallback_paths_are_the_reference(tmp_path, flag, path):
-    """The same cases with KVTOOL_PCA_SIMD=0 (the scalar chains) and =avx2 (no AVX-512: the scalar
-    chains of units too), read once per process: a subprocess."""
-    if path == "avx2" and native.native_module().simd() != "avx512":
-        pytest.skip("the default run above is the AVX2 path on this CPU")
+def check_in_a_subprocess(tmp_path, env: dict[str, str], path_check: str) -> None:
+    """All cases in a new process with `env` (the coder reads its settings once per process),
+    `path_check` an assertion that the process took the path meant."""
     script = tmp_path / "run.py"
     script.write_text(
         "import sys\n"
         f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
         "from test_pca_v2_simd import check_v2_cases\n"
         "from kvtool.codecs.pca import native\n"
-        f"assert native.native_module().simd() == {path!r}\n"
+        f"assert {path_check}\n"
         "print(check_v2_cases()['cases'])\n")
-    env = dict(os.environ, KVTOOL_PCA_SIMD=flag)
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, str(script)], env=dict(os.environ, **env), capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == [str(len(CASES) + N_VECTORS)], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flag,path", [("0", "portable"), ("avx2", "avx2")])
+def test_the_fallback_paths_are_the_reference(tmp_path, flag, path):
+    """The same cases with KVTOOL_PCA_SIMD=0 (the scalar chains) and =avx2 (no AVX-512: AVX2's
+    8-unit loops where a row's reads stay inside the payload, the scalar chains elsewhere)."""
+    if path == "avx2" and native.native_module().simd() != "avx512":
+        pytest.skip("the default run above is the AVX2 path on this CPU")
+    check_in_a_subprocess(tmp_path, {"KVTOOL_PCA_SIMD": flag}, f"native.native_module().simd() == {path!r}")
 
 
 def test_both_unit_readers_are_the_reference(tmp_path):
@@ -126,14 +131,5 @@ def test_both_unit_readers_are_the_reference(tmp_path):
     if native.native_module().simd() != "avx512":
         pytest.skip("no AVX-512 path on this CPU")
     other = not native.native_module().units_gather()
-    script = tmp_path / "run.py"
-    script.write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "from test_pca_v2_simd import check_v2_cases\n"
-        "from kvtool.codecs.pca import native\n"
-        f"assert native.native_module().units_gather() is {other!r}\n"
-        "print(check_v2_cases()['cases'])\n")
-    env = dict(os.environ, KVTOOL_PCA_GATHER="1" if other else "0")
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.split() == [str(len(CASES) + N_VECTORS)], out.stderr[-2000:]
+    check_in_a_subprocess(tmp_path, {"KVTOOL_PCA_GATHER": "1" if other else "0"},
+                          f"native.native_module().units_gather() is {other!r}")
