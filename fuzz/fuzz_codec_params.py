@@ -24,6 +24,7 @@ through KVTOOL_CALIBRATION_PATH, which this script sets when it is unset.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -108,7 +109,9 @@ def a_value(fdp: atheris.FuzzedDataProvider):
         return [a_value(fdp) for _ in range(fdp.ConsumeIntInRange(0, 2))] if fdp.remaining_bytes() else []
     if kind == 4:
         return {fdp.ConsumeUnicodeNoSurrogates(8): fdp.ConsumeInt(2)}
-    return EDGE[fdp.ConsumeIntInRange(0, len(EDGE) - 1)]
+    # a copy: the table's lists and objects are shared, and an edit that put one inside itself (or
+    # into the next input) would make a cycle json.dumps refuses: a fault of this script, not kvtool's
+    return copy.deepcopy(EDGE[fdp.ConsumeIntInRange(0, len(EDGE) - 1)])
 
 
 def edit(doc: dict, fdp: atheris.FuzzedDataProvider) -> None:

@@ -104,7 +104,10 @@ def fuzzing_beside_its_partner(request) -> Fuzzing:
 
     def start(name: str) -> Fuzzing:
         script, seconds, env = SIDE_BY_SIDE[name]
+        # inputs that once failed (fuzz/regressions/NAME/) run first, every time
+        regressions = REPO / "fuzz" / "regressions" / script.removeprefix("fuzz_").removesuffix(".py")
         return Fuzzing(script, factory.mktemp(script.removesuffix(".py")), seconds,
+                       *([regressions] if regressions.is_dir() else []),
                        env={**os.environ, "OMP_NUM_THREADS": "1", **env})
 
     partner = PARTNER[own]
