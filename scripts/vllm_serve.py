@@ -32,7 +32,8 @@ JOB.json:
     connector    "none" | "kvtool" | "example" (vLLM's own ExampleConnector)
     store        kvtool: a store URL (folder or redis://); example: its folder
     codec        kvtool's codec: raw | zstd | cachegen | pca         (default raw)
-    quality, calibration   kvtool's pca: quality point, calibration digest (defaults: 97, the model's)
+    quality, calibration, bitstream   kvtool's pca: quality point, calibration digest, format version
+                 (defaults: 97, the model's, 1)
     chunk_size   kvtool's chunk size in tokens                        (default 256)
     policy       kv_load_failure_policy: fail | recompute             (default fail)
     save_generated   kvtool: also save chunks of generated tokens      (default false)
@@ -79,7 +80,7 @@ def transfer_config(job: dict):
     if connector == "kvtool":
         extra = {"store": job["store"], "codec": job.get("codec", "raw"), "chunk_size": job.get("chunk_size", 256),
                  "save_generated": bool(job.get("save_generated", False))}
-        extra.update({key: job[key] for key in ("namespace", "lookup_wait_ms", "quality", "calibration") if key in job})
+        extra.update({key: job[key] for key in ("namespace", "lookup_wait_ms", "quality", "calibration", "bitstream") if key in job})
         return KVTransferConfig(kv_connector="KVToolConnector", kv_connector_module_path="kvtool.integrations.vllm",
                                 kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=extra)
     raise SystemExit(f"vllm_serve: unknown connector {connector!r} (none, kvtool, example)")

@@ -248,6 +248,46 @@ def test_an_engine_loads_the_prefix_pca(tmp_path, monkeypatch, reference, pca_ca
         pca_params(str(default_model_path()), None, digest)
 
 
+def test_an_engine_saves_and_loads_pca_bitstream_2(tmp_path, monkeypatch, reference, pca_calibration):
+    """`bitstream: 2` in the extra config: one engine serves P, saving its chunks in pca's format
+    version 2 (units a GPU decodes apart, format-spec/pca.md §11), then P again, loading them; every
+    object passes verify's checks. A value other than 1 or 2 stops the engine at start."""
+    from kvtool.engine.default_model import default_model_path
+    from kvtool.format import ContainerReader
+    from kvtool.integrations.vllm.config import pca_params
+    from kvtool.ops.verify import check_file
+
+    folder, digest = pca_calibration
+    store = tmp_path / "store"
+    first, again = serve(tmp_path / "engine", [PROMPT, reference["prompt_token_ids"]], store=str(store), codec="pca",
+                         bitstream=2, env={"KVTOOL_CALIBRATION_DIR": str(folder), **IN_PROCESS})["requests"]
+    assert first["num_cached_tokens"] == 0 and again["num_cached_tokens"] == whole_chunks(reference)
+    share = agreement(again["token_ids"], reference["token_ids"])
+    print(f"pca 97, bitstream 2: greedy output agrees with vLLM's uncached output for {share:.0%} of 16 tokens")
+    assert again["token_ids"], "generated nothing"
+    for name in plain_chunk_names(store, reference):
+        with ContainerReader(store / name) as obj:
+            params = obj.chunks[0].codec_params
+            assert (params["version"], params["calibration"], params["quality"]) == (2, digest, "97")
+            assert "unit" in params and "lanes" not in params
+            check_file(obj)  # structure, CRCs, decoding, finiteness, hashes
+
+    monkeypatch.setenv("KVTOOL_CALIBRATION_DIR", str(folder))
+    model = str(default_model_path())
+    assert pca_params(model, None, digest)["version"] == 1  # the default
+    assert pca_params(model, None, digest, "2")["version"] == 2  # --kv-transfer-config's digits
+    for bad in (3, 0, True, 2.0, "two", [2]):
+        with pytest.raises(ValueError, match=r"^KVToolConnector: bitstream .* is not 1 or 2 \(codec pca\)$"):
+            pca_params(model, None, digest, bad)
+    from kvtool.integrations.vllm.config import read_config
+    from vllm_isolation import engine_config
+
+    config = engine_config(default_model_path(), store)  # codec raw
+    config.kv_transfer_config.kv_connector_extra_config["bitstream"] = 2
+    with pytest.raises(ValueError, match="^KVToolConnector: quality, calibration and bitstream are the pca codec's"):
+        read_config(config)
+
+
 def test_kv_from_vllm_is_a_kvtool_file_that_replays_exactly(tmp_path, default_model, reference, raw_store):
     from kvtool.ops import store as store_ops
     from kvtool.ops.replay import replay

@@ -46,11 +46,12 @@ def read_config(vllm_config) -> ConnectorConfig:
     codec = extra.get_from_extra_config("codec", "raw")
     if codec not in codecs.codec_names():
         raise ValueError(f"KVToolConnector: unknown codec {codec!r} (one of {', '.join(codecs.codec_names())})")
-    quality, calibration = (extra.get_from_extra_config(key, None) for key in ("quality", "calibration"))
+    quality, calibration, bitstream = (extra.get_from_extra_config(key, None)
+                                       for key in ("quality", "calibration", "bitstream"))
     if codec == "pca":
-        params = pca_params(vllm_config.model_config.model, quality, calibration)
-    elif quality is not None or calibration is not None:
-        raise ValueError("KVToolConnector: quality and calibration are the pca codec's (codec is "
+        params = pca_params(vllm_config.model_config.model, quality, calibration, bitstream)
+    elif quality is not None or calibration is not None or bitstream is not None:
+        raise ValueError("KVToolConnector: quality, calibration and bitstream are the pca codec's (codec is "
                          f"{codec!r})")
     else:
         params = None
@@ -79,19 +80,27 @@ def read_config(vllm_config) -> ConnectorConfig:
                            params=params)
 
 
-def pca_params(model_path: str, quality: Any, calibration: Any) -> dict[str, Any]:
+def pca_params(model_path: str, quality: Any, calibration: Any, bitstream: Any = None) -> dict[str, Any]:
     """pca's parameters for the served model: the named quality point (default 97) with the
     calibration object `calibration` names (a SHA-256 digest), or else the one `kvtool calibrate`
-    registered for this model (by its fingerprint). The object must be here and fit the model's
-    KV: a one-line ValueError otherwise, so that vLLM refuses to start, rather than every save
-    failing later."""
-    from ...codecs.pca import DEFAULT_QUALITY, QUALITY, params_for
+    registered for this model (by its fingerprint), in bitstream `bitstream` (format-spec/pca.md
+    §11: 1, the default, or 2; a JSON number or its digits). The object must be here and fit the
+    model's KV: a one-line ValueError otherwise, so that vLLM refuses to start, rather than every
+    save failing later."""
+    from ...codecs.pca import DEFAULT_QUALITY, QUALITY, WRITE_VERSION, params_for
     from ...codecs.pca.calibration import find, for_model
     from ...engine.loader import model_identity
 
     quality = DEFAULT_QUALITY if quality is None else str(quality)
     if quality not in QUALITY:
         raise ValueError(f"KVToolConnector: quality {quality!r} is not one of {', '.join(QUALITY)} (codec pca)")
+    # (--kv-transfer-config's JSON gives a number; a string of its digits is taken too; not True, not 2.0)
+    if bitstream is None:
+        version = WRITE_VERSION
+    elif type(bitstream) in (int, str) and str(bitstream) in ("1", "2"):
+        version = int(bitstream)
+    else:
+        raise ValueError(f"KVToolConnector: bitstream {str(bitstream)[:40]!r} is not 1 or 2 (codec pca)")
     try:
         identity = model_identity(model_path)
     except KvtoolError as err:
@@ -109,4 +118,4 @@ def pca_params(model_path: str, quality: Any, calibration: Any) -> dict[str, Any
     if (cal.layers, cal.channels, cal.head_dim) != (identity.num_layers, channels, identity.head_dim):
         raise ValueError(f"KVToolConnector: calibration {digest[:16]}... is for {cal.layers} layers of {cal.channels} "
                          f"channels; {identity.name}'s KV is {identity.num_layers} layers of {channels}")
-    return params_for(digest, quality)
+    return params_for(digest, quality, version=version)
