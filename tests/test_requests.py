@@ -158,6 +158,11 @@ def test_capture_requests_are_frozen_and_parse_the_command_lines_spelling(tmp_pa
     assert CaptureRequest(None, store="s", kv_dtype=torch.bfloat16).kv_dtype == "bfloat16"  # a torch dtype is named
     assert request.params["level"] == 5 and request.params["shuffle"] == "none"
     assert CaptureRequest(None, store="s").params is None  # the codec's defaults, as `capture` takes them
+    given = {"version": 1, "level": 3, "shuffle": "byteplane"}
+    assert CaptureRequest(None, store="s", params=given).params is given  # the Python API's, as they are
+    for option in ({"level": 5}, {"quality": "95", "bitstream": 2}, {"bitstream": 2}):
+        with pytest.raises(UsageError, match=f"^params and {', '.join(option)}: give the codec's parameters one way"):
+            CaptureRequest(None, store="s", codec="pca", params=given, **option)
     prompt = PromptCaptureRequest(request, prompt="p", device="cpu", model_dtype="bf16")
     assert (prompt.torch_model_dtype, prompt.where) == (torch.bfloat16, torch.device("cpu"))
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -221,8 +221,9 @@ def run_capture(model: AnyModel, token_ids: list[int], request: CaptureRequest,
     `on_chunk(index, tokens_done)` after each chunk is written."""
     engine = as_engine(model)
     params = request.codec_params_for(engine.identity.fingerprint())  # (pca: the model's calibration)
-    if params is not request.params:
-        request = replace(request, params=params)
+    if params is not request.params:  # the codec's options, now its parameters, are held there alone
+        request = replace(request, params=params, level=None, shuffle=None, bins=None, quality=None,
+                          calibration=None, bitstream=None)
     mask = roi_mask(len(token_ids), request.roi) if request.roi is not None else None
     steps = capture_steps(engine, len(token_ids), request)
     started = time.perf_counter()

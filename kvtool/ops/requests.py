@@ -130,8 +130,17 @@ class CaptureRequest:
             self.kv_dtype, str) else self.kv_dtype))
         if isinstance(self.roi, str):  # the command line's ranges, parsed once: a typo fails before the model loads
             object.__setattr__(self, "roi", parse_roi(self.roi))
-        if self.params is None:
-            object.__setattr__(self, "params", self._codec_params())
+        options = (("level", self.level), ("shuffle", self.shuffle), ("bins", self.bins), ("quality", self.quality),
+                   ("calibration", self.calibration), ("bitstream", self.bitstream))
+        if self.params is not None:  # the Python API's parameters, as they are: an option beside them would be lost
+            given = [name for name, value in options if value is not None]
+            if given:
+                raise UsageError(f"params and {', '.join(given)}: give the codec's parameters one way (params are "
+                                 "taken as they are)")
+        elif (params := self._codec_params()) is not None:  # the options, now parameters, are held there alone
+            object.__setattr__(self, "params", params)
+            for name, _ in options:  # (so that a copy made with `replace` takes them as given, once)
+                object.__setattr__(self, name, None)
         if self.output is None and self.store is None:
             raise UsageError("give -o OUT, --store URL, or both")
         if self.namespace is not None and self.store is None:
