@@ -319,6 +319,61 @@ def test_sliding_window_layers_take_a_longer_file_as_transformers_keeps_them(tmp
     assert out[0, len(ids):].tolist() == greedy_reference(model, ids, 8)
 
 
+def save_tiny_gpt_oss(folder: Path) -> Path:
+    """A tiny random gpt-oss (transformers' GptOssConfig): sliding (window 8) and full layers
+    alternating, attention sinks, four experts of which two a token, YaRN RoPE as published;
+    weights drawn large enough that its greedy tokens vary; the byte-level tokenizer of
+    `save_tiny_model`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    config = transformers.GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                       num_experts_per_tok=2, sliding_window=8, bos_token_id=None, eos_token_id=None,
+                                       pad_token_id=None, layer_types=["sliding_attention", "full_attention"] * 2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # (sinks and biases included: they start at zero)
+        for name, p in model.named_parameters():
+            norm = "norm" in name
+            p.copy_(torch.randn_like(p) * (0.1 if norm else 0.3) + (1.0 if norm else 0.0))
+    model.save_pretrained(folder)
+    alphabet = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=alphabet, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+    return folder
+
+
+def test_gpt_oss_sliding_and_full_layers_with_sinks_go_through_a_file(tmp_path, capsys):
+    """gpt-oss through transformers (`--engine hf`; kvtool's own engine does not run it): a prompt
+    within the window -> a file (from a transformers cache, and by `capture --engine hf`) -> a
+    transformers cache again, equal tensor for tensor, from which generate continues past the
+    window with transformers' own greedy tokens; a prompt longer than the window is refused in one
+    line (its sliding layers no longer hold every token)."""
+    folder = save_tiny_gpt_oss(tmp_path / "gpt-oss")
+    model = load(folder)
+    ids = prompt_ids(folder, "A sunny")  # 7 bytes, within the window of 8
+    cache = prefilled(model, ids)
+    assert [type(layer).__name__ for layer in cache.layers] == ["DynamicSlidingWindowLayer", "DynamicLayer"] * 2
+    kvtool.hf.from_cache(cache, ids, tmp_path / "c.kvc", model)
+    back, _ = kvtool.hf.to_cache(tmp_path / "c.kvc", model, leave_last_token=False)
+    for mine, theirs in zip(back.layers, cache.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+    want = greedy_reference(model, ids, 12)
+    assert len(set(want)) > 3, want  # (a model whose tokens vary: the comparison means something)
+    code, _, err = cli(capsys, "capture", "--engine", "hf", "--model", folder, "--prompt", "A sunny", "--dtype", "fp32",
+                       "-o", tmp_path / "p.kvc", "--device", "cpu")
+    assert code == 0, err
+    cache, input_ids = kvtool.hf.to_cache(tmp_path / "p.kvc", model)
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+    assert out[0, len(ids):].tolist() == want
+    code, _, err = cli(capsys, "capture", "--engine", "hf", "--model", folder, "--prompt", "A sunny day", "-o",
+                       tmp_path / "long.kvc", "--device", "cpu")
+    assert code == 2 and "sliding-window layers keep only the last 7 tokens: a prompt of 11 would not be all in" \
+        in one_line_error(err)
+    assert not (tmp_path / "long.kvc").exists()
+
+
 def test_a_model_without_plain_kv_is_refused_by_the_command_before_its_weights_load(tmp_path, capsys):
     config = transformers.MambaConfig(num_hidden_layers=1, hidden_size=16, vocab_size=256)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mamba")
