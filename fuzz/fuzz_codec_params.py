@@ -18,6 +18,8 @@ another exception, never a hang (-timeout), never an allocation past -rss_limit_
     python fuzz/fuzz_codec_params.py -runs=200000 -rss_limit_mb=2048 -timeout=10 WORKDIR/corpus
     python fuzz/fuzz_codec_params.py -max_total_time=20 ...   (CI: tests/test_fuzz_codec_params.py)
 
+Inputs that once failed are kept in fuzz/regressions/codec_params/ (CI runs them first, every time).
+
 pca's calibration is the test vectors' (format-spec/vectors/pca: 2 layers, one KV head of 8), found
 through KVTOOL_CALIBRATION_PATH, which this script sets when it is unset.
 """

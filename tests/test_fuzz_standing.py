@@ -44,6 +44,10 @@ class Fuzzing:
     def __init__(self, script: str, workdir: Path, seconds: int, *corpora: Path, env: dict | None = None):
         self.workdir, self.seconds, self.corpus = workdir, seconds, workdir / "corpus"
         self.corpus.mkdir()
+        # inputs that once failed (fuzz/regressions/NAME/, NAME the script's without fuzz_) run first, every
+        # time (libFuzzer writes new inputs to the first folder only: the empty corpus)
+        regressions = REPO / "fuzz" / "regressions" / script.removeprefix("fuzz_").removesuffix(".py")
+        corpora = (*corpora, regressions) if regressions.is_dir() else corpora
         self._log = (workdir / "fuzzer.log").open("w+")
         self._proc = subprocess.Popen(with_own_peak_rss([sys.executable, str(REPO / "fuzz" / script),
                                                          f"-max_total_time={seconds}", "-rss_limit_mb=2048",
@@ -104,10 +108,7 @@ def fuzzing_beside_its_partner(request) -> Fuzzing:
 
     def start(name: str) -> Fuzzing:
         script, seconds, env = SIDE_BY_SIDE[name]
-        # inputs that once failed (fuzz/regressions/NAME/) run first, every time
-        regressions = REPO / "fuzz" / "regressions" / script.removeprefix("fuzz_").removesuffix(".py")
         return Fuzzing(script, factory.mktemp(script.removesuffix(".py")), seconds,
-                       *([regressions] if regressions.is_dir() else []),
                        env={**os.environ, "OMP_NUM_THREADS": "1", **env})
 
     partner = PARTNER[own]
