@@ -80,7 +80,8 @@ def transfer_config(job: dict):
     if connector == "kvtool":
         extra = {"store": job["store"], "codec": job.get("codec", "raw"), "chunk_size": job.get("chunk_size", 256),
                  "save_generated": bool(job.get("save_generated", False))}
-        extra.update({key: job[key] for key in ("namespace", "lookup_wait_ms", "quality", "calibration", "bitstream") if key in job})
+        extra.update({key: job[key] for key in ("namespace", "lookup_wait_ms", "quality", "calibration", "bitstream")
+                      if key in job})
         return KVTransferConfig(kv_connector="KVToolConnector", kv_connector_module_path="kvtool.integrations.vllm",
                                 kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=extra)
     raise SystemExit(f"vllm_serve: unknown connector {connector!r} (none, kvtool, example)")

@@ -159,10 +159,17 @@ def test_capture_requests_are_frozen_and_parse_the_command_lines_spelling(tmp_pa
     assert request.params["level"] == 5 and request.params["shuffle"] == "none"
     assert CaptureRequest(None, store="s").params is None  # the codec's defaults, as `capture` takes them
     given = {"version": 1, "level": 3, "shuffle": "byteplane"}
-    assert CaptureRequest(None, store="s", params=given).params is given  # the Python API's, as they are
+    assert CaptureRequest(None, store="s", codec="zstd", params=given).params is given  # the Python API's, as they are
     for option in ({"level": 5}, {"quality": "95", "bitstream": 2}, {"bitstream": 2}):
-        with pytest.raises(UsageError, match=f"^params and {', '.join(option)}: give the codec's parameters one way"):
+        with pytest.raises(UsageError, match=f"^params and {', '.join(option)}: give the codec's parameters as params "
+                                             "or as options, not both"):
             CaptureRequest(None, store="s", codec="pca", params=given, **option)
+    # options become params once: a copy (capture's own, adding the prompt's metadata) keeps them
+    copy = dataclasses.replace(request, metadata={"a": "b"})
+    assert copy.params == request.params and (copy.level, copy.shuffle) == (None, None)
+    assert dataclasses.replace(request, params=None, level=7).params["level"] == 7  # new options: params=None
+    pca = CaptureRequest(None, store="s", codec="pca", quality="95", bitstream=2)  # (the model's calibration: later)
+    assert (pca.params, pca.quality, pca.bitstream) == (None, "95", 2)
     prompt = PromptCaptureRequest(request, prompt="p", device="cpu", model_dtype="bf16")
     assert (prompt.torch_model_dtype, prompt.where) == (torch.bfloat16, torch.device("cpu"))
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -276,15 +276,19 @@ def test_an_engine_saves_and_loads_pca_bitstream_2(tmp_path, monkeypatch, refere
     model = str(default_model_path())
     assert pca_params(model, None, digest)["version"] == 1  # the default
     assert pca_params(model, None, digest, "2")["version"] == 2  # --kv-transfer-config's digits
-    for bad in (3, 0, True, 2.0, "two", [2]):
+    for bad in (3, 0, True, 2.0, "two", [2], "02", " 2", 10 ** 5000):
         with pytest.raises(ValueError, match=r"^KVToolConnector: bitstream .* is not 1 or 2 \(codec pca\)$"):
             pca_params(model, None, digest, bad)
+    assert pca_params(model, 95, digest)["quality"] == "95"  # a JSON number
+    for bad in (97.0, True, [97], 10 ** 5000, "x" * 100):
+        with pytest.raises(ValueError, match=r"^KVToolConnector: quality .{1,40} is not one of 99, 97, 95, 89"):
+            pca_params(model, bad, digest)
     from kvtool.integrations.vllm.config import read_config
     from vllm_isolation import engine_config
 
     config = engine_config(default_model_path(), store)  # codec raw
     config.kv_transfer_config.kv_connector_extra_config["bitstream"] = 2
-    with pytest.raises(ValueError, match="^KVToolConnector: quality, calibration and bitstream are the pca codec's"):
+    with pytest.raises(ValueError, match=r"^KVToolConnector: bitstream: the pca codec's keys \(codec is 'raw'\)$"):
         read_config(config)
 
 

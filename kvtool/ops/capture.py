@@ -204,7 +204,8 @@ def capture(model: AnyModel, token_ids: list[int], output: str | Path | CaptureR
     (`kvtool.ops.blend`). Store objects do not carry it: a segment is found there by its tokens.
 
     A `CaptureRequest`, or its fields as keywords (`params`: the codec's parameters as they are,
-    or its options `level`, `shuffle`, `bins`, `quality`, `calibration`), run by `run_capture`."""
+    or its options `level`, `shuffle`, `bins`, `quality`, `calibration`, `bitstream`; not both),
+    run by `run_capture`."""
     request = output if isinstance(output, CaptureRequest) else CaptureRequest(output, **options)
     return run_capture(model, token_ids, request, on_chunk)
 

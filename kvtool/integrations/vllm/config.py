@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +52,9 @@ def read_config(vllm_config) -> ConnectorConfig:
     if codec == "pca":
         params = pca_params(vllm_config.model_config.model, quality, calibration, bitstream)
     elif quality is not None or calibration is not None or bitstream is not None:
-        raise ValueError("KVToolConnector: quality, calibration and bitstream are the pca codec's (codec is "
-                         f"{codec!r})")
+        given = [key for key, value in (("quality", quality), ("calibration", calibration), ("bitstream", bitstream))
+                 if value is not None]
+        raise ValueError(f"KVToolConnector: {' and '.join(given)}: the pca codec's keys (codec is {codec!r})")
     else:
         params = None
     if getattr(vllm_config.model_config.hf_text_config, "kv_lora_rank", None) is not None:
@@ -91,16 +93,19 @@ def pca_params(model_path: str, quality: Any, calibration: Any, bitstream: Any =
     from ...codecs.pca.calibration import find, for_model
     from ...engine.loader import model_identity
 
-    quality = DEFAULT_QUALITY if quality is None else str(quality)
-    if quality not in QUALITY:
-        raise ValueError(f"KVToolConnector: quality {quality!r} is not one of {', '.join(QUALITY)} (codec pca)")
-    # (--kv-transfer-config's JSON gives a number; a string of its digits is taken too; not True, not 2.0)
+    # (--kv-transfer-config's JSON gives a number or a string: either is taken; not True, not 97.0)
+    if quality is None:
+        quality = DEFAULT_QUALITY
+    elif type(quality) is int and quality.bit_length() < 64:
+        quality = str(quality)
+    if type(quality) is not str or quality not in QUALITY:
+        raise ValueError(f"KVToolConnector: quality {shown(quality)} is not one of {', '.join(QUALITY)} (codec pca)")
     if bitstream is None:
         version = WRITE_VERSION
-    elif type(bitstream) in (int, str) and str(bitstream) in ("1", "2"):
+    elif (type(bitstream) is int and bitstream in (1, 2)) or (type(bitstream) is str and bitstream in ("1", "2")):
         version = int(bitstream)
     else:
-        raise ValueError(f"KVToolConnector: bitstream {str(bitstream)[:40]!r} is not 1 or 2 (codec pca)")
+        raise ValueError(f"KVToolConnector: bitstream {shown(bitstream)} is not 1 or 2 (codec pca)")
     try:
         identity = model_identity(model_path)
     except KvtoolError as err:
@@ -119,3 +124,9 @@ def pca_params(model_path: str, quality: Any, calibration: Any, bitstream: Any =
         raise ValueError(f"KVToolConnector: calibration {digest[:16]}... is for {cal.layers} layers of {cal.channels} "
                          f"channels; {identity.name}'s KV is {identity.num_layers} layers of {channels}")
     return params_for(digest, quality, version=version)
+
+
+def shown(value: Any) -> str:
+    """A setting's value as a message shows it: its repr cut short (any size or type, one line; an
+    int past 4,300 digits has no repr at all)."""
+    return "(a large int)" if type(value) is int and value.bit_length() >= 64 else reprlib.repr(value)
