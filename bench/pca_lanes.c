@@ -12,8 +12,11 @@
  *
  * Build and run (x86-64 with AVX-512 F/BW/VL/VBMI2):
  *     gcc -O3 -mavx512f -mavx512bw -mavx512vl -mavx512vbmi2 -o /tmp/pca_lanes bench/pca_lanes.c
- *     /tmp/pca_lanes
- * Prints ns per decoded symbol, the best of 5 runs of 20 M symbols each (bench/RESULTS.md §44). */
+ *     /tmp/pca_lanes [TABLES]
+ * Prints ns per decoded symbol, the best of 5 runs of 20 M symbols each (bench/RESULTS.md §44).
+ * TABLES (1, 2, 4, 8, 16 or 32; default 32): how many of the 32 tables (16 KB each) the own-stream
+ * lanes use between them (a row's 64 units use up to 32, one per component's choice): 1 shows
+ * what is left of the cost with every lane's table in L1, as the shared stream's is. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -89,6 +92,8 @@ static double run_shared(uint32_t *check) {
 }
 
 /* own streams: 4 vectors of 16 lanes, each lane a table and a stream of its own */
+static int used_tables = TABLES;
+
 static double run_own(int gather, uint32_t *check) {
     __m512i X[4], G[4], off[4];
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -96,7 +101,7 @@ static double run_own(int gather, uint32_t *check) {
         X[k] = _mm512_add_epi32(_mm512_set1_epi32(1 << 16), lane);
         G[k] = _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(512)), _mm512_set1_epi32(8192 * k));
         off[k] = _mm512_mullo_epi32(_mm512_and_si512(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * k)),
-                                                     _mm512_set1_epi32(TABLES - 1)), _mm512_set1_epi32(SLOTS));
+                                                     _mm512_set1_epi32(used_tables - 1)), _mm512_set1_epi32(SLOTS));
     }
     uint8_t *o = out;
     const double t = now();
@@ -123,7 +128,14 @@ static double run_own(int gather, uint32_t *check) {
     return s;
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    if (argc > 1) {
+        used_tables = atoi(argv[1]);
+        if (used_tables < 1 || used_tables > TABLES || (used_tables & (used_tables - 1))) {
+            fprintf(stderr, "pca_lanes: TABLES must be 1, 2, 4, 8, 16 or 32\n");
+            return 2;
+        }
+    }
     srand(1);
     for (int i = 0; i < TABLES * SLOTS; i++) /* f in 1..4000, any bias below 4096, any symbol */
         dec[i] = (uint32_t)(rand() % 4000 + 1) << 20 | (uint32_t)(rand() % SLOTS) << 4 | (uint32_t)(rand() & 15);
@@ -145,6 +157,6 @@ int main(void) {
     for (int m = 0; m < 3; m++)
         printf("%-11s %.3f ns/symbol  (%.2fx the shared stream's time)\n", names[m], 1e9 * best[m] / SYMBOLS,
                best[m] / best[0]);
-    printf("(check %08x)\n", check);
+    printf("(own-stream lanes over %d table%s; check %08x)\n", used_tables, used_tables > 1 ? "s" : "", check);
     return 0;
 }
