@@ -35,3 +35,5 @@ def render(console: Console, r: CompressResult) -> None:
     console.print(f"chunks {human_bytes(r.input_bytes)} -> {human_bytes(r.output_bytes)} "
                   f"({r.ratio_vs_decoded:.2f}x vs decoded, {r.bits_per_value:.2f} bits/value){extras}; "
                   f"{r.seconds:.2f}s ({human_rate(r.mb_per_s)})")
+    if r.chunks_relaid:  # (pca's bitstream versions: the same coefficients, never decoded to values)
+        console.print(f"{plural(r.chunks_relaid, 'chunk')} re-laid in the new layout, not decoded: nothing lost again")

@@ -111,6 +111,13 @@ class Codec(ABC):
         """A breakdown of a payload's bits by part, for `inspect`; None when the codec has none."""
         return None
 
+    def relay(self, payload: memoryview, shape: tuple[int, ...], dtype: str, params: dict[str, Any],
+              target: dict[str, Any]) -> bytes | None:
+        """A payload of this codec coded with `params`, re-laid as `target` would code the same
+        content without decoding it to values (a lossy codec then loses nothing more), or None
+        when it cannot be (the caller decodes and encodes). None: no codec but pca re-lays."""
+        return None
+
     def expected_top1(self, params: dict[str, Any], num_layers: int) -> tuple[float, str] | None:
         """What a lossy codec promises a replay (top-1 agreement with a recompute, and why), for
         `verify --replay`'s default threshold; None when it documents no expectation."""

@@ -23,6 +23,7 @@ class CompressResult(Result):
     codec_params: dict[str, Any]
     num_chunks: int
     chunks_copied: int
+    chunks_relaid: int  # in another layout of the same codec, not decoded (pca's bitstream versions)
     input_bytes: int  # the chunks' stored bytes
     output_bytes: int
     input_file_bytes: int  # whole files: chunks, extras, token ids, manifest
@@ -55,8 +56,9 @@ def compress_file(reader: ContainerReader, output: str | Path, codec: str, param
     m = reader.manifest
     reader.kv_dtype  # imports torch (the chunks are tensors) before the clock starts
     started = time.perf_counter()
-    copied = 0
-    at_position = getattr(codecs.get_codec(codec), "needs_position", False)  # (pca: params record the chunk's start)
+    copied = relaid = 0
+    impl = codecs.get_codec(codec)
+    at_position = getattr(impl, "needs_position", False)  # (pca: params record the chunk's start)
     with ContainerWriter(output, m.model, reader.token_ids(), kv_dtype=m.kv_dtype, chunk_size=m.chunk_size,
                          alignment=reader.header.alignment,
                          metadata=_provenance(m.metadata, reader.path)) as writer:
@@ -65,6 +67,11 @@ def compress_file(reader: ContainerReader, output: str | Path, codec: str, param
             if c.codec == codec and c.codec_params == target:  # already in the target encoding (never coded twice)
                 writer.write_encoded_chunk(reader.chunk_payload(c.index), c.codec, c.codec_params)
                 copied += 1
+            elif c.codec == codec and (payload := impl.relay(reader.chunk_payload(c.index), c.shape, c.dtype,
+                                                             c.codec_params, target)) is not None:
+                # the same content in another layout (pca's versions): never decoded, never rounded twice
+                writer.write_encoded_chunk(payload, codec, impl.validate_params(target))
+                relaid += 1
             else:
                 writer.write_chunk(reader.read_chunk(c.index), codec, params)
             if on_chunk is not None:
@@ -80,7 +87,7 @@ def compress_file(reader: ContainerReader, output: str | Path, codec: str, param
     values = m.num_tokens * m.planes * m.num_layers * m.hidden_kv
     return CompressResult(
         input=str(reader.path), output=str(output), codec=codec, codec_params=params, num_chunks=len(m.chunks),
-        chunks_copied=copied, input_bytes=stored_in, output_bytes=stored_out, input_file_bytes=reader.file_size,
+        chunks_copied=copied, chunks_relaid=relaid, input_bytes=stored_in, output_bytes=stored_out, input_file_bytes=reader.file_size,
         output_file_bytes=Path(output).stat().st_size, extras_bytes=sum(e.blob.length for e in m.extras.values()),
         calibration_bytes=sum(b.length for b in writer.calibrations.values()),
         decoded_bytes=decoded,

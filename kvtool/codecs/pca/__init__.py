@@ -166,6 +166,19 @@ class PcaCodec(Codec):
         stats["params"] = p
         return stats
 
+    def relay(self, payload: memoryview, shape: tuple[int, ...], dtype: str, params: dict[str, Any],
+              target: dict[str, Any]) -> bytes | None:
+        """Versions 1 and 2 code the same coefficients: a chunk changes layout (version, lanes,
+        unit) with its calibration, step, sinks and position kept, without a second rounding and
+        without its calibration (`relay`)."""
+        from .relay import can_relay, relay
+
+        p, t = self.validate_params(params), self.validate_params(target)
+        if dtype not in STORAGE or not can_relay(p, t):
+            return None
+        check_header_against_params(payload, shape, p)
+        return relay(payload, tuple(shape), dtype, p, t)
+
     def expected_top1(self, params: dict[str, Any], num_layers: int) -> tuple[float, str] | None:
         p = self.validate_params(params)
         quality = p.get("quality")

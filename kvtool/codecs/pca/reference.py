@@ -247,9 +247,18 @@ def encode_chunk(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sin
         raise NonFiniteValues("pca: the KV input holds NaN or infinity")
     n_sink = min(T, max(0, sinks - start))
     q = forward(x[:, :, n_sink:], cal, start + n_sink, step)  # [2, L, Tc, C]
-    Tc = T - n_sink
-    m = np.abs(q).reshape(2 * L, Tc, C)
-    neg = (q < 0).reshape(2 * L, Tc, C)
+    return encode_coefficients(q.reshape(2 * L, T - n_sink, C), raw[:, :, :n_sink], dtype, lanes)
+
+
+def encode_coefficients(q: np.ndarray, sink_raw: np.ndarray, dtype: str, lanes: int = 16) -> bytes:
+    """The payload of coefficients `q` (int [2L, Tc, C], as `forward` gives them) after sink
+    tokens `sink_raw` ([2, L, S, C] as stored), the tables and shifts chosen as §9.1 says: what
+    `encode_chunk` writes once the transform is done (and what a payload's coefficients re-laid
+    from version 2 are: `kvtool.codecs.pca.relay`)."""
+    R, Tc, C = q.shape
+    L, n_sink, T = R // 2, sink_raw.shape[2], sink_raw.shape[2] + Tc
+    m = np.abs(q)
+    neg = q < 0
     side = choose(m) if Tc else np.full((2 * L, C), ALL_ZERO, np.uint8)
     syms, tables, rows = [], [], []
     for r in range(2 * L):
@@ -270,7 +279,7 @@ def encode_chunk(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sin
     out = [HEADER.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], lanes, 0, 2 * L, T, C, n_sink)]
     for row, (_, words) in zip(rows, coded):
         out.append(ROW_ENTRY.pack(len(words), row["lo_bits"], row["sign_bits"], len(row["escapes"])))
-    sink_bytes = np.ascontiguousarray(raw[:, :, :n_sink]).tobytes()
+    sink_bytes = np.ascontiguousarray(sink_raw).tobytes()
     out += [sink_bytes, b"\0" * _pad4(len(sink_bytes))]
     for row, (states, words) in zip(rows, coded):
         body = [row["side"].tobytes(), b"\0" * _pad4(C), states.astype("<u4").tobytes(), words.astype("<u2").tobytes(),
@@ -318,6 +327,20 @@ def decode_chunk(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str
     if cal.layers != L or cal.channels != C:
         raise DecodeError(f"pca: the calibration is for {cal.layers} layers x {cal.channels} channels, the chunk "
                           f"has {L} x {C}")
+    sink, q = decode_coefficients(payload, shape, dtype)
+    n_sink, Tc = sink.shape[2], T - sink.shape[2]
+    out = np.empty((2, L, T, C), dtype=sink.dtype)
+    out[:, :, :n_sink] = sink
+    if Tc:
+        out[:, :, n_sink:] = to_dtype(inverse(q.reshape(2, L, Tc, C), cal, start + n_sink, step), dtype)
+    return out
+
+
+def decode_coefficients(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str) -> tuple[np.ndarray,
+                                                                                                    np.ndarray]:
+    """(the sink tokens [2, L, S, C] as stored, the coefficients int64 [2L, Tc, C]) of a payload,
+    every check of §7 but the calibration's made (no calibration is needed to read them)."""
+    _, L, T, C = shape
     lanes, n_sink, entries, sink_at, pos = parse(payload, shape, dtype)
     data = bytes(payload)
     storage = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}[dtype]
@@ -364,11 +387,7 @@ def decode_chunk(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str
         q[r][:, lv] = val.reshape(len(lv), Tc).T
     if (np.abs(q).sum(-1) > TOKEN_L1_LIMIT).any():
         raise DecodeError(f"pca: a token's coefficients sum past {TOKEN_L1_LIMIT}")
-    out = np.empty((2, L, T, C), dtype=storage)
-    out[:, :, :n_sink] = sink
-    if Tc:
-        out[:, :, n_sink:] = to_dtype(inverse(q.reshape(2, L, Tc, C), cal, start + n_sink, step), dtype)
-    return out
+    return sink, q
 
 
 def payload_stats(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str) -> dict:

@@ -164,8 +164,20 @@ def encode_chunk(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sin
     Tc = T - n_sink
     tables = rope_tables(cal, start + n_sink, Tc)
     q = v1.forward(x[:, :, n_sink:], cal, start + n_sink, step, tables=tables)  # [2, L, Tc, C]
-    m = np.abs(q).reshape(2 * L, Tc, C)
-    neg = (q < 0).reshape(2 * L, Tc, C)
+    return encode_coefficients(q.reshape(2 * L, Tc, C), raw[:, :, :n_sink], dtype, unit)
+
+
+def encode_coefficients(q: np.ndarray, sink_raw: np.ndarray, dtype: str, unit: int = DEFAULT_UNIT) -> bytes:
+    """The version-2 payload of coefficients `q` (int [2L, Tc, C]) after sink tokens `sink_raw`
+    ([2, L, S, C] as stored), the tables and shifts chosen as version 1's writer chooses them: what
+    `encode_chunk` writes once the transform is done (and what a payload's coefficients re-laid
+    from version 1 are: `kvtool.codecs.pca.relay`)."""
+    if not (UNIT_STEP <= unit <= UNIT_MAX and unit % UNIT_STEP == 0):
+        raise UsageError(f"pca: a unit's symbols must be a multiple of {UNIT_STEP} up to {UNIT_MAX}")
+    R, Tc, C = q.shape
+    L, n_sink, T = R // 2, sink_raw.shape[2], sink_raw.shape[2] + Tc
+    m = np.abs(q)
+    neg = q < 0
     side = v1.choose(m) if Tc else np.full((2 * L, C), ALL_ZERO, np.uint8)
     units: list[_Unit] = []
     for r in range(2 * L):
@@ -192,7 +204,7 @@ def encode_chunk(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sin
                for i in range(0, len(streams), 2)]
     if any(len(r) > 0xFFFF for r in regions):
         raise UsageError("pca: a pair of units exceeds 65535 bytes (use a smaller unit)")
-    sink_bytes = np.ascontiguousarray(raw[:, :, :n_sink]).tobytes()
+    sink_bytes = np.ascontiguousarray(sink_raw).tobytes()
     out = [HEADER.pack(v1.MAGIC, FORMAT_VERSION, v1.DTYPE_CODES[dtype], unit // UNIT_STEP, 0, 2 * L, T, C, n_sink),
            side.tobytes(), b"\0" * v1._pad4(side.size), sink_bytes, b"\0" * v1._pad4(len(sink_bytes)),
            np.array([len(r) for r in regions], "<u2").tobytes()]
