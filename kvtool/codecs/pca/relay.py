@@ -7,8 +7,9 @@ its coefficients and coding them again: no transform, no second rounding (decodi
 encoding those would quantize twice and lose a little more each time), and no calibration needed.
 The bytes are those the writer gives the same coefficients in the target layout.
 
-The pure references do the work (numpy; about 2 s a 256-token chunk of the default model on one
-core): `compress` calls this for pca chunks it would otherwise decode and encode again.
+The pure references do the work (numpy: slower than the native coder's decode and encode, which
+`compress` reports in its time): `compress` calls this for pca chunks it would otherwise decode and
+encode again.
 """
 
 from __future__ import annotations
