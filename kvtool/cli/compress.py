@@ -36,4 +36,4 @@ def render(console: Console, r: CompressResult) -> None:
                   f"({r.ratio_vs_decoded:.2f}x vs decoded, {r.bits_per_value:.2f} bits/value){extras}; "
                   f"{r.seconds:.2f}s ({human_rate(r.mb_per_s)})")
     if r.chunks_relaid:  # (pca's bitstream versions: the same coefficients, never decoded to values)
-        console.print(f"{plural(r.chunks_relaid, 'chunk')} re-laid in the new layout, not decoded: nothing lost again")
+        console.print(f"{plural(r.chunks_relaid, 'chunk')} re-laid in the new layout, not decoded: no second rounding")

@@ -111,12 +111,16 @@ class Codec(ABC):
         """A breakdown of a payload's bits by part, for `inspect`; None when the codec has none."""
         return None
 
+    def relays(self, params: dict[str, Any], target: dict[str, Any]) -> bool:
+        """Whether a payload coded with `params` becomes one coded with `target` by `relay`: the
+        same content in another layout, without decoding it to values (a lossy codec then rounds
+        nothing twice). No codec but pca does."""
+        return False
+
     def relay(self, payload: memoryview, shape: tuple[int, ...], dtype: str, params: dict[str, Any],
-              target: dict[str, Any]) -> bytes | None:
-        """A payload of this codec coded with `params`, re-laid as `target` would code the same
-        content without decoding it to values (a lossy codec then loses nothing more), or None
-        when it cannot be (the caller decodes and encodes). None: no codec but pca re-lays."""
-        return None
+              target: dict[str, Any]) -> bytes:
+        """The payload `target` gives the content of `payload` (coded with `params`; `relays`)."""
+        raise NotImplementedError(f"{self.name} does not re-lay payloads")
 
     def expected_top1(self, params: dict[str, Any], num_layers: int) -> tuple[float, str] | None:
         """What a lossy codec promises a replay (top-1 agreement with a recompute, and why), for

@@ -342,7 +342,7 @@ class ContainerReader:
         if self._is_tensor_bytes(chunk) and self._private(payload) \
                 and payload.nbytes == chunk.decoded_bytes:  # (another length: the codec names the error)
             return np.frombuffer(payload, dtype=storage).reshape(chunk.shape)
-        with self._decoding(chunk):
+        with self.failures_named(chunk):
             array = codecs.get_codec(chunk.codec_id).decode_array(payload, chunk.shape, chunk.dtype,
                                                                   chunk.codec_params)
         if tuple(array.shape) != chunk.shape or array.dtype != storage:
@@ -386,7 +386,7 @@ class ContainerReader:
             codec = codecs.get_codec(chunk.codec_id)
             dtype = dtype_from_name(chunk.dtype)
             target = torch.device("cpu" if device is None else device)
-            with self._decoding(chunk):
+            with self.failures_named(chunk):
                 if target.type == "cpu":
                     tensor = codec.decode(payload, chunk.shape, dtype, chunk.codec_params)
                 else:
@@ -415,7 +415,7 @@ class ContainerReader:
             return source.decode(device)
 
     @contextmanager
-    def _decoding(self, chunk: ChunkEntry):
+    def failures_named(self, chunk: ChunkEntry):
         """A codec's failure, named by the file's chunk (the codec knows only its payload)."""
         index = chunk.index
         try:

@@ -50,9 +50,12 @@ def compress(path: str | Path | CompressRequest, output: str | Path | None = Non
 
 def compress_file(reader: ContainerReader, output: str | Path, codec: str, params: dict[str, Any], *,
                   on_chunk: Callable[[int, int], None] | None = None,
-                  embed_calibration: bool = False) -> CompressResult:
+                  embed_calibration: bool = False, relay: bool = True) -> CompressResult:
     """Write every chunk of an open file to `output` with `codec`; chunks already in that
-    encoding are copied as they are. `on_chunk(done, total)` reports progress."""
+    encoding are copied as they are; with `relay`, chunks the codec can move to the target's
+    layout without decoding them (pca's bitstream versions: `Codec.relays`) are re-laid, so
+    nothing is rounded twice (slower than a decode and encode: the numpy reference does it).
+    `on_chunk(done, total)` reports progress."""
     m = reader.manifest
     reader.kv_dtype  # imports torch (the chunks are tensors) before the clock starts
     started = time.perf_counter()
@@ -63,14 +66,16 @@ def compress_file(reader: ContainerReader, output: str | Path, codec: str, param
                          alignment=reader.header.alignment,
                          metadata=_provenance(m.metadata, reader.path)) as writer:
         for c in m.chunks:
-            target = dict(params, position=c.start) if at_position else params
+            # (normalised, as the manifest's are: parameters given in part still find a chunk in them)
+            target = impl.validate_params(dict(params, position=c.start) if at_position else params)
             if c.codec == codec and c.codec_params == target:  # already in the target encoding (never coded twice)
                 writer.write_encoded_chunk(reader.chunk_payload(c.index), c.codec, c.codec_params)
                 copied += 1
-            elif c.codec == codec and (payload := impl.relay(reader.chunk_payload(c.index), c.shape, c.dtype,
-                                                             c.codec_params, target)) is not None:
+            elif relay and c.codec == codec and impl.relays(c.codec_params, target):
                 # the same content in another layout (pca's versions): never decoded, never rounded twice
-                writer.write_encoded_chunk(payload, codec, impl.validate_params(target))
+                with reader.failures_named(c):  # (a failure named by its chunk, as a decode's is)
+                    payload = impl.relay(reader.chunk_payload(c.index), c.shape, c.dtype, c.codec_params, target)
+                writer.write_encoded_chunk(payload, codec, target)
                 relaid += 1
             else:
                 writer.write_chunk(reader.read_chunk(c.index), codec, params)

@@ -166,16 +166,22 @@ class PcaCodec(Codec):
         stats["params"] = p
         return stats
 
-    def relay(self, payload: memoryview, shape: tuple[int, ...], dtype: str, params: dict[str, Any],
-              target: dict[str, Any]) -> bytes | None:
+    def relays(self, params: dict[str, Any], target: dict[str, Any]) -> bool:
         """Versions 1 and 2 code the same coefficients: a chunk changes layout (version, lanes,
-        unit) with its calibration, step, sinks and position kept, without a second rounding and
-        without its calibration (`relay`)."""
-        from .relay import can_relay, relay
+        unit) with its calibration, step, quality, sinks and position kept (`relay.can_relay`)."""
+        from .relay import can_relay
+
+        return can_relay(self.validate_params(params), self.validate_params(target))
+
+    def relay(self, payload: memoryview, shape: tuple[int, ...], dtype: str, params: dict[str, Any],
+              target: dict[str, Any]) -> bytes:
+        """The coefficients of `payload` coded again in `target`'s layout, never decoded to values
+        (no second rounding) and reading no calibration object (`relay.relay`)."""
+        from .relay import relay
 
         p, t = self.validate_params(params), self.validate_params(target)
-        if dtype not in STORAGE or not can_relay(p, t):
-            return None
+        if dtype not in STORAGE:
+            raise CodecParamsInvalid(f"pca: KV dtype {dtype} is not one of {', '.join(STORAGE)}")
         check_header_against_params(payload, shape, p)
         return relay(payload, tuple(shape), dtype, p, t)
 

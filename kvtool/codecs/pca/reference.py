@@ -252,7 +252,7 @@ def encode_chunk(raw: np.ndarray, dtype: str, cal: Calibration, step: float, sin
 
 def encode_coefficients(q: np.ndarray, sink_raw: np.ndarray, dtype: str, lanes: int = 16) -> bytes:
     """The payload of coefficients `q` (int [2L, Tc, C], as `forward` gives them) after sink
-    tokens `sink_raw` ([2, L, S, C] as stored), the tables and shifts chosen as §9.1 says: what
+    tokens `sink_raw` ([2, L, S, C] as stored), the tables and shifts chosen as §6.2 says: what
     `encode_chunk` writes once the transform is done (and what a payload's coefficients re-laid
     from version 2 are: `kvtool.codecs.pca.relay`)."""
     R, Tc, C = q.shape

@@ -362,17 +362,19 @@ def _rans_decode_units(streams: list[bytes], tabs: list[np.ndarray]) -> tuple[li
     """Every unit's symbols at once (numpy across units): (symbols per unit, end states, words read)."""
     n = len(streams)
     steps = max((len(t) for t in tabs), default=0)
-    width = max((len(s) for s in streams), default=4) + 2
-    buf = np.zeros((n, width), np.uint64)
     tab = np.zeros((n, steps), np.int64)
     valid = np.zeros((n, steps), bool)
-    for i, (st, t) in enumerate(zip(streams, tabs)):
-        buf[i, :len(st)] = np.frombuffer(st, np.uint8)
+    for i, t in enumerate(tabs):
         tab[i, :len(t)] = t
         valid[i, :len(t)] = True
+    # the streams back to back, each followed by 4 zero bytes (a read at its end sees zeros): no
+    # more room than the payload's bytes (a units-by-longest-stream array would let a hostile
+    # region table of one long region and many short ones ask for gigabytes: §11.4)
     length = np.array([len(s) for s in streams], np.int64)
-    rows = np.arange(n)
-    x = buf[:, 0] | buf[:, 1] << np.uint64(8) | buf[:, 2] << np.uint64(16) | buf[:, 3] << np.uint64(24)
+    base = np.concatenate([[0], np.cumsum(length + 4)[:-1]]).astype(np.int64)
+    buf = np.frombuffer(b"".join(s + b"\0\0\0\0" for s in streams), np.uint8).astype(np.uint64)
+    x = buf[base] | buf[base + 1] << np.uint64(8) | buf[base + 2] << np.uint64(16) | buf[base + 3] << np.uint64(24) \
+        if n else np.zeros(0, np.uint64)
     p = np.full(n, 4, np.int64)
     out = np.zeros((n, steps), np.int64)
     mask = np.uint64((1 << PROB_BITS) - 1)
@@ -385,8 +387,8 @@ def _rans_decode_units(streams: list[bytes], tabs: list[np.ndarray]) -> tuple[li
             - CUM[t, sym].astype(np.uint64)
         need = v & (xn < np.uint64(RANS_L))
         short |= need & (p + 2 > length)
-        at = np.minimum(p, width - 2)
-        w = buf[rows, at] | (buf[rows, at + 1] << np.uint64(8))
+        at = base + np.minimum(p, length)  # (past its end: its zeros, and `short` refuses it)
+        w = buf[at] | (buf[at + 1] << np.uint64(8))
         xn = np.where(need, (xn << np.uint64(16)) | w, xn)
         p = np.where(need, p + 2, p)
         x = np.where(v, xn, x)

@@ -4,12 +4,13 @@ Versions 1 and 2 of pca's bitstream (format-spec/pca.md §11) code the same coef
 same side bytes; only the entropy coding's layout differs (version 1's `lanes` per row, version
 2's independent units of `unit` symbols). So a chunk moves from one layout to another by reading
 its coefficients and coding them again: no transform, no second rounding (decoding to values and
-encoding those would quantize twice and lose a little more each time), and no calibration needed.
-The bytes are those the writer gives the same coefficients in the target layout.
+encoding those would quantize twice: a few coefficients a chunk move), and this step reads no
+calibration object. The bytes are those the writer gives the same coefficients in the target
+layout, so those kvtool writes from the same KV wherever §11.5's RoPE tables equal libm's
+(every position below 131,072 for the bases and head sizes measured; pca.md §11.7).
 
-The pure references do the work (numpy: slower than the native coder's decode and encode, which
-`compress` reports in its time): `compress` calls this for pca chunks it would otherwise decode and
-encode again.
+The pure references do the work (numpy: about 50x slower than the native coder's decode and
+encode): `compress` calls this for pca chunks it would otherwise decode and encode again.
 """
 
 from __future__ import annotations
