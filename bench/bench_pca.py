@@ -16,6 +16,11 @@ The calibration object: --calibration FILE, else the only *.kvcal in $KVTOOL_CAL
 
     KVTOOL_CALIBRATION_PATH=/tmp/pca/cli/cal python bench/bench_pca.py [--tokens 1024] [--repeat 5] [--rounds 3]
 
+--relay adds what `compress` does to move a pca chunk between bitstream versions at the default
+point (97): its coefficients re-laid (kvtool/codecs/pca/relay.py, the numpy reference) beside a
+decode and an encode (the native coder: what `store get --codec` does), each way, with how many of
+the chunk's values each leaves different from the source's decode.
+
 KVTOOL_PCA_SIMD=avx2 measures the AVX2 paths on a CPU with AVX-512 (native.native_module().simd()
 names the path in the first line).
 """
@@ -94,6 +99,39 @@ def measure(cal, chunks, repeat, v2=False) -> dict:
     return rows
 
 
+def measure_relay(cal, chunks, repeat) -> None:
+    """Version 1 -> 2 and 2 -> 1 at the default point: re-laid (the reference) against decoded and
+    encoded (native), seconds per chunk and values changed, printed side by side."""
+    from kvtool.codecs.pca import DEFAULT_QUALITY, params_for
+    from kvtool.codecs.pca.relay import relay
+
+    step = QUALITY_BY_AXES[calmod.axes(cal)][DEFAULT_QUALITY][0]
+    raws = [(t, c.view(torch.int16).numpy().view(np.uint16)) for t, c in chunks]
+    shape = raws[0][1].shape
+    v1 = [native.encode_chunk(r, "bfloat16", cal, step, 4, t, 16, threads=1) for t, r in raws]
+    v2 = [native.encode_chunk_v2(r, "bfloat16", cal, step, 4, t, threads=1) for t, r in raws]
+    dec = {1: lambda p, t: native.decode_chunk(p, shape, "bfloat16", cal, step, t, threads=1),
+           2: lambda p, t: native.decode_chunk_v2(p, shape, "bfloat16", cal, step, t, threads=1)}
+    enc = {1: lambda x, t: native.encode_chunk(x, "bfloat16", cal, step, 4, t, 16, threads=1),
+           2: lambda x, t: native.encode_chunk_v2(x, "bfloat16", cal, step, 4, t, threads=1)}
+    print(f"\nbetween bitstream versions at quality {DEFAULT_QUALITY}, {len(chunks)} chunks, per chunk "
+          f"(best of {repeat}; values: of {raws[0][1].size * len(raws):,}, those differing from the source's decode)")
+    print(f"{'way':<8}{'re-laid s':>11}{'values':>8}{'decoded+encoded s':>19}{'values':>8}{'ratio':>8}")
+    for a, b, source in ((1, 2, v1), (2, 1, v2)):
+        pa = {n: params_for(cal.digest, DEFAULT_QUALITY, version=n) for n in (1, 2)}
+        items = list(zip(source, (t for t, _ in raws)))
+        relaid, _, t_relay = per_item_best(
+            lambda it: relay(it[0], shape, "bfloat16", dict(pa[a], position=it[1]), dict(pa[b], position=it[1])),
+            items, repeat)
+        again, _, t_again = per_item_best(lambda it: enc[b](dec[a](it[0], it[1]), it[1]), items, repeat)
+        want = [dec[a](p, t) for p, t in items]
+        changed = [sum(int((dec[b](p, t) != w).sum()) for p, (_, t), w in zip(out, items, want))
+                   for out in (relaid, again)]
+        n = len(items)
+        print(f"v{a} -> v{b}{t_relay / n:>11.3f}{changed[0]:>8}{t_again / n:>19.4f}{changed[1]:>8}"
+              f"{t_relay / t_again:>7.0f}x")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", choices=["real", "synthetic"], default="real")
@@ -106,6 +144,8 @@ def main(argv=None):
     ap.add_argument("--kv", help="a torch.save'd [2, L, T, C] bf16 tensor to use instead of running the model")
     ap.add_argument("--v2", action="store_true",
                     help="also pca bitstream version 2 (rows pca2-*, its native coder, format-spec/pca.md §11)")
+    ap.add_argument("--relay", action="store_true",
+                    help="also the move between bitstream versions: re-laid against decoded and encoded")
     args = ap.parse_args(argv)
 
     cal = load_calibration(args.calibration)
@@ -142,6 +182,8 @@ def main(argv=None):
           f"(goal, issue 29: >= 1.00x both)")
     print(f"pca's transform alone (step 2^10, nothing left to code) / cachegen's whole encode: "
           f"{cg[1] / rows[TRANSFORM][1]:.2f}x (a ceiling on pca's encode on this core with this calibration)")
+    if args.relay:
+        measure_relay(cal, chunks, max(1, args.repeat // 2))
 
 
 if __name__ == "__main__":

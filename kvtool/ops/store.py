@@ -131,7 +131,7 @@ def get(store: str | StoreGetRequest, output: str | Path | None = None, **option
                 from .compress import compress_file
 
                 with ContainerReader(target) as reader:
-                    # (no re-laying: a prompt waits for this, and a decode and encode is ~50x faster)
+                    # (no re-laying: a prompt waits, and a decode and encode is ~30x faster: bench/RESULTS.md §46)
                     done = compress_file(reader, output, codec, params, relay=False)
                 reencoded, codecs_used = done.num_chunks - done.chunks_copied, [codec] * done.num_chunks
         finally:

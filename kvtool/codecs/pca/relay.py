@@ -9,7 +9,7 @@ calibration object. The bytes are those the writer gives the same coefficients i
 layout, so those kvtool writes from the same KV wherever §11.5's RoPE tables equal libm's
 (every position below 131,072 for the bases and head sizes measured; pca.md §11.7).
 
-The pure references do the work (numpy: about 50x slower than the native coder's decode and
+The pure references do the work (numpy: 27-33x slower than the native coder's decode and
 encode): `compress` calls this for pca chunks it would otherwise decode and encode again.
 """
 
