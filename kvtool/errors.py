@@ -15,6 +15,15 @@ class KvtoolError(Exception):
     exit_code = 2
 
 
+def shown(value: object, limit: int = 40) -> str:
+    """A value a user or a file gave, as a message shows it: its repr (control characters escaped),
+    cut short; of any size or type (an int past 4,300 digits has no repr at all: Python refuses)."""
+    if type(value) is int and value.bit_length() > 128:
+        return f"(an integer of {value.bit_length()} bits)"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 # --- usage ------------------------------------------------------------------
 
 

@@ -111,6 +111,22 @@ def test_a_long_hostile_quality_is_shown_cut_short_and_escaped(tmp_path, capsys)
     assert "\x1b" not in line and len(line) < 300
 
 
+def test_a_value_of_any_size_is_shown_in_one_short_line():
+    """An int past 4,300 digits has no repr (Python refuses to make one): from the Python API, a
+    pca quality or bitstream of 5,000 digits was Python's own ValueError, not the refusal."""
+    from kvtool.codecs.pca import PcaCodec, bitstream_version
+    from kvtool.errors import shown
+
+    assert shown(10 ** 5000) == "(an integer of 16610 bits)" and shown("x" * 100) == repr("x" * 100)[:40] + "..."
+    params = {"version": 1, "calibration": "ab" * 32, "quality": 10 ** 5000, "step": 0.8}
+    with pytest.raises(CodecParamsInvalid, match=r"^pca: quality \(an integer of 16610 bits\) is not one of"):
+        PcaCodec().validate_params(params)
+    for bad in (10 ** 5000, True, 2.0, "02", 3):
+        with pytest.raises(CodecParamsInvalid, match="^pca: the bitstream version is 1 or 2$"):
+            bitstream_version(bad)
+    assert [bitstream_version(v) for v in (None, 1, 2, "1", "2")] == [1, 1, 2, 1, 2]
+
+
 # --------------------------------------------------------------------------- finding 6
 @pytest.mark.parametrize("chunk, position", [(1, 100), (1, 0), (0, 1), (2, 4)])
 def test_an_edited_position_is_refused(tmp_path, capsys, chunk, position):

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputFileError, PromptError, UnsupportedDtype, UsageError
+from ..errors import InputFileError, PromptError, UnsupportedDtype, UsageError, shown
 from ..fsutil import read_text_file
 
 MODEL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -145,11 +145,13 @@ def pca_quality(quality: str | None) -> str:
 
 def pca_bitstream(bitstream: int | None) -> int:
     """`--bitstream`, checked: pca's bitstream version (format-spec/pca.md §11), 1 when None."""
-    from ..codecs.pca import WRITE_VERSION
+    from ..codecs.pca import bitstream_version
+    from ..errors import CodecParamsInvalid
 
-    if bitstream is not None and (type(bitstream) is not int or bitstream not in (1, 2)):  # (not True, not 2.0)
-        raise UsageError(f"--bitstream {bitstream}: choose 1 (the default) or 2")
-    return WRITE_VERSION if bitstream is None else bitstream
+    try:
+        return bitstream_version(bitstream)
+    except CodecParamsInvalid:
+        raise UsageError(f"--bitstream {shown(bitstream)}: choose 1 (the default) or 2") from None
 
 
 def pca_params(quality: str | None, calibration: str | None, model_fingerprint: str | None,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import CodecParamsInvalid, DecodeError
+from ...errors import CodecParamsInvalid, DecodeError, shown
 from ..base import Codec
 from . import native, reference, reference2
 from .calibration import find
@@ -48,6 +48,17 @@ QUALITY_BY_AXES = {
 QUALITY = QUALITY_BY_AXES["layer"]  # the default calibration's points (names: every table's)
 DEFAULT_QUALITY = "97"
 STORAGE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
+
+
+def bitstream_version(value: Any) -> int:
+    """A setting of pca's bitstream version (format-spec/pca.md §11): None -> the version kvtool
+    writes by default; 1 or 2, as an int or its one digit as text (a JSON config's either); else
+    CodecParamsInvalid (True and 2.0 too: they equal 1 and 2 in Python, but name no version)."""
+    if value is None:
+        return WRITE_VERSION
+    if (type(value) is int and value in (1, 2)) or (type(value) is str and value in ("1", "2")):
+        return int(value)
+    raise CodecParamsInvalid("pca: the bitstream version is 1 or 2")
 
 
 def quality_points(calibration: str) -> dict[str, tuple[float, float]]:
@@ -86,10 +97,10 @@ class PcaCodec(Codec):
         known = {"version", "calibration", "quality", "step", "sinks", "position",
                  "lanes" if p["version"] == 1 else "unit"}
         if set(p) - known:
-            raise CodecParamsInvalid(f"pca: unknown parameters {_shown(sorted(set(p) - known))}")
+            raise CodecParamsInvalid(f"pca: unknown parameters {shown(sorted(set(p) - known))}")
         quality = p.get("quality")
         if "quality" in p and not (isinstance(quality, str) and quality in QUALITY):
-            raise CodecParamsInvalid(f"pca: quality {_shown(quality)} is not one of {', '.join(QUALITY)}")
+            raise CodecParamsInvalid(f"pca: quality {shown(quality)} is not one of {', '.join(QUALITY)}")
         # `step` is required (format-spec/pca.md §2): a quality's step depends on the calibration
         # (per layer or per KV head), so a reader that took a name's step decoded a per-head
         # writer's chunk to other values without a word
@@ -225,9 +236,3 @@ def check_header_against_params(payload: memoryview | bytes, shape: tuple[int, .
         raise DecodeError(f"pca: the payload's header holds {lanes} lanes and {n_sink} sink tokens, its codec "
                           f"parameters {params['lanes']} lanes and {sinks} (sinks {params['sinks']} from position "
                           f"{params['position']})")
-
-
-def _shown(value: Any, limit: int = 40) -> str:
-    """A value from a file, as a message shows it: its repr (control characters escaped), cut short."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -428,16 +428,23 @@ def decode_chunk(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str
         raise DecodeError(f"pca: the calibration is for {cal.layers} layers x {cal.channels} channels, the chunk "
                           f"has {L} x {C}")
     lay, q = decode_coefficients(payload, shape, dtype)
-    storage = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}[dtype]
     n_sink, Tc = lay.n_sink, lay.Tc
-    sink = np.frombuffer(bytes(payload), storage, count=2 * L * n_sink * C, offset=lay.sink_at)
-    out = np.empty((2, L, T, C), dtype=storage)
-    out[:, :, :n_sink] = sink.reshape(2, L, n_sink, C)
+    sink = sink_tokens(payload, lay)
+    out = np.empty((2, L, T, C), dtype=sink.dtype)
+    out[:, :, :n_sink] = sink
     if Tc:
         tables = rope_tables(cal, start + n_sink, Tc)
         x = v1.inverse(q.reshape(2, L, Tc, C), cal, start + n_sink, step, tables=tables)
         out[:, :, n_sink:] = v1.to_dtype(x, dtype)
     return out
+
+
+def sink_tokens(payload: bytes | memoryview, lay: Layout) -> np.ndarray:
+    """The sink tokens [2, L, S, C] as stored (bf16 as uint16 bits), where `parse` found them."""
+    _, L, _, C = lay.shape
+    storage = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}[lay.dtype]
+    return np.frombuffer(bytes(payload), storage, count=2 * L * lay.n_sink * C,
+                         offset=lay.sink_at).reshape(2, L, lay.n_sink, C)
 
 
 def units_of(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str) -> int:

@@ -17,13 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from . import reference, reference2
 
 #: the parameters that name the coefficients: a chunk re-laid keeps them (the layout's may change)
 SAME_COEFFICIENTS = ("calibration", "step", "quality", "sinks", "position")
-STORAGE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
 
 
 def can_relay(source: dict[str, Any], target: dict[str, Any]) -> bool:
@@ -37,13 +34,11 @@ def relay(payload: bytes | memoryview, shape: tuple[int, ...], dtype: str, sourc
     """The payload of `target`'s layout holding `payload`'s coefficients and sink tokens (both
     parameter sets validated and `can_relay`). Every check a reader makes of the source's
     coefficients is made (DecodeError); its header was checked against `source` by the caller."""
-    _, layers, _, channels = shape
     if source["version"] == 1:
         sink, q = reference.decode_coefficients(payload, shape, dtype)
     else:
         layout, q = reference2.decode_coefficients(payload, shape, dtype)
-        sink = np.frombuffer(bytes(payload), STORAGE[dtype], count=2 * layers * layout.n_sink * channels,
-                             offset=layout.sink_at).reshape(2, layers, layout.n_sink, channels)
+        sink = reference2.sink_tokens(payload, layout)
     if target["version"] == 1:
         return reference.encode_coefficients(q, sink, dtype, target["lanes"])
     return reference2.encode_coefficients(q, sink, dtype, target["unit"])

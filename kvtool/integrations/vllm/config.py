@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import reprlib
 from dataclasses import dataclass
 from typing import Any
 
 from ... import codecs
-from ...errors import KvtoolError
+from ...errors import KvtoolError, shown
 from ...store.names import ExtraKeys
 
 
@@ -89,7 +88,8 @@ def pca_params(model_path: str, quality: Any, calibration: Any, bitstream: Any =
     §11: 1, the default, or 2; a JSON number or its digits). The object must be here and fit the
     model's KV: a one-line ValueError otherwise, so that vLLM refuses to start, rather than every
     save failing later."""
-    from ...codecs.pca import DEFAULT_QUALITY, QUALITY, WRITE_VERSION, params_for
+    from ...codecs.pca import DEFAULT_QUALITY, QUALITY, bitstream_version, params_for
+    from ...errors import CodecParamsInvalid
     from ...codecs.pca.calibration import find, for_model
     from ...engine.loader import model_identity
 
@@ -100,12 +100,10 @@ def pca_params(model_path: str, quality: Any, calibration: Any, bitstream: Any =
         quality = str(quality)
     if type(quality) is not str or quality not in QUALITY:
         raise ValueError(f"KVToolConnector: quality {shown(quality)} is not one of {', '.join(QUALITY)} (codec pca)")
-    if bitstream is None:
-        version = WRITE_VERSION
-    elif (type(bitstream) is int and bitstream in (1, 2)) or (type(bitstream) is str and bitstream in ("1", "2")):
-        version = int(bitstream)
-    else:
-        raise ValueError(f"KVToolConnector: bitstream {shown(bitstream)} is not 1 or 2 (codec pca)")
+    try:
+        version = bitstream_version(bitstream)
+    except CodecParamsInvalid:
+        raise ValueError(f"KVToolConnector: bitstream {shown(bitstream)} is not 1 or 2 (codec pca)") from None
     try:
         identity = model_identity(model_path)
     except KvtoolError as err:
@@ -124,9 +122,3 @@ def pca_params(model_path: str, quality: Any, calibration: Any, bitstream: Any =
         raise ValueError(f"KVToolConnector: calibration {digest[:16]}... is for {cal.layers} layers of {cal.channels} "
                          f"channels; {identity.name}'s KV is {identity.num_layers} layers of {channels}")
     return params_for(digest, quality, version=version)
-
-
-def shown(value: Any) -> str:
-    """A setting's value as a message shows it: its repr cut short (any size or type, one line; an
-    int past 4,300 digits has no repr at all)."""
-    return "(a large int)" if type(value) is int and value.bit_length() >= 64 else reprlib.repr(value)
