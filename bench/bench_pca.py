@@ -99,6 +99,21 @@ def measure(cal, chunks, repeat, v2=False) -> dict:
     return rows
 
 
+def tables_per_row(cal, chunks, quality: str) -> str:
+    """How many of the 32 frequency tables a row's components use (distinct side-byte tables):
+    version 2's units each read their own, so these are the decoder's tables in use at once
+    (bench/pca_lanes.c measures what their number costs)."""
+    step = QUALITY_BY_AXES[calmod.axes(cal)][quality][0]
+    counts = []
+    for t, c in chunks:
+        raw = c.view(torch.int16).numpy().view(np.uint16)
+        payload = native.encode_chunk_v2(raw, "bfloat16", cal, step, 4, t, threads=1)
+        _, L, _, C = raw.shape
+        side = np.frombuffer(payload, np.uint8, count=2 * L * C, offset=24).reshape(2 * L, C)  # pca.md §11.2
+        counts += [len(set((row[row != 0xFF] & 31).tolist())) for row in side]
+    return f"tables a row uses: mean {np.mean(counts):.1f}, at most {max(counts)}"
+
+
 def measure_relay(cal, chunks, repeat) -> None:
     """Version 1 -> 2 and 2 -> 1 at the default point: re-laid (the reference) against decoded and
     encoded (native), seconds per chunk and values changed, printed side by side."""
@@ -175,7 +190,7 @@ def main(argv=None):
     for quality in (q for q in QUALITY_BY_AXES[calmod.axes(cal)] if f"pca2-{q}" in rows):
         one, two = rows[f"pca-{quality}"], rows[f"pca2-{quality}"]
         print(f"pca2-{quality} / pca-{quality}: bits {two[0] / one[0]:.4f}x, encode speed {one[1] / two[1]:.3f}x, "
-              f"decode speed {one[2] / two[2]:.3f}x")
+              f"decode speed {one[2] / two[2]:.3f}x; {tables_per_row(cal, chunks, quality)}")
     worst_enc = min(cg[1] / r[1] for r in points)
     worst_dec = min(cg[2] / r[2] for r in points)
     print(f"\npca / cachegen per core, worst quality point: encode {worst_enc:.2f}x, decode {worst_dec:.2f}x "
